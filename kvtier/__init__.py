@@ -1,0 +1,65 @@
+"""kvtier: an asyncio-native KV-cache offloading runtime for LLM serving.
+
+Everything public is imported from here; the modules behind it are private.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from kvtier._errors import (
+    BlockNotFoundError,
+    CorruptBlockError,
+    ExtraNotInstalledError,
+    InvalidArgumentError,
+    KVTierError,
+    LifecycleError,
+    TierError,
+    TierNoSpaceError,
+    TierTimeoutError,
+    TierUnavailableError,
+)
+from kvtier._keys import block_keys
+from kvtier._lookup import LookupResult, MissReason
+from kvtier._scheduler import OffloadScheduler, SchedulerStatistics
+from kvtier._tiering import ManagerStatistics, TieringManager
+from kvtier.pools._base import PrimaryPool
+from kvtier.pools._host import HostPool
+from kvtier.pools._policy import ARCPolicy, EvictionPolicy, LRUPolicy
+from kvtier.pools._slots import PoolStatistics, SlotState
+from kvtier.tiers._async_lookup import AsyncLookupManager
+from kvtier.tiers._base import LookupStatistics, SecondaryTier, TierStatistics
+from kvtier.tiers._memory import MemoryTier
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ARCPolicy",
+    "AsyncLookupManager",
+    "BlockNotFoundError",
+    "CorruptBlockError",
+    "EvictionPolicy",
+    "ExtraNotInstalledError",
+    "InvalidArgumentError",
+    "KVTierError",
+    "LRUPolicy",
+    "LifecycleError",
+    "LookupResult",
+    "LookupStatistics",
+    "ManagerStatistics",
+    "MemoryTier",
+    "MissReason",
+    "OffloadScheduler",
+    "PoolStatistics",
+    "PrimaryPool",
+    "SchedulerStatistics",
+    "SecondaryTier",
+    "SlotState",
+    "TierError",
+    "TierNoSpaceError",
+    "TierStatistics",
+    "TierTimeoutError",
+    "TierUnavailableError",
+    "TieringManager",
+    "block_keys",
+]

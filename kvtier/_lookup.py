@@ -1,0 +1,28 @@
+"""The lookup contract shared by pools, tiers, the manager and the scheduler (design §2)."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+__all__ = ["LookupResult", "MissReason"]
+
+
+class LookupResult(Enum):
+    """What one ``lookup(key)`` knows right now; see design §2 for the exact meaning."""
+
+    MISS = "miss"
+    HIT = "hit"
+    HIT_PENDING = "hit_pending"
+    RETRY = "retry"
+
+
+class MissReason(str, Enum):
+    """Why a key is a miss; every miss is counted under one of these."""
+
+    NOT_FOUND = "not_found"
+    CORRUPT = "corrupt"
+    TIMEOUT = "timeout"
+    UNAVAILABLE = "unavailable"
+    EVICTED = "evicted"
+    NO_SPACE = "no_space"
+    PRIMARY_FULL = "primary_full"

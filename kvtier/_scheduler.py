@@ -1,0 +1,223 @@
+"""The OffloadScheduler: prefix and sliding-window scans over any manager (design §2.2),
+and an async layer that waits for state changes instead of polling (design §2.3)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from itertools import islice
+from typing import Protocol, runtime_checkable
+
+import anyio
+
+from kvtier._buffers import check_keys
+from kvtier._errors import InvalidArgumentError
+from kvtier._lookup import LookupResult
+
+__all__ = ["OffloadScheduler", "SchedulerStatistics", "SupportsLookup"]
+
+HIT = LookupResult.HIT
+HIT_PENDING = LookupResult.HIT_PENDING
+RETRY = LookupResult.RETRY
+
+
+@runtime_checkable
+class SupportsLookup(Protocol):
+    def lookup(self, key: bytes, ctx: object = None) -> LookupResult: ...
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStatistics:
+    scans: int
+    deferred_scans: int
+    async_lookups: int
+    waits: int
+    timeouts: int
+
+
+def _check_window(size: object) -> int:
+    if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+        raise InvalidArgumentError(f"sliding_window_size must be a positive int, got {size!r}")
+    return size
+
+
+class OffloadScheduler:
+    """Decides how many prefix blocks of a request kvtier can serve.
+
+    Works with any object that has ``lookup(key, ctx=None)``. When the manager also offers
+    ``primary_hit_prefix(keys)`` (TieringManager does), the prefix scan counts the leading
+    primary hits in one call and only walks the rest key by key. The async ``lookup`` needs a
+    manager with ``watch``/``unwatch`` (TieringManager) so it can sleep until a key it waits on
+    changes state.
+    """
+
+    def __init__(self, manager: SupportsLookup, *, max_wait: float = 30.0) -> None:
+        if not callable(getattr(manager, "lookup", None)):
+            raise InvalidArgumentError(
+                f"manager must have a lookup(key, ctx=None) method, got {type(manager).__name__}"
+            )
+        if isinstance(max_wait, bool) or not isinstance(max_wait, int | float) or max_wait <= 0:
+            raise InvalidArgumentError(f"max_wait must be a positive number, got {max_wait!r}")
+        self.manager = manager
+        self._max_wait = float(max_wait)
+        self._fast_prefix: Callable[[Sequence[bytes]], int] | None = getattr(
+            manager, "primary_hit_prefix", None
+        )
+        self._scans = self._deferred = self._async_lookups = self._waits = self._timeouts = 0
+
+    # -- synchronous scans (design §2.2) -------------------------------------------------------
+
+    def maximal_prefix_lookup(self, keys: Sequence[bytes], ctx: object = None) -> int | None:
+        """Leading blocks that are hits, or None to defer (something is pending or unknown)."""
+        return self._prefix(keys, ctx, None)
+
+    def sliding_window_lookup(
+        self, keys: Sequence[bytes], sliding_window_size: int, ctx: object = None
+    ) -> int | None:
+        """End of the rightmost full window of hits, the hit prefix if none, or None to defer."""
+        return self._window(keys, _check_window(sliding_window_size), ctx, None)
+
+    def _prefix(
+        self, keys: Sequence[bytes], ctx: object, waiting: list[bytes] | None
+    ) -> int | None:
+        self._scans += 1
+        start = 0
+        if self._fast_prefix is not None:
+            start = self._fast_prefix(keys)
+            if start == len(keys):
+                return start
+        lookup = self.manager.lookup
+        count = start
+        defer = False
+        for key in islice(keys, start, None):
+            result = lookup(key, ctx)
+            if result is HIT:
+                count += 1
+            elif result is HIT_PENDING:
+                count += 1
+                defer = True
+                if waiting is not None:
+                    waiting.append(key)
+            elif result is RETRY:
+                defer = True
+                if waiting is not None:
+                    waiting.append(key)
+            else:
+                break
+        if defer:
+            self._deferred += 1
+            return None
+        return count
+
+    def _window(
+        self, keys: Sequence[bytes], size: int, ctx: object, waiting: list[bytes] | None
+    ) -> int | None:
+        self._scans += 1
+        lookup = self.manager.lookup
+        streak = 0
+        defer = False
+        for i in range(len(keys) - 1, -1, -1):
+            result = lookup(keys[i], ctx)
+            if result is HIT:
+                streak += 1
+            elif result is HIT_PENDING:
+                streak += 1
+                defer = True
+                if waiting is not None:
+                    waiting.append(keys[i])
+            elif result is RETRY:
+                streak = 0
+                defer = True
+                if waiting is not None:
+                    waiting.append(keys[i])
+            else:
+                streak = 0
+            if streak == size:
+                if defer:
+                    self._deferred += 1
+                    return None
+                return i + size
+        if defer:
+            self._deferred += 1
+            return None
+        return streak
+
+    # -- async layer (design §2.3) -------------------------------------------------------------
+
+    async def lookup(
+        self,
+        keys: Sequence[bytes],
+        *,
+        sliding_window_size: int | None = None,
+        timeout: float | None = None,
+    ) -> int:
+        """Scan; while the scan defers, sleep until a key it waits on changes state.
+
+        At the deadline (``timeout``, or the scheduler's ``max_wait`` when None) return the
+        blocks that are HIT now and leave the background work running.
+        """
+        keys = check_keys(keys)
+        window = None if sliding_window_size is None else _check_window(sliding_window_size)
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout < 0
+        ):
+            raise InvalidArgumentError(f"timeout must be a non-negative number, got {timeout!r}")
+        watch = getattr(self.manager, "watch", None)
+        unwatch = getattr(self.manager, "unwatch", None)
+        if watch is None or unwatch is None:
+            raise InvalidArgumentError(
+                "the async lookup needs a manager with watch()/unwatch() (TieringManager); "
+                "use the synchronous scans with other managers"
+            )
+        self._async_lookups += 1
+        limit = self._max_wait if timeout is None else float(timeout)
+        with anyio.move_on_after(limit) as scope:
+            while True:
+                waiting: list[bytes] = []
+                if window is None:
+                    result = self._prefix(keys, None, waiting)
+                else:
+                    result = self._window(keys, window, None, waiting)
+                if result is not None:
+                    return result
+                event = watch(waiting)
+                try:
+                    self._waits += 1
+                    await event.wait()
+                finally:
+                    unwatch(waiting, event)
+        assert scope.cancelled_caught
+        self._timeouts += 1
+        return self._hits_now(keys, window)
+
+    def _hits_now(self, keys: Sequence[bytes], window: int | None) -> int:
+        """The answer counting only blocks that are HIT at this moment."""
+        lookup = self.manager.lookup
+        if window is None:
+            count = 0
+            for key in keys:
+                if lookup(key, None) is not HIT:
+                    break
+                count += 1
+            return count
+        streak = 0
+        for i in range(len(keys) - 1, -1, -1):
+            streak = streak + 1 if lookup(keys[i], None) is HIT else 0
+            if streak == window:
+                return i + window
+        return streak
+
+    def statistics(self) -> SchedulerStatistics:
+        return SchedulerStatistics(
+            scans=self._scans,
+            deferred_scans=self._deferred,
+            async_lookups=self._async_lookups,
+            waits=self._waits,
+            timeouts=self._timeouts,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"<OffloadScheduler manager={type(self.manager).__name__} scans={self._scans} "
+            f"deferred={self._deferred} waits={self._waits} timeouts={self._timeouts}>"
+        )

@@ -1,0 +1,462 @@
+"""The TieringManager: one primary pool over ordered secondary tiers (design §2.1, §3).
+
+Its ``lookup`` is synchronous and runs the pinned algorithm of design §2.1; everything slow
+(promotions, write-through to the tiers) runs as tasks in the manager's own task group, each
+under a deadline, so nothing stays pending forever and leaving ``async with`` joins them all.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import types
+from collections.abc import Sequence
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from typing import Any, Self
+
+import anyio
+import anyio.abc
+
+from kvtier._buffers import check_keys, dtype_name, split_blocks
+from kvtier._errors import InvalidArgumentError, LifecycleError, TierError
+from kvtier._logging import BurstLogger
+from kvtier._lookup import LookupResult, MissReason
+from kvtier.pools._base import PrimaryPool
+from kvtier.pools._slots import PoolStatistics, SlotState
+from kvtier.tiers._base import SecondaryTier, TierStatistics
+
+__all__ = ["ManagerStatistics", "TieringManager"]
+
+logger = logging.getLogger(__name__)
+
+HIT = LookupResult.HIT
+HIT_PENDING = LookupResult.HIT_PENDING
+RETRY = LookupResult.RETRY
+MISS = LookupResult.MISS
+
+
+@dataclass(frozen=True, slots=True)
+class ManagerStatistics:
+    lookups_hit: int
+    lookups_hit_pending: int
+    lookups_retry: int
+    lookups_miss: int
+    misses_by_reason: dict[str, int]
+    promotions_started: int
+    promotions_succeeded: int
+    promotions_failed_by_reason: dict[str, int]
+    promotions_cancelled: int
+    blocks_stored: int
+    stores_skipped_present: int
+    stores_skipped_full: int
+    blocks_loaded: int
+    cascades_started: int
+    cascades_succeeded: int
+    cascade_failures_by_reason: dict[str, int]
+    cascades_skipped: int
+    cascades_cancelled: int
+    in_flight_bytes: int
+    background_tasks: int
+    pool: PoolStatistics
+    tiers: tuple[TierStatistics, ...]
+
+
+def _positive(value: object, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise InvalidArgumentError(f"{name} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _bump(counter: dict[str, int], reason: MissReason) -> None:
+    counter[reason.value] = counter.get(reason.value, 0) + 1
+
+
+def _reason_of(exc: BaseException) -> MissReason:
+    if isinstance(exc, TimeoutError):
+        return MissReason.TIMEOUT
+    if isinstance(exc, TierError):
+        return exc.reason
+    return MissReason.UNAVAILABLE
+
+
+class TieringManager:
+    """The primary pool plus secondary tiers, used from one event loop.
+
+    ``async with TieringManager(pool, tiers) as manager`` opens the tiers (the manager owns
+    them) and a task group for background work; leaving the block lets in-flight write-through
+    finish for up to ``close_timeout`` seconds, cancels the rest (counted in
+    ``cascades_cancelled``) and closes the tiers.
+    """
+
+    def __init__(
+        self,
+        pool: PrimaryPool,
+        tiers: Sequence[SecondaryTier] = (),
+        *,
+        promotion_timeout: float = 10.0,
+        store_timeout: float = 30.0,
+        max_in_flight_bytes: int = 256 << 20,
+        close_timeout: float = 5.0,
+        dtype: Any = None,
+    ) -> None:
+        if not isinstance(pool, PrimaryPool):
+            raise InvalidArgumentError(
+                f"pool must be a kvtier pool (HostPool or CudaPool), got {type(pool).__name__}"
+            )
+        if isinstance(tiers, SecondaryTier):
+            raise InvalidArgumentError("tiers must be a list of tiers; wrap the tier in [...]")
+        self.tiers = tuple(tiers)
+        for i, tier in enumerate(self.tiers):
+            if not isinstance(tier, SecondaryTier):
+                raise InvalidArgumentError(
+                    f"tiers[{i}] must be a kvtier.SecondaryTier, got {type(tier).__name__}"
+                )
+        if len({id(t) for t in self.tiers}) != len(self.tiers):
+            raise InvalidArgumentError("the same tier object is listed twice in tiers")
+        self.pool = pool
+        self._promotion_timeout = _positive(promotion_timeout, "promotion_timeout")
+        self._store_timeout = _positive(store_timeout, "store_timeout")
+        self._max_in_flight_bytes = int(_positive(max_in_flight_bytes, "max_in_flight_bytes"))
+        self._close_timeout = _positive(close_timeout, "close_timeout")
+        self._dtype = None if dtype is None else dtype_name(dtype)
+        self._stack: AsyncExitStack | None = None
+        self._task_group: anyio.abc.TaskGroup | None = None
+        self._waiters: dict[bytes, list[anyio.Event]] = {}
+        self._background = 0
+        self._cascades_active = 0
+        self._idle = anyio.Event()
+        self._idle.set()
+        self._in_flight_bytes = 0
+        self._log = BurstLogger(logger)
+        # counters
+        self._hits = self._pending = self._retries = self._misses = 0
+        self._miss_reasons: dict[str, int] = {}
+        self._promotions_started = self._promotions_ok = self._promotions_cancelled = 0
+        self._promotion_failures: dict[str, int] = {}
+        self._stored = self._skipped_present = self._skipped_full = self._loaded = 0
+        self._cascades_started = self._cascades_ok = 0
+        self._cascades_skipped = self._cascades_cancelled = 0
+        self._cascade_failures: dict[str, int] = {}
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Self:
+        if self._stack is not None:
+            raise LifecycleError("this TieringManager is already entered")
+        async with AsyncExitStack() as stack:
+            for tier in self.tiers:
+                await stack.enter_async_context(tier)
+                stack.callback(tier.add_listener(self._notify))
+            task_group = anyio.create_task_group()
+            await task_group.__aenter__()
+            self._task_group = task_group
+            self._stack = stack.pop_all()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: types.TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Finish write-through for up to ``close_timeout``, cancel the rest, close the tiers."""
+        stack, self._stack = self._stack, None
+        if stack is None:
+            return
+        with anyio.move_on_after(self._close_timeout, shield=True):
+            await self._idle.wait()
+        self._cascades_cancelled += self._cascades_active
+        task_group, self._task_group = self._task_group, None
+        assert task_group is not None
+        task_group.cancel_scope.cancel()
+        await task_group.__aexit__(None, None, None)  # children are cancelled: returns promptly
+        # Not shielded here: each tier shields and bounds its own awaiting cleanup, and a
+        # shield around a task group's exit is not allowed.
+        await stack.aclose()
+        for events in self._waiters.values():  # wake schedulers: nothing will change any more
+            for event in events:
+                event.set()
+        self._waiters.clear()
+
+    def _check_open(self) -> anyio.abc.TaskGroup:
+        if self._task_group is None:
+            raise LifecycleError(
+                "TieringManager is not open; use it inside `async with TieringManager(...)`"
+            )
+        return self._task_group
+
+    # -- lookup (design §2.1) ------------------------------------------------------------------
+
+    def lookup(self, key: bytes, ctx: object = None) -> LookupResult:
+        """MISS, HIT, HIT_PENDING or RETRY for ``key``, without waiting (design §2.1)."""
+        primary = self.pool.lookup(key)
+        if primary is HIT:
+            self._hits += 1
+            return HIT
+        if primary is HIT_PENDING:
+            self._pending += 1
+            return HIT_PENDING
+        task_group = self._check_open()
+        any_retry = False
+        for tier in self.tiers:
+            result = tier.lookup(key)
+            if result is HIT:
+                slot = self.pool.try_reserve(key)
+                if slot is None:
+                    self._misses += 1
+                    _bump(self._miss_reasons, MissReason.PRIMARY_FULL)
+                    return MISS
+                self._promotions_started += 1
+                self._started()
+                task_group.start_soon(self._promote, key, tier, slot)
+                self._retries += 1
+                return RETRY
+            if result is RETRY:
+                any_retry = True
+        if any_retry:
+            self._retries += 1
+            return RETRY
+        self._misses += 1
+        _bump(self._miss_reasons, MissReason.NOT_FOUND)
+        return MISS
+
+    def primary_hit_prefix(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` are primary hits; the scheduler's fast path. Counts and
+        touches them exactly as ``lookup`` would."""
+        n = self.pool.ready_prefix(keys)
+        self._hits += n
+        return n
+
+    async def _promote(self, key: bytes, tier: SecondaryTier, slot: int) -> None:
+        ok = failed = False
+        try:
+            with anyio.fail_after(self._promotion_timeout):
+                await self.pool.fill(slot, functools.partial(tier.load, key))
+            ok = True
+        except Exception as exc:
+            failed = True
+            reason = _reason_of(exc)
+            _bump(self._promotion_failures, reason)
+            tier.record_miss(key, reason)
+            self._log.warning(
+                "promote:" + reason.value,
+                "promotion from %s failed (%s): %r",
+                tier.name,
+                reason.value,
+                exc,
+            )
+        finally:
+            if ok:
+                self.pool.commit(slot)
+                self._promotions_ok += 1
+            else:
+                self.pool.abort(slot)
+                self._promotions_cancelled += not failed
+            self._notify(key)
+            self._finished()
+
+    # -- store and load ------------------------------------------------------------------------
+
+    async def store(self, keys: Sequence[bytes], blocks: Any) -> int:
+        """Copy ``blocks`` into the pool under ``keys`` and write them through to every tier
+        in the background. Returns how many blocks were newly placed in the pool; keys already
+        present are skipped, and so are keys for which no slot is free or evictable."""
+        task_group = self._check_open()
+        keys = check_keys(keys)
+        buffers = split_blocks(
+            blocks, len(keys), self.pool.block_bytes, name="blocks", writable=False, dtype=self._dtype
+        )
+        slots: list[int] = []
+        chosen_keys: list[bytes] = []
+        chosen = []
+        for key, buffer in zip(keys, buffers, strict=True):
+            if self.pool.state_of(key) is not SlotState.FREE:
+                self._skipped_present += 1
+                continue
+            slot = self.pool.try_reserve(key)
+            if slot is None:
+                self._skipped_full += 1
+                continue
+            slots.append(slot)
+            chosen_keys.append(key)
+            chosen.append(buffer)
+        if not slots:
+            return 0
+        committed = False
+        try:
+            with anyio.fail_after(self._store_timeout):
+                await self.pool.copy_in(slots, chosen)
+            for slot in slots:
+                self.pool.commit(slot)
+            committed = True
+        finally:
+            if not committed:
+                for slot in slots:
+                    self.pool.abort(slot)
+            for key in chosen_keys:
+                self._notify(key)
+        self._stored += len(slots)
+        for key in chosen_keys:
+            self._start_cascade(task_group, key)
+        return len(slots)
+
+    def _start_cascade(self, task_group: anyio.abc.TaskGroup, key: bytes) -> None:
+        if not self.tiers:
+            return
+        nbytes = self.pool.block_bytes
+        if self._in_flight_bytes + nbytes > self._max_in_flight_bytes:
+            self._cascades_skipped += 1
+            return
+        slot = self.pool.pin(key)
+        if slot is None:  # already evicted by a later store in the same burst
+            self._cascades_skipped += 1
+            return
+        self._in_flight_bytes += nbytes
+        self._cascades_started += 1
+        self._cascades_active += 1
+        self._started()
+        task_group.start_soon(self._cascade, key, slot, nbytes)
+
+    async def _cascade(self, key: bytes, slot: int, nbytes: int) -> None:
+        failures: list[MissReason] = []
+        try:
+            with anyio.fail_after(self._store_timeout):
+                await self.pool.drain(slot, functools.partial(self._write_through, key, failures))
+        except Exception as exc:
+            failures.append(_reason_of(exc))
+        finally:
+            self.pool.unpin(slot)
+            self._in_flight_bytes -= nbytes
+            self._cascades_active -= 1
+            self._finished()
+        for reason in failures:
+            _bump(self._cascade_failures, reason)
+        self._cascades_ok += not failures
+
+    async def _write_through(
+        self, key: bytes, failures: list[MissReason], view: memoryview
+    ) -> None:
+        async with anyio.create_task_group() as tg:
+            for tier in self.tiers:
+                tg.start_soon(self._store_one, tier, key, view, failures)
+
+    async def _store_one(
+        self, tier: SecondaryTier, key: bytes, view: memoryview, failures: list[MissReason]
+    ) -> None:
+        try:
+            await tier.store(key, view)
+        except Exception as exc:
+            reason = _reason_of(exc)
+            failures.append(reason)
+            self._log.warning(
+                "store:" + tier.name,
+                "write-through to %s failed (%s): %r",
+                tier.name,
+                reason.value,
+                exc,
+            )
+        else:
+            tier.notify([key])
+
+    async def load(self, keys: Sequence[bytes], out: Any) -> int:
+        """Copy the blocks of ``keys`` from the pool into ``out`` (one array with a leading
+        block axis, or a list of per-block arrays). Stops at the first key that is not a
+        primary hit (it may have been evicted since the lookup) and returns how many leading
+        blocks were copied; the engine recomputes the rest."""
+        self._check_open()
+        keys = check_keys(keys)
+        buffers = split_blocks(
+            out, len(keys), self.pool.block_bytes, name="out", writable=True, dtype=self._dtype
+        )
+        pinned: list[int] = []
+        try:
+            for key in keys:
+                slot = self.pool.pin(key)
+                if slot is None:
+                    break
+                pinned.append(slot)
+            if pinned:
+                await self.pool.copy_out(pinned, buffers[: len(pinned)])
+        finally:
+            for slot in pinned:
+                self.pool.unpin(slot)
+        self._loaded += len(pinned)
+        return len(pinned)
+
+    # -- change notification -----------------------------------------------------------------
+
+    def watch(self, keys: Sequence[bytes]) -> anyio.Event:
+        """An event set when the lookup answer of any of ``keys`` may have changed."""
+        event = anyio.Event()
+        if self._task_group is None:
+            event.set()
+            return event
+        for key in keys:
+            self._waiters.setdefault(key, []).append(event)
+        return event
+
+    def unwatch(self, keys: Sequence[bytes], event: anyio.Event) -> None:
+        for key in keys:
+            events = self._waiters.get(key)
+            if events is not None:
+                if event in events:
+                    events.remove(event)
+                if not events:
+                    del self._waiters[key]
+
+    def _notify(self, key: bytes) -> None:
+        events = self._waiters.pop(key, None)
+        if events:
+            for event in events:
+                event.set()
+
+    # -- background bookkeeping ----------------------------------------------------------------
+
+    def _started(self) -> None:
+        if self._background == 0:
+            self._idle = anyio.Event()
+        self._background += 1
+
+    def _finished(self) -> None:
+        self._background -= 1
+        if self._background == 0:
+            self._idle.set()
+
+    # -- observation -------------------------------------------------------------------------
+
+    def statistics(self) -> ManagerStatistics:
+        return ManagerStatistics(
+            lookups_hit=self._hits,
+            lookups_hit_pending=self._pending,
+            lookups_retry=self._retries,
+            lookups_miss=self._misses,
+            misses_by_reason=dict(self._miss_reasons),
+            promotions_started=self._promotions_started,
+            promotions_succeeded=self._promotions_ok,
+            promotions_failed_by_reason=dict(self._promotion_failures),
+            promotions_cancelled=self._promotions_cancelled,
+            blocks_stored=self._stored,
+            stores_skipped_present=self._skipped_present,
+            stores_skipped_full=self._skipped_full,
+            blocks_loaded=self._loaded,
+            cascades_started=self._cascades_started,
+            cascades_succeeded=self._cascades_ok,
+            cascade_failures_by_reason=dict(self._cascade_failures),
+            cascades_skipped=self._cascades_skipped,
+            cascades_cancelled=self._cascades_cancelled,
+            in_flight_bytes=self._in_flight_bytes,
+            background_tasks=self._background,
+            pool=self.pool.statistics(),
+            tiers=tuple(t.statistics() for t in self.tiers),
+        )
+
+    def __repr__(self) -> str:
+        state = "open" if self._task_group is not None else "closed"
+        return (
+            f"<TieringManager {state} pool={self.pool!r} tiers={[t.name for t in self.tiers]} "
+            f"background={self._background} in_flight_bytes={self._in_flight_bytes}>"
+        )

@@ -1,0 +1,101 @@
+"""What every primary pool offers: the slot table's synchronous API plus async copies.
+
+Pools differ only in where the bytes live and how they move (memcpy on the host, CUDA streams
+on a GPU); the bookkeeping is one ``SlotTable`` either way.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable, Sequence
+
+from kvtier._buffers import BlockBuffer
+from kvtier._errors import InvalidArgumentError
+from kvtier._lookup import LookupResult
+from kvtier.pools._policy import EvictionPolicy, make_policy
+from kvtier.pools._slots import PoolStatistics, SlotState, SlotTable
+
+__all__ = ["ByteSink", "ByteSource", "PrimaryPool"]
+
+ByteSink = Callable[[memoryview], Awaitable[None]]
+"""Fills the view it is given (a tier's ``load`` into a slot or a staging buffer)."""
+ByteSource = Callable[[memoryview], Awaitable[None]]
+"""Reads the view it is given (a tier's ``store`` from a slot or a staging buffer)."""
+
+
+def _positive_int(value: object, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+class PrimaryPool(ABC):
+    """``num_blocks`` slots of ``block_bytes`` each in one allocation."""
+
+    def __init__(
+        self, num_blocks: int, block_bytes: int, *, policy: str | EvictionPolicy = "lru"
+    ) -> None:
+        self.num_blocks = _positive_int(num_blocks, "num_blocks")
+        self.block_bytes = _positive_int(block_bytes, "block_bytes")
+        self.table = SlotTable(self.num_blocks, make_policy(policy, self.num_blocks))
+
+    # -- synchronous bookkeeping (never waits) ----------------------------------------------
+
+    def lookup(self, key: bytes) -> LookupResult:
+        return self.table.lookup(key)
+
+    def ready_prefix(self, keys: Sequence[bytes]) -> int:
+        return self.table.ready_prefix(keys)
+
+    def state_of(self, key: bytes) -> SlotState:
+        return self.table.state_of(key)
+
+    def try_reserve(self, key: bytes) -> int | None:
+        return self.table.try_reserve(key)
+
+    def commit(self, slot: int) -> None:
+        self.table.commit(slot)
+
+    def abort(self, slot: int) -> None:
+        self.table.abort(slot)
+
+    def pin(self, key: bytes) -> int | None:
+        return self.table.pin(key)
+
+    def unpin(self, slot: int) -> None:
+        self.table.unpin(slot)
+
+    def discard(self, key: bytes) -> bool:
+        return self.table.discard(key)
+
+    def statistics(self) -> PoolStatistics:
+        return self.table.statistics(self.block_bytes)
+
+    def __repr__(self) -> str:
+        s = self.statistics()
+        return (
+            f"<{type(self).__name__} blocks={s.num_blocks} block_bytes={s.block_bytes} "
+            f"free={s.free} writing={s.writing} ready={s.ready} pinned={s.pinned} "
+            f"policy={s.policy} evictions={s.evictions}>"
+        )
+
+    # -- data movement (may wait) ------------------------------------------------------------
+
+    @abstractmethod
+    async def fill(self, slot: int, sink: ByteSink) -> None:
+        """Let ``sink`` write the bytes of a WRITING slot (a promotion from a tier)."""
+
+    @abstractmethod
+    async def drain(self, slot: int, source: ByteSource) -> None:
+        """Hand the bytes of a pinned READY slot to ``source`` (a write-through to a tier)."""
+
+    @abstractmethod
+    async def copy_in(self, slots: Sequence[int], blocks: Sequence[BlockBuffer]) -> None:
+        """Copy engine blocks into WRITING slots."""
+
+    @abstractmethod
+    async def copy_out(self, slots: Sequence[int], out: Sequence[BlockBuffer]) -> None:
+        """Copy pinned READY slots into engine buffers."""
+
+    async def aclose(self) -> None:
+        """Release the pool's memory; the default has nothing to release."""

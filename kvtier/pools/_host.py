@@ -1,0 +1,71 @@
+"""The primary pool in host memory: the default without a GPU, and the one tests use."""
+
+from __future__ import annotations
+
+import mmap
+from collections.abc import Sequence
+
+import anyio.to_thread
+import numpy as np
+
+from kvtier._buffers import BlockBuffer
+from kvtier._errors import InvalidArgumentError
+from kvtier.pools._base import ByteSink, ByteSource, PrimaryPool
+from kvtier.pools._policy import EvictionPolicy
+
+__all__ = ["HostPool"]
+
+# Copies above this size run in a worker thread so a big batch never stalls the event loop;
+# below it a thread hop costs more than the memcpy.
+_INLINE_COPY_BYTES = 1 << 20
+
+
+class HostPool(PrimaryPool):
+    """Slots in one page-aligned anonymous mapping (mmap), so tiers can DMA or O_DIRECT into
+    them and promotions from a tier land in the slot without a staging copy."""
+
+    def __init__(
+        self, num_blocks: int, block_bytes: int, *, policy: str | EvictionPolicy = "lru"
+    ) -> None:
+        super().__init__(num_blocks, block_bytes, policy=policy)
+        self._map = mmap.mmap(-1, self.num_blocks * self.block_bytes)
+        self._view = memoryview(self._map)
+
+    def slot_view(self, slot: int) -> memoryview:
+        start = slot * self.block_bytes
+        return self._view[start : start + self.block_bytes]
+
+    async def fill(self, slot: int, sink: ByteSink) -> None:
+        await sink(self.slot_view(slot))
+
+    async def drain(self, slot: int, source: ByteSource) -> None:
+        await source(self.slot_view(slot).toreadonly())
+
+    async def copy_in(self, slots: Sequence[int], blocks: Sequence[BlockBuffer]) -> None:
+        pairs = [(self.slot_view(s), _host(b, "store")) for s, b in zip(slots, blocks, strict=True)]
+        await _copy_all(pairs, len(pairs) * self.block_bytes)
+
+    async def copy_out(self, slots: Sequence[int], out: Sequence[BlockBuffer]) -> None:
+        pairs = [(_host(b, "load"), self.slot_view(s)) for s, b in zip(slots, out, strict=True)]
+        await _copy_all(pairs, len(pairs) * self.block_bytes)
+
+
+def _host(buffer: BlockBuffer, operation: str) -> memoryview:
+    if buffer.host is None:
+        raise InvalidArgumentError(
+            f"HostPool cannot {operation} GPU arrays; use kvtier.CudaPool for device buffers "
+            "or pass host (CPU) arrays"
+        )
+    return buffer.host
+
+
+def _copy_pairs(pairs: list[tuple[memoryview, memoryview]]) -> None:
+    for dst, src in pairs:
+        np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8))
+
+
+async def _copy_all(pairs: list[tuple[memoryview, memoryview]], nbytes: int) -> None:
+    if nbytes <= _INLINE_COPY_BYTES:
+        _copy_pairs(pairs)
+    else:
+        await anyio.to_thread.run_sync(_copy_pairs, pairs)

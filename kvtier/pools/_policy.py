@@ -1,0 +1,165 @@
+"""Eviction policies for the primary pool: which READY block to give up when a slot is needed.
+
+A policy only orders keys; the slot table decides which keys are evictable (READY and not
+pinned) and passes that test in, so a policy never has to know about pins.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable
+from typing import Protocol, runtime_checkable
+
+from kvtier._errors import InvalidArgumentError
+
+__all__ = ["ARCPolicy", "EvictionPolicy", "LRUPolicy", "make_policy"]
+
+
+@runtime_checkable
+class EvictionPolicy(Protocol):
+    """What the slot table asks of a policy. Every method is synchronous and cheap."""
+
+    name: str
+
+    def insert(self, key: bytes) -> None:
+        """``key`` became READY."""
+
+    def touch(self, key: bytes) -> None:
+        """``key`` was used (a hit or a load)."""
+
+    def touch_many(self, keys: Iterable[bytes]) -> None:
+        """``keys`` were used, in order; lets the prefix fast path skip a Python loop."""
+
+    def remove(self, key: bytes, *, evicted: bool) -> None:
+        """``key`` left the pool; ``evicted`` says the policy itself chose it."""
+
+    def victim(self, incoming: bytes, can_evict: Callable[[bytes], bool]) -> bytes | None:
+        """The key to evict to make room for ``incoming``, or None if nothing may go."""
+
+
+class LRUPolicy:
+    """Least recently used: evict the READY block untouched for longest."""
+
+    name = "lru"
+
+    def __init__(self, capacity: int) -> None:
+        self._order: OrderedDict[bytes, None] = OrderedDict()
+
+    def insert(self, key: bytes) -> None:
+        self._order[key] = None
+
+    def touch(self, key: bytes) -> None:
+        self._order.move_to_end(key)
+
+    def touch_many(self, keys: Iterable[bytes]) -> None:
+        deque(map(self._order.move_to_end, keys), maxlen=0)
+
+    def remove(self, key: bytes, *, evicted: bool) -> None:
+        self._order.pop(key, None)
+
+    def victim(self, incoming: bytes, can_evict: Callable[[bytes], bool]) -> bytes | None:
+        for key in self._order:
+            if can_evict(key):
+                return key
+        return None
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+
+class ARCPolicy:
+    """Adaptive replacement (Megiddo and Modha, FAST '03), adapted to a slot pool.
+
+    T1 holds blocks seen once, T2 blocks seen again; the ghost lists B1 and B2 remember keys
+    recently evicted from each, and a hit on a ghost moves the target size ``p`` of T1. This
+    keeps a burst of one-off prefixes (a scan) from flushing the shared system prompts.
+    """
+
+    name = "arc"
+
+    def __init__(self, capacity: int) -> None:
+        self._c = capacity
+        self._p = 0.0
+        self._t1: OrderedDict[bytes, None] = OrderedDict()
+        self._t2: OrderedDict[bytes, None] = OrderedDict()
+        self._b1: OrderedDict[bytes, None] = OrderedDict()
+        self._b2: OrderedDict[bytes, None] = OrderedDict()
+
+    @property
+    def target_t1(self) -> float:
+        return self._p
+
+    def insert(self, key: bytes) -> None:
+        if key in self._b1:
+            self._p = min(float(self._c), self._p + max(len(self._b2) / len(self._b1), 1.0))
+            del self._b1[key]
+            self._t2[key] = None
+        elif key in self._b2:
+            self._p = max(0.0, self._p - max(len(self._b1) / len(self._b2), 1.0))
+            del self._b2[key]
+            self._t2[key] = None
+        else:
+            self._t1[key] = None
+        self._trim_ghosts()
+
+    def touch(self, key: bytes) -> None:
+        if key in self._t1:
+            del self._t1[key]
+            self._t2[key] = None
+        else:
+            self._t2.move_to_end(key)
+
+    def touch_many(self, keys: Iterable[bytes]) -> None:
+        for key in keys:
+            self.touch(key)
+
+    def remove(self, key: bytes, *, evicted: bool) -> None:
+        if key in self._t1:
+            del self._t1[key]
+            if evicted:
+                self._b1[key] = None
+        elif key in self._t2:
+            del self._t2[key]
+            if evicted:
+                self._b2[key] = None
+        self._trim_ghosts()
+
+    def victim(self, incoming: bytes, can_evict: Callable[[bytes], bool]) -> bytes | None:
+        t1_first = bool(self._t1) and (
+            len(self._t1) > self._p or (incoming in self._b2 and len(self._t1) == int(self._p))
+        )
+        order = (self._t1, self._t2) if t1_first else (self._t2, self._t1)
+        for lst in order:
+            for key in lst:
+                if can_evict(key):
+                    return key
+        return None
+
+    def _trim_ghosts(self) -> None:
+        while self._b1 and len(self._t1) + len(self._b1) > self._c:
+            self._b1.popitem(last=False)
+        while self._b2 and len(self._t1) + len(self._t2) + len(self._b1) + len(self._b2) > 2 * self._c:
+            self._b2.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._t1) + len(self._t2)
+
+
+_POLICIES: dict[str, type[LRUPolicy] | type[ARCPolicy]] = {"lru": LRUPolicy, "arc": ARCPolicy}
+
+
+def make_policy(policy: str | EvictionPolicy, capacity: int) -> EvictionPolicy:
+    """Build a policy from its name, or take a ready-made one (a custom policy)."""
+    if isinstance(policy, str):
+        try:
+            return _POLICIES[policy](capacity)
+        except KeyError:
+            raise InvalidArgumentError(
+                f"unknown eviction policy {policy!r}; use one of {sorted(_POLICIES)} "
+                "or pass an object implementing kvtier.EvictionPolicy"
+            ) from None
+    if not isinstance(policy, EvictionPolicy):
+        raise InvalidArgumentError(
+            f"policy must be a name or an EvictionPolicy, got {type(policy).__name__}"
+        )
+    return policy

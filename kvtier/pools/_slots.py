@@ -1,0 +1,221 @@
+"""The bookkeeping of a primary pool, as a synchronous state machine.
+
+Every pool (host or CUDA) owns one ``SlotTable`` and does its copies around it. Nothing here
+awaits, so a cancelled task can never leave the table half updated, and the table can be
+tested without an event loop.
+
+Slot life: FREE -> WRITING (reserved for a key) -> READY (readable) -> FREE (evicted or
+dropped); WRITING -> FREE when the write fails. Readers pin READY slots; only unpinned READY
+slots are evictable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+from itertools import takewhile
+
+from kvtier._lookup import LookupResult
+from kvtier.pools._policy import EvictionPolicy
+
+__all__ = ["PoolStatistics", "SlotState", "SlotTable"]
+
+
+class SlotState(IntEnum):
+    FREE = 0
+    WRITING = 1
+    READY = 2
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStatistics:
+    num_blocks: int
+    block_bytes: int
+    free: int
+    writing: int
+    ready: int
+    pinned: int
+    pins: int
+    hits: int
+    pending_hits: int
+    misses: int
+    reservations: int
+    reservation_failures: int
+    commits: int
+    aborts: int
+    evictions: int
+    policy: str
+
+
+class SlotTable:
+    def __init__(self, num_blocks: int, policy: EvictionPolicy) -> None:
+        self.num_blocks = num_blocks
+        self.policy = policy
+        self._state = [SlotState.FREE] * num_blocks
+        self._key: list[bytes | None] = [None] * num_blocks
+        self._pins = [0] * num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self._slot_of: dict[bytes, int] = {}  # WRITING and READY keys
+        self._ready: dict[bytes, int] = {}  # READY keys only: the hit fast path
+        self._pinned_slots = 0
+        self._hits = 0
+        self._pending_hits = 0
+        self._misses = 0
+        self._reservations = 0
+        self._reservation_failures = 0
+        self._commits = 0
+        self._aborts = 0
+        self._evictions = 0
+
+    # -- queries -----------------------------------------------------------------------------
+
+    def lookup(self, key: bytes) -> LookupResult:
+        if key in self._ready:
+            self.policy.touch(key)
+            self._hits += 1
+            return LookupResult.HIT
+        if key in self._slot_of:
+            self._pending_hits += 1
+            return LookupResult.HIT_PENDING
+        self._misses += 1
+        return LookupResult.MISS
+
+    def ready_prefix(self, keys: Sequence[bytes]) -> int:
+        """Count the leading READY keys and touch them; the scheduler's fast path."""
+        n = sum(1 for _ in takewhile(self._ready.__contains__, keys))
+        if n:
+            self.policy.touch_many(keys[:n] if n < len(keys) else keys)
+            self._hits += n
+        return n
+
+    def state_of(self, key: bytes) -> SlotState:
+        slot = self._slot_of.get(key)
+        return SlotState.FREE if slot is None else self._state[slot]
+
+    def slot_state(self, slot: int) -> SlotState:
+        return self._state[slot]
+
+    def key_of(self, slot: int) -> bytes | None:
+        return self._key[slot]
+
+    def pin_count(self, slot: int) -> int:
+        return self._pins[slot]
+
+    # -- transitions ---------------------------------------------------------------------------
+
+    def try_reserve(self, key: bytes) -> int | None:
+        """Take a slot for ``key`` (state WRITING), evicting if needed; None when full.
+
+        The caller checks first that ``key`` is not in the table.
+        """
+        assert key not in self._slot_of, "key already has a slot"
+        if self._free:
+            slot = self._free.pop()
+        else:
+            victim = self.policy.victim(key, self._evictable)
+            if victim is None:
+                self._reservation_failures += 1
+                return None
+            slot = self._ready.pop(victim)
+            del self._slot_of[victim]
+            self.policy.remove(victim, evicted=True)
+            self._evictions += 1
+        self._state[slot] = SlotState.WRITING
+        self._key[slot] = key
+        self._slot_of[key] = slot
+        self._reservations += 1
+        return slot
+
+    def commit(self, slot: int) -> None:
+        """The write into ``slot`` finished: its key becomes readable."""
+        assert self._state[slot] is SlotState.WRITING, "commit of a slot not WRITING"
+        key = self._key[slot]
+        assert key is not None
+        self._state[slot] = SlotState.READY
+        self._ready[key] = slot
+        self.policy.insert(key)
+        self._commits += 1
+
+    def abort(self, slot: int) -> None:
+        """The write into ``slot`` failed or was cancelled: free it."""
+        assert self._state[slot] is SlotState.WRITING, "abort of a slot not WRITING"
+        self._aborts += 1
+        self._release(slot)
+
+    def pin(self, key: bytes) -> int | None:
+        """Pin the READY slot of ``key`` so it cannot be evicted; None if not READY."""
+        slot = self._ready.get(key)
+        if slot is None:
+            return None
+        if self._pins[slot] == 0:
+            self._pinned_slots += 1
+        self._pins[slot] += 1
+        return slot
+
+    def unpin(self, slot: int) -> None:
+        assert self._pins[slot] > 0, "unpin of a slot that is not pinned"
+        self._pins[slot] -= 1
+        if self._pins[slot] == 0:
+            self._pinned_slots -= 1
+
+    def discard(self, key: bytes) -> bool:
+        """Drop an unpinned READY ``key`` (for example, its bytes are known bad)."""
+        slot = self._ready.get(key)
+        if slot is None or self._pins[slot]:
+            return False
+        del self._ready[key]
+        self.policy.remove(key, evicted=False)
+        self._release(slot)
+        return True
+
+    def _release(self, slot: int) -> None:
+        key = self._key[slot]
+        assert key is not None
+        del self._slot_of[key]
+        self._state[slot] = SlotState.FREE
+        self._key[slot] = None
+        self._free.append(slot)
+
+    def _evictable(self, key: bytes) -> bool:
+        return self._pins[self._ready[key]] == 0
+
+    # -- observation -------------------------------------------------------------------------
+
+    def statistics(self, block_bytes: int) -> PoolStatistics:
+        ready = len(self._ready)
+        free = len(self._free)
+        return PoolStatistics(
+            num_blocks=self.num_blocks,
+            block_bytes=block_bytes,
+            free=free,
+            writing=self.num_blocks - free - ready,
+            ready=ready,
+            pinned=self._pinned_slots,
+            pins=sum(self._pins),
+            hits=self._hits,
+            pending_hits=self._pending_hits,
+            misses=self._misses,
+            reservations=self._reservations,
+            reservation_failures=self._reservation_failures,
+            commits=self._commits,
+            aborts=self._aborts,
+            evictions=self._evictions,
+            policy=self.policy.name,
+        )
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the table contradicts itself (used by tests)."""
+        assert len(self._free) == len(set(self._free))
+        for slot in range(self.num_blocks):
+            state, key = self._state[slot], self._key[slot]
+            if state is SlotState.FREE:
+                assert key is None and slot in self._free and self._pins[slot] == 0
+            else:
+                assert key is not None and self._slot_of[key] == slot
+                assert (key in self._ready) == (state is SlotState.READY)
+                assert state is SlotState.READY or self._pins[slot] == 0
+        assert len(self._slot_of) + len(self._free) == self.num_blocks
+        assert sum(1 for p in self._pins if p) == self._pinned_slots
+        if hasattr(self.policy, "__len__"):
+            assert len(self.policy) == len(self._ready)

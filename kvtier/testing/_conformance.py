@@ -1,0 +1,199 @@
+"""A conformance kit for secondary tiers: every behaviour the tier contract promises.
+
+``await check_tier(make_tier)`` runs every check against fresh tiers from ``make_tier`` (a
+callable returning an unopened tier) and raises AssertionError naming the check that failed.
+``CHECKS`` holds the checks by name so a test suite can parametrise over them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Awaitable, Callable
+
+import anyio
+
+from kvtier._errors import BlockNotFoundError, KVTierError
+from kvtier._keys import block_keys
+from kvtier._lookup import LookupResult
+from kvtier.tiers._base import SecondaryTier, TierStatistics
+
+__all__ = ["CHECKS", "check_tier", "resolve_lookup"]
+
+MakeTier = Callable[[], SecondaryTier]
+Check = Callable[[MakeTier, int], Awaitable[None]]
+
+
+def _keys(n: int, tag: str) -> list[bytes]:
+    return block_keys(list(range(n)), 1, namespace=f"kvtier.testing/{tag}/{os.urandom(8).hex()}".encode())
+
+
+async def resolve_lookup(tier: SecondaryTier, key: bytes, timeout: float = 10.0) -> LookupResult:
+    """Ask ``tier.lookup(key)`` until it stops answering RETRY, waking on the tier's
+    notifications rather than polling on a timer."""
+    with anyio.fail_after(timeout):
+        while True:
+            changed = anyio.Event()
+            remove = tier.add_listener(lambda k: changed.set() if k == key else None)
+            try:
+                result = tier.lookup(key)
+                if result is not LookupResult.RETRY:
+                    return result
+                await changed.wait()
+            finally:
+                remove()
+
+
+async def check_round_trip(make_tier: MakeTier, block_bytes: int) -> None:
+    keys = _keys(3, "round-trip")
+    blocks = [os.urandom(block_bytes) for _ in keys]
+    async with make_tier() as tier:
+        for key, block in zip(keys, blocks, strict=True):
+            await tier.store(key, memoryview(block))
+        for key, block in zip(keys, blocks, strict=True):
+            dst = bytearray(block_bytes)
+            await tier.load(key, memoryview(dst))
+            assert dst == block, "load returned other bytes than were stored"
+        assert await tier.contains_many(keys) == [True, True, True]
+        assert await resolve_lookup(tier, keys[0]) is LookupResult.HIT
+        assert isinstance(tier.statistics(), TierStatistics)
+
+
+async def check_unknown_keys(make_tier: MakeTier, block_bytes: int) -> None:
+    (key,) = _keys(1, "unknown")
+    async with make_tier() as tier:
+        assert await tier.contains_many([key]) == [False]
+        assert await resolve_lookup(tier, key) is LookupResult.MISS
+        try:
+            await tier.load(key, memoryview(bytearray(block_bytes)))
+        except BlockNotFoundError:
+            pass
+        else:
+            raise AssertionError("load of an unknown key must raise BlockNotFoundError")
+        await tier.delete(key)  # deleting what is not there is not an error
+
+
+async def check_survives_reopen(make_tier: MakeTier, block_bytes: int) -> None:
+    (key,) = _keys(1, "reopen")
+    block = os.urandom(block_bytes)
+    tier = make_tier()
+    async with tier:
+        await tier.store(key, memoryview(block))
+    async with tier:  # a closed tier can be opened again and still has its blocks
+        dst = bytearray(block_bytes)
+        await tier.load(key, memoryview(dst))
+        assert dst == block
+
+
+async def check_overwrite(make_tier: MakeTier, block_bytes: int) -> None:
+    (key,) = _keys(1, "overwrite")
+    first, second = os.urandom(block_bytes), os.urandom(block_bytes)
+    async with make_tier() as tier:
+        await tier.store(key, memoryview(first))
+        await tier.store(key, memoryview(second))
+        dst = bytearray(block_bytes)
+        await tier.load(key, memoryview(dst))
+        assert dst in (first, second), "a second store of a key must never mix bytes"
+
+
+async def check_concurrent_stores(make_tier: MakeTier, block_bytes: int) -> None:
+    (key,) = _keys(1, "concurrent")
+    block = os.urandom(block_bytes)
+    async with make_tier() as tier:
+        async with anyio.create_task_group() as tg:
+            for _ in range(8):
+                tg.start_soon(tier.store, key, memoryview(block))
+        dst = bytearray(block_bytes)
+        await tier.load(key, memoryview(dst))
+        assert dst == block
+
+
+async def check_delete(make_tier: MakeTier, block_bytes: int) -> None:
+    (key,) = _keys(1, "delete")
+    async with make_tier() as tier:
+        await tier.store(key, memoryview(os.urandom(block_bytes)))
+        await tier.delete(key)
+        assert await tier.contains_many([key]) == [False]
+        try:
+            await tier.load(key, memoryview(bytearray(block_bytes)))
+        except BlockNotFoundError:
+            pass
+        else:
+            raise AssertionError("load after delete must raise BlockNotFoundError")
+
+
+async def check_cancellation(make_tier: MakeTier, block_bytes: int) -> None:
+    """Cancel stores and loads at their first few checkpoints; the tier must stay consistent:
+    a cancelled store leaves the key absent or intact, never torn, and the tier keeps working."""
+    keys = _keys(6, "cancel")
+    blocks = {key: os.urandom(block_bytes) for key in keys}
+    async with make_tier() as tier:
+        for i, key in enumerate(keys):
+            with anyio.CancelScope() as scope:
+                if i % 2 == 0:
+                    scope.cancel()  # cancelled at its first checkpoint
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(tier.store, key, memoryview(blocks[key]))
+                    for _ in range(i):
+                        await anyio.lowlevel.checkpoint()
+                    scope.cancel()
+            dst = bytearray(block_bytes)
+            try:
+                await tier.load(key, memoryview(dst))
+            except BlockNotFoundError:
+                pass
+            else:
+                assert dst == blocks[key], "a cancelled store left a torn block"
+            with anyio.CancelScope() as scope:
+                scope.cancel()
+                try:
+                    await tier.load(key, memoryview(bytearray(block_bytes)))
+                except BlockNotFoundError:
+                    pass
+        for key in keys:  # everything still works after the cancellations
+            await tier.store(key, memoryview(blocks[key]))
+            dst = bytearray(block_bytes)
+            await tier.load(key, memoryview(dst))
+            assert dst == blocks[key]
+
+
+async def check_aclose_idempotent(make_tier: MakeTier, block_bytes: int) -> None:
+    tier = make_tier()
+    await tier.open()
+    await tier.aclose()
+    await tier.aclose()
+    unopened = make_tier()
+    await unopened.aclose()
+
+
+async def check_bad_destination(make_tier: MakeTier, block_bytes: int) -> None:
+    (key,) = _keys(1, "bad-dst")
+    async with make_tier() as tier:
+        await tier.store(key, memoryview(os.urandom(block_bytes)))
+        try:
+            await tier.load(key, memoryview(bytearray(block_bytes + 1)))
+        except (KVTierError, ValueError):
+            pass
+        else:
+            raise AssertionError("load into a buffer of the wrong size must raise")
+
+
+CHECKS: dict[str, Check] = {
+    "round_trip": check_round_trip,
+    "unknown_keys": check_unknown_keys,
+    "survives_reopen": check_survives_reopen,
+    "overwrite": check_overwrite,
+    "concurrent_stores": check_concurrent_stores,
+    "delete": check_delete,
+    "cancellation": check_cancellation,
+    "aclose_idempotent": check_aclose_idempotent,
+    "bad_destination": check_bad_destination,
+}
+
+
+async def check_tier(make_tier: MakeTier, *, block_bytes: int = 4096) -> None:
+    """Run every conformance check; raise AssertionError naming the first that fails."""
+    for name, check in CHECKS.items():
+        try:
+            await check(make_tier, block_bytes)
+        except AssertionError as exc:
+            raise AssertionError(f"tier conformance check {name!r} failed: {exc}") from exc

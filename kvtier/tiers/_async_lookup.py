@@ -1,0 +1,243 @@
+"""Answering ``lookup()`` for a tier whose existence checks are slow (design §3).
+
+An unknown key is queued for the next batched ``contains_many`` and answered ``RETRY``; the
+verdict lands in a bounded cache and listeners are told so waiting schedulers wake. Misses
+expire after ``miss_ttl`` because another process may write the key to a shared tier; a check
+that fails or times out becomes a miss with that reason. The bookkeeping (cache, pending,
+in-flight) is synchronous; only the batch runner awaits.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+import types
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from typing import Self
+
+import anyio
+import anyio.abc
+
+from kvtier._errors import InvalidArgumentError, TierError
+from kvtier._logging import BurstLogger
+from kvtier._lookup import LookupResult, MissReason
+from kvtier.tiers._base import LookupStatistics
+
+__all__ = ["AsyncLookupManager"]
+
+logger = logging.getLogger(__name__)
+
+ContainsMany = Callable[[list[bytes]], Awaitable[list[bool]]]
+_Verdict = tuple[bool, float, MissReason]  # present, expires at, reason when absent
+
+
+def _check_positive(value: float, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise InvalidArgumentError(f"{name} must be a positive number, got {value!r}")
+
+
+class AsyncLookupManager:
+    """Batched, coalesced, cached existence checks behind a synchronous ``lookup()``."""
+
+    def __init__(
+        self,
+        contains_many: ContainsMany,
+        *,
+        name: str = "tier",
+        batch_size: int = 256,
+        max_concurrency: int = 4,
+        timeout: float = 5.0,
+        miss_ttl: float = 2.0,
+        hit_ttl: float | None = None,
+        max_entries: int = 100_000,
+        max_pending: int = 100_000,
+        on_verdict: Callable[[list[bytes]], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        for value, label in (
+            (batch_size, "batch_size"),
+            (max_concurrency, "max_concurrency"),
+            (timeout, "timeout"),
+            (miss_ttl, "miss_ttl"),
+            (max_entries, "max_entries"),
+            (max_pending, "max_pending"),
+        ):
+            _check_positive(value, label)
+        if hit_ttl is not None:
+            _check_positive(hit_ttl, "hit_ttl")
+        self._contains_many = contains_many
+        self.name = name
+        self._batch_size = int(batch_size)
+        self._max_concurrency = int(max_concurrency)
+        self._timeout = float(timeout)
+        self._miss_ttl = float(miss_ttl)
+        self._hit_ttl = math.inf if hit_ttl is None else float(hit_ttl)
+        self._max_entries = int(max_entries)
+        self._max_pending = int(max_pending)
+        self._on_verdict = on_verdict
+        self._clock = clock
+        self._verdicts: OrderedDict[bytes, _Verdict] = OrderedDict()
+        self._pending: dict[bytes, None] = {}
+        self._in_flight: set[bytes] = set()
+        self._wake = anyio.Event()
+        self._task_group: anyio.abc.TaskGroup | None = None
+        self._log = BurstLogger(logger)
+        self._hits = 0
+        self._misses = 0
+        self._retries = 0
+        self._miss_reasons: dict[str, int] = {}
+        self._batches = 0
+        self._keys_checked = 0
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    @property
+    def is_open(self) -> bool:
+        return self._task_group is not None
+
+    async def __aenter__(self) -> Self:
+        if self._task_group is not None:
+            raise RuntimeError("AsyncLookupManager is already open")
+        tg = anyio.create_task_group()
+        await tg.__aenter__()
+        self._task_group = tg
+        tg.start_soon(self._run, tg)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: types.TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Cancel the checks in flight; keys that were waiting become misses (unavailable)."""
+        tg, self._task_group = self._task_group, None
+        if tg is None:
+            return
+        tg.cancel_scope.cancel()
+        await tg.__aexit__(None, None, None)  # children are cancelled: this returns promptly
+        dropped = list(self._pending)
+        self._pending.clear()
+        self._in_flight.clear()
+        self._emit(dropped)
+
+    # -- synchronous answers ---------------------------------------------------------------
+
+    def lookup(self, key: bytes) -> LookupResult:
+        verdict = self._verdicts.get(key)
+        if verdict is not None:
+            present, expires, reason = verdict
+            if expires > self._clock():
+                if present:
+                    self._hits += 1
+                    return LookupResult.HIT
+                return self._miss(reason)
+            del self._verdicts[key]
+        if key in self._pending or key in self._in_flight:
+            self._retries += 1
+            return LookupResult.RETRY
+        if self._task_group is None:
+            return self._miss(MissReason.UNAVAILABLE)
+        if len(self._pending) + len(self._in_flight) >= self._max_pending:
+            self._log.warning("overload", "%s: too many existence checks pending", self.name)
+            return self._miss(MissReason.UNAVAILABLE)
+        self._pending[key] = None
+        self._wake.set()
+        self._retries += 1
+        return LookupResult.RETRY
+
+    def _miss(self, reason: MissReason) -> LookupResult:
+        self._misses += 1
+        self._miss_reasons[reason.value] = self._miss_reasons.get(reason.value, 0) + 1
+        return LookupResult.MISS
+
+    def record(self, key: bytes, present: bool, reason: MissReason = MissReason.NOT_FOUND) -> None:
+        """Set the verdict for ``key`` from outside (a store landed, a load found it bad)."""
+        now = self._clock()
+        expires = now + (self._hit_ttl if present else self._miss_ttl)
+        self._verdicts[key] = (present, expires, reason)
+        self._verdicts.move_to_end(key)
+        while len(self._verdicts) > self._max_entries:
+            self._verdicts.popitem(last=False)
+
+    def forget(self, key: bytes) -> None:
+        self._verdicts.pop(key, None)
+
+    def statistics(self) -> LookupStatistics:
+        return LookupStatistics(
+            hits=self._hits,
+            misses=self._misses,
+            retries=self._retries,
+            misses_by_reason=dict(self._miss_reasons),
+            cached_verdicts=len(self._verdicts),
+            pending=len(self._pending),
+            in_flight=len(self._in_flight),
+            batches=self._batches,
+            keys_checked=self._keys_checked,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"<AsyncLookupManager {self.name!r} open={self.is_open} cached={len(self._verdicts)} "
+            f"pending={len(self._pending)} in_flight={len(self._in_flight)}>"
+        )
+
+    # -- background ------------------------------------------------------------------------
+
+    async def _run(self, tg: anyio.abc.TaskGroup) -> None:
+        limiter = anyio.Semaphore(self._max_concurrency)
+        while True:
+            await self._wake.wait()
+            self._wake = anyio.Event()
+            while self._pending:
+                await limiter.acquire()
+                batch = []
+                for key in self._pending:
+                    batch.append(key)
+                    if len(batch) == self._batch_size:
+                        break
+                for key in batch:
+                    del self._pending[key]
+                self._in_flight.update(batch)
+                tg.start_soon(self._check, batch, limiter)
+
+    async def _check(self, batch: list[bytes], limiter: anyio.Semaphore) -> None:
+        try:
+            reason: MissReason | None = None
+            found: list[bool] = []
+            try:
+                with anyio.fail_after(self._timeout):
+                    found = await self._contains_many(batch)
+                if len(found) != len(batch):
+                    raise RuntimeError(f"contains_many returned {len(found)} answers")
+            except TimeoutError:
+                reason = MissReason.TIMEOUT
+            except TierError as exc:
+                reason = exc.reason
+            except Exception as exc:
+                reason = MissReason.UNAVAILABLE
+                self._log.warning("error", "%s: existence check failed: %r", self.name, exc)
+            if reason is not None:
+                self._log.warning(
+                    reason.value, "%s: existence checks resolve to miss (%s)", self.name, reason
+                )
+                for key in batch:
+                    self.record(key, False, reason)
+            else:
+                for key, present in zip(batch, found, strict=True):
+                    self.record(key, present)
+            self._batches += 1
+            self._keys_checked += len(batch)
+        finally:
+            limiter.release()
+            self._in_flight.difference_update(batch)
+            self._emit(batch)
+
+    def _emit(self, keys: list[bytes]) -> None:
+        if keys and self._on_verdict is not None:
+            self._on_verdict(keys)

@@ -1,0 +1,186 @@
+"""The secondary tier interface (design §3) and the counters every tier keeps."""
+
+from __future__ import annotations
+
+import types
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Self
+
+from kvtier._lookup import LookupResult, MissReason
+
+__all__ = ["LookupStatistics", "SecondaryTier", "TierMeter", "TierStatistics"]
+
+Listener = Callable[[bytes], None]
+
+
+@dataclass(frozen=True, slots=True)
+class LookupStatistics:
+    """What a tier's ``lookup()`` answered and what its existence checks are doing."""
+
+    hits: int = 0
+    misses: int = 0
+    retries: int = 0
+    misses_by_reason: Mapping[str, int] = field(default_factory=dict)
+    cached_verdicts: int = 0
+    pending: int = 0
+    in_flight: int = 0
+    batches: int = 0
+    keys_checked: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TierStatistics:
+    name: str
+    lookups: LookupStatistics
+    loads: int = 0
+    stores: int = 0
+    deletes: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    read_seconds: float = 0.0
+    write_seconds: float = 0.0
+    failures_by_reason: Mapping[str, int] = field(default_factory=dict)
+    evictions: int = 0
+    blocks: int = 0
+    bytes_stored: int = 0
+
+
+class TierMeter:
+    """Mutable counters behind ``TierStatistics``; tiers bump them, ``snapshot`` freezes them."""
+
+    def __init__(self) -> None:
+        self.loads = 0
+        self.stores = 0
+        self.deletes = 0
+        self.bytes_read = 0
+        self.bytes_written = 0
+        self.read_seconds = 0.0
+        self.write_seconds = 0.0
+        self.evictions = 0
+        self.failures: dict[str, int] = {}
+
+    def read(self, nbytes: int, seconds: float) -> None:
+        self.loads += 1
+        self.bytes_read += nbytes
+        self.read_seconds += seconds
+
+    def wrote(self, nbytes: int, seconds: float) -> None:
+        self.stores += 1
+        self.bytes_written += nbytes
+        self.write_seconds += seconds
+
+    def failed(self, reason: MissReason | str) -> None:
+        key = reason.value if isinstance(reason, MissReason) else reason
+        self.failures[key] = self.failures.get(key, 0) + 1
+
+    def snapshot(
+        self, name: str, lookups: LookupStatistics, *, blocks: int = 0, bytes_stored: int = 0
+    ) -> TierStatistics:
+        return TierStatistics(
+            name=name,
+            lookups=lookups,
+            loads=self.loads,
+            stores=self.stores,
+            deletes=self.deletes,
+            bytes_read=self.bytes_read,
+            bytes_written=self.bytes_written,
+            read_seconds=self.read_seconds,
+            write_seconds=self.write_seconds,
+            failures_by_reason=dict(self.failures),
+            evictions=self.evictions,
+            blocks=blocks,
+            bytes_stored=bytes_stored,
+        )
+
+
+class SecondaryTier(ABC):
+    """A store of whole blocks by key, below the primary pool.
+
+    ``lookup`` is synchronous and must not do I/O: a tier whose existence checks are slow
+    answers ``RETRY`` and resolves them in the background (compose an ``AsyncLookupManager``),
+    then calls ``notify`` so waiting schedulers wake. The async methods raise ``TierError``
+    subclasses; the manager turns those into misses with the error's reason.
+
+    A tier is an async context manager; ``aclose`` is idempotent and a closed tier can be
+    opened again (a ``TieringManager`` re-entered re-opens its tiers).
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._listeners: list[Listener] = []
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Connect, create folders, start background checks. The default needs nothing."""
+
+    @abstractmethod
+    async def aclose(self) -> None:
+        """Stop background work and release resources; safe to call more than once."""
+
+    async def __aenter__(self) -> Self:
+        await self.open()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: types.TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    # -- the contract ------------------------------------------------------------------------
+
+    @abstractmethod
+    def lookup(self, key: bytes) -> LookupResult:
+        """HIT, MISS or RETRY, without waiting."""
+
+    @abstractmethod
+    async def contains_many(self, keys: list[bytes]) -> list[bool]:
+        """Which of ``keys`` the tier holds, asked of the storage itself."""
+
+    @abstractmethod
+    async def load(self, key: bytes, dst: memoryview) -> None:
+        """Fill ``dst`` (exactly one block) with the verified bytes of ``key``."""
+
+    @abstractmethod
+    async def store(self, key: bytes, src: memoryview) -> None:
+        """Store one block; storing a key that exists already is harmless."""
+
+    @abstractmethod
+    async def delete(self, key: bytes) -> None:
+        """Remove ``key``; removing a missing key is not an error."""
+
+    @abstractmethod
+    def statistics(self) -> TierStatistics: ...
+
+    # -- feedback from the manager -----------------------------------------------------------
+
+    def record_miss(self, key: bytes, reason: MissReason) -> None:
+        """A load of ``key`` failed for ``reason``: stop answering HIT for it for a while."""
+
+    def record_hit(self, key: bytes) -> None:
+        """``key`` was just stored here: answer HIT without asking the storage."""
+
+    # -- change notification -----------------------------------------------------------------
+
+    def add_listener(self, listener: Listener) -> Callable[[], None]:
+        """Call ``listener(key)`` whenever the lookup answer for ``key`` may have changed."""
+        self._listeners.append(listener)
+        return lambda: self._listeners.remove(listener)
+
+    def notify(self, keys: Iterable[bytes]) -> None:
+        for key in keys:
+            for listener in self._listeners:
+                listener(key)
+
+    def __repr__(self) -> str:
+        s = self.statistics()
+        return (
+            f"<{type(self).__name__} {self.name!r} blocks={s.blocks} bytes={s.bytes_stored} "
+            f"hits={s.lookups.hits} misses={s.lookups.misses} pending={s.lookups.pending} "
+            f"in_flight={s.lookups.in_flight}>"
+        )

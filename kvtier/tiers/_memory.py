@@ -1,0 +1,106 @@
+"""An in-memory secondary tier: the reference implementation of the tier contract."""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+
+import anyio.lowlevel
+
+from kvtier._errors import BlockNotFoundError, InvalidArgumentError, TierNoSpaceError
+from kvtier._lookup import LookupResult, MissReason
+from kvtier.tiers._base import LookupStatistics, SecondaryTier, TierMeter, TierStatistics
+
+__all__ = ["MemoryTier"]
+
+
+class MemoryTier(SecondaryTier):
+    """Blocks in a dict. It needs no opening, so a test can fill it before a manager owns it.
+
+    ``lookup`` answers at once (HIT or MISS): an in-memory check is as cheap as a dict lookup.
+    With ``capacity_bytes`` the least recently used blocks are dropped to make room.
+    """
+
+    def __init__(self, name: str = "memory", *, capacity_bytes: int | None = None) -> None:
+        super().__init__(name)
+        if capacity_bytes is not None and (
+            isinstance(capacity_bytes, bool)
+            or not isinstance(capacity_bytes, int)
+            or capacity_bytes <= 0
+        ):
+            raise InvalidArgumentError(
+                f"capacity_bytes must be a positive int or None, got {capacity_bytes!r}"
+            )
+        self.capacity_bytes = capacity_bytes
+        self._blocks: OrderedDict[bytes, bytes] = OrderedDict()
+        self._bytes = 0
+        self._meter = TierMeter()
+        self._hits = 0
+        self._misses = 0
+
+    def lookup(self, key: bytes) -> LookupResult:
+        if key in self._blocks:
+            self._hits += 1
+            return LookupResult.HIT
+        self._misses += 1
+        return LookupResult.MISS
+
+    async def contains_many(self, keys: list[bytes]) -> list[bool]:
+        await anyio.lowlevel.checkpoint()
+        return [key in self._blocks for key in keys]
+
+    async def load(self, key: bytes, dst: memoryview) -> None:
+        await anyio.lowlevel.checkpoint()
+        started = time.perf_counter()
+        data = self._blocks.get(key)
+        if data is None:
+            self._meter.failed(MissReason.NOT_FOUND)
+            raise BlockNotFoundError("no such block", tier=self.name, operation="load", key=key)
+        if dst.nbytes != len(data):
+            raise InvalidArgumentError(
+                f"dst holds {dst.nbytes} bytes but block {key.hex()} is {len(data)} bytes"
+            )
+        dst.cast("B")[:] = data
+        self._blocks.move_to_end(key)
+        self._meter.read(len(data), time.perf_counter() - started)
+
+    async def store(self, key: bytes, src: memoryview) -> None:
+        await anyio.lowlevel.checkpoint()
+        started = time.perf_counter()
+        if key in self._blocks:
+            self._blocks.move_to_end(key)
+            return
+        data = bytes(src)
+        if self.capacity_bytes is not None:
+            if len(data) > self.capacity_bytes:
+                self._meter.failed(MissReason.NO_SPACE)
+                raise TierNoSpaceError(
+                    "block is larger than the tier", tier=self.name, operation="store", key=key
+                )
+            while self._bytes + len(data) > self.capacity_bytes:
+                _, dropped = self._blocks.popitem(last=False)
+                self._bytes -= len(dropped)
+                self._meter.evictions += 1
+        self._blocks[key] = data
+        self._bytes += len(data)
+        self._meter.wrote(len(data), time.perf_counter() - started)
+
+    async def delete(self, key: bytes) -> None:
+        await anyio.lowlevel.checkpoint()
+        data = self._blocks.pop(key, None)
+        if data is not None:
+            self._bytes -= len(data)
+            self._meter.deletes += 1
+
+    async def aclose(self) -> None:
+        """Nothing to release: the blocks stay, so a re-opened manager still finds them."""
+
+    def statistics(self) -> TierStatistics:
+        lookups = LookupStatistics(
+            hits=self._hits,
+            misses=self._misses,
+            misses_by_reason={"not_found": self._misses} if self._misses else {},
+        )
+        return self._meter.snapshot(
+            self.name, lookups, blocks=len(self._blocks), bytes_stored=self._bytes
+        )
