@@ -1,0 +1,212 @@
+"""AsyncLookupManager: RETRY while checks run, batching, coalescing, TTLs, faults."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from kvtier import AsyncLookupManager, LookupResult, TierUnavailableError
+
+
+def k(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+class Storage:
+    """A contains_many that records its batches and can be held at a gate."""
+
+    def __init__(self, present: set[bytes]) -> None:
+        self.present = present
+        self.batches: list[list[bytes]] = []
+        self.gate: anyio.Event | None = None
+        self.entered = anyio.Event()
+        self.error: Exception | None = None
+
+    async def contains_many(self, keys: list[bytes]) -> list[bool]:
+        self.batches.append(list(keys))
+        self.entered.set()
+        if self.gate is not None:
+            await self.gate.wait()
+        if self.error is not None:
+            raise self.error
+        return [key in self.present for key in keys]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Waker:
+    """An ``on_verdict`` callback that tests can wait on."""
+
+    def __init__(self) -> None:
+        self.changed = anyio.Event()
+
+    def __call__(self, keys: list[bytes]) -> None:
+        self.changed.set()
+        self.changed = anyio.Event()
+
+
+def manager_for(storage: Storage, **kwargs: object) -> AsyncLookupManager:
+    waker = Waker()
+    manager = AsyncLookupManager(storage.contains_many, on_verdict=waker, **kwargs)  # type: ignore[arg-type]
+    manager.waker = waker  # type: ignore[attr-defined]
+    return manager
+
+
+async def settle(manager: AsyncLookupManager, keys: list[bytes]) -> None:
+    """Wait, on the verdict notifications, until none of ``keys`` is pending."""
+    waker: Waker = manager.waker  # type: ignore[attr-defined]
+    with anyio.fail_after(5):
+        while any(manager.lookup(key) is LookupResult.RETRY for key in keys):
+            await waker.changed.wait()
+
+
+async def test_unknown_key_retries_then_resolves() -> None:
+    storage = Storage({k(1)})
+    async with manager_for(storage) as manager:
+        assert manager.lookup(k(1)) is LookupResult.RETRY
+        assert manager.lookup(k(2)) is LookupResult.RETRY
+        await settle(manager, [k(1), k(2)])
+        assert manager.lookup(k(1)) is LookupResult.HIT
+        assert manager.lookup(k(2)) is LookupResult.MISS
+        stats = manager.statistics()
+        assert set(stats.misses_by_reason) == {"not_found"}
+        assert stats.pending == stats.in_flight == 0
+
+
+async def test_duplicate_probes_coalesce_into_one_batched_check() -> None:
+    storage = Storage(set())
+    storage.gate = anyio.Event()
+    async with manager_for(storage, batch_size=64) as manager:
+        for _ in range(5):
+            for i in range(10):
+                assert manager.lookup(k(i)) is LookupResult.RETRY
+        await storage.entered.wait()
+        storage.gate.set()
+        await settle(manager, [k(i) for i in range(10)])
+    assert sorted(key for batch in storage.batches for key in batch) == [k(i) for i in range(10)]
+
+
+async def test_batches_respect_the_batch_size() -> None:
+    storage = Storage(set())
+    async with manager_for(storage, batch_size=4) as manager:
+        for i in range(10):
+            manager.lookup(k(i))
+        await settle(manager, [k(i) for i in range(10)])
+    assert all(len(batch) <= 4 for batch in storage.batches)
+    assert sum(len(batch) for batch in storage.batches) == 10
+
+
+async def test_a_check_that_times_out_becomes_a_timeout_miss() -> None:
+    storage = Storage({k(1)})
+    storage.gate = anyio.Event()  # never set
+    async with manager_for(storage, timeout=0.05) as manager:
+        assert manager.lookup(k(1)) is LookupResult.RETRY
+        await settle(manager, [k(1)])
+        assert manager.lookup(k(1)) is LookupResult.MISS
+        assert manager.statistics().misses_by_reason.get("timeout", 0) >= 1
+
+
+@pytest.mark.parametrize(
+    ("error", "reason"),
+    [
+        (TierUnavailableError("down", tier="t", operation="contains"), "unavailable"),
+        (OSError("disk on fire"), "unavailable"),
+    ],
+)
+async def test_a_failing_check_becomes_a_miss_with_its_reason(
+    error: Exception, reason: str
+) -> None:
+    storage = Storage({k(1)})
+    storage.error = error
+    async with manager_for(storage) as manager:
+        manager.lookup(k(1))
+        await settle(manager, [k(1)])
+        assert manager.lookup(k(1)) is LookupResult.MISS
+        assert set(manager.statistics().misses_by_reason) == {reason}
+
+
+async def test_misses_expire_after_their_ttl_but_hits_stay() -> None:
+    storage = Storage({k(1)})
+    clock = Clock()
+    async with manager_for(storage, miss_ttl=2.0, clock=clock) as manager:
+        manager.lookup(k(1))
+        manager.lookup(k(2))
+        await settle(manager, [k(1), k(2)])
+        storage.present.add(k(2))  # another node writes k(2)
+        clock.now = 1.0
+        assert manager.lookup(k(2)) is LookupResult.MISS  # still cached
+        clock.now = 3.0
+        assert manager.lookup(k(2)) is LookupResult.RETRY  # expired: asked again
+        assert manager.lookup(k(1)) is LookupResult.HIT
+        await settle(manager, [k(2)])
+        assert manager.lookup(k(2)) is LookupResult.HIT
+
+
+async def test_the_verdict_cache_is_bounded() -> None:
+    storage = Storage(set())
+    async with manager_for(storage, max_entries=8) as manager:
+        keys = [k(i) for i in range(50)]
+        for key in keys:
+            manager.lookup(key)
+        await settle(manager, keys[-8:])
+        assert manager.statistics().cached_verdicts <= 8
+
+
+async def test_pending_checks_are_bounded() -> None:
+    storage = Storage(set())
+    storage.gate = anyio.Event()
+    async with AsyncLookupManager(
+        storage.contains_many, max_pending=4, batch_size=2, max_concurrency=1
+    ) as manager:
+        answers = [manager.lookup(k(i)) for i in range(10)]
+        assert answers.count(LookupResult.RETRY) == 4
+        assert answers[4:] == [LookupResult.MISS] * 6
+        assert manager.statistics().misses_by_reason == {"unavailable": 6}
+        storage.gate.set()
+
+
+async def test_record_overrides_and_forget_clears() -> None:
+    storage = Storage(set())
+    async with manager_for(storage) as manager:
+        manager.record(k(1), True)
+        assert manager.lookup(k(1)) is LookupResult.HIT
+        manager.forget(k(1))
+        assert manager.lookup(k(1)) is LookupResult.RETRY
+    assert storage.batches == [] or storage.batches == [[k(1)]]
+
+
+async def test_closing_resolves_pending_keys_and_wakes_listeners() -> None:
+    storage = Storage({k(1)})
+    storage.gate = anyio.Event()
+    woken: list[bytes] = []
+    manager = AsyncLookupManager(storage.contains_many, on_verdict=woken.extend)
+    async with manager:
+        manager.lookup(k(1))
+        manager.lookup(k(2))
+        await storage.entered.wait()
+    assert sorted(woken) == [k(1), k(2)]
+    assert manager.lookup(k(1)) is LookupResult.MISS  # closed: nothing can answer
+    stats = manager.statistics()
+    assert stats.pending == stats.in_flight == 0
+    async with manager:  # and it can be opened again
+        assert manager.lookup(k(3)) is LookupResult.RETRY
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"batch_size": 0}, "batch_size"),
+        ({"timeout": -1}, "timeout"),
+        ({"miss_ttl": "2"}, "miss_ttl"),
+        ({"hit_ttl": 0}, "hit_ttl"),
+    ],
+)
+def test_bad_arguments_say_what_to_fix(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        AsyncLookupManager(Storage(set()).contains_many, **kwargs)  # type: ignore[arg-type]
