@@ -182,6 +182,10 @@ class TieringManager:
                 event.set()
         self._waiters.clear()
 
+    async def wait_idle(self) -> None:
+        """Return once no promotion or write-through is in flight (for a flush, or tests)."""
+        await self._idle.wait()
+
     def _check_open(self) -> anyio.abc.TaskGroup:
         if self._task_group is None:
             raise LifecycleError(

@@ -1,0 +1,346 @@
+"""TieringManager: the lookup algorithm of design §2.1, store, load, write-through, limits."""
+
+from __future__ import annotations
+
+import anyio
+import numpy as np
+import pytest
+import torch
+
+import kvtier
+from kvtier import HostPool, LookupResult, MemoryTier, MissReason, TieringManager
+from kvtier.testing import FailingTier, StallingTier, resolve_lookup
+
+BB = 4096
+H, P, R, M = (
+    LookupResult.HIT,
+    LookupResult.HIT_PENDING,
+    LookupResult.RETRY,
+    LookupResult.MISS,
+)
+
+
+def blocks(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (n, BB), dtype=np.uint8)
+
+
+async def fill(tier: kvtier.SecondaryTier, keys: list[bytes], data: np.ndarray) -> None:
+    for key, block in zip(keys, data, strict=True):
+        await tier.store(key, memoryview(block.tobytes()))
+
+
+async def until_not_retry(manager: TieringManager, key: bytes) -> LookupResult:
+    """Ask again each time the manager says something about ``key`` changed."""
+    with anyio.fail_after(5):
+        while True:
+            event = manager.watch([key])
+            try:
+                result = manager.lookup(key)
+                if result not in (R, P):
+                    return result
+                await event.wait()
+            finally:
+                manager.unwatch([key], event)
+
+
+async def test_primary_hit_and_miss(keys: list[bytes]) -> None:
+    async with TieringManager(HostPool(8, BB)) as manager:
+        assert manager.lookup(keys[0]) is M
+        assert await manager.store(keys[:2], blocks(2)) == 2
+        assert manager.lookup(keys[0]) is H
+        assert manager.statistics().misses_by_reason == {"not_found": 1}
+
+
+async def test_secondary_hit_promotes_and_second_lookup_is_pending(keys: list[bytes]) -> None:
+    slow = StallingTier()
+    await fill(slow.inner, keys[:1], blocks(1))
+    slow.stall("load")
+    async with TieringManager(HostPool(4, BB), [slow]) as manager:
+        assert await resolve_lookup(slow, keys[0]) is H  # existence known
+        assert manager.lookup(keys[0]) is R  # promotion started
+        assert manager.lookup(keys[0]) is P  # the slot is reserved: no second promotion
+        assert manager.statistics().promotions_started == 1
+        await slow.wait_stalled("load")
+        slow.release("load")
+        assert await until_not_retry(manager, keys[0]) is H
+        out = np.zeros((1, BB), np.uint8)
+        assert await manager.load(keys[:1], out) == 1
+        assert (out == blocks(1)).all()
+
+
+async def test_tiers_are_asked_in_order_and_the_first_hit_wins(keys: list[bytes]) -> None:
+    first, second = MemoryTier("first"), MemoryTier("second")
+    await fill(first, keys[:1], blocks(1, seed=1))
+    await fill(second, keys[:2], blocks(2, seed=2))
+    async with TieringManager(HostPool(4, BB), [first, second]) as manager:
+        assert manager.lookup(keys[0]) is R
+        assert manager.lookup(keys[1]) is R
+        assert await until_not_retry(manager, keys[0]) is H
+        assert await until_not_retry(manager, keys[1]) is H
+        out = np.zeros((2, BB), np.uint8)
+        await manager.load(keys[:2], out)
+    assert (out[0] == blocks(1, seed=1)[0]).all()
+    assert (out[1] == blocks(2, seed=2)[1]).all()
+    assert first.statistics().loads == 1 and second.statistics().loads == 1
+
+
+async def test_retry_from_any_tier_makes_a_retry(keys: list[bytes]) -> None:
+    slow = StallingTier()
+    slow.stall("contains")
+    async with TieringManager(HostPool(4, BB), [MemoryTier(), slow]) as manager:
+        assert manager.lookup(keys[0]) is R
+        await slow.wait_stalled("contains")
+        slow.release("contains")
+        assert await until_not_retry(manager, keys[0]) is M
+
+
+async def test_primary_full_answers_miss(keys: list[bytes]) -> None:
+    tier = MemoryTier()
+    await fill(tier, keys[4:5], blocks(1))
+    pool = HostPool(2, BB)
+    async with TieringManager(pool, [tier]) as manager:
+        await manager.store(keys[:2], blocks(2))
+        await manager.wait_idle()  # write-through done: only our pins hold the slots
+        pins = [pool.pin(key) for key in keys[:2]]
+        assert manager.lookup(keys[4]) is M
+        assert manager.statistics().misses_by_reason == {"primary_full": 1}
+        for slot in pins:
+            assert slot is not None
+            pool.unpin(slot)
+        assert manager.lookup(keys[4]) is R  # room again: evicts and promotes
+
+
+@pytest.mark.parametrize(
+    ("error", "reason"),
+    [
+        (kvtier.CorruptBlockError, "corrupt"),
+        (kvtier.TierUnavailableError, "unavailable"),
+        (kvtier.BlockNotFoundError, "not_found"),
+    ],
+)
+async def test_failed_promotion_frees_the_slot_and_marks_a_miss(
+    keys: list[bytes], error: type[kvtier.TierError], reason: str
+) -> None:
+    tier = FailingTier()
+    await fill(tier.inner, keys[:1], blocks(1))
+    tier.fail("load", error=error)
+    pool = HostPool(4, BB)
+    async with TieringManager(pool, [tier]) as manager:
+        assert await resolve_lookup(tier, keys[0]) is H
+        assert manager.lookup(keys[0]) is R
+        assert await until_not_retry(manager, keys[0]) is M  # not a loop of retries
+        stats = manager.statistics()
+        assert stats.promotions_failed_by_reason == {reason: 1}
+        assert stats.pool.free == 4 and stats.pool.writing == 0
+        assert tier.statistics().lookups.misses_by_reason.get(reason, 0) >= 1
+
+
+async def test_promotion_timeout_frees_the_slot(keys: list[bytes]) -> None:
+    slow = StallingTier()
+    await fill(slow.inner, keys[:1], blocks(1))
+    slow.stall("load")
+    pool = HostPool(4, BB)
+    async with TieringManager(pool, [slow], promotion_timeout=0.05) as manager:
+        assert await resolve_lookup(slow, keys[0]) is H
+        assert manager.lookup(keys[0]) is R
+        assert await until_not_retry(manager, keys[0]) is M
+        assert manager.statistics().promotions_failed_by_reason == {"timeout": 1}
+        assert pool.statistics().writing == 0
+        slow.release("load")
+
+
+async def test_store_writes_through_to_every_tier(keys: list[bytes]) -> None:
+    a, b = MemoryTier("a"), MemoryTier("b")
+    data = blocks(4)
+    async with TieringManager(HostPool(8, BB), [a, b]) as manager:
+        assert await manager.store(keys[:4], data) == 4
+        assert await manager.store(keys[:4], data) == 0  # already present: skipped
+    for tier in (a, b):
+        for key, block in zip(keys[:4], data, strict=True):
+            out = bytearray(BB)
+            await tier.load(key, memoryview(out))
+            assert out == block.tobytes()
+    stats = manager.statistics()
+    assert stats.cascades_started == stats.cascades_succeeded == 4
+    assert stats.stores_skipped_present == 4
+    assert stats.pool.pinned == 0 and stats.in_flight_bytes == 0
+
+
+async def test_write_through_is_bounded_by_in_flight_bytes(keys: list[bytes]) -> None:
+    slow = StallingTier()
+    slow.stall("store")
+    async with TieringManager(HostPool(8, BB), [slow], max_in_flight_bytes=2 * BB) as manager:
+        await manager.store(keys[:5], blocks(5))
+        stats = manager.statistics()
+        assert stats.cascades_started == 2
+        assert stats.cascades_skipped == 3
+        assert stats.in_flight_bytes == 2 * BB
+        slow.release("store")
+
+
+async def test_failed_write_through_is_counted_and_the_block_stays(keys: list[bytes]) -> None:
+    tier = FailingTier()
+    tier.fail("store", error=kvtier.TierNoSpaceError)
+    async with TieringManager(HostPool(8, BB), [tier]) as manager:
+        await manager.store(keys[:2], blocks(2))
+    stats = manager.statistics()
+    assert stats.cascade_failures_by_reason == {"no_space": 2}
+    assert stats.pool.ready == 2 and stats.pool.pinned == 0
+
+
+async def test_exit_finishes_cascades_then_cancels_the_rest(keys: list[bytes]) -> None:
+    slow = StallingTier()
+    fast = MemoryTier()
+    slow.stall("store")
+    async with TieringManager(HostPool(8, BB), [fast, slow], close_timeout=0.05) as manager:
+        await manager.store(keys[:3], blocks(3))
+    stats = manager.statistics()
+    assert stats.cascades_cancelled == 3
+    assert stats.background_tasks == 0
+    assert stats.pool.pinned == 0 and stats.in_flight_bytes == 0
+    assert fast.statistics().blocks == 3  # the healthy tier got its writes
+
+
+async def test_exit_waits_for_cascades_that_finish_in_time(keys: list[bytes]) -> None:
+    slow = StallingTier()
+    slow.stall("store")
+    async with anyio.create_task_group() as tg:
+        async with TieringManager(HostPool(8, BB), [slow], close_timeout=30) as manager:
+            await manager.store(keys[:2], blocks(2))
+            await slow.wait_stalled("store")
+            tg.start_soon(lambda: _release_later(slow))
+    assert manager.statistics().cascades_cancelled == 0
+    assert slow.inner.statistics().blocks == 2
+
+
+async def _release_later(tier: StallingTier) -> None:
+    await anyio.lowlevel.checkpoint()
+    tier.release("store")
+
+
+async def test_load_accepts_numpy_torch_and_lists(keys: list[bytes]) -> None:
+    data = blocks(3)
+    async with TieringManager(HostPool(8, BB)) as manager:
+        await manager.store(keys[:3], torch.from_numpy(data.copy()).view(torch.float16))
+        out_np = np.zeros((3, BB), np.uint8)
+        assert await manager.load(keys[:3], out_np) == 3
+        out_t = torch.zeros(3, BB // 2, dtype=torch.bfloat16)
+        assert await manager.load(keys[:3], out_t) == 3
+        out_list = [np.zeros(BB // 4, np.float32) for _ in range(3)]
+        assert await manager.load(keys[:3], out_list) == 3
+    assert (out_np == data).all()
+    assert (out_t.view(torch.uint8).numpy() == data).all()
+    assert all((o.view(np.uint8) == d).all() for o, d in zip(out_list, data, strict=True))
+
+
+async def test_load_stops_at_the_first_block_not_in_the_pool(keys: list[bytes]) -> None:
+    async with TieringManager(HostPool(8, BB)) as manager:
+        await manager.store([keys[0], keys[2]], blocks(2))
+        out = np.zeros((3, BB), np.uint8)
+        assert await manager.load(keys[:3], out) == 1
+        assert manager.statistics().pool.pinned == 0
+
+
+async def test_large_copies_leave_the_loop_responsive(keys: list[bytes]) -> None:
+    big = 1 << 20
+    data = np.ones((4, big), np.uint8)
+    async with TieringManager(HostPool(4, big)) as manager:
+        assert await manager.store(keys[:4], data) == 4  # 4 MiB: copied in a worker thread
+        out = np.zeros_like(data)
+        assert await manager.load(keys[:4], out) == 4
+    assert (out == 1).all()
+
+
+async def test_dtype_is_enforced_when_configured(keys: list[bytes]) -> None:
+    async with TieringManager(HostPool(8, BB), dtype=torch.float16) as manager:
+        with pytest.raises(ValueError, match="dtype float32 but this manager was configured for float16"):
+            await manager.store(keys[:1], np.zeros((1, BB // 4), np.float32))
+        await manager.store(keys[:1], np.zeros((1, BB // 2), np.float16))
+
+
+@pytest.mark.parametrize(
+    ("make_blocks", "message"),
+    [
+        (lambda: np.zeros((2, BB), np.uint8), "has 2 blocks along its first axis but 3 keys"),
+        (lambda: np.zeros((3, BB + 1), np.uint8), "holds 4097 bytes but the pool's blocks are 4096"),
+        (lambda: [np.zeros(BB, np.uint8)] * 2, "has 2 blocks but 3 keys"),
+        (lambda: np.zeros((3, BB), object), "dtype object"),
+        (lambda: np.zeros((3, 2 * BB), np.uint8)[:, ::2], "C-contiguous"),
+        (lambda: "bytes please", "must be an array with a leading block axis"),
+    ],
+)
+async def test_bad_blocks_raise_before_anything_changes(
+    keys: list[bytes], make_blocks: object, message: str
+) -> None:
+    async with TieringManager(HostPool(8, BB), [MemoryTier()]) as manager:
+        await manager.store(keys[3:4], blocks(1))
+        before = manager.statistics()
+        with pytest.raises(ValueError, match=message):
+            await manager.store(keys[:3], make_blocks())  # type: ignore[operator]
+        with pytest.raises(ValueError, match=message):
+            await manager.load(keys[:3], make_blocks())  # type: ignore[operator]
+        after = manager.statistics()
+        assert after.pool == before.pool
+
+
+async def test_bad_keys_say_what_to_fix(keys: list[bytes]) -> None:
+    async with TieringManager(HostPool(8, BB)) as manager:
+        with pytest.raises(ValueError, match=r"keys\[1\] must be bytes"):
+            await manager.store([keys[0], "abc"], blocks(2))  # type: ignore[list-item]
+        with pytest.raises(ValueError, match="not one key"):
+            await manager.store(keys[0], blocks(1))
+        out = np.zeros((1, BB), np.uint8)
+        out.flags.writeable = False
+        with pytest.raises(ValueError, match="read-only"):
+            await manager.load(keys[:1], out)
+
+
+def test_constructor_validates(keys: list[bytes]) -> None:
+    pool = HostPool(2, BB)
+    with pytest.raises(ValueError, match="pool must be a kvtier pool"):
+        TieringManager(object())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="list of tiers"):
+        TieringManager(pool, MemoryTier())  # type: ignore[arg-type]
+    tier = MemoryTier()
+    with pytest.raises(ValueError, match="listed twice"):
+        TieringManager(pool, [tier, tier])
+    with pytest.raises(ValueError, match="promotion_timeout must be a positive number"):
+        TieringManager(pool, promotion_timeout=0)
+
+
+async def test_use_outside_async_with_is_a_clear_error(keys: list[bytes]) -> None:
+    manager = TieringManager(HostPool(2, BB), [MemoryTier()])
+    with pytest.raises(kvtier.LifecycleError, match="async with"):
+        manager.lookup(keys[0])
+    with pytest.raises(kvtier.LifecycleError, match="async with"):
+        await manager.store(keys[:1], blocks(1))
+
+
+async def test_manager_can_be_reentered_and_tiers_keep_their_blocks(keys: list[bytes]) -> None:
+    tier = StallingTier()
+    manager = TieringManager(HostPool(4, BB), [tier])
+    async with manager:
+        await manager.store(keys[:2], blocks(2))
+    async with manager:
+        assert manager.lookup(keys[0]) is H
+    manager2 = TieringManager(HostPool(4, BB), [tier])
+    async with manager2:
+        assert await until_not_retry(manager2, keys[1]) is H
+    assert "closed" in repr(manager2)
+
+
+async def test_statistics_add_up(keys: list[bytes]) -> None:
+    tier = MemoryTier()
+    await fill(tier, keys[10:12], blocks(2))
+    async with TieringManager(HostPool(8, BB), [tier]) as manager:
+        await manager.store(keys[:3], blocks(3))
+        for key in keys[:3] + keys[10:12] + keys[15:16]:
+            manager.lookup(key)
+        await until_not_retry(manager, keys[10])
+        await until_not_retry(manager, keys[11])
+        stats = manager.statistics()
+    total = stats.lookups_hit + stats.lookups_hit_pending + stats.lookups_retry + stats.lookups_miss
+    assert total >= 6
+    assert stats.promotions_started == stats.promotions_succeeded == 2
+    assert stats.pool.ready == 5 and stats.pool.commits == 5
+    assert stats.misses_by_reason == {MissReason.NOT_FOUND.value: 1}
