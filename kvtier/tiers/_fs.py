@@ -1,0 +1,405 @@
+"""A secondary tier in a local or shared folder: one verified file per block (design §3-4).
+
+Layout: ``<root>/<2 hex>/<2 hex>/<hex key>`` plus ``<root>/kvtier-fs.json``, the format marker.
+The two shard folders are the key's *last* four hex digits (keys start with a version byte).
+Folders are 0700 and files 0600: KV blocks are as private as the prompts they came from.
+
+What makes it trustworthy:
+
+- **Never a torn or wrong block.** A block is written to a uniquely named temporary file beside
+  its final place and renamed into place, so a reader sees the whole file or none. Every load
+  checks the header (magic, version, key, length) and the payload's xxh3-64 before the bytes
+  count as loaded; a bad file is removed, counted as ``corrupt`` and becomes a miss.
+- **Survives kill -9 and restarts.** A process killed mid-store leaves at most a temporary file,
+  which the next ``open()`` removes once its writer is gone; a new ``FSTier`` on the same folder
+  rebuilds its index (and its usage) from the files, oldest first.
+- **Bounded.** With ``capacity_bytes`` the least recently used blocks are removed before a store
+  would pass the limit.
+- **Shares a folder.** Several processes may use one folder: publishing is a rename, removal is
+  an unlink, and a reader holding a file open keeps reading it even if another process evicts
+  it, so the worst another process can do is turn a hit into a miss.
+- **Never blocks the loop.** Each operation is one call in a worker thread (``anyio.to_thread``,
+  bounded by ``max_concurrency``); see ``_fs_io``. aiofiles would cost one thread hop per OS call
+  (open, write, fsync, close, rename: five per store) and could be abandoned between them by a
+  cancellation, leaving a temporary file behind; one hop per operation is faster and atomic.
+
+The ``fsync`` policy (what a store costs against what a crash of the *machine* can lose; a
+crash of the process, kill -9 included, loses nothing that ``store`` returned under any policy,
+because the page cache survives it):
+
+- ``never``: fastest. After a power loss a recently stored block may be missing or, on some
+  filesystems, present with zeroed or stale contents; the checksum catches that, so it is a
+  miss (``corrupt``), never wrong bytes.
+- ``data`` (default): ``fdatasync`` before the rename, so after a power loss a published block
+  is whole; the newest blocks may be missing (their rename was not yet durable).
+- ``always``: also ``fsync`` the folder after the rename, so a block is durable when ``store``
+  returns. The slowest; for a cache it rarely pays.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+import anyio
+import anyio.to_thread
+
+from kvtier._errors import (
+    BlockNotFoundError,
+    CorruptBlockError,
+    InvalidArgumentError,
+    TierError,
+    TierNoSpaceError,
+    TierUnavailableError,
+)
+from kvtier._format import header_size
+from kvtier._keys import check_key
+from kvtier._logging import BurstLogger
+from kvtier._lookup import LookupResult, MissReason
+from kvtier.tiers import _fs_io as io
+from kvtier.tiers._async_lookup import AsyncLookupManager
+from kvtier.tiers._base import SecondaryTier, TierMeter, TierStatistics
+
+__all__ = ["FSYNC_POLICIES", "FSTier"]
+
+logger = logging.getLogger(__name__)
+
+FSYNC_POLICIES = ("never", "data", "always")
+_NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+
+
+def _positive(value: object, name: str, kind: type | tuple[type, ...], hint: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, kind) or not value > 0:  # type: ignore[operator]
+        raise InvalidArgumentError(f"{name} must be {hint}, got {value!r}")
+
+
+class FSTier(SecondaryTier):
+    """Blocks as files under ``root``; see the module docstring for the guarantees."""
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        name: str = "fs",
+        capacity_bytes: int | None = None,
+        fsync: str = "data",
+        miss_ttl: float = 2.0,
+        lookup_batch_size: int = 256,
+        lookup_timeout: float = 5.0,
+        max_concurrency: int = 16,
+    ) -> None:
+        if not isinstance(root, str | os.PathLike) or not os.fspath(root):
+            raise InvalidArgumentError(
+                f"root must be a folder path (str or os.PathLike), got {root!r}"
+            )
+        if not isinstance(os.fspath(root), str):
+            raise InvalidArgumentError("root must be a str path, not bytes; decode it first")
+        if not isinstance(name, str) or not name:
+            raise InvalidArgumentError(f"name must be a non-empty str, got {name!r}")
+        if capacity_bytes is not None:
+            _positive(capacity_bytes, "capacity_bytes", int, "a positive int (bytes) or None")
+        if fsync not in FSYNC_POLICIES:
+            raise InvalidArgumentError(f"fsync must be one of {FSYNC_POLICIES}, got {fsync!r}")
+        _positive(miss_ttl, "miss_ttl", (int, float), "a positive number of seconds")
+        _positive(lookup_batch_size, "lookup_batch_size", int, "a positive int")
+        _positive(lookup_timeout, "lookup_timeout", (int, float), "a positive number of seconds")
+        _positive(max_concurrency, "max_concurrency", int, "a positive int")
+        super().__init__(name)
+        self.root = Path(os.path.abspath(os.path.expanduser(os.fspath(root))))
+        self.capacity_bytes = capacity_bytes
+        self.fsync = fsync
+        self._limiter = anyio.CapacityLimiter(max_concurrency)
+        self._lookups = AsyncLookupManager(
+            self.contains_many,
+            name=name,
+            batch_size=lookup_batch_size,
+            max_concurrency=max(1, min(4, max_concurrency)),
+            timeout=lookup_timeout,
+            miss_ttl=miss_ttl,
+            on_verdict=self.notify,
+        )
+        # Synchronous bookkeeping: file name -> size, least recently used first.
+        self._index: OrderedDict[str, int] = OrderedDict()
+        self._used = 0  # bytes of the files in the index
+        self._reserved = 0  # bytes of stores in flight, counted against the capacity
+        self._storing: dict[str, anyio.Event] = {}
+        self._ready = False
+        self._meter = TierMeter()
+        self._log = BurstLogger(logger)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Prepare the root and start the existence checks.
+
+        An incompatible or foreign root raises ``InvalidArgumentError``: nothing is touched.
+        A root that cannot be used now (missing parent, permissions, I/O error) does not: the
+        tier opens degraded (stores fail as ``unavailable``, lookups are misses) and tries
+        again on the next store, so a late mount recovers without a restart.
+        """
+        if self._lookups.is_open:
+            return
+        await self._prepare(raise_unavailable=False)
+        await self._lookups.__aenter__()
+
+    async def aclose(self) -> None:
+        """Stop the existence checks. The blocks stay; opening again rescans the folder."""
+        await self._lookups.aclose()
+        self._ready = False
+
+    async def _prepare(self, *, raise_unavailable: bool) -> None:
+        try:
+            entries = await anyio.to_thread.run_sync(io.prepare_root, self.root)
+        except io.IncompatibleRoot as exc:
+            raise InvalidArgumentError(str(exc)) from None
+        except OSError as exc:
+            self._ready = False
+            self._log.warning(
+                "root", "%s: cannot use root %s (%s); tier degraded", self.name, self.root, exc
+            )
+            if raise_unavailable:
+                raise self._error(exc, "store") from exc
+            return
+        self._index = OrderedDict((e.name, e.size) for e in entries)
+        self._used = sum(e.size for e in entries)
+        self._ready = True
+
+    # -- lookup --------------------------------------------------------------------------------
+
+    def lookup(self, key: bytes) -> LookupResult:
+        return self._lookups.lookup(key)
+
+    def record_miss(self, key: bytes, reason: MissReason) -> None:
+        self._lookups.record(key, False, reason)
+
+    def record_hit(self, key: bytes) -> None:
+        self._lookups.record(key, True)
+
+    async def contains_many(self, keys: list[bytes]) -> list[bool]:
+        names = [io.name_of(check_key(k)) for k in keys]
+        try:
+            sizes = await anyio.to_thread.run_sync(
+                io.stat_many, self.root, names, limiter=self._limiter
+            )
+        except OSError as exc:
+            raise self._error(exc, "contains") from exc
+        for name, size in zip(names, sizes, strict=True):
+            if size is None:
+                self._drop(name)
+            elif name not in self._index:  # written by another process: account for it
+                self._add(name, size)
+        return [size is not None for size in sizes]
+
+    # -- data ----------------------------------------------------------------------------------
+
+    async def load(self, key: bytes, dst: memoryview) -> None:
+        check_key(key)
+        view = _writable_bytes(dst)
+        name = io.name_of(key)
+        started = time.perf_counter()
+        try:
+            outcome = await anyio.to_thread.run_sync(
+                io.read_block, self.root, name, key, view, limiter=self._limiter
+            )
+        except io.WrongSize as exc:
+            raise InvalidArgumentError(
+                f"dst holds {view.nbytes} bytes but block {key.hex()} is {exc.stored} bytes"
+            ) from None
+        except io.Corrupt as exc:
+            self._drop(name)
+            self._fail(key, MissReason.CORRUPT, "load", str(exc))
+            raise CorruptBlockError(str(exc), tier=self.name, operation="load", key=key) from exc
+        except OSError as exc:
+            error = self._error(exc, "load", key)
+            self._lookups.record(key, False, error.reason)
+            raise error from exc
+        if outcome is io.ReadOutcome.MISSING:
+            self._drop(name)
+            self._fail(key, MissReason.NOT_FOUND, "load", None)
+            raise BlockNotFoundError("no such block", tier=self.name, operation="load", key=key)
+        if name in self._index:
+            self._index.move_to_end(name)
+        else:
+            self._add(name, header_size(len(key)) + view.nbytes)
+        self._meter.read(view.nbytes, time.perf_counter() - started)
+
+    async def store(self, key: bytes, src: memoryview) -> None:
+        check_key(key)
+        payload = _readable_bytes(src)
+        name = io.name_of(key)
+        while (busy := self._storing.get(name)) is not None:
+            await busy.wait()  # the same key is being written: let that store decide
+        done = self._storing[name] = anyio.Event()
+        try:
+            await self._store(key, name, payload)
+        finally:
+            del self._storing[name]
+            done.set()
+
+    async def _store(self, key: bytes, name: str, payload: memoryview) -> None:
+        started = time.perf_counter()
+        if not self._ready:
+            try:
+                await self._prepare(raise_unavailable=True)
+            except TierError as exc:
+                self._meter.failed(exc.reason)
+                raise
+        size = header_size(len(key)) + payload.nbytes
+        victims = self._choose_victims(key, name, size)
+        self._reserved += size
+        ran = False
+
+        def write() -> tuple[io.WriteOutcome, int]:
+            nonlocal ran
+            ran = True
+            names = [v for v, _ in victims]
+            return io.write_block(self.root, name, key, payload, self.fsync, names)
+
+        try:
+            outcome, on_disk = await anyio.to_thread.run_sync(write, limiter=self._limiter)
+        except BaseException as exc:
+            if ran:
+                self._evicted(victims)  # they may be gone: never count them again
+            else:  # cancelled before the thread started: nothing happened on disk
+                self._restore(victims)
+            if isinstance(exc, OSError):
+                raise self._error(exc, "store", key) from exc
+            raise
+        finally:
+            self._reserved -= size
+        if outcome is io.WriteOutcome.EXISTS:
+            self._restore(victims)  # not needed after all
+        else:
+            self._evicted(victims)
+            self._meter.wrote(payload.nbytes, time.perf_counter() - started)
+        self._add(name, on_disk)
+        self._lookups.record(key, True)
+
+    def _choose_victims(self, key: bytes, name: str, size: int) -> list[tuple[str, int]]:
+        """Take least recently used blocks out of the index until ``size`` more bytes fit."""
+        if self.capacity_bytes is None:
+            return []
+        if size > self.capacity_bytes:
+            self._meter.failed(MissReason.NO_SPACE)
+            raise TierNoSpaceError(
+                f"a block of {size} bytes is larger than capacity_bytes={self.capacity_bytes}",
+                tier=self.name,
+                operation="store",
+                key=key,
+            )
+        victims: list[tuple[str, int]] = []
+        budget = self.capacity_bytes - self._reserved - size
+        while self._used > budget and self._index:
+            victim, victim_size = self._index.popitem(last=False)
+            if victim == name:  # it is there already: it needs no room
+                self._index[victim] = victim_size
+                if len(self._index) == 1:
+                    break
+                continue
+            self._used -= victim_size
+            victims.append((victim, victim_size))
+        return victims
+
+    def _restore(self, victims: list[tuple[str, int]]) -> None:
+        for victim, victim_size in reversed(victims):
+            if victim not in self._index:
+                self._index[victim] = victim_size
+                self._index.move_to_end(victim, last=False)
+                self._used += victim_size
+
+    def _evicted(self, victims: list[tuple[str, int]]) -> None:
+        self._meter.evictions += len(victims)
+        keys = [k for v, _ in victims if (k := io.key_of(v)) is not None]
+        for k in keys:
+            self._lookups.record(k, False, MissReason.EVICTED)
+        if keys:
+            self.notify(keys)
+
+    async def delete(self, key: bytes) -> None:
+        check_key(key)
+        name = io.name_of(key)
+        try:
+            removed = await anyio.to_thread.run_sync(
+                io.remove_block, self.root, name, limiter=self._limiter
+            )
+        except OSError as exc:
+            raise self._error(exc, "delete", key) from exc
+        self._drop(name)
+        self._lookups.record(key, False, MissReason.NOT_FOUND)
+        self._meter.deletes += removed
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+
+    def _add(self, name: str, size: int) -> None:
+        self._drop(name)
+        self._index[name] = size
+        self._used += size
+
+    def _drop(self, name: str) -> None:
+        size = self._index.pop(name, None)
+        if size is not None:
+            self._used -= size
+
+    def _fail(self, key: bytes, reason: MissReason, operation: str, detail: str | None) -> None:
+        self._meter.failed(reason)
+        self._lookups.record(key, False, reason)
+        if detail is not None:
+            self._log.warning(
+                f"{operation}:{reason.value}",
+                "%s: %s of %s failed (%s): %s; file removed",
+                self.name,
+                operation,
+                key.hex(),
+                reason.value,
+                detail,
+            )
+
+    def _error(self, exc: OSError, operation: str, key: bytes | None = None) -> TierError:
+        """The one place an ``OSError`` becomes a kvtier error; counts and logs it."""
+        cls: type[TierError] = TierNoSpaceError if exc.errno in _NO_SPACE else TierUnavailableError
+        self._meter.failed(cls.reason)
+        code = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+        self._log.warning(
+            f"{operation}:{code}", "%s: %s failed: %s (%s)", self.name, operation, code, exc
+        )
+        return cls(f"{code}: {exc.strerror or exc}", tier=self.name, operation=operation, key=key)
+
+    def statistics(self) -> TierStatistics:
+        return self._meter.snapshot(
+            self.name,
+            self._lookups.statistics(),
+            blocks=len(self._index),
+            bytes_stored=self._used,
+        )
+
+    def __repr__(self) -> str:
+        s = self.statistics()
+        return (
+            f"<FSTier {self.name!r} root={str(self.root)!r} ready={self._ready} "
+            f"blocks={s.blocks} bytes={s.bytes_stored} capacity={self.capacity_bytes} "
+            f"fsync={self.fsync} storing={len(self._storing)} pending={s.lookups.pending}>"
+        )
+
+
+def _writable_bytes(dst: object) -> memoryview:
+    if not isinstance(dst, memoryview):
+        raise InvalidArgumentError(f"dst must be a memoryview, got {type(dst).__name__}")
+    if dst.readonly:
+        raise InvalidArgumentError("dst must be writable; pass a memoryview of a writable buffer")
+    return _flat(dst, "dst")
+
+
+def _readable_bytes(src: object) -> memoryview:
+    if not isinstance(src, memoryview):
+        raise InvalidArgumentError(f"src must be a memoryview, got {type(src).__name__}")
+    return _flat(src, "src")
+
+
+def _flat(view: memoryview, what: str) -> memoryview:
+    if not view.c_contiguous:
+        raise InvalidArgumentError(f"{what} must be C-contiguous; copy it into one buffer first")
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")

@@ -1,0 +1,412 @@
+"""The blocking half of ``FSTier``: plain functions that run in worker threads, never on the loop.
+
+Each public operation (store one block, load one block, stat a batch, prepare a root) is one
+function, so an ``FSTier`` call costs one thread hop and a cancelled caller can never abandon a
+file half-written: the thread runs the whole operation (including cleanup of its temporary
+file) to the end, then the caller looks at the outcome.
+
+Every OS call that moves bytes goes through the module-level names ``_writev`` and ``_preadv``:
+that is the single boundary where a test injects ENOSPC or EIO when the machine cannot give it a
+real full or failing filesystem.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import errno
+import hashlib
+import json
+import os
+import re
+import secrets
+import socket
+import stat
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvtier._format import (
+    FORMAT_VERSION,
+    HeaderError,
+    checksum,
+    decode_header,
+    encode_header,
+    header_size,
+)
+
+__all__ = [
+    "LAYOUT_VERSION",
+    "MARKER_NAME",
+    "STALE_TMP_SECONDS",
+    "Corrupt",
+    "Entry",
+    "IncompatibleRoot",
+    "ReadOutcome",
+    "WriteOutcome",
+    "WrongSize",
+    "key_of",
+    "name_of",
+    "path_of",
+    "prepare_root",
+    "read_block",
+    "remove_block",
+    "stat_many",
+    "write_block",
+]
+
+LAYOUT_VERSION = 1
+MARKER_NAME = "kvtier-fs.json"
+_MARKER = {"format": "kvtier-fs", "layout": LAYOUT_VERSION, "block_format": FORMAT_VERSION}
+# A temporary file from another host (or from before a reboot) whose writer we cannot ask about
+# is removed once it is this old: no store takes anywhere near an hour.
+STALE_TMP_SECONDS = 3600.0
+_TMP_PREFIX = ".tmp-"
+_SHARD = re.compile(r"[0-9a-f]{2}")
+_NAME = re.compile(r"[0-9a-f]{2,200}|h[0-9a-f]{64}")
+_MAX_HEX_KEY = 100  # longer keys are named by a hash so a file name stays under NAME_MAX
+_DIR_MODE = 0o700
+_FILE_MODE = 0o600
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+# The byte-moving OS calls, named once so tests can inject a fault at exactly this boundary.
+_writev = os.writev
+_preadv = os.preadv
+
+
+def _host_tag() -> str:
+    """Names this host and boot, so a new process can tell a dead local writer's temporary
+    file (pid gone) from one that another machine on a shared filesystem is still writing."""
+    boot = b""
+    with contextlib.suppress(OSError):
+        boot = Path("/proc/sys/kernel/random/boot_id").read_bytes().strip()
+    return hashlib.blake2b(socket.gethostname().encode() + b"/" + boot, digest_size=4).hexdigest()
+
+
+HOST_TAG = _host_tag()
+
+
+class IncompatibleRoot(Exception):
+    """The root was written by another format, or is not a kvtier folder; never touched."""
+
+
+class Corrupt(Exception):
+    """The file failed verification; it has been removed."""
+
+
+class WrongSize(Exception):
+    """The block is intact but the caller's buffer has another size."""
+
+    def __init__(self, stored: int) -> None:
+        super().__init__(stored)
+        self.stored = stored
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    name: str
+    size: int
+    mtime: float
+
+
+class WriteOutcome(enum.Enum):
+    WRITTEN = "written"
+    EXISTS = "exists"
+
+
+class ReadOutcome(enum.Enum):
+    LOADED = "loaded"
+    MISSING = "missing"
+
+
+# -- names and paths ---------------------------------------------------------------------------
+
+
+def name_of(key: bytes) -> str:
+    """File name of ``key``: its hex (only ``[0-9a-f]``, so it can never name a path outside the
+    root), or ``h`` + a hash of it for keys too long for one file name."""
+    if len(key) <= _MAX_HEX_KEY:
+        return key.hex()
+    return "h" + hashlib.blake2b(key, digest_size=32).hexdigest()
+
+
+def key_of(name: str) -> bytes | None:
+    """The key a file name stands for, when the name says it (hashed names do not)."""
+    return None if name.startswith("h") else bytes.fromhex(name)
+
+
+def path_of(root: Path, name: str) -> Path:
+    if _NAME.fullmatch(name) is None:  # belt and braces: names come from name_of only
+        raise AssertionError(f"refusing unsafe block file name {name!r}")
+    # Shard on the last four hex digits: keys from ``block_keys`` start with their scheme
+    # version byte, so the first digits would put every block under one folder.
+    shard = name.rjust(4, "0")[-4:]
+    return root / shard[0:2] / shard[2:4] / name
+
+
+# -- opening a root ----------------------------------------------------------------------------
+
+
+def prepare_root(root: Path) -> list[Entry]:
+    """Make ``root`` usable and list its blocks, oldest first.
+
+    Creates the root (only its last component: a missing parent usually means a filesystem
+    that is not mounted, and writing under it would fill the wrong disk), checks or writes the
+    format marker, removes temporary files whose writer is gone, and lists every block file.
+    """
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(root, _DIR_MODE)
+    _check_marker(root)
+    entries: list[Entry] = []
+    now = time.time()
+    for first in _subdirs(root):
+        for second in _subdirs(first):
+            with os.scandir(second) as it:
+                for item in it:
+                    if item.name.startswith(_TMP_PREFIX):
+                        _maybe_remove_tmp(item, now)
+                    elif _NAME.fullmatch(item.name) is not None:
+                        with contextlib.suppress(FileNotFoundError):
+                            st = item.stat(follow_symlinks=False)
+                            if stat.S_ISREG(st.st_mode):
+                                entries.append(Entry(item.name, st.st_size, st.st_mtime))
+    entries.sort(key=lambda e: e.mtime)
+    return entries
+
+
+def _subdirs(folder: str | Path) -> list[str]:
+    with os.scandir(folder) as it:
+        return [
+            e.path
+            for e in it
+            if _SHARD.fullmatch(e.name) is not None and e.is_dir(follow_symlinks=False)
+        ]
+
+
+def _check_marker(root: Path) -> None:
+    marker = root / MARKER_NAME
+    try:
+        raw = marker.read_bytes()
+    except FileNotFoundError:
+        foreign = [n for n in os.listdir(root) if not n.startswith(".kvtier-fs")]
+        if foreign:
+            raise IncompatibleRoot(
+                f"{root} is not empty and has no {MARKER_NAME} marker, so it is not a kvtier "
+                "folder; point FSTier at an empty folder or at one kvtier created"
+            ) from None
+        _write_marker(root)
+        return
+    try:
+        found = json.loads(raw)
+    except ValueError:
+        found = None
+    if found != _MARKER:
+        raise IncompatibleRoot(
+            f"{root} holds kvtier-fs data in another format ({MARKER_NAME} says {found!r}; this "
+            f"kvtier writes {_MARKER!r}); point FSTier at another folder, or empty this one to "
+            "start a fresh cache"
+        )
+
+
+def _write_marker(root: Path) -> None:
+    tmp = root / f".kvtier-fs.json.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, _FILE_MODE)
+    try:
+        os.write(fd, json.dumps(_MARKER).encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        os.rename(tmp, root / MARKER_NAME)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(root)
+
+
+def _maybe_remove_tmp(item: os.DirEntry[str], now: float) -> None:
+    """Remove a temporary file left by a writer that is gone: one on this host whose process
+    is dead, or any older than ``STALE_TMP_SECONDS``."""
+    parts = item.name.split("-")  # .tmp-<host>-<pid>-<random>-<name>
+    stale = False
+    if len(parts) >= 5 and parts[1] == HOST_TAG and parts[2].isdigit():
+        pid = int(parts[2])
+        stale = pid != os.getpid() and not _pid_alive(pid)
+    if not stale:
+        with contextlib.suppress(OSError):
+            stale = now - item.stat(follow_symlinks=False).st_mtime > STALE_TMP_SECONDS
+    if stale:
+        with contextlib.suppress(OSError):
+            os.unlink(item.path)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY | _O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# -- blocks ------------------------------------------------------------------------------------
+
+
+def stat_many(root: Path, names: Sequence[str]) -> list[int | None]:
+    """The size of each block file, or None where there is none."""
+    sizes: list[int | None] = []
+    for name in names:
+        try:
+            st = os.stat(path_of(root, name), follow_symlinks=False)
+        except FileNotFoundError:
+            sizes.append(None)
+        else:
+            sizes.append(st.st_size if stat.S_ISREG(st.st_mode) else None)
+    return sizes
+
+
+def write_block(
+    root: Path,
+    name: str,
+    key: bytes,
+    payload: memoryview,
+    fsync: str,
+    victims: Sequence[str],
+) -> tuple[WriteOutcome, int]:
+    """Publish one block atomically; return the outcome and the file's size.
+
+    An existing block is not rewritten (keys name content, so it holds the same bytes). Else
+    ``victims`` are removed to make room, the block goes to a uniquely named temporary file
+    beside its final place, is optionally flushed, and is renamed into place. Whatever fails,
+    the temporary file is gone when this returns or raises.
+    """
+    final = path_of(root, name)
+    try:
+        return WriteOutcome.EXISTS, os.stat(final, follow_symlinks=False).st_size
+    except FileNotFoundError:
+        pass
+    for victim in victims:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path_of(root, victim))
+    header = encode_header(key, payload)
+    folder = final.parent
+    for level in (folder.parent, folder):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(level, _DIR_MODE)
+    tmp = folder / f"{_TMP_PREFIX}{HOST_TAG}-{os.getpid()}-{secrets.token_hex(4)}-{name}"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC | _O_NOFOLLOW
+    fd = os.open(tmp, flags, _FILE_MODE)
+    try:
+        try:
+            _write_all(fd, [header, payload])
+            if fsync != "never":
+                os.fdatasync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, final)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    if fsync == "always":
+        _fsync_dir(folder)
+    return WriteOutcome.WRITTEN, len(header) + payload.nbytes
+
+
+def _write_all(fd: int, buffers: list[bytes | memoryview]) -> None:
+    views = [memoryview(b).cast("B") for b in buffers]
+    while views:
+        written = _writev(fd, views)
+        if written == 0:  # a regular file never does this; guard against a spin anyway
+            raise OSError(errno.EIO, "write made no progress")
+        while views and written >= views[0].nbytes:
+            written -= views[0].nbytes
+            views.pop(0)
+        if written:
+            views[0] = views[0][written:]
+
+
+def read_block(root: Path, name: str, key: bytes, dst: memoryview) -> ReadOutcome:
+    """Read the block straight into ``dst`` and verify it before it counts as loaded.
+
+    Raises ``Corrupt`` (after removing the file) when the header, key, length or checksum is
+    wrong, and ``WrongSize`` when the block is intact but ``dst`` has another size.
+    """
+    path = path_of(root, name)
+    try:
+        fd = os.open(path, os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW)
+    except FileNotFoundError:
+        return ReadOutcome.MISSING
+    try:
+        size = os.fstat(fd).st_size
+        header_buf = bytearray(header_size(len(key)))
+        got = _read_all(fd, [memoryview(header_buf), dst])
+        try:
+            _verify(key, header_buf, dst, size, got)
+        except HeaderError as exc:
+            _remove_if_same(path, fd)
+            raise Corrupt(str(exc)) from exc
+    finally:
+        os.close(fd)
+    return ReadOutcome.LOADED
+
+
+def _verify(key: bytes, header_buf: bytearray, dst: memoryview, size: int, got: int) -> None:
+    header = decode_header(header_buf)
+    if header.key != key:
+        raise HeaderError("block belongs to another key")
+    expected = len(header_buf) + header.payload_length
+    if size != expected:
+        raise HeaderError(f"file is {size} bytes, header says {expected}")
+    if header.payload_length != dst.nbytes:
+        raise WrongSize(header.payload_length)
+    if got != expected:
+        raise HeaderError(f"read {got} bytes of {expected}")
+    if checksum(dst) != header.payload_checksum:
+        raise HeaderError("payload checksum mismatch")
+
+
+def _read_all(fd: int, views: list[memoryview]) -> int:
+    total, offset = 0, 0
+    while views:
+        got = _preadv(fd, views, offset)
+        if got == 0:
+            break  # end of file: a short (truncated) file
+        total += got
+        offset += got
+        while views and got >= views[0].nbytes:
+            got -= views[0].nbytes
+            views.pop(0)
+        if got:
+            views[0] = views[0][got:]
+    return total
+
+
+def _remove_if_same(path: Path, fd: int) -> None:
+    """Unlink ``path`` only if it is still the file we read, so a good block another process
+    published there in the meantime survives."""
+    with contextlib.suppress(OSError):
+        mine = os.fstat(fd)
+        now = os.stat(path, follow_symlinks=False)
+        if (mine.st_dev, mine.st_ino) == (now.st_dev, now.st_ino):
+            os.unlink(path)
+
+
+def remove_block(root: Path, name: str) -> bool:
+    try:
+        os.unlink(path_of(root, name))
+    except FileNotFoundError:
+        return False
+    return True
