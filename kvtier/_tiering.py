@@ -62,6 +62,28 @@ class ManagerStatistics:
     tiers: tuple[TierStatistics, ...]
 
 
+class _InFlight:
+    """A count of running background tasks that can be awaited down to zero."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._zero = anyio.Event()
+        self._zero.set()
+
+    def started(self) -> None:
+        if self.count == 0:
+            self._zero = anyio.Event()
+        self.count += 1
+
+    def finished(self) -> None:
+        self.count -= 1
+        if self.count == 0:
+            self._zero.set()
+
+    async def wait_zero(self) -> None:
+        await self._zero.wait()
+
+
 def _positive(value: object, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
         raise InvalidArgumentError(f"{name} must be a positive number, got {value!r}")
@@ -123,10 +145,8 @@ class TieringManager:
         self._stack: AsyncExitStack | None = None
         self._task_group: anyio.abc.TaskGroup | None = None
         self._waiters: dict[bytes, list[anyio.Event]] = {}
-        self._background = 0
-        self._cascades_active = 0
-        self._idle = anyio.Event()
-        self._idle.set()
+        self._tasks = _InFlight()  # promotions and write-through
+        self._cascades = _InFlight()  # write-through only: what exit waits for
         self._in_flight_bytes = 0
         self._log = BurstLogger(logger)
         # counters
@@ -168,8 +188,8 @@ class TieringManager:
         if stack is None:
             return
         with anyio.move_on_after(self._close_timeout, shield=True):
-            await self._idle.wait()
-        self._cascades_cancelled += self._cascades_active
+            await self._cascades.wait_zero()  # promotions are only reads: cancel them at once
+        self._cascades_cancelled += self._cascades.count
         task_group, self._task_group = self._task_group, None
         assert task_group is not None
         task_group.cancel_scope.cancel()
@@ -184,7 +204,7 @@ class TieringManager:
 
     async def wait_idle(self) -> None:
         """Return once no promotion or write-through is in flight (for a flush, or tests)."""
-        await self._idle.wait()
+        await self._tasks.wait_zero()
 
     def _check_open(self) -> anyio.abc.TaskGroup:
         if self._task_group is None:
@@ -215,7 +235,7 @@ class TieringManager:
                     _bump(self._miss_reasons, MissReason.PRIMARY_FULL)
                     return MISS
                 self._promotions_started += 1
-                self._started()
+                self._tasks.started()
                 task_group.start_soon(self._promote, key, tier, slot)
                 self._retries += 1
                 return RETRY
@@ -261,7 +281,7 @@ class TieringManager:
                 self.pool.abort(slot)
                 self._promotions_cancelled += not failed
             self._notify(key)
-            self._finished()
+            self._tasks.finished()
 
     # -- store and load ------------------------------------------------------------------------
 
@@ -321,8 +341,8 @@ class TieringManager:
             return
         self._in_flight_bytes += nbytes
         self._cascades_started += 1
-        self._cascades_active += 1
-        self._started()
+        self._cascades.started()
+        self._tasks.started()
         task_group.start_soon(self._cascade, key, slot, nbytes)
 
     async def _cascade(self, key: bytes, slot: int, nbytes: int) -> None:
@@ -335,8 +355,8 @@ class TieringManager:
         finally:
             self.pool.unpin(slot)
             self._in_flight_bytes -= nbytes
-            self._cascades_active -= 1
-            self._finished()
+            self._cascades.finished()
+            self._tasks.finished()
         for reason in failures:
             _bump(self._cascade_failures, reason)
         self._cascades_ok += not failures
@@ -418,18 +438,6 @@ class TieringManager:
             for event in events:
                 event.set()
 
-    # -- background bookkeeping ----------------------------------------------------------------
-
-    def _started(self) -> None:
-        if self._background == 0:
-            self._idle = anyio.Event()
-        self._background += 1
-
-    def _finished(self) -> None:
-        self._background -= 1
-        if self._background == 0:
-            self._idle.set()
-
     # -- observation -------------------------------------------------------------------------
 
     def statistics(self) -> ManagerStatistics:
@@ -453,7 +461,7 @@ class TieringManager:
             cascades_skipped=self._cascades_skipped,
             cascades_cancelled=self._cascades_cancelled,
             in_flight_bytes=self._in_flight_bytes,
-            background_tasks=self._background,
+            background_tasks=self._tasks.count,
             pool=self.pool.statistics(),
             tiers=tuple(t.statistics() for t in self.tiers),
         )
@@ -462,5 +470,5 @@ class TieringManager:
         state = "open" if self._task_group is not None else "closed"
         return (
             f"<TieringManager {state} pool={self.pool!r} tiers={[t.name for t in self.tiers]} "
-            f"background={self._background} in_flight_bytes={self._in_flight_bytes}>"
+            f"background={self._tasks.count} in_flight_bytes={self._in_flight_bytes}>"
         )
