@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mmap
 from collections.abc import Sequence
+from typing import Any
 
 import anyio.to_thread
 import numpy as np
@@ -11,6 +12,7 @@ import numpy as np
 from kvtier._buffers import BlockBuffer
 from kvtier._errors import InvalidArgumentError
 from kvtier.pools._base import ByteSink, ByteSource, PrimaryPool
+from kvtier.pools._device import DeviceArray, current_stream, device_array, host_device_copy
 from kvtier.pools._policy import EvictionPolicy
 
 __all__ = ["HostPool"]
@@ -50,22 +52,45 @@ class HostPool(PrimaryPool):
         await _copy_all(pairs, len(pairs) * self.block_bytes)
 
 
-def _host(buffer: BlockBuffer, operation: str) -> memoryview:
-    if buffer.host is None:
-        raise InvalidArgumentError(
-            f"HostPool cannot {operation} GPU arrays; use kvtier.CudaPool for device buffers "
-            "or pass host (CPU) arrays"
-        )
-    return buffer.host
+class _DeviceEnd:
+    """A GPU engine buffer plus the engine stream captured on the loop thread (current
+    streams are thread-local), so the copy in the worker is ordered after the engine's work."""
+
+    __slots__ = ("array", "stream")
+
+    def __init__(self, array: DeviceArray, stream: Any) -> None:
+        self.array = array
+        self.stream = stream
 
 
-def _copy_pairs(pairs: list[tuple[memoryview, memoryview]]) -> None:
+_End = memoryview | _DeviceEnd
+
+
+def _host(buffer: BlockBuffer, operation: str) -> _End:
+    """The engine side of a copy: a host view, or a GPU array copied host<->device in a worker
+    thread (``operation`` names the caller in errors)."""
+    if buffer.host is not None:
+        return buffer.host
+    if buffer.device is None:
+        raise InvalidArgumentError(f"HostPool cannot {operation} a buffer with no memory")
+    array = device_array(buffer.device)
+    return _DeviceEnd(array, current_stream(array))
+
+
+def _copy_pairs(pairs: Sequence[tuple[_End, _End]]) -> None:
     for dst, src in pairs:
-        np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8))
+        if isinstance(dst, _DeviceEnd):
+            assert isinstance(src, memoryview)
+            host_device_copy(src, dst.array, dst.stream, to_device=True)
+        elif isinstance(src, _DeviceEnd):
+            host_device_copy(dst, src.array, src.stream, to_device=False)
+        else:
+            np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8))
 
 
-async def _copy_all(pairs: list[tuple[memoryview, memoryview]], nbytes: int) -> None:
-    if nbytes <= _INLINE_COPY_BYTES:
+async def _copy_all(pairs: Sequence[tuple[_End, _End]], nbytes: int) -> None:
+    on_device = any(isinstance(end, _DeviceEnd) for pair in pairs for end in pair)
+    if nbytes <= _INLINE_COPY_BYTES and not on_device:
         _copy_pairs(pairs)
-    else:
+    else:  # big copies and every CUDA copy (it synchronises) run off the event loop
         await anyio.to_thread.run_sync(_copy_pairs, pairs)

@@ -1,0 +1,156 @@
+"""Engine buffers that live on a GPU (torch CUDA tensors, CuPy arrays, anything with
+``__cuda_array_interface__``), seen as raw device pointers.
+
+Both pools use this: CudaPool copies device-to-device between the pointer and a slot, and
+HostPool copies host<->device with the array's own library. Nothing here imports torch or CuPy
+at module level: a buffer's library is already imported when the engine hands us its array.
+
+Zero-copy: we never convert the engine's array; we read its data pointer (``data_ptr()`` for
+torch, ``.data.ptr`` for CuPy, ``__cuda_array_interface__`` otherwise) and copy bytes to or from
+it, which is what DLPack would give us too, without creating a capsule per block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvtier._errors import InvalidArgumentError
+
+__all__ = [
+    "DeviceArray",
+    "current_stream",
+    "device_array",
+    "external_stream",
+    "host_device_copy",
+    "stream_handle",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceArray:
+    """One engine block on a GPU: the original object plus its pointer, size and device."""
+
+    obj: Any
+    ptr: int
+    nbytes: int
+    device: int
+    framework: str  # "torch", "cupy" or "cai" (another producer of __cuda_array_interface__)
+
+
+def _framework(obj: object) -> str:
+    module = type(obj).__module__.split(".", 1)[0]
+    if module in ("torch", "cupy"):
+        return module
+    if hasattr(obj, "__cuda_array_interface__"):
+        return "cai"
+    raise InvalidArgumentError(
+        f"a GPU buffer must be a torch CUDA tensor, a CuPy array or expose "
+        f"__cuda_array_interface__, got {type(obj).__name__}"
+    )
+
+
+def device_array(obj: Any) -> DeviceArray:
+    """The pointer, byte size and device of a contiguous GPU array (checked by split_blocks)."""
+    framework = _framework(obj)
+    if framework == "torch":
+        return DeviceArray(
+            obj, int(obj.data_ptr()), obj.numel() * obj.element_size(), obj.device.index, "torch"
+        )
+    if framework == "cupy":
+        return DeviceArray(obj, int(obj.data.ptr), int(obj.nbytes), int(obj.device.id), "cupy")
+    interface = obj.__cuda_array_interface__
+    import cupy  # a foreign producer: CuPy reads the interface for us (zero-copy)
+
+    arr = cupy.asarray(obj)
+    if interface.get("strides") is not None and not arr.flags.c_contiguous:
+        raise InvalidArgumentError(f"GPU buffer of type {type(obj).__name__} must be C-contiguous")
+    return DeviceArray(obj, int(arr.data.ptr), int(arr.nbytes), int(arr.device.id), "cai")
+
+
+def current_stream(arr: DeviceArray) -> Any:
+    """The engine's current stream for ``arr``'s device, as its library's stream object.
+
+    Current streams are thread-local in torch and CuPy: call this on the engine's thread (the
+    event loop), never in a worker.
+    """
+    if arr.framework == "torch":
+        import torch
+
+        return torch.cuda.current_stream(arr.device)
+    import cupy
+
+    if arr.framework == "cai":
+        handle = arr.obj.__cuda_array_interface__.get("stream")
+        if handle is not None:
+            return external_stream(int(handle), arr.device)
+    return cupy.cuda.get_current_stream(arr.device)
+
+
+class _StreamRef:
+    """A raw stream handle spoken through the CUDA stream protocol."""
+
+    def __init__(self, handle: int) -> None:
+        self.handle = handle
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.handle)
+
+
+def external_stream(handle: int, device: int) -> Any:
+    """A CuPy stream object for a raw handle owned by someone else (the engine)."""
+    import cupy
+
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None:  # CuPy 14+: ExternalStream is deprecated
+        return from_external(_StreamRef(handle))
+    return cupy.cuda.ExternalStream(handle, device)
+
+
+def stream_handle(stream: Any) -> int:
+    """A raw ``cudaStream_t`` from a torch stream, a CuPy stream, a CUDA-stream-protocol object
+    or an int."""
+    if isinstance(stream, int) and not isinstance(stream, bool):
+        return stream
+    if hasattr(stream, "cuda_stream"):  # torch.cuda.Stream
+        return int(stream.cuda_stream)
+    if hasattr(stream, "__cuda_stream__"):  # the CUDA stream protocol: (version, handle)
+        return int(stream.__cuda_stream__()[1])
+    if hasattr(stream, "ptr"):  # cupy.cuda.Stream
+        return int(stream.ptr)
+    raise InvalidArgumentError(
+        "engine_stream must be a torch.cuda.Stream, a cupy.cuda.Stream, an object with "
+        f"__cuda_stream__ or a raw stream handle (int), got {type(stream).__name__}"
+    )
+
+
+def host_device_copy(host: memoryview, arr: DeviceArray, stream: Any, *, to_device: bool) -> None:
+    """Copy one block between host memory and a GPU array, on the engine's ``stream`` (so it
+    is ordered after the engine's work) and wait for it. Blocking: run it in a worker thread.
+
+    ``host`` must be writable when ``to_device`` is false (it is a HostPool slot either way).
+    """
+    flat_host = np.frombuffer(host, np.uint8)
+    if arr.framework == "torch":
+        import torch
+
+        cpu = torch.from_numpy(flat_host)
+        gpu = arr.obj.detach().reshape(-1).view(torch.uint8)
+        with torch.cuda.stream(stream):
+            if to_device:
+                gpu.copy_(cpu)
+            else:
+                cpu.copy_(gpu)
+        stream.synchronize()
+        return
+    import cupy
+
+    with cupy.cuda.Device(arr.device):
+        flat = cupy.asarray(arr.obj).reshape(-1).view(cupy.uint8)
+        if to_device:
+            flat.set(flat_host, stream=stream)
+        else:
+            flat.get(stream=stream, out=flat_host)
+        stream.synchronize()
