@@ -40,6 +40,7 @@ __all__ = [
     "CorruptBlockError",
     "EvictionPolicy",
     "ExtraNotInstalledError",
+    "HostPool",
     "InvalidArgumentError",
     "KVTierError",
     "LRUPolicy",

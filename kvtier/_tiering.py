@@ -137,6 +137,8 @@ class TieringManager:
         if len({id(t) for t in self.tiers}) != len(self.tiers):
             raise InvalidArgumentError("the same tier object is listed twice in tiers")
         self.pool = pool
+        self._ready = pool.table.ready  # the hit path: one dict lookup, no pool call
+        self._touch = pool.table.policy.touch
         self._promotion_timeout = _positive(promotion_timeout, "promotion_timeout")
         self._store_timeout = _positive(store_timeout, "store_timeout")
         self._max_in_flight_bytes = int(_positive(max_in_flight_bytes, "max_in_flight_bytes"))
@@ -217,11 +219,11 @@ class TieringManager:
 
     def lookup(self, key: bytes, ctx: object = None) -> LookupResult:
         """MISS, HIT, HIT_PENDING or RETRY for ``key``, without waiting (design §2.1)."""
-        primary = self.pool.lookup(key)
-        if primary is HIT:
+        if key in self._ready:
+            self._touch(key)
             self._hits += 1
             return HIT
-        if primary is HIT_PENDING:
+        if self.pool.lookup(key) is HIT_PENDING:
             self._pending += 1
             return HIT_PENDING
         task_group = self._check_open()

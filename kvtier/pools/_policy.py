@@ -44,12 +44,11 @@ class LRUPolicy:
 
     def __init__(self, capacity: int) -> None:
         self._order: OrderedDict[bytes, None] = OrderedDict()
+        # The hit path calls this once per key: bind the C method directly, no Python frame.
+        self.touch: Callable[[bytes], None] = self._order.move_to_end
 
     def insert(self, key: bytes) -> None:
         self._order[key] = None
-
-    def touch(self, key: bytes) -> None:
-        self._order.move_to_end(key)
 
     def touch_many(self, keys: Iterable[bytes]) -> None:
         deque(map(self._order.move_to_end, keys), maxlen=0)
@@ -110,8 +109,13 @@ class ARCPolicy:
             self._t2.move_to_end(key)
 
     def touch_many(self, keys: Iterable[bytes]) -> None:
+        t1, t2 = self._t1, self._t2
         for key in keys:
-            self.touch(key)
+            if key in t1:
+                del t1[key]
+                t2[key] = None
+            else:
+                t2.move_to_end(key)
 
     def remove(self, key: bytes, *, evicted: bool) -> None:
         if key in self._t1:

@@ -37,9 +37,6 @@ class PoolStatistics:
     ready: int
     pinned: int
     pins: int
-    hits: int
-    pending_hits: int
-    misses: int
     reservations: int
     reservation_failures: int
     commits: int
@@ -57,11 +54,9 @@ class SlotTable:
         self._pins = [0] * num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))
         self._slot_of: dict[bytes, int] = {}  # WRITING and READY keys
-        self._ready: dict[bytes, int] = {}  # READY keys only: the hit fast path
+        # READY keys only. Public so the manager's hit path is one dict lookup; read-only.
+        self.ready: dict[bytes, int] = {}
         self._pinned_slots = 0
-        self._hits = 0
-        self._pending_hits = 0
-        self._misses = 0
         self._reservations = 0
         self._reservation_failures = 0
         self._commits = 0
@@ -71,22 +66,18 @@ class SlotTable:
     # -- queries -----------------------------------------------------------------------------
 
     def lookup(self, key: bytes) -> LookupResult:
-        if key in self._ready:
+        if key in self.ready:
             self.policy.touch(key)
-            self._hits += 1
             return LookupResult.HIT
         if key in self._slot_of:
-            self._pending_hits += 1
             return LookupResult.HIT_PENDING
-        self._misses += 1
         return LookupResult.MISS
 
     def ready_prefix(self, keys: Sequence[bytes]) -> int:
         """Count the leading READY keys and touch them; the scheduler's fast path."""
-        n = sum(1 for _ in takewhile(self._ready.__contains__, keys))
+        n = len(list(takewhile(self.ready.__contains__, keys)))  # C-speed, no Python frame
         if n:
             self.policy.touch_many(keys[:n] if n < len(keys) else keys)
-            self._hits += n
         return n
 
     def state_of(self, key: bytes) -> SlotState:
@@ -117,7 +108,7 @@ class SlotTable:
             if victim is None:
                 self._reservation_failures += 1
                 return None
-            slot = self._ready.pop(victim)
+            slot = self.ready.pop(victim)
             del self._slot_of[victim]
             self.policy.remove(victim, evicted=True)
             self._evictions += 1
@@ -133,7 +124,7 @@ class SlotTable:
         key = self._key[slot]
         assert key is not None
         self._state[slot] = SlotState.READY
-        self._ready[key] = slot
+        self.ready[key] = slot
         self.policy.insert(key)
         self._commits += 1
 
@@ -145,7 +136,7 @@ class SlotTable:
 
     def pin(self, key: bytes) -> int | None:
         """Pin the READY slot of ``key`` so it cannot be evicted; None if not READY."""
-        slot = self._ready.get(key)
+        slot = self.ready.get(key)
         if slot is None:
             return None
         if self._pins[slot] == 0:
@@ -161,10 +152,10 @@ class SlotTable:
 
     def discard(self, key: bytes) -> bool:
         """Drop an unpinned READY ``key`` (for example, its bytes are known bad)."""
-        slot = self._ready.get(key)
+        slot = self.ready.get(key)
         if slot is None or self._pins[slot]:
             return False
-        del self._ready[key]
+        del self.ready[key]
         self.policy.remove(key, evicted=False)
         self._release(slot)
         return True
@@ -178,12 +169,12 @@ class SlotTable:
         self._free.append(slot)
 
     def _evictable(self, key: bytes) -> bool:
-        return self._pins[self._ready[key]] == 0
+        return self._pins[self.ready[key]] == 0
 
     # -- observation -------------------------------------------------------------------------
 
     def statistics(self, block_bytes: int) -> PoolStatistics:
-        ready = len(self._ready)
+        ready = len(self.ready)
         free = len(self._free)
         return PoolStatistics(
             num_blocks=self.num_blocks,
@@ -193,9 +184,6 @@ class SlotTable:
             ready=ready,
             pinned=self._pinned_slots,
             pins=sum(self._pins),
-            hits=self._hits,
-            pending_hits=self._pending_hits,
-            misses=self._misses,
             reservations=self._reservations,
             reservation_failures=self._reservation_failures,
             commits=self._commits,
@@ -213,9 +201,9 @@ class SlotTable:
                 assert key is None and slot in self._free and self._pins[slot] == 0
             else:
                 assert key is not None and self._slot_of[key] == slot
-                assert (key in self._ready) == (state is SlotState.READY)
+                assert (key in self.ready) == (state is SlotState.READY)
                 assert state is SlotState.READY or self._pins[slot] == 0
         assert len(self._slot_of) + len(self._free) == self.num_blocks
         assert sum(1 for p in self._pins if p) == self._pinned_slots
         if hasattr(self.policy, "__len__"):
-            assert len(self.policy) == len(self._ready)
+            assert len(self.policy) == len(self.ready)
