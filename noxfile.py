@@ -1,0 +1,69 @@
+"""Developer sessions: `nox -s tests`, `lint`, `typecheck`, `demo`, `bench`, `gpu`.
+
+torch is pinned to 2.13.0 here because on our machines that is a CPU build from local disk
+(an unpinned torch pulls a multi-GB CUDA build); the project itself accepts a range.
+"""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.sessions = ["lint", "typecheck", "tests"]
+nox.options.error_on_missing_interpreters = True
+
+PYPROJECT = nox.project.load_toml("pyproject.toml")
+TORCH = "torch==2.13.0"
+
+
+def install(session: nox.Session, *groups: str, extras: str = "s3,torch") -> None:
+    session.install(TORCH)
+    session.install("-e", f".[{extras}]", *nox.project.dependency_groups(PYPROJECT, *groups))
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The whole test suite (starts its own moto_server on 127.0.0.1 for the S3 tests)."""
+    install(session, "test")
+    session.run("python", "-m", "pytest", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    session.install(*nox.project.dependency_groups(PYPROJECT, "lint"))
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    install(session, "typecheck")
+    session.run("mypy")
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The main job: examples/serve_demo.py (pass `-- --full` for the long run)."""
+    install(session)
+    args = session.posargs or ["--quick"]
+    if args == ["--full"]:
+        args = []
+    session.run("python", "examples/serve_demo.py", *args)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Every benchmark in a short, bounded mode; each prints ratios against its baseline."""
+    install(session, "test", "bench")
+    for script in ("bench_lookup.py", "bench_fs.py", "bench_s3.py"):
+        session.run("python", f"benchmarks/{script}", "--quick")
+    session.run(
+        "python", "benchmarks/replay_trace.py", "../shared/traces/mooncake_synthetic_trace.jsonl",
+        "--quick",
+    )
+
+
+@nox.session
+def gpu(session: nox.Session) -> None:
+    """GPU tests and GPU benchmark; says clearly that it skipped when there is no GPU."""
+    install(session, "test", extras="s3,torch,cuda")
+    session.run("python", "benchmarks/gpu_check.py", *session.posargs)
