@@ -243,11 +243,7 @@ class FSTier(SecondaryTier):
     async def _store(self, key: bytes, name: str, payload: memoryview) -> None:
         started = time.perf_counter()
         if not self._ready:
-            try:
-                await self._prepare(raise_unavailable=True)
-            except TierError as exc:
-                self._meter.failed(exc.reason)
-                raise
+            await self._prepare(raise_unavailable=True)  # counts its own failure
         size = header_size(len(key)) + payload.nbytes
         victims = self._choose_victims(key, name, size)
         self._reserved += size

@@ -1,0 +1,608 @@
+"""FSTier: conformance, layout, crash safety, corruption, capacity, faults, sharing.
+
+Real files throughout. Disk-full and read-only faults use a real small tmpfs where this
+machine lets root mount one; otherwise ENOSPC is injected at ``_fs_io``'s single write call.
+A guard fixture fails any test in which a file-system call runs on the event loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import contextlib
+import errno
+import io as stdio
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.streams.buffered
+import numpy as np
+import pytest
+
+from kvtier._errors import (
+    BlockNotFoundError,
+    CorruptBlockError,
+    InvalidArgumentError,
+    TierNoSpaceError,
+    TierUnavailableError,
+)
+from kvtier._format import header_size
+from kvtier._lookup import LookupResult
+from kvtier._scheduler import OffloadScheduler
+from kvtier._tiering import TieringManager
+from kvtier.pools._host import HostPool
+from kvtier.testing import CHECKS, resolve_lookup
+from kvtier.tiers import _fs_io
+from kvtier.tiers._fs import FSTier
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fs_worker import key_of, payload_of
+
+WORKER = str(Path(__file__).parent / "fs_worker.py")
+BLOCK = 4096
+FILE = header_size(16) + BLOCK
+
+# -- a guard against blocking calls on the event loop ------------------------------------------
+
+
+class BlockingCallError(AssertionError):
+    """A file-system call ran on the event loop thread."""
+
+
+_OS_CALLS = [
+    *("open", "read", "write", "pread", "preadv", "writev", "stat", "lstat", "fstat"),
+    *("fsync", "fdatasync", "rename", "replace", "unlink", "remove", "mkdir", "makedirs"),
+    *("rmdir", "scandir", "listdir", "utime"),
+]
+
+
+@pytest.fixture
+def no_blocking(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[list[str]]:
+    """Fail the test if any file-system call runs on a thread with a running event loop."""
+    caught: list[str] = []
+
+    def guard(fn: Callable[..., Any], label: str) -> Callable[..., Any]:
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:
+                return fn(*args, **kwargs)  # a worker thread: fine
+            caught.append(label)
+            raise BlockingCallError(f"{label} called on the event loop thread")
+
+        return guarded
+
+    for name in _OS_CALLS:
+        monkeypatch.setattr(os, name, guard(getattr(os, name), f"os.{name}"))
+    monkeypatch.setattr(builtins, "open", guard(builtins.open, "open"))
+    monkeypatch.setattr(stdio, "open", guard(stdio.open, "io.open"))
+    monkeypatch.setattr(_fs_io, "_writev", guard(_fs_io._writev, "os.writev"))
+    monkeypatch.setattr(_fs_io, "_preadv", guard(_fs_io._preadv, "os.preadv"))
+    yield caught
+    assert not caught, f"blocking calls on the event loop: {sorted(set(caught))}"
+
+
+async def test_guard_catches_a_blocking_call(no_blocking: list[str], tmp_path: Path) -> None:
+    with pytest.raises(BlockingCallError):
+        os.stat(tmp_path)
+    assert no_blocking == ["os.stat"]
+    no_blocking.clear()
+    await anyio.to_thread.run_sync(os.stat, tmp_path)  # off the loop: allowed
+
+
+# -- helpers --------------------------------------------------------------------------------------
+
+
+def data(i: int, n: int = BLOCK, ns: str = "t") -> bytes:
+    return payload_of(ns, i, n)
+
+
+def key(i: int, ns: str = "t") -> bytes:
+    return key_of(ns, i)
+
+
+def block_files(root: Path) -> list[Path]:
+    return sorted(p for p in root.glob("??/??/*") if not p.name.startswith("."))
+
+
+def tmp_files(root: Path) -> list[Path]:
+    return sorted(root.glob("??/??/.tmp-*"))
+
+
+async def load(tier: FSTier, k: bytes, n: int = BLOCK) -> bytes:
+    dst = bytearray(n)
+    await tier.load(k, memoryview(dst))
+    return bytes(dst)
+
+
+# -- conformance ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("check", sorted(CHECKS))
+@pytest.mark.parametrize("fsync", ["never", "data", "always"])
+async def test_conformance(check: str, fsync: str, tmp_path: Path, no_blocking: list[str]) -> None:
+    await CHECKS[check](lambda: FSTier(tmp_path / "cache", fsync=fsync), BLOCK)
+
+
+async def test_conformance_with_capacity(tmp_path: Path, no_blocking: list[str]) -> None:
+    for check in CHECKS.values():
+        await check(lambda: FSTier(tmp_path / "cache", capacity_bytes=64 * FILE), BLOCK)
+
+
+# -- arguments -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"root": ""}, "root must be a folder path"),
+        ({"root": 3}, "root must be a folder path"),
+        ({"root": b"/tmp/x"}, "root must be a folder path"),
+        ({"name": ""}, "name must be a non-empty str"),
+        ({"capacity_bytes": 0}, "capacity_bytes must be a positive int"),
+        ({"capacity_bytes": 1.5}, "capacity_bytes must be a positive int"),
+        ({"capacity_bytes": True}, "capacity_bytes must be a positive int"),
+        ({"fsync": "sometimes"}, "fsync must be one of ('never', 'data', 'always')"),
+        ({"miss_ttl": 0}, "miss_ttl must be a positive number"),
+        ({"lookup_batch_size": 0}, "lookup_batch_size must be a positive int"),
+        ({"lookup_timeout": -1}, "lookup_timeout must be a positive number"),
+        ({"max_concurrency": 0}, "max_concurrency must be a positive int"),
+    ],
+)
+def test_bad_arguments_say_what_to_fix(kwargs: dict[str, Any], words: str) -> None:
+    kwargs.setdefault("root", "/tmp/kvtier-never-created")
+    with pytest.raises(InvalidArgumentError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        FSTier(**kwargs)
+
+
+async def test_bad_keys_and_buffers(tmp_path: Path) -> None:
+    async with FSTier(tmp_path / "c") as tier:
+        with pytest.raises(InvalidArgumentError, match="key must be bytes"):
+            await tier.store("abc", memoryview(data(0)))  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgumentError, match="1 to 255 bytes"):
+            await tier.store(b"", memoryview(data(0)))
+        await tier.store(key(0), memoryview(data(0)))
+        with pytest.raises(InvalidArgumentError, match="writable"):
+            await tier.load(key(0), memoryview(bytes(BLOCK)))
+        with pytest.raises(InvalidArgumentError, match="memoryview"):
+            await tier.load(key(0), bytearray(BLOCK))  # type: ignore[arg-type]
+
+
+# -- layout ----------------------------------------------------------------------------------------
+
+
+async def test_layout_marker_and_permissions(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    async with FSTier(root) as tier:
+        await tier.store(key(0), memoryview(data(0)))
+    hexkey = key(0).hex()
+    path = root / hexkey[-4:-2] / hexkey[-2:] / hexkey
+    assert block_files(root) == [path]
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    for folder in (root, path.parent, path.parent.parent):
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    marker = json.loads((root / "kvtier-fs.json").read_text())
+    assert marker == {"format": "kvtier-fs", "layout": 1, "block_format": 1}
+    raw = path.read_bytes()
+    assert raw[:4] == b"KVTB"
+    assert raw[-BLOCK:] == data(0)
+
+
+async def test_keys_never_name_paths_outside_root(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    nasty = [b"../../etc/passwd", b"/abs", b"\x00", b"a" * 255]
+    async with FSTier(root) as tier:
+        for i, k in enumerate(nasty):
+            await tier.store(k, memoryview(data(i)))
+            assert await load(tier, k) == data(i)
+    files = block_files(root)
+    assert len(files) == len(nasty)
+    for f in files:
+        assert f.resolve().is_relative_to(root.resolve())
+        assert len(f.name) <= 255
+
+
+async def test_refuses_incompatible_format(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    root.mkdir()
+    (root / "kvtier-fs.json").write_text(
+        json.dumps({"format": "kvtier-fs", "layout": 2, "block_format": 1})
+    )
+    tier = FSTier(root)
+    with pytest.raises(InvalidArgumentError, match=r"another format.*another folder"):
+        await tier.open()
+    await tier.aclose()
+
+
+async def test_refuses_a_foreign_nonempty_folder(tmp_path: Path) -> None:
+    (tmp_path / "precious.txt").write_text("mine")
+    with pytest.raises(InvalidArgumentError, match="not a kvtier folder"):
+        async with FSTier(tmp_path):
+            pass
+    assert (tmp_path / "precious.txt").read_text() == "mine"
+    assert not (tmp_path / "kvtier-fs.json").exists()
+
+
+# -- restart, lookups ---------------------------------------------------------------------------
+
+
+async def test_restart_serves_every_block(tmp_path: Path, no_blocking: list[str]) -> None:
+    root = tmp_path / "c"
+    async with FSTier(root) as tier:
+        for i in range(20):
+            await tier.store(key(i), memoryview(data(i)))
+    async with FSTier(root) as again:
+        s = again.statistics()
+        assert (s.blocks, s.bytes_stored) == (20, 20 * FILE)
+        for i in range(20):
+            assert await resolve_lookup(again, key(i)) is LookupResult.HIT
+            assert await load(again, key(i)) == data(i)
+
+
+async def test_lookup_retries_then_caches_and_misses_expire(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    async with FSTier(root, miss_ttl=0.05) as writer, FSTier(root, miss_ttl=0.05) as reader:
+        assert reader.lookup(key(0)) is LookupResult.RETRY
+        assert await resolve_lookup(reader, key(0)) is LookupResult.MISS
+        await writer.store(key(0), memoryview(data(0)))  # another "process" writes it
+        assert reader.lookup(key(0)) is LookupResult.MISS  # cached miss, for a short while
+        await anyio.sleep(0.1)  # let the miss expire: the TTL is the thing under test
+        assert await resolve_lookup(reader, key(0)) is LookupResult.HIT
+        assert reader.statistics().blocks == 1  # learnt about it from the existence check
+
+
+# -- corruption ---------------------------------------------------------------------------------
+
+
+def _flip_payload_byte(p: Path) -> None:
+    raw = bytearray(p.read_bytes())
+    raw[-100] ^= 0x01
+    p.write_bytes(raw)
+
+
+def _truncate(p: Path) -> None:
+    os.truncate(p, p.stat().st_size - 1)
+
+
+def _garbage(p: Path) -> None:
+    p.write_bytes(os.urandom(FILE))
+
+
+def _empty(p: Path) -> None:
+    p.write_bytes(b"")
+
+
+def _flip_header_byte(p: Path) -> None:
+    raw = bytearray(p.read_bytes())
+    raw[10] ^= 0x40
+    p.write_bytes(raw)
+
+
+def _append(p: Path) -> None:
+    with p.open("ab") as f:
+        f.write(b"x")
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [_flip_payload_byte, _truncate, _garbage, _empty, _flip_header_byte, _append],
+    ids=lambda f: f.__name__.strip("_"),
+)
+async def test_corrupt_file_is_a_miss_and_removed(
+    damage: Callable[[Path], None], tmp_path: Path
+) -> None:
+    root = tmp_path / "c"
+    async with FSTier(root) as tier:
+        await tier.store(key(0), memoryview(data(0)))
+        await tier.store(key(1), memoryview(data(1)))
+        assert await resolve_lookup(tier, key(0)) is LookupResult.HIT
+        (path,) = [p for p in block_files(root) if p.name == key(0).hex()]
+        damage(path)
+        with pytest.raises(CorruptBlockError):
+            await load(tier, key(0))
+        assert not path.exists()
+        assert tier.lookup(key(0)) is LookupResult.MISS
+        s = tier.statistics()
+        assert s.failures_by_reason == {"corrupt": 1}
+        assert s.lookups.misses_by_reason.get("corrupt") == 1
+        assert s.blocks == 1
+        assert await load(tier, key(1)) == data(1)  # the neighbour is untouched
+        await tier.store(key(0), memoryview(data(0)))  # and the key can be stored again
+        assert await load(tier, key(0)) == data(0)
+
+
+async def test_a_block_swapped_under_another_key_is_corrupt(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    async with FSTier(root) as tier:
+        await tier.store(key(0), memoryview(data(0)))
+        await tier.store(key(1), memoryview(data(1)))
+        files = {p.name: p for p in block_files(root)}
+        files[key(0).hex()].replace(files[key(1).hex()])  # key 1's path now holds key 0
+        with pytest.raises(CorruptBlockError, match="another key"):
+            await load(tier, key(1))
+
+
+async def test_wrong_destination_size_keeps_the_block(tmp_path: Path) -> None:
+    async with FSTier(tmp_path / "c") as tier:
+        await tier.store(key(0), memoryview(data(0)))
+        with pytest.raises(InvalidArgumentError, match=f"is {BLOCK} bytes"):
+            await load(tier, key(0), BLOCK - 1)
+        assert await load(tier, key(0)) == data(0)
+
+
+# -- crashes -----------------------------------------------------------------------------------
+
+
+async def test_kill_9_mid_stores_never_serves_a_torn_block(tmp_path: Path) -> None:
+    root, block = tmp_path / "c", 256 << 10
+    last = -1
+    async with await anyio.open_process(
+        [sys.executable, WORKER, "store", str(root), "k9", str(block), "never"],
+        stdout=subprocess.PIPE,
+    ) as proc:
+        assert proc.stdout is not None
+        lines = anyio.streams.buffered.BufferedByteReceiveStream(proc.stdout)
+        with anyio.fail_after(60):
+            while last < 40:
+                last = int((await lines.receive_until(b"\n", 100)).split()[1])
+        proc.send_signal(signal.SIGKILL)
+        assert await proc.wait() == -signal.SIGKILL
+    async with FSTier(root) as tier:
+        assert tmp_files(root) == []  # the dead writer's temporary file is gone
+        found = 0
+        for i in range(last + 64):
+            k, dst = key_of("k9", i), bytearray(block)
+            try:
+                await tier.load(k, memoryview(dst))
+            except BlockNotFoundError:
+                assert i > last, f"block {i} was stored before the kill but is missing"
+                continue
+            assert dst == payload_of("k9", i, block)
+            found += 1
+        assert found >= last + 1
+        assert tier.statistics().failures_by_reason.get("corrupt") is None
+
+
+async def test_open_removes_only_dead_writers_temporary_files(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    async with FSTier(root) as tier:
+        await tier.store(key(0), memoryview(data(0)))
+    shard = block_files(root)[0].parent
+    dead = await anyio.run_process([sys.executable, "-c", "import os; print(os.getpid())"])
+    dead_pid = int(dead.stdout)
+    mine = shard / f".tmp-{_fs_io.HOST_TAG}-{dead_pid}-0000-{key(5).hex()}"
+    remote_fresh = shard / f".tmp-ffffffff-{os.getpid()}-0000-{key(6).hex()}"
+    remote_old = shard / f".tmp-ffffffff-{os.getpid()}-0001-{key(7).hex()}"
+    for p in (mine, remote_fresh, remote_old):
+        p.write_bytes(b"half a block")
+    old = time.time() - 2 * _fs_io.STALE_TMP_SECONDS
+    os.utime(remote_old, (old, old))
+    async with FSTier(root) as tier:
+        assert await load(tier, key(0)) == data(0)
+    assert tmp_files(root) == [remote_fresh]  # another host may still be writing it
+
+
+# -- capacity -----------------------------------------------------------------------------------
+
+
+async def test_capacity_evicts_least_recently_used(tmp_path: Path, no_blocking: list[str]) -> None:
+    async with FSTier(tmp_path / "c", capacity_bytes=3 * FILE) as tier:
+        for i in range(3):
+            await tier.store(key(i), memoryview(data(i)))
+        await load(tier, key(0))  # 0 is now the most recently used; 1 the least
+        await tier.store(key(0), memoryview(data(0)))  # a present key needs no room
+        assert tier.statistics().evictions == 0
+        await tier.store(key(3), memoryview(data(3)))
+        assert await tier.contains_many([key(i) for i in range(4)]) == [True, False, True, True]
+        assert tier.lookup(key(1)) is LookupResult.MISS
+        assert tier.statistics().lookups.misses_by_reason == {"evicted": 1}
+        await tier.store(key(4), memoryview(data(4)))
+        assert await tier.contains_many([key(i) for i in range(5)]) == [
+            True,
+            False,
+            False,
+            True,
+            True,
+        ]
+        s = tier.statistics()
+        assert (s.evictions, s.blocks, s.bytes_stored) == (2, 3, 3 * FILE)
+
+
+async def test_usage_is_rebuilt_on_open_oldest_first(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    async with FSTier(root) as tier:
+        for i in range(4):
+            await tier.store(key(i), memoryview(data(i)))
+    for age, i in enumerate([2, 0, 3, 1]):  # make 1 the oldest, then 3, 0, 2
+        then = time.time() - 1000 * (age + 1)
+        os.utime(next(p for p in block_files(root) if p.name == key(i).hex()), (then, then))
+    async with FSTier(root, capacity_bytes=4 * FILE) as tier:
+        assert tier.statistics().bytes_stored == 4 * FILE
+        await tier.store(key(9), memoryview(data(9)))
+        await tier.store(key(8), memoryview(data(8)))
+        assert await tier.contains_many([key(i) for i in (0, 1, 2, 3)]) == [
+            True,
+            False,
+            True,
+            False,
+        ]
+        assert len(block_files(root)) == 4
+
+
+async def test_block_larger_than_capacity(tmp_path: Path) -> None:
+    async with FSTier(tmp_path / "c", capacity_bytes=BLOCK) as tier:
+        with pytest.raises(TierNoSpaceError, match="larger than capacity_bytes"):
+            await tier.store(key(0), memoryview(data(0)))
+        assert tier.statistics().failures_by_reason == {"no_space": 1}
+        assert block_files(tier.root) == []
+
+
+# -- faults ------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def small_tmpfs(where: Path, size: str) -> Iterator[bool]:
+    """Mount a tmpfs of ``size`` at ``where``; yields False when this machine cannot."""
+    where.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(where)],
+        capture_output=True,
+        check=False,
+    )
+    try:
+        yield mounted.returncode == 0
+    finally:
+        if mounted.returncode == 0:
+            subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+async def test_disk_full(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    block = 64 << 10
+    with small_tmpfs(tmp_path / "small", "1m") as real:
+        if not real:  # inject ENOSPC at the one write call, after a few good stores
+
+            def full(fd: int, bufs: Any) -> int:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        root = tmp_path / "small" / "c"
+        async with FSTier(root) as tier:
+            stored = 0
+            with pytest.raises(TierNoSpaceError, match="ENOSPC"):  # noqa: PT012
+                for i in range(64):
+                    if not real and i == 5:
+                        monkeypatch.setattr(_fs_io, "_writev", full)
+                    await tier.store(key(i), memoryview(data(i, block)))
+                    stored += 1
+            failed = key(stored)
+            assert stored >= 3
+            assert tmp_files(root) == []  # nothing half-written left
+            assert tier.statistics().failures_by_reason == {"no_space": 1}
+            assert await resolve_lookup(tier, failed) is LookupResult.MISS
+            for i in range(stored):
+                assert await load(tier, key(i), block) == data(i, block)
+            monkeypatch.undo()
+            await tier.delete(key(0))  # room again: stores work again
+            await tier.store(failed, memoryview(data(stored, block)))
+            assert await load(tier, failed, block) == data(stored, block)
+
+
+async def test_read_only_filesystem_serves_loads_and_refuses_stores(tmp_path: Path) -> None:
+    with small_tmpfs(tmp_path / "ro", "4m") as real:
+        if not real:
+            pytest.skip("cannot mount a tmpfs here (needs root with CAP_SYS_ADMIN)")
+        root = tmp_path / "ro" / "c"
+        async with FSTier(root) as tier:
+            await tier.store(key(0), memoryview(data(0)))
+        await anyio.run_process(["mount", "-o", "remount,ro", str(tmp_path / "ro")])
+        async with FSTier(root) as tier:
+            assert await load(tier, key(0)) == data(0)
+            with pytest.raises(TierUnavailableError, match="EROFS"):
+                await tier.store(key(1), memoryview(data(1)))
+            with pytest.raises(TierUnavailableError, match="EROFS"):
+                await tier.delete(key(0))
+            assert tier.statistics().failures_by_reason == {"unavailable": 2}
+            assert await resolve_lookup(tier, key(1)) is LookupResult.MISS
+
+
+async def test_missing_root_degrades_then_recovers(tmp_path: Path) -> None:
+    parent = tmp_path / "not-mounted-yet"
+    async with FSTier(parent / "c") as tier:  # opening does not raise
+        assert not parent.exists()  # and never creates the missing parent
+        with pytest.raises(TierUnavailableError, match="ENOENT"):
+            await tier.store(key(0), memoryview(data(0)))
+        assert await resolve_lookup(tier, key(0)) is LookupResult.MISS
+        with pytest.raises(BlockNotFoundError):
+            await load(tier, key(0))
+        assert tier.statistics().failures_by_reason == {"unavailable": 1, "not_found": 1}
+        parent.mkdir()  # the filesystem appears
+        await tier.store(key(0), memoryview(data(0)))
+        assert await load(tier, key(0)) == data(0)
+
+
+async def test_io_error_on_load_is_a_counted_miss(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(fd: int, bufs: Any, offset: int) -> int:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    async with FSTier(tmp_path / "c") as tier:
+        await tier.store(key(0), memoryview(data(0)))
+        monkeypatch.setattr(_fs_io, "_preadv", broken)
+        with pytest.raises(TierUnavailableError, match="EIO"):
+            await load(tier, key(0))
+        assert tier.lookup(key(0)) is LookupResult.MISS
+        assert tier.statistics().failures_by_reason == {"unavailable": 1}
+        monkeypatch.undo()
+        assert await load(tier, key(0)) == data(0)  # an I/O error does not delete the block
+
+
+async def test_io_error_on_store_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(fd: int, bufs: Any) -> int:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    async with FSTier(tmp_path / "c") as tier:
+        monkeypatch.setattr(_fs_io, "_writev", broken)
+        with pytest.raises(TierUnavailableError, match="EIO"):
+            await tier.store(key(0), memoryview(data(0)))
+        assert block_files(tier.root) == tmp_files(tier.root) == []
+        assert tier.statistics().bytes_stored == 0
+
+
+# -- sharing -----------------------------------------------------------------------------------
+
+
+async def test_two_processes_share_one_folder(tmp_path: Path) -> None:
+    root, block, keys, ops = tmp_path / "c", 64 << 10, 24, 300
+    capacity = 8 * (header_size(16) + block)
+    async with FSTier(root):
+        pass  # create the folder first, so neither worker races the other to the marker
+
+    async def worker(seed: int, out: list[dict[str, Any]]) -> None:
+        args = ["mix", str(root), "shared", str(block), str(capacity), str(keys), str(ops)]
+        result = await anyio.run_process([sys.executable, WORKER, *args, str(seed)])
+        out.append(json.loads(result.stdout))
+
+    results: list[dict[str, Any]] = []
+    with anyio.fail_after(90):
+        async with anyio.create_task_group() as tg:
+            for seed in (1, 2):
+                tg.start_soon(worker, seed, results)
+    for r in results:
+        assert (r["corrupt"], r["wrong"], r["errors"]) == (0, 0, []), r
+        assert r["loaded"] > 0
+        assert r["stored"] > 0
+    async with FSTier(root) as tier:
+        assert tmp_files(root) == []
+        for p in block_files(root):
+            i = next(i for i in range(keys) if key_of("shared", i).hex() == p.name)
+            assert await load(tier, key_of("shared", i), block) == payload_of("shared", i, block)
+
+
+# -- with the manager ---------------------------------------------------------------------------
+
+
+async def test_promotion_from_fs_into_a_host_pool(tmp_path: Path, no_blocking: list[str]) -> None:
+    root = tmp_path / "c"
+    blocks = np.frombuffer(b"".join(data(i) for i in range(4)), np.uint8).reshape(4, BLOCK)
+    keys = [key(i) for i in range(4)]
+    async with TieringManager(HostPool(8, BLOCK), [FSTier(root)]) as manager:
+        await manager.store(keys, blocks)
+        await manager.wait_idle()
+    assert len(await anyio.to_thread.run_sync(block_files, root)) == 4
+    async with TieringManager(HostPool(8, BLOCK), [FSTier(root)]) as manager:
+        assert manager.lookup(keys[0]) is LookupResult.RETRY  # existence check started
+        assert await OffloadScheduler(manager).lookup(keys, timeout=10) == 4
+        out = np.zeros((4, BLOCK), np.uint8)
+        assert await manager.load(keys, out) == 4
+        assert np.array_equal(out, blocks)
