@@ -1,0 +1,130 @@
+"""The examples run: serve_demo's quick mode end to end, and the ASGI app in-process."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from types import ModuleType
+
+import anyio
+import httpx
+import pytest
+
+pytest.importorskip("torch", reason="the examples need torch (the kvtier[torch] extra)")
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def _load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"kvtier_example_{name}", EXAMPLES / f"{name}.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.timeout(300)
+def test_serve_demo_quick(tmp_path: Path) -> None:
+    fs_root = tmp_path / "fs"
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / "serve_demo.py"), "--quick", "--fs-root", str(fs_root)],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env={**os.environ, "PYTHONWARNINGS": "error"},
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    rows = {}
+    for label in ("without kvtier", "with kvtier"):
+        m = re.search(rf"^{label}\s+(\d+)\s+([\d.]+) s\s+([\d.]+) s\s+([\d,]+)", out, re.M)
+        assert m, out
+        rows[label] = (int(m[1]), float(m[2]), float(m[3]), int(m[4].replace(",", "")))
+    # the same requests ran both ways, and kvtier prefilled fewer tokens
+    assert rows["with kvtier"][0] == rows["without kvtier"][0] > 0
+    assert 0 < rows["with kvtier"][3] < rows["without kvtier"][3]
+    served = re.search(r"^blocks served\s+([\d,]+) of ([\d,]+)", out, re.M)
+    assert served
+    assert 0 < int(served[1].replace(",", "")) <= int(served[2].replace(",", ""))
+    assert re.search(r"^\s+fs\s+\d+ promoted", out, re.M), out
+    check = re.search(
+        r"^correctness\s+OK: .* max abs diff ([\d.e+-]+) over (\d+) requests", out, re.M
+    )
+    assert check, out
+    assert float(check[1]) < 1e-3
+    assert int(check[2]) > 0
+    # the demo wrote its blocks through to the file tier it was given
+    assert any(p.is_file() for p in fs_root.rglob("*") if len(p.name) == 32)
+    assert "requests" in proc.stderr  # the progress line
+
+
+@asynccontextmanager
+async def asgi_client(**options: object) -> AsyncIterator[httpx.AsyncClient]:
+    """The example app behind an in-process client, with its lifespan running.
+
+    httpx's ASGITransport does not run the lifespan, so this enters it, as a server would. It
+    is a context manager used inside the test, not a fixture, because the manager's task group
+    must be entered and left in the same task.
+    """
+    app = _load("asgi_app").create_app(**options)
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1") as c,
+    ):
+        yield c
+
+
+async def test_asgi_app_serves_shared_prefixes() -> None:
+    async with asgi_client(pool_blocks=64) as client:
+        await _exercise(client)
+
+
+async def _exercise(client: httpx.AsyncClient) -> None:
+    system = "You are a careful assistant. Answer briefly and cite sources. " * 6
+    first = (await client.post("/generate", json={"prompt": system + "What is KV?"})).json()
+    assert first["served_blocks"] == 0
+    assert first["stored_blocks"] == first["prompt_tokens"] // 16 > 0
+    assert len(first["completion"]) == 4
+
+    # A second user with the same system prompt: its full blocks come from kvtier.
+    second = (
+        await client.post("/generate", json={"prompt": system + "Why tiers?", "max_tokens": 2})
+    ).json()
+    shared_blocks = len(system.encode()) // 16
+    assert second["served_blocks"] >= shared_blocks - 1
+    assert second["computed_tokens"] == second["prompt_tokens"] - 16 * second["served_blocks"]
+    assert len(second["completion"]) == 2
+
+    # The same prompt twice gives the same completion, with or without loaded KV.
+    again = (await client.post("/generate", json={"prompt": system + "What is KV?"})).json()
+    assert again["served_blocks"] == again["prefix_blocks"] > 0
+    assert again["completion"] == first["completion"]
+
+    # Concurrent requests share one manager.
+    results: list[dict[str, object]] = []
+
+    async def ask(i: int) -> None:
+        r = await client.post("/generate", json={"prompt": system + f"Question {i}?"})
+        results.append(r.json())
+
+    async with anyio.create_task_group() as tg:
+        for i in range(4):
+            tg.start_soon(ask, i)
+    assert len(results) == 4
+    assert all(r["served_blocks"] for r in results)
+
+    stats = (await client.get("/stats")).json()
+    assert stats["blocks_loaded"] > 0
+    assert stats["tiers"]["fs"]["blocks"] > 0
+
+    bad = await client.post("/generate", json={"text": "no prompt"})
+    assert bad.status_code == 400
