@@ -57,7 +57,9 @@ def bench(session: nox.Session) -> None:
     for script in ("bench_lookup.py", "bench_fs.py", "bench_s3.py"):
         session.run("python", f"benchmarks/{script}", "--quick")
     session.run(
-        "python", "benchmarks/replay_trace.py", "../shared/traces/mooncake_synthetic_trace.jsonl",
+        "python",
+        "benchmarks/replay_trace.py",
+        "../shared/traces/mooncake_synthetic_trace.jsonl",
         "--quick",
     )
 

@@ -31,44 +31,55 @@ class PerKeyOnly:
         self.lookup = manager.lookup
 
 
+async def measure_policy(
+    policy: str, keys: list[bytes], repeat: int, number: int
+) -> list[tuple[str, float]]:
+    n_keys = len(keys)
+    pool = kvtier.HostPool(n_keys, 64, policy=policy)
+    async with kvtier.TieringManager(pool, [kvtier.MemoryTier()]) as manager:
+        await manager.store(keys, np.zeros((n_keys, 64), np.uint8))
+        await manager.wait_idle()
+        scheduler = kvtier.OffloadScheduler(manager)
+        per_key = kvtier.OffloadScheduler(PerKeyOnly(manager))  # type: ignore[arg-type]
+        lookup = manager.lookup
+        assert scheduler.maximal_prefix_lookup(keys) == n_keys
+        assert per_key.maximal_prefix_lookup(keys) == n_keys
+
+        def manager_loop() -> None:
+            for key in keys:
+                lookup(key)
+
+        return [
+            (
+                f"TieringManager.lookup per key [{policy}]",
+                best_ns_per_key(manager_loop, n_keys, repeat, number),
+            ),
+            (
+                f"maximal_prefix_lookup, per-key path [{policy}]",
+                best_ns_per_key(
+                    lambda: per_key.maximal_prefix_lookup(keys), n_keys, repeat, number
+                ),
+            ),
+            (
+                f"maximal_prefix_lookup, fast path [{policy}]",
+                best_ns_per_key(
+                    lambda: scheduler.maximal_prefix_lookup(keys), n_keys, repeat, number
+                ),
+            ),
+        ]
+
+
 async def run(n_keys: int, repeat: int, number: int) -> list[tuple[str, float]]:
     keys = kvtier.block_keys(list(range(n_keys * 16)), 16, namespace=b"bench")
-    rows: list[tuple[str, float]] = []
     floor_dict = dict.fromkeys(keys, 0)
 
     def floor() -> None:
         for key in keys:
             key in floor_dict  # noqa: B015 - the membership test is the measured work
 
-    floor_ns = best_ns_per_key(floor, n_keys, repeat, number)
-    rows.append(("dict membership loop (floor)", floor_ns))
+    rows = [("dict membership loop (floor)", best_ns_per_key(floor, n_keys, repeat, number))]
     for policy in ("lru", "arc"):
-        pool = kvtier.HostPool(n_keys, 64, policy=policy)
-        async with kvtier.TieringManager(pool, [kvtier.MemoryTier()]) as manager:
-            await manager.store(keys, np.zeros((n_keys, 64), np.uint8))
-            await manager.wait_idle()
-            scheduler = kvtier.OffloadScheduler(manager)
-            per_key = kvtier.OffloadScheduler(PerKeyOnly(manager))  # type: ignore[arg-type]
-            lookup = manager.lookup
-            assert scheduler.maximal_prefix_lookup(keys) == n_keys
-            assert per_key.maximal_prefix_lookup(keys) == n_keys
-
-            def manager_loop() -> None:
-                for key in keys:
-                    lookup(key)
-
-            rows.append(
-                (f"TieringManager.lookup per key [{policy}]",
-                 best_ns_per_key(manager_loop, n_keys, repeat, number))
-            )
-            rows.append(
-                (f"maximal_prefix_lookup, per-key path [{policy}]",
-                 best_ns_per_key(lambda: per_key.maximal_prefix_lookup(keys), n_keys, repeat, number))
-            )
-            rows.append(
-                (f"maximal_prefix_lookup, fast path [{policy}]",
-                 best_ns_per_key(lambda: scheduler.maximal_prefix_lookup(keys), n_keys, repeat, number))
-            )
+        rows += await measure_policy(policy, keys, repeat, number)
     return rows
 
 

@@ -5,8 +5,6 @@ Everything public is imported from here; the modules behind it are private.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
 from kvtier._errors import (
     BlockNotFoundError,
     CorruptBlockError,

@@ -26,6 +26,6 @@ class BurstLogger:
         self._last[kind] = now
         suppressed = self._suppressed.pop(kind, 0)
         if suppressed:
-            self._logger.warning(msg + " (%d similar suppressed)", *args, suppressed)
+            self._logger.warning("%s (%d similar suppressed)", msg % args, suppressed)
         else:
             self._logger.warning(msg, *args)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import Enum, StrEnum
 
 __all__ = ["LookupResult", "MissReason"]
 
@@ -16,7 +16,7 @@ class LookupResult(Enum):
     RETRY = "retry"
 
 
-class MissReason(str, Enum):
+class MissReason(StrEnum):
     """Why a key is a miss; every miss is counted under one of these."""
 
     NOT_FOUND = "not_found"

@@ -149,7 +149,7 @@ class OffloadScheduler:
         keys: Sequence[bytes],
         *,
         sliding_window_size: int | None = None,
-        timeout: float | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 - pinned API (design §2.3)
     ) -> int:
         """Scan; while the scan defers, sleep until a key it waits on changes state.
 

@@ -294,7 +294,12 @@ class TieringManager:
         task_group = self._check_open()
         keys = check_keys(keys)
         buffers = split_blocks(
-            blocks, len(keys), self.pool.block_bytes, name="blocks", writable=False, dtype=self._dtype
+            blocks,
+            len(keys),
+            self.pool.block_bytes,
+            name="blocks",
+            writable=False,
+            dtype=self._dtype,
         )
         slots: list[int] = []
         chosen_keys: list[bytes] = []

@@ -204,11 +204,11 @@ async def test_exit_finishes_cascades_then_cancels_the_rest(keys: list[bytes]) -
 async def test_exit_waits_for_cascades_that_finish_in_time(keys: list[bytes]) -> None:
     slow = StallingTier()
     slow.stall("store")
-    async with anyio.create_task_group() as tg:
-        async with TieringManager(HostPool(8, BB), [slow], close_timeout=30) as manager:
-            await manager.store(keys[:2], blocks(2))
-            await slow.wait_stalled("store")
-            tg.start_soon(lambda: _release_later(slow))
+    manager = TieringManager(HostPool(8, BB), [slow], close_timeout=30)
+    async with anyio.create_task_group() as tg, manager:
+        await manager.store(keys[:2], blocks(2))
+        await slow.wait_stalled("store")
+        tg.start_soon(lambda: _release_later(slow))
     assert manager.statistics().cascades_cancelled == 0
     assert slow.inner.statistics().blocks == 2
 
@@ -253,7 +253,9 @@ async def test_large_copies_leave_the_loop_responsive(keys: list[bytes]) -> None
 
 async def test_dtype_is_enforced_when_configured(keys: list[bytes]) -> None:
     async with TieringManager(HostPool(8, BB), dtype=torch.float16) as manager:
-        with pytest.raises(ValueError, match="dtype float32 but this manager was configured for float16"):
+        with pytest.raises(
+            ValueError, match="dtype float32 but this manager was configured for float16"
+        ):
             await manager.store(keys[:1], np.zeros((1, BB // 4), np.float32))
         await manager.store(keys[:1], np.zeros((1, BB // 2), np.float16))
 
@@ -262,7 +264,10 @@ async def test_dtype_is_enforced_when_configured(keys: list[bytes]) -> None:
     ("make_blocks", "message"),
     [
         (lambda: np.zeros((2, BB), np.uint8), "has 2 blocks along its first axis but 3 keys"),
-        (lambda: np.zeros((3, BB + 1), np.uint8), "holds 4097 bytes but the pool's blocks are 4096"),
+        (
+            lambda: np.zeros((3, BB + 1), np.uint8),
+            "holds 4097 bytes but the pool's blocks are 4096",
+        ),
         (lambda: [np.zeros(BB, np.uint8)] * 2, "has 2 blocks but 3 keys"),
         (lambda: np.zeros((3, BB), object), "dtype object"),
         (lambda: np.zeros((3, 2 * BB), np.uint8)[:, ::2], "C-contiguous"),

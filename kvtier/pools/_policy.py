@@ -142,7 +142,9 @@ class ARCPolicy:
     def _trim_ghosts(self) -> None:
         while self._b1 and len(self._t1) + len(self._b1) > self._c:
             self._b1.popitem(last=False)
-        while self._b2 and len(self._t1) + len(self._t2) + len(self._b1) + len(self._b2) > 2 * self._c:
+        while (
+            self._b2 and len(self._t1) + len(self._t2) + len(self._b1) + len(self._b2) > 2 * self._c
+        ):
             self._b2.popitem(last=False)
 
     def __len__(self) -> int:

@@ -11,7 +11,7 @@ slots are evictable.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Sequence, Sized
 from dataclasses import dataclass
 from enum import IntEnum
 from itertools import takewhile
@@ -205,5 +205,5 @@ class SlotTable:
                 assert state is SlotState.READY or self._pins[slot] == 0
         assert len(self._slot_of) + len(self._free) == self.num_blocks
         assert sum(1 for p in self._pins if p) == self._pinned_slots
-        if hasattr(self.policy, "__len__"):
+        if isinstance(self.policy, Sized):
             assert len(self.policy) == len(self.ready)

@@ -24,16 +24,27 @@ Check = Callable[[MakeTier, int], Awaitable[None]]
 
 
 def _keys(n: int, tag: str) -> list[bytes]:
-    return block_keys(list(range(n)), 1, namespace=f"kvtier.testing/{tag}/{os.urandom(8).hex()}".encode())
+    return block_keys(
+        list(range(n)), 1, namespace=f"kvtier.testing/{tag}/{os.urandom(8).hex()}".encode()
+    )
 
 
-async def resolve_lookup(tier: SecondaryTier, key: bytes, timeout: float = 10.0) -> LookupResult:
+async def resolve_lookup(
+    tier: SecondaryTier,
+    key: bytes,
+    timeout: float = 10.0,  # noqa: ASYNC109 - a test helper's bound, not a cancellation API
+) -> LookupResult:
     """Ask ``tier.lookup(key)`` until it stops answering RETRY, waking on the tier's
     notifications rather than polling on a timer."""
     with anyio.fail_after(timeout):
         while True:
             changed = anyio.Event()
-            remove = tier.add_listener(lambda k: changed.set() if k == key else None)
+
+            def wake(k: bytes, changed: anyio.Event = changed) -> None:
+                if k == key:
+                    changed.set()
+
+            remove = tier.add_listener(wake)
             try:
                 result = tier.lookup(key)
                 if result is not LookupResult.RETRY:

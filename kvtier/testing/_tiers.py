@@ -109,7 +109,11 @@ class StallingTier(_WrappingTier):
     """
 
     def __init__(
-        self, inner: SecondaryTier | None = None, *, name: str = "stalling", lookup_timeout: float = 5.0
+        self,
+        inner: SecondaryTier | None = None,
+        *,
+        name: str = "stalling",
+        lookup_timeout: float = 5.0,
     ) -> None:
         super().__init__(inner, name, lookup_timeout)
         self._gates: dict[str, anyio.Event] = {}
@@ -149,7 +153,11 @@ class FailingTier(_WrappingTier):
     """Operations raise while failing, until recovered: a tier that went down."""
 
     def __init__(
-        self, inner: SecondaryTier | None = None, *, name: str = "failing", lookup_timeout: float = 5.0
+        self,
+        inner: SecondaryTier | None = None,
+        *,
+        name: str = "failing",
+        lookup_timeout: float = 5.0,
     ) -> None:
         super().__init__(inner, name, lookup_timeout)
         self._failing: dict[str, type[TierError]] = {}

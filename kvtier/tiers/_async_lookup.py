@@ -213,8 +213,6 @@ class AsyncLookupManager:
             try:
                 with anyio.fail_after(self._timeout):
                     found = await self._contains_many(batch)
-                if len(found) != len(batch):
-                    raise RuntimeError(f"contains_many returned {len(found)} answers")
             except TimeoutError:
                 reason = MissReason.TIMEOUT
             except TierError as exc:
@@ -222,6 +220,9 @@ class AsyncLookupManager:
             except Exception as exc:
                 reason = MissReason.UNAVAILABLE
                 self._log.warning("error", "%s: existence check failed: %r", self.name, exc)
+            if reason is None and len(found) != len(batch):
+                reason = MissReason.UNAVAILABLE
+                self._log.warning("answers", "%s: contains_many gave a wrong count", self.name)
             if reason is not None:
                 self._log.warning(
                     reason.value, "%s: existence checks resolve to miss (%s)", self.name, reason
