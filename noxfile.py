@@ -15,7 +15,7 @@ PYPROJECT = nox.project.load_toml("pyproject.toml")
 TORCH = "torch==2.13.0"
 
 
-def install(session: nox.Session, *groups: str, extras: str = "s3,torch") -> None:
+def install(session: nox.Session, *groups: str, extras: str = "s3,torch,metrics") -> None:
     session.install(TORCH)
     session.install("-e", f".[{extras}]", *nox.project.dependency_groups(PYPROJECT, *groups))
 
@@ -67,5 +67,5 @@ def bench(session: nox.Session) -> None:
 @nox.session
 def gpu(session: nox.Session) -> None:
     """GPU tests and GPU benchmark; says clearly that it skipped when there is no GPU."""
-    install(session, "test", extras="s3,torch,cuda")
+    install(session, "test", extras="s3,torch,metrics,cuda")
     session.run("python", "benchmarks/gpu_check.py", *session.posargs)
