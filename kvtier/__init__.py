@@ -22,12 +22,15 @@ from kvtier._lookup import LookupResult, MissReason
 from kvtier._scheduler import OffloadScheduler, SchedulerStatistics
 from kvtier._tiering import ManagerStatistics, TieringManager
 from kvtier.pools._base import PrimaryPool
+from kvtier.pools._cuda import CudaPool, CudaUnavailableError
 from kvtier.pools._host import HostPool
 from kvtier.pools._policy import ARCPolicy, EvictionPolicy, LRUPolicy
 from kvtier.pools._slots import PoolStatistics, SlotState
 from kvtier.tiers._async_lookup import AsyncLookupManager
 from kvtier.tiers._base import LookupStatistics, SecondaryTier, TierStatistics
+from kvtier.tiers._fs import FSTier
 from kvtier.tiers._memory import MemoryTier
+from kvtier.tiers._s3 import S3Tier
 
 __version__ = "0.1.0"
 
@@ -36,8 +39,11 @@ __all__ = [
     "AsyncLookupManager",
     "BlockNotFoundError",
     "CorruptBlockError",
+    "CudaPool",
+    "CudaUnavailableError",
     "EvictionPolicy",
     "ExtraNotInstalledError",
+    "FSTier",
     "HostPool",
     "InvalidArgumentError",
     "KVTierError",
@@ -51,6 +57,7 @@ __all__ = [
     "OffloadScheduler",
     "PoolStatistics",
     "PrimaryPool",
+    "S3Tier",
     "SchedulerStatistics",
     "SecondaryTier",
     "SlotState",
