@@ -238,6 +238,19 @@ class CudaPool(PrimaryPool):
         else:
             lane.stream.wait_event(fence)
 
+    def _issue(self, lane: Lane, copies: list[tuple[int, int]], kind: int) -> None:
+        """Enqueue block copies (dst, src) on ``lane``, one copy per run of blocks that are
+        contiguous on both sides (slots taken in order and one engine array usually are)."""
+        size = self.block_bytes
+        run_dst, run_src, run_len = copies[0][0], copies[0][1], size
+        for dst, src in copies[1:]:
+            if dst == run_dst + run_len and src == run_src + run_len:
+                run_len += size
+                continue
+            self._rt.memcpyAsync(run_dst, run_src, run_len, kind, lane.stream.ptr)
+            run_dst, run_src, run_len = dst, src, size
+        self._rt.memcpyAsync(run_dst, run_src, run_len, kind, lane.stream.ptr)
+
     async def _settle(
         self,
         done: Completion | None,
@@ -363,23 +376,21 @@ class CudaPool(PrimaryPool):
                 if self._engine_stream is not None:
                     handles = {self._engine_stream}
                 else:  # read on the loop thread: current streams are thread-local
-                    handles = {stream_handle(current_stream(array)) for _, array in pairs}
+                    first_of: dict[tuple[str, int], DeviceArray] = {}
+                    for _, array in pairs:
+                        first_of.setdefault((array.framework, array.device), array)
+                    handles = {stream_handle(current_stream(a)) for a in first_of.values()}
                 for handle in handles:  # an event may be destroyed once waited on
                     event = self._cupy.cuda.Event(disable_timing=True)
                     self._rt.eventRecord(event.ptr, handle)
                     lane.stream.wait_event(event)
-                for slot, array in pairs:
+                for slot, _ in pairs:
                     self._fence(lane, slot)
-                    dst, src = (
-                        (self._ptr(slot), array.ptr) if to_pool else (array.ptr, self._ptr(slot))
-                    )
-                    self._rt.memcpyAsync(
-                        dst,
-                        src,
-                        self.block_bytes,
-                        self._rt.memcpyDeviceToDevice,
-                        lane.stream.ptr,
-                    )
+                copies = [
+                    (self._ptr(slot), array.ptr) if to_pool else (array.ptr, self._ptr(slot))
+                    for slot, array in pairs
+                ]
+                self._issue(lane, copies, self._rt.memcpyDeviceToDevice)
                 done = lane.mark()
             self._peer_bytes += len(pairs) * self.block_bytes
             await done.wait()
@@ -415,17 +426,16 @@ class CudaPool(PrimaryPool):
                         nbytes,
                     )
                 with self._on_device():
+                    copies = []
                     for buffer, (slot, _) in zip(buffers, batch.pairs, strict=True):
                         self._fence(lane, slot)
-                        dst, src = (
+                        copies.append(
                             (self._ptr(slot), buffer.ptr)
                             if to_pool
                             else (buffer.ptr, self._ptr(slot))
                         )
-                        kind = (
-                            self._rt.memcpyHostToDevice if to_pool else self._rt.memcpyDeviceToHost
-                        )
-                        self._rt.memcpyAsync(dst, src, self.block_bytes, kind, lane.stream.ptr)
+                    kind = self._rt.memcpyHostToDevice if to_pool else self._rt.memcpyDeviceToHost
+                    self._issue(lane, copies, kind)
                     batch.done = lane.mark()
                 if to_pool:
                     self._to_device += nbytes
