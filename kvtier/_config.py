@@ -1,0 +1,617 @@
+"""One typed configuration for a whole kvtier stack: pool, tiers and manager.
+
+Operators configure kvtier the way they configure the engine around it: a TOML file, ``KVTIER_*``
+environment variables (containers, systemd units) or a dict an application already has. All
+three land in the same frozen ``KVTierConfig``, validated once, with messages that name the key
+the way the operator wrote it (``pool.num_blocks`` in a dict or file, ``KVTIER_POOL_NUM_BLOCKS``
+in the environment) and say what is expected. ``build()`` then makes the pool, the tiers and the
+``TieringManager`` in one call.
+
+A file looks like this (every section but ``pool`` is optional)::
+
+    [pool]
+    kind = "host"            # or "cuda"
+    num_blocks = 4096
+    block_bytes = "256KiB"   # sizes take an int or a string with a unit
+    policy = "lru"           # or "arc"
+
+    [fs]
+    root = "/var/cache/kvtier"
+    capacity_bytes = "200GiB"
+    fsync = "data"           # never | data | always
+
+    [s3]
+    bucket = "kv-cache"
+    prefix = "llama-8b"
+    endpoint_url = "http://127.0.0.1:9000"
+
+    [manager]
+    promotion_timeout = 10.0
+
+Choices where the issue was silent:
+
+- ``pool.num_blocks`` and ``pool.block_bytes`` have no defaults: both follow from the model and
+  the memory the operator gives kvtier, and a guessed default would be wrong for everyone.
+- The tiers are asked in a fixed order, ``fs`` then ``s3``: a local disk answers faster than
+  the network, so a block present in both is promoted from the disk.
+- S3 credentials are optional (without them botocore reads the usual AWS environment and
+  files). When given, they are kept out of ``repr`` and out of every error message.
+- ``from_env`` reads ``KVTIER_CONFIG`` (a TOML file) first, then lets each ``KVTIER_<SECTION>_
+  <KEY>`` variable override one value, so a container can ship a file and tweak it. Any other
+  ``KVTIER_*`` variable is an error: a typo must not silently fall back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import re
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Self
+
+from kvtier._errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from kvtier._tiering import TieringManager
+    from kvtier.pools._base import PrimaryPool
+    from kvtier.tiers._base import SecondaryTier
+
+__all__ = [
+    "ENV_PREFIX",
+    "FSConfig",
+    "KVTierConfig",
+    "ManagerConfig",
+    "PoolConfig",
+    "S3Config",
+    "parse_size",
+]
+
+ENV_PREFIX = "KVTIER_"
+ENV_CONFIG_FILE = "KVTIER_CONFIG"
+
+
+# -- value parsers ---------------------------------------------------------------------------
+#
+# A parser takes a raw value and whether it came as text (an environment variable), and
+# returns the normalised value or raises ``_Bad`` saying what it expected.
+
+
+class _Bad(Exception):
+    def __init__(self, expected: str) -> None:
+        super().__init__(expected)
+        self.expected = expected
+
+
+_Parser = Callable[[object, bool], object]
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*")
+
+
+def parse_size(value: object) -> int:
+    """Bytes from an int or a string such as ``"64MiB"``, ``"1.5GB"`` or ``"4096"``.
+
+    Raises ``InvalidArgumentError`` (a ``ValueError``) for anything else: a negative, a
+    fraction of a byte, an unknown unit.
+    """
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    match = _SIZE.fullmatch(value.replace("_", "")) if isinstance(value, str) else None
+    if match is None or match.group(2).lower() not in _UNITS:
+        raise InvalidArgumentError(f"not a size in bytes: {value!r}")
+    amount = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if amount != int(amount):
+        raise InvalidArgumentError(f"not a whole number of bytes: {value!r}")
+    return int(amount)
+
+
+def _positive_int(value: object, text: bool) -> int:
+    if text and isinstance(value, str):
+        try:
+            value = int(value.strip())
+        except ValueError:
+            raise _Bad("a positive integer") from None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise _Bad("a positive integer")
+    return value
+
+
+def _non_negative_int(value: object, text: bool) -> int:
+    if text and isinstance(value, str):
+        try:
+            value = int(value.strip())
+        except ValueError:
+            raise _Bad("an integer >= 0") from None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise _Bad("an integer >= 0")
+    return value
+
+
+def _size(value: object, text: bool) -> int:
+    expected = "a positive size in bytes: an integer or a string such as '64MiB' or '2GB'"
+    try:
+        size = parse_size(value)
+    except ValueError:
+        raise _Bad(expected) from None
+    if size <= 0:
+        raise _Bad(expected)
+    return size
+
+
+def _seconds(value: object, text: bool) -> float:
+    expected = "a positive number of seconds"
+    if text and isinstance(value, str):
+        try:
+            value = float(value.strip())
+        except ValueError:
+            raise _Bad(expected) from None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _Bad(expected)
+    if not (math.isfinite(value) and value > 0):
+        raise _Bad(expected)
+    return float(value)
+
+
+def _text(value: object, text: bool) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise _Bad("a non-empty string")
+    return value
+
+
+def _any_text(value: object, text: bool) -> str:
+    if not isinstance(value, str):
+        raise _Bad("a string (it may be empty)")
+    return value
+
+
+def _path(value: object, text: bool) -> str:
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str) or not value.strip():
+        raise _Bad("a folder path (a non-empty string)")
+    return value
+
+
+def _url(value: object, text: bool) -> str:
+    if not isinstance(value, str) or not re.match(r"https?://[^/\s]+", value):
+        raise _Bad("an http:// or https:// URL such as 'http://127.0.0.1:9000'")
+    return value
+
+
+def _choice(*options: str) -> _Parser:
+    def parse(value: object, text: bool) -> str:
+        if isinstance(value, str) and value.strip().lower() in options:
+            return value.strip().lower()
+        raise _Bad("one of " + ", ".join(repr(o) for o in options))
+
+    return parse
+
+
+def _optional(parse: _Parser) -> _Parser:
+    """``None`` is allowed; as text, an empty string or ``none`` means ``None``."""
+
+    def parse_optional(value: object, text: bool) -> object:
+        if value is None or (
+            text and isinstance(value, str) and value.strip().lower() in ("", "none")
+        ):
+            return None
+        try:
+            return parse(value, text)
+        except _Bad as exc:
+            raise _Bad(exc.expected + ", or nothing") from None
+
+    return parse_optional
+
+
+def _spec(parse: _Parser, *, secret: bool = False) -> dict[str, Any]:
+    return {"parse": parse, "secret": secret}
+
+
+def _check_fields(section: object, label: Callable[[str], str]) -> None:
+    """Parse every field of a section dataclass in place; raise naming the first bad one."""
+    for f in dataclasses.fields(section):  # type: ignore[arg-type]
+        value = getattr(section, f.name)
+        try:
+            parsed = f.metadata["parse"](value, False)
+        except _Bad as exc:
+            raise InvalidArgumentError(
+                _message(label(f.name), exc.expected, value, f.metadata["secret"])
+            ) from None
+        object.__setattr__(section, f.name, parsed)
+
+
+def _message(where: str, expected: str, value: object, secret: bool) -> str:
+    shown = "another value (hidden: it is a secret)" if secret else repr(value)
+    return f"{where} must be {expected}; got {shown}"
+
+
+class _Section:
+    """What each section dataclass shares: its name in files and in the environment."""
+
+    __slots__ = ()
+    SECTION: ClassVar[str]
+
+    def __post_init__(self) -> None:
+        _check_fields(self, lambda name: f"{self.SECTION}.{name}")
+
+
+# -- sections --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PoolConfig(_Section):
+    """The primary pool: ``HostPool`` (``kind="host"``) or ``CudaPool`` (``kind="cuda"``)."""
+
+    SECTION: ClassVar[str] = "pool"
+
+    num_blocks: int = field(metadata=_spec(_positive_int))
+    block_bytes: int = field(metadata=_spec(_size))
+    kind: str = field(default="host", metadata=_spec(_choice("host", "cuda")))
+    policy: str = field(default="lru", metadata=_spec(_choice("lru", "arc")))
+    device: int = field(default=0, metadata=_spec(_non_negative_int))
+
+
+@dataclass(frozen=True, slots=True)
+class FSConfig(_Section):
+    """An ``FSTier`` (see ``kvtier.tiers._fs`` for what each setting trades)."""
+
+    SECTION: ClassVar[str] = "fs"
+
+    root: str = field(metadata=_spec(_path))
+    name: str = field(default="fs", metadata=_spec(_text))
+    capacity_bytes: int | None = field(default=None, metadata=_spec(_optional(_size)))
+    fsync: str = field(default="data", metadata=_spec(_choice("never", "data", "always")))
+    miss_ttl: float = field(default=2.0, metadata=_spec(_seconds))
+    lookup_batch_size: int = field(default=256, metadata=_spec(_positive_int))
+    lookup_timeout: float = field(default=5.0, metadata=_spec(_seconds))
+    max_concurrency: int = field(default=16, metadata=_spec(_positive_int))
+
+
+@dataclass(frozen=True, slots=True)
+class S3Config(_Section):
+    """An ``S3Tier``. Credentials are optional and never shown by ``repr``."""
+
+    SECTION: ClassVar[str] = "s3"
+
+    bucket: str = field(metadata=_spec(_text))
+    prefix: str = field(default="", metadata=_spec(_any_text))
+    endpoint_url: str | None = field(default=None, metadata=_spec(_optional(_url)))
+    region_name: str | None = field(default=None, metadata=_spec(_optional(_text)))
+    aws_access_key_id: str | None = field(
+        default=None, repr=False, metadata=_spec(_optional(_text), secret=True)
+    )
+    aws_secret_access_key: str | None = field(
+        default=None, repr=False, metadata=_spec(_optional(_text), secret=True)
+    )
+    aws_session_token: str | None = field(
+        default=None, repr=False, metadata=_spec(_optional(_text), secret=True)
+    )
+    addressing_style: str = field(
+        default="auto", metadata=_spec(_choice("auto", "path", "virtual"))
+    )
+    name: str = field(default="s3", metadata=_spec(_text))
+    connect_timeout: float = field(default=2.0, metadata=_spec(_seconds))
+    read_timeout: float = field(default=10.0, metadata=_spec(_seconds))
+    max_attempts: int = field(default=3, metadata=_spec(_positive_int))
+    max_concurrency: int = field(default=32, metadata=_spec(_positive_int))
+    miss_ttl: float = field(default=2.0, metadata=_spec(_seconds))
+    lookup_batch_size: int = field(default=64, metadata=_spec(_positive_int))
+    breaker_threshold: int = field(default=5, metadata=_spec(_positive_int))
+    breaker_reset: float = field(default=5.0, metadata=_spec(_seconds))
+    lookup_timeout: float = field(default=5.0, metadata=_spec(_seconds))
+
+    def __post_init__(self) -> None:
+        _check_fields(self, lambda name: f"s3.{name}")
+        if (self.aws_access_key_id is None) != (self.aws_secret_access_key is None):
+            raise InvalidArgumentError(
+                "aws_access_key_id and aws_secret_access_key go together: set both, or "
+                "neither to use the AWS environment and config files"
+            )
+        if self.aws_session_token is not None and self.aws_access_key_id is None:
+            raise InvalidArgumentError("aws_session_token needs aws_access_key_id too")
+
+    @property
+    def has_credentials(self) -> bool:
+        return self.aws_access_key_id is not None
+
+    def __repr__(self) -> str:
+        shown = ", ".join(
+            f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self) if f.repr
+        )
+        return f"S3Config({shown}, credentials={'set' if self.has_credentials else 'unset'})"
+
+
+@dataclass(frozen=True, slots=True)
+class ManagerConfig(_Section):
+    """The ``TieringManager``'s deadlines and limits."""
+
+    SECTION: ClassVar[str] = "manager"
+
+    promotion_timeout: float = field(default=10.0, metadata=_spec(_seconds))
+    store_timeout: float = field(default=30.0, metadata=_spec(_seconds))
+    max_in_flight_bytes: int = field(default=256 << 20, metadata=_spec(_size))
+    close_timeout: float = field(default=5.0, metadata=_spec(_seconds))
+
+
+_SECTIONS: dict[str, type[Any]] = {
+    "pool": PoolConfig,
+    "fs": FSConfig,
+    "s3": S3Config,
+    "manager": ManagerConfig,
+}
+
+
+# -- the whole configuration ----------------------------------------------------------------
+
+
+def _did_you_mean(name: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(name, options, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return f"{hint}expected one of: {', '.join(options)}"
+
+
+@dataclass(frozen=True, slots=True)
+class KVTierConfig:
+    """A validated kvtier stack: ``pool`` plus optional ``fs`` and ``s3`` tiers and the
+    ``manager`` settings. Build one from ``from_dict``, ``from_toml`` or ``from_env``, or
+    directly from the section classes; ``build()`` makes the ``TieringManager``."""
+
+    pool: PoolConfig
+    fs: FSConfig | None = None
+    s3: S3Config | None = None
+    manager: ManagerConfig = field(default_factory=ManagerConfig)
+
+    def __post_init__(self) -> None:
+        for name, cls in _SECTIONS.items():
+            value = getattr(self, name)
+            if not (isinstance(value, cls) or (value is None and name in ("fs", "s3"))):
+                raise InvalidArgumentError(
+                    f"{name} must be a {cls.__name__}, got {type(value).__name__}"
+                )
+
+    # -- constructors ----------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, source: str | None = None) -> Self:
+        """Build from ``{"pool": {...}, "fs": {...}, "s3": {...}, "manager": {...}}``.
+
+        ``source`` (a file name, say) prefixes every error message.
+        """
+        prefix = f"{source}: " if source else ""
+        return cls._parse(data, lambda s, k: prefix + (f"{s}.{k}" if k else s), text=False)
+
+    @classmethod
+    def from_toml(cls, path: str | os.PathLike[str]) -> Self:
+        """Build from a TOML file with ``[pool]``, ``[fs]``, ``[s3]`` and ``[manager]`` tables."""
+        where = os.fspath(path)
+        return cls.from_dict(_load_toml(where), source=where)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Self:
+        """Build from ``KVTIER_<SECTION>_<KEY>`` variables (``KVTIER_POOL_NUM_BLOCKS``,
+        ``KVTIER_FS_ROOT``, ``KVTIER_S3_BUCKET``, ...), on top of the TOML file named by
+        ``KVTIER_CONFIG`` when it is set."""
+        env = os.environ if environ is None else environ
+        base: dict[str, dict[str, Any]] = {}
+        file_name = env.get(ENV_CONFIG_FILE)
+        if file_name:
+            raw = _load_toml(file_name)
+            for name, value in raw.items():
+                if name in _SECTIONS and not isinstance(value, Mapping):
+                    raise InvalidArgumentError(f"{file_name}: {name} must be a table of settings")
+                base[name] = dict(value) if isinstance(value, Mapping) else value
+        overrides: dict[str, dict[str, Any]] = {}
+        for var, value in env.items():
+            if not var.startswith(ENV_PREFIX) or var == ENV_CONFIG_FILE:
+                continue
+            section, key = cls._env_target(var)
+            overrides.setdefault(section, {})[key] = value
+        if not base and not overrides:
+            raise InvalidArgumentError(
+                "no kvtier configuration in the environment: set KVTIER_POOL_NUM_BLOCKS and "
+                "KVTIER_POOL_BLOCK_BYTES (plus KVTIER_FS_* / KVTIER_S3_* for tiers), or "
+                "KVTIER_CONFIG to a TOML file"
+            )
+
+        def label(section: str, key: str | None) -> str:
+            if key is None:
+                return f"{ENV_PREFIX}{section.upper()}_*"
+            if key in overrides.get(section, {}):
+                return f"{ENV_PREFIX}{section.upper()}_{key.upper()}"
+            if file_name and key in base.get(section, {}):
+                return f"{file_name}: {section}.{key}"
+            return f"{section}.{key} ({ENV_PREFIX}{section.upper()}_{key.upper()})"
+
+        # Values from the file keep their TOML types; values from variables are text.
+        file_keys = {s: set(v) - set(overrides.get(s, {})) for s, v in base.items()}
+        merged = {s: dict(base.get(s, {})) for s in set(base) | set(overrides)}
+        for s, values in overrides.items():
+            merged[s].update(values)
+        return cls._parse(merged, label, text=True, typed=file_keys)
+
+    @staticmethod
+    def _env_target(var: str) -> tuple[str, str]:
+        rest = var[len(ENV_PREFIX) :]
+        section, _, key = rest.partition("_")
+        cls = _SECTIONS.get(section.lower())
+        if cls is None or not key:
+            options = [f"{ENV_PREFIX}{s.upper()}_*" for s in _SECTIONS] + [ENV_CONFIG_FILE]
+            raise InvalidArgumentError(
+                f"unknown environment variable {var}: {_did_you_mean(var, options)}"
+            )
+        names = [f.name for f in dataclasses.fields(cls)]
+        if key.lower() not in names:
+            options = [f"{ENV_PREFIX}{section.upper()}_{n.upper()}" for n in names]
+            raise InvalidArgumentError(
+                f"unknown environment variable {var}: {_did_you_mean(var, options)}"
+            )
+        return section.lower(), key.lower()
+
+    @classmethod
+    def _parse(
+        cls,
+        data: Mapping[str, Any],
+        label: Callable[[str, str | None], str],
+        *,
+        text: bool,
+        typed: Mapping[str, set[str]] | None = None,
+    ) -> Self:
+        if not isinstance(data, Mapping):
+            raise InvalidArgumentError(
+                f"a kvtier config must be a mapping of sections, got {type(data).__name__}"
+            )
+        for name in data:
+            if name not in _SECTIONS:
+                raise InvalidArgumentError(
+                    f"unknown config section {name!r}: {_did_you_mean(str(name), list(_SECTIONS))}"
+                )
+        if "pool" not in data:
+            raise InvalidArgumentError(
+                f"{label('pool', None)} is required: it sets num_blocks and block_bytes"
+            )
+        sections: dict[str, Any] = {}
+        for name, raw in data.items():
+            if not isinstance(raw, Mapping):
+                raise InvalidArgumentError(
+                    f"{label(name, None)} must be a table of settings, got {type(raw).__name__}"
+                )
+            as_text = {k for k in raw if text and k not in (typed or {}).get(name, set())}
+            sections[name] = _parse_section(_SECTIONS[name], name, raw, label, as_text)
+        return cls(**sections)
+
+    # -- building --------------------------------------------------------------------------
+
+    def build_pool(self) -> PrimaryPool:
+        """The primary pool this config describes (a CudaPool needs the ``cuda`` extra)."""
+        p = self.pool
+        try:
+            if p.kind == "cuda":
+                from kvtier.pools._cuda import CudaPool
+
+                return CudaPool(p.num_blocks, p.block_bytes, p.device, policy=p.policy)
+            from kvtier.pools._host import HostPool
+
+            return HostPool(p.num_blocks, p.block_bytes, policy=p.policy)
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(f"pool: {exc}") from exc
+
+    def build_tiers(self) -> list[SecondaryTier]:
+        """The secondary tiers, in the order the manager asks them: ``fs``, then ``s3``."""
+        tiers: list[SecondaryTier] = []
+        if self.fs is not None:
+            from kvtier.tiers._fs import FSTier
+
+            kwargs = _kwargs(self.fs)
+            root = kwargs.pop("root")
+            try:
+                tiers.append(FSTier(root, **kwargs))
+            except InvalidArgumentError as exc:
+                raise InvalidArgumentError(f"fs: {exc}") from exc
+        if self.s3 is not None:
+            from kvtier.tiers._s3 import S3Tier
+
+            kwargs = _kwargs(self.s3)
+            bucket = kwargs.pop("bucket")
+            try:
+                tiers.append(S3Tier(bucket, **kwargs))
+            except InvalidArgumentError as exc:
+                raise InvalidArgumentError(f"s3: {exc}") from exc
+        names = [t.name for t in tiers]
+        if len(set(names)) != len(names):
+            raise InvalidArgumentError(
+                f"fs.name and s3.name must differ (metrics and logs tell tiers apart by name), "
+                f"both are {names[0]!r}"
+            )
+        return tiers
+
+    def build(self) -> TieringManager:
+        """A ``TieringManager`` over the configured pool and tiers, not yet entered: use it
+        as ``async with config.build() as manager``."""
+        from kvtier._tiering import TieringManager
+
+        tiers = self.build_tiers()  # tiers first: they hold nothing until opened
+        pool = self.build_pool()
+        return TieringManager(pool, tiers, **_kwargs(self.manager))
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """The configuration as plain data, for printing; secrets are replaced by ``"***"``."""
+        out: dict[str, dict[str, Any]] = {}
+        for name in _SECTIONS:
+            section = getattr(self, name)
+            if section is None:
+                continue
+            out[name] = {
+                f.name: (
+                    "***"
+                    if f.metadata["secret"] and getattr(section, f.name)
+                    else getattr(section, f.name)
+                )
+                for f in dataclasses.fields(section)
+            }
+        return out
+
+
+def _load_toml(where: str) -> dict[str, Any]:
+    try:
+        with open(where, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise InvalidArgumentError(f"config file {where} does not exist") from None
+    except OSError as exc:
+        raise InvalidArgumentError(f"cannot read config file {where}: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise InvalidArgumentError(f"{where} is not valid TOML: {exc}") from None
+
+
+def _kwargs(section: object) -> dict[str, Any]:
+    return {f.name: getattr(section, f.name) for f in dataclasses.fields(section)}  # type: ignore[arg-type]
+
+
+def _parse_section(
+    cls: type[Any],
+    section: str,
+    raw: Mapping[str, Any],
+    label: Callable[[str, str | None], str],
+    as_text: set[str],
+) -> Any:
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        f = fields.get(key)
+        if f is None:
+            raise InvalidArgumentError(
+                f"unknown key {label(section, str(key))}: {_did_you_mean(str(key), list(fields))}"
+            )
+        try:
+            values[key] = f.metadata["parse"](value, key in as_text)
+        except _Bad as exc:
+            raise InvalidArgumentError(
+                _message(label(section, key), exc.expected, value, f.metadata["secret"])
+            ) from None
+    for name, f in fields.items():
+        if name not in values and f.default is dataclasses.MISSING:
+            raise InvalidArgumentError(f"{label(section, name)} is required")
+    try:
+        return cls(**values)
+    except InvalidArgumentError as exc:  # a rule across keys, such as paired credentials
+        where = label(section, None)
+        raise InvalidArgumentError(f"{where}: {exc}") from None
