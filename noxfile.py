@@ -28,6 +28,14 @@ def tests(session: nox.Session) -> None:
 
 
 @nox.session
+def stress(session: nox.Session) -> None:
+    """The randomized manager state machine with many more examples than CI runs."""
+    install(session, "test")
+    session.env["KVTIER_STATEFUL_EXAMPLES"] = session.posargs[0] if session.posargs else "400"
+    session.run("python", "-m", "pytest", "tests/test_manager_stateful.py", "-p", "no:timeout")
+
+
+@nox.session
 def lint(session: nox.Session) -> None:
     session.install(*nox.project.dependency_groups(PYPROJECT, "lint"))
     session.run("ruff", "check", ".")

@@ -120,6 +120,11 @@ class StallingTier(_WrappingTier):
         self._entered: dict[str, anyio.Event] = {op: anyio.Event() for op in OPERATIONS}
         self.stalled: dict[str, int] = dict.fromkeys(OPERATIONS, 0)
 
+    @property
+    def stalled_operations(self) -> frozenset[str]:
+        """The operations that are held right now."""
+        return frozenset(self._gates)
+
     def stall(self, *operations: str) -> None:
         for op in _check_ops(operations):
             self._gates.setdefault(op, anyio.Event())

@@ -1,0 +1,201 @@
+"""A hypothesis state machine that drives a TieringManager through random stores, lookups,
+scheduler lookups, loads, cancellations, tier failures and recoveries, stalls, and manager
+exits and re-entries; after every step nothing has leaked and every hit has the right bytes.
+
+The manager lives in an event loop thread behind an anyio blocking portal, so the state
+machine itself stays synchronous; the portal keeps ``async with`` in one task.
+
+Examples: ``KVTIER_STATEFUL_EXAMPLES`` (default 25 in CI; the nox ``stress`` session raises it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.from_thread
+import numpy as np
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from kvtier import (
+    FSTier,
+    HostPool,
+    LookupResult,
+    MemoryTier,
+    OffloadScheduler,
+    TieringManager,
+    block_keys,
+)
+from kvtier.testing import FailingTier, StallingTier
+
+BB = 512
+KEYS = block_keys(list(range(24)), 1, namespace=b"stateful")
+EXAMPLES = int(os.environ.get("KVTIER_STATEFUL_EXAMPLES", "25"))
+
+
+def payload(key: bytes) -> np.ndarray:
+    """The one right content of ``key``: derived from it, so any mix-up shows."""
+    digest = hashlib.blake2b(key, digest_size=64).digest()
+    return np.frombuffer(digest * (BB // 64), np.uint8)
+
+
+key_lists = st.lists(st.sampled_from(KEYS), min_size=1, max_size=6, unique=True)
+
+
+class ManagerMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.portal_cm = anyio.from_thread.start_blocking_portal("asyncio")
+        self.portal = self.portal_cm.__enter__()
+        self.folder = Path(tempfile.mkdtemp(prefix="kvtier-stateful-"))
+        self.stalling = StallingTier(MemoryTier("stall.inner"), name="stalling", lookup_timeout=0.5)
+        self.failing = FailingTier(FSTier(self.folder, fsync="never"), name="failing")
+        self.manager = TieringManager(
+            HostPool(8, BB, policy="arc"),
+            [self.stalling, self.failing],
+            promotion_timeout=0.5,
+            store_timeout=2.0,
+            close_timeout=0.2,
+            max_in_flight_bytes=6 * BB,
+        )
+        self.scheduler = OffloadScheduler(self.manager, max_wait=3.0)
+        self.entered: AbstractContextManager[TieringManager] | None = None
+        self.enter()
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def enter(self) -> None:
+        self.entered = self.portal.wrap_async_context_manager(self.manager)
+        self.entered.__enter__()
+
+    def call(self, fn: Any, *args: Any) -> Any:
+        return self.portal.call(fn, *args)
+
+    def check_loaded(self, keys: list[bytes], out: np.ndarray, n: int) -> None:
+        for i in range(n):
+            assert (out[i] == payload(keys[i])).all(), "a hit loaded the wrong bytes"
+
+    # -- rules ---------------------------------------------------------------------------------
+
+    @rule(keys=key_lists)
+    def store(self, keys: list[bytes]) -> None:
+        blocks = np.stack([payload(k) for k in keys])
+        stored = self.call(self.manager.store, keys, blocks)
+        assert 0 <= stored <= len(keys)
+
+    @rule(key=st.sampled_from(KEYS))
+    def lookup(self, key: bytes) -> None:
+        result = self.call(self.manager.lookup, key)
+        assert isinstance(result, LookupResult)
+
+    @rule(keys=key_lists, window=st.none() | st.integers(1, 3))
+    def scheduler_lookup_then_load(self, keys: list[bytes], window: int | None) -> None:
+        async def run() -> tuple[int, int, np.ndarray]:
+            n = await self.scheduler.lookup(keys, sliding_window_size=window, timeout=1.0)
+            out = np.zeros((len(keys), BB), np.uint8)
+            loaded = await self.manager.load(keys, out)
+            return n, loaded, out
+
+        n, loaded, out = self.call(run)
+        assert 0 <= n <= len(keys)
+        self.check_loaded(keys, out, loaded)
+
+    @rule(keys=key_lists, checkpoints=st.integers(0, 4), what=st.sampled_from(["store", "load"]))
+    def cancelled_operation(self, keys: list[bytes], checkpoints: int, what: str) -> None:
+        blocks = np.stack([payload(k) for k in keys])
+
+        async def run() -> None:
+            with anyio.CancelScope() as scope:
+                async with anyio.create_task_group() as tg:
+                    if what == "store":
+                        tg.start_soon(self.manager.store, keys, blocks)
+                    else:
+                        tg.start_soon(self.manager.load, keys, np.zeros_like(blocks))
+                    for _ in range(checkpoints):
+                        await anyio.lowlevel.checkpoint()
+                    scope.cancel()
+
+        self.call(run)
+
+    @rule(ops=st.sets(st.sampled_from(["contains", "load", "store"]), min_size=1))
+    def tier_fails(self, ops: set[str]) -> None:
+        self.failing.fail(*ops)
+
+    @rule()
+    def tier_recovers(self) -> None:
+        self.failing.recover()
+
+    @rule(ops=st.sets(st.sampled_from(["contains", "load", "store"]), min_size=1))
+    def tier_stalls(self, ops: set[str]) -> None:
+        self.portal.call(lambda: self.stalling.stall(*ops))
+
+    @rule()
+    def tier_unstalls(self) -> None:
+        self.portal.call(self.stalling.release)
+
+    @rule()
+    def exit_and_reenter(self) -> None:
+        assert self.entered is not None
+        self.entered.__exit__(None, None, None)
+        stats = self.manager.statistics()
+        assert stats.background_tasks == 0
+        assert stats.pool.writing == 0 and stats.pool.pinned == 0
+        self.enter()
+
+    # -- invariants ----------------------------------------------------------------------------
+
+    @invariant()
+    def nothing_leaked(self) -> None:
+        self.manager.pool.table.check_invariants()
+        stats = self.manager.statistics()
+        assert stats.in_flight_bytes <= 6 * BB
+        pool = stats.pool
+        assert pool.reservations == pool.commits + pool.aborts + pool.writing
+
+    @invariant()
+    def settles_when_nothing_stalls(self) -> None:
+        """With no stall, background work finishes and leaves nothing pinned or WRITING."""
+        if any(self.stalling.stalled.values()) or self.stalling.stalled_operations:
+            return
+
+        async def settle() -> None:
+            with anyio.fail_after(10):
+                await self.manager.wait_idle()
+
+        self.call(settle)
+        pool = self.manager.statistics().pool
+        assert pool.writing == 0 and pool.pinned == 0
+        leftovers = list(self.folder.rglob(".tmp-*"))
+        assert not leftovers, f"temporary files left: {leftovers}"
+
+    def teardown(self) -> None:
+        try:
+            self.failing.recover()
+            self.portal.call(self.stalling.release)
+            if self.entered is not None:
+                # nothing stays RETRY or HIT_PENDING past its deadline: every key settles
+                async def every_key_settles() -> None:
+                    for key in KEYS:
+                        await self.scheduler.lookup([key], timeout=3.0)
+
+                timeouts = self.scheduler.statistics().timeouts
+                self.call(every_key_settles)
+                assert self.scheduler.statistics().timeouts == timeouts, "a key never settled"
+                self.entered.__exit__(None, None, None)
+                stats = self.manager.statistics()
+                assert stats.background_tasks == 0 and stats.pool.pinned == 0
+        finally:
+            self.portal_cm.__exit__(None, None, None)
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
+TestManagerMachine = ManagerMachine.TestCase
+TestManagerMachine.settings = settings(max_examples=EXAMPLES, stateful_step_count=25, deadline=None)
