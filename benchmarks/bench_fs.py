@@ -1,0 +1,379 @@
+"""FSTier throughput and promotion latency, beside baselines measured in the same run.
+
+    python benchmarks/bench_fs.py            # 1 GiB of 2 MiB blocks (the figures to report)
+    python benchmarks/bench_fs.py --quick    # 128 MiB, about 20 s (the nox bench session)
+
+Baselines, on the same folder's filesystem and the same bytes:
+
+- ``disk``: what the device does: O_DIRECT writes (each file fdatasync'd) and O_DIRECT reads
+  from as many threads as FSTier may use, so the page cache plays no part.
+- ``plain``: plain synchronous Python, one file at a time: ``open().write()`` + ``fdatasync``
+  and ``open().readinto()``.
+
+Cold loads drop every file from the page cache first (fsync, then ``posix_fadvise(...,
+POSIX_FADV_DONTNEED)``); warm loads read what the page cache already holds. Stores use
+``fsync="data"`` (durable: fdatasync before the rename). Promotion latency is one
+``TieringManager.lookup()`` -> HIT of a block that lives only in the FSTier (existence already
+known), into a ``HostPool``, beside one plain open + readinto of the same file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import contextlib
+import mmap
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+
+import anyio
+
+from kvtier._keys import block_keys
+from kvtier._lookup import LookupResult
+from kvtier._tiering import TieringManager
+from kvtier.pools._host import HostPool
+from kvtier.tiers._fs import FSTier
+
+MiB = 1 << 20
+
+
+def drop_cache(paths: Sequence[Path]) -> None:
+    """Flush and evict ``paths`` from the page cache so the next read hits the device."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+# -- baselines -----------------------------------------------------------------------------------
+
+
+def plain_write(paths: Sequence[Path], blocks: Sequence[memoryview]) -> float:
+    started = time.perf_counter()
+    for p, b in zip(paths, blocks, strict=True):
+        with open(p, "wb") as f:
+            f.write(b)
+            f.flush()
+            os.fdatasync(f.fileno())
+    return time.perf_counter() - started
+
+
+def plain_read(paths: Sequence[Path], dst: memoryview) -> float:
+    started = time.perf_counter()
+    for p in paths:
+        with open(p, "rb", buffering=0) as f:
+            f.readinto(dst)
+    return time.perf_counter() - started
+
+
+def odirect_supported(folder: Path) -> bool:
+    probe = folder / "odirect-probe"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
+    except OSError:
+        return False
+    try:
+        buf = mmap.mmap(-1, 4096)
+        os.write(fd, buf)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        probe.unlink()
+
+
+def disk_io(
+    paths: Sequence[Path], block_bytes: int, threads: int, write: bool, source: memoryview
+) -> float:
+    """O_DIRECT writes (+fdatasync) or reads of whole files from ``threads`` threads."""
+
+    def one(i: int, p: Path) -> None:
+        buf = mmap.mmap(-1, block_bytes)  # page-aligned, as O_DIRECT needs
+        if write:
+            buf[:] = source[(i % 8) * block_bytes : (i % 8 + 1) * block_bytes]
+            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
+            try:
+                os.write(fd, buf)
+                os.fdatasync(fd)
+            finally:
+                os.close(fd)
+        else:
+            fd = os.open(p, os.O_RDONLY | os.O_DIRECT)
+            try:
+                os.readv(fd, [buf])
+            finally:
+                os.close(fd)
+        buf.close()
+
+    started = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        list(pool.map(one, range(len(paths)), paths))
+    return time.perf_counter() - started
+
+
+# -- FSTier -------------------------------------------------------------------------------------
+
+
+async def tier_run(
+    indices: Sequence[int],
+    width: int,
+    op: Callable[[int, memoryview], Awaitable[None]],
+    scratch: memoryview,
+    size: int,
+) -> float:
+    """Run ``op(i, buffer)`` for every index with ``width`` in flight; return the seconds."""
+    todo = iter(indices)
+
+    async def lane(lane_no: int) -> None:
+        buf = scratch[lane_no * size : (lane_no + 1) * size]
+        for i in todo:
+            await op(i, buf)
+
+    started = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for lane_no in range(width):
+            tg.start_soon(lane, lane_no)
+    return time.perf_counter() - started
+
+
+async def promotion_latency(
+    root: Path, keys: Sequence[bytes], block_bytes: int, cold: bool
+) -> list[float]:
+    pool = HostPool(len(keys) + 1, block_bytes)
+    for slot in range(pool.num_blocks):
+        # Touch every page first, as a serving pool's memory has been long before: the first
+        # touch of fresh anonymous memory costs ~1 ms per MiB of page faults in a VM, which
+        # would otherwise be billed to the promotion.
+        pool.slot_view(slot)[:] = bytes(block_bytes)
+    tier = FSTier(root)
+    samples = []
+    async with TieringManager(pool, [tier]) as manager:
+        for k in keys:
+            assert await tier.contains_many([k]) == [True]
+            tier.record_hit(k)  # existence known: measure the promotion itself
+        for k in keys:
+            if cold:
+                await anyio.to_thread.run_sync(drop_cache, [tier_path(root, k)])
+            event = manager.watch([k])
+            started = time.perf_counter()
+            assert manager.lookup(k) is LookupResult.RETRY
+            await event.wait()
+            samples.append(time.perf_counter() - started)
+            manager.unwatch([k], event)
+            assert manager.lookup(k) is LookupResult.HIT
+            pinned = pool.pin(k)
+            assert pinned is not None
+            try:  # a figure is only worth reporting if the right bytes arrived
+                expected = await anyio.to_thread.run_sync(tier_path(root, k).read_bytes)
+                if pool.slot_view(pinned) != expected[-block_bytes:]:
+                    raise AssertionError("promotion did not deliver the block's bytes")
+            finally:
+                pool.unpin(pinned)
+    return samples
+
+
+def plain_latency(paths: Sequence[Path], block_bytes: int, cold: bool) -> list[float]:
+    dst = memoryview(bytearray(block_bytes))
+    samples = []
+    for p in paths:
+        if cold:
+            drop_cache([p])
+        started = time.perf_counter()
+        with open(p, "rb", buffering=0) as f:
+            f.readinto(dst)
+        samples.append(time.perf_counter() - started)
+    return samples
+
+
+def tier_path(root: Path, key: bytes) -> Path:
+    name = key.hex()
+    return root / name[-4:-2] / name[-2:] / name
+
+
+# -- the run ------------------------------------------------------------------------------------
+
+
+async def main(args: argparse.Namespace) -> None:
+    block_bytes = args.block_mib * MiB
+    n = max(args.rounds, args.total_mib // args.block_mib)
+    total = n * block_bytes
+    width = args.concurrency
+    base = Path(tempfile.mkdtemp(prefix="kvtier-bench-fs-", dir=args.dir))
+    try:
+        source = memoryview(bytearray(os.urandom(8 * block_bytes)))
+        blocks = [source[(i % 8) * block_bytes : (i % 8 + 1) * block_bytes] for i in range(n)]
+        keys = block_keys(list(range(n)), 1, namespace=os.urandom(8))
+        (base / "plain").mkdir()
+        (base / "disk").mkdir()
+        plain_paths = [base / "plain" / f"{i}" for i in range(n)]
+        disk_paths = [base / "disk" / f"{i}" for i in range(n)]
+        root = base / "tier"
+        tier_paths = [tier_path(root, k) for k in keys]
+        has_odirect = odirect_supported(base)
+        print(
+            f"bench_fs: {n} blocks x {args.block_mib} MiB = {total / MiB:.0f} MiB in {base}, "
+            f"concurrency {width}, fsync={args.fsync}, {args.rounds} interleaved rounds",
+            flush=True,
+        )
+        # The disk of a VM drifts from second to second, so each figure is the median of
+        # rounds in which the baselines and FSTier take turns (in rotating order).
+        chunks = [
+            list(range(r * n // args.rounds, (r + 1) * n // args.rounds))
+            for r in range(args.rounds)
+        ]
+        runs: dict[str, list[float]] = {}
+        scratch = memoryview(mmap.mmap(-1, width * block_bytes))
+        thread = anyio.to_thread.run_sync
+
+        async with FSTier(root, fsync=args.fsync, max_concurrency=width) as tier:
+
+            async def store(i: int, _: memoryview) -> None:
+                await tier.store(keys[i], blocks[i])
+
+            async def load(i: int, buf: memoryview) -> None:
+                await tier.load(keys[i], buf)
+
+            def pick(paths: list[Path], idx: list[int]) -> list[Path]:
+                return [paths[i] for i in idx]
+
+            async def phases(r: int, idx: list[int], kind: str) -> None:
+                nbytes = len(idx) * block_bytes
+                one = scratch[:block_bytes]
+                todo: list[tuple[str, Callable[[], Awaitable[float]]]] = []
+                if kind == "store":
+                    todo.append(
+                        (
+                            "plain store",
+                            lambda: thread(
+                                plain_write, pick(plain_paths, idx), [blocks[i] for i in idx]
+                            ),
+                        )
+                    )
+                    if has_odirect:
+                        todo.append(
+                            (
+                                "disk write",
+                                lambda: thread(
+                                    disk_io, pick(disk_paths, idx), block_bytes, width, True, source
+                                ),
+                            )
+                        )
+                    todo.append(
+                        ("fstier store", lambda: tier_run(idx, width, store, scratch, block_bytes))
+                    )
+                elif kind == "cold":
+
+                    async def plain_cold() -> float:
+                        await thread(drop_cache, pick(plain_paths, idx))
+                        return await thread(plain_read, pick(plain_paths, idx), one)
+
+                    async def tier_cold() -> float:
+                        await thread(drop_cache, pick(tier_paths, idx))
+                        return await tier_run(idx, width, load, scratch, block_bytes)
+
+                    todo.append(("plain load cold", plain_cold))
+                    if has_odirect:
+                        todo.append(
+                            (
+                                "disk read",
+                                lambda: thread(
+                                    disk_io,
+                                    pick(disk_paths, idx),
+                                    block_bytes,
+                                    width,
+                                    False,
+                                    source,
+                                ),
+                            )
+                        )
+                    todo.append(("fstier load cold", tier_cold))
+                else:
+                    todo.append(
+                        ("plain load warm", lambda: thread(plain_read, pick(plain_paths, idx), one))
+                    )
+                    todo.append(
+                        (
+                            "fstier load warm",
+                            lambda: tier_run(idx, width, load, scratch, block_bytes),
+                        )
+                    )
+                shift = r % len(todo)
+                for label, run in todo[shift:] + todo[:shift]:
+                    runs.setdefault(label, []).append(gbps(nbytes, await run()))
+
+            for kind in ("store", "cold", "warm"):
+                for r, idx in enumerate(chunks):
+                    await phases(r, idx, kind)
+        samples = min(args.samples, n)
+        latency: dict[str, float] = {}
+        for cold in (True, False):
+            tag = "cold" if cold else "warm"
+            promo = await promotion_latency(root, keys[:samples], block_bytes, cold)
+            plain = await thread(plain_latency, plain_paths[:samples], block_bytes, cold)
+            latency[f"promotion {tag}"] = statistics.median(promo) * 1e3
+            latency[f"plain read {tag}"] = statistics.median(plain) * 1e3
+
+        rows = {label: statistics.median(v) for label, v in runs.items()}
+        print(f"{'':20}{'GB/s median':>12}   rounds")
+        for label, values in runs.items():
+            print(f"{label:20}{rows[label]:12.2f}   " + " ".join(f"{v:.2f}" for v in values))
+        print("ratios (>= 1: FSTier as fast or faster):")
+        ratio = {
+            "store / plain store": rows["fstier store"] / rows["plain store"],
+            "cold load / plain cold": rows["fstier load cold"] / rows["plain load cold"],
+            "warm load / plain warm": rows["fstier load warm"] / rows["plain load warm"],
+        }
+        if has_odirect:
+            ratio["store / disk write (aim >= 0.9)"] = rows["fstier store"] / rows["disk write"]
+            ratio["cold load / disk read (aim >= 0.9)"] = (
+                rows["fstier load cold"] / rows["disk read"]
+            )
+        for label, value in ratio.items():
+            print(f"  {label:40}{value:6.2f}x")
+        print(f"latency, median of {samples} ({args.block_mib} MiB block):")
+        for tag in ("cold", "warm"):
+            p_ms, r_ms = latency[f"promotion {tag}"], latency[f"plain read {tag}"]
+            print(
+                f"  {tag}: promotion FS -> HostPool {p_ms:7.2f} ms, plain read {r_ms:7.2f} ms, "
+                f"ratio {p_ms / r_ms:5.2f}x (aim <= 1.2)"
+            )
+        if not has_odirect:
+            print("note: O_DIRECT is not supported here; no disk baseline", file=sys.stderr)
+    finally:
+        with contextlib.suppress(OSError):
+            shutil.rmtree(base)
+
+
+def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="128 MiB and fewer samples")
+    parser.add_argument("--total-mib", type=int, default=1024)
+    parser.add_argument("--block-mib", type=int, default=2)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--samples", type=int, default=50, help="promotion latency samples")
+    parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds per phase")
+    parser.add_argument("--fsync", default="data", choices=("never", "data", "always"))
+    parser.add_argument("--dir", default=None, help="folder on the filesystem to measure")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.total_mib, args.samples = min(args.total_mib, 128), min(args.samples, 20)
+    return args
+
+
+if __name__ == "__main__":
+    asyncio.run(main(parse()))
