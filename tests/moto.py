@@ -150,6 +150,8 @@ class MotoServer:
             f"{self.endpoint_url}/moto-api/reset-auth",
             data=str(unauthenticated_requests).encode(),
             method="POST",
+            # Not form-encoded, or the server parses it as a form and sees no raw body.
+            headers={"Content-Type": "application/octet-stream"},
         )
         with urllib.request.urlopen(request, timeout=5):
             pass

@@ -35,16 +35,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
-import struct
 import time
-import urllib.parse
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
-from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
 
 import anyio
+import anyio.to_thread
 
 from kvtier._errors import (
     BlockNotFoundError,
@@ -55,21 +52,20 @@ from kvtier._errors import (
     TierError,
     TierUnavailableError,
 )
-from kvtier._format import (
-    FORMAT_VERSION,
-    MAGIC,
-    HeaderError,
-    checksum,
-    decode_header,
-    encode_header,
-    header_size,
-)
 from kvtier._keys import check_key
 from kvtier._logging import BurstLogger
 from kvtier._lookup import LookupResult, MissReason
 from kvtier.tiers._async_lookup import AsyncLookupManager
 from kvtier.tiers._base import SecondaryTier, TierMeter, TierStatistics
 from kvtier.tiers._s3_breaker import BreakerState, CircuitBreaker, Permit, backoff_delay
+from kvtier.tiers._s3_codec import build_object, is_newer_format, read_block
+from kvtier.tiers._s3_config import (
+    S3Settings,
+    S3TierStatistics,
+    check_credentials,
+    shared_session,
+    warm_session,
+)
 from kvtier.tiers._s3_errors import Fault, translate
 
 __all__ = ["S3Tier", "S3TierStatistics"]
@@ -79,67 +75,6 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _CLOSE_TIMEOUT = 5.0
-_META_CHECKSUM = "kvtier-checksum"
-_META_FORMAT = "kvtier-format"
-_BUCKET_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{1,253}[A-Za-z0-9]$")
-_ADDRESSING = ("auto", "path", "virtual")
-
-
-@dataclass(frozen=True, slots=True)
-class S3TierStatistics(TierStatistics):
-    """``TierStatistics`` plus what is particular to a remote store."""
-
-    breaker_state: str = "closed"
-    breaker_opened: int = 0
-    requests_rejected_by_breaker: int = 0
-    retries: int = 0
-    stores_skipped_existing: int = 0
-    corrupt_deleted: int = 0
-    conditional_put: bool = True
-
-
-def _positive(value: object, name: str, *, integer: bool = False) -> Any:
-    kind = int if integer else int | float
-    if isinstance(value, bool) or not isinstance(value, kind) or not value > 0:
-        what = "a positive integer" if integer else "a positive number of seconds"
-        raise InvalidArgumentError(f"{name} must be {what}, got {value!r}")
-    return value
-
-
-def _check_endpoint(endpoint_url: object) -> str | None:
-    if endpoint_url is None:
-        return None
-    if not isinstance(endpoint_url, str):
-        raise InvalidArgumentError(
-            f"endpoint_url must be a URL string such as 'http://127.0.0.1:9000', got "
-            f"{type(endpoint_url).__name__}"
-        )
-    parsed = urllib.parse.urlsplit(endpoint_url)
-    if parsed.scheme not in ("http", "https") or not parsed.hostname:
-        raise InvalidArgumentError(
-            "endpoint_url must be an http:// or https:// URL with a host, such as "
-            "'http://127.0.0.1:9000'"
-        )
-    if parsed.username is not None or parsed.password is not None:
-        raise InvalidArgumentError(
-            "endpoint_url must not carry credentials: pass aws_access_key_id and "
-            "aws_secret_access_key (or use the AWS environment) instead"
-        )
-    if parsed.query or parsed.fragment:
-        raise InvalidArgumentError("endpoint_url must not have a query or fragment")
-    try:
-        parsed.port  # noqa: B018 - raises ValueError on a bad port
-    except ValueError:
-        raise InvalidArgumentError("endpoint_url has an invalid port") from None
-    return endpoint_url.rstrip("/")
-
-
-def _check_optional_str(value: object, name: str) -> str | None:
-    if value is None:
-        return None
-    if not isinstance(value, str) or not value:
-        raise InvalidArgumentError(f"{name} must be a non-empty string or None")
-    return value
 
 
 class S3Tier(SecondaryTier):
@@ -178,76 +113,47 @@ class S3Tier(SecondaryTier):
         if not isinstance(name, str) or not name:
             raise InvalidArgumentError("name must be a non-empty string")
         super().__init__(name)
-        if not isinstance(bucket, str) or not bucket:
-            raise InvalidArgumentError("bucket must be a non-empty bucket name")
-        if not _BUCKET_RE.match(bucket):
-            raise InvalidArgumentError(
-                f"bucket {bucket!r} is not a valid bucket name: use 3-255 letters, digits, "
-                "'.', '-' or '_', starting and ending with a letter or digit"
-            )
-        if not isinstance(prefix, str):
-            raise InvalidArgumentError("prefix must be a string such as 'kvtier/llama-8b'")
-        prefix = prefix.strip("/")
-        if "//" in prefix or len(prefix) > 512:
-            raise InvalidArgumentError("prefix must not contain '//' and be at most 512 chars")
-        if addressing_style not in _ADDRESSING:
-            raise InvalidArgumentError(
-                f"addressing_style must be one of {_ADDRESSING}, got {addressing_style!r}"
-            )
-        access_key = _check_optional_str(aws_access_key_id, "aws_access_key_id")
-        secret_key = _check_optional_str(aws_secret_access_key, "aws_secret_access_key")
-        token = _check_optional_str(aws_session_token, "aws_session_token")
-        if (access_key is None) != (secret_key is None):
-            raise InvalidArgumentError(
-                "pass aws_access_key_id and aws_secret_access_key together (or neither, to "
-                "use the AWS environment and config files)"
-            )
-        if token is not None and access_key is None:
-            raise InvalidArgumentError("aws_session_token needs aws_access_key_id too")
-        self.bucket = bucket
-        self.prefix = prefix
-        self.endpoint_url = _check_endpoint(endpoint_url)
-        self.region_name = _check_optional_str(region_name, "region_name")
-        self.addressing_style = addressing_style
-        self.connect_timeout = float(_positive(connect_timeout, "connect_timeout"))
-        self.read_timeout = float(_positive(read_timeout, "read_timeout"))
-        self.max_attempts = _positive(max_attempts, "max_attempts", integer=True)
-        self.max_concurrency = _positive(max_concurrency, "max_concurrency", integer=True)
-        self.miss_ttl = float(_positive(miss_ttl, "miss_ttl"))
-        self.lookup_batch_size = _positive(lookup_batch_size, "lookup_batch_size", integer=True)
-        self.lookup_timeout = float(_positive(lookup_timeout, "lookup_timeout"))
-        breaker_threshold = _positive(breaker_threshold, "breaker_threshold", integer=True)
-        breaker_reset = float(_positive(breaker_reset, "breaker_reset"))
+        self.settings = S3Settings.check(
+            bucket,
+            prefix=prefix,
+            endpoint_url=endpoint_url,
+            region_name=region_name,
+            addressing_style=addressing_style,
+            connect_timeout=connect_timeout,
+            read_timeout=read_timeout,
+            max_attempts=max_attempts,
+            max_concurrency=max_concurrency,
+            miss_ttl=miss_ttl,
+            lookup_batch_size=lookup_batch_size,
+            breaker_threshold=breaker_threshold,
+            breaker_reset=breaker_reset,
+            lookup_timeout=lookup_timeout,
+        )
+        credentials = check_credentials(aws_access_key_id, aws_secret_access_key, aws_session_token)
         # Imported here, not at module level, so `import kvtier` works without the extra.
         try:
             import aiobotocore.config
             import aiobotocore.session
         except ImportError as exc:
             raise ExtraNotInstalledError("S3Tier", "s3", "aiobotocore") from exc
-        self._aiobotocore_session = aiobotocore.session
         self._aio_config = aiobotocore.config.AioConfig
         # Kept in a closure, not as attributes, so no repr or vars() dump shows them.
-        self._credentials: Callable[[], dict[str, str]] = lambda: {
-            k: v
-            for k, v in (
-                ("aws_access_key_id", access_key),
-                ("aws_secret_access_key", secret_key),
-                ("aws_session_token", token),
-            )
-            if v is not None
-        }
-        self._breaker = CircuitBreaker(breaker_threshold, breaker_reset, clock=clock)
+        self._credentials: Callable[[], dict[str, str]] = lambda: dict(credentials)
+        cfg = self.settings
+        self.bucket = cfg.bucket
+        self.prefix = cfg.prefix
+        self._breaker = CircuitBreaker(cfg.breaker_threshold, cfg.breaker_reset, clock=clock)
         self._lookups = AsyncLookupManager(
             self.contains_many,
             name=name,
-            batch_size=self.lookup_batch_size,
-            max_concurrency=max(1, min(8, self.max_concurrency)),
-            timeout=self.lookup_timeout,
-            miss_ttl=self.miss_ttl,
+            batch_size=cfg.lookup_batch_size,
+            max_concurrency=max(1, min(8, cfg.max_concurrency)),
+            timeout=cfg.lookup_timeout,
+            miss_ttl=cfg.miss_ttl,
             on_verdict=self.notify,
             clock=clock,
         )
-        self._limiter = anyio.CapacityLimiter(self.max_concurrency)
+        self._limiter = anyio.CapacityLimiter(cfg.max_concurrency)
         self._stack: AsyncExitStack | None = None
         self._client: Any = None
         self._meter = TierMeter()
@@ -262,9 +168,7 @@ class S3Tier(SecondaryTier):
 
     @property
     def _endpoint_label(self) -> str:
-        if self.endpoint_url is not None:
-            return self.endpoint_url
-        return f"AWS S3 ({self.region_name or 'default region'})"
+        return self.settings.endpoint_label
 
     def object_key(self, key: bytes) -> str:
         """The object name of ``key``: ``<prefix>/<2 hex>/<hex key>``."""
@@ -282,21 +186,23 @@ class S3Tier(SecondaryTier):
         """Create the client and probe the bucket; raise a TierError saying what is wrong."""
         if self._stack is not None:
             return
+        cfg = self.settings
         config = self._aio_config(
-            connect_timeout=self.connect_timeout,
-            read_timeout=self.read_timeout,
+            connect_timeout=cfg.connect_timeout,
+            read_timeout=cfg.read_timeout,
             retries={"total_max_attempts": 1},  # kvtier retries, so the breaker sees attempts
-            max_pool_connections=self.max_concurrency,
-            s3={"addressing_style": self.addressing_style},
+            max_pool_connections=cfg.max_concurrency,
+            s3={"addressing_style": cfg.addressing_style},
         )
-        session = self._aiobotocore_session.get_session()
+        session = shared_session()
+        await anyio.to_thread.run_sync(warm_session, session)
         async with AsyncExitStack() as stack:
             try:
                 self._client = await stack.enter_async_context(
                     session.create_client(
                         "s3",
-                        endpoint_url=self.endpoint_url,
-                        region_name=self.region_name,
+                        endpoint_url=cfg.endpoint_url,
+                        region_name=cfg.region_name,
                         config=config,
                         **self._credentials(),
                     )
@@ -373,7 +279,8 @@ class S3Tier(SecondaryTier):
         Faults in ``expected`` (e.g. NOT_FOUND for a HEAD) are answers, returned as the
         Fault; others raise the translated TierError ``from`` the native error.
         """
-        for n in range(self.max_attempts):
+        attempts = self.settings.max_attempts
+        for n in range(attempts):
             permit = self._breaker.allow()
             if permit is Permit.REJECTED:
                 raise TierUnavailableError(
@@ -409,7 +316,7 @@ class S3Tier(SecondaryTier):
                         return translated.fault
                     raise translated.error from exc
                 self._breaker.failure(permit)
-                if n + 1 >= self.max_attempts or self._breaker.rejecting():
+                if n + 1 >= attempts or self._breaker.rejecting():
                     raise translated.error from exc
                 self._retries += 1
             finally:
@@ -481,57 +388,22 @@ class S3Tier(SecondaryTier):
         self._meter.read(view.nbytes, time.perf_counter() - started)
 
     async def _get_into(self, client: Any, key: bytes, dst: memoryview) -> None:
-        """One GET: stream the header, check it, then stream the payload into ``dst``."""
+        """One GET, streamed into ``dst``; a corrupt object is deleted and raised."""
         response = await client.get_object(Bucket=self.bucket, Key=self.object_key(key))
-        body = response["Body"]
         try:
-            length = int(response.get("ContentLength", -1))
-            head = bytearray(header_size(len(key)))
-            got = await _read_into(body, memoryview(head))
-            problem: str | None = None
-            if got < len(head):
-                problem = f"object is {got} bytes, shorter than a header"
-            else:
-                try:
-                    header = decode_header(head)
-                except HeaderError as exc:
-                    problem = str(exc)
-            if problem is None:
-                if header.key != key:
-                    problem = "object holds the block of another key"
-                elif header.payload_length != length - len(head):
-                    problem = (
-                        f"object is {length} bytes, header says {len(head)} + "
-                        f"{header.payload_length}"
-                    )
-                elif (meta := response.get("Metadata", {}).get(_META_CHECKSUM)) is not None and (
-                    meta != f"{header.payload_checksum:016x}"
-                ):
-                    problem = "header checksum differs from the object metadata"
-            if problem is not None:
-                await self._discard_corrupt(client, key, bytes(head[:6]), problem)
-            if header.payload_length != dst.nbytes:
-                raise InvalidArgumentError(
-                    f"dst holds {dst.nbytes} bytes but block {key.hex()} is "
-                    f"{header.payload_length} bytes"
-                )
-            got = await _read_into(body, dst)
-            if got != dst.nbytes or checksum(dst) != header.payload_checksum:
-                await self._discard_corrupt(client, key, bytes(head[:6]), "checksum mismatch")
+            problem, head = await read_block(response, key, dst)
         finally:
-            body.close()
+            response["Body"].close()
+        if problem is not None:
+            await self._discard_corrupt(client, key, head, problem)
 
     async def _discard_corrupt(
-        self, client: Any, key: bytes, head: bytes, problem: str
+        self, client: Any, key: bytes, head: bytearray, problem: str
     ) -> NoReturn:
         """Delete a corrupt object (unless it is a newer format) and raise CorruptBlockError."""
-        newer = (
-            len(head) == 6
-            and head[:4] == MAGIC
-            and struct.unpack_from("<H", head, 4)[0] > FORMAT_VERSION
-        )
+        newer = is_newer_format(head)
         if not newer:
-            with anyio.move_on_after(self.read_timeout, shield=True):
+            with anyio.move_on_after(self.settings.read_timeout, shield=True):
                 try:
                     await client.delete_object(Bucket=self.bucket, Key=self.object_key(key))
                     self._corrupt_deleted += 1
@@ -548,7 +420,7 @@ class S3Tier(SecondaryTier):
             self.name,
             self.object_key(key),
             problem,
-            "" if not newer else "; newer format, left in place",
+            "; newer format, left in place" if newer else "",
         )
         raise CorruptBlockError(problem, tier=self.name, operation="load", key=key)
 
@@ -557,14 +429,7 @@ class S3Tier(SecondaryTier):
         client = self._require_client("store")
         payload = memoryview(src).cast("B") if memoryview(src).format != "B" else memoryview(src)
         started = time.perf_counter()
-        header = encode_header(key, payload)
-        body = bytearray(len(header) + payload.nbytes)
-        body[: len(header)] = header
-        body[len(header) :] = payload
-        metadata = {
-            _META_CHECKSUM: f"{checksum(payload):016x}",
-            _META_FORMAT: str(FORMAT_VERSION),
-        }
+        body, metadata = build_object(key, payload)
         object_key = self.object_key(key)
 
         async def put() -> Any:
@@ -654,14 +519,3 @@ class S3Tier(SecondaryTier):
             f"misses={s.lookups.misses} pending={s.lookups.pending} "
             f"in_flight={s.lookups.in_flight} loads={s.loads} stores={s.stores}>"
         )
-
-
-async def _read_into(body: Any, dst: memoryview) -> int:
-    """Read from a streaming body until ``dst`` is full or the body ends; bytes read."""
-    filled = 0
-    while filled < dst.nbytes:
-        n = await body.readinto(dst[filled:])
-        if n == 0:
-            break
-        filled += n
-    return filled

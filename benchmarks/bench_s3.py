@@ -1,0 +1,290 @@
+"""S3Tier against raw aiobotocore on the same server, in the same run, at the same concurrency.
+
+Measures, for blocks of ``--block-mib`` MiB:
+
+- store throughput: ``S3Tier.store`` beside raw ``put_object`` of the same payload bytes;
+- load throughput: ``S3Tier.load`` (streamed into a block buffer, checksum verified) beside
+  raw ``get_object`` + ``read()``;
+- existence of ``--keys`` keys: a cold ``S3Tier.lookup`` of every key until every verdict has
+  landed (batched HEADs behind the AsyncLookupManager) beside as many raw concurrent
+  ``head_object`` calls.
+
+Raw and tier rounds alternate and each figure is the best of ``--repeat`` rounds, so drift on a
+shared machine hits both sides alike. Without ``--endpoint`` the benchmark starts its own
+``moto_server`` on 127.0.0.1 (a real HTTP server; absolute figures are moto's, the ratios are
+the point). Aim: tier >= 0.95x raw throughput, existence within 1.2x of raw.
+
+    python benchmarks/bench_s3.py --quick
+    python benchmarks/bench_s3.py --endpoint http://127.0.0.1:9000 --bucket kv --blocks 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import importlib.util
+import json
+import os
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from kvtier._keys import block_keys
+from kvtier.tiers._s3 import S3Tier
+
+ROOT = Path(__file__).resolve().parent.parent
+MiB = 1 << 20
+
+
+def _moto_helper() -> Any:
+    """tests/moto.py, loaded by path (a module named ``moto`` on sys.path would shadow moto)."""
+    spec = importlib.util.spec_from_file_location("kvtier_bench_moto", ROOT / "tests" / "moto.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@contextlib.contextmanager
+def _server(endpoint: str | None) -> Iterator[str]:
+    if endpoint is not None:
+        yield endpoint
+        return
+    helper = _moto_helper()
+    with helper.MotoServer() as server:
+        yield server.endpoint_url
+
+
+async def _bounded(concurrency: int, jobs: list[Callable[[], Awaitable[Any]]]) -> float:
+    """Run ``jobs`` with at most ``concurrency`` at once; wall seconds."""
+    limiter = anyio.CapacityLimiter(concurrency)
+
+    async def run(job: Callable[[], Awaitable[Any]]) -> None:
+        async with limiter:
+            await job()
+
+    started = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for job in jobs:
+            tg.start_soon(run, job)
+    return time.perf_counter() - started
+
+
+def _client(session: Any, args: argparse.Namespace) -> Any:
+    from aiobotocore.config import AioConfig
+
+    return session.create_client(
+        "s3",
+        endpoint_url=args.endpoint,
+        region_name=args.region,
+        aws_access_key_id=args.access_key,
+        aws_secret_access_key=args.secret_key,
+        config=AioConfig(
+            max_pool_connections=args.concurrency,
+            connect_timeout=2.0,
+            read_timeout=30.0,
+        ),
+    )
+
+
+async def _existence_tier(tier: S3Tier, keys: list[bytes]) -> float:
+    """Seconds from the first lookup of every key until every verdict has landed."""
+    waiting = set(keys)
+    done = anyio.Event()
+
+    def on_key(key: bytes) -> None:
+        waiting.discard(key)
+        if not waiting:
+            done.set()
+
+    remove = tier.add_listener(on_key)
+    try:
+        started = time.perf_counter()
+        for key in keys:
+            tier.lookup(key)
+        with anyio.fail_after(120):
+            await done.wait()
+        return time.perf_counter() - started
+    finally:
+        remove()
+
+
+class _Loader:
+    """Loads into a fixed set of block buffers, one per concurrent load."""
+
+    def __init__(self, tier: S3Tier, concurrency: int, block: int) -> None:
+        self.tier = tier
+        self.buffers = [bytearray(block) for _ in range(concurrency)]
+        self.free = list(range(concurrency))
+
+    async def load(self, key: bytes) -> None:
+        slot = self.free.pop()
+        try:
+            await self.tier.load(key, memoryview(self.buffers[slot]))
+        finally:
+            self.free.append(slot)
+
+
+async def _raw_get(client: Any, bucket: str, name: str) -> None:
+    response = await client.get_object(Bucket=bucket, Key=name)
+    async with response["Body"] as body:
+        await body.read()
+
+
+async def _raw_head(client: Any, bucket: str, name: str) -> None:
+    with contextlib.suppress(Exception):  # a 404 is an answer too
+        await client.head_object(Bucket=bucket, Key=name)
+
+
+async def _round(
+    args: argparse.Namespace,
+    client: Any,
+    make_tier: Callable[[str], S3Tier],
+    payloads: list[bytes],
+    results: dict[str, list[float]],
+    raw_first: bool,
+) -> None:
+    run_id = uuid.uuid4().hex[:12]
+    c, bucket = args.concurrency, args.bucket
+    keys = block_keys(list(range(args.blocks * 4)), 4, namespace=run_id.encode())
+    raw_names = [f"bench-raw/{run_id}/{k.hex()}" for k in keys]
+    data = [payloads[i % len(payloads)] for i in range(len(keys))]
+    order = ("raw", "tier") if raw_first else ("tier", "raw")
+    async with make_tier(f"bench-tier/{run_id}") as tier:
+        for side in order:
+            if side == "raw":
+                jobs = [
+                    functools.partial(client.put_object, Bucket=bucket, Key=n, Body=d)
+                    for n, d in zip(raw_names, data, strict=True)
+                ]
+                results["put"].append(await _bounded(c, jobs))
+            else:
+                jobs = [
+                    functools.partial(tier.store, k, memoryview(d))
+                    for k, d in zip(keys, data, strict=True)
+                ]
+                results["store"].append(await _bounded(c, jobs))
+        loader = _Loader(tier, c, len(payloads[0]))
+        for side in order:
+            if side == "raw":
+                jobs = [functools.partial(_raw_get, client, bucket, n) for n in raw_names]
+                results["get"].append(await _bounded(c, jobs))
+            else:
+                jobs = [functools.partial(loader.load, k) for k in keys]
+                results["load"].append(await _bounded(c, jobs))
+    # Existence: half the probed keys exist (stored above), half do not.
+    absent = block_keys(list(range(args.keys * 4)), 4, namespace=(run_id + "-absent").encode())
+    probe = keys[: args.keys // 2] + absent[: args.keys - len(keys[: args.keys // 2])]
+    names = [f"bench-tier/{run_id}/{k.hex()[:2]}/{k.hex()}" for k in probe]
+    for side in order:
+        if side == "raw":
+            jobs = [functools.partial(_raw_head, client, bucket, n) for n in names]
+            results["head"].append(await _bounded(c, jobs))
+        else:
+            async with make_tier(f"bench-tier/{run_id}") as cold:  # a cold verdict cache
+                results["lookup"].append(await _existence_tier(cold, probe))
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    from aiobotocore.session import get_session
+
+    block = args.block_mib * MiB
+    payloads = [os.urandom(block) for _ in range(min(args.blocks, 8))]
+    results: dict[str, list[float]] = {
+        k: [] for k in ("put", "store", "get", "load", "head", "lookup")
+    }
+
+    def make_tier(prefix: str) -> S3Tier:
+        return S3Tier(
+            args.bucket,
+            prefix=prefix,
+            endpoint_url=args.endpoint,
+            region_name=args.region,
+            aws_access_key_id=args.access_key,
+            aws_secret_access_key=args.secret_key,
+            max_concurrency=args.concurrency,
+            read_timeout=30.0,
+            lookup_timeout=120.0,
+        )
+
+    async with _client(get_session(), args) as client:
+        if args.create_bucket:
+            with contextlib.suppress(Exception):  # it may exist already
+                await client.create_bucket(Bucket=args.bucket)
+        for n in range(args.repeat):
+            await _round(args, client, make_tier, payloads, results, raw_first=n % 2 == 0)
+
+    moved = args.blocks * block / MiB
+    best = {k: min(v) for k, v in results.items()}
+    report: dict[str, Any] = {
+        "block_mib": args.block_mib,
+        "blocks": args.blocks,
+        "concurrency": args.concurrency,
+        "keys": args.keys,
+        "repeat": args.repeat,
+        "raw_put_mib_s": moved / best["put"],
+        "tier_store_mib_s": moved / best["store"],
+        "raw_get_mib_s": moved / best["get"],
+        "tier_load_mib_s": moved / best["load"],
+        "raw_head_s": best["head"],
+        "tier_lookup_s": best["lookup"],
+    }
+    report["store_ratio"] = report["tier_store_mib_s"] / report["raw_put_mib_s"]
+    report["load_ratio"] = report["tier_load_mib_s"] / report["raw_get_mib_s"]
+    report["existence_ratio"] = report["tier_lookup_s"] / report["raw_head_s"]
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--endpoint", help="S3 endpoint URL (default: start a moto_server)")
+    parser.add_argument("--bucket", default="kvtier-bench")
+    parser.add_argument("--region", default="us-east-1")
+    parser.add_argument("--access-key", default=os.environ.get("AWS_ACCESS_KEY_ID", "bench"))
+    parser.add_argument(
+        "--secret-key", default=os.environ.get("AWS_SECRET_ACCESS_KEY", "bench-secret")
+    )
+    parser.add_argument("--no-create-bucket", dest="create_bucket", action="store_false")
+    parser.add_argument("--block-mib", type=int, default=2)
+    parser.add_argument("--blocks", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--keys", type=int, default=1000)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument(
+        "--quick", action="store_true", help="8 blocks, 200 keys, 2 rounds: about 20 s"
+    )
+    parser.add_argument("--json", type=Path, help="also write the figures to this file")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.blocks, args.keys, args.repeat = 8, 200, 2
+    with _server(args.endpoint) as endpoint:
+        args.endpoint = endpoint
+        report = anyio.run(run, args)
+    print(
+        f"S3 benchmark: {args.blocks} blocks of {args.block_mib} MiB, concurrency "
+        f"{args.concurrency}, best of {args.repeat}, endpoint {endpoint}"
+    )
+    rows = [
+        ("store", "tier_store_mib_s", "raw put", "raw_put_mib_s", "MiB/s", "store_ratio"),
+        ("load", "tier_load_mib_s", "raw get", "raw_get_mib_s", "MiB/s", "load_ratio"),
+        ("exists", "tier_lookup_s", "raw head", "raw_head_s", "s", "existence_ratio"),
+    ]
+    for label, tier_key, raw_label, raw_key, unit, ratio in rows:
+        print(
+            f"  {label:<6} tier {report[tier_key]:9.3f} {unit:<5}  {raw_label} "
+            f"{report[raw_key]:9.3f} {unit:<5}  ratio {report[ratio]:.3f}"
+        )
+    print(f"  (exists: {args.keys} keys; a ratio there is time, lower is better)")
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,211 @@
+"""Settings, statistics and the shared botocore session of the S3 tier.
+
+Arguments are checked once, here, with messages that say what to change; the tier keeps the
+result as a frozen ``S3Settings``. Credentials are not part of it: the tier keeps them in a
+closure so that no repr, ``vars()`` dump or log line can show them.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import urllib.parse
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier._errors import InvalidArgumentError
+from kvtier.tiers._base import TierStatistics
+
+__all__ = ["S3Settings", "S3TierStatistics", "check_credentials", "shared_session", "warm_session"]
+
+_BUCKET_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{1,253}[A-Za-z0-9]$")
+ADDRESSING_STYLES = ("auto", "path", "virtual")
+
+
+@dataclass(frozen=True, slots=True)
+class S3TierStatistics(TierStatistics):
+    """``TierStatistics`` plus what is particular to a remote store."""
+
+    breaker_state: str = "closed"
+    breaker_opened: int = 0
+    requests_rejected_by_breaker: int = 0
+    retries: int = 0
+    stores_skipped_existing: int = 0
+    corrupt_deleted: int = 0
+    conditional_put: bool = True
+
+
+def _positive(value: object, name: str, *, integer: bool = False) -> Any:
+    kind = int if integer else int | float
+    if isinstance(value, bool) or not isinstance(value, kind) or not value > 0:
+        what = "a positive integer" if integer else "a positive number of seconds"
+        raise InvalidArgumentError(f"{name} must be {what}, got {value!r}")
+    return value
+
+
+def _optional_str(value: object, name: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise InvalidArgumentError(f"{name} must be a non-empty string or None")
+    return value
+
+
+def _endpoint(endpoint_url: object) -> str | None:
+    if endpoint_url is None:
+        return None
+    if not isinstance(endpoint_url, str):
+        raise InvalidArgumentError(
+            f"endpoint_url must be a URL string such as 'http://127.0.0.1:9000', got "
+            f"{type(endpoint_url).__name__}"
+        )
+    parsed = urllib.parse.urlsplit(endpoint_url)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise InvalidArgumentError(
+            "endpoint_url must be an http:// or https:// URL with a host, such as "
+            "'http://127.0.0.1:9000'"
+        )
+    if parsed.username is not None or parsed.password is not None:
+        raise InvalidArgumentError(
+            "endpoint_url must not carry credentials: pass aws_access_key_id and "
+            "aws_secret_access_key (or use the AWS environment) instead"
+        )
+    if parsed.query or parsed.fragment:
+        raise InvalidArgumentError("endpoint_url must not have a query or fragment")
+    try:
+        parsed.port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError:
+        raise InvalidArgumentError("endpoint_url has an invalid port") from None
+    return endpoint_url.rstrip("/")
+
+
+def check_credentials(access_key: object, secret_key: object, token: object) -> dict[str, str]:
+    """The explicit credentials as client arguments (empty: use the AWS chain)."""
+    access = _optional_str(access_key, "aws_access_key_id")
+    secret = _optional_str(secret_key, "aws_secret_access_key")
+    session_token = _optional_str(token, "aws_session_token")
+    if (access is None) != (secret is None):
+        raise InvalidArgumentError(
+            "pass aws_access_key_id and aws_secret_access_key together (or neither, to use "
+            "the AWS environment and config files)"
+        )
+    if session_token is not None and access is None:
+        raise InvalidArgumentError("aws_session_token needs aws_access_key_id too")
+    given = {
+        "aws_access_key_id": access,
+        "aws_secret_access_key": secret,
+        "aws_session_token": session_token,
+    }
+    return {k: v for k, v in given.items() if v is not None}
+
+
+@dataclass(frozen=True, slots=True)
+class S3Settings:
+    """Checked, normalised arguments of an ``S3Tier`` (no credentials)."""
+
+    bucket: str
+    prefix: str
+    endpoint_url: str | None
+    region_name: str | None
+    addressing_style: str
+    connect_timeout: float
+    read_timeout: float
+    max_attempts: int
+    max_concurrency: int
+    miss_ttl: float
+    lookup_batch_size: int
+    breaker_threshold: int
+    breaker_reset: float
+    lookup_timeout: float
+
+    @classmethod
+    def check(
+        cls,
+        bucket: object,
+        *,
+        prefix: object,
+        endpoint_url: object,
+        region_name: object,
+        addressing_style: object,
+        connect_timeout: object,
+        read_timeout: object,
+        max_attempts: object,
+        max_concurrency: object,
+        miss_ttl: object,
+        lookup_batch_size: object,
+        breaker_threshold: object,
+        breaker_reset: object,
+        lookup_timeout: object,
+    ) -> S3Settings:
+        if not isinstance(bucket, str) or not bucket:
+            raise InvalidArgumentError("bucket must be a non-empty bucket name")
+        if not _BUCKET_RE.match(bucket):
+            raise InvalidArgumentError(
+                f"bucket {bucket!r} is not a valid bucket name: use 3-255 letters, digits, "
+                "'.', '-' or '_', starting and ending with a letter or digit"
+            )
+        if not isinstance(prefix, str):
+            raise InvalidArgumentError("prefix must be a string such as 'kvtier/llama-8b'")
+        prefix = prefix.strip("/")
+        if "//" in prefix or len(prefix) > 512:
+            raise InvalidArgumentError("prefix must not contain '//' and be at most 512 chars")
+        if addressing_style not in ADDRESSING_STYLES:
+            raise InvalidArgumentError(
+                f"addressing_style must be one of {ADDRESSING_STYLES}, got {addressing_style!r}"
+            )
+        return cls(
+            bucket=bucket,
+            prefix=prefix,
+            endpoint_url=_endpoint(endpoint_url),
+            region_name=_optional_str(region_name, "region_name"),
+            addressing_style=str(addressing_style),
+            connect_timeout=float(_positive(connect_timeout, "connect_timeout")),
+            read_timeout=float(_positive(read_timeout, "read_timeout")),
+            max_attempts=_positive(max_attempts, "max_attempts", integer=True),
+            max_concurrency=_positive(max_concurrency, "max_concurrency", integer=True),
+            miss_ttl=float(_positive(miss_ttl, "miss_ttl")),
+            lookup_batch_size=_positive(lookup_batch_size, "lookup_batch_size", integer=True),
+            breaker_threshold=_positive(breaker_threshold, "breaker_threshold", integer=True),
+            breaker_reset=float(_positive(breaker_reset, "breaker_reset")),
+            lookup_timeout=float(_positive(lookup_timeout, "lookup_timeout")),
+        )
+
+    @property
+    def endpoint_label(self) -> str:
+        """Where requests go, for messages (the URL carries no credentials: checked)."""
+        if self.endpoint_url is not None:
+            return self.endpoint_url
+        return f"AWS S3 ({self.region_name or 'default region'})"
+
+
+# One botocore session per process, like boto3's default session: creating a client from a
+# fresh session parses the S3 service model again (~0.5 s of CPU). The model files are read
+# once in a worker thread (``warm_session``) so that creating a client never blocks the loop.
+_session: Any = None
+_warm = False
+_session_lock = threading.Lock()
+_warm_lock = threading.Lock()
+
+
+def shared_session() -> Any:
+    global _session
+    with _session_lock:
+        if _session is None:
+            from aiobotocore.session import get_session
+
+            _session = get_session()
+        return _session
+
+
+def warm_session(session: Any) -> None:
+    """Load the S3 model and endpoint data into the session's cache (run in a thread)."""
+    global _warm
+    with _warm_lock:
+        if _warm:
+            return
+        loader = session.get_component("data_loader")
+        for type_name in ("service-2", "endpoint-rule-set-1"):
+            loader.load_service_model("s3", type_name)
+        for name in ("endpoints", "partitions", "sdk-default-configuration", "_retry"):
+            loader.load_data(name)
+        _warm = True

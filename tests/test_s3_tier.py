@@ -1,0 +1,653 @@
+"""S3Tier against a real moto_server process on 127.0.0.1 (no mock of the client).
+
+One session-wide server serves most tests (each test uses its own key prefix, so tests do not
+see each other's objects and can run in any order); tests that kill the server or switch its
+auth mode on start their own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import numpy as np
+import pytest
+from moto import ACCESS_KEY, REGION, SECRET_KEY, MotoServer, create_bucket, free_port, raw_client
+from s3_peer import make_blocks
+
+from kvtier._errors import (
+    BlockNotFoundError,
+    CorruptBlockError,
+    InvalidArgumentError,
+    LifecycleError,
+    TierTimeoutError,
+    TierUnavailableError,
+)
+from kvtier._format import FORMAT_VERSION, MAGIC, encode_header
+from kvtier._keys import block_keys
+from kvtier._lookup import LookupResult
+from kvtier._scheduler import OffloadScheduler
+from kvtier._tiering import TieringManager
+from kvtier.pools._host import HostPool
+from kvtier.testing import CHECKS, resolve_lookup
+from kvtier.tiers._s3 import S3Tier
+from kvtier.tiers._s3_breaker import BreakerState, CircuitBreaker, Permit, backoff_delay
+from kvtier.tiers._s3_errors import Fault, translate
+
+BUCKET = "kvtier-test"
+BLOCK = 4096
+HERE = Path(__file__).parent
+
+
+class FakeClock:
+    """Drives the miss TTL and the circuit breaker, so tests move time instead of waiting."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture(scope="session")
+def moto_server() -> Iterator[MotoServer]:
+    with MotoServer() as server:
+        anyio.run(create_bucket, server.endpoint_url, BUCKET)
+        yield server
+
+
+MakeTier = Callable[..., S3Tier]
+
+
+def _tier_factory(endpoint_url: str, prefix: str) -> MakeTier:
+    def make(**overrides: Any) -> S3Tier:
+        kwargs: dict[str, Any] = {
+            "prefix": prefix,
+            "endpoint_url": endpoint_url,
+            "region_name": REGION,
+            "aws_access_key_id": ACCESS_KEY,
+            "aws_secret_access_key": SECRET_KEY,
+        }
+        kwargs.update(overrides)
+        return S3Tier(kwargs.pop("bucket", BUCKET), **kwargs)
+
+    return make
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"t/{uuid.uuid4().hex}"
+
+
+@pytest.fixture
+def make_tier(moto_server: MotoServer, prefix: str) -> MakeTier:
+    return _tier_factory(moto_server.endpoint_url, prefix)
+
+
+def _keys(n: int) -> list[bytes]:
+    return block_keys(list(range(4 * n)), 4, namespace=os.urandom(8))
+
+
+async def _object_keys(endpoint_url: str, prefix: str) -> list[str]:
+    async with raw_client(endpoint_url) as client:
+        listing = await client.list_objects_v2(Bucket=BUCKET, Prefix=prefix + "/")
+    return [item["Key"] for item in listing.get("Contents", [])]
+
+
+async def _exists(endpoint_url: str, object_key: str, bucket: str = BUCKET) -> bool:
+    import botocore.exceptions
+
+    async with raw_client(endpoint_url) as client:
+        try:
+            await client.head_object(Bucket=bucket, Key=object_key)
+        except botocore.exceptions.ClientError:
+            return False
+    return True
+
+
+def _notified(tier: S3Tier, keys: list[bytes]) -> Callable[[], Awaitable[None]]:
+    """Start listening now; the returned function waits until ``tier.notify`` has been called
+    for every key (the manager does that when a write-through to the tier landed)."""
+    missing = set(keys)
+    done = anyio.Event()
+
+    def on_key(key: bytes) -> None:
+        missing.discard(key)
+        if not missing:
+            done.set()
+
+    remove = tier.add_listener(on_key)
+
+    async def wait() -> None:
+        try:
+            with anyio.fail_after(20):
+                await done.wait()
+        finally:
+            remove()
+
+    return wait
+
+
+# -- conformance -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("check", sorted(CHECKS))
+async def test_conformance(check: str, make_tier: MakeTier) -> None:
+    await CHECKS[check](make_tier, BLOCK)
+
+
+@pytest.mark.parametrize("addressing_style", ["path", "auto"])
+async def test_round_trip_and_layout(
+    make_tier: MakeTier, moto_server: MotoServer, prefix: str, addressing_style: str
+) -> None:
+    keys = _keys(3)
+    blocks = [os.urandom(BLOCK) for _ in keys]
+    async with make_tier(addressing_style=addressing_style) as tier:
+        for key, block in zip(keys, blocks, strict=True):
+            await tier.store(key, memoryview(block))
+        out = bytearray(BLOCK)
+        await tier.load(keys[1], memoryview(out))
+        assert out == blocks[1]
+        stats = tier.statistics()
+        assert (stats.stores, stats.loads, stats.bytes_read) == (3, 1, BLOCK)
+    names = await _object_keys(moto_server.endpoint_url, prefix)
+    assert sorted(names) == sorted(f"{prefix}/{k.hex()[:2]}/{k.hex()}" for k in keys)
+    async with raw_client(moto_server.endpoint_url) as client:
+        head = await client.head_object(Bucket=BUCKET, Key=names[0])
+    assert head["Metadata"]["kvtier-format"] == str(FORMAT_VERSION)
+    assert len(head["Metadata"]["kvtier-checksum"]) == 16
+
+
+async def test_store_of_existing_object_is_skipped(
+    make_tier: MakeTier, moto_server: MotoServer
+) -> None:
+    (key,) = _keys(1)
+    block = os.urandom(BLOCK)
+    async with make_tier() as tier:
+        await tier.store(key, memoryview(block))
+        async with raw_client(moto_server.endpoint_url) as client:
+            before = await client.head_object(Bucket=BUCKET, Key=tier.object_key(key))
+        await tier.store(key, memoryview(os.urandom(BLOCK)))  # conditional put: 412, skipped
+        async with raw_client(moto_server.endpoint_url) as client:
+            after = await client.head_object(Bucket=BUCKET, Key=tier.object_key(key))
+        stats = tier.statistics()
+        assert stats.stores_skipped_existing == 1
+        assert stats.conditional_put
+        assert after["ETag"] == before["ETag"]
+        out = bytearray(BLOCK)
+        await tier.load(key, memoryview(out))
+        assert out == block
+
+
+async def test_batched_lookup_and_miss_ttl(make_tier: MakeTier) -> None:
+    clock = FakeClock()
+    keys = _keys(100)
+    present, absent = keys[:60], keys[60:]
+    async with make_tier() as writer:
+        for key in present:
+            await writer.store(key, memoryview(os.urandom(64)))
+    async with make_tier(lookup_batch_size=16, miss_ttl=5.0, clock=clock) as tier:
+        assert all(tier.lookup(key) is LookupResult.RETRY for key in keys)
+        results = [await resolve_lookup(tier, key) for key in keys]
+        assert results == [LookupResult.HIT] * 60 + [LookupResult.MISS] * 40
+        lookups = tier.statistics().lookups
+        assert lookups.keys_checked == 100
+        assert lookups.batches >= 100 // 16
+        # Another node writes one of the missing keys: the cached miss hides it until the TTL.
+        async with make_tier() as other:
+            await other.store(absent[0], memoryview(os.urandom(64)))
+        assert tier.lookup(absent[0]) is LookupResult.MISS
+        clock.advance(5.1)
+        assert await resolve_lookup(tier, absent[0]) is LookupResult.HIT
+
+
+async def test_round_trip_through_tiering_manager(make_tier: MakeTier) -> None:
+    keys = _keys(6)
+    data = np.frombuffer(os.urandom(len(keys) * BLOCK), dtype=np.uint8).reshape(len(keys), -1)
+    writer = make_tier()
+    async with TieringManager(HostPool(8, BLOCK), [writer]) as manager:
+        assert await manager.store(keys, data) == len(keys)
+    assert manager.statistics().cascades_succeeded == len(keys)
+    # A fresh node: empty pool, a new tier instance on the same bucket and prefix.
+    async with TieringManager(HostPool(8, BLOCK), [make_tier()]) as manager:
+        assert manager.lookup(keys[0]) is LookupResult.RETRY
+        assert await OffloadScheduler(manager).lookup(keys, timeout=20) == len(keys)
+        out = np.zeros_like(data)
+        assert await manager.load(keys, out) == len(keys)
+        assert np.array_equal(out, data)
+        assert manager.statistics().promotions_succeeded == len(keys)
+
+
+# -- several processes share one bucket ---------------------------------------------------------
+
+
+async def _run_peer(moto_server: MotoServer, **args: Any) -> dict[str, Any]:
+    payload = {
+        "endpoint": moto_server.endpoint_url,
+        "bucket": BUCKET,
+        "access_key": ACCESS_KEY,
+        "secret_key": SECRET_KEY,
+        "block_bytes": BLOCK,
+        **args,
+    }
+    result = await anyio.run_process(
+        [sys.executable, str(HERE / "s3_peer.py"), json.dumps(payload)], check=False
+    )
+    assert result.returncode == 0, result.stderr.decode()
+    return json.loads(result.stdout)  # type: ignore[no-any-return]
+
+
+async def test_second_process_sees_blocks(
+    make_tier: MakeTier, moto_server: MotoServer, prefix: str
+) -> None:
+    namespace = os.urandom(8)
+    keys = block_keys(list(range(16)), 4, namespace=namespace)
+    blocks = make_blocks(7, len(keys), BLOCK)
+    async with make_tier() as tier:
+        for key, block in zip(keys, blocks, strict=True):
+            await tier.store(key, memoryview(block))
+    common = {"prefix": prefix, "namespace": namespace.hex(), "tokens": 16, "seed": 7}
+    peer = await _run_peer(moto_server, mode="load", **common)
+    assert peer["first"] == ["RETRY"] * len(keys)
+    assert peer["count"] == peer["loaded"] == len(keys)
+    assert peer["digests"] == [hashlib.sha256(b).hexdigest() for b in blocks]
+
+    # And the other way round: this node's cached miss turns into a hit once the peer has
+    # written the block and the miss TTL has run out.
+    clock = FakeClock()
+    other_ns = os.urandom(8)
+    other_keys = block_keys(list(range(8)), 4, namespace=other_ns)
+    async with make_tier(miss_ttl=1.0, clock=clock) as tier:
+        assert await resolve_lookup(tier, other_keys[0]) is LookupResult.MISS
+        stored = await _run_peer(
+            moto_server, mode="store", prefix=prefix, namespace=other_ns.hex(), tokens=8, seed=9
+        )
+        assert stored["cascades_succeeded"] == len(other_keys)
+        assert tier.lookup(other_keys[0]) is LookupResult.MISS  # cached verdict
+        clock.advance(1.5)
+        assert await resolve_lookup(tier, other_keys[0]) is LookupResult.HIT
+        out = bytearray(BLOCK)
+        await tier.load(other_keys[0], memoryview(out))
+        assert out == make_blocks(9, len(other_keys), BLOCK)[0]
+
+
+# -- faults ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def own_server() -> Any:
+    """A server this test may kill and restart on the same port."""
+    server = MotoServer()
+    await server.astart()
+    await create_bucket(server.endpoint_url, BUCKET)
+    try:
+        yield server
+    finally:
+        await server.astop()
+
+
+async def _settle(manager: TieringManager) -> None:
+    """Let background work that fails fast (breaker open) run to its end."""
+    with anyio.fail_after(10):
+        while manager.statistics().background_tasks:
+            await anyio.lowlevel.checkpoint()
+
+
+async def test_server_killed_mid_run_and_restarted(own_server: MotoServer) -> None:
+    clock = FakeClock()
+    tier = _tier_factory(own_server.endpoint_url, "kill")(
+        connect_timeout=1.0,
+        read_timeout=2.0,
+        max_attempts=2,
+        breaker_threshold=3,
+        breaker_reset=10.0,
+        lookup_timeout=5.0,
+        miss_ttl=1.0,
+        clock=clock,
+    )
+    keys = _keys(12)
+    blocks = np.frombuffer(os.urandom(len(keys) * BLOCK), dtype=np.uint8).reshape(len(keys), -1)
+    async with TieringManager(HostPool(32, BLOCK), [tier], store_timeout=10) as manager:
+        scheduler = OffloadScheduler(manager)
+        written = _notified(tier, keys[:2])
+        await manager.store(keys[:2], blocks[:2])
+        await written()
+        assert tier.statistics().stores == 2
+
+        await own_server.akill()
+        # Lookups of blocks nobody has seen resolve to MISS within their deadline.
+        unknown = keys[4:8]
+        assert await scheduler.lookup(unknown, timeout=8) == 0
+        assert [manager.lookup(k) for k in unknown] == [LookupResult.MISS] * len(unknown)
+        stats = tier.statistics()
+        assert stats.breaker_state == "open"
+        assert stats.lookups.misses_by_reason.get("unavailable", 0) >= 1
+        # While the breaker is open a lookup answers MISS at once instead of queueing.
+        assert tier.lookup(keys[8]) is LookupResult.MISS
+        assert tier.statistics().lookups.pending == 0
+        # Stores fail, counted; the engine keeps going (the pool still takes the blocks).
+        assert await manager.store(keys[8:10], blocks[8:10]) == 2
+        await _settle(manager)
+        assert manager.statistics().cascade_failures_by_reason.get("unavailable", 0) >= 1
+        with pytest.raises(TierUnavailableError, match="circuit breaker open"):
+            await tier.store(keys[10], memoryview(blocks[10]))
+        assert tier.statistics().failures_by_reason.get("unavailable", 0) >= 2
+        assert manager.lookup(keys[8]) is LookupResult.HIT  # primary still serves
+
+        # The server comes back (empty: moto keeps state in memory), the breaker's reset
+        # period passes, and the same tier instance recovers.
+        await own_server.astart()
+        await create_bucket(own_server.endpoint_url, BUCKET)
+        clock.advance(10.5)
+        assert tier.lookup(keys[11]) is LookupResult.RETRY
+        assert await resolve_lookup(tier, keys[11]) is LookupResult.MISS
+        assert tier.breaker_state is BreakerState.CLOSED
+        await tier.store(keys[11], memoryview(blocks[11]))
+        out = bytearray(BLOCK)
+        await tier.load(keys[11], memoryview(out))
+        assert out == blocks[11].tobytes()
+    assert tier.statistics().breaker_opened >= 1
+
+
+def _corruptions(key: bytes, block: bytes) -> dict[str, bytes]:
+    good = encode_header(key, block) + block
+    other = os.urandom(16)
+    flipped = bytearray(good)
+    flipped[-1] ^= 0xFF
+    return {
+        "payload_bit_flip": bytes(flipped),
+        "truncated": good[: len(good) - 100],
+        "other_keys_block": encode_header(other, block) + block,
+        "garbage": os.urandom(len(good)),
+        "empty": b"",
+    }
+
+
+@pytest.mark.parametrize(
+    "kind", ["payload_bit_flip", "truncated", "other_keys_block", "garbage", "empty"]
+)
+async def test_corrupt_object_is_a_corrupt_miss_and_deleted(
+    make_tier: MakeTier, moto_server: MotoServer, kind: str
+) -> None:
+    (key,) = _keys(1)
+    block = os.urandom(BLOCK)
+    tier = make_tier()
+    async with raw_client(moto_server.endpoint_url) as client:
+        await client.put_object(
+            Bucket=BUCKET, Key=tier.object_key(key), Body=_corruptions(key, block)[kind]
+        )
+    async with TieringManager(HostPool(4, BLOCK), [tier]) as manager:
+        assert manager.lookup(key) is LookupResult.RETRY
+        # The HEAD finds the object, the promotion's load finds it corrupt: a miss, not bytes.
+        assert await OffloadScheduler(manager).lookup([key], timeout=20) == 0
+        assert manager.lookup(key) is LookupResult.MISS
+        assert manager.statistics().promotions_failed_by_reason == {"corrupt": 1}
+        stats = tier.statistics()
+        assert stats.lookups.misses_by_reason.get("corrupt", 0) >= 1
+        assert stats.failures_by_reason == {"corrupt": 1}
+        assert stats.corrupt_deleted == 1
+        with pytest.raises(BlockNotFoundError):
+            await tier.load(key, memoryview(bytearray(BLOCK)))
+    assert not await _exists(moto_server.endpoint_url, tier.object_key(key))
+
+
+async def test_newer_format_is_skipped_not_deleted(
+    make_tier: MakeTier, moto_server: MotoServer
+) -> None:
+    (key,) = _keys(1)
+    block = os.urandom(BLOCK)
+    header = bytearray(encode_header(key, block))
+    assert header[:4] == MAGIC
+    header[4:6] = (FORMAT_VERSION + 1).to_bytes(2, "little")
+    async with make_tier() as tier:
+        async with raw_client(moto_server.endpoint_url) as client:
+            await client.put_object(
+                Bucket=BUCKET, Key=tier.object_key(key), Body=bytes(header) + block
+            )
+        with pytest.raises(CorruptBlockError, match="format version"):
+            await tier.load(key, memoryview(bytearray(BLOCK)))
+        assert tier.statistics().corrupt_deleted == 0
+    assert await _exists(moto_server.endpoint_url, tier.object_key(key))
+
+
+async def test_missing_bucket_is_a_clear_error_on_open(make_tier: MakeTier) -> None:
+    tier = make_tier(bucket="no-such-bucket-here")
+    with pytest.raises(TierUnavailableError, match=r"bucket 'no-such-bucket-here' does not exist"):
+        await tier.open()
+    assert not tier.is_open
+    await tier.aclose()
+
+
+async def test_unreachable_endpoint_is_a_clear_error_on_open() -> None:
+    tier = _tier_factory(f"http://127.0.0.1:{free_port()}", "x")(max_attempts=2)
+    with pytest.raises(TierUnavailableError, match="unreachable"):
+        await tier.open()
+
+
+@pytest.fixture
+async def auth_server() -> Any:
+    """A server with moto's IAM auth on: only the access key created here is accepted."""
+    server = MotoServer()
+    await server.astart()
+    try:
+        async with raw_client(server.endpoint_url, "iam") as iam:
+            await iam.create_user(UserName="kvtier")
+            created = (await iam.create_access_key(UserName="kvtier"))["AccessKey"]
+            policy = {
+                "Version": "2012-10-17",
+                "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}],
+            }
+            await iam.put_user_policy(
+                UserName="kvtier", PolicyName="s3", PolicyDocument=json.dumps(policy)
+            )
+        await create_bucket(server.endpoint_url, BUCKET)
+        await anyio.to_thread.run_sync(server.set_auth, 0)
+        yield server, created["AccessKeyId"], created["SecretAccessKey"]
+    finally:
+        await server.astop()
+
+
+async def test_bad_credentials_are_a_clear_error_and_never_leak(
+    auth_server: tuple[MotoServer, str, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    server, access_key, secret_key = auth_server
+    caplog.set_level(logging.DEBUG, logger="kvtier")
+    make = _tier_factory(server.endpoint_url, "auth")
+    async with make(aws_access_key_id=access_key, aws_secret_access_key=secret_key) as tier:
+        (key,) = _keys(1)
+        await tier.store(key, memoryview(b"x" * BLOCK))  # the real key works
+    bad_secret = "wrong-secret-" + uuid.uuid4().hex
+    for key_id, secret in ((access_key, bad_secret), ("AKIAUNKNOWNUNKNOWN00", bad_secret)):
+        tier = make(aws_access_key_id=key_id, aws_secret_access_key=secret)
+        with pytest.raises(TierUnavailableError, match="access denied") as info:
+            await tier.open()
+        chain = []
+        exc: BaseException | None = info.value
+        while exc is not None:
+            chain.append(f"{exc!s} {exc!r}")
+            exc = exc.__cause__ or exc.__context__
+        seen = " ".join([*chain, repr(tier), str(vars(tier)), caplog.text])
+        assert secret not in seen
+        assert secret_key not in seen
+
+
+# -- lifecycle, arguments, optional extra --------------------------------------------------
+
+
+async def test_use_before_open(make_tier: MakeTier) -> None:
+    tier = make_tier()
+    (key,) = _keys(1)
+    assert tier.lookup(key) is LookupResult.MISS  # nothing can answer: a miss, never raise
+    with pytest.raises(LifecycleError):
+        await tier.load(key, memoryview(bytearray(BLOCK)))
+    with pytest.raises(LifecycleError):
+        await tier.store(key, memoryview(bytearray(BLOCK)))
+    assert "open=False" in repr(tier)
+
+
+@pytest.mark.parametrize(
+    ("bucket", "overrides", "message"),
+    [
+        ("", {}, "bucket must be a non-empty"),
+        ("a", {}, "not a valid bucket name"),
+        ("has/slash", {}, "not a valid bucket name"),
+        ("ok-bucket", {"endpoint_url": "ftp://127.0.0.1:1"}, "http:// or https://"),
+        ("ok-bucket", {"endpoint_url": "127.0.0.1:9000"}, "http:// or https://"),
+        ("ok-bucket", {"endpoint_url": "http://u:p@127.0.0.1:9000"}, "must not carry"),
+        ("ok-bucket", {"endpoint_url": "http://127.0.0.1:99999"}, "invalid port"),
+        ("ok-bucket", {"addressing_style": "weird"}, "addressing_style"),
+        ("ok-bucket", {"connect_timeout": 0}, "connect_timeout"),
+        ("ok-bucket", {"max_attempts": 1.5}, "max_attempts"),
+        ("ok-bucket", {"max_concurrency": True}, "max_concurrency"),
+        ("ok-bucket", {"miss_ttl": -1}, "miss_ttl"),
+        ("ok-bucket", {"breaker_threshold": 0}, "breaker_threshold"),
+        ("ok-bucket", {"prefix": "a//b"}, "prefix"),
+        ("ok-bucket", {"aws_access_key_id": "AKID"}, "together"),
+        ("ok-bucket", {"aws_session_token": "tok"}, "aws_session_token"),
+        ("ok-bucket", {"name": ""}, "name"),
+    ],
+)
+def test_invalid_arguments(bucket: str, overrides: dict[str, Any], message: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=message):
+        S3Tier(bucket, **overrides)
+
+
+def test_prefix_is_normalised_and_repr_hides_credentials() -> None:
+    tier = S3Tier(
+        "ok-bucket",
+        prefix="/kv/llama/",
+        endpoint_url="http://127.0.0.1:9/",
+        aws_access_key_id="AKIDSHOWNNOWHERE0000",
+        aws_secret_access_key="super-secret-value",
+    )
+    key = bytes(range(16))
+    assert tier.object_key(key) == f"kv/llama/00/{key.hex()}"
+    text = repr(tier) + str(vars(tier))
+    assert "super-secret-value" not in text
+    assert "AKIDSHOWNNOWHERE0000" not in text
+    assert "s3://ok-bucket/kv/llama" in repr(tier)
+
+
+def test_import_without_aiobotocore() -> None:
+    code = (
+        "import sys\n"
+        "sys.modules['aiobotocore'] = None\n"
+        "import kvtier\n"
+        "from kvtier.tiers._s3 import S3Tier\n"
+        "try:\n"
+        "    S3Tier('bucket')\n"
+        "except kvtier.ExtraNotInstalledError as exc:\n"
+        "    assert exc.extra == 's3' and 'aiobotocore' in str(exc) and 'S3Tier' in str(exc)\n"
+        "    print('ok')\n"
+        "assert 'botocore' not in sys.modules\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+
+
+# -- the pieces on their own -----------------------------------------------------------------
+
+
+def test_circuit_breaker_state_machine() -> None:
+    clock = FakeClock()
+    breaker = CircuitBreaker(3, 5.0, clock=clock)
+    for _ in range(2):
+        assert breaker.allow() is Permit.PASS
+        breaker.failure(Permit.PASS)
+    assert breaker.state is BreakerState.CLOSED
+    breaker.success(Permit.PASS)  # success resets the streak
+    for _ in range(3):
+        breaker.failure(breaker.allow())
+    assert breaker.state is BreakerState.OPEN
+    assert breaker.rejecting()
+    assert breaker.allow() is Permit.REJECTED
+    clock.advance(5.0)
+    assert not breaker.rejecting()
+    trial = breaker.allow()
+    assert trial is Permit.TRIAL
+    assert breaker.state is BreakerState.HALF_OPEN
+    assert breaker.allow() is Permit.REJECTED  # one trial at a time
+    breaker.abandon(trial)  # cancelled: the next caller gets the trial
+    trial = breaker.allow()
+    assert trial is Permit.TRIAL
+    breaker.failure(trial)  # the trial failed: open for another period
+    assert breaker.state is BreakerState.OPEN
+    assert breaker.times_opened == 2
+    clock.advance(5.0)
+    breaker.success(breaker.allow())
+    assert breaker.state is BreakerState.CLOSED
+    assert not breaker.rejecting()
+
+
+def test_backoff_is_bounded_full_jitter() -> None:
+    assert backoff_delay(0, rng=lambda: 1.0) == pytest.approx(0.05)
+    assert backoff_delay(3, rng=lambda: 1.0) == pytest.approx(0.4)
+    assert backoff_delay(30, rng=lambda: 1.0) == pytest.approx(2.0)
+    assert backoff_delay(5, rng=lambda: 0.0) == 0.0
+
+
+def _client_error(status: int, code: str) -> Exception:
+    from botocore.exceptions import ClientError
+
+    return ClientError(
+        {"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}},
+        "GetObject",
+    )
+
+
+def test_error_translation() -> None:
+    from botocore.exceptions import (
+        ConnectTimeoutError,
+        EndpointConnectionError,
+        NoCredentialsError,
+        ReadTimeoutError,
+    )
+
+    cases: list[tuple[Exception, Fault, type[Exception]]] = [
+        (_client_error(404, "NoSuchKey"), Fault.NOT_FOUND, BlockNotFoundError),
+        (_client_error(404, "NoSuchBucket"), Fault.NO_BUCKET, TierUnavailableError),
+        (_client_error(403, "InvalidAccessKeyId"), Fault.DENIED, TierUnavailableError),
+        (_client_error(412, "PreconditionFailed"), Fault.PRECONDITION, TierUnavailableError),
+        (_client_error(503, "SlowDown"), Fault.THROTTLED, TierUnavailableError),
+        (_client_error(400, "ThrottlingException"), Fault.THROTTLED, TierUnavailableError),
+        (_client_error(500, "InternalError"), Fault.SERVER, TierUnavailableError),
+        (_client_error(501, "NotImplemented"), Fault.UNSUPPORTED, TierUnavailableError),
+        (_client_error(400, "InvalidArgument"), Fault.REJECTED, TierUnavailableError),
+        (EndpointConnectionError(endpoint_url="http://x"), Fault.UNREACHABLE, TierUnavailableError),
+        (ConnectTimeoutError(endpoint_url="http://x"), Fault.TIMEOUT, TierTimeoutError),
+        (ReadTimeoutError(endpoint_url="http://x"), Fault.TIMEOUT, TierTimeoutError),
+        (NoCredentialsError(), Fault.NO_CREDENTIALS, TierUnavailableError),
+        (ConnectionResetError(), Fault.UNREACHABLE, TierUnavailableError),
+    ]
+    for exc, fault, error_type in cases:
+        translated = translate(
+            exc, tier="s3", operation="load", key=b"k" * 16, bucket="b", endpoint="http://x"
+        )
+        assert translated is not None
+        assert translated.fault is fault, exc
+        assert type(translated.error) is error_type, exc
+        assert translated.error.tier == "s3"
+        assert translated.error.operation == "load"
+        assert fault.retryable == (
+            fault in (Fault.THROTTLED, Fault.SERVER, Fault.UNREACHABLE, Fault.TIMEOUT)
+        )
+    assert (
+        translate(KeyError("x"), tier="s", operation="o", key=None, bucket="b", endpoint="e")
+        is None
+    )
