@@ -1,0 +1,472 @@
+"""Replay a Mooncake-format request trace through kvtier and measure the prefix hit ratio.
+
+Each trace line is a request whose prompt is a chain of block ids (``hash_ids``, one per 512
+tokens, prefix-chained like kvtier keys). For every request, in trace order, the replay does
+what an engine does: ``await scheduler.lookup(keys)`` (real async existence checks and
+promotions from the file tier, or S3), ``load`` the hit prefix out of the primary pool (and
+checks every loaded byte), and ``store`` the blocks that missed (written through to the tiers
+in the background). Payloads are small (``--payload-bytes``), so the run measures kvtier's
+policies and overhead rather than the disk.
+
+Beside kvtier's numbers it prints two references computed in the same run from the same
+requests: the infinite-cache bound (every block ever seen is still cached) and a plain LRU
+cache with the primary pool's capacity. It also replays the pool alone (no tiers) under each
+eviction policy, which isolates the policy from the tiers.
+
+    python benchmarks/replay_trace.py                      # the whole trace, default sizes
+    python benchmarks/replay_trace.py --limit 500          # the first 500 requests
+    python benchmarks/replay_trace.py --plot hit_ratio.png # also sweep the primary's size
+
+The ratio reported is hit blocks / requested blocks, where a hit is a block of the request's
+prefix that kvtier served (a prefix ends at the first block it could not serve).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import statistics
+import struct
+import sys
+import tempfile
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+import kvtier
+from kvtier._format import header_size
+from kvtier.tiers._fs import FSTier  # becomes kvtier.FSTier once it is exported
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+BLOCK_TOKENS = 512  # the Mooncake trace's block size
+LOOKUP_TIMEOUT = 5.0
+KEY_PERSON = b"kvtier.trace"
+
+
+# -- trace -------------------------------------------------------------------------------------
+
+
+def key_of(block_id: int) -> bytes:
+    """A deterministic 16-byte kvtier key for a trace block id (ids are already prefix-chained,
+    so the key needs no chaining of its own)."""
+    return hashlib.blake2b(struct.pack("<Q", block_id), digest_size=16, person=KEY_PERSON).digest()
+
+
+def load_trace(path: Path, limit: int | None = None) -> list[list[bytes]]:
+    """The requests of a trace as lists of keys, in trace (timestamp) order."""
+    requests: list[tuple[float, int, list[int]]] = []
+    with path.open() as f:
+        for i, line in enumerate(f):
+            if limit is not None and i >= limit:
+                break
+            if line.strip():
+                row = json.loads(line)
+                requests.append((float(row.get("timestamp", 0)), i, list(row["hash_ids"])))
+    requests.sort()
+    keys: dict[int, bytes] = {}
+    return [[keys.setdefault(h, key_of(h)) for h in ids] for _, _, ids in requests]
+
+
+def payload_of(key: bytes, nbytes: int) -> np.ndarray:
+    """The bytes stored for ``key``: the key repeated, so every load can be verified."""
+    reps = -(-nbytes // len(key))
+    return np.frombuffer(key * reps, np.uint8)[:nbytes]
+
+
+# -- references --------------------------------------------------------------------------------
+
+
+def infinite_hits(requests: Iterable[Sequence[bytes]]) -> int:
+    """Prefix hits of a cache that never forgets."""
+    seen: set[bytes] = set()
+    hits = 0
+    for keys in requests:
+        for key in keys:
+            if key not in seen:
+                break
+            hits += 1
+        seen.update(keys)
+    return hits
+
+
+def lru_hits(requests: Iterable[Sequence[bytes]], capacity: int) -> int:
+    """Prefix hits of a plain LRU cache of ``capacity`` blocks; every block a request names is
+    used (moved to the front, or inserted and the oldest dropped)."""
+    cache: OrderedDict[bytes, None] = OrderedDict()
+    hits = 0
+    for keys in requests:
+        prefix = True
+        for key in keys:
+            if key in cache:
+                cache.move_to_end(key)
+                hits += prefix
+            else:
+                prefix = False
+                cache[key] = None
+                if len(cache) > capacity:
+                    cache.popitem(last=False)
+    return hits
+
+
+# -- kvtier replay -----------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class ReplayResult:
+    label: str
+    requested: int = 0
+    hits: int = 0
+    hits_by_tier: dict[str, int] = field(default_factory=dict)
+    verified: int = 0
+    lookup_us: list[float] = field(default_factory=list)
+    request_us: list[float] = field(default_factory=list)
+    wall: float = 0.0
+    stats: kvtier.ManagerStatistics | None = None
+
+    @property
+    def ratio(self) -> float:
+        return self.hits / self.requested if self.requested else 0.0
+
+
+class Progress:
+    """A progress bar on stderr (a line per quarter when stderr is not a terminal)."""
+
+    def __init__(self, label: str, total: int, enabled: bool = True) -> None:
+        self.label, self.total, self.enabled = label, total, enabled
+        self._tty = sys.stderr.isatty()
+        self._shown = -1
+        self._started = time.perf_counter()
+
+    def update(self, done: int, result: ReplayResult) -> None:
+        if not self.enabled or not self.total:
+            return
+        step = 200 if self._tty else 4
+        shown = done * step // self.total
+        if shown == self._shown:
+            return
+        self._shown = shown
+        frac = done / self.total
+        bar = "#" * int(frac * 30)
+        line = (
+            f"{self.label:<28} [{bar:<30}] {done:>6}/{self.total} hit {result.ratio:6.2%} "
+            f"{time.perf_counter() - self._started:6.1f} s"
+        )
+        if self._tty:
+            print("\r" + line, end="\n" if done == self.total else "", file=sys.stderr, flush=True)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
+
+def fs_capacity_bytes(blocks: int, payload_bytes: int) -> int:
+    return blocks * (header_size(16) + payload_bytes)
+
+
+async def replay(
+    requests: Sequence[Sequence[bytes]],
+    *,
+    primary_blocks: int,
+    policy: str,
+    tiers: Sequence[kvtier.SecondaryTier] = (),
+    payload_bytes: int = 64,
+    label: str = "kvtier",
+    progress: bool = True,
+) -> ReplayResult:
+    """Replay ``requests`` through a TieringManager over a HostPool and ``tiers`` (which the
+    manager opens and closes), verifying every loaded block."""
+    result = ReplayResult(label)
+    result.hits_by_tier = {"primary": 0, **{t.name: 0 for t in tiers}}
+    longest = max((len(r) for r in requests), default=1)
+    out = np.empty((longest, payload_bytes), np.uint8)
+    payloads: dict[bytes, np.ndarray] = {}
+    bar = Progress(label, len(requests), progress)
+    pool = kvtier.HostPool(primary_blocks, payload_bytes, policy=policy)
+    started = time.perf_counter()
+    async with kvtier.TieringManager(pool, tiers) as manager:
+        scheduler = kvtier.OffloadScheduler(manager)
+        for done, keys in enumerate(requests, 1):
+            resident = 0
+            for key in keys:
+                if pool.state_of(key) is not kvtier.SlotState.READY:
+                    break
+                resident += 1
+            loads_before = [t.statistics().loads for t in tiers]
+
+            t0 = time.perf_counter()
+            hit = await scheduler.lookup(keys, timeout=LOOKUP_TIMEOUT)
+            t1 = time.perf_counter()
+            loaded = await manager.load(keys[:hit], out[:hit]) if hit else 0
+            if len(keys) > loaded:
+                new = np.stack(
+                    [payloads.setdefault(k, payload_of(k, payload_bytes)) for k in keys[loaded:]]
+                )
+                await manager.store(keys[loaded:], new)
+            t2 = time.perf_counter()
+
+            for i in range(loaded):
+                expected = payloads.get(keys[i])
+                if expected is None:
+                    expected = payloads.setdefault(keys[i], payload_of(keys[i], payload_bytes))
+                if not np.array_equal(out[i], expected):
+                    raise AssertionError(f"request {done}: block {i} loaded wrong bytes")
+            result.verified += loaded
+            result.requested += len(keys)
+            result.hits += loaded
+            promoted = [t.statistics().loads - b for t, b in zip(tiers, loads_before, strict=True)]
+            # Blocks not resident before the lookup came from the tiers that promoted them.
+            from_tiers = loaded - min(resident, loaded)
+            for tier, count in zip(tiers, promoted, strict=True):
+                take = min(count, from_tiers)
+                result.hits_by_tier[tier.name] += take
+                from_tiers -= take
+            result.hits_by_tier["primary"] += min(resident, loaded) + from_tiers
+            result.lookup_us.append((t1 - t0) * 1e6)
+            result.request_us.append((t2 - t0) * 1e6)
+            bar.update(done, result)
+    result.wall = time.perf_counter() - started  # includes finishing the write-through
+    result.stats = manager.statistics()
+    return result
+
+
+# -- command line ------------------------------------------------------------------------------
+
+
+def tokens(text: str) -> int:
+    """A size in tokens: ``3000000``, ``3M``, ``512k``."""
+    text = text.strip().lower()
+    scale = {"k": 10**3, "m": 10**6, "g": 10**9}.get(text[-1:], 1)
+    value = float(text[:-1] if scale != 1 else text) * scale
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is negative")
+    return int(value)
+
+
+def blocks_of(n_tokens: int) -> int:
+    return max(1, n_tokens // BLOCK_TOKENS) if n_tokens else 0
+
+
+def _pcts(values: Sequence[float]) -> str:
+    if not values:
+        return "-"
+    p50, p99 = np.percentile(values, [50, 99])
+    return f"{statistics.fmean(values):>9.0f}{p50:>9.0f}{p99:>9.0f}"
+
+
+def make_tiers(args: argparse.Namespace, scratch: str) -> list[kvtier.SecondaryTier]:
+    tiers: list[kvtier.SecondaryTier] = []
+    if args.fs_tokens:
+        root = args.fs_root or str(Path(scratch) / "fs")
+        capacity = fs_capacity_bytes(blocks_of(args.fs_tokens), args.payload_bytes)
+        tiers.append(FSTier(root, capacity_bytes=capacity, fsync="never"))
+    if args.s3_bucket:
+        from kvtier.tiers._s3 import S3Tier  # becomes kvtier.S3Tier once it is exported
+
+        tiers.append(S3Tier(args.s3_bucket, prefix=args.s3_prefix, endpoint_url=args.s3_endpoint))
+    return tiers
+
+
+def plot(
+    path: str,
+    requests: Sequence[Sequence[bytes]],
+    capacities: Sequence[int],
+    policies: Sequence[str],
+    payload_bytes: int,
+    infinite: float,
+) -> None:
+    """Hit ratio against primary capacity: kvtier's pool alone under each policy, and plain
+    LRU. Each point is a full replay."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    requested = sum(len(r) for r in requests)
+    curves: dict[str, list[float]] = {f"kvtier pool ({p})": [] for p in policies}
+    curves["plain LRU"] = []
+    for cap in capacities:
+        blocks = blocks_of(cap)
+        for p in policies:
+            r = asyncio.run(
+                replay(
+                    requests,
+                    primary_blocks=blocks,
+                    policy=p,
+                    payload_bytes=payload_bytes,
+                    label=f"plot {p} {cap / 1e6:g}M",
+                )
+            )
+            curves[f"kvtier pool ({p})"].append(r.ratio)
+        curves["plain LRU"].append(lru_hits(requests, blocks) / requested)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    xs = [c / 1e6 for c in capacities]
+    for name, ys in curves.items():
+        ax.plot(xs, ys, marker="o", linestyle="--" if "plain" in name else "-", label=name)
+    ax.axhline(infinite, color="gray", linestyle=":", label="infinite cache")
+    ax.set_xlabel("primary capacity (million tokens)")
+    ax.set_ylabel("prefix hit ratio (hit blocks / requested)")
+    ax.set_title(f"Prefix hit ratio, {len(requests):,} requests")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"plot written to {path}")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("trace", nargs="?", default=str(DEFAULT_TRACE), help="Mooncake-format JSONL")
+    p.add_argument("--limit", type=int, help="replay only the first N requests")
+    p.add_argument("--quick", action="store_true", help="the first 500 requests, a short sweep")
+    p.add_argument("--primary-tokens", type=tokens, default=3_000_000, help="host pool size")
+    p.add_argument("--fs-tokens", type=tokens, default=50_000_000, help="file tier size; 0: none")
+    p.add_argument("--fs-root", help="file tier folder (default: a temporary folder)")
+    p.add_argument("--policy", choices=["lru", "arc"], default="arc")
+    p.add_argument("--payload-bytes", type=int, default=64, help="bytes stored per block")
+    p.add_argument("--s3-endpoint", help="S3-compatible endpoint URL")
+    p.add_argument("--s3-bucket", help="add an S3 tier on this bucket")
+    p.add_argument("--s3-prefix", default="kvtier-replay/")
+    p.add_argument("--plot", metavar="FILE.png", help="sweep the primary's size and plot")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    if args.limit is None and args.quick:
+        args.limit = 500
+    if args.limit is not None and args.limit <= 0:
+        p.error("--limit must be positive")
+    if args.primary_tokens < BLOCK_TOKENS:
+        p.error(f"--primary-tokens must be at least one block ({BLOCK_TOKENS} tokens)")
+    if args.payload_bytes <= 0:
+        p.error("--payload-bytes must be positive")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    trace = Path(args.trace)
+    if not trace.is_file():
+        print(f"trace not found: {trace}", file=sys.stderr)
+        return 2
+    requests = load_trace(trace, args.limit)
+    requested = sum(len(r) for r in requests)
+    distinct = len({k for r in requests for k in r})
+    primary = blocks_of(args.primary_tokens)
+    show = not args.no_progress
+    print(
+        f"trace {trace.name}: {len(requests):,} requests, {requested:,} blocks requested "
+        f"({BLOCK_TOKENS} tokens each), {distinct:,} distinct"
+    )
+    infinite = infinite_hits(requests)
+    lru = lru_hits(requests, primary)
+
+    with tempfile.TemporaryDirectory(prefix="kvtier-replay-") as scratch:
+        tiers = make_tiers(args, scratch)
+        names = " + ".join([f"pool({args.policy})", *(t.name for t in tiers)])
+        main_run = asyncio.run(
+            replay(
+                requests,
+                primary_blocks=primary,
+                policy=args.policy,
+                tiers=tiers,
+                payload_bytes=args.payload_bytes,
+                label=f"kvtier {names}",
+                progress=show,
+            )
+        )
+    alone = {
+        policy: asyncio.run(
+            replay(
+                requests,
+                primary_blocks=primary,
+                policy=policy,
+                payload_bytes=args.payload_bytes,
+                label=f"kvtier pool({policy}) alone",
+                progress=show,
+            )
+        )
+        for policy in ("lru", "arc")
+    }
+
+    def row(name: str, hits: int) -> None:
+        ratio = hits / requested if requested else 0.0
+        of_bound = hits / infinite if infinite else float("nan")
+        print(f"  {name:<44}{hits:>12,}{ratio:>10.2%}{of_bound:>12.2%}")
+
+    print()
+    print(
+        f"sizes: primary {args.primary_tokens:,} tokens = {primary:,} blocks; "
+        + (
+            f"fs {args.fs_tokens:,} tokens = {blocks_of(args.fs_tokens):,} blocks"
+            if args.fs_tokens
+            else "no fs tier"
+        )
+        + (f"; s3 bucket {args.s3_bucket}" if args.s3_bucket else "")
+        + f"; {args.payload_bytes} payload bytes per block"
+    )
+    print(f"  {'prefix hit ratio':<44}{'hit blocks':>12}{'ratio':>10}{'of bound':>12}")
+    row("infinite cache (bound)", infinite)
+    row(f"plain LRU, {primary:,} blocks", lru)
+    row(f"kvtier {names}", main_run.hits)
+    for tier, hits in main_run.hits_by_tier.items():
+        row(f"  served by {tier}", hits)
+    for policy, r in alone.items():
+        row(f"kvtier pool({policy}) alone, {primary:,} blocks", r.hits)
+    print()
+    print(f"  {'overhead per request (us)':<44}{'mean':>9}{'p50':>9}{'p99':>9}")
+    for r in (main_run, *alone.values()):
+        print(f"  {r.label + ': lookup':<44}{_pcts(r.lookup_us)}")
+        print(f"  {r.label + ': lookup + load + store':<44}{_pcts(r.request_us)}")
+    s = main_run.stats
+    if s is not None:
+        print()
+        print(
+            f"kvtier {names}: {main_run.wall:.1f} s, {main_run.verified:,} loaded blocks verified "
+            f"byte for byte; promotions {s.promotions_succeeded:,} ok / "
+            f"{sum(s.promotions_failed_by_reason.values()):,} failed; stored {s.blocks_stored:,}; "
+            f"write-through {s.cascades_succeeded:,} ok / {s.cascades_skipped:,} skipped / "
+            f"{sum(s.cascade_failures_by_reason.values()):,} failed; "
+            f"pool evictions {s.pool.evictions:,}"
+        )
+        for t in s.tiers:
+            print(
+                f"  {t.name}: {t.blocks:,} blocks, {t.stores:,} stores, {t.loads:,} loads, "
+                f"{t.evictions:,} evictions, lookups {t.lookups.hits:,} hit / "
+                f"{t.lookups.misses:,} miss / {t.lookups.retries:,} retry"
+            )
+    checks = [
+        (f"kvtier {names} >= 99% of the infinite bound", main_run.hits >= 0.99 * infinite),
+        ("kvtier pool(arc) alone >= plain LRU", alone["arc"].hits >= lru),
+        (
+            "no run beats the infinite bound",
+            all(r.hits <= infinite for r in (main_run, *alone.values())),
+        ),
+    ]
+    print()
+    for name, ok in checks:
+        print(f"check {'PASS' if ok else 'FAIL'}: {name}")
+    if args.limit is not None:
+        print("(the first two are aims for the whole trace; a prefix of it is mostly cold)")
+    if args.plot:
+        top = max(args.primary_tokens * 4, distinct * BLOCK_TOKENS)
+        points = 5 if args.quick else 10
+        capacities = sorted(
+            {int(top * (i / points) ** 2) or BLOCK_TOKENS for i in range(1, points + 1)}
+        )
+        plot(
+            args.plot,
+            requests,
+            capacities,
+            ("lru", "arc"),
+            args.payload_bytes,
+            infinite / requested,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
