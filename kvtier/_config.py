@@ -387,6 +387,11 @@ class KVTierConfig:
                 raise InvalidArgumentError(
                     f"{name} must be a {cls.__name__}, got {type(value).__name__}"
                 )
+        if self.fs is not None and self.s3 is not None and self.fs.name == self.s3.name:
+            raise InvalidArgumentError(
+                f"fs.name and s3.name must differ (metrics and logs tell tiers apart by name), "
+                f"both are {self.fs.name!r}"
+            )
 
     # -- constructors ----------------------------------------------------------------------
 
@@ -535,12 +540,6 @@ class KVTierConfig:
                 tiers.append(S3Tier(bucket, **kwargs))
             except InvalidArgumentError as exc:
                 raise InvalidArgumentError(f"s3: {exc}") from exc
-        names = [t.name for t in tiers]
-        if len(set(names)) != len(names):
-            raise InvalidArgumentError(
-                f"fs.name and s3.name must differ (metrics and logs tell tiers apart by name), "
-                f"both are {names[0]!r}"
-            )
         return tiers
 
     def build(self) -> TieringManager:

@@ -1,0 +1,318 @@
+"""KVTierConfig: from a dict, a TOML file and the environment; validation; build()."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvtier._config import FSConfig, KVTierConfig, ManagerConfig, PoolConfig, S3Config, parse_size
+from kvtier._errors import InvalidArgumentError
+from kvtier._lookup import LookupResult
+from kvtier._tiering import TieringManager
+from kvtier.pools._host import HostPool
+from kvtier.testing import resolve_lookup
+from kvtier.tiers._fs import FSTier
+
+POOL = {"num_blocks": 8, "block_bytes": 4096}
+
+
+def test_from_dict_defaults_and_normalised_values(tmp_path: Path) -> None:
+    config = KVTierConfig.from_dict(
+        {
+            "pool": {"num_blocks": 8, "block_bytes": "4KiB", "policy": "ARC"},
+            "fs": {"root": tmp_path, "capacity_bytes": "1.5MB"},
+            "manager": {"promotion_timeout": 2},
+        }
+    )
+    assert config.pool == PoolConfig(num_blocks=8, block_bytes=4096, policy="arc")
+    assert config.fs == FSConfig(root=str(tmp_path), capacity_bytes=1_500_000)
+    assert config.s3 is None
+    assert config.manager.promotion_timeout == 2.0
+    assert isinstance(config.manager.promotion_timeout, float)
+    assert config.manager.store_timeout == ManagerConfig().store_timeout
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [
+        (4096, 4096),
+        ("4096", 4096),
+        ("64KiB", 65536),
+        ("2 GB", 2 * 10**9),
+        ("1_024b", 1024),
+        ("1.5MiB", 1572864),
+        ("3t", 3 * 10**12),
+    ],
+)
+def test_parse_size(text: object, size: int) -> None:
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "12 parsecs", "1.5", "-3", "KiB", True, 1.5, None])
+def test_parse_size_rejects(text: object) -> None:
+    with pytest.raises(InvalidArgumentError):
+        parse_size(text)
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({}, "pool is required"),
+        ({"pool": {"num_blocks": 8}}, "pool.block_bytes is required"),
+        ({"pool": {**POOL, "num_blocks": 0}}, "pool.num_blocks must be a positive integer; got 0"),
+        ({"pool": {**POOL, "num_blocks": True}}, "pool.num_blocks must be a positive integer"),
+        ({"pool": {**POOL, "num_blocks": "8"}}, "pool.num_blocks must be a positive integer"),
+        (
+            {"pool": {**POOL, "block_bytes": "4 furlongs"}},
+            "pool.block_bytes must be a positive size",
+        ),
+        ({"pool": {**POOL, "kind": "tpu"}}, "pool.kind must be one of 'host', 'cuda'; got 'tpu'"),
+        ({"pool": {**POOL, "polcy": "lru"}}, "unknown key pool.polcy: did you mean 'policy'?"),
+        ({"pool": POOL, "fss": {}}, "unknown config section 'fss': did you mean 'fs'?"),
+        ({"pool": POOL, "fs": "/tmp"}, "fs must be a table of settings"),
+        ({"pool": POOL, "fs": {"capacity_bytes": 10}}, "fs.root is required"),
+        ({"pool": POOL, "fs": {"root": ""}}, "fs.root must be a folder path"),
+        ({"pool": POOL, "fs": {"root": "x", "fsync": "yes"}}, "fs.fsync must be one of 'never'"),
+        ({"pool": POOL, "fs": {"root": "x", "miss_ttl": -1}}, "fs.miss_ttl must be a positive"),
+        ({"pool": POOL, "fs": {"root": "x", "miss_ttl": float("nan")}}, "fs.miss_ttl must be"),
+        ({"pool": POOL, "s3": {"prefix": "p"}}, "s3.bucket is required"),
+        (
+            {"pool": POOL, "s3": {"bucket": "b", "endpoint_url": "localhost:9000"}},
+            "s3.endpoint_url must be an http:// or https:// URL",
+        ),
+        ({"pool": POOL, "manager": {"close_timeout": "soon"}}, "manager.close_timeout must be"),
+        ({"pool": POOL, "manager": {"max_in_flight_bytes": 0}}, "manager.max_in_flight_bytes"),
+    ],
+)
+def test_from_dict_rejects_bad_values_naming_the_key(data: dict[str, Any], message: str) -> None:
+    with pytest.raises(InvalidArgumentError) as info:
+        KVTierConfig.from_dict(data)
+    assert message in str(info.value)
+    assert isinstance(info.value, ValueError)
+
+
+def test_secrets_never_appear_in_repr_or_errors() -> None:
+    secret = "wJalrXUtnFEMI/K7MDENG-very-secret"
+    config = KVTierConfig.from_dict(
+        {
+            "pool": POOL,
+            "s3": {
+                "bucket": "kv-cache",
+                "aws_access_key_id": "AKIDEXAMPLE",
+                "aws_secret_access_key": secret,
+                "aws_session_token": "token-secret",
+            },
+        }
+    )
+    assert config.s3 is not None and config.s3.aws_secret_access_key == secret
+    for text in (repr(config), str(config), repr(config.s3), str(config.to_dict())):
+        assert secret not in text and "token-secret" not in text and "AKIDEXAMPLE" not in text
+    assert "credentials=set" in repr(config.s3)
+    with pytest.raises(InvalidArgumentError) as info:
+        S3Config(bucket="b", aws_access_key_id="AKIDEXAMPLE", aws_secret_access_key=12345)  # type: ignore[arg-type]
+    assert "12345" not in str(info.value) and "hidden" in str(info.value)
+    with pytest.raises(InvalidArgumentError, match="go together"):
+        KVTierConfig.from_dict(
+            {"pool": POOL, "s3": {"bucket": "b", "aws_secret_access_key": secret}}
+        )
+
+
+def test_sections_validate_when_built_directly() -> None:
+    with pytest.raises(InvalidArgumentError, match=r"pool\.policy must be one of 'lru', 'arc'"):
+        PoolConfig(num_blocks=1, block_bytes=1, policy="fifo")
+    with pytest.raises(InvalidArgumentError, match="pool must be a PoolConfig"):
+        KVTierConfig(pool={"num_blocks": 1})  # type: ignore[arg-type]
+    with pytest.raises(AttributeError):
+        PoolConfig(num_blocks=1, block_bytes=1).num_blocks = 2  # type: ignore[misc]
+
+
+# -- TOML --------------------------------------------------------------------------------------
+
+
+def test_from_toml(tmp_path: Path) -> None:
+    path = tmp_path / "kvtier.toml"
+    path.write_text(
+        f"""
+[pool]
+kind = "host"
+num_blocks = 4096
+block_bytes = "256KiB"
+
+[fs]
+root = "{tmp_path / "cache"}"
+capacity_bytes = "200GiB"
+fsync = "always"
+
+[s3]
+bucket = "kv-cache"
+prefix = "llama-8b"
+endpoint_url = "http://127.0.0.1:9000"
+max_attempts = 5
+
+[manager]
+promotion_timeout = 2.5
+"""
+    )
+    config = KVTierConfig.from_toml(path)
+    assert config.pool.block_bytes == 256 << 10
+    assert config.fs is not None and config.fs.capacity_bytes == 200 << 30
+    assert config.fs.fsync == "always"
+    assert config.s3 is not None and config.s3.max_attempts == 5
+    assert config.s3.endpoint_url == "http://127.0.0.1:9000"
+    assert config.manager.promotion_timeout == 2.5
+
+
+def test_from_toml_errors_name_the_file_and_key(tmp_path: Path) -> None:
+    path = tmp_path / "kvtier.toml"
+    path.write_text('[pool]\nnum_blocks = 8\nblock_bytes = "4KiB"\n[fs]\nroot = 3\n')
+    with pytest.raises(InvalidArgumentError, match=f"{path}: fs.root must be a folder path"):
+        KVTierConfig.from_toml(path)
+    path.write_text("[pool\n")
+    with pytest.raises(InvalidArgumentError, match="is not valid TOML"):
+        KVTierConfig.from_toml(path)
+    with pytest.raises(InvalidArgumentError, match="does not exist"):
+        KVTierConfig.from_toml(tmp_path / "missing.toml")
+
+
+# -- environment -------------------------------------------------------------------------------
+
+ENV = {"KVTIER_POOL_NUM_BLOCKS": "16", "KVTIER_POOL_BLOCK_BYTES": "1MiB", "PATH": "/usr/bin"}
+
+
+def test_from_env() -> None:
+    env = {
+        **ENV,
+        "KVTIER_POOL_POLICY": "arc",
+        "KVTIER_FS_ROOT": "/var/cache/kvtier",
+        "KVTIER_FS_CAPACITY_BYTES": "10GiB",
+        "KVTIER_S3_BUCKET": "kv-cache",
+        "KVTIER_S3_ENDPOINT_URL": "http://127.0.0.1:9000",
+        "KVTIER_S3_AWS_ACCESS_KEY_ID": "AKIDEXAMPLE",
+        "KVTIER_S3_AWS_SECRET_ACCESS_KEY": "secret",
+        "KVTIER_MANAGER_STORE_TIMEOUT": "7.5",
+    }
+    config = KVTierConfig.from_env(env)
+    assert config.pool == PoolConfig(num_blocks=16, block_bytes=1 << 20, policy="arc")
+    assert config.fs == FSConfig(root="/var/cache/kvtier", capacity_bytes=10 << 30)
+    assert config.s3 is not None and config.s3.bucket == "kv-cache"
+    assert config.s3.aws_secret_access_key == "secret"
+    assert config.manager.store_timeout == 7.5
+
+
+def test_from_env_reads_os_environ_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.startswith("KVTIER_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("KVTIER_POOL_NUM_BLOCKS", "3")
+    monkeypatch.setenv("KVTIER_POOL_BLOCK_BYTES", "512")
+    assert KVTierConfig.from_env().pool.num_blocks == 3
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            {"KVTIER_POOL_NUM_BLOCKS": "lots"},
+            "KVTIER_POOL_NUM_BLOCKS must be a positive integer; got 'lots'",
+        ),
+        (
+            {"KVTIER_POOL_NUM_BLOCK": "1"},
+            "unknown environment variable KVTIER_POOL_NUM_BLOCK: "
+            "did you mean 'KVTIER_POOL_NUM_BLOCKS'?",
+        ),
+        ({"KVTIER_FS_CAPACITY_BYTES": "1GiB"}, "fs.root (KVTIER_FS_ROOT) is required"),
+        ({"KVTIER_DISK_ROOT": "/x"}, "unknown environment variable KVTIER_DISK_ROOT"),
+        (
+            {"KVTIER_S3_BUCKET": "b", "KVTIER_S3_AWS_SECRET_ACCESS_KEY": "hush"},
+            "KVTIER_S3_*: aws_access_key_id and aws_secret_access_key go together",
+        ),
+        (
+            {"KVTIER_MANAGER_PROMOTION_TIMEOUT": "-1"},
+            "KVTIER_MANAGER_PROMOTION_TIMEOUT must be a positive number of seconds",
+        ),
+    ],
+)
+def test_from_env_rejects_bad_variables(extra: dict[str, str], message: str) -> None:
+    with pytest.raises(InvalidArgumentError) as info:
+        KVTierConfig.from_env({**ENV, **extra})
+    assert message in str(info.value)
+    assert "hush" not in str(info.value)
+
+
+def test_from_env_needs_some_configuration() -> None:
+    with pytest.raises(InvalidArgumentError, match="KVTIER_POOL_NUM_BLOCKS"):
+        KVTierConfig.from_env({"PATH": "/usr/bin"})
+
+
+def test_from_env_overrides_the_file_in_kvtier_config(tmp_path: Path) -> None:
+    path = tmp_path / "base.toml"
+    path.write_text('[pool]\nnum_blocks = 8\nblock_bytes = "4KiB"\n[fs]\nroot = "/data/kv"\n')
+    config = KVTierConfig.from_env(
+        {"KVTIER_CONFIG": str(path), "KVTIER_POOL_NUM_BLOCKS": "32", "KVTIER_FS_FSYNC": "never"}
+    )
+    assert config.pool.num_blocks == 32 and config.pool.block_bytes == 4096
+    assert config.fs == FSConfig(root="/data/kv", fsync="never")
+    path.write_text('[pool]\nnum_blocks = "8"\nblock_bytes = 1\n')  # a string in TOML stays wrong
+    with pytest.raises(InvalidArgumentError, match=f"{path}: pool.num_blocks must be"):
+        KVTierConfig.from_env({"KVTIER_CONFIG": str(path)})
+
+
+# -- build -------------------------------------------------------------------------------------
+
+
+async def test_build_makes_a_working_manager(tmp_path: Path) -> None:
+    config = KVTierConfig.from_dict(
+        {
+            "pool": {"num_blocks": 4, "block_bytes": 4096},
+            "fs": {"root": str(tmp_path / "cache"), "fsync": "never", "capacity_bytes": "1MiB"},
+            "manager": {"promotion_timeout": 3},
+        }
+    )
+    manager = config.build()
+    assert isinstance(manager, TieringManager) and isinstance(manager.pool, HostPool)
+    assert manager.pool.num_blocks == 4 and manager.pool.block_bytes == 4096
+    (tier,) = manager.tiers
+    assert isinstance(tier, FSTier)
+    assert tier.capacity_bytes == 1 << 20 and tier.fsync == "never"
+    assert tier.root == tmp_path / "cache"
+    key = b"\x01" + os.urandom(15)
+    block = np.frombuffer(os.urandom(4096), np.uint8)
+    async with manager:
+        assert await manager.store([key], block[None, :]) == 1
+        await manager.wait_idle()
+        assert await resolve_lookup(tier, key) is LookupResult.HIT
+    assert (tmp_path / "cache").is_dir()
+
+
+def test_two_tiers_with_one_name_are_rejected(tmp_path: Path) -> None:
+    with pytest.raises(InvalidArgumentError, match=r"fs.name and s3.name must differ"):
+        KVTierConfig.from_dict(
+            {
+                "pool": POOL,
+                "fs": {"root": str(tmp_path), "name": "t"},
+                "s3": {"bucket": "kv-cache", "name": "t"},
+            }
+        )
+
+
+def test_build_prefixes_tier_errors_with_the_section() -> None:
+    config = KVTierConfig.from_dict({"pool": POOL, "s3": {"bucket": "Not A Bucket!"}})
+    with pytest.raises(InvalidArgumentError, match=r"^s3: bucket 'Not A Bucket!' is not a valid"):
+        config.build_tiers()
+
+
+def test_cuda_pool_without_cupy_names_the_extra() -> None:
+    pytest.importorskip("kvtier.pools._cuda")
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("cupy is installed here")
+    config = KVTierConfig.from_dict({"pool": {**POOL, "kind": "cuda"}})
+    with pytest.raises(ImportError, match=r"kvtier\[cuda\]"):
+        config.build()
