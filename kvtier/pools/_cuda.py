@@ -199,9 +199,9 @@ class CudaPool(PrimaryPool):
                     f"{self.block_bytes}) on cuda:{device} ({exc}); reduce num_blocks"
                 ) from exc
             self._base = int(self._memory.ptr)
-            self._upload = Lane(cupy, completion)
-            self._download = Lane(cupy, completion)
-            self._peer = Lane(cupy, completion)
+            self._upload = Lane(cupy, completion, device)
+            self._download = Lane(cupy, completion, device)
+            self._peer = Lane(cupy, completion, device)
             self._upload_staging = StagingPool(cupy, staging_buffers, self.block_bytes)
             self._download_staging = StagingPool(cupy, staging_buffers, self.block_bytes)
 

@@ -7,7 +7,8 @@ Two ways to learn that a copy finished (``completion=`` on CudaPool):
   enqueue a host function there (``cudaLaunchHostFunc``) that resolves the completion through
   ``loop.call_soon_threadsafe``. The notifier stream exists because a host function stalls the
   stream it sits on until it has run; on the copy stream that would put a callback's latency
-  between every two copies. No thread is held while a copy runs.
+  between every two copies. No thread is held while a copy runs, and completions asked for in
+  the same loop iteration share one event and one callback (see ``Lane``).
 - ``"thread"``: record a blocking-sync CUDA event and wait for it in an anyio worker thread
   (``cudaEventSynchronize``). Works on any anyio backend; holds one worker thread per waiting
   operation.
@@ -71,9 +72,14 @@ class StagingPool:
         return self._semaphore.value
 
     async def acquire(self, most: int = 1) -> list[StagingBuffer]:
-        """Wait for at least one buffer (in turn), then take up to ``most`` without waiting."""
-        if self._semaphore.value == 0:
-            self.waits += 1
+        """Wait for at least one buffer (in turn), then take up to ``most`` without waiting.
+
+        When buffers are free this returns without a loop round trip: its callers always
+        await a copy right after, so they stay cancellation points."""
+        got = self.try_acquire(most)
+        if got:
+            return got
+        self.waits += 1
         await self._semaphore.acquire()
         got = [self._free.pop()]
         got += self.try_acquire(most - 1)
@@ -103,9 +109,17 @@ class StagingPool:
 
 
 class Completion:
-    """The point in a stream after the copies issued so far."""
+    """The point in a stream after the copies issued so far (and maybe a few more)."""
 
-    __slots__ = ("_callbacks", "_cuda_event", "_event", "_synced", "_threaded", "_waiting")
+    __slots__ = (
+        "_callbacks",
+        "_cuda_event",
+        "_error",
+        "_event",
+        "_synced",
+        "_threaded",
+        "_waiting",
+    )
 
     def __init__(self, cuda_event: Any, *, threaded: bool) -> None:
         self._cuda_event = cuda_event
@@ -114,6 +128,7 @@ class Completion:
         self._callbacks: list[Callable[[], None]] = []
         self._waiting = False
         self._synced = False
+        self._error: BaseException | None = None
 
     def done(self) -> bool:
         return self._event.is_set()
@@ -134,25 +149,31 @@ class Completion:
         for callback in callbacks:
             callback()
 
+    def fail(self, error: BaseException) -> None:
+        """The completion could not be armed (a CUDA error): waiters get ``error``."""
+        self._error = error
+        self.set()
+
     def _synchronize(self) -> None:  # worker thread
         self._cuda_event.synchronize()
         self._synced = True
 
     async def wait(self) -> None:
-        if self._event.is_set():
-            return
-        if not self._threaded or self._waiting:
-            await self._event.wait()
-            return
-        self._waiting = True
-        try:
-            # Not abandoned on cancel: a cancelled waiter still learns when the DMA ended, so
-            # its staging buffer is never handed out while the copy may still run.
-            await anyio.to_thread.run_sync(self._synchronize)
-        finally:
-            self._waiting = False
-            if self._synced:
-                self.set()
+        if not self._event.is_set():
+            if not self._threaded or self._waiting:
+                await self._event.wait()
+            else:
+                self._waiting = True
+                try:
+                    # Not abandoned on cancel: a cancelled waiter still learns when the DMA
+                    # ended, so its staging buffer is never reused while the copy may run.
+                    await anyio.to_thread.run_sync(self._synchronize)
+                finally:
+                    self._waiting = False
+                    if self._synced:
+                        self.set()
+        if self._error is not None:
+            raise self._error
 
 
 def _fire(arg: tuple[asyncio.AbstractEventLoop, Completion]) -> None:
@@ -164,34 +185,54 @@ def _fire(arg: tuple[asyncio.AbstractEventLoop, Completion]) -> None:
 
 class Lane:
     """One copy direction: a non-blocking stream for the copies and, in callback mode, a
-    notifier stream that carries only the host functions."""
+    notifier stream that carries only the host functions.
 
-    def __init__(self, cupy: Any, completion: str) -> None:
+    In callback mode the completions asked for in one event-loop iteration are coalesced:
+    the first ``mark`` opens a completion and schedules ``_arm`` with ``call_soon``; every
+    ``mark`` until then shares it. ``_arm`` records one event after all those copies and
+    enqueues one host function, so a burst of promotions costs one event, one callback and
+    one loop wake-up instead of one each. The copies themselves were enqueued at once.
+    """
+
+    def __init__(self, cupy: Any, completion: str, device: int) -> None:
         self._cupy = cupy
+        self._device = device
         self.stream: Any = cupy.cuda.Stream(non_blocking=True)
         self._notifier: Any = (
             cupy.cuda.Stream(non_blocking=True) if completion == "callback" else None
         )
+        self._open: Completion | None = None
 
     def mark(self) -> Completion:
         """A completion for everything issued on the lane's stream so far. Call it on the loop
         thread with the pool's device current."""
         cuda = self._cupy.cuda
         if self._notifier is not None:
+            if self._open is not None:
+                return self._open
             try:
                 loop = asyncio.get_running_loop()
             except RuntimeError:  # not on asyncio: wait in a worker thread instead
                 pass
             else:
-                event = cuda.Event(disable_timing=True)
-                event.record(self.stream)
-                done = Completion(event, threaded=False)
-                self._notifier.wait_event(event)
-                self._notifier.launch_host_func(_fire, (loop, done))
+                done = self._open = Completion(None, threaded=False)
+                loop.call_soon(self._arm, loop)
                 return done
         event = cuda.Event(block=True, disable_timing=True)
         event.record(self.stream)
         return Completion(event, threaded=True)
+
+    def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
+        done, self._open = self._open, None
+        assert done is not None
+        try:
+            with self._cupy.cuda.Device(self._device):
+                event = self._cupy.cuda.Event(disable_timing=True)
+                event.record(self.stream)
+                self._notifier.wait_event(event)
+                self._notifier.launch_host_func(_fire, (loop, done))
+        except Exception as exc:  # CUDA refused: fail the waiters instead of leaving them
+            done.fail(exc)
 
     def synchronize(self) -> None:
         """Block until everything on the lane ran (a worker thread calls this on close)."""
