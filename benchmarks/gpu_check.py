@@ -215,6 +215,7 @@ async def pool_runs(
                 # the bytes really landed: spot-check a few slots against the payload
                 for i in (0, blocks // 2, blocks - 1):
                     slot = pool.pin(keys[i])
+                    assert slot is not None
                     got = cupy.asnumpy(pool.slot_array(slot))
                     want = np.frombuffer(payload[i % len(payload)], np.uint8)
                     pool.unpin(slot)
@@ -239,6 +240,7 @@ async def latency_us(mode: str, n: int) -> float:
         samples = []
         for _ in range(n + 5):
             slot = pool.try_reserve(key)
+            assert slot is not None
             started = time.perf_counter()
             await pool.fill(slot, _noop_sink)
             samples.append(time.perf_counter() - started)
