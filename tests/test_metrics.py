@@ -1,0 +1,241 @@
+"""The Prometheus exporter: a real manager, a real registry, a real HTTP scrape."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+import anyio
+import httpx
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvtier._errors import CorruptBlockError, ExtraNotInstalledError, InvalidArgumentError
+from kvtier._lookup import LookupResult
+from kvtier._metrics import KVTierCollector, LatencyHistograms, serve_metrics
+from kvtier._scheduler import OffloadScheduler
+from kvtier._tiering import TieringManager
+from kvtier.pools._host import HostPool
+from kvtier.testing import FailingTier
+from kvtier.tiers._base import TierStatistics
+from kvtier.tiers._memory import MemoryTier
+
+BLOCK = 4096
+
+
+def key() -> bytes:
+    return b"\x01" + os.urandom(15)
+
+
+def samples(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of a scrape, by name and sorted labels, parsed back from the text."""
+    text = generate_latest(registry).decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+async def test_collector_reads_manager_pool_and_tiers_at_scrape_time() -> None:
+    memory = MemoryTier("disk")
+    in_tier = key()
+    await memory.store(in_tier, memoryview(os.urandom(BLOCK)))
+    manager = TieringManager(HostPool(4, BLOCK), [memory])
+    registry = CollectorRegistry()
+    KVTierCollector(manager).register(registry)
+    stored = [key(), key()]
+    async with manager:
+        assert await manager.store(stored, np.zeros((2, BLOCK), np.uint8)) == 2
+        await manager.wait_idle()  # write-through to the tier
+        assert manager.lookup(stored[0]) is LookupResult.HIT
+        assert manager.lookup(key()) is LookupResult.MISS  # in no tier
+        assert manager.lookup(in_tier) is LookupResult.RETRY  # promotion starts
+        assert manager.lookup(in_tier) is LookupResult.HIT_PENDING
+        await manager.wait_idle()
+        assert manager.lookup(in_tier) is LookupResult.HIT
+        out = np.empty((1, BLOCK), np.uint8)
+        assert await manager.load([stored[1]], out) == 1
+        got = samples(registry)
+
+    def v(name: str, **labels: str) -> float:
+        return got[name, tuple(sorted(labels.items()))]
+
+    assert v("kvtier_lookups_total", result="hit") == 2
+    assert v("kvtier_lookups_total", result="hit_pending") == 1
+    assert v("kvtier_lookups_total", result="retry") == 1
+    assert v("kvtier_lookups_total", result="miss") == 1
+    assert v("kvtier_misses_total", reason="not_found") == 1
+    assert v("kvtier_promotions_total", outcome="started") == 1
+    assert v("kvtier_promotions_total", outcome="succeeded") == 1
+    assert v("kvtier_promotions_total", outcome="failed") == 0
+    assert v("kvtier_blocks_stored_total") == 2
+    assert v("kvtier_blocks_loaded_total") == 1
+    assert v("kvtier_write_through_total", outcome="succeeded") == 2
+    assert v("kvtier_in_flight_bytes") == 0
+    assert v("kvtier_background_tasks") == 0
+    assert v("kvtier_pool_blocks", state="ready") == 3
+    assert v("kvtier_pool_blocks", state="free") == 1
+    assert v("kvtier_pool_capacity_bytes") == 4 * BLOCK
+    assert v("kvtier_pool_commits_total") == 3
+    assert v("kvtier_tier_lookups_total", tier="disk", result="hit") == 1
+    assert v("kvtier_tier_lookups_total", tier="disk", result="miss") == 1
+    assert v("kvtier_tier_misses_total", tier="disk", reason="not_found") == 1
+    assert v("kvtier_tier_operations_total", tier="disk", op="store") == 3
+    assert v("kvtier_tier_operations_total", tier="disk", op="load") == 1
+    assert v("kvtier_tier_read_bytes_total", tier="disk") == BLOCK
+    assert v("kvtier_tier_written_bytes_total", tier="disk") == 3 * BLOCK
+    assert v("kvtier_tier_blocks", tier="disk") == 3
+    assert v("kvtier_tier_stored_bytes", tier="disk") == 3 * BLOCK
+    assert ("kvtier_tier_read_seconds_total", (("tier", "disk"),)) in got
+    # The text itself, as a scraper sees it: typed families with help.
+    text = generate_latest(registry).decode()
+    assert "# TYPE kvtier_lookups_total counter" in text
+    assert "# TYPE kvtier_pool_blocks gauge" in text
+    assert 'kvtier_tier_misses_total{reason="not_found",tier="disk"} 1.0' in text
+
+
+async def test_promotion_failures_and_scheduler_counters() -> None:
+    inner = MemoryTier("inner")
+    k = key()
+    await inner.store(k, memoryview(os.urandom(BLOCK)))
+    tier = FailingTier(inner, name="flaky")
+    tier.fail("load", error=CorruptBlockError)
+    manager = TieringManager(HostPool(2, BLOCK), [tier])
+    scheduler = OffloadScheduler(manager)
+    registry = CollectorRegistry()
+    registry.register(KVTierCollector(manager, scheduler=scheduler))
+    async with manager:
+        assert await scheduler.lookup([k], timeout=5.0) == 0
+        await manager.wait_idle()
+        got = samples(registry)
+    assert got["kvtier_promotions_total", (("outcome", "failed"),)] == 1
+    assert got["kvtier_promotion_failures_total", (("reason", "corrupt"),)] == 1
+    assert got["kvtier_tier_misses_total", (("reason", "corrupt"), ("tier", "flaky"))] == 1
+    assert got["kvtier_scheduler_async_lookups_total", ()] == 1
+    assert got["kvtier_scheduler_waits_total", ()] >= 1
+    assert got["kvtier_scheduler_timeouts_total", ()] == 0
+
+
+@dataclass(frozen=True, slots=True)
+class _RemoteStatistics(TierStatistics):
+    breaker_state: str = "open"
+    retries: int = 7
+    conditional_put: bool = False
+
+
+class _RemoteTier(MemoryTier):
+    """A tier whose statistics add fields, as S3Tier's do."""
+
+    def statistics(self) -> TierStatistics:
+        s = super().statistics()
+        return _RemoteStatistics(name=s.name, lookups=s.lookups, blocks=s.blocks)
+
+
+async def test_tier_extras_and_duplicate_names() -> None:
+    manager = TieringManager(HostPool(2, BLOCK), [_RemoteTier("t"), MemoryTier("t")])
+    registry = CollectorRegistry()
+    registry.register(KVTierCollector(manager, namespace="engine_kv"))
+    got = samples(registry)
+    assert got["engine_kv_tier_breaker_state", (("breaker_state", "open"), ("tier", "t"))] == 1
+    assert got["engine_kv_tier_retries", (("tier", "t"),)] == 7
+    assert got["engine_kv_tier_conditional_put", (("tier", "t"),)] == 0
+    assert got["engine_kv_tier_blocks", (("tier", "t"),)] == 0
+    assert got["engine_kv_tier_blocks", (("tier", "t#2"),)] == 0
+    assert not any(name.startswith("kvtier_") for name, _ in got)
+
+
+async def test_latency_histograms() -> None:
+    latency = LatencyHistograms(buckets=(0.001, 0.01, 1.0))
+    manager = TieringManager(HostPool(2, BLOCK), [MemoryTier()])
+    scheduler = OffloadScheduler(manager)
+    registry = CollectorRegistry()
+    registry.register(KVTierCollector(manager, latency=latency))
+    async with manager:
+        with latency.time_lookup():
+            assert await scheduler.lookup([key()], timeout=1.0) == 0
+    latency.observe_promotion("disk", 0.005, ok=True)
+    latency.observe_promotion("disk", 0.5, ok=True)
+    latency.observe_promotion("disk", 30.0, ok=False)
+    latency.observe_lookup(0.0005)
+    got = samples(registry)
+    assert got["kvtier_lookup_seconds_count", ()] == 2
+    assert got["kvtier_lookup_seconds_bucket", (("le", "+Inf"),)] == 2
+    assert got["kvtier_lookup_seconds_bucket", (("le", "0.001"),)] >= 1
+    ok = (("outcome", "succeeded"), ("tier", "disk"))
+    assert got["kvtier_promotion_seconds_bucket", (("le", "0.001"), *ok)] == 0
+    assert got["kvtier_promotion_seconds_bucket", (("le", "0.01"), *ok)] == 1
+    assert got["kvtier_promotion_seconds_bucket", (("le", "1.0"), *ok)] == 2
+    assert got["kvtier_promotion_seconds_sum", ok] == pytest.approx(0.505)
+    failed = (("outcome", "failed"), ("tier", "disk"))
+    assert got["kvtier_promotion_seconds_bucket", (("le", "1.0"), *failed)] == 0
+    assert got["kvtier_promotion_seconds_bucket", (("le", "+Inf"), *failed)] == 1
+    assert "promotions=3" in repr(latency)
+
+
+@pytest.mark.parametrize("buckets", [(), (1.0, 0.5), (0.0, 1.0), (1.0, float("inf"))])
+def test_latency_buckets_are_validated(buckets: tuple[float, ...]) -> None:
+    with pytest.raises(InvalidArgumentError):
+        LatencyHistograms(buckets)
+
+
+def test_missing_extra_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)  # as if not installed
+    manager = TieringManager(HostPool(1, BLOCK))
+    with pytest.raises(ExtraNotInstalledError, match=r"kvtier\[metrics\]") as info:
+        KVTierCollector(manager)
+    assert "prometheus_client" in str(info.value)
+    with pytest.raises(ExtraNotInstalledError):
+        serve_metrics(manager, 0)
+    LatencyHistograms().observe_lookup(0.1)  # the hooks need no extra
+
+
+def test_bad_arguments() -> None:
+    manager = TieringManager(HostPool(1, BLOCK))
+    with pytest.raises(InvalidArgumentError, match="namespace"):
+        KVTierCollector(manager, namespace="kv tier")
+    with pytest.raises(InvalidArgumentError, match="port"):
+        serve_metrics(manager, 70000)
+
+
+async def test_serve_metrics_over_http() -> None:
+    manager = TieringManager(HostPool(2, BLOCK), [MemoryTier("disk")])
+    async with manager, serve_metrics(manager, 0) as server:
+        assert server.port > 0 and server.url.startswith("http://127.0.0.1:")
+        manager.lookup(key())
+        async with httpx.AsyncClient(timeout=10.0) as client:
+            response = await client.get(server.url)
+            assert response.status_code == 200
+            assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
+            assert 'kvtier_lookups_total{result="miss"} 1.0' in response.text
+            assert 'kvtier_tier_blocks{tier="disk"} 0.0' in response.text
+            open_metrics = await client.get(
+                server.url, headers={"Accept": "application/openmetrics-text; version=1.0.0"}
+            )
+            assert open_metrics.headers["content-type"].startswith("application/openmetrics-text")
+            assert open_metrics.text.endswith("# EOF\n")
+            head = await client.head(server.url)
+            assert head.status_code == 200 and head.content == b""
+            assert (await client.get(server.url.replace("/metrics", "/nope"))).status_code == 404
+            assert (await client.post(server.url, content=b"x")).status_code == 405
+        assert server.scrapes == 3
+        assert "serving" in repr(server)
+        # A client that connects and says nothing does not hold up the server.
+        async with await anyio.connect_tcp("127.0.0.1", server.port) as idle:
+            async with httpx.AsyncClient(timeout=10.0) as client:
+                assert (await client.get(server.url)).status_code == 200
+            del idle
+    assert "closed" in repr(server)
+    with pytest.raises(OSError):
+        await anyio.connect_tcp("127.0.0.1", server.port)
+
+
+async def test_serve_metrics_into_a_given_registry() -> None:
+    manager = TieringManager(HostPool(2, BLOCK))
+    registry = CollectorRegistry()
+    async with serve_metrics(manager, 0, registry=registry) as server:
+        assert server.registry is registry
+        assert samples(registry)["kvtier_pool_blocks", (("state", "free"),)] == 2
