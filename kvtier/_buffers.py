@@ -105,6 +105,12 @@ def split_blocks(
 ) -> list[BlockBuffer]:
     """Cut ``blocks`` (one array with a leading block axis, or a sequence of per-block arrays)
     into ``count`` block buffers, checking sizes, layout and ``dtype`` first."""
+    if isinstance(blocks, np.ndarray) and blocks.ndim >= 1 and blocks.shape[0] == count:
+        whole = _whole_host_array(blocks, count, block_bytes, name, writable, dtype)
+        if whole is not None:
+            return [
+                BlockBuffer(whole[i * block_bytes : (i + 1) * block_bytes]) for i in range(count)
+            ]
     if isinstance(blocks, list | tuple):
         items = list(blocks)
     elif hasattr(blocks, "shape") and len(blocks.shape) >= 1:
@@ -131,3 +137,25 @@ def split_blocks(
                     f"{name}[{i}] has dtype {got} but this manager was configured for {dtype}"
                 )
     return [_one_block(item, block_bytes, f"{name}[{i}]", writable) for i, item in enumerate(items)]
+
+
+def _whole_host_array(
+    arr: np.ndarray[Any, Any],
+    count: int,
+    block_bytes: int,
+    name: str,
+    writable: bool,
+    dtype: str | None,
+) -> memoryview | None:
+    """One byte view of a stacked, contiguous numpy array, checked once instead of per block
+    (the common case on the store path); None sends odd arrays through the per-block checks,
+    which say exactly what is wrong."""
+    if (
+        arr.dtype.hasobject
+        or not arr.flags.c_contiguous
+        or (writable and not arr.flags.writeable)
+        or (dtype is not None and dtype_name(arr.dtype) != dtype)
+        or arr.nbytes != count * block_bytes
+    ):
+        return None
+    return memoryview(arr.reshape(-1).view(np.uint8))

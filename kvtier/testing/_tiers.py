@@ -12,7 +12,7 @@ from kvtier.tiers._async_lookup import AsyncLookupManager
 from kvtier.tiers._base import SecondaryTier, TierStatistics
 from kvtier.tiers._memory import MemoryTier
 
-__all__ = ["FailingTier", "StallingTier"]
+__all__ = ["FailingTier", "SlowTier", "StallingTier"]
 
 OPERATIONS = ("contains", "load", "store", "delete")
 
@@ -182,3 +182,39 @@ class FailingTier(_WrappingTier):
         if error is not None:
             self.failures[operation] += 1
             raise error("injected failure", tier=self.name, operation=operation)
+
+
+class SlowTier(_WrappingTier):
+    """Every operation takes ``delay`` seconds: a remote tier under load, for load tests."""
+
+    def __init__(
+        self,
+        inner: SecondaryTier | None = None,
+        *,
+        delay: float = 0.01,
+        name: str = "slow",
+        lookup_timeout: float = 5.0,
+        max_pending: int = 100_000,
+        max_entries: int = 100_000,
+    ) -> None:
+        self._delay = delay
+        self._max_pending = max_pending
+        self._max_entries = max_entries
+        super().__init__(inner, name, lookup_timeout)
+
+    def _new_lookups(self) -> AsyncLookupManager:
+        return AsyncLookupManager(
+            self.contains_many,
+            name=self.name,
+            timeout=self._lookup_timeout,
+            max_pending=self._max_pending,
+            max_entries=self._max_entries,
+            on_verdict=self.notify,
+        )
+
+    @property
+    def lookups(self) -> AsyncLookupManager:
+        return self._lookups
+
+    async def _before(self, operation: str) -> None:
+        await anyio.sleep(self._delay)

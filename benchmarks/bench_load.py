@@ -1,0 +1,163 @@
+"""Many concurrent scheduler lookups over a shared key space, with tiers that answer slowly.
+
+    python benchmarks/bench_load.py [--requests 5000] [--quick]
+
+Reports the event loop's lag (how late a 5 ms timer fires) during the run beside the lag of
+the same loop idle, measured in the same process just before; the longest single callback
+(one uninterrupted step of any task: what "blocking the loop" means); peak sizes of the
+bounded structures (lookup cache, pending checks, in-flight bytes) against their limits; and
+errors. Lag under load is queueing: with thousands of tasks woken by one batch of verdicts the
+loop runs all their (short) steps before the timer; the longest step shows nothing blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import time
+
+import anyio
+import numpy as np
+
+import kvtier
+from kvtier.testing import SlowTier
+
+BB = 256
+
+
+class StepTimer:
+    """Times every callback the asyncio loop runs (patches Handle._run for the measurement)."""
+
+    def __init__(self) -> None:
+        self.longest = 0.0
+        self._original = asyncio.events.Handle._run
+
+    def __enter__(self) -> StepTimer:
+        original = self._original
+        timer = self
+
+        def timed(handle: asyncio.events.Handle) -> None:
+            start = time.perf_counter()
+            original(handle)
+            timer.longest = max(timer.longest, time.perf_counter() - start)
+
+        asyncio.events.Handle._run = timed  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        asyncio.events.Handle._run = self._original  # type: ignore[method-assign]
+
+
+async def measure_lag(stop: anyio.Event, samples: list[float], period: float = 0.005) -> None:
+    while not stop.is_set():
+        start = time.perf_counter()
+        await anyio.sleep(period)
+        samples.append(time.perf_counter() - start - period)
+
+
+def pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) * 1e3 if values else 0.0
+
+
+async def workload(
+    requests: int, concurrency: int, key_space: int, seed: int = 0
+) -> dict[str, float]:
+    """Run the load; return peaks, errors and the scheduler's results."""
+    rng = random.Random(seed)
+    keys = kvtier.block_keys(list(range(key_space)), 1, namespace=b"load")
+    slow_a = SlowTier(delay=0.002, name="slow-a", max_pending=2_000, max_entries=5_000)
+    slow_b = SlowTier(delay=0.004, name="slow-b", max_pending=2_000, max_entries=5_000)
+    for key in keys[: key_space // 2]:
+        await slow_b.inner.store(key, memoryview(bytes(BB)))
+    limit = 64 * BB
+    peaks = {"cached": 0.0, "pending": 0.0, "in_flight_bytes": 0.0, "errors": 0.0}
+    manager = kvtier.TieringManager(
+        kvtier.HostPool(2_000, BB), [slow_a, slow_b], max_in_flight_bytes=limit
+    )
+    async with manager:
+        scheduler = kvtier.OffloadScheduler(manager)
+        limiter = anyio.Semaphore(concurrency)
+
+        async def request() -> None:
+            async with limiter:
+                start = rng.randrange(0, key_space - 32)
+                prefix = keys[start : start + rng.randrange(1, 32)]
+                try:
+                    n = await scheduler.lookup(prefix, timeout=5.0)
+                    assert 0 <= n <= len(prefix)
+                    await manager.store(prefix[n:], np.zeros((len(prefix) - n, BB), np.uint8))
+                except Exception:
+                    peaks["errors"] += 1
+
+        async def monitor(done: anyio.Event) -> None:
+            """Sample the bounded structures every millisecond of loop time."""
+            while not done.is_set():
+                for tier in (slow_a, slow_b):
+                    stats = tier.lookups.statistics()
+                    peaks["cached"] = max(peaks["cached"], stats.cached_verdicts)
+                    peaks["pending"] = max(peaks["pending"], stats.pending + stats.in_flight)
+                peaks["in_flight_bytes"] = max(
+                    peaks["in_flight_bytes"], manager.statistics().in_flight_bytes
+                )
+                await anyio.sleep(0.001)
+
+        done = anyio.Event()
+        async with anyio.create_task_group() as outer:
+            outer.start_soon(monitor, done)
+            async with anyio.create_task_group() as tg:
+                for i in range(requests):
+                    tg.start_soon(request)
+                    if i % 32 == 31:  # requests arrive over time, not in one loop step
+                        await anyio.lowlevel.checkpoint()
+            done.set()
+    peaks["limit_cached"] = 5_000
+    peaks["limit_pending"] = 2_000
+    peaks["limit_in_flight_bytes"] = limit
+    peaks["timeouts"] = scheduler.statistics().timeouts
+    return peaks
+
+
+async def run(requests: int, concurrency: int) -> None:
+    stop = anyio.Event()
+    idle: list[float] = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(measure_lag, stop, idle)
+        await anyio.sleep(1.0)
+        stop.set()
+    stop = anyio.Event()
+    busy: list[float] = []
+    started = time.perf_counter()
+    with StepTimer() as steps:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(measure_lag, stop, busy)
+            peaks = await workload(requests, concurrency, key_space=20_000)
+            stop.set()
+    elapsed = time.perf_counter() - started
+    print(f"{requests} scheduler lookups, {concurrency} concurrent, in {elapsed:.1f} s")
+    print(f"{'loop lag (5 ms timer)':<28} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}")
+    print(
+        f"{'idle loop (baseline)':<28} {pct(idle, 50):8.2f} {pct(idle, 99):8.2f} "
+        f"{max(idle) * 1e3:8.2f}"
+    )
+    print(f"{'under load':<28} {pct(busy, 50):8.2f} {pct(busy, 99):8.2f} {max(busy) * 1e3:8.2f}")
+    print(f"p99 lag ratio (load / idle): {pct(busy, 99) / max(pct(idle, 99), 1e-3):.1f}x")
+    print(f"longest single loop step under load: {steps.longest * 1e3:.2f} ms")
+    for name in ("cached", "pending", "in_flight_bytes"):
+        print(f"peak {name:<16} {peaks[name]:>10.0f} (limit {peaks['limit_' + name]:.0f})")
+    print(f"errors {peaks['errors']:.0f}, lookups that hit their deadline {peaks['timeouts']:.0f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=20_000)
+    parser.add_argument("--concurrency", type=int, default=2_000)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    if args.quick:
+        args.requests, args.concurrency = 3_000, 1_000
+    asyncio.run(run(args.requests, args.concurrency))
+
+
+if __name__ == "__main__":
+    main()
