@@ -484,6 +484,41 @@ async def test_bad_credentials_are_a_clear_error_and_never_leak(
         assert secret_key not in seen
 
 
+@pytest.fixture
+def aws_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> pytest.MonkeyPatch:
+    """An AWS environment with nothing in it, and a fresh shared session (it caches the
+    credentials it resolved from the chain)."""
+    from kvtier.tiers import _s3_config
+
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setattr(_s3_config, "_session", None)
+    return monkeypatch
+
+
+async def test_credentials_from_the_environment(
+    aws_environment: pytest.MonkeyPatch, moto_server: MotoServer, prefix: str
+) -> None:
+    aws_environment.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+    aws_environment.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+    tier = S3Tier(BUCKET, prefix=prefix, endpoint_url=moto_server.endpoint_url, region_name=REGION)
+    async with tier:
+        (key,) = _keys(1)
+        await tier.store(key, memoryview(b"e" * 64))
+        assert await tier.contains_many([key]) == [True]
+
+
+async def test_no_credentials_is_a_clear_error(
+    aws_environment: pytest.MonkeyPatch, moto_server: MotoServer
+) -> None:
+    tier = S3Tier(BUCKET, endpoint_url=moto_server.endpoint_url, region_name=REGION)
+    with pytest.raises(TierUnavailableError, match="no usable AWS credentials"):
+        await tier.open()
+
+
 # -- lifecycle, arguments, optional extra --------------------------------------------------
 
 

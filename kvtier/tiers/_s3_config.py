@@ -26,6 +26,7 @@ ADDRESSING_STYLES = ("auto", "path", "virtual")
 class S3TierStatistics(TierStatistics):
     """``TierStatistics`` plus what is particular to a remote store."""
 
+    # ``blocks`` and ``bytes_stored`` stay 0: counting a shared bucket would need a listing.
     breaker_state: str = "closed"
     breaker_opened: int = 0
     requests_rejected_by_breaker: int = 0
@@ -182,7 +183,7 @@ class S3Settings:
 # fresh session parses the S3 service model again (~0.5 s of CPU). The model files are read
 # once in a worker thread (``warm_session``) so that creating a client never blocks the loop.
 _session: Any = None
-_warm = False
+_warmed: Any = None  # the session whose caches are filled
 _session_lock = threading.Lock()
 _warm_lock = threading.Lock()
 
@@ -199,13 +200,13 @@ def shared_session() -> Any:
 
 def warm_session(session: Any) -> None:
     """Load the S3 model and endpoint data into the session's cache (run in a thread)."""
-    global _warm
+    global _warmed
     with _warm_lock:
-        if _warm:
+        if _warmed is session:
             return
         loader = session.get_component("data_loader")
         for type_name in ("service-2", "endpoint-rule-set-1"):
             loader.load_service_model("s3", type_name)
         for name in ("endpoints", "partitions", "sdk-default-configuration", "_retry"):
             loader.load_data(name)
-        _warm = True
+        _warmed = session
