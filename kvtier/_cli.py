@@ -36,6 +36,7 @@ from typing import IO, Any
 
 from kvtier._errors import ExtraNotInstalledError, InvalidArgumentError, KVTierError
 from kvtier._format import FORMAT_VERSION, HeaderError, decode_header, verify_block
+from kvtier._logging import BurstLogger
 
 __all__ = ["main"]
 
@@ -396,6 +397,7 @@ async def _bench_tier(tier: Any, blocks: int, block_bytes: int, concurrency: int
     payload = memoryview(os.urandom(block_bytes))
     limiter = anyio.CapacityLimiter(concurrency)
     rows: list[_Row] = []
+    log = BurstLogger(logger)  # a tier that is down fails every key: say so once
 
     async def timed(
         op: str, fn: Callable[[bytes], Any], keys: Sequence[bytes], nbytes: int
@@ -411,7 +413,9 @@ async def _bench_tier(tier: Any, blocks: int, block_bytes: int, concurrency: int
                     await fn(key)
                 except KVTierError as exc:
                     errors += 1
-                    logger.warning("bench %s %s failed: %s", tier.name, op, exc)
+                    log.warning(
+                        f"{op}:{type(exc).__name__}", "bench %s %s failed: %s", tier.name, op, exc
+                    )
                 latencies.append(time.perf_counter() - t0)
 
         started = time.perf_counter()
