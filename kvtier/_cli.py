@@ -413,9 +413,8 @@ async def _bench_tier(tier: Any, blocks: int, block_bytes: int, concurrency: int
                     await fn(key)
                 except KVTierError as exc:
                     errors += 1
-                    log.warning(
-                        f"{op}:{type(exc).__name__}", "bench %s %s failed: %s", tier.name, op, exc
-                    )
+                    kind = op + ":" + type(exc).__name__
+                    log.warning(kind, "bench %s %s failed: %s", tier.name, op, exc)
                 latencies.append(time.perf_counter() - t0)
 
         started = time.perf_counter()
