@@ -158,4 +158,4 @@ def _whole_host_array(
         or arr.nbytes != count * block_bytes
     ):
         return None
-    return memoryview(arr.reshape(-1).view(np.uint8))
+    return arr.reshape(-1).view(np.uint8).data
