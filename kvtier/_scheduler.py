@@ -3,6 +3,7 @@ and an async layer that waits for state changes instead of polling (design §2.3
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import islice
@@ -24,6 +25,12 @@ RETRY = LookupResult.RETRY
 @runtime_checkable
 class SupportsLookup(Protocol):
     def lookup(self, key: bytes, ctx: object = None) -> LookupResult: ...
+
+
+class LookupObserver(Protocol):
+    """Receives each async lookup's duration (``kvtier.LatencyHistograms`` is one)."""
+
+    def observe_lookup(self, seconds: float) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +58,13 @@ class OffloadScheduler:
     changes state.
     """
 
-    def __init__(self, manager: SupportsLookup, *, max_wait: float = 30.0) -> None:
+    def __init__(
+        self,
+        manager: SupportsLookup,
+        *,
+        max_wait: float = 30.0,
+        latency: LookupObserver | None = None,
+    ) -> None:
         if not callable(getattr(manager, "lookup", None)):
             raise InvalidArgumentError(
                 f"manager must have a lookup(key, ctx=None) method, got {type(manager).__name__}"
@@ -59,6 +72,7 @@ class OffloadScheduler:
         if isinstance(max_wait, bool) or not isinstance(max_wait, int | float) or max_wait <= 0:
             raise InvalidArgumentError(f"max_wait must be a positive number, got {max_wait!r}")
         self.manager = manager
+        self._latency = latency
         self._max_wait = float(max_wait)
         self._fast_prefix: Callable[[Sequence[bytes]], int] | None = getattr(
             manager, "primary_hit_prefix", None
@@ -171,6 +185,21 @@ class OffloadScheduler:
             )
         self._async_lookups += 1
         limit = self._max_wait if timeout is None else float(timeout)
+        started = time.perf_counter()
+        try:
+            return await self._wait_for_answer(keys, window, limit, watch, unwatch)
+        finally:
+            if self._latency is not None:
+                self._latency.observe_lookup(time.perf_counter() - started)
+
+    async def _wait_for_answer(
+        self,
+        keys: list[bytes],
+        window: int | None,
+        limit: float,
+        watch: Callable[[list[bytes]], anyio.Event],
+        unwatch: Callable[[list[bytes], anyio.Event], None],
+    ) -> int:
         with anyio.move_on_after(limit) as scope:
             while True:
                 waiting: list[bytes] = []

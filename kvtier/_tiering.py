@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 import types
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
-from typing import Any, Self
+from typing import Any, Protocol, Self
 
 import anyio
 import anyio.abc
@@ -34,6 +35,12 @@ HIT = LookupResult.HIT
 HIT_PENDING = LookupResult.HIT_PENDING
 RETRY = LookupResult.RETRY
 MISS = LookupResult.MISS
+
+
+class PromotionObserver(Protocol):
+    """Receives each promotion's latency (``kvtier.LatencyHistograms`` is one)."""
+
+    def observe_promotion(self, tier: str, seconds: float, ok: bool) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +128,7 @@ class TieringManager:
         max_in_flight_bytes: int = 256 << 20,
         close_timeout: float = 5.0,
         dtype: Any = None,
+        latency: PromotionObserver | None = None,
     ) -> None:
         if not isinstance(pool, PrimaryPool):
             raise InvalidArgumentError(
@@ -144,6 +152,7 @@ class TieringManager:
         self._max_in_flight_bytes = int(_positive(max_in_flight_bytes, "max_in_flight_bytes"))
         self._close_timeout = _positive(close_timeout, "close_timeout")
         self._dtype = None if dtype is None else dtype_name(dtype)
+        self._latency = latency
         self._stack: AsyncExitStack | None = None
         self._task_group: anyio.abc.TaskGroup | None = None
         self._waiters: dict[bytes, list[anyio.Event]] = {}
@@ -258,6 +267,7 @@ class TieringManager:
         return n
 
     async def _promote(self, key: bytes, tier: SecondaryTier, slot: int) -> None:
+        started = time.perf_counter()
         ok = failed = False
         try:
             with anyio.fail_after(self._promotion_timeout):
@@ -282,6 +292,8 @@ class TieringManager:
             else:
                 self.pool.abort(slot)
                 self._promotions_cancelled += not failed
+            if self._latency is not None:
+                self._latency.observe_promotion(tier.name, time.perf_counter() - started, ok)
             self._notify(key)
             self._tasks.finished()
 

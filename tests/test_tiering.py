@@ -349,3 +349,26 @@ async def test_statistics_add_up(keys: list[bytes]) -> None:
     assert stats.promotions_started == stats.promotions_succeeded == 2
     assert stats.pool.ready == 5 and stats.pool.commits == 5
     assert stats.misses_by_reason == {MissReason.NOT_FOUND.value: 1}
+
+
+async def test_latency_observers_see_promotions_and_lookups(keys: list[bytes]) -> None:
+    class Recorder:
+        def __init__(self) -> None:
+            self.promotions: list[tuple[str, bool]] = []
+            self.lookups: list[float] = []
+
+        def observe_promotion(self, tier: str, seconds: float, ok: bool) -> None:
+            assert seconds >= 0
+            self.promotions.append((tier, ok))
+
+        def observe_lookup(self, seconds: float) -> None:
+            self.lookups.append(seconds)
+
+    recorder = Recorder()
+    tier = MemoryTier("mem")
+    await fill(tier, keys[:2], blocks(2))
+    async with TieringManager(HostPool(4, BB), [tier], latency=recorder) as manager:
+        scheduler = kvtier.OffloadScheduler(manager, latency=recorder)
+        assert await scheduler.lookup(keys[:2]) == 2
+    assert recorder.promotions == [("mem", True), ("mem", True)]
+    assert len(recorder.lookups) == 1
