@@ -5,6 +5,7 @@ Everything public is imported from here; the modules behind it are private.
 
 from __future__ import annotations
 
+from kvtier._config import FSConfig, KVTierConfig, ManagerConfig, PoolConfig, S3Config
 from kvtier._errors import (
     BlockNotFoundError,
     CorruptBlockError,
@@ -19,10 +20,11 @@ from kvtier._errors import (
 )
 from kvtier._keys import block_keys
 from kvtier._lookup import LookupResult, MissReason
+from kvtier._metrics import KVTierCollector, LatencyHistograms, serve_metrics
 from kvtier._scheduler import OffloadScheduler, SchedulerStatistics
 from kvtier._tiering import ManagerStatistics, TieringManager
 from kvtier.pools._base import PrimaryPool
-from kvtier.pools._cuda import CudaPool, CudaUnavailableError
+from kvtier.pools._cuda import CudaPool, CudaUnavailableError, cuda_available
 from kvtier.pools._host import HostPool
 from kvtier.pools._policy import ARCPolicy, EvictionPolicy, LRUPolicy
 from kvtier.pools._slots import PoolStatistics, SlotState
@@ -43,20 +45,27 @@ __all__ = [
     "CudaUnavailableError",
     "EvictionPolicy",
     "ExtraNotInstalledError",
+    "FSConfig",
     "FSTier",
     "HostPool",
     "InvalidArgumentError",
+    "KVTierCollector",
+    "KVTierConfig",
     "KVTierError",
     "LRUPolicy",
+    "LatencyHistograms",
     "LifecycleError",
     "LookupResult",
     "LookupStatistics",
+    "ManagerConfig",
     "ManagerStatistics",
     "MemoryTier",
     "MissReason",
     "OffloadScheduler",
+    "PoolConfig",
     "PoolStatistics",
     "PrimaryPool",
+    "S3Config",
     "S3Tier",
     "SchedulerStatistics",
     "SecondaryTier",
@@ -68,4 +77,6 @@ __all__ = [
     "TierUnavailableError",
     "TieringManager",
     "block_keys",
+    "cuda_available",
+    "serve_metrics",
 ]
