@@ -41,7 +41,6 @@ import numpy as np
 
 import kvtier
 from kvtier._format import header_size
-from kvtier.tiers._fs import FSTier  # becomes kvtier.FSTier once it is exported
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
@@ -263,11 +262,11 @@ def make_tiers(args: argparse.Namespace, scratch: str) -> list[kvtier.SecondaryT
     if args.fs_tokens:
         root = args.fs_root or str(Path(scratch) / "fs")
         capacity = fs_capacity_bytes(blocks_of(args.fs_tokens), args.payload_bytes)
-        tiers.append(FSTier(root, capacity_bytes=capacity, fsync="never"))
+        tiers.append(kvtier.FSTier(root, capacity_bytes=capacity, fsync="never"))
     if args.s3_bucket:
-        from kvtier.tiers._s3 import S3Tier  # becomes kvtier.S3Tier once it is exported
-
-        tiers.append(S3Tier(args.s3_bucket, prefix=args.s3_prefix, endpoint_url=args.s3_endpoint))
+        tiers.append(
+            kvtier.S3Tier(args.s3_bucket, prefix=args.s3_prefix, endpoint_url=args.s3_endpoint)
+        )
     return tiers
 
 

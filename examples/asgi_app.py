@@ -32,7 +32,6 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 import kvtier
-from kvtier.tiers._fs import FSTier  # becomes kvtier.FSTier once it is exported
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _tiny_model import KVCache, ModelConfig, TinyTransformer
@@ -69,7 +68,7 @@ def create_app(*, pool_blocks: int = 256, fs_root: str | None = None) -> Starlet
             root = fs_root or stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-"))
             pool = kvtier.HostPool(pool_blocks, CONFIG.block_bytes)
             manager = await stack.enter_async_context(
-                kvtier.TieringManager(pool, [FSTier(root, fsync="never")])
+                kvtier.TieringManager(pool, [kvtier.FSTier(root, fsync="never")])
             )
             app.state.engine = Engine(
                 TinyTransformer(CONFIG),

@@ -50,7 +50,6 @@ import numpy as np
 import torch
 
 import kvtier
-from kvtier.tiers._fs import FSTier  # becomes kvtier.FSTier once it is exported
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _tiny_model import KVCache, ModelConfig, TinyTransformer
@@ -293,11 +292,13 @@ def make_tiers(args: argparse.Namespace, scratch: str) -> list[kvtier.SecondaryT
     tiers: list[kvtier.SecondaryTier] = []
     if args.fs_capacity_mb > 0:
         root = args.fs_root or os.path.join(scratch, "fs")
-        tiers.append(FSTier(root, capacity_bytes=args.fs_capacity_mb << 20, fsync=args.fsync))
+        tiers.append(
+            kvtier.FSTier(root, capacity_bytes=args.fs_capacity_mb << 20, fsync=args.fsync)
+        )
     if args.s3_bucket:
-        from kvtier.tiers._s3 import S3Tier  # becomes kvtier.S3Tier once it is exported
-
-        tiers.append(S3Tier(args.s3_bucket, prefix=args.s3_prefix, endpoint_url=args.s3_endpoint))
+        tiers.append(
+            kvtier.S3Tier(args.s3_bucket, prefix=args.s3_prefix, endpoint_url=args.s3_endpoint)
+        )
     return tiers
 
 

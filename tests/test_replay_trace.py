@@ -12,7 +12,7 @@ from types import ModuleType
 
 import pytest
 
-from kvtier.tiers._fs import FSTier
+import kvtier
 
 REPO = Path(__file__).resolve().parent.parent
 TRACE = REPO.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
@@ -58,7 +58,9 @@ async def test_replay_with_fs_tier(
     bench: ModuleType, requests: list[list[bytes]], tmp_path: Path
 ) -> None:
     payload = 64
-    tier = FSTier(tmp_path, capacity_bytes=bench.fs_capacity_bytes(100_000, payload), fsync="never")
+    tier = kvtier.FSTier(
+        tmp_path, capacity_bytes=bench.fs_capacity_bytes(100_000, payload), fsync="never"
+    )
     result = await bench.replay(
         requests,
         primary_blocks=256,
