@@ -28,7 +28,10 @@ Choices where the contract leaves room:
   timeouts, 5xx, throttling) ``max_attempts`` times with full-jitter backoff, and every
   attempt feeds a circuit breaker (``kvtier.tiers._s3_breaker``). While it is open, requests
   fail at once and ``lookup`` answers MISS (reason ``unavailable``) without queueing.
-- Credentials are held by the botocore session only; they appear in no repr, log or message.
+- Credentials given as arguments live in a closure handed to ``create_client``, not in
+  attributes; error messages are built from error codes only (``_s3_errors``), so they
+  appear in no repr, log or message. One botocore session serves every tier of a process
+  (like boto3's default session): its model files are parsed once, in a worker thread.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from kvtier._errors import (
     CorruptBlockError,
     ExtraNotInstalledError,
     InvalidArgumentError,
+    KVTierError,
     LifecycleError,
     TierError,
     TierUnavailableError,
@@ -307,9 +311,13 @@ class S3Tier(SecondaryTier):
                     bucket=self.bucket,
                     endpoint=self._endpoint_label,
                 )
-                if translated is None:
-                    raise  # not a storage or network error: a bug, let it show
                 settled = True
+                if translated is None:
+                    if isinstance(exc, KVTierError):  # ours (corrupt, bad dst): it answered
+                        self._breaker.success(permit)
+                    else:  # not a storage or network error: a bug, let it show
+                        self._breaker.abandon(permit)
+                    raise
                 if not translated.fault.endpoint_down:
                     self._breaker.success(permit)
                     if translated.fault in expected:
