@@ -30,7 +30,7 @@ import statistics
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +62,7 @@ def _server(endpoint: str | None) -> Iterator[str]:
         yield server.endpoint_url
 
 
-async def _bounded(concurrency: int, jobs: list[Callable[[], Awaitable[Any]]]) -> float:
+async def _bounded(concurrency: int, jobs: Sequence[Callable[[], Awaitable[Any]]]) -> float:
     """Run ``jobs`` with at most ``concurrency`` at once; wall seconds."""
     limiter = anyio.CapacityLimiter(concurrency)
 
@@ -258,12 +258,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keys", type=int, default=1000)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument(
-        "--quick", action="store_true", help="8 blocks, 200 keys, 3 rounds: about 20 s"
+        "--quick", action="store_true", help="8 blocks, 200 keys, 2 rounds: about 20 s"
     )
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
     args = parser.parse_args(argv)
     if args.quick:
-        args.blocks, args.keys, args.repeat = 8, 200, 3
+        args.blocks, args.keys, args.repeat = 8, 200, 2
     with _server(args.endpoint) as endpoint:
         args.endpoint = endpoint
         report = anyio.run(run, args)
