@@ -362,9 +362,9 @@ def report(
     print(f"  primary        {resident:,} already resident in the host pool")
     for tier in stats.tiers:
         print(f"  {tier.name:<14} {tier.loads:,} promoted into the pool")
-    print(
-        "  (the rest turned ready during the lookup: stored or promoted for a concurrent request)"
-    )
+    other = loaded - resident - sum(tier.loads for tier in stats.tiers)
+    if other > 0:
+        print(f"  {'meanwhile':<14} {other:,} stored by concurrent requests during the lookup")
     load_s = sum(r.load_seconds for r in results)
     store_s = sum(r.store_seconds for r in results)
     stored = sum(r.stored_blocks for r in results)
@@ -415,13 +415,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--quick", action="store_true", help="a small workload (seconds), for tests and CI"
     )
-    p.add_argument("--requests", type=int, help="requests in all (default 72, quick 16)")
-    p.add_argument("--sessions", type=int, help="concurrent chat sessions (default 12, quick 4)")
+    p.add_argument("--requests", type=int, help="requests in all (default 48, quick 16)")
+    p.add_argument("--sessions", type=int, help="concurrent chat sessions (default 8, quick 4)")
     p.add_argument(
         "--concurrency", type=int, help="requests the engine admits at once (default 4, quick 2)"
     )
     p.add_argument(
-        "--pool-blocks", type=int, help="host pool size in blocks (default 384, quick 48)"
+        "--pool-blocks", type=int, help="host pool size in blocks (default 160, quick 48)"
     )
     p.add_argument(
         "--policy", choices=["lru", "arc"], default="lru", help="host pool eviction policy"
@@ -438,18 +438,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--s3-prefix", default="kvtier-serve-demo/")
     p.add_argument("--no-kvtier", action="store_true", help="run only the workload without kvtier")
     p.add_argument(
-        "--system-tokens", type=int, help="tokens per system prompt (default 1024, quick 384)"
+        "--system-tokens", type=int, help="tokens per system prompt (default 768, quick 384)"
     )
     p.add_argument("--decode-tokens", type=int, default=4, help="tokens decoded per request")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     quick = args.quick
     defaults = {
-        "requests": 16 if quick else 72,
-        "sessions": 4 if quick else 12,
+        "requests": 16 if quick else 48,
+        "sessions": 4 if quick else 8,
         "concurrency": 2 if quick else 4,
-        "pool_blocks": 48 if quick else 384,
-        "system_tokens": 384 if quick else 1024,
+        "pool_blocks": 48 if quick else 160,
+        "system_tokens": 384 if quick else 768,
     }
     for name, value in defaults.items():
         if getattr(args, name) is None:
