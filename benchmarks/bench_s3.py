@@ -223,6 +223,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
     moved = args.blocks * block / MiB
     best = {k: statistics.median(v) for k, v in results.items()}  # robust to one lucky round
+    if os.environ.get("BENCH_S3_ROUNDS"):
+        print({k: [round(x, 3) for x in v] for k, v in results.items()})
     report: dict[str, Any] = {
         "block_mib": args.block_mib,
         "blocks": args.blocks,
