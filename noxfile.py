@@ -23,7 +23,7 @@ def install(session: nox.Session, *groups: str, extras: str = "s3,torch,metrics"
 @nox.session
 def tests(session: nox.Session) -> None:
     """The whole test suite (starts its own moto_server on 127.0.0.1 for the S3 tests)."""
-    install(session, "test")
+    install(session, "test", "bench")
     session.run("python", "-m", "pytest", *session.posargs)
 
 

@@ -44,8 +44,10 @@ MiB = 1 << 20
 
 
 def _moto_helper() -> Any:
-    """tests/moto.py, loaded by path (a module named ``moto`` on sys.path would shadow moto)."""
-    spec = importlib.util.spec_from_file_location("kvtier_bench_moto", ROOT / "tests" / "moto.py")
+    """tests/moto_proc.py, loaded by path (tests/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(
+        "kvtier_bench_moto", ROOT / "tests" / "moto_proc.py"
+    )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

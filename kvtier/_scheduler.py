@@ -77,29 +77,53 @@ class OffloadScheduler:
         self._fast_prefix: Callable[[Sequence[bytes]], int] | None = getattr(
             manager, "primary_hit_prefix", None
         )
+        # Managers that can pin (TieringManager) let a scan hold the hits it has counted, so
+        # that its own promotions, or another request's, never evict them; without that a
+        # prefix larger than the free pool evicts itself and promotes the same blocks again.
+        pin = getattr(manager, "pin_ready", None)
+        unpin = getattr(manager, "unpin_slots", None)
+        self._pin: Callable[[Sequence[bytes]], list[int]] | None = pin if unpin else None
+        self._unpin: Callable[[Sequence[int]], None] | None = unpin if pin else None
         self._scans = self._deferred = self._async_lookups = self._waits = self._timeouts = 0
 
     # -- synchronous scans (design §2.2) -------------------------------------------------------
 
     def maximal_prefix_lookup(self, keys: Sequence[bytes], ctx: object = None) -> int | None:
         """Leading blocks that are hits, or None to defer (something is pending or unknown)."""
-        return self._prefix(keys, ctx, None)
+        lease: list[int] = []
+        try:
+            return self._prefix(keys, ctx, None, lease)
+        finally:
+            self._release(lease)
 
     def sliding_window_lookup(
         self, keys: Sequence[bytes], sliding_window_size: int, ctx: object = None
     ) -> int | None:
         """End of the rightmost full window of hits, the hit prefix if none, or None to defer."""
-        return self._window(keys, _check_window(sliding_window_size), ctx, None)
+        size = _check_window(sliding_window_size)
+        lease: list[int] = []
+        try:
+            return self._window(keys, size, ctx, None, lease)
+        finally:
+            self._release(lease)
+
+    def _release(self, lease: list[int]) -> None:
+        if lease and self._unpin is not None:
+            self._unpin(lease)
 
     def _prefix(
-        self, keys: Sequence[bytes], ctx: object, waiting: list[bytes] | None
+        self, keys: Sequence[bytes], ctx: object, waiting: list[bytes] | None, lease: list[int]
     ) -> int | None:
+        """The prefix scan; pins each hit it counts into ``lease`` (the caller releases)."""
         self._scans += 1
         start = 0
         if self._fast_prefix is not None:
             start = self._fast_prefix(keys)
             if start == len(keys):
-                return start
+                return start  # nothing else runs before the caller returns: no pins needed
+        pin = self._pin
+        if pin is not None and start:
+            lease += pin(keys[:start])
         lookup = self.manager.lookup
         count = start
         defer = False
@@ -107,6 +131,8 @@ class OffloadScheduler:
             result = lookup(key, ctx)
             if result is HIT:
                 count += 1
+                if pin is not None:
+                    lease += pin((key,))
             elif result is HIT_PENDING:
                 count += 1
                 defer = True
@@ -124,16 +150,25 @@ class OffloadScheduler:
         return count
 
     def _window(
-        self, keys: Sequence[bytes], size: int, ctx: object, waiting: list[bytes] | None
+        self,
+        keys: Sequence[bytes],
+        size: int,
+        ctx: object,
+        waiting: list[bytes] | None,
+        lease: list[int],
     ) -> int | None:
+        """The window scan; pins each hit it sees into ``lease`` (the caller releases)."""
         self._scans += 1
         lookup = self.manager.lookup
+        pin = self._pin
         streak = 0
         defer = False
         for i in range(len(keys) - 1, -1, -1):
             result = lookup(keys[i], ctx)
             if result is HIT:
                 streak += 1
+                if pin is not None:
+                    lease += pin((keys[i],))
             elif result is HIT_PENDING:
                 streak += 1
                 defer = True
@@ -200,41 +235,54 @@ class OffloadScheduler:
         watch: Callable[[list[bytes]], anyio.Event],
         unwatch: Callable[[list[bytes], anyio.Event], None],
     ) -> int:
-        with anyio.move_on_after(limit) as scope:
-            while True:
-                waiting: list[bytes] = []
-                if window is None:
-                    result = self._prefix(keys, None, waiting)
-                else:
-                    result = self._window(keys, window, None, waiting)
-                if result is not None:
-                    return result
-                event = watch(waiting)
-                try:
-                    self._waits += 1
-                    await event.wait()
-                finally:
-                    unwatch(waiting, event)
-        assert scope.cancelled_caught
-        self._timeouts += 1
-        return self._hits_now(keys, window)
+        # The hits of the latest scan stay pinned while we wait for the rest; each rescan
+        # takes a new lease before the old one is given back.
+        leased: list[int] = []
+        try:
+            with anyio.move_on_after(limit) as scope:
+                while True:
+                    waiting: list[bytes] = []
+                    lease: list[int] = []
+                    if window is None:
+                        result = self._prefix(keys, None, waiting, lease)
+                    else:
+                        result = self._window(keys, window, None, waiting, lease)
+                    self._release(leased)
+                    leased = lease
+                    if result is not None:
+                        return result
+                    event = watch(waiting)
+                    try:
+                        self._waits += 1
+                        await event.wait()
+                    finally:
+                        unwatch(waiting, event)
+            assert scope.cancelled_caught
+            self._timeouts += 1
+            return self._hits_now(keys, window, leased)
+        finally:
+            self._release(leased)
 
-    def _hits_now(self, keys: Sequence[bytes], window: int | None) -> int:
-        """The answer counting only blocks that are HIT at this moment."""
+    def _hits_now(self, keys: Sequence[bytes], window: int | None, lease: list[int]) -> int:
+        """The answer counting only blocks that are HIT at this moment (pinned into
+        ``lease`` as they are counted, like a scan's)."""
         lookup = self.manager.lookup
-        if window is None:
-            count = 0
-            for key in keys:
-                if lookup(key, None) is not HIT:
-                    break
+        pin = self._pin
+        count = streak = 0
+        indexes = range(len(keys)) if window is None else range(len(keys) - 1, -1, -1)
+        for i in indexes:
+            hit = lookup(keys[i], None) is HIT
+            if hit and pin is not None:
+                lease += pin((keys[i],))
+            if window is None:
+                if not hit:
+                    return count
                 count += 1
-            return count
-        streak = 0
-        for i in range(len(keys) - 1, -1, -1):
-            streak = streak + 1 if lookup(keys[i], None) is HIT else 0
+                continue
+            streak = streak + 1 if hit else 0
             if streak == window:
                 return i + window
-        return streak
+        return count if window is None else streak
 
     def statistics(self) -> SchedulerStatistics:
         return SchedulerStatistics(

@@ -259,6 +259,17 @@ class TieringManager:
         _bump(self._miss_reasons, MissReason.NOT_FOUND)
         return MISS
 
+    def pin_ready(self, keys: Sequence[bytes]) -> list[int]:
+        """Pin the READY blocks among ``keys`` and return their slots: the lease a scheduler
+        holds on a request's hits while it waits for the rest, so that promotions for other
+        requests (or for this one) cannot evict them and thrash a small pool."""
+        pin = self.pool.pin
+        return [slot for slot in map(pin, keys) if slot is not None]
+
+    def unpin_slots(self, slots: Sequence[int]) -> None:
+        for slot in slots:
+            self.pool.unpin(slot)
+
     def primary_hit_prefix(self, keys: Sequence[bytes]) -> int:
         """How many leading ``keys`` are primary hits; the scheduler's fast path. Counts and
         touches them exactly as ``lookup`` would."""

@@ -22,7 +22,15 @@ import anyio
 import anyio.lowlevel
 import numpy as np
 import pytest
-from moto import ACCESS_KEY, REGION, SECRET_KEY, MotoServer, create_bucket, free_port, raw_client
+from moto_proc import (
+    ACCESS_KEY,
+    REGION,
+    SECRET_KEY,
+    MotoServer,
+    create_bucket,
+    free_port,
+    raw_client,
+)
 from s3_peer import make_blocks
 
 from kvtier._errors import (

@@ -203,3 +203,35 @@ async def test_async_lookup_validates_arguments(keys: list[bytes]) -> None:
             await scheduler.lookup(keys[0])
     with pytest.raises(ValueError, match="watch"):
         await OffloadScheduler(ScriptedManager([H])).lookup([bytes(16)])
+
+
+async def test_a_waiting_request_keeps_its_hits(keys: list[bytes]) -> None:
+    """While a request waits for the rest of its prefix, the hits it already has are leased
+    to it: another request's promotions cannot evict them, so they are never promoted twice
+    (without the lease, small pools thrash: each request evicts what the other promoted)."""
+    slow, fast = StallingTier(), kvtier.MemoryTier()
+    for key in keys[4:6]:
+        await slow.inner.store(key, memoryview(bytes(4096)))
+    for key in keys[:4] + keys[6:12]:
+        await fast.store(key, memoryview(bytes(4096)))
+    async with kvtier.TieringManager(kvtier.HostPool(8, 4096), [slow, fast]) as manager:
+        await manager.store(keys[:4], np.zeros((4, 4096), np.uint8))  # a's cached prefix
+        await manager.wait_idle()
+        promotions_before = manager.statistics().promotions_started
+        slow.stall("load")
+        scheduler = OffloadScheduler(manager, max_wait=5)
+        results: dict[str, int] = {}
+
+        async def ask(name: str, prefix: list[bytes]) -> None:
+            results[name] = await scheduler.lookup(prefix)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ask, "a", keys[:6])
+            await slow.wait_stalled("load")  # a holds k0..k3 and waits for k4, k5
+            await ask("b", keys[6:12])  # b competes for the pool meanwhile
+            slow.release("load")
+        assert results["a"] == 6
+        assert 0 < results["b"] < 6  # b got what was not leased to a
+        promotions = manager.statistics().promotions_started - promotions_before
+        assert promotions == 2 + results["b"]  # a's cached blocks were never promoted again
+        assert manager.statistics().pool.pinned == 0  # the leases were given back

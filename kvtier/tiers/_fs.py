@@ -113,6 +113,9 @@ class FSTier(SecondaryTier):
         self.capacity_bytes = capacity_bytes
         self.fsync = fsync
         self._limiter = anyio.CapacityLimiter(max_concurrency)
+        # Existence checks get threads of their own: queued behind write-through they would
+        # hold lookups in RETRY for as long as a burst of stores takes.
+        self._check_limiter = anyio.CapacityLimiter(max(1, min(4, max_concurrency)))
         self._lookups = AsyncLookupManager(
             self.contains_many,
             name=name,
@@ -183,7 +186,7 @@ class FSTier(SecondaryTier):
         names = [io.name_of(check_key(k)) for k in keys]
         try:
             sizes = await anyio.to_thread.run_sync(
-                io.stat_many, self.root, names, limiter=self._limiter
+                io.stat_many, self.root, names, limiter=self._check_limiter
             )
         except OSError as exc:
             raise self._error(exc, "contains") from exc
