@@ -442,6 +442,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--decode-tokens", type=int, default=4, help="tokens decoded per request")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve Prometheus metrics on 127.0.0.1:PORT/metrics while it runs (kvtier[metrics])",
+    )
     args = p.parse_args(argv)
     quick = args.quick
     defaults = {
@@ -501,8 +506,19 @@ async def amain(args: argparse.Namespace) -> int:
         tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-demo-"))
         tiers = make_tiers(args, tmp)
         pool = kvtier.HostPool(args.pool_blocks, config.block_bytes, policy=args.policy)
-        manager = await stack.enter_async_context(kvtier.TieringManager(pool, tiers))
-        tiering = KVTier(manager, kvtier.OffloadScheduler(manager))
+        latency = kvtier.LatencyHistograms()
+        manager = await stack.enter_async_context(
+            kvtier.TieringManager(pool, tiers, latency=latency)
+        )
+        scheduler = kvtier.OffloadScheduler(manager, latency=latency)
+        if args.metrics_port is not None:
+            server = await stack.enter_async_context(
+                kvtier.serve_metrics(
+                    manager, args.metrics_port, scheduler=scheduler, latency=latency
+                )
+            )
+            print(f"metrics: {server.url}", flush=True)
+        tiering = KVTier(manager, scheduler)
         runs.append(
             await run_workload("with kvtier", engine, sessions, tiering, args.decode_tokens)
         )

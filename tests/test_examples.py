@@ -35,7 +35,15 @@ def _load(name: str) -> ModuleType:
 def test_serve_demo_quick(tmp_path: Path) -> None:
     fs_root = tmp_path / "fs"
     proc = subprocess.run(
-        [sys.executable, str(EXAMPLES / "serve_demo.py"), "--quick", "--fs-root", str(fs_root)],
+        [
+            sys.executable,
+            str(EXAMPLES / "serve_demo.py"),
+            "--quick",
+            "--fs-root",
+            str(fs_root),
+            "--metrics-port",
+            "0",
+        ],
         capture_output=True,
         text=True,
         timeout=280,
@@ -44,6 +52,7 @@ def test_serve_demo_quick(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
+    assert re.search(r"^metrics: http://127\.0\.0\.1:\d+/metrics$", out, re.M), out
     rows = {}
     for label in ("without kvtier", "with kvtier"):
         m = re.search(rf"^{label}\s+(\d+)\s+([\d.]+) s\s+([\d.]+) s\s+([\d,]+)", out, re.M)
