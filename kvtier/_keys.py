@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from kvtier._errors import InvalidArgumentError
+from kvtier._validate import positive_int
 
 __all__ = ["KEY_SCHEME_VERSION", "KEY_SIZE", "block_keys", "check_key"]
 
@@ -63,8 +64,7 @@ def block_keys(
     ``namespace`` must name everything that changes the KV bytes of the same tokens (model,
     dtype, layout, tensor-parallel shard); ``parent`` continues a chain from an earlier key.
     """
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-        raise InvalidArgumentError(f"block_size must be a positive int, got {block_size!r}")
+    positive_int(block_size, "block_size")
     if not isinstance(namespace, bytes):
         raise InvalidArgumentError(
             f"namespace must be bytes, got {type(namespace).__name__}; encode strings first"

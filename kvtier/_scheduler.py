@@ -14,6 +14,7 @@ import anyio
 from kvtier._buffers import check_keys
 from kvtier._errors import InvalidArgumentError
 from kvtier._lookup import LookupResult
+from kvtier._validate import positive_int, positive_number
 
 __all__ = ["OffloadScheduler", "SchedulerStatistics", "SupportsLookup"]
 
@@ -43,9 +44,7 @@ class SchedulerStatistics:
 
 
 def _check_window(size: object) -> int:
-    if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
-        raise InvalidArgumentError(f"sliding_window_size must be a positive int, got {size!r}")
-    return size
+    return positive_int(size, "sliding_window_size")
 
 
 class OffloadScheduler:
@@ -69,8 +68,7 @@ class OffloadScheduler:
             raise InvalidArgumentError(
                 f"manager must have a lookup(key, ctx=None) method, got {type(manager).__name__}"
             )
-        if isinstance(max_wait, bool) or not isinstance(max_wait, int | float) or max_wait <= 0:
-            raise InvalidArgumentError(f"max_wait must be a positive number, got {max_wait!r}")
+        positive_number(max_wait, "max_wait")
         self.manager = manager
         self._latency = latency
         self._max_wait = float(max_wait)

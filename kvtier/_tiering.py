@@ -23,6 +23,7 @@ from kvtier._buffers import check_keys, dtype_name, split_blocks
 from kvtier._errors import InvalidArgumentError, LifecycleError, TierError
 from kvtier._logging import BurstLogger
 from kvtier._lookup import LookupResult, MissReason
+from kvtier._validate import positive_int, positive_number
 from kvtier.pools._base import PrimaryPool
 from kvtier.pools._slots import PoolStatistics, SlotState
 from kvtier.tiers._base import SecondaryTier, TierStatistics
@@ -91,12 +92,6 @@ class _InFlight:
         await self._zero.wait()
 
 
-def _positive(value: object, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise InvalidArgumentError(f"{name} must be a positive number, got {value!r}")
-    return float(value)
-
-
 def _bump(counter: dict[str, int], reason: MissReason) -> None:
     counter[reason.value] = counter.get(reason.value, 0) + 1
 
@@ -147,10 +142,10 @@ class TieringManager:
         self.pool = pool
         self._ready = pool.table.ready  # the hit path: one dict lookup, no pool call
         self._touch = pool.table.policy.touch
-        self._promotion_timeout = _positive(promotion_timeout, "promotion_timeout")
-        self._store_timeout = _positive(store_timeout, "store_timeout")
-        self._max_in_flight_bytes = int(_positive(max_in_flight_bytes, "max_in_flight_bytes"))
-        self._close_timeout = _positive(close_timeout, "close_timeout")
+        self._promotion_timeout = positive_number(promotion_timeout, "promotion_timeout")
+        self._store_timeout = positive_number(store_timeout, "store_timeout")
+        self._max_in_flight_bytes = positive_int(max_in_flight_bytes, "max_in_flight_bytes")
+        self._close_timeout = positive_number(close_timeout, "close_timeout")
         self._dtype = None if dtype is None else dtype_name(dtype)
         self._latency = latency
         self._stack: AsyncExitStack | None = None

@@ -10,8 +10,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Sequence
 
 from kvtier._buffers import BlockBuffer
-from kvtier._errors import InvalidArgumentError
 from kvtier._lookup import LookupResult
+from kvtier._validate import positive_int
 from kvtier.pools._policy import EvictionPolicy, make_policy
 from kvtier.pools._slots import PoolStatistics, SlotState, SlotTable
 
@@ -23,20 +23,14 @@ ByteSource = Callable[[memoryview], Awaitable[None]]
 """Reads the view it is given (a tier's ``store`` from a slot or a staging buffer)."""
 
 
-def _positive_int(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
 class PrimaryPool(ABC):
     """``num_blocks`` slots of ``block_bytes`` each in one allocation."""
 
     def __init__(
         self, num_blocks: int, block_bytes: int, *, policy: str | EvictionPolicy = "lru"
     ) -> None:
-        self.num_blocks = _positive_int(num_blocks, "num_blocks")
-        self.block_bytes = _positive_int(block_bytes, "block_bytes")
+        self.num_blocks = positive_int(num_blocks, "num_blocks")
+        self.block_bytes = positive_int(block_bytes, "block_bytes")
         self.table = SlotTable(self.num_blocks, make_policy(policy, self.num_blocks))
 
     # -- synchronous bookkeeping (never waits) ----------------------------------------------

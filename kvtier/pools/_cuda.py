@@ -39,6 +39,7 @@ import numpy as np
 
 from kvtier._buffers import BlockBuffer
 from kvtier._errors import ExtraNotInstalledError, InvalidArgumentError, KVTierError, LifecycleError
+from kvtier._validate import positive_number
 from kvtier.pools._base import ByteSink, ByteSource, PrimaryPool
 from kvtier.pools._cuda_stream import COMPLETIONS, Completion, Lane, StagingBuffer, StagingPool
 from kvtier.pools._device import DeviceArray, current_stream, device_array, stream_handle
@@ -130,11 +131,6 @@ async def _host_copy(pairs: list[tuple[memoryview, memoryview]], nbytes: int) ->
         await anyio.to_thread.run_sync(_memcpy_pairs, pairs)
 
 
-def _check_positive(value: object, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise InvalidArgumentError(f"{name} must be a positive number, got {value!r}")
-
-
 class CudaPool(PrimaryPool):
     """``num_blocks`` slots of ``block_bytes`` in one allocation on CUDA ``device``.
 
@@ -178,7 +174,7 @@ class CudaPool(PrimaryPool):
             raise InvalidArgumentError(
                 f"completion must be one of {COMPLETIONS}, got {completion!r}"
             )
-        _check_positive(settle_timeout, "settle_timeout")
+        positive_number(settle_timeout, "settle_timeout")
         self._cupy = cupy
         self._rt: Any = cupy.cuda.runtime
         self.device = device

@@ -20,9 +20,10 @@ from typing import Self
 import anyio
 import anyio.abc
 
-from kvtier._errors import InvalidArgumentError, TierError
+from kvtier._errors import TierError
 from kvtier._logging import BurstLogger
 from kvtier._lookup import LookupResult, MissReason
+from kvtier._validate import positive_int, positive_number
 from kvtier.tiers._base import LookupStatistics
 
 __all__ = ["AsyncLookupManager"]
@@ -31,11 +32,6 @@ logger = logging.getLogger(__name__)
 
 ContainsMany = Callable[[list[bytes]], Awaitable[list[bool]]]
 _Verdict = tuple[bool, float, MissReason]  # present, expires at, reason when absent
-
-
-def _check_positive(value: float, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise InvalidArgumentError(f"{name} must be a positive number, got {value!r}")
 
 
 class AsyncLookupManager:
@@ -56,17 +52,17 @@ class AsyncLookupManager:
         on_verdict: Callable[[list[bytes]], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        for value, label in (
+        for count, label in (
             (batch_size, "batch_size"),
             (max_concurrency, "max_concurrency"),
-            (timeout, "timeout"),
-            (miss_ttl, "miss_ttl"),
             (max_entries, "max_entries"),
             (max_pending, "max_pending"),
         ):
-            _check_positive(value, label)
+            positive_int(count, label)
+        for seconds, label in ((timeout, "timeout"), (miss_ttl, "miss_ttl")):
+            positive_number(seconds, label)
         if hit_ttl is not None:
-            _check_positive(hit_ttl, "hit_ttl")
+            positive_number(hit_ttl, "hit_ttl")
         self._contains_many = contains_many
         self.name = name
         self._batch_size = int(batch_size)

@@ -60,6 +60,7 @@ from kvtier._format import header_size
 from kvtier._keys import check_key
 from kvtier._logging import BurstLogger
 from kvtier._lookup import LookupResult, MissReason
+from kvtier._validate import positive_int, positive_number
 from kvtier.tiers import _fs_io as io
 from kvtier.tiers._async_lookup import AsyncLookupManager
 from kvtier.tiers._base import SecondaryTier, TierMeter, TierStatistics
@@ -70,11 +71,6 @@ logger = logging.getLogger(__name__)
 
 FSYNC_POLICIES = ("never", "data", "always")
 _NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
-
-
-def _positive(value: object, name: str, kind: type | tuple[type, ...], hint: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, kind) or not value > 0:  # type: ignore[operator]
-        raise InvalidArgumentError(f"{name} must be {hint}, got {value!r}")
 
 
 class FSTier(SecondaryTier):
@@ -101,13 +97,13 @@ class FSTier(SecondaryTier):
         if not isinstance(name, str) or not name:
             raise InvalidArgumentError(f"name must be a non-empty str, got {name!r}")
         if capacity_bytes is not None:
-            _positive(capacity_bytes, "capacity_bytes", int, "a positive int (bytes) or None")
+            positive_int(capacity_bytes, "capacity_bytes", " (bytes) or None")
         if fsync not in FSYNC_POLICIES:
             raise InvalidArgumentError(f"fsync must be one of {FSYNC_POLICIES}, got {fsync!r}")
-        _positive(miss_ttl, "miss_ttl", (int, float), "a positive number of seconds")
-        _positive(lookup_batch_size, "lookup_batch_size", int, "a positive int")
-        _positive(lookup_timeout, "lookup_timeout", (int, float), "a positive number of seconds")
-        _positive(max_concurrency, "max_concurrency", int, "a positive int")
+        positive_number(miss_ttl, "miss_ttl", " of seconds")
+        positive_int(lookup_batch_size, "lookup_batch_size")
+        positive_number(lookup_timeout, "lookup_timeout", " of seconds")
+        positive_int(max_concurrency, "max_concurrency")
         super().__init__(name)
         self.root = Path(os.path.abspath(os.path.expanduser(os.fspath(root))))
         self.capacity_bytes = capacity_bytes

@@ -9,6 +9,7 @@ import anyio.lowlevel
 
 from kvtier._errors import BlockNotFoundError, InvalidArgumentError, TierNoSpaceError
 from kvtier._lookup import LookupResult, MissReason
+from kvtier._validate import positive_int
 from kvtier.tiers._base import LookupStatistics, SecondaryTier, TierMeter, TierStatistics
 
 __all__ = ["MemoryTier"]
@@ -23,14 +24,8 @@ class MemoryTier(SecondaryTier):
 
     def __init__(self, name: str = "memory", *, capacity_bytes: int | None = None) -> None:
         super().__init__(name)
-        if capacity_bytes is not None and (
-            isinstance(capacity_bytes, bool)
-            or not isinstance(capacity_bytes, int)
-            or capacity_bytes <= 0
-        ):
-            raise InvalidArgumentError(
-                f"capacity_bytes must be a positive int or None, got {capacity_bytes!r}"
-            )
+        if capacity_bytes is not None:
+            positive_int(capacity_bytes, "capacity_bytes", " or None")
         self.capacity_bytes = capacity_bytes
         self._blocks: OrderedDict[bytes, bytes] = OrderedDict()
         self._bytes = 0

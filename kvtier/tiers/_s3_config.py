@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier._errors import InvalidArgumentError
+from kvtier._validate import positive_int, positive_number
 from kvtier.tiers._base import TierStatistics
 
 __all__ = ["S3Settings", "S3TierStatistics", "check_credentials", "shared_session", "warm_session"]
@@ -34,14 +35,6 @@ class S3TierStatistics(TierStatistics):
     stores_skipped_existing: int = 0
     corrupt_deleted: int = 0
     conditional_put: bool = True
-
-
-def _positive(value: object, name: str, *, integer: bool = False) -> Any:
-    kind = int if integer else int | float
-    if isinstance(value, bool) or not isinstance(value, kind) or not value > 0:
-        what = "a positive integer" if integer else "a positive number of seconds"
-        raise InvalidArgumentError(f"{name} must be {what}, got {value!r}")
-    return value
 
 
 def _optional_str(value: object, name: str) -> str | None:
@@ -160,15 +153,15 @@ class S3Settings:
             endpoint_url=_endpoint(endpoint_url),
             region_name=_optional_str(region_name, "region_name"),
             addressing_style=str(addressing_style),
-            connect_timeout=float(_positive(connect_timeout, "connect_timeout")),
-            read_timeout=float(_positive(read_timeout, "read_timeout")),
-            max_attempts=_positive(max_attempts, "max_attempts", integer=True),
-            max_concurrency=_positive(max_concurrency, "max_concurrency", integer=True),
-            miss_ttl=float(_positive(miss_ttl, "miss_ttl")),
-            lookup_batch_size=_positive(lookup_batch_size, "lookup_batch_size", integer=True),
-            breaker_threshold=_positive(breaker_threshold, "breaker_threshold", integer=True),
-            breaker_reset=float(_positive(breaker_reset, "breaker_reset")),
-            lookup_timeout=float(_positive(lookup_timeout, "lookup_timeout")),
+            connect_timeout=positive_number(connect_timeout, "connect_timeout", " of seconds"),
+            read_timeout=positive_number(read_timeout, "read_timeout", " of seconds"),
+            max_attempts=positive_int(max_attempts, "max_attempts"),
+            max_concurrency=positive_int(max_concurrency, "max_concurrency"),
+            miss_ttl=positive_number(miss_ttl, "miss_ttl", " of seconds"),
+            lookup_batch_size=positive_int(lookup_batch_size, "lookup_batch_size"),
+            breaker_threshold=positive_int(breaker_threshold, "breaker_threshold"),
+            breaker_reset=positive_number(breaker_reset, "breaker_reset", " of seconds"),
+            lookup_timeout=positive_number(lookup_timeout, "lookup_timeout", " of seconds"),
         )
 
     @property
