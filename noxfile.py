@@ -76,4 +76,9 @@ def bench(session: nox.Session) -> None:
 def gpu(session: nox.Session) -> None:
     """GPU tests and GPU benchmark; says clearly that it skipped when there is no GPU."""
     install(session, "test", extras="s3,torch,metrics,cuda")
+    probe = "import kvtier; ok, why = kvtier.cuda_available(); print(f'{ok}|{why}')"
+    answer = session.run("python", "-c", probe, silent=True) or ""
+    ok, _, why = str(answer).strip().partition("|")
+    if ok != "True":
+        session.skip(f"SKIPPED the GPU tests and benchmark: {why}")
     session.run("python", "benchmarks/gpu_check.py", *session.posargs)

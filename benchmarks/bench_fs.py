@@ -9,6 +9,10 @@ Baselines, on the same folder's filesystem and the same bytes:
   from as many threads as FSTier may use, so the page cache plays no part.
 - ``plain``: plain synchronous Python, one file at a time: ``open().write()`` + ``fdatasync``
   and ``open().readinto()``.
+- ``aiofiles``: the same publish protocol FSTier uses (temporary file, write, fdatasync,
+  rename) and ``readinto`` loads written with aiofiles, one await per OS call, at FSTier's
+  concurrency. It is the design FSTier did not take (one worker-thread call per operation);
+  its loads skip the checksum, which favours it.
 
 Cold loads drop every file from the page cache first (fsync, then ``posix_fadvise(...,
 POSIX_FADV_DONTNEED)``); warm loads read what the page cache already holds. Stores use
@@ -33,6 +37,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
+import aiofiles
+import aiofiles.os
 import anyio
 
 from kvtier._keys import block_keys
@@ -124,6 +130,20 @@ def disk_io(
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
         list(pool.map(one, range(len(paths)), paths))
     return time.perf_counter() - started
+
+
+async def aiofiles_store(path: Path, payload: memoryview) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    async with aiofiles.open(tmp, "wb") as f:
+        await f.write(payload)
+        await f.flush()
+        await aiofiles.os.wrap(os.fdatasync)(f.fileno())
+    await aiofiles.os.rename(tmp, path)
+
+
+async def aiofiles_load(path: Path, dst: memoryview) -> None:
+    async with aiofiles.open(path, "rb", buffering=0) as f:
+        await f.readinto(dst)
 
 
 # -- FSTier -------------------------------------------------------------------------------------
@@ -220,7 +240,9 @@ async def main(args: argparse.Namespace) -> None:
         keys = block_keys(list(range(n)), 1, namespace=os.urandom(8))
         (base / "plain").mkdir()
         (base / "disk").mkdir()
+        (base / "aio").mkdir()
         plain_paths = [base / "plain" / f"{i}" for i in range(n)]
+        aio_paths = [base / "aio" / f"{i}" for i in range(n)]
         disk_paths = [base / "disk" / f"{i}" for i in range(n)]
         root = base / "tier"
         tier_paths = [tier_path(root, k) for k in keys]
@@ -248,6 +270,12 @@ async def main(args: argparse.Namespace) -> None:
             async def load(i: int, buf: memoryview) -> None:
                 await tier.load(keys[i], buf)
 
+            async def aio_store(i: int, _: memoryview) -> None:
+                await aiofiles_store(aio_paths[i], blocks[i])
+
+            async def aio_load(i: int, buf: memoryview) -> None:
+                await aiofiles_load(aio_paths[i], buf)
+
             def pick(paths: list[Path], idx: list[int]) -> list[Path]:
                 return [paths[i] for i in idx]
 
@@ -274,6 +302,12 @@ async def main(args: argparse.Namespace) -> None:
                             )
                         )
                     todo.append(
+                        (
+                            "aiofiles store",
+                            lambda: tier_run(idx, width, aio_store, scratch, block_bytes),
+                        )
+                    )
+                    todo.append(
                         ("fstier store", lambda: tier_run(idx, width, store, scratch, block_bytes))
                     )
                 elif kind == "cold":
@@ -286,7 +320,12 @@ async def main(args: argparse.Namespace) -> None:
                         await thread(drop_cache, pick(tier_paths, idx))
                         return await tier_run(idx, width, load, scratch, block_bytes)
 
+                    async def aio_cold() -> float:
+                        await thread(drop_cache, pick(aio_paths, idx))
+                        return await tier_run(idx, width, aio_load, scratch, block_bytes)
+
                     todo.append(("plain load cold", plain_cold))
+                    todo.append(("aiofiles load cold", aio_cold))
                     if has_odirect:
                         todo.append(
                             (
@@ -337,6 +376,8 @@ async def main(args: argparse.Namespace) -> None:
             "store / plain store": rows["fstier store"] / rows["plain store"],
             "cold load / plain cold": rows["fstier load cold"] / rows["plain load cold"],
             "warm load / plain warm": rows["fstier load warm"] / rows["plain load warm"],
+            "store / aiofiles store": rows["fstier store"] / rows["aiofiles store"],
+            "cold load / aiofiles cold": rows["fstier load cold"] / rows["aiofiles load cold"],
         }
         if has_odirect:
             ratio["store / disk write (aim >= 0.9)"] = rows["fstier store"] / rows["disk write"]
