@@ -10,9 +10,9 @@ Baselines, on the same folder's filesystem and the same bytes:
 - ``plain``: plain synchronous Python, one file at a time: ``open().write()`` + ``fdatasync``
   and ``open().readinto()``.
 - ``aiofiles``: the same publish protocol FSTier uses (temporary file, write, fdatasync,
-  rename) and ``readinto`` loads written with aiofiles, one await per OS call, at FSTier's
-  concurrency. It is the design FSTier did not take (one worker-thread call per operation);
-  its loads skip the checksum, which favours it.
+  rename) and ``readinto`` loads (then the checksum, off the loop) written with aiofiles, one
+  await per OS call, at FSTier's concurrency: the design FSTier did not take (one worker-thread
+  call per operation).
 
 Cold loads drop every file from the page cache first (fsync, then ``posix_fadvise(...,
 POSIX_FADV_DONTNEED)``); warm loads read what the page cache already holds. Stores use
@@ -41,6 +41,7 @@ import aiofiles
 import aiofiles.os
 import anyio
 
+from kvtier._format import checksum
 from kvtier._keys import block_keys
 from kvtier._lookup import LookupResult
 from kvtier._tiering import TieringManager
@@ -144,6 +145,7 @@ async def aiofiles_store(path: Path, payload: memoryview) -> None:
 async def aiofiles_load(path: Path, dst: memoryview) -> None:
     async with aiofiles.open(path, "rb", buffering=0) as f:
         await f.readinto(dst)
+    await anyio.to_thread.run_sync(checksum, dst)  # verified, as FSTier's loads are
 
 
 # -- FSTier -------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import random
 import time
 
@@ -27,11 +28,20 @@ BB = 256
 
 
 class StepTimer:
-    """Times every callback the asyncio loop runs (patches Handle._run for the measurement)."""
+    """Times every callback the asyncio loop runs (patches Handle._run for the measurement),
+    and Python's garbage-collector passes, which stop the loop wherever they happen to start."""
 
     def __init__(self) -> None:
         self.longest = 0.0
+        self.longest_gc = 0.0
+        self._gc_started = 0.0
         self._original = asyncio.events.Handle._run
+
+    def _gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        else:
+            self.longest_gc = max(self.longest_gc, time.perf_counter() - self._gc_started)
 
     def __enter__(self) -> StepTimer:
         original = self._original
@@ -43,10 +53,12 @@ class StepTimer:
             timer.longest = max(timer.longest, time.perf_counter() - start)
 
         asyncio.events.Handle._run = timed  # type: ignore[method-assign]
+        gc.callbacks.append(self._gc)
         return self
 
     def __exit__(self, *exc: object) -> None:
         asyncio.events.Handle._run = self._original  # type: ignore[method-assign]
+        gc.callbacks.remove(self._gc)
 
 
 async def measure_lag(stop: anyio.Event, samples: list[float], period: float = 0.005) -> None:
@@ -142,7 +154,10 @@ async def run(requests: int, concurrency: int) -> None:
     )
     print(f"{'under load':<28} {pct(busy, 50):8.2f} {pct(busy, 99):8.2f} {max(busy) * 1e3:8.2f}")
     print(f"p99 lag ratio (load / idle): {pct(busy, 99) / max(pct(idle, 99), 1e-3):.1f}x")
-    print(f"longest single loop step under load: {steps.longest * 1e3:.2f} ms")
+    print(
+        f"longest single loop step under load: {steps.longest * 1e3:.2f} ms "
+        f"(longest garbage-collector pass: {steps.longest_gc * 1e3:.2f} ms)"
+    )
     for name in ("cached", "pending", "in_flight_bytes"):
         print(f"peak {name:<16} {peaks[name]:>10.0f} (limit {peaks['limit_' + name]:.0f})")
     print(f"errors {peaks['errors']:.0f}, lookups that hit their deadline {peaks['timeouts']:.0f}")
