@@ -32,7 +32,7 @@ def stress(session: nox.Session) -> None:
     """The randomized manager state machine with many more examples than CI runs."""
     install(session, "test")
     session.env["KVTIER_STATEFUL_EXAMPLES"] = session.posargs[0] if session.posargs else "400"
-    session.run("python", "-m", "pytest", "tests/test_manager_stateful.py", "-p", "no:timeout")
+    session.run("python", "-m", "pytest", "tests/test_manager_stateful.py", "--timeout", "0")
 
 
 @nox.session
