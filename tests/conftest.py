@@ -10,18 +10,6 @@ import kvtier
 
 
 @pytest.fixture
-def block_bytes() -> int:
-    return 4096
-
-
-@pytest.fixture
-def make_block(block_bytes: int):  # type: ignore[no-untyped-def]
-    def make() -> bytes:
-        return os.urandom(block_bytes)
-
-    return make
-
-
-@pytest.fixture
 def keys() -> list[bytes]:
+    """Sixteen chained keys in a namespace of their own, so tests never share blocks."""
     return kvtier.block_keys(list(range(64)), 4, namespace=os.urandom(8))
