@@ -62,7 +62,7 @@ def demo(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Every benchmark in a short, bounded mode; each prints ratios against its baseline."""
     install(session, "test", "bench")
-    for script in ("bench_lookup.py", "bench_fs.py", "bench_s3.py"):
+    for script in ("bench_lookup.py", "bench_fs.py", "bench_s3.py", "bench_load.py"):
         session.run("python", f"benchmarks/{script}", "--quick")
     session.run(
         "python",
