@@ -284,7 +284,7 @@ class FSConfig(_Section):
     lookup_batch_size: int = field(default=256, metadata=_spec(_positive_int))
     lookup_timeout: float = field(default=5.0, metadata=_spec(_seconds))
     max_concurrency: int = field(default=16, metadata=_spec(_positive_int))
-    max_write_concurrency: int = field(default=4, metadata=_spec(_positive_int))
+    max_write_concurrency: int = field(default=16, metadata=_spec(_positive_int))
 
 
 @dataclass(frozen=True, slots=True)
