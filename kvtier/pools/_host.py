@@ -24,7 +24,11 @@ _INLINE_COPY_BYTES = 1 << 20
 
 class HostPool(PrimaryPool):
     """Slots in one page-aligned anonymous mapping (mmap), so tiers can DMA or O_DIRECT into
-    them and promotions from a tier land in the slot without a staging copy."""
+    them and promotions from a tier land in the slot without a staging copy.
+
+    With ``prefault`` (the default) the constructor touches every page once, which takes
+    about a second per few GiB: build large pools before the serving loop starts, or in a
+    worker thread (``await anyio.to_thread.run_sync(HostPool, n, size)``)."""
 
     def __init__(
         self,
