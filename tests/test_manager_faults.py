@@ -56,14 +56,13 @@ async def test_closing_while_a_request_waits_leaves_nothing_pinned(keys: list[by
         result.append(await scheduler.lookup(keys[:4]))
 
     with anyio.fail_after(10):
-        async with anyio.create_task_group() as tg:  # the engine's requests outlive the manager
-            async with manager:
-                await manager.store(keys[:2], np.zeros((2, BB), np.uint8))
-                await manager.wait_idle()
-                slow.stall("load")
-                tg.start_soon(ask)
-                await slow.wait_stalled("load")
-            # closed: the waiting request wakes and rescans a closed manager
+        # the engine's request outlives the manager: closing wakes it, and it rescans
+        async with anyio.create_task_group() as tg, manager:
+            await manager.store(keys[:2], np.zeros((2, BB), np.uint8))
+            await manager.wait_idle()
+            slow.stall("load")
+            tg.start_soon(ask)
+            await slow.wait_stalled("load")
     slow.release("load")
     assert result == [2]
     assert_clean(manager)
