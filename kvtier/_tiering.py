@@ -11,7 +11,7 @@ import functools
 import logging
 import time
 import types
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import Any, Protocol, Self
@@ -24,6 +24,7 @@ from kvtier._errors import InvalidArgumentError, LifecycleError, TierError
 from kvtier._logging import BurstLogger
 from kvtier._lookup import LookupResult, MissReason
 from kvtier._validate import positive_int, positive_number
+from kvtier._watch import KeyWatch
 from kvtier.pools._base import PrimaryPool
 from kvtier.pools._slots import PoolStatistics, SlotState
 from kvtier.tiers._base import SecondaryTier, TierStatistics
@@ -151,7 +152,7 @@ class TieringManager:
         self._stack: AsyncExitStack | None = None
         self._task_group: anyio.abc.TaskGroup | None = None
         self._was_open = False  # closed after use: lookups answer MISS; never opened: misuse
-        self._waiters: dict[bytes, list[anyio.Event]] = {}
+        self._waiters: dict[bytes, list[anyio.Event | KeyWatch]] = {}
         self._tasks = _InFlight()  # promotions and write-through
         self._cascades = _InFlight()  # write-through only: what exit waits for
         self._in_flight_bytes = 0
@@ -205,10 +206,13 @@ class TieringManager:
         # Not shielded here: each tier shields and bounds its own awaiting cleanup, and a
         # shield around a task group's exit is not allowed.
         await stack.aclose()
-        for events in self._waiters.values():  # wake schedulers: nothing will change any more
+        waiters, self._waiters = self._waiters, {}
+        for key, events in waiters.items():  # wake schedulers: nothing will change any more
             for event in events:
-                event.set()
-        self._waiters.clear()
+                if isinstance(event, KeyWatch):
+                    event.fire(key)
+                else:
+                    event.set()
 
     async def wait_idle(self) -> None:
         """Return once no promotion or write-through is in flight (for a flush, or tests)."""
@@ -458,11 +462,29 @@ class TieringManager:
         return event
 
     def unwatch(self, keys: Sequence[bytes], event: anyio.Event) -> None:
+        self._unregister(keys, event)
+
+    def watch_each(self, keys: Iterable[bytes], watch: KeyWatch) -> None:
+        """Fire ``watch`` with each of ``keys`` once, when that key's answer may have changed
+        (the scheduler's resumable scans: they learn which keys to ask again)."""
+        if self._task_group is None:
+            for key in keys:  # closed: nothing will change, so look again now
+                watch.fire(key)
+            return
+        waiters = self._waiters
+        for key in keys:
+            waiters.setdefault(key, []).append(watch)
+
+    def unwatch_each(self, keys: Iterable[bytes], watch: KeyWatch) -> None:
+        """Drop the registrations of ``watch`` that have not fired."""
+        self._unregister(keys, watch)
+
+    def _unregister(self, keys: Iterable[bytes], waiter: anyio.Event | KeyWatch) -> None:
         for key in keys:
             events = self._waiters.get(key)
             if events is not None:
-                if event in events:
-                    events.remove(event)
+                if waiter in events:
+                    events.remove(waiter)
                 if not events:
                     del self._waiters[key]
 
@@ -470,7 +492,10 @@ class TieringManager:
         events = self._waiters.pop(key, None)
         if events:
             for event in events:
-                event.set()
+                if isinstance(event, KeyWatch):
+                    event.fire(key)
+                else:
+                    event.set()
 
     # -- observation -------------------------------------------------------------------------
 
