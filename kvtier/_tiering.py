@@ -352,6 +352,11 @@ class TieringManager:
         try:
             with anyio.fail_after(self._store_timeout):
                 await self.pool.copy_in(slots, chosen)
+            if self._task_group is not task_group:  # closed while we copied
+                raise LifecycleError(
+                    "TieringManager is not open any more: it was closed while this store "
+                    "copied its blocks, and nothing was stored"
+                )
             for slot in slots:
                 self.pool.commit(slot)
             committed = True

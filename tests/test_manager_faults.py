@@ -5,11 +5,21 @@ before its fix."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import anyio
 import numpy as np
 import pytest
 
-from kvtier import HostPool, LookupResult, MemoryTier, OffloadScheduler, TieringManager
+from kvtier import (
+    HostPool,
+    LifecycleError,
+    LookupResult,
+    MemoryTier,
+    OffloadScheduler,
+    TieringManager,
+)
+from kvtier._buffers import BlockBuffer
 from kvtier.testing import StallingTier
 
 BB = 4096
@@ -103,3 +113,48 @@ async def test_a_scan_that_raises_gives_back_its_pins(keys: list[bytes]) -> None
         manager.armed = False
         await manager.wait_idle()
     assert_clean(manager)
+
+
+# -- store racing aclose (item 2) --------------------------------------------------------------
+
+
+class GatedPool(HostPool):
+    """A HostPool whose copies into the pool wait at a gate."""
+
+    def __init__(self, num_blocks: int) -> None:
+        super().__init__(num_blocks, BB)
+        self.gate = anyio.Event()
+        self.entered = anyio.Event()
+
+    async def copy_in(self, slots: Sequence[int], blocks: Sequence[BlockBuffer]) -> None:
+        self.entered.set()
+        await self.gate.wait()
+        await super().copy_in(slots, blocks)
+
+
+async def test_a_store_that_outlives_aclose_fails_and_leaves_nothing(keys: list[bytes]) -> None:
+    pool = GatedPool(8)
+    tier = MemoryTier()
+    manager = TieringManager(pool, [tier])
+    errors: list[BaseException] = []
+
+    async def store() -> None:
+        try:
+            await manager.store(keys[:1], np.ones((1, BB), np.uint8))
+        except LifecycleError as exc:
+            errors.append(exc)
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:  # the engine's task outlives the manager
+            async with manager:
+                tg.start_soon(store)
+                await pool.entered.wait()  # the store has its slot and is copying
+            pool.gate.set()  # the copy finishes after the manager closed
+    assert len(errors) == 1 and "not open" in str(errors[0])
+    assert_clean(manager)
+    assert manager.lookup(keys[0]) is M  # nothing of the failed store is readable
+    assert tier.statistics().blocks == 0
+    async with manager:  # re-opened, it has nothing left to wait for
+        with anyio.fail_after(5):
+            await manager.wait_idle()
+        assert manager.statistics().background_tasks == 0
