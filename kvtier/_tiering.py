@@ -11,6 +11,7 @@ import functools
 import logging
 import time
 import types
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -37,6 +38,8 @@ HIT = LookupResult.HIT
 HIT_PENDING = LookupResult.HIT_PENDING
 RETRY = LookupResult.RETRY
 MISS = LookupResult.MISS
+
+_MAX_FAILURES = 65_536  # failed promotions remembered at once (oldest forgotten first)
 
 
 class PromotionObserver(Protocol):
@@ -112,6 +115,11 @@ class TieringManager:
     them) and a task group for background work; leaving the block lets in-flight write-through
     finish for up to ``close_timeout`` seconds, cancels the rest (counted in
     ``cascades_cancelled``) and closes the tiers.
+
+    A promotion that fails is remembered for ``failure_ttl`` seconds: meanwhile that tier's
+    HIT for the key counts as a miss with the failure's reason, so a tier that cannot serve a
+    block it still reports (for example one that keeps the default ``record_miss``) is not
+    asked to promote it again at every lookup.
     """
 
     def __init__(
@@ -123,6 +131,7 @@ class TieringManager:
         store_timeout: float = 30.0,
         max_in_flight_bytes: int = 256 << 20,
         close_timeout: float = 5.0,
+        failure_ttl: float = 2.0,
         dtype: Any = None,
         latency: PromotionObserver | None = None,
     ) -> None:
@@ -147,6 +156,14 @@ class TieringManager:
         self._store_timeout = positive_number(store_timeout, "store_timeout")
         self._max_in_flight_bytes = positive_int(max_in_flight_bytes, "max_in_flight_bytes")
         self._close_timeout = positive_number(close_timeout, "close_timeout")
+        self._failure_ttl = positive_number(failure_ttl, "failure_ttl")
+        # Promotions that failed, by (tier, key): the reason and when to forget it. The
+        # manager keeps this itself because a tier may keep answering HIT for a block it
+        # cannot serve (the default record_miss does nothing), and promoting that block again
+        # at every wake is a livelock. Insertion order is expiry order (one TTL for all).
+        self._failed: OrderedDict[tuple[SecondaryTier, bytes], tuple[MissReason, float]] = (
+            OrderedDict()
+        )
         self._dtype = None if dtype is None else dtype_name(dtype)
         self._latency = latency
         self._stack: AsyncExitStack | None = None
@@ -245,9 +262,15 @@ class TieringManager:
             _bump(self._miss_reasons, MissReason.UNAVAILABLE)
             return MISS
         any_retry = False
+        reason = MissReason.NOT_FOUND
         for tier in self.tiers:
             result = tier.lookup(key)
             if result is HIT:
+                if self._failed:
+                    failure = self._recent_failure(tier, key)
+                    if failure is not None:  # promoting it again would fail again
+                        reason = failure
+                        continue
                 slot = self.pool.try_reserve(key)
                 if slot is None:
                     self._misses += 1
@@ -264,8 +287,28 @@ class TieringManager:
             self._retries += 1
             return RETRY
         self._misses += 1
-        _bump(self._miss_reasons, MissReason.NOT_FOUND)
+        _bump(self._miss_reasons, reason)
         return MISS
+
+    def _recent_failure(self, tier: SecondaryTier, key: bytes) -> MissReason | None:
+        """Why promoting ``key`` from ``tier`` failed, if it did less than ``failure_ttl`` ago."""
+        entry = self._failed.get((tier, key))
+        if entry is None:
+            return None
+        reason, expires = entry
+        if time.monotonic() < expires:
+            return reason
+        del self._failed[tier, key]
+        return None
+
+    def _remember_failure(self, tier: SecondaryTier, key: bytes, reason: MissReason) -> None:
+        failed = self._failed
+        now = time.monotonic()
+        failed.pop((tier, key), None)
+        failed[tier, key] = (reason, now + self._failure_ttl)
+        # expired entries sit at the front; the bound keeps a storm of failures from growing it
+        while failed and (len(failed) > _MAX_FAILURES or next(iter(failed.values()))[1] <= now):
+            failed.popitem(last=False)
 
     def pin_ready(self, keys: Sequence[bytes]) -> list[int]:
         """Pin the READY blocks among ``keys`` and return their slots: the lease a scheduler
@@ -296,6 +339,7 @@ class TieringManager:
             failed = True
             reason = _reason_of(exc)
             _bump(self._promotion_failures, reason)
+            self._remember_failure(tier, key, reason)
             tier.record_miss(key, reason)
             self._log.warning(
                 "promote:" + reason.value,

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from kvtier import (
+    CorruptBlockError,
     HostPool,
     LifecycleError,
     LookupResult,
@@ -158,3 +159,67 @@ async def test_a_store_that_outlives_aclose_fails_and_leaves_nothing(keys: list[
         with anyio.fail_after(5):
             await manager.wait_idle()
         assert manager.statistics().background_tasks == 0
+
+
+# -- a failed promotion is remembered by the manager (item 4) ----------------------------------
+
+
+class CorruptTier(MemoryTier):
+    """Every load fails verification; ``record_miss`` keeps the default (does nothing), so
+    the tier goes on answering HIT for the key."""
+
+    async def load(self, key: bytes, dst: memoryview) -> None:
+        await super().load(key, dst)
+        raise CorruptBlockError("checksum mismatch", tier=self.name, operation="load", key=key)
+
+
+async def settle(manager: TieringManager, key: bytes, rounds: int = 10) -> LookupResult:
+    """Ask until the answer is neither RETRY nor HIT_PENDING, waking on the manager's
+    notifications, for at most ``rounds`` changes (a livelock fails the test, not a timer)."""
+    with anyio.fail_after(10):
+        for _ in range(rounds):
+            event = manager.watch([key])
+            try:
+                result = manager.lookup(key)
+                if result not in (R, P):
+                    return result
+                await event.wait()
+            finally:
+                manager.unwatch([key], event)
+    raise AssertionError(f"{key.hex()} still pending after {rounds} changes: a livelock")
+
+
+async def test_a_failed_promotion_is_not_retried_at_every_wake(keys: list[bytes]) -> None:
+    tier, good = CorruptTier("corrupt"), MemoryTier("good")
+    await tier.store(keys[0], memoryview(bytes(BB)))
+    await tier.store(keys[1], memoryview(bytes(BB)))
+    await good.store(keys[1], memoryview(bytes(BB)))
+    async with TieringManager(HostPool(4, BB), [tier, good], failure_ttl=60) as manager:
+        assert await settle(manager, keys[0]) is M
+        stats = manager.statistics()
+        assert stats.promotions_started == 1
+        assert stats.promotions_failed_by_reason == {"corrupt": 1}
+        assert stats.misses_by_reason == {"corrupt": 1}  # the reason is kept, not not_found
+        assert tier.lookup(keys[0]) is H  # the tier itself still says HIT
+        assert manager.lookup(keys[0]) is M
+        # a scheduler waiting on the key answers at once, not at max_wait
+        scheduler = OffloadScheduler(manager, max_wait=30)
+        with anyio.fail_after(10):
+            assert await scheduler.lookup(keys[:1]) == 0
+        assert manager.statistics().promotions_started == 1
+        # the next tier down is still asked for a key that failed in the one above
+        assert await settle(manager, keys[1]) is H
+        stats = manager.statistics()
+        assert stats.promotions_started == 3  # keys[1]: from "corrupt" (failed), from "good"
+        assert stats.promotions_failed_by_reason == {"corrupt": 2}
+
+
+async def test_a_remembered_failure_expires(keys: list[bytes]) -> None:
+    tier = CorruptTier()
+    await tier.store(keys[0], memoryview(bytes(BB)))
+    async with TieringManager(HostPool(4, BB), [tier], failure_ttl=1e-9) as manager:
+        assert manager.lookup(keys[0]) is R
+        await manager.wait_idle()
+        assert manager.lookup(keys[0]) is R  # expired at once: promoted again
+        await manager.wait_idle()
+        assert manager.statistics().promotions_started == 2
