@@ -12,7 +12,7 @@ import logging
 import time
 import types
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import Any, Protocol, Self
@@ -70,6 +70,7 @@ class ManagerStatistics:
     cascades_cancelled: int
     in_flight_bytes: int
     background_tasks: int
+    callback_failures: int
     pool: PoolStatistics
     tiers: tuple[TierStatistics, ...]
 
@@ -183,6 +184,7 @@ class TieringManager:
         self._cascades_started = self._cascades_ok = 0
         self._cascades_skipped = self._cascades_cancelled = 0
         self._cascade_failures: dict[str, int] = {}
+        self._callback_failures = 0
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -340,7 +342,7 @@ class TieringManager:
             reason = _reason_of(exc)
             _bump(self._promotion_failures, reason)
             self._remember_failure(tier, key, reason)
-            tier.record_miss(key, reason)
+            self._callback("record_miss", tier.record_miss, key, reason)
             self._log.warning(
                 "promote:" + reason.value,
                 "promotion from %s failed (%s): %r",
@@ -356,9 +358,24 @@ class TieringManager:
                 self.pool.abort(slot)
                 self._promotions_cancelled += not failed
             if self._latency is not None:
-                self._latency.observe_promotion(tier.name, time.perf_counter() - started, ok)
+                seconds = time.perf_counter() - started
+                self._callback(
+                    "latency observer", self._latency.observe_promotion, tier.name, seconds, ok
+                )
             self._notify(key)
             self._tasks.finished()
+
+    def _callback(self, what: str, function: Callable[..., object], *args: object) -> None:
+        """Call a tier's or an observer's hook from background work. The manager's task group
+        lives in the engine's task, so an exception here would stop the engine: it is logged
+        once per burst and counted in ``callback_failures`` instead."""
+        try:
+            function(*args)
+        except Exception as exc:
+            self._callback_failures += 1
+            self._log.warning(
+                "callback:" + what, "%s raised in kvtier background work: %r", what, exc
+            )
 
     # -- store and load ------------------------------------------------------------------------
 
@@ -471,7 +488,7 @@ class TieringManager:
                 exc,
             )
         else:
-            tier.notify([key])
+            self._callback("notify", tier.notify, [key])
 
     async def load(self, keys: Sequence[bytes], out: Any) -> int:
         """Copy the blocks of ``keys`` from the pool into ``out`` (one array with a leading
@@ -570,6 +587,7 @@ class TieringManager:
             cascades_cancelled=self._cascades_cancelled,
             in_flight_bytes=self._in_flight_bytes,
             background_tasks=self._tasks.count,
+            callback_failures=self._callback_failures,
             pool=self.pool.statistics(),
             tiers=tuple(t.statistics() for t in self.tiers),
         )

@@ -5,6 +5,7 @@ before its fix."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import anyio
@@ -17,6 +18,7 @@ from kvtier import (
     LifecycleError,
     LookupResult,
     MemoryTier,
+    MissReason,
     OffloadScheduler,
     TieringManager,
 )
@@ -223,3 +225,71 @@ async def test_a_remembered_failure_expires(keys: list[bytes]) -> None:
         assert manager.lookup(keys[0]) is R  # expired at once: promoted again
         await manager.wait_idle()
         assert manager.statistics().promotions_started == 2
+
+
+# -- a callback that raises in background work (item 8) -------------------------------------
+
+
+class RaisingRecordMiss(CorruptTier):
+    def record_miss(self, key: bytes, reason: MissReason) -> None:
+        raise RuntimeError("record_miss exploded")
+
+
+class RaisingObserver:
+    def observe_promotion(self, tier: str, seconds: float, ok: bool) -> None:
+        raise RuntimeError("observer exploded")
+
+
+def raising_listener(key: bytes) -> None:
+    raise RuntimeError("listener exploded")
+
+
+@pytest.mark.parametrize("callback", ["record_miss", "observer", "listener"])
+async def test_a_raising_callback_never_stops_the_engine(
+    keys: list[bytes], callback: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The manager's task group lives in the engine's task: a tier's or an observer's
+    callback that raises in a background task is contained, logged once per burst and
+    counted, and the engine loop runs all its iterations."""
+    tier = RaisingRecordMiss() if callback == "record_miss" else MemoryTier()
+    for key in keys[:5]:
+        await tier.store(key, memoryview(bytes(BB)))
+    observer = RaisingObserver() if callback == "observer" else None
+    iterations = 0
+    caplog.set_level(logging.WARNING, logger="kvtier")
+    with anyio.fail_after(10):
+        async with TieringManager(HostPool(16, BB), [tier], latency=observer) as manager:
+            if callback == "listener":
+                tier.add_listener(raising_listener)
+            for i in range(5):  # the engine's loop
+                if callback == "listener":  # write-through notifies the tier's listeners
+                    await manager.store(keys[8 + i : 9 + i], np.zeros((1, BB), np.uint8))
+                    await manager.wait_idle()
+                else:  # a promotion that fails (record_miss) or lands (observer)
+                    assert await settle(manager, keys[i]) is (M if callback == "record_miss" else H)
+                    await manager.wait_idle()
+                iterations += 1
+            stats = manager.statistics()
+    assert iterations == 5
+    if callback == "listener":
+        assert tier.listener_failures == 5
+        assert stats.cascades_succeeded == 5
+    else:
+        assert stats.callback_failures == 5
+    exploded = [r for r in caplog.records if "exploded" in r.getMessage()]
+    assert len(exploded) == 1, "a burst of one fault logs once"
+    assert_clean(manager)
+
+
+class RaisingLookupObserver:
+    def observe_lookup(self, seconds: float) -> None:
+        raise RuntimeError("lookup observer exploded")
+
+
+async def test_a_raising_lookup_observer_never_fails_the_request(keys: list[bytes]) -> None:
+    async with TieringManager(HostPool(4, BB)) as manager:
+        await manager.store(keys[:2], np.zeros((2, BB), np.uint8))
+        scheduler = OffloadScheduler(manager, latency=RaisingLookupObserver())
+        assert await scheduler.lookup(keys[:3]) == 2
+        assert await scheduler.lookup(keys[:3]) == 2
+        assert scheduler.statistics().callback_failures == 2
