@@ -49,9 +49,7 @@ class _Progress:
         self._lookup = lookup
         self._pin = pin
         self._answers: list[LookupResult | None] = [None] * len(keys)  # None: ask
-        self._positions: dict[bytes, list[int]] = {}
-        for i, key in enumerate(keys):
-            self._positions.setdefault(key, []).append(i)
+        self._positions: dict[bytes, list[int]] | None = None  # built at the first wake
         self.lease: list[int] = []
         self.watched: set[bytes] = set()  # registered with the manager, not fired yet
         self._to_watch: list[bytes] = []
@@ -75,11 +73,15 @@ class _Progress:
 
     def _fired(self, changed: list[bytes]) -> list[int]:
         """Positions of the keys that fired, each key's watch now spent."""
+        if self._positions is None:
+            self._positions = {}
+            for i, key in enumerate(self.keys):
+                self._positions.setdefault(key, []).append(i)
         positions: list[int] = []
         for key in changed:
             if key in self.watched:
                 self.watched.discard(key)
-                positions += self._positions.get(key, ())
+                positions += self._positions[key]
         return positions
 
 
