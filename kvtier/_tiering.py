@@ -11,7 +11,6 @@ import functools
 import logging
 import time
 import types
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ import anyio.abc
 
 from kvtier._buffers import check_keys, dtype_name, split_blocks
 from kvtier._errors import InvalidArgumentError, LifecycleError, TierError
+from kvtier._failures import RecentFailures
 from kvtier._logging import BurstLogger
 from kvtier._lookup import LookupResult, MissReason
 from kvtier._validate import positive_int, positive_number
@@ -38,8 +38,6 @@ HIT = LookupResult.HIT
 HIT_PENDING = LookupResult.HIT_PENDING
 RETRY = LookupResult.RETRY
 MISS = LookupResult.MISS
-
-_MAX_FAILURES = 65_536  # failed promotions remembered at once (oldest forgotten first)
 
 
 class PromotionObserver(Protocol):
@@ -157,14 +155,8 @@ class TieringManager:
         self._store_timeout = positive_number(store_timeout, "store_timeout")
         self._max_in_flight_bytes = positive_int(max_in_flight_bytes, "max_in_flight_bytes")
         self._close_timeout = positive_number(close_timeout, "close_timeout")
-        self._failure_ttl = positive_number(failure_ttl, "failure_ttl")
-        # Promotions that failed, by (tier, key): the reason and when to forget it. The
-        # manager keeps this itself because a tier may keep answering HIT for a block it
-        # cannot serve (the default record_miss does nothing), and promoting that block again
-        # at every wake is a livelock. Insertion order is expiry order (one TTL for all).
-        self._failed: OrderedDict[tuple[SecondaryTier, bytes], tuple[MissReason, float]] = (
-            OrderedDict()
-        )
+        # what the manager remembers itself, whatever each tier's record_miss does
+        self._failed = RecentFailures(positive_number(failure_ttl, "failure_ttl"))
         self._dtype = None if dtype is None else dtype_name(dtype)
         self._latency = latency
         self._stack: AsyncExitStack | None = None
@@ -269,7 +261,7 @@ class TieringManager:
             result = tier.lookup(key)
             if result is HIT:
                 if self._failed:
-                    failure = self._recent_failure(tier, key)
+                    failure = self._failed.get(tier, key)
                     if failure is not None:  # promoting it again would fail again
                         reason = failure
                         continue
@@ -291,26 +283,6 @@ class TieringManager:
         self._misses += 1
         _bump(self._miss_reasons, reason)
         return MISS
-
-    def _recent_failure(self, tier: SecondaryTier, key: bytes) -> MissReason | None:
-        """Why promoting ``key`` from ``tier`` failed, if it did less than ``failure_ttl`` ago."""
-        entry = self._failed.get((tier, key))
-        if entry is None:
-            return None
-        reason, expires = entry
-        if time.monotonic() < expires:
-            return reason
-        del self._failed[tier, key]
-        return None
-
-    def _remember_failure(self, tier: SecondaryTier, key: bytes, reason: MissReason) -> None:
-        failed = self._failed
-        now = time.monotonic()
-        failed.pop((tier, key), None)
-        failed[tier, key] = (reason, now + self._failure_ttl)
-        # expired entries sit at the front; the bound keeps a storm of failures from growing it
-        while failed and (len(failed) > _MAX_FAILURES or next(iter(failed.values()))[1] <= now):
-            failed.popitem(last=False)
 
     def pin_ready(self, keys: Sequence[bytes]) -> list[int]:
         """Pin the READY blocks among ``keys`` and return their slots: the lease a scheduler
@@ -341,7 +313,7 @@ class TieringManager:
             failed = True
             reason = _reason_of(exc)
             _bump(self._promotion_failures, reason)
-            self._remember_failure(tier, key, reason)
+            self._failed.remember(tier, key, reason)
             self._callback("record_miss", tier.record_miss, key, reason)
             self._log.warning(
                 "promote:" + reason.value,

@@ -23,6 +23,7 @@ from kvtier import (
     TieringManager,
 )
 from kvtier._buffers import BlockBuffer
+from kvtier._failures import RecentFailures
 from kvtier.testing import StallingTier
 
 BB = 4096
@@ -293,3 +294,19 @@ async def test_a_raising_lookup_observer_never_fails_the_request(keys: list[byte
         assert await scheduler.lookup(keys[:3]) == 2
         assert await scheduler.lookup(keys[:3]) == 2
         assert scheduler.statistics().callback_failures == 2
+
+
+def test_recent_failures_expire_and_stay_bounded() -> None:
+    now = [0.0]
+    failures = RecentFailures(2.0, max_entries=3, clock=lambda: now[0])
+    failures.remember("a", b"k1", MissReason.CORRUPT)
+    assert failures.get("a", b"k1") is MissReason.CORRUPT
+    assert failures.get("b", b"k1") is None  # per tier
+    now[0] = 2.0
+    assert failures.get("a", b"k1") is None and len(failures) == 0  # expired, dropped
+    for i in range(5):
+        failures.remember("a", bytes([i]), MissReason.TIMEOUT)
+    assert len(failures) == 3 and failures.get("a", bytes([4])) is MissReason.TIMEOUT
+    now[0] = 10.0
+    failures.remember("a", b"new", MissReason.NOT_FOUND)
+    assert len(failures) == 1  # the expired ones went on the way
