@@ -504,11 +504,9 @@ class TieringManager:
 
     def watch_each(self, keys: Iterable[bytes], watch: KeyWatch) -> None:
         """Fire ``watch`` with each of ``keys`` once, when that key's answer may have changed
-        (the scheduler's resumable scans: they learn which keys to ask again)."""
-        if self._task_group is None:
-            for key in keys:  # closed: nothing will change, so look again now
-                watch.fire(key)
-            return
+        (the scheduler's resumable scans: they learn which keys to ask again). Closed, the
+        manager answers every key at once except blocks a store is still copying, and those
+        fire when the store ends, so registering stays right."""
         waiters = self._waiters
         for key in keys:
             waiters.setdefault(key, []).append(watch)
