@@ -12,7 +12,10 @@ fires a key can only move from RETRY to HIT_PENDING (a promotion started by the 
 and both defer, so the answer (``None``) does not depend on which one is remembered.
 
 The answers are those of the synchronous scans of design §2.2 (``OffloadScheduler``): a
-resumed scan answers what a fresh scan would answer, given the keys' current answers.
+resumed scan answers what a fresh scan would answer, given the keys' current answers. One
+difference from rescanning: a hit stays pinned until the async lookup returns even if a later
+miss before it means the answer no longer counts it (a rescan would have let it go); the pins
+are the request's own keys and are given back with the answer.
 """
 
 from __future__ import annotations
