@@ -5,9 +5,14 @@ function, so an ``FSTier`` call costs one thread hop and a cancelled caller can 
 file half-written: the thread runs the whole operation (including cleanup of its temporary
 file) to the end, then the caller looks at the outcome.
 
-Every OS call that moves bytes goes through the module-level names ``_writev`` and ``_preadv``:
-that is the single boundary where a test injects ENOSPC or EIO when the machine cannot give it a
-real full or failing filesystem.
+Every OS call that moves bytes goes through the module-level names ``_writev`` and ``_preadv``,
+and every existence check through ``_stat``: that is the single boundary where a test injects
+ENOSPC or EIO (when the machine cannot give it a real full or failing filesystem) or a hang
+(standing in for a hung network mount).
+
+A read never lands in the caller's buffer directly, and a write never reads from it while a
+syscall is in flight: ``FSTier`` passes private buffers and copies under ``Handoff.touching()``
+(see ``_fs_calls``), so a thread abandoned at a deadline cannot touch a pool slot.
 """
 
 from __future__ import annotations
@@ -30,10 +35,11 @@ from pathlib import Path
 from kvtier._format import (
     FORMAT_VERSION,
     HeaderError,
-    checksum,
+    IntegrityKey,
     decode_header,
     encode_header,
     header_size,
+    verify_block,
 )
 
 __all__ = [
@@ -47,6 +53,7 @@ __all__ = [
     "WriteOutcome",
     "WrongSize",
     "key_of",
+    "marker_for",
     "name_of",
     "path_of",
     "prepare_root",
@@ -74,6 +81,7 @@ _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 # The byte-moving OS calls, named once so tests can inject a fault at exactly this boundary.
 _writev = os.writev
 _preadv = os.preadv
+_stat = os.stat
 
 
 def _host_tag() -> str:
@@ -149,7 +157,17 @@ def path_of(root: Path, name: str) -> Path:
 # -- opening a root ----------------------------------------------------------------------------
 
 
-def prepare_root(root: Path) -> list[Entry]:
+def marker_for(integrity_key: IntegrityKey | None) -> dict[str, object]:
+    """The format marker a tier with (or without) an integrity key writes and expects. A
+    signed folder names its MAC and the key's public fingerprint, so a node with no key or
+    another key refuses the folder at open, instead of calling every block corrupt and
+    removing the blocks its peers wrote."""
+    if integrity_key is None:
+        return dict(_MARKER)
+    return {**_MARKER, "integrity": {"mac": "blake2b-256", "key_id": integrity_key.key_id}}
+
+
+def prepare_root(root: Path, marker: dict[str, object] | None = None) -> list[Entry]:
     """Make ``root`` usable and list its blocks, oldest first.
 
     Creates the root (only its last component: a missing parent usually means a filesystem
@@ -158,7 +176,7 @@ def prepare_root(root: Path) -> list[Entry]:
     """
     with contextlib.suppress(FileExistsError):
         os.mkdir(root, _DIR_MODE)
-    _check_marker(root)
+    _check_marker(root, _MARKER if marker is None else marker)
     entries: list[Entry] = []
     now = time.time()
     for first in _subdirs(root):
@@ -185,7 +203,7 @@ def _subdirs(folder: str | Path) -> list[str]:
         ]
 
 
-def _check_marker(root: Path) -> None:
+def _check_marker(root: Path, expected: dict[str, object]) -> None:
     marker = root / MARKER_NAME
     try:
         raw = marker.read_bytes()
@@ -196,25 +214,48 @@ def _check_marker(root: Path) -> None:
                 f"{root} is not empty and has no {MARKER_NAME} marker, so it is not a kvtier "
                 "folder; point FSTier at an empty folder or at one kvtier created"
             ) from None
-        _write_marker(root)
+        _write_marker(root, expected)
         return
     try:
         found = json.loads(raw)
     except ValueError:
         found = None
-    if found != _MARKER:
+    if found != expected:
+        if isinstance(found, dict) and {**found, "integrity": None} == {
+            **expected,
+            "integrity": None,
+        }:
+            raise IncompatibleRoot(_integrity_mismatch(root, found, expected))
         raise IncompatibleRoot(
             f"{root} holds kvtier-fs data in another format ({MARKER_NAME} says {found!r}; this "
-            f"kvtier writes {_MARKER!r}); point FSTier at another folder, or empty this one to "
+            f"kvtier writes {expected!r}); point FSTier at another folder, or empty this one to "
             "start a fresh cache"
         )
 
 
-def _write_marker(root: Path) -> None:
+def _integrity_mismatch(root: Path, found: dict[str, object], expected: dict[str, object]) -> str:
+    have, want = found.get("integrity"), expected.get("integrity")
+    if want is None:
+        return (
+            f"{root} holds blocks signed with an integrity key; set integrity_key "
+            "(KVTIER_INTEGRITY_KEY) to the key every node sharing this folder uses"
+        )
+    if have is None:
+        return (
+            f"{root} holds unsigned blocks, and this tier has an integrity key: point it at an "
+            "empty folder, or empty this one, to start a signed cache"
+        )
+    return (
+        f"{root} is signed with another integrity key (key id {have!r}, this tier's "
+        f"{want!r}); every node sharing a folder must set the same key"
+    )
+
+
+def _write_marker(root: Path, marker: dict[str, object]) -> None:
     tmp = root / f".kvtier-fs.json.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, _FILE_MODE)
     try:
-        os.write(fd, json.dumps(_MARKER).encode())
+        os.write(fd, json.dumps(marker).encode())
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -269,7 +310,7 @@ def stat_many(root: Path, names: Sequence[str]) -> list[int | None]:
     sizes: list[int | None] = []
     for name in names:
         try:
-            st = os.stat(path_of(root, name), follow_symlinks=False)
+            st = _stat(path_of(root, name), follow_symlinks=False)
         except FileNotFoundError:
             sizes.append(None)
         else:
@@ -284,6 +325,8 @@ def write_block(
     payload: memoryview,
     fsync: str,
     victims: Sequence[str],
+    *,
+    integrity_key: IntegrityKey | None = None,
 ) -> tuple[WriteOutcome, int]:
     """Publish one block atomically; return the outcome and the file's size.
 
@@ -300,7 +343,7 @@ def write_block(
     for victim in victims:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path_of(root, victim))
-    header = encode_header(key, payload)
+    header = encode_header(key, payload, integrity_key=integrity_key)
     folder = final.parent
     for level in (folder.parent, folder):
         with contextlib.suppress(FileExistsError):
@@ -338,8 +381,15 @@ def _write_all(fd: int, buffers: list[bytes | memoryview]) -> None:
             views[0] = views[0][written:]
 
 
-def read_block(root: Path, name: str, key: bytes, dst: memoryview) -> ReadOutcome:
-    """Read the block straight into ``dst`` and verify it before it counts as loaded.
+def read_block(
+    root: Path,
+    name: str,
+    key: bytes,
+    dst: memoryview,
+    *,
+    integrity_key: IntegrityKey | None = None,
+) -> ReadOutcome:
+    """Read the block into ``dst`` (a private buffer) and verify it before it counts as loaded.
 
     Raises ``Corrupt`` (after removing the file) when the header, key, length or checksum is
     wrong, and ``WrongSize`` when the block is intact but ``dst`` has another size.
@@ -351,10 +401,10 @@ def read_block(root: Path, name: str, key: bytes, dst: memoryview) -> ReadOutcom
         return ReadOutcome.MISSING
     try:
         size = os.fstat(fd).st_size
-        header_buf = bytearray(header_size(len(key)))
+        header_buf = bytearray(header_size(len(key), integrity_key=integrity_key))
         got = _read_all(fd, [memoryview(header_buf), dst])
         try:
-            _verify(key, header_buf, dst, size, got)
+            _verify(key, header_buf, dst, size, got, integrity_key)
         except HeaderError as exc:
             _remove_if_same(path, fd)
             raise Corrupt(str(exc)) from exc
@@ -363,8 +413,15 @@ def read_block(root: Path, name: str, key: bytes, dst: memoryview) -> ReadOutcom
     return ReadOutcome.LOADED
 
 
-def _verify(key: bytes, header_buf: bytearray, dst: memoryview, size: int, got: int) -> None:
-    header = decode_header(header_buf)
+def _verify(
+    key: bytes,
+    header_buf: bytearray,
+    dst: memoryview,
+    size: int,
+    got: int,
+    integrity_key: IntegrityKey | None,
+) -> None:
+    header = decode_header(header_buf, integrity_key=integrity_key)
     if header.key != key:
         raise HeaderError("block belongs to another key")
     expected = len(header_buf) + header.payload_length
@@ -374,8 +431,7 @@ def _verify(key: bytes, header_buf: bytearray, dst: memoryview, size: int, got: 
         raise WrongSize(header.payload_length)
     if got != expected:
         raise HeaderError(f"read {got} bytes of {expected}")
-    if checksum(dst) != header.payload_checksum:
-        raise HeaderError("payload checksum mismatch")
+    verify_block(key, header, dst, integrity_key=integrity_key)
 
 
 def _read_all(fd: int, views: list[memoryview]) -> int:
