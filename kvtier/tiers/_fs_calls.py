@@ -84,6 +84,7 @@ class WorkerCalls(Generic[T]):
     def __init__(self, max_abandoned: int) -> None:
         self.max_abandoned = max_abandoned
         self._lock = threading.Lock()
+        self._unstuck = threading.Condition(self._lock)
         self._running_abandoned = 0
         self.abandoned_total = 0
         self._late: deque[Callable[[], None]] = deque()
@@ -124,10 +125,11 @@ class WorkerCalls(Generic[T]):
                 with call._lock:
                     call._done = True
                     if call._abandoned:
-                        with self._lock:
-                            self._running_abandoned -= 1
                         if on_late is not None:
                             self._late.append(lambda: on_late(result, error))
+                        with self._lock:
+                            self._running_abandoned -= 1
+                            self._unstuck.notify_all()
             return result
 
         try:
@@ -142,6 +144,12 @@ class WorkerCalls(Generic[T]):
                             self.abandoned_total += 1
             raise
         return result  # type: ignore[return-value]  # None only when abandoned
+
+    def wait_unstuck(self, timeout: float) -> bool:
+        """Block (in a thread, never on the loop) until no abandoned call is running; for
+        tests and orderly shutdown. Returns False if ``timeout`` passed first."""
+        with self._unstuck:
+            return self._unstuck.wait_for(lambda: self._running_abandoned == 0, timeout)
 
     def drain_late(self) -> None:
         """Run, on the event loop, the ``on_late`` callbacks of calls that finished late."""
