@@ -6,6 +6,8 @@ for someone else's key. Each test plays that writer with real files.
 
 from __future__ import annotations
 
+import io
+import json
 import logging
 import pickle
 import sys
@@ -171,3 +173,36 @@ async def test_config_from_the_environment(tmp_path: Path) -> None:
         KVTierConfig.from_env({**env, "KVTIER_INTEGRITY_KEY": "too-short-secret"[:10]})
     assert "KVTIER_INTEGRITY_KEY must be a secret of at least 16 bytes" in str(err.value)
     assert "too-short" not in str(err.value)
+
+
+# -- the command line ------------------------------------------------------------------------
+
+
+def cli(*argv: str) -> tuple[int, str, str]:
+    from kvtier._cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    return main(list(argv), stdout=out, stderr=err), out.getvalue(), err.getvalue()
+
+
+async def test_verify_a_signed_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = tmp_path / "c"
+    async with FSTier(root, integrity_key=SECRET) as tier:
+        for i in range(3):
+            await tier.store(key(i), memoryview(data(i)))
+    evil = b"\x66" * BLOCK
+    path(root, key(9)).parent.mkdir(parents=True, exist_ok=True)
+    path(root, key(9)).write_bytes(encode_header(key(9), evil) + evil)  # unsigned forgery
+    monkeypatch.delenv("KVTIER_INTEGRITY_KEY", raising=False)
+    code, _, err = cli("verify", str(root))
+    assert code == 2 and "KVTIER_INTEGRITY_KEY" in err
+    monkeypatch.setenv("KVTIER_INTEGRITY_KEY", OTHER)
+    code, _, err = cli("verify", str(root))
+    assert code == 2 and "another integrity key" in err and OTHER not in err
+    monkeypatch.setenv("KVTIER_INTEGRITY_KEY", SECRET)
+    code, out, err = cli("verify", str(root), "--remove")
+    assert code == 1, out + err
+    assert "4 blocks checked" in out and "1 corrupt (1 removed)" in out and "not signed" in out
+    assert SECRET not in out + err
+    code, out, _ = cli("inspect", str(root), "--json")
+    assert code == 0 and json.loads(out)["signed"] is True
