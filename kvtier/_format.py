@@ -41,6 +41,7 @@ import hashlib
 import hmac
 import struct
 from dataclasses import dataclass, field
+from typing import Any
 
 import xxhash
 
@@ -52,6 +53,7 @@ __all__ = [
     "BlockHeader",
     "HeaderError",
     "IntegrityKey",
+    "PayloadCheck",
     "checksum",
     "decode_header",
     "encode_header",
@@ -106,10 +108,15 @@ class IntegrityKey:
 
     def mac(self, signed: bytes | bytearray | memoryview, payload: object) -> bytes:
         """The MAC of a block: its header (up to the header checksum) and its payload."""
-        h = hashlib.blake2b(key=self._mac_key, digest_size=MAC_BYTES, person=b"kvtier-block")
-        h.update(signed)
+        h = self.hasher(signed)
         h.update(payload)  # type: ignore[arg-type]
         return h.digest()
+
+    def hasher(self, signed: bytes | bytearray | memoryview) -> hashlib.blake2b:
+        """A MAC in progress over ``signed``; feed it the payload, then take ``digest()``."""
+        h = hashlib.blake2b(key=self._mac_key, digest_size=MAC_BYTES, person=b"kvtier-block")
+        h.update(signed)
+        return h
 
     def __repr__(self) -> str:
         return "<IntegrityKey (secret hidden)>"
@@ -211,6 +218,46 @@ def decode_header(
     return BlockHeader(bytes(view[_FIXED.size : end]), length, payload_sum, flags, mac, signed)
 
 
+class PayloadCheck:
+    """``verify_block`` for a payload that arrives in pieces (a reader that streams a file
+    through a small buffer): feed each piece to ``update``, then ``finish`` raises
+    ``HeaderError`` unless the whole is the intact (and, with a key, authentic) payload."""
+
+    __slots__ = ("_hasher", "_header", "_keyed", "_seen")
+
+    def __init__(
+        self,
+        expected_key: bytes,
+        header: BlockHeader,
+        *,
+        integrity_key: IntegrityKey | None = None,
+    ) -> None:
+        if header.key != expected_key:
+            raise HeaderError("block belongs to another key")
+        if bool(header.flags & FLAG_MAC) != (integrity_key is not None):
+            raise HeaderError("block signing does not match this reader's integrity key setting")
+        self._header = header
+        self._keyed = integrity_key is not None
+        self._hasher: Any = (
+            xxhash.xxh3_64() if integrity_key is None else integrity_key.hasher(header.signed)
+        )
+        self._seen = 0
+
+    def update(self, piece: bytes | bytearray | memoryview) -> None:
+        self._hasher.update(piece)
+        self._seen += memoryview(piece).nbytes
+
+    def finish(self) -> None:
+        header = self._header
+        if self._seen != header.payload_length:
+            raise HeaderError(f"payload is {self._seen} bytes, header says {header.payload_length}")
+        if self._keyed:
+            if not hmac.compare_digest(self._hasher.digest(), header.mac):
+                raise HeaderError("integrity check failed: block not signed with this tier's key")
+        elif self._hasher.intdigest() != header.payload_checksum:
+            raise HeaderError("payload checksum mismatch")
+
+
 def verify_block(
     expected_key: bytes,
     header: BlockHeader,
@@ -220,16 +267,10 @@ def verify_block(
 ) -> None:
     """Raise ``HeaderError`` unless ``payload`` is the intact block of ``expected_key``: the
     MAC must verify under ``integrity_key`` when one is set, else the xxh3 checksum must."""
-    if header.key != expected_key:
-        raise HeaderError("block belongs to another key")
+    check = PayloadCheck(expected_key, header, integrity_key=integrity_key)
     if memoryview(payload).nbytes != header.payload_length:
         raise HeaderError(
             f"payload is {memoryview(payload).nbytes} bytes, header says {header.payload_length}"
         )
-    if bool(header.flags & FLAG_MAC) != (integrity_key is not None):
-        raise HeaderError("block signing does not match this reader's integrity key setting")
-    if integrity_key is not None:
-        if not hmac.compare_digest(integrity_key.mac(header.signed, payload), header.mac):
-            raise HeaderError("integrity check failed: block not signed with this tier's key")
-    elif checksum(payload) != header.payload_checksum:
-        raise HeaderError("payload checksum mismatch")
+    check.update(payload)
+    check.finish()

@@ -268,17 +268,15 @@ class FSTier(SecondaryTier):
         root, ikey, buffers = self.root, self.integrity_key, self._buffers
 
         def read(call: Handoff) -> io.ReadOutcome:
-            # Into a private buffer: a thread abandoned mid-read must never write into a pool
-            # slot that may already hold another block.
-            private = buffers.take(view.nbytes)
+            # Through a private buffer: a thread abandoned mid-read must never write into a
+            # pool slot that may already hold another block.
+            scratch = buffers.take(io.READ_CHUNK)
             try:
-                outcome = io.read_block(root, name, key, memoryview(private), integrity_key=ikey)
-                if outcome is io.ReadOutcome.LOADED:
-                    with call.touching():
-                        view[:] = private
-                return outcome
+                return io.read_block(
+                    root, name, key, view, memoryview(scratch), call.touching, integrity_key=ikey
+                )
             finally:
-                buffers.give(private)
+                buffers.give(scratch)
 
         since = self._watch()
         try:
@@ -338,7 +336,7 @@ class FSTier(SecondaryTier):
             private = buffers.take(payload.nbytes)
             try:
                 with call.touching():
-                    private[:] = payload
+                    io.copy_bytes(memoryview(private), payload)
                 return io.write_block(
                     root, name, key, memoryview(private), fsync, names, integrity_key=ikey
                 )

@@ -163,19 +163,19 @@ class BufferPool:
     by an abandoned thread is simply never returned."""
 
     def __init__(self, keep: int) -> None:
-        self._keep = keep
-        self._free: deque[bytearray] = deque()
+        self._keep = keep  # per size: read pieces and whole-block write copies
+        self._free: dict[int, list[bytearray]] = {}
         self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> bytearray:
         with self._lock:
-            while self._free:
-                buf = self._free.pop()
-                if len(buf) == nbytes:
-                    return buf
+            free = self._free.get(nbytes)
+            if free:
+                return free.pop()
         return bytearray(nbytes)
 
     def give(self, buf: bytearray) -> None:
         with self._lock:
-            if len(self._free) < self._keep:
-                self._free.append(buf)
+            free = self._free.setdefault(len(buf), [])
+            if len(free) < self._keep and len(self._free) <= 4:
+                free.append(buf)

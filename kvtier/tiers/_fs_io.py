@@ -28,18 +28,21 @@ import secrets
 import socket
 import stat
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from kvtier._format import (
     FORMAT_VERSION,
     HeaderError,
     IntegrityKey,
+    PayloadCheck,
     decode_header,
     encode_header,
     header_size,
-    verify_block,
 )
 
 __all__ = [
@@ -52,6 +55,7 @@ __all__ = [
     "ReadOutcome",
     "WriteOutcome",
     "WrongSize",
+    "copy_bytes",
     "key_of",
     "marker_for",
     "name_of",
@@ -381,18 +385,28 @@ def _write_all(fd: int, buffers: list[bytes | memoryview]) -> None:
             views[0] = views[0][written:]
 
 
+READ_CHUNK = 256 << 10  # small enough to stay in a core's cache between read, hash and copy
+
+
 def read_block(
     root: Path,
     name: str,
     key: bytes,
     dst: memoryview,
+    scratch: memoryview,
+    touching: Callable[[], AbstractContextManager[None]],
     *,
     integrity_key: IntegrityKey | None = None,
 ) -> ReadOutcome:
-    """Read the block into ``dst`` (a private buffer) and verify it before it counts as loaded.
+    """Read the block of ``key`` into ``dst`` and verify it before it counts as loaded.
 
-    Raises ``Corrupt`` (after removing the file) when the header, key, length or checksum is
-    wrong, and ``WrongSize`` when the block is intact but ``dst`` has another size.
+    The file is read piece by piece into ``scratch`` (a private buffer, ``READ_CHUNK`` bytes
+    is plenty), each piece is hashed while it is in the cache and then copied into ``dst``
+    inside ``touching()``: a read that hangs hangs on ``scratch``, never on ``dst``, and a
+    caller that gave up is never written to (``touching`` raises). Raises ``Corrupt`` (after
+    removing the file) when the header, key, length or checksum (or MAC) is wrong, and
+    ``WrongSize`` when the block is intact but ``dst`` has another size; ``dst`` may hold
+    part of the block then.
     """
     path = path_of(root, name)
     try:
@@ -400,11 +414,8 @@ def read_block(
     except FileNotFoundError:
         return ReadOutcome.MISSING
     try:
-        size = os.fstat(fd).st_size
-        header_buf = bytearray(header_size(len(key), integrity_key=integrity_key))
-        got = _read_all(fd, [memoryview(header_buf), dst])
         try:
-            _verify(key, header_buf, dst, size, got, integrity_key)
+            _read_verified(fd, key, dst, scratch, touching, integrity_key)
         except HeaderError as exc:
             _remove_if_same(path, fd)
             raise Corrupt(str(exc)) from exc
@@ -413,14 +424,19 @@ def read_block(
     return ReadOutcome.LOADED
 
 
-def _verify(
+def _read_verified(
+    fd: int,
     key: bytes,
-    header_buf: bytearray,
     dst: memoryview,
-    size: int,
-    got: int,
+    scratch: memoryview,
+    touching: Callable[[], AbstractContextManager[None]],
     integrity_key: IntegrityKey | None,
 ) -> None:
+    size = os.fstat(fd).st_size
+    header_buf = bytearray(header_size(len(key), integrity_key=integrity_key))
+    got = _read_all(fd, [memoryview(header_buf)], 0)
+    if got < len(header_buf):
+        raise HeaderError(f"file is {size} bytes, shorter than its header")
     header = decode_header(header_buf, integrity_key=integrity_key)
     if header.key != key:
         raise HeaderError("block belongs to another key")
@@ -429,13 +445,27 @@ def _verify(
         raise HeaderError(f"file is {size} bytes, header says {expected}")
     if header.payload_length != dst.nbytes:
         raise WrongSize(header.payload_length)
-    if got != expected:
-        raise HeaderError(f"read {got} bytes of {expected}")
-    verify_block(key, header, dst, integrity_key=integrity_key)
+    check = PayloadCheck(key, header, integrity_key=integrity_key)
+    done = 0
+    while done < dst.nbytes:
+        piece = scratch[: min(scratch.nbytes, dst.nbytes - done)]
+        got = _read_all(fd, [piece], len(header_buf) + done)
+        if got != piece.nbytes:
+            raise HeaderError(f"read {len(header_buf) + done + got} bytes of {expected}")
+        check.update(piece)
+        with touching():
+            copy_bytes(dst[done : done + piece.nbytes], piece)
+        done += piece.nbytes
+    check.finish()
 
 
-def _read_all(fd: int, views: list[memoryview]) -> int:
-    total, offset = 0, 0
+def copy_bytes(dst: memoryview, src: memoryview | bytearray) -> None:
+    """memcpy without holding the GIL (numpy releases it), so copying threads run in parallel."""
+    np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8))
+
+
+def _read_all(fd: int, views: list[memoryview], offset: int) -> int:
+    total = 0
     while views:
         got = _preadv(fd, views, offset)
         if got == 0:
