@@ -81,6 +81,8 @@ _DIR_MODE = 0o700
 _FILE_MODE = 0o600
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_ROOT_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _O_CLOEXEC
+_DIR_FLAGS = _ROOT_FLAGS | _O_NOFOLLOW
 
 # The byte-moving OS calls, named once so tests can inject a fault at exactly this boundary.
 _writev = os.writev
@@ -149,13 +151,44 @@ def key_of(name: str) -> bytes | None:
     return None if name.startswith("h") else bytes.fromhex(name)
 
 
-def path_of(root: Path, name: str) -> Path:
+def _shard_of(name: str) -> str:
     if _NAME.fullmatch(name) is None:  # belt and braces: names come from name_of only
         raise AssertionError(f"refusing unsafe block file name {name!r}")
     # Shard on the last four hex digits: keys from ``block_keys`` start with their scheme
     # version byte, so the first digits would put every block under one folder.
-    shard = name.rjust(4, "0")[-4:]
+    return name.rjust(4, "0")[-4:]
+
+
+def path_of(root: Path, name: str) -> Path:
+    """Where the block file ``name`` lives (for reports and existence checks; the operations
+    that read, write or delete reach it through ``_open_shard`` instead)."""
+    shard = _shard_of(name)
     return root / shard[0:2] / shard[2:4] / name
+
+
+def _open_shard(root: Path, name: str, *, create: bool = False) -> int:
+    """A descriptor of ``name``'s shard folder, reached from ``root`` one level at a time
+    without following a symbolic link: whoever can write to a shared folder must not be able
+    to make this process write, read or delete outside it by planting a link as a shard
+    folder. A link there raises ``OSError`` (ELOOP); a missing level ``FileNotFoundError``
+    unless ``create``. The caller closes the descriptor."""
+    shard = _shard_of(name)
+    fd = os.open(root, _ROOT_FLAGS)
+    try:
+        for level in (shard[0:2], shard[2:4]):
+            if create:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(level, _DIR_MODE, dir_fd=fd)
+            try:
+                inner = os.open(level, _DIR_FLAGS, dir_fd=fd)
+            except NotADirectoryError as exc:
+                raise OSError(errno.ELOOP, f"shard {level} is not a folder") from exc
+            os.close(fd)
+            fd = inner
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 # -- opening a root ----------------------------------------------------------------------------
@@ -339,37 +372,50 @@ def write_block(
     beside its final place, is optionally flushed, and is renamed into place. Whatever fails,
     the temporary file is gone when this returns or raises.
     """
-    final = path_of(root, name)
-    try:
-        return WriteOutcome.EXISTS, os.stat(final, follow_symlinks=False).st_size
-    except FileNotFoundError:
-        pass
+    size = _existing_size(root, name)
+    if size is not None:
+        return WriteOutcome.EXISTS, size
     for victim in victims:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path_of(root, victim))
+        remove_block(root, victim)
     header = encode_header(key, payload, integrity_key=integrity_key)
-    folder = final.parent
-    for level in (folder.parent, folder):
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(level, _DIR_MODE)
-    tmp = folder / f"{_TMP_PREFIX}{HOST_TAG}-{os.getpid()}-{secrets.token_hex(4)}-{name}"
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC | _O_NOFOLLOW
-    fd = os.open(tmp, flags, _FILE_MODE)
+    dir_fd = _open_shard(root, name, create=True)
     try:
+        tmp = f"{_TMP_PREFIX}{HOST_TAG}-{os.getpid()}-{secrets.token_hex(4)}-{name}"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC | _O_NOFOLLOW
+        fd = os.open(tmp, flags, _FILE_MODE, dir_fd=dir_fd)
         try:
-            _write_all(fd, [header, payload])
-            if fsync != "never":
-                os.fdatasync(fd)
-        finally:
-            os.close(fd)
-        os.rename(tmp, final)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    if fsync == "always":
-        _fsync_dir(folder)
+            try:
+                _write_all(fd, [header, payload])
+                if fsync != "never":
+                    os.fdatasync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dir_fd)
+            raise
+        if fsync == "always":
+            os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
     return WriteOutcome.WRITTEN, len(header) + payload.nbytes
+
+
+def _existing_size(root: Path, name: str) -> int | None:
+    """The size of the published block file ``name``, or None (a link is not a block: the
+    rename replaces it)."""
+    try:
+        dir_fd = _open_shard(root, name)
+    except FileNotFoundError:
+        return None
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    finally:
+        os.close(dir_fd)
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
 
 
 def _write_all(fd: int, buffers: list[bytes | memoryview]) -> None:
@@ -408,19 +454,24 @@ def read_block(
     ``WrongSize`` when the block is intact but ``dst`` has another size; ``dst`` may hold
     part of the block then.
     """
-    path = path_of(root, name)
     try:
-        fd = os.open(path, os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW)
+        dir_fd = _open_shard(root, name)
     except FileNotFoundError:
         return ReadOutcome.MISSING
     try:
         try:
+            fd = os.open(name, os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW, dir_fd=dir_fd)
+        except FileNotFoundError:
+            return ReadOutcome.MISSING
+        try:
             _read_verified(fd, key, dst, scratch, touching, integrity_key)
         except HeaderError as exc:
-            _remove_if_same(path, fd)
+            _remove_if_same(dir_fd, name, fd)
             raise Corrupt(str(exc)) from exc
+        finally:
+            os.close(fd)
     finally:
-        os.close(fd)
+        os.close(dir_fd)
     return ReadOutcome.LOADED
 
 
@@ -480,19 +531,31 @@ def _read_all(fd: int, views: list[memoryview], offset: int) -> int:
     return total
 
 
-def _remove_if_same(path: Path, fd: int) -> None:
-    """Unlink ``path`` only if it is still the file we read, so a good block another process
+def _remove_if_same(dir_fd: int, name: str, fd: int) -> None:
+    """Unlink ``name`` only if it is still the file we read, so a good block another process
     published there in the meantime survives."""
     with contextlib.suppress(OSError):
         mine = os.fstat(fd)
-        now = os.stat(path, follow_symlinks=False)
+        now = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
         if (mine.st_dev, mine.st_ino) == (now.st_dev, now.st_ino):
-            os.unlink(path)
+            os.unlink(name, dir_fd=dir_fd)
 
 
 def remove_block(root: Path, name: str) -> bool:
+    """Unlink the block file ``name``; False when there was none (a shard folder that is a
+    link holds nothing of this tier's: it is left alone)."""
     try:
-        os.unlink(path_of(root, name))
+        dir_fd = _open_shard(root, name)
     except FileNotFoundError:
         return False
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return False
+        raise
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return False
+    finally:
+        os.close(dir_fd)
     return True
