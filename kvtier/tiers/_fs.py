@@ -220,7 +220,6 @@ class FSTier(SecondaryTier):
             if raise_unavailable:
                 raise self._error(exc, "store") from exc
             return
-        self._epoch += 1  # a check in flight must not drop what this listing found
         self._index = OrderedDict((e.name, e.size) for e in entries)
         self._used = sum(e.size for e in entries)
         self._ready = True
@@ -462,7 +461,7 @@ class FSTier(SecondaryTier):
             self._added.clear()
 
     def _drop_unless_newer(self, name: str, since: int) -> None:
-        """Drop ``name`` unless a store (or a listing) added it after the check began."""
+        """Drop ``name`` unless a store (or a load) added it after the check began."""
         if self._added.get(name, -1) <= since:
             self._drop(name)
 
