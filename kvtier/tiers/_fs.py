@@ -61,7 +61,7 @@ import os
 import time
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import anyio.to_thread
@@ -357,7 +357,8 @@ class FSTier(SecondaryTier):
         except BaseException as exc:
             if not call.left_running:  # else ``late`` settles the account when it finishes
                 self._reserved -= size
-                self._settle(key, name, victims, None, touched=call.started)
+                landed = cast("tuple[io.WriteOutcome, int] | None", call.result)  # cancelled late
+                self._settle(key, name, victims, landed, touched=call.started)
             if isinstance(exc, OSError | Stuck):
                 raise self._error(exc, "store", key) from exc
             raise

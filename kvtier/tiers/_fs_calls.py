@@ -52,11 +52,14 @@ class Abandoned(Exception):
 class Handoff:
     """What one worker thread shares with the caller awaiting it."""
 
-    __slots__ = ("_abandoned", "_done", "_lock", "_started")
+    __slots__ = ("_abandoned", "_done", "_lock", "_started", "result")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._started = self._done = self._abandoned = False
+        # What the call returned, kept even when the caller was cancelled just as it finished
+        # (its outcome is real and must still be accounted for).
+        self.result: object = None
 
     @property
     def started(self) -> bool:
@@ -117,7 +120,7 @@ class WorkerCalls(Generic[T]):
             result: T | None = None
             error: BaseException | None = None
             try:
-                result = fn(call)
+                result = call.result = fn(call)
             except BaseException as exc:
                 error = exc
                 raise
