@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import subprocess
+import threading
 import sys
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -208,6 +209,41 @@ async def test_store_of_existing_object_is_skipped(
         out = bytearray(BLOCK)
         await tier.load(key, memoryview(out))
         assert out == block
+
+
+async def test_store_of_a_large_block_keeps_work_off_the_loop(
+    make_tier: MakeTier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 11 item 10: the block copy and checksums of a store ran on the event loop (about
+    10 ms per 2 MiB), and botocore SHA-256-signed the payload there too. Now the object is
+    built in a worker thread and the payload is not signed (the block
+    carries its own checksum)."""
+    import kvtier.tiers._s3 as s3_module
+
+    threads: list[threading.Thread] = []
+    real_build = s3_module.build_object
+
+    def build(key: bytes, payload: memoryview) -> Any:
+        threads.append(threading.current_thread())
+        return real_build(key, payload)
+
+    monkeypatch.setattr(s3_module, "build_object", build)
+    (key,) = _keys(1)
+    sent: list[Any] = []
+
+    def before_send(request: Any, **_: Any) -> None:
+        if key.hex() in request.url:
+            sent.append(request.headers.get("x-amz-content-sha256", b""))
+
+    block = os.urandom(2 << 20)
+    async with make_tier() as tier:
+        tier._client.meta.events.register("before-send.s3.PutObject", before_send)
+        await tier.store(key, memoryview(block))
+        out = bytearray(len(block))
+        await tier.load(key, memoryview(out))
+    assert out == block
+    assert threads and threading.main_thread() not in threads
+    assert sent in ([b"UNSIGNED-PAYLOAD"], ["UNSIGNED-PAYLOAD"])
 
 
 async def test_batched_lookup_and_miss_ttl(make_tier: MakeTier) -> None:
