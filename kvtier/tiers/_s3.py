@@ -28,8 +28,8 @@ Choices where the contract leaves room:
   "already there", a success). A server that rejects the header (501 / NotImplemented) is
   remembered and gets plain puts from then on: the idempotent overwrite is harmless because
   a key always names the same bytes and S3 puts are atomic.
-- Loads stream the body straight into the destination (header first, then the payload read
-  chunk by chunk into ``dst``): no whole-block copy besides the one from the socket buffer.
+- Loads read the whole body in one ``read()`` and verify and copy it into ``dst`` in a worker
+  thread for blocks over 64 KiB (``_s3_codec.read_block`` says why not chunk by chunk).
   Stores build one ``bytes`` of header + payload in a worker thread for blocks over 64 KiB
   (one copy of the block and one xxh3 pass): a ``bytes`` body is written by aiohttp without a
   stall, the payload is not SHA-256 signed (the block carries its own checksum) and botocore
@@ -94,7 +94,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _CLOSE_TIMEOUT = 5.0
-_THREAD_BUILD_BYTES = 64 * 1024  # build larger objects in a worker thread (over ~1 ms/MiB)
+_THREAD_BUILD_BYTES = 64 * 1024  # build and verify larger objects in a worker thread
 
 
 class S3Tier(SecondaryTier):
@@ -488,14 +488,14 @@ class S3Tier(SecondaryTier):
         """One GET, streamed into ``dst``; a corrupt object is deleted and raised."""
         response = await client.get_object(Bucket=self.bucket, Key=self.object_key(key))
         try:
-            problem, head = await read_block(response, key, dst)
+            problem, head = await read_block(response, key, dst, thread_bytes=_THREAD_BUILD_BYTES)
         finally:
             response["Body"].close()
         if problem is not None:
             await self._discard_corrupt(client, key, head, problem)
 
     async def _discard_corrupt(
-        self, client: Any, key: bytes, head: bytearray, problem: str
+        self, client: Any, key: bytes, head: bytes, problem: str
     ) -> NoReturn:
         """Delete a corrupt object (unless it is a newer format) and raise CorruptBlockError."""
         newer = is_newer_format(head)
