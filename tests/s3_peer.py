@@ -7,8 +7,8 @@ tokens, block_bytes, seed and mode:
   the scheduler, load them and print their sha256 digests.
 - ``store``: store the blocks through the manager (leaving the manager waits for the
   write-through, closing the tier publishes its journal) and print the write-through counts.
-- ``race``: like ``store``, but first wait until the file ``go`` names exists, so two peers
-  started together put the same keys at the same moment (the conditional put race).
+- ``race``: like ``store``, but once open print ``ready`` and wait for a line on stdin, so
+  two peers put the same keys at the same moment (the conditional put race).
 
 The blocks are derived from ``seed`` so both processes know what the bytes must be.
 Prints one JSON object on stdout.
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 import sys
 from typing import Any
@@ -55,9 +54,8 @@ async def main(args: dict[str, Any]) -> dict[str, Any]:
     pool = HostPool(len(keys) + 4, block_bytes)
     async with TieringManager(pool, [tier]) as manager:
         if args["mode"] == "race":
-            with anyio.fail_after(30):
-                while not os.path.exists(args["go"]):
-                    await anyio.sleep(0.01)  # a start line across processes; bounded
+            print("ready", flush=True)  # the tier is open: wait for the start line
+            await anyio.to_thread.run_sync(sys.stdin.readline)
         if args["mode"] in ("store", "race"):
             blocks = make_blocks(int(args["seed"]), len(keys), block_bytes)
             array = np.frombuffer(b"".join(blocks), dtype=np.uint8).reshape(len(keys), -1)

@@ -15,8 +15,8 @@ import json
 import logging
 import os
 import subprocess
-import threading
 import sys
+import threading
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 from moto_proc import MotoServer, create_bucket, free_port
 from moto_proc import raw_client as moto_client
+from s3_peer import make_blocks
 from weed_proc import (
     ACCESS_KEY,
     BUCKET,
@@ -38,7 +39,6 @@ from weed_proc import (
     serve_own,
     serve_session,
 )
-from s3_peer import make_blocks
 
 from kvtier._errors import (
     BlockNotFoundError,
@@ -253,7 +253,9 @@ async def test_batched_lookup_and_miss_ttl(make_tier: MakeTier) -> None:
     async with make_tier() as writer:
         for key in present:
             await writer.store(key, memoryview(os.urandom(64)))
-    async with make_tier(lookup_mode="ask", lookup_batch_size=16, miss_ttl=5.0, clock=clock) as tier:
+    async with make_tier(
+        lookup_mode="ask", lookup_batch_size=16, miss_ttl=5.0, clock=clock
+    ) as tier:
         assert all(tier.lookup(key) is LookupResult.RETRY for key in keys)
         results = [await resolve_lookup(tier, key) for key in keys]
         assert results == [LookupResult.HIT] * 60 + [LookupResult.MISS] * 40
@@ -398,20 +400,43 @@ async def test_index_hit_whose_object_was_deleted(
 
 
 async def test_conditional_put_race_between_two_processes(
-    make_tier: MakeTier, weed_server: WeedServer, prefix: str, tmp_path: Path
+    weed_server: WeedServer, prefix: str
 ) -> None:
+    """Two processes put the same 64 keys at the same moment (If-None-Match: *): each key is
+    written at least once, every other put finds it there, and every block is intact."""
     namespace = os.urandom(8)
-    go = tmp_path / "go"
-    common = {"prefix": prefix, "namespace": namespace.hex(), "tokens": 64, "seed": 5}
+    payload = {
+        "endpoint": weed_server.endpoint_url,
+        "bucket": BUCKET,
+        "access_key": ACCESS_KEY,
+        "secret_key": SECRET_KEY,
+        "block_bytes": BLOCK,
+        "prefix": prefix,
+        "namespace": namespace.hex(),
+        "tokens": 64,
+        "seed": 5,
+    }
+    command = [sys.executable, str(HERE / "s3_peer.py"), json.dumps({**payload, "mode": "race"})]
     results: list[dict[str, Any]] = []
-
-    async def peer() -> None:
-        results.append(await _run_peer(weed_server, mode="race", go=str(go), **common))
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(peer)
-        tg.start_soon(peer)
-        go.write_bytes(b"")
+    with anyio.fail_after(120):
+        async with (
+            await anyio.open_process(command) as first,
+            await anyio.open_process(command) as second,
+        ):
+            peers = [first, second]
+            for peer in peers:  # both tiers are open ...
+                assert peer.stdout is not None
+                assert (await peer.stdout.receive()).startswith(b"ready")
+            for peer in peers:  # ... and both start now
+                assert peer.stdin is not None
+                await peer.stdin.send(b"go\n")
+            for peer in peers:
+                assert peer.stdout is not None
+                out = b""
+                async for chunk in peer.stdout:
+                    out += chunk
+                assert await peer.wait() == 0
+                results.append(json.loads(out.decode().strip().splitlines()[-1]))
     keys = block_keys(list(range(64)), 4, namespace=namespace)
     for result in results:
         assert result["cascades_succeeded"] == len(keys)  # both saw success: put or "exists"
@@ -419,6 +444,7 @@ async def test_conditional_put_race_between_two_processes(
     assert sum(r["stores"] for r in results) >= len(keys)
     assert sum(r["stores"] + r["stores_skipped_existing"] for r in results) == 2 * len(keys)
     # And what is stored is intact: a third node loads every block and checks its bytes.
+    common = {k: payload[k] for k in ("prefix", "namespace", "tokens", "seed")}
     loaded = await _run_peer(weed_server, mode="load", **common)
     assert loaded["loaded"] == len(keys)
     assert loaded["digests"] == [hashlib.sha256(b).hexdigest() for b in make_blocks(5, 16, BLOCK)]
