@@ -190,6 +190,9 @@ class S3Tier(SecondaryTier):
             clock=clock,
         )
         self._limiter = anyio.CapacityLimiter(cfg.max_concurrency)
+        # Write-through is background work: it may use a quarter of the connections, so the
+        # loads a waiting request needs are never queued behind a burst of stores.
+        self._store_limiter = anyio.CapacityLimiter(max(1, cfg.max_concurrency // 4))
         self._stack: AsyncExitStack | None = None
         self._client: Any = None
         self._meter = TierMeter()
@@ -545,7 +548,8 @@ class S3Tier(SecondaryTier):
 
         expected = frozenset({Fault.PRECONDITION, Fault.CONFLICT, Fault.UNSUPPORTED})
         try:
-            result = await self._call("store", key, put, expected=expected)
+            async with self._store_limiter:
+                result = await self._call("store", key, put, expected=expected)
             if result is Fault.UNSUPPORTED and self._conditional_put:
                 logger.info("%s: the server rejects conditional puts; using plain puts", self.name)
                 self._conditional_put = False
