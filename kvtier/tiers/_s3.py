@@ -527,6 +527,12 @@ class S3Tier(SecondaryTier):
     async def store(self, key: bytes, src: memoryview) -> None:
         check_key(key)
         client = self._require_client("store")
+        if self.settings.lookup_mode == "index" and key in self._index:
+            # Already in the bucket (written here, listed, or published by another node): a key
+            # always names the same bytes, so there is nothing to send. If the object was
+            # deleted meanwhile, the next GET finds out and drops it from the index.
+            self._skipped_existing += 1
+            return
         payload = memoryview(src).cast("B") if memoryview(src).format != "B" else memoryview(src)
         started = time.perf_counter()
         if payload.nbytes > _THREAD_BUILD_BYTES:
