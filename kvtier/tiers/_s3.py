@@ -219,6 +219,7 @@ class S3Tier(SecondaryTier):
             refresh=cfg.index_refresh,
             lookback=cfg.index_lookback,
             list_timeout=cfg.index_list_timeout,
+            read_journal=cfg.lookup_mode == "index",  # ask mode only publishes, for the others
         )
         self._task_group: anyio.abc.TaskGroup | None = None
 
@@ -311,7 +312,7 @@ class S3Tier(SecondaryTier):
             await tg.__aexit__(None, None, None)
         await self._lookups.aclose()  # cancels its checks: returns promptly
         with anyio.move_on_after(_CLOSE_TIMEOUT, shield=True):
-            await self._sync.refresh_once()  # publish the last keys this node wrote
+            await self._sync.refresh_once(poll=False)  # publish the last keys written here
             await stack.aclose()
 
     def _require_client(self, operation: str) -> Any:

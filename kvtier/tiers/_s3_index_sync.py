@@ -73,6 +73,7 @@ class IndexSync:
         refresh: float,
         lookback: float,
         list_timeout: float,
+        read_journal: bool = True,
         wall: Callable[[], float] = time.time,
     ) -> None:
         self._index = index
@@ -87,6 +88,7 @@ class IndexSync:
         self._lookback_ms = int(lookback * 1000)
         self._list_timeout = list_timeout
         self._wall = wall
+        self._read_journal = read_journal
         self._seq = 0
         self._own: list[tuple[int, str]] = []  # (wall ms, name) of segments published here
         self._log = BurstLogger(logger)
@@ -168,12 +170,14 @@ class IndexSync:
             await anyio.sleep(self.refresh)
             await self.refresh_once()
 
-    async def refresh_once(self) -> None:
-        """One round: publish this node's new keys, read the others'. Never raises a tier
-        fault (logged once per burst; the next round tries again)."""
+    async def refresh_once(self, *, poll: bool = True) -> None:
+        """One round: publish this node's new keys, read the others' (unless ``poll`` is
+        False or this tier does not read the journal). Never raises a tier fault (logged once
+        per burst; the next round tries again)."""
         try:
             await self.publish()
-            await self.poll()
+            if poll and self._read_journal:
+                await self.poll()
         except TierError as exc:
             self._log.warning(
                 "refresh", "%s: index refresh failed (%s); retrying", self.name, exc.reason
