@@ -50,9 +50,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from contextlib import AsyncExitStack
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn
 
 import anyio
 import anyio.abc
@@ -63,7 +63,6 @@ from kvtier._errors import (
     CorruptBlockError,
     ExtraNotInstalledError,
     InvalidArgumentError,
-    KVTierError,
     LifecycleError,
     TierError,
     TierUnavailableError,
@@ -73,7 +72,7 @@ from kvtier._logging import BurstLogger
 from kvtier._lookup import LookupResult, MissReason
 from kvtier.tiers._async_lookup import AsyncLookupManager
 from kvtier.tiers._base import SecondaryTier, TierMeter, TierStatistics
-from kvtier.tiers._s3_breaker import BreakerState, CircuitBreaker, Permit, backoff_delay
+from kvtier.tiers._s3_breaker import BreakerState, CircuitBreaker
 from kvtier.tiers._s3_codec import build_object, is_newer_format, read_block
 from kvtier.tiers._s3_config import (
     S3Settings,
@@ -82,16 +81,15 @@ from kvtier.tiers._s3_config import (
     shared_session,
     warm_session,
 )
-from kvtier.tiers._s3_errors import Fault, translate
+from kvtier.tiers._s3_errors import Fault
 from kvtier.tiers._s3_index import ExistenceIndex
 from kvtier.tiers._s3_index_sync import IndexSync
 from kvtier.tiers._s3_journal import writer_id
+from kvtier.tiers._s3_requests import Requests
 
 __all__ = ["S3Tier", "S3TierStatistics"]
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 _CLOSE_TIMEOUT = 5.0
 _THREAD_BUILD_BYTES = 64 * 1024  # build and verify larger objects in a worker thread
@@ -179,6 +177,16 @@ class S3Tier(SecondaryTier):
         self.bucket = cfg.bucket
         self.prefix = cfg.prefix
         self._breaker = CircuitBreaker(cfg.breaker_threshold, cfg.breaker_reset, clock=clock)
+        self._requests = Requests(
+            name=name,
+            bucket=cfg.bucket,
+            endpoint_label=cfg.endpoint_label,
+            max_attempts=cfg.max_attempts,
+            max_concurrency=cfg.max_concurrency,
+            breaker=self._breaker,
+        )
+        self._call = self._requests.call
+        self._translate = self._requests.translate
         self._lookups = AsyncLookupManager(
             self._check_unindexed,
             name=name,
@@ -189,7 +197,6 @@ class S3Tier(SecondaryTier):
             on_verdict=self.notify,
             clock=clock,
         )
-        self._limiter = anyio.CapacityLimiter(cfg.max_concurrency)
         # Write-through is background work: it may use a quarter of the connections, so the
         # loads a waiting request needs are never queued behind a burst of stores.
         self._store_limiter = anyio.CapacityLimiter(max(1, cfg.max_concurrency // 4))
@@ -199,11 +206,9 @@ class S3Tier(SecondaryTier):
         self._log = BurstLogger(logger)
         self._conditional_put = True
         self._breaker_misses = 0
-        self._retries = 0
         self._skipped_existing = 0
         self._corrupt_deleted = 0
         self._request_path_requests = 0
-        self._trial_done = anyio.Event()
         self._index = ExistenceIndex(
             miss_ttl=cfg.miss_ttl, max_keys=cfg.index_max_keys, clock=clock
         )
@@ -324,98 +329,6 @@ class S3Tier(SecondaryTier):
         return self._client
 
     # -- requests ------------------------------------------------------------------------------
-
-    def _translate(self, exc: BaseException, operation: str, key: bytes | None) -> TierError:
-        translated = translate(
-            exc,
-            tier=self.name,
-            operation=operation,
-            key=key,
-            bucket=self.bucket,
-            endpoint=self._endpoint_label,
-        )
-        if translated is None:
-            return TierUnavailableError(
-                f"unexpected {type(exc).__name__}", tier=self.name, operation=operation, key=key
-            )
-        return translated.error
-
-    async def _call(
-        self,
-        operation: str,
-        key: bytes | None,
-        attempt: Callable[[], Awaitable[T]],
-        *,
-        expected: frozenset[Fault] = frozenset(),
-    ) -> T | Fault:
-        """Run ``attempt`` with retries, backoff and the breaker.
-
-        Faults in ``expected`` (e.g. NOT_FOUND for a HEAD) are answers, returned as the
-        Fault; others raise the translated TierError ``from`` the native error.
-        """
-        attempts = self.settings.max_attempts
-        for n in range(attempts):
-            permit = await self._permit()
-            if permit is Permit.REJECTED:
-                raise TierUnavailableError(
-                    f"circuit breaker open: {self._endpoint_label} failed "
-                    f"{self._breaker.threshold} times in a row; retrying after "
-                    f"{self._breaker.reset_after} s",
-                    tier=self.name,
-                    operation=operation,
-                    key=key,
-                )
-            settled = False
-            try:
-                async with self._limiter:
-                    result = await attempt()
-                self._breaker.success(permit)
-                settled = True
-                return result
-            except Exception as exc:
-                translated = translate(
-                    exc,
-                    tier=self.name,
-                    operation=operation,
-                    key=key,
-                    bucket=self.bucket,
-                    endpoint=self._endpoint_label,
-                )
-                settled = True
-                if translated is None:
-                    if isinstance(exc, KVTierError):  # ours (corrupt, bad dst): it answered
-                        self._breaker.success(permit)
-                    else:  # not a storage or network error: a bug, let it show
-                        self._breaker.abandon(permit)
-                    raise
-                if not translated.fault.endpoint_down:
-                    self._breaker.success(permit)
-                    if translated.fault in expected:
-                        return translated.fault
-                    raise translated.error from exc
-                self._breaker.failure(permit)
-                if n + 1 >= attempts or self._breaker.rejecting():
-                    raise translated.error from exc
-                self._retries += 1
-            finally:
-                if not settled:
-                    self._breaker.abandon(permit)
-                if permit is Permit.TRIAL:
-                    self._trial_done.set()
-            await anyio.sleep(backoff_delay(n))
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    async def _permit(self) -> Permit:
-        """The breaker's permit for one request. While the half-open trial is out, requests
-        wait for its outcome instead of failing: a batch of requests sent together once the
-        reset period is over (several HEADs, several loads) must not be rejected beside the
-        trial, or worse, cancel it (issue 11 item 3: the breaker then never closed)."""
-        while self._breaker.trial_out:
-            await self._trial_done.wait()  # the trial has its own timeouts
-        permit = self._breaker.allow()
-        if permit is Permit.TRIAL:
-            self._trial_done = anyio.Event()
-        return permit
 
     # -- the contract ------------------------------------------------------------------------
 
@@ -636,7 +549,7 @@ class S3Tier(SecondaryTier):
             breaker_state=self._breaker.state.value,
             breaker_opened=self._breaker.times_opened,
             requests_rejected_by_breaker=self._breaker.rejected,
-            retries=self._retries,
+            retries=self._requests.retries,
             stores_skipped_existing=self._skipped_existing,
             corrupt_deleted=self._corrupt_deleted,
             conditional_put=self._conditional_put,
