@@ -127,3 +127,17 @@ def test_object_names_map_back_to_keys() -> None:
 def test_index_settings_are_checked(overrides: dict[str, object], message: str) -> None:
     with pytest.raises(InvalidArgumentError, match=message):
         S3Tier("bucket", **overrides)  # type: ignore[arg-type]
+
+
+def test_index_settings_from_the_config_file() -> None:
+    from kvtier._config import KVTierConfig
+
+    pool = {"num_blocks": 4, "block_bytes": 4096}
+    config = KVTierConfig.from_dict(
+        {"pool": pool, "s3": {"bucket": "abc", "lookup_mode": "ask", "index_refresh": 1.0}}
+    )
+    (tier,) = config.build_tiers()
+    assert isinstance(tier, S3Tier)
+    assert (tier.settings.lookup_mode, tier.settings.index_refresh) == ("ask", 1.0)
+    with pytest.raises(InvalidArgumentError, match="index_lookback"):
+        KVTierConfig.from_dict({"pool": pool, "s3": {"bucket": "abc", "index_refresh": 40.0}})
