@@ -345,9 +345,21 @@ class S3Config(_Section):
     breaker_threshold: int = field(default=5, metadata=_spec(_positive_int))
     breaker_reset: float = field(default=5.0, metadata=_spec(_seconds))
     lookup_timeout: float = field(default=5.0, metadata=_spec(_seconds))
+    # The existence index (see kvtier.tiers._s3_index): "index" answers lookup() without a
+    # request (unknown keys miss at once); "ask" sends HEADs for unknown keys.
+    lookup_mode: str = field(default="index", metadata=_spec(_choice("index", "ask")))
+    index_refresh: float = field(default=2.0, metadata=_spec(_seconds))
+    index_lookback: float = field(default=60.0, metadata=_spec(_seconds))
+    index_list_timeout: float = field(default=60.0, metadata=_spec(_seconds))
+    index_max_keys: int = field(default=10_000_000, metadata=_spec(_positive_int))
 
     def __post_init__(self) -> None:
         _check_fields(self, lambda name: f"s3.{name}")
+        if self.index_lookback < 2 * self.index_refresh:
+            raise InvalidArgumentError(
+                f"s3.index_lookback ({self.index_lookback} s) must be at least 2 x "
+                f"s3.index_refresh ({self.index_refresh} s)"
+            )
         if (self.aws_access_key_id is None) != (self.aws_secret_access_key is None):
             raise InvalidArgumentError(
                 "aws_access_key_id and aws_secret_access_key go together: set both, or "

@@ -49,6 +49,9 @@ class TierStatistics:
     evictions: int = 0
     blocks: int = 0
     bytes_stored: int = 0
+    # Requests sent to the storage because ``lookup()`` was asked about a key the tier's own
+    # index does not hold (a remote tier answering from an existence index keeps this at 0).
+    request_path_requests: int = 0
 
 
 class TierMeter:
