@@ -241,10 +241,14 @@ class OffloadScheduler:
                 while True:
                     waiting: list[bytes] = []
                     lease: list[int] = []
-                    if window is None:
-                        result = self._prefix(keys, None, waiting, lease)
-                    else:
-                        result = self._window(keys, window, None, waiting, lease)
+                    try:
+                        if window is None:
+                            result = self._prefix(keys, None, waiting, lease)
+                        else:
+                            result = self._window(keys, window, None, waiting, lease)
+                    except BaseException:
+                        self._release(lease)  # the scan's pins, taken before it raised
+                        raise
                     self._release(leased)
                     leased = lease
                     if result is not None:

@@ -150,6 +150,7 @@ class TieringManager:
         self._latency = latency
         self._stack: AsyncExitStack | None = None
         self._task_group: anyio.abc.TaskGroup | None = None
+        self._was_open = False  # closed after use: lookups answer MISS; never opened: misuse
         self._waiters: dict[bytes, list[anyio.Event]] = {}
         self._tasks = _InFlight()  # promotions and write-through
         self._cascades = _InFlight()  # write-through only: what exit waits for
@@ -177,6 +178,7 @@ class TieringManager:
             task_group = anyio.create_task_group()
             await task_group.__aenter__()
             self._task_group = task_group
+            self._was_open = True
             self._stack = stack.pop_all()
         return self
 
@@ -230,7 +232,14 @@ class TieringManager:
         if self.pool.lookup(key) is HIT_PENDING:
             self._pending += 1
             return HIT_PENDING
-        task_group = self._check_open()
+        task_group = self._task_group
+        if task_group is None:
+            if not self._was_open:
+                self._check_open()  # never opened: a usage error, say so
+            # Closed (or closing) while the engine still asks: nothing can promote now.
+            self._misses += 1
+            _bump(self._miss_reasons, MissReason.UNAVAILABLE)
+            return MISS
         any_retry = False
         for tier in self.tiers:
             result = tier.lookup(key)
