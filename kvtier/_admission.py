@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from kvtier._errors import InvalidArgumentError
 from kvtier._validate import positive_int, positive_number
 
-__all__ = ["AdmissionPolicy", "AdmissionStatistics"]
+__all__ = ["AdmissionPolicy", "AdmissionStatistics", "WriteBackQueue"]
 
 CAUSE_LATENCY = "latency"
 CAUSE_IN_FLIGHT = "in_flight"
@@ -139,6 +139,12 @@ class AdmissionPolicy:
         gate.dropped[cause] = gate.dropped.get(cause, 0) + 1
         return False
 
+    def cancel(self, tier: str, nbytes: int) -> None:
+        """Give back an admission that was not used (no write happened: no latency sample)."""
+        gate = self._gate(tier)
+        gate.in_flight = max(gate.in_flight - nbytes, 0)
+        gate.admitted -= 1
+
     def finished(self, tier: str, nbytes: int, seconds: float) -> None:
         """An admitted write of ``nbytes`` ended after ``seconds`` (failed, timed out or
         cancelled writes too: each says how long the tier held the bytes)."""
@@ -175,6 +181,41 @@ class AdmissionPolicy:
             f"<AdmissionPolicy write_back={sorted(self.write_back_tiers)} closed={closed} "
             f"dropped={self.dropped()}>"
         )
+
+
+class WriteBackQueue:
+    """The dirty blocks of write-back tiers: stored in the pool, pinned there (so they cannot
+    be evicted unwritten), oldest first. The manager writes back the oldest once more than
+    ``limit`` are dirty, and all of them at close."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = positive_int(limit, "write_back_limit")
+        self._dirty: dict[bytes, int] = {}  # key -> pinned slot, in the order stored
+        self.written_back = 0
+
+    def __len__(self) -> int:
+        return len(self._dirty)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._dirty
+
+    def add(self, key: bytes, slot: int) -> None:
+        self._dirty[key] = slot
+
+    def oldest(self) -> tuple[bytes, int] | None:
+        """The oldest dirty block, if the queue is over its limit."""
+        if len(self._dirty) <= self.limit:
+            return None
+        return next(iter(self._dirty.items()))
+
+    def pop(self, key: bytes) -> int:
+        return self._dirty.pop(key)
+
+    def drain(self) -> list[tuple[bytes, int]]:
+        """Every dirty block, oldest first, and the queue emptied (at close)."""
+        items = list(self._dirty.items())
+        self._dirty.clear()
+        return items
 
 
 def _ewma(old: float | None, sample: float, alpha: float) -> float:

@@ -89,28 +89,35 @@ class ScanBudget:
     """What one async lookup tells the manager while it scans, and what it learns back.
 
     The scheduler passes it as the ``ctx`` of ``manager.lookup``; a manager that does not know
-    it ignores it. ``deadline`` is the clock time by which recomputing would have finished (None
-    without a recompute estimate: no block is declined). ``lazy`` asks the manager to start no
-    promotion after a key whose existence is still unknown (the scan may stop there); the
-    manager sets ``unresolved`` when it meets one, and ``expected_ready`` to the latest time a
-    block the scan waits for is expected in the pool.
+    it ignores it. ``deadline`` is the clock time by which recomputing the request's blocks
+    past its resident prefix would have finished, set by ``plan`` on the first scan (None
+    without a recompute estimate: nothing is declined, the wait is not cut). ``lazy`` asks the
+    manager to start no promotion after a key whose existence is still unknown (the prefix
+    may end there); the manager sets ``unresolved`` when it meets one, and ``expected_ready``
+    to the latest time a block the scan waits for is expected in the pool.
     """
 
-    __slots__ = ("deadline", "expected_ready", "lazy", "unresolved")
+    __slots__ = ("deadline", "expected_ready", "lazy", "per_block", "started", "unresolved")
 
-    def __init__(self, deadline: float | None = None, *, lazy: bool = True) -> None:
-        self.deadline = deadline
+    def __init__(self, started: float, per_block: float | None, *, lazy: bool = True) -> None:
+        self.started = started
+        self.per_block = per_block
         self.lazy = lazy
+        self.deadline: float | None = None
         self.unresolved = False
         self.expected_ready = -math.inf
+
+    def plan(self, blocks: int) -> None:
+        """Set the deadline for recomputing ``blocks`` blocks (once: the first scan's view)."""
+        if self.deadline is None and self.per_block is not None:
+            self.deadline = self.started + self.per_block * max(blocks, 0)
 
     def expect(self, ready_at: float) -> None:
         if ready_at > self.expected_ready:
             self.expected_ready = ready_at
 
-    def reset(self, deadline: float | None) -> None:
+    def new_scan(self) -> None:
         """Ready for the next scan of the same request."""
-        self.deadline = deadline
         self.unresolved = False
         self.expected_ready = -math.inf
 

@@ -3,6 +3,7 @@ and an async layer that waits for state changes instead of polling (design §2.3
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from typing import Protocol, runtime_checkable
 import anyio
 
 from kvtier._buffers import check_keys
+from kvtier._cost import CostModel, ScanBudget
 from kvtier._errors import InvalidArgumentError
 from kvtier._lookup import LookupResult
 from kvtier._validate import positive_int, positive_number
@@ -41,6 +43,8 @@ class SchedulerStatistics:
     async_lookups: int
     waits: int
     timeouts: int
+    waits_cut: int
+    """Async lookups that stopped waiting early: recomputing was expected to be cheaper."""
 
 
 def _check_window(size: object) -> int:
@@ -83,6 +87,11 @@ class OffloadScheduler:
         self._pin: Callable[[Sequence[bytes]], list[int]] | None = pin if unpin else None
         self._unpin: Callable[[Sequence[int]], None] | None = unpin if pin else None
         self._scans = self._deferred = self._async_lookups = self._waits = self._timeouts = 0
+        self._cut = 0
+        # A manager with a cost model (TieringManager) gets a ScanBudget as the ctx of the
+        # async lookup's scans: lazy promotion, and the "never slower than recompute" rule.
+        cost = getattr(manager, "cost", None)
+        self._cost: CostModel | None = cost if isinstance(cost, CostModel) else None
 
     # -- synchronous scans (design §2.2) -------------------------------------------------------
 
@@ -119,6 +128,8 @@ class OffloadScheduler:
             start = self._fast_prefix(keys)
             if start == len(keys):
                 return start  # nothing else runs before the caller returns: no pins needed
+        if isinstance(ctx, ScanBudget):
+            ctx.plan(len(keys) - start)
         pin = self._pin
         if pin is not None and start:
             lease += pin(keys[:start])
@@ -157,6 +168,8 @@ class OffloadScheduler:
     ) -> int | None:
         """The window scan; pins each hit it sees into ``lease`` (the caller releases)."""
         self._scans += 1
+        if isinstance(ctx, ScanBudget):
+            ctx.plan(len(keys))
         lookup = self.manager.lookup
         pin = self._pin
         streak = 0
@@ -236,16 +249,24 @@ class OffloadScheduler:
         # The hits of the latest scan stay pinned while we wait for the rest; each rescan
         # takes a new lease before the old one is given back.
         leased: list[int] = []
+        cost = self._cost
+        budget = (
+            None
+            if cost is None
+            else ScanBudget(cost.clock(), cost.recompute_seconds_per_block, lazy=window is None)
+        )
         try:
             with anyio.move_on_after(limit) as scope:
                 while True:
                     waiting: list[bytes] = []
                     lease: list[int] = []
+                    if budget is not None:
+                        budget.new_scan()
                     try:
                         if window is None:
-                            result = self._prefix(keys, None, waiting, lease)
+                            result = self._prefix(keys, budget, waiting, lease)
                         else:
-                            result = self._window(keys, window, None, waiting, lease)
+                            result = self._window(keys, window, budget, waiting, lease)
                     except BaseException:
                         self._release(lease)  # the scan's pins, taken before it raised
                         raise
@@ -253,27 +274,56 @@ class OffloadScheduler:
                     leased = lease
                     if result is not None:
                         return result
+                    patience = self._patience(budget)
+                    if patience is not None and patience <= 0:
+                        self._cut += 1  # recomputing is expected to be cheaper: stop here
+                        return self._hits_now(keys, window, leased, budget)
                     event = watch(waiting)
                     try:
                         self._waits += 1
-                        await event.wait()
+                        with anyio.move_on_after(math.inf if patience is None else patience):
+                            await event.wait()
                     finally:
                         unwatch(waiting, event)
             assert scope.cancelled_caught
             self._timeouts += 1
-            return self._hits_now(keys, window, leased)
+            return self._hits_now(keys, window, leased, budget)
         finally:
             self._release(leased)
 
-    def _hits_now(self, keys: Sequence[bytes], window: int | None, lease: list[int]) -> int:
+    def _patience(self, budget: ScanBudget | None) -> float | None:
+        """How much longer waiting can pay off (<= 0: stop now), or None without a recompute
+        estimate (wait up to the caller's deadline, as always). A request never waits longer
+        in all than recomputing its blocks would take, and stops at once when the blocks it
+        waits for are expected later than that."""
+        if budget is None or budget.deadline is None or self._cost is None:
+            return None
+        now = self._cost.clock()
+        if not self._cost.keep_waiting(
+            budget.started, now, budget.expected_ready, budget.deadline - budget.started
+        ):
+            return 0.0
+        return max(budget.deadline - now, 0.0)
+
+    def _hits_now(
+        self,
+        keys: Sequence[bytes],
+        window: int | None,
+        lease: list[int],
+        budget: ScanBudget | None = None,
+    ) -> int:
         """The answer counting only blocks that are HIT at this moment (pinned into
-        ``lease`` as they are counted, like a scan's)."""
+        ``lease`` as they are counted, like a scan's). With a budget, it starts no new
+        promotion: the request has stopped waiting."""
+        if budget is not None:
+            budget.new_scan()
+            budget.lazy = budget.unresolved = True  # the manager defers every tier hit
         lookup = self.manager.lookup
         pin = self._pin
         count = streak = 0
         indexes = range(len(keys)) if window is None else range(len(keys) - 1, -1, -1)
         for i in indexes:
-            hit = lookup(keys[i], None) is HIT
+            hit = lookup(keys[i], budget) is HIT
             if hit and pin is not None:
                 lease += pin((keys[i],))
             if window is None:
@@ -293,6 +343,7 @@ class OffloadScheduler:
             async_lookups=self._async_lookups,
             waits=self._waits,
             timeouts=self._timeouts,
+            waits_cut=self._cut,
         )
 
     def __repr__(self) -> str:

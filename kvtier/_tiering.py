@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import time
 import types
 from collections.abc import Sequence
@@ -19,7 +20,9 @@ from typing import Any, Protocol, Self
 import anyio
 import anyio.abc
 
+from kvtier._admission import AdmissionPolicy, AdmissionStatistics, WriteBackQueue
 from kvtier._buffers import check_keys, dtype_name, split_blocks
+from kvtier._cost import CostModel, CostStatistics, ScanBudget
 from kvtier._errors import InvalidArgumentError, LifecycleError, TierError
 from kvtier._logging import BurstLogger
 from kvtier._lookup import LookupResult, MissReason
@@ -68,6 +71,16 @@ class ManagerStatistics:
     background_tasks: int
     pool: PoolStatistics
     tiers: tuple[TierStatistics, ...]
+    promotions_deferred: int
+    """Tier hits not promoted yet because an earlier key of the scan was still unknown."""
+    promotions_declined: int
+    """Tier hits not promoted because the tier was expected later than recompute."""
+    cascades_dropped: int
+    """Writes to a tier that its admission refused (back-pressure), all tiers together."""
+    written_back: int
+    dirty_blocks: int
+    cost: CostStatistics
+    admission: tuple[AdmissionStatistics, ...]
 
 
 class _InFlight:
@@ -111,6 +124,13 @@ class TieringManager:
     them) and a task group for background work; leaving the block lets in-flight write-through
     finish for up to ``close_timeout`` seconds, cancels the rest (counted in
     ``cascades_cancelled``) and closes the tiers.
+
+    ``cost`` (a ``kvtier.CostModel``, one is made if not given) learns each tier's promotion
+    latency; give it the engine's recompute cost and the scheduler never waits longer than
+    recomputing would take. ``admission`` (a ``kvtier.AdmissionPolicy``) decides which tiers
+    take each stored block: a tier that falls behind is skipped (counted) until it recovers,
+    and tiers it names as write-back get a block only when it must leave the pool; up to
+    ``write_back_limit`` blocks wait in the pool, pinned, for that.
     """
 
     def __init__(
@@ -124,6 +144,9 @@ class TieringManager:
         close_timeout: float = 5.0,
         dtype: Any = None,
         latency: PromotionObserver | None = None,
+        cost: CostModel | None = None,
+        admission: AdmissionPolicy | None = None,
+        write_back_limit: int | None = None,
     ) -> None:
         if not isinstance(pool, PrimaryPool):
             raise InvalidArgumentError(
@@ -148,6 +171,17 @@ class TieringManager:
         self._close_timeout = positive_number(close_timeout, "close_timeout")
         self._dtype = None if dtype is None else dtype_name(dtype)
         self._latency = latency
+        self.cost = cost if cost is not None else CostModel()
+        if admission is None:  # by default each tier may use its share of the in-flight bytes
+            share = max(self._max_in_flight_bytes // max(len(self.tiers), 1), pool.block_bytes)
+            admission = AdmissionPolicy(max_in_flight_bytes=share)
+        self.admission = admission
+        self._write_back = WriteBackQueue(
+            max(pool.num_blocks // 4, 1) if write_back_limit is None else write_back_limit
+        )
+        self._write_back_tiers = tuple(t for t in self.tiers if admission.is_write_back(t.name))
+        self._through_tiers = tuple(t for t in self.tiers if not admission.is_write_back(t.name))
+        self._promoting: dict[bytes, float] = {}  # key -> when its promotion should land
         self._stack: AsyncExitStack | None = None
         self._task_group: anyio.abc.TaskGroup | None = None
         self._was_open = False  # closed after use: lookups answer MISS; never opened: misuse
@@ -165,6 +199,7 @@ class TieringManager:
         self._cascades_started = self._cascades_ok = 0
         self._cascades_skipped = self._cascades_cancelled = 0
         self._cascade_failures: dict[str, int] = {}
+        self._deferred = self._declined = 0
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -195,6 +230,8 @@ class TieringManager:
         stack, self._stack = self._stack, None
         if stack is None:
             return
+        if self._task_group is not None:
+            self._flush_write_back(self._task_group, everything=True)
         with anyio.move_on_after(self._close_timeout, shield=True):
             await self._cascades.wait_zero()  # promotions are only reads: cancel them at once
         self._cascades_cancelled += self._cascades.count
@@ -231,6 +268,8 @@ class TieringManager:
             return HIT
         if self.pool.lookup(key) is HIT_PENDING:
             self._pending += 1
+            if isinstance(ctx, ScanBudget):
+                ctx.expect(self._promoting.get(key, -math.inf))
             return HIT_PENDING
         task_group = self._task_group
         if task_group is None:
@@ -240,28 +279,61 @@ class TieringManager:
             self._misses += 1
             _bump(self._miss_reasons, MissReason.UNAVAILABLE)
             return MISS
+        budget = ctx if isinstance(ctx, ScanBudget) else None
         any_retry = False
+        soonest = math.inf  # of the tiers still checking: when the block could land
         for tier in self.tiers:
             result = tier.lookup(key)
             if result is HIT:
+                if budget is not None:
+                    refused = self._refuse_promotion(budget, tier)
+                    if refused is not None:
+                        return refused
                 slot = self.pool.try_reserve(key)
                 if slot is None:
                     self._misses += 1
                     _bump(self._miss_reasons, MissReason.PRIMARY_FULL)
                     return MISS
                 self._promotions_started += 1
+                self._promoting[key] = ready_at = self._landing(tier)
+                if budget is not None:
+                    budget.expect(ready_at)
                 self._tasks.started()
                 task_group.start_soon(self._promote, key, tier, slot)
                 self._retries += 1
                 return RETRY
             if result is RETRY:
                 any_retry = True
+                soonest = min(soonest, self._landing(tier))
         if any_retry:
+            if budget is not None:
+                budget.unresolved = True
+                budget.expect(soonest)
             self._retries += 1
             return RETRY
         self._misses += 1
         _bump(self._miss_reasons, MissReason.NOT_FOUND)
         return MISS
+
+    def _landing(self, tier: SecondaryTier) -> float:
+        """When a promotion from ``tier`` started now is expected to have landed."""
+        return self.cost.clock() + (self.cost.expected_latency(tier.name) or 0.0)
+
+    def _refuse_promotion(self, budget: ScanBudget, tier: SecondaryTier) -> LookupResult | None:
+        """For a scheduler's budgeted scan, the answer when a tier hit is not promoted now:
+        RETRY when an earlier key of the scan is still unknown (lazy promotion: the scan may
+        stop before this key; its rescan promotes it once that key resolves), MISS when the
+        tier is expected later than recompute would finish. None: promote it."""
+        if budget.lazy and budget.unresolved:
+            self._deferred += 1
+            self._retries += 1
+            return RETRY
+        if not self.cost.promote_before(tier.name, budget.deadline, self.cost.clock()):
+            self._declined += 1
+            self._misses += 1
+            self._miss_reasons["too_slow"] = self._miss_reasons.get("too_slow", 0) + 1
+            return MISS
+        return None
 
     def pin_ready(self, keys: Sequence[bytes]) -> list[int]:
         """Pin the READY blocks among ``keys`` and return their slots: the lease a scheduler
@@ -307,8 +379,12 @@ class TieringManager:
             else:
                 self.pool.abort(slot)
                 self._promotions_cancelled += not failed
+            seconds = time.perf_counter() - started
+            if ok or failed:  # a cancelled promotion says nothing about the tier
+                self.cost.observe_promotion(tier.name, seconds, self.pool.block_bytes, ok)
             if self._latency is not None:
-                self._latency.observe_promotion(tier.name, time.perf_counter() - started, ok)
+                self._latency.observe_promotion(tier.name, seconds, ok)
+            self._promoting.pop(key, None)
             self._notify(key)
             self._tasks.finished()
 
@@ -363,27 +439,83 @@ class TieringManager:
         return len(slots)
 
     def _start_cascade(self, task_group: anyio.abc.TaskGroup, key: bytes) -> None:
-        if not self.tiers:
+        """Write a just-stored block through to the tiers that admit it now; hold it for the
+        write-back tiers."""
+        if self._write_back_tiers and key not in self._write_back:
+            slot = self.pool.pin(key)  # not evictable until written back
+            if slot is not None:
+                self._write_back.add(key, slot)
+        if self._through_tiers:
+            nbytes = self.pool.block_bytes
+            if self._in_flight_bytes + nbytes > self._max_in_flight_bytes:
+                self._cascades_skipped += 1
+                return
+            admit = self.admission.admit
+            targets = [tier for tier in self._through_tiers if admit(tier.name, nbytes)]
+            if targets:  # the refused are counted as dropped by the policy
+                slot = self.pool.pin(key)
+                if slot is None:  # already evicted by a later store in the same burst
+                    for tier in targets:
+                        self.admission.cancel(tier.name, nbytes)
+                    self._cascades_skipped += 1
+                    return
+                self._launch(task_group, key, slot, targets)
+        self._flush_write_back(task_group)
+
+    def _flush_write_back(
+        self, task_group: anyio.abc.TaskGroup, *, everything: bool = False
+    ) -> None:
+        """Write back the oldest dirty blocks while more than the limit wait (all of them at
+        close). A tier short of in-flight room is tried again when a write ends; a tier the
+        latency rule closed drops the block (counted by the policy)."""
+        queue, nbytes = self._write_back, self.pool.block_bytes
+        if everything:
+            for key, slot in queue.drain():
+                for tier in self._write_back_tiers:
+                    self.admission.admit(tier.name, nbytes)
+                self._launch(task_group, key, slot, self._write_back_tiers)
+                queue.written_back += 1
             return
+        while (item := queue.oldest()) is not None:
+            key, slot = item
+            targets: list[SecondaryTier] = []
+            for tier in self._write_back_tiers:
+                if self.admission.admit(tier.name, nbytes):
+                    targets.append(tier)
+                elif not self.admission.is_closed(tier.name):  # full for now: retry later
+                    for admitted in targets:
+                        self.admission.cancel(admitted.name, nbytes)
+                    return
+            queue.pop(key)
+            if targets:
+                self._launch(task_group, key, slot, targets)
+                queue.written_back += 1
+            else:
+                self.pool.unpin(slot)
+
+    def _launch(
+        self,
+        task_group: anyio.abc.TaskGroup,
+        key: bytes,
+        slot: int,
+        targets: Sequence[SecondaryTier],
+    ) -> None:
+        """Start writing the pinned ``slot`` to ``targets``; the write gives the pin back."""
         nbytes = self.pool.block_bytes
-        if self._in_flight_bytes + nbytes > self._max_in_flight_bytes:
-            self._cascades_skipped += 1
-            return
-        slot = self.pool.pin(key)
-        if slot is None:  # already evicted by a later store in the same burst
-            self._cascades_skipped += 1
-            return
         self._in_flight_bytes += nbytes
         self._cascades_started += 1
         self._cascades.started()
         self._tasks.started()
-        task_group.start_soon(self._cascade, key, slot, nbytes)
+        task_group.start_soon(self._cascade, key, slot, nbytes, tuple(targets))
 
-    async def _cascade(self, key: bytes, slot: int, nbytes: int) -> None:
+    async def _cascade(
+        self, key: bytes, slot: int, nbytes: int, targets: tuple[SecondaryTier, ...]
+    ) -> None:
         failures: list[MissReason] = []
+        write = functools.partial(self._write_through, key, targets, failures)
         try:
             with anyio.fail_after(self._store_timeout):
-                await self.pool.drain(slot, functools.partial(self._write_through, key, failures))
+                await self.pool.drain(slot, write)
         except Exception as exc:
             failures.append(_reason_of(exc))
         finally:
@@ -391,20 +523,27 @@ class TieringManager:
             self._in_flight_bytes -= nbytes
             self._cascades.finished()
             self._tasks.finished()
+            if self._write_back and self._task_group is not None:
+                self._flush_write_back(self._task_group)  # room in flight again
         for reason in failures:
             _bump(self._cascade_failures, reason)
         self._cascades_ok += not failures
 
     async def _write_through(
-        self, key: bytes, failures: list[MissReason], view: memoryview
+        self,
+        key: bytes,
+        targets: tuple[SecondaryTier, ...],
+        failures: list[MissReason],
+        view: memoryview,
     ) -> None:
         async with anyio.create_task_group() as tg:
-            for tier in self.tiers:
+            for tier in targets:
                 tg.start_soon(self._store_one, tier, key, view, failures)
 
     async def _store_one(
         self, tier: SecondaryTier, key: bytes, view: memoryview, failures: list[MissReason]
     ) -> None:
+        started = time.perf_counter()
         try:
             await tier.store(key, view)
         except Exception as exc:
@@ -419,6 +558,8 @@ class TieringManager:
             )
         else:
             tier.notify([key])
+        finally:
+            self.admission.finished(tier.name, view.nbytes, time.perf_counter() - started)
 
     async def load(self, keys: Sequence[bytes], out: Any) -> int:
         """Copy the blocks of ``keys`` from the pool into ``out`` (one array with a leading
@@ -498,6 +639,13 @@ class TieringManager:
             background_tasks=self._tasks.count,
             pool=self.pool.statistics(),
             tiers=tuple(t.statistics() for t in self.tiers),
+            promotions_deferred=self._deferred,
+            promotions_declined=self._declined,
+            cascades_dropped=self.admission.dropped(),
+            written_back=self._write_back.written_back,
+            dirty_blocks=len(self._write_back),
+            cost=self.cost.statistics(),
+            admission=self.admission.statistics([t.name for t in self.tiers]),
         )
 
     def __repr__(self) -> str:

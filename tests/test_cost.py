@@ -93,16 +93,21 @@ def test_the_engine_can_measure_recompute_as_it_runs() -> None:
     assert cost.statistics().recompute_observations == 2
 
 
-def test_scan_budget_keeps_the_latest_expected_arrival() -> None:
-    budget = ScanBudget(5.0)
+def test_scan_budget_plans_its_deadline_once_and_keeps_the_latest_arrival() -> None:
+    budget = ScanBudget(10.0, 0.5)
+    budget.plan(4)
+    budget.plan(100)  # a later scan does not move the deadline
+    assert budget.deadline == 12.0
     budget.expect(1.0)
     budget.expect(3.0)
     budget.expect(2.0)
     assert budget.expected_ready == 3.0
     budget.unresolved = True
-    budget.reset(6.0)
-    assert (budget.deadline, budget.unresolved) == (6.0, False)
-    assert budget.expected_ready < 0
+    budget.new_scan()
+    assert not budget.unresolved and budget.expected_ready < 0
+    unknown = ScanBudget(10.0, None)
+    unknown.plan(4)
+    assert unknown.deadline is None  # no recompute estimate: no deadline
 
 
 @pytest.mark.parametrize(
