@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
 from kvtier._errors import InvalidArgumentError
@@ -68,7 +68,8 @@ class _Gate:
 class AdmissionPolicy:
     """Per-tier admission of write-through, with back-pressure and an optional write-back.
 
-    ``max_in_flight_bytes``: a tier's own limit on bytes being written (None: only the
+    ``max_in_flight_bytes``: a tier's own limit on bytes being written, the same for every
+    tier or a mapping from tier name to limit (None, or a tier not in the mapping: only the
     manager's global limit applies). ``max_write_latency``: seconds a write may take on
     average before the tier is closed to new blocks (None: latency never closes it).
     """
@@ -76,22 +77,28 @@ class AdmissionPolicy:
     def __init__(
         self,
         *,
-        max_in_flight_bytes: int | None = None,
+        max_in_flight_bytes: int | Mapping[str, int] | None = None,
         max_write_latency: float | None = 1.0,
         probe_interval: float = 1.0,
         alpha: float = 0.3,
         write_back: Collection[str] = (),
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if max_in_flight_bytes is not None:
-            positive_int(max_in_flight_bytes, "max_in_flight_bytes", " or None")
+        if isinstance(max_in_flight_bytes, Mapping):
+            for name, limit in max_in_flight_bytes.items():
+                positive_int(limit, f"max_in_flight_bytes[{name!r}]")
+            self._caps: Mapping[str, int] | None = dict(max_in_flight_bytes)
+            self._cap: int | None = None
+        else:
+            if max_in_flight_bytes is not None:
+                positive_int(max_in_flight_bytes, "max_in_flight_bytes", ", a mapping or None")
+            self._caps, self._cap = None, max_in_flight_bytes
         if max_write_latency is not None:
             positive_number(max_write_latency, "max_write_latency", " or None")
         if isinstance(write_back, str):
             raise InvalidArgumentError("write_back must be a collection of tier names, not a str")
         if not 0 < alpha <= 1 or isinstance(alpha, bool):
             raise InvalidArgumentError(f"alpha must be in (0, 1], got {alpha!r}")
-        self.max_in_flight_bytes = max_in_flight_bytes
         self.max_write_latency = max_write_latency
         self._probe_interval = positive_number(probe_interval, "probe_interval")
         self._alpha = float(alpha)
@@ -122,7 +129,7 @@ class AdmissionPolicy:
         """Whether ``tier`` takes a write of ``nbytes`` now. True reserves the bytes (give
         them back with ``finished``); False counts a dropped write."""
         gate = self._gate(tier)
-        cap = self.max_in_flight_bytes
+        cap = self._cap if self._caps is None else self._caps.get(tier)
         if cap is not None and gate.in_flight + nbytes > cap:
             return self._drop(gate, CAUSE_IN_FLIGHT)
         if self.is_closed(tier):

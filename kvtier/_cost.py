@@ -191,6 +191,7 @@ class CostModel:
         still says how long the tier made a request wait."""
         state = self._tier(tier)
         seconds = max(float(seconds), 0.0)
+        state.last_probe = self.clock()  # a fresh measurement: the next probe can wait
         state.latency = _ewma(state.latency, seconds, self._alpha)
         if ok:
             state.promotions += 1
@@ -207,7 +208,7 @@ class CostModel:
         """Whether to promote a block from ``tier`` for a request whose recompute would be
         done at ``deadline``: yes when the tier is expected in time, when nothing is known
         (no deadline, or no estimate yet: measuring needs a first promotion), or when the
-        tier is due a probe."""
+        tier is due a probe (``probe_interval`` after its last measurement)."""
         state = self._tier(tier)
         if deadline is None or state.latency is None or now + state.latency <= deadline:
             return True

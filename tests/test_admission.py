@@ -69,6 +69,7 @@ def test_write_back_is_per_tier() -> None:
     ("kwargs", "message"),
     [
         ({"max_in_flight_bytes": 0}, "max_in_flight_bytes"),
+        ({"max_in_flight_bytes": {"s3": -1}}, "max_in_flight_bytes"),
         ({"max_write_latency": -1}, "max_write_latency"),
         ({"probe_interval": 0}, "probe_interval"),
         ({"write_back": "s3"}, "write_back"),

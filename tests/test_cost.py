@@ -25,26 +25,29 @@ def test_without_a_recompute_estimate_nothing_is_declined_or_budgeted() -> None:
 
 
 def test_a_tier_slower_than_recompute_is_declined_and_a_faster_one_promoted() -> None:
-    cost = CostModel(recompute_seconds_per_block=0.01)
+    clock = Clock()
+    cost = CostModel(recompute_seconds_per_block=0.01, probe_interval=5.0, clock=clock)
     cost.observe_promotion("slow", 0.5, 4096, ok=True)
     cost.observe_promotion("fast", 0.002, 4096, ok=True)
-    now = 100.0
+    now = clock.now
     deadline = now + cost.recompute_seconds(8)  # type: ignore[operator]
     assert cost.promote_before("fast", deadline, now)
-    assert cost.promote_before("slow", deadline, now)  # first time: a probe to re-measure
     assert not cost.promote_before("slow", deadline, now)
     assert not cost.promote_before("slow", deadline, now + 1)
+    assert cost.promote_before("slow", deadline + 5, now + 5)  # a probe, to re-measure
     stats = {t.name: t for t in cost.statistics().tiers}
     assert stats["slow"].declined == 2 and stats["slow"].probes == 1
     assert stats["fast"].declined == 0
 
 
 def test_a_declined_tier_is_probed_again_after_the_interval_and_can_recover() -> None:
-    cost = CostModel(recompute_seconds_per_block=0.01, probe_interval=5.0, alpha=0.5)
-    cost.observe_promotion("t", 1.0, 4096, ok=True)
-    assert cost.promote_before("t", 100.08, 100.0)  # probe
+    clock = Clock()
+    cost = CostModel(recompute_seconds_per_block=0.01, probe_interval=5.0, alpha=0.5, clock=clock)
+    cost.observe_promotion("t", 1.0, 4096, ok=True)  # measured at 100.0
+    assert not cost.promote_before("t", 100.08, 100.0)
     assert not cost.promote_before("t", 104.08, 104.0)
-    assert cost.promote_before("t", 105.08, 105.0)  # next probe is due
+    assert cost.promote_before("t", 105.08, 105.0)  # a probe is due
+    assert not cost.promote_before("t", 105.09, 105.01)
     for _ in range(10):  # the probes found it fast again
         cost.observe_promotion("t", 0.001, 4096, ok=True)
     assert cost.promote_before("t", 105.5, 105.1)
