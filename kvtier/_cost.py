@@ -20,12 +20,14 @@ one promotion every ``probe_interval`` seconds, so the estimate can see it recov
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvtier._errors import InvalidArgumentError
+from kvtier._lookup import LookupResult
 from kvtier._validate import positive_number
 
 __all__ = ["CostModel", "CostStatistics", "ScanBudget", "TierCost"]
@@ -86,40 +88,101 @@ class _Tier:
 
 
 class ScanBudget:
-    """What one async lookup tells the manager while it scans, and what it learns back.
+    """One async lookup's view for the manager, passed as the ``ctx`` of its lookups.
 
-    The scheduler passes it as the ``ctx`` of ``manager.lookup``; a manager that does not know
-    it ignores it. ``deadline`` is the clock time by which recomputing the request's blocks
-    past its resident prefix would have finished, set by ``plan`` on the first scan (None
-    without a recompute estimate: nothing is declined, the wait is not cut). ``lazy`` asks the
-    manager to start no promotion after a key whose existence is still unknown (the prefix
-    may end there); the manager sets ``unresolved`` when it meets one, and ``expected_ready``
-    to the latest time a block the scan waits for is expected in the pool.
+    The scheduler's scan asks every key through ``ask``, which tells the manager two things
+    about the key before it is looked up:
+
+    - ``blocker``: the first key before it in the prefix whose existence is still unknown
+      (lazy promotion: the prefix may end there, so a tier hit after it is not promoted yet;
+      the manager answers RETRY and wakes this key when the blocker changes). None when
+      there is none, when ``lazy`` is off (window scans) or when ``promote`` is off (the
+      request stopped waiting: nothing more is promoted for it).
+    - ``deadline``: the clock time by which recomputing the request's blocks past its
+      resident prefix would have finished (set at the first non-resident key; None without
+      a recompute estimate): a tier expected later is not promoted for this request.
+
+    The manager answers back through ``unknown`` (this key's existence is still being
+    checked) and ``expect`` (when the blocks the scan waits for should land).
+    A manager that does not know this class ignores it.
     """
 
-    __slots__ = ("deadline", "expected_ready", "lazy", "per_block", "started", "unresolved")
+    __slots__ = (
+        "_heap",
+        "_keys",
+        "_lookup",
+        "_planned",
+        "_positions",
+        "_unknown",
+        "blocker",
+        "deadline",
+        "expected_ready",
+        "lazy",
+        "per_block",
+        "promote",
+        "started",
+        "unknown",
+    )
 
-    def __init__(self, started: float, per_block: float | None, *, lazy: bool = True) -> None:
+    def __init__(
+        self,
+        lookup: Callable[[bytes, object], LookupResult],
+        keys: Sequence[bytes],
+        started: float,
+        per_block: float | None,
+        *,
+        lazy: bool = True,
+    ) -> None:
+        self._lookup = lookup
+        self._keys = keys
         self.started = started
         self.per_block = per_block
         self.lazy = lazy
+        self.promote = True
         self.deadline: float | None = None
-        self.unresolved = False
+        self._planned = False
+        self.blocker: bytes | None = None
+        self.unknown = False
         self.expected_ready = -math.inf
+        self._positions: dict[bytes, int] = {}
+        for i, key in enumerate(keys):
+            self._positions.setdefault(key, i)
+        self._unknown: set[int] = set()  # positions whose existence was unknown when asked
+        self._heap: list[int] = []  # the same positions (and stale ones), smallest first
 
-    def plan(self, blocks: int) -> None:
-        """Set the deadline for recomputing ``blocks`` blocks (once: the first scan's view)."""
-        if self.deadline is None and self.per_block is not None:
-            self.deadline = self.started + self.per_block * max(blocks, 0)
+    def ask(self, key: bytes, ctx: object = None) -> LookupResult:
+        """``manager.lookup(key, self)``, with this key's blocker set and its answer noted."""
+        position = self._positions.get(key, 0)
+        if not self._planned:  # the first key asked is the first one past the resident run
+            self._planned = True
+            if self.per_block is not None:
+                blocks = len(self._keys) - (position if self.lazy else 0)
+                self.deadline = self.started + self.per_block * blocks
+        self.blocker = self._first_unknown_before(position)
+        self.unknown = False
+        result = self._lookup(key, self)
+        if self.unknown:
+            if position not in self._unknown:
+                self._unknown.add(position)
+                heapq.heappush(self._heap, position)
+        else:
+            self._unknown.discard(position)
+        return result
+
+    def _first_unknown_before(self, position: int) -> bytes | None:
+        if not self.promote:
+            return self._keys[position]  # promote nothing; wake on the key itself
+        if not self.lazy:
+            return None
+        heap = self._heap
+        while heap and heap[0] not in self._unknown:
+            heapq.heappop(heap)  # resolved since
+        return self._keys[heap[0]] if heap and heap[0] < position else None
 
     def expect(self, ready_at: float) -> None:
+        """A block the scan waits for should land at ``ready_at`` (the latest one counts)."""
         if ready_at > self.expected_ready:
             self.expected_ready = ready_at
-
-    def new_scan(self) -> None:
-        """Ready for the next scan of the same request."""
-        self.unresolved = False
-        self.expected_ready = -math.inf
 
 
 class CostModel:

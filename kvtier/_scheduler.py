@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from typing import Protocol, runtime_checkable
@@ -16,7 +16,9 @@ from kvtier._buffers import check_keys
 from kvtier._cost import CostModel, ScanBudget
 from kvtier._errors import InvalidArgumentError
 from kvtier._lookup import LookupResult
+from kvtier._progress import PrefixProgress, WindowProgress
 from kvtier._validate import positive_int, positive_number
+from kvtier._watch import KeyWatch
 
 __all__ = ["OffloadScheduler", "SchedulerStatistics", "SupportsLookup"]
 
@@ -99,7 +101,7 @@ class OffloadScheduler:
         """Leading blocks that are hits, or None to defer (something is pending or unknown)."""
         lease: list[int] = []
         try:
-            return self._prefix(keys, ctx, None, lease)
+            return self._prefix(keys, ctx, lease)
         finally:
             self._release(lease)
 
@@ -110,7 +112,7 @@ class OffloadScheduler:
         size = _check_window(sliding_window_size)
         lease: list[int] = []
         try:
-            return self._window(keys, size, ctx, None, lease)
+            return self._window(keys, size, ctx, lease)
         finally:
             self._release(lease)
 
@@ -118,9 +120,7 @@ class OffloadScheduler:
         if lease and self._unpin is not None:
             self._unpin(lease)
 
-    def _prefix(
-        self, keys: Sequence[bytes], ctx: object, waiting: list[bytes] | None, lease: list[int]
-    ) -> int | None:
+    def _prefix(self, keys: Sequence[bytes], ctx: object, lease: list[int]) -> int | None:
         """The prefix scan; pins each hit it counts into ``lease`` (the caller releases)."""
         self._scans += 1
         start = 0
@@ -128,8 +128,6 @@ class OffloadScheduler:
             start = self._fast_prefix(keys)
             if start == len(keys):
                 return start  # nothing else runs before the caller returns: no pins needed
-        if isinstance(ctx, ScanBudget):
-            ctx.plan(len(keys) - start)
         pin = self._pin
         if pin is not None and start:
             lease += pin(keys[:start])
@@ -145,12 +143,8 @@ class OffloadScheduler:
             elif result is HIT_PENDING:
                 count += 1
                 defer = True
-                if waiting is not None:
-                    waiting.append(key)
             elif result is RETRY:
                 defer = True
-                if waiting is not None:
-                    waiting.append(key)
             else:
                 break
         if defer:
@@ -163,13 +157,10 @@ class OffloadScheduler:
         keys: Sequence[bytes],
         size: int,
         ctx: object,
-        waiting: list[bytes] | None,
         lease: list[int],
     ) -> int | None:
         """The window scan; pins each hit it sees into ``lease`` (the caller releases)."""
         self._scans += 1
-        if isinstance(ctx, ScanBudget):
-            ctx.plan(len(keys))
         lookup = self.manager.lookup
         pin = self._pin
         streak = 0
@@ -183,13 +174,9 @@ class OffloadScheduler:
             elif result is HIT_PENDING:
                 streak += 1
                 defer = True
-                if waiting is not None:
-                    waiting.append(keys[i])
             elif result is RETRY:
                 streak = 0
                 defer = True
-                if waiting is not None:
-                    waiting.append(keys[i])
             else:
                 streak = 0
             if streak == size:
@@ -222,18 +209,18 @@ class OffloadScheduler:
             isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout < 0
         ):
             raise InvalidArgumentError(f"timeout must be a non-negative number, got {timeout!r}")
-        watch = getattr(self.manager, "watch", None)
-        unwatch = getattr(self.manager, "unwatch", None)
-        if watch is None or unwatch is None:
+        watch_each = getattr(self.manager, "watch_each", None)
+        unwatch_each = getattr(self.manager, "unwatch_each", None)
+        if watch_each is None or unwatch_each is None:
             raise InvalidArgumentError(
-                "the async lookup needs a manager with watch()/unwatch() (TieringManager); "
-                "use the synchronous scans with other managers"
+                "the async lookup needs a manager with watch_each()/unwatch_each() "
+                "(TieringManager); use the synchronous scans with other managers"
             )
         self._async_lookups += 1
         limit = self._max_wait if timeout is None else float(timeout)
         started = time.perf_counter()
         try:
-            return await self._wait_for_answer(keys, window, limit, watch, unwatch)
+            return await self._wait_for_answer(keys, window, limit, watch_each, unwatch_each)
         finally:
             if self._latency is not None:
                 self._latency.observe_lookup(time.perf_counter() - started)
@@ -243,53 +230,55 @@ class OffloadScheduler:
         keys: list[bytes],
         window: int | None,
         limit: float,
-        watch: Callable[[list[bytes]], anyio.Event],
-        unwatch: Callable[[list[bytes], anyio.Event], None],
+        watch_each: Callable[[list[bytes], KeyWatch], None],
+        unwatch_each: Callable[[Iterable[bytes], KeyWatch], None],
     ) -> int:
-        # The hits of the latest scan stay pinned while we wait for the rest; each rescan
-        # takes a new lease before the old one is given back.
-        leased: list[int] = []
+        # The scan resumes after each wake: it asks again only the keys that changed, and the
+        # hits it has counted stay pinned (its lease) until the answer is returned. With a
+        # cost model, every ask goes through the request's ScanBudget (lazy promotion, and
+        # no promotion from a tier slower than recompute).
+        changes = KeyWatch()
         cost = self._cost
         budget = (
             None
             if cost is None
-            else ScanBudget(cost.clock(), cost.recompute_seconds_per_block, lazy=window is None)
+            else ScanBudget(
+                self.manager.lookup,
+                keys,
+                cost.clock(),
+                cost.recompute_seconds_per_block,
+                lazy=window is None,
+            )
         )
+        lookup = self.manager.lookup if budget is None else budget.ask
+        scan: PrefixProgress | WindowProgress
+        if window is None:
+            scan = PrefixProgress(keys, lookup, self._pin, self._fast_prefix)
+        else:
+            scan = WindowProgress(keys, lookup, self._pin, window)
         try:
             with anyio.move_on_after(limit) as scope:
-                while True:
-                    waiting: list[bytes] = []
-                    lease: list[int] = []
-                    if budget is not None:
-                        budget.new_scan()
-                    try:
-                        if window is None:
-                            result = self._prefix(keys, budget, waiting, lease)
-                        else:
-                            result = self._window(keys, window, budget, waiting, lease)
-                    except BaseException:
-                        self._release(lease)  # the scan's pins, taken before it raised
-                        raise
-                    self._release(leased)
-                    leased = lease
-                    if result is not None:
-                        return result
+                self._scans += 1
+                result = scan.start()
+                while result is None:
+                    self._deferred += 1
                     patience = self._patience(budget)
                     if patience is not None and patience <= 0:
                         self._cut += 1  # recomputing is expected to be cheaper: stop here
-                        return self._hits_now(keys, window, leased, budget)
-                    event = watch(waiting)
-                    try:
-                        self._waits += 1
-                        with anyio.move_on_after(math.inf if patience is None else patience):
-                            await event.wait()
-                    finally:
-                        unwatch(waiting, event)
+                        return self._hits_now(keys, window, scan.lease, budget)
+                    watch_each(scan.take_watches(), changes)
+                    self._waits += 1
+                    with anyio.move_on_after(math.inf if patience is None else patience):
+                        await changes.wait()
+                    self._scans += 1
+                    result = scan.resume(changes.take())
+                return result
             assert scope.cancelled_caught
             self._timeouts += 1
-            return self._hits_now(keys, window, leased, budget)
+            return self._hits_now(keys, window, scan.lease, budget)
         finally:
-            self._release(leased)
+            unwatch_each(scan.watched, changes)
+            self._release(scan.lease)
 
     def _patience(self, budget: ScanBudget | None) -> float | None:
         """How much longer waiting can pay off (<= 0: stop now), or None without a recompute
@@ -315,10 +304,10 @@ class OffloadScheduler:
         """The answer counting only blocks that are HIT at this moment (pinned into
         ``lease`` as they are counted, like a scan's). With a budget, it starts no new
         promotion: the request has stopped waiting."""
-        if budget is not None:
-            budget.new_scan()
-            budget.lazy = budget.unresolved = True  # the manager defers every tier hit
         lookup = self.manager.lookup
+        if budget is not None:
+            budget.promote = False  # the manager defers every tier hit
+            lookup = budget.ask
         pin = self._pin
         count = streak = 0
         indexes = range(len(keys)) if window is None else range(len(keys) - 1, -1, -1)

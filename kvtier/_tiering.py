@@ -12,7 +12,7 @@ import logging
 import math
 import time
 import types
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import Any, Protocol, Self
@@ -27,6 +27,7 @@ from kvtier._errors import InvalidArgumentError, LifecycleError, TierError
 from kvtier._logging import BurstLogger
 from kvtier._lookup import LookupResult, MissReason
 from kvtier._validate import positive_int, positive_number
+from kvtier._watch import KeyWatch
 from kvtier.pools._base import PrimaryPool
 from kvtier.pools._slots import PoolStatistics, SlotState
 from kvtier.tiers._base import SecondaryTier, TierStatistics
@@ -182,10 +183,11 @@ class TieringManager:
         self._write_back_tiers = tuple(t for t in self.tiers if admission.is_write_back(t.name))
         self._through_tiers = tuple(t for t in self.tiers if not admission.is_write_back(t.name))
         self._promoting: dict[bytes, float] = {}  # key -> when its promotion should land
+        self._after: dict[bytes, list[bytes]] = {}  # key -> keys deferred until it changes
         self._stack: AsyncExitStack | None = None
         self._task_group: anyio.abc.TaskGroup | None = None
         self._was_open = False  # closed after use: lookups answer MISS; never opened: misuse
-        self._waiters: dict[bytes, list[anyio.Event]] = {}
+        self._waiters: dict[bytes, list[anyio.Event | KeyWatch]] = {}
         self._tasks = _InFlight()  # promotions and write-through
         self._cascades = _InFlight()  # write-through only: what exit waits for
         self._in_flight_bytes = 0
@@ -242,10 +244,14 @@ class TieringManager:
         # Not shielded here: each tier shields and bounds its own awaiting cleanup, and a
         # shield around a task group's exit is not allowed.
         await stack.aclose()
-        for events in self._waiters.values():  # wake schedulers: nothing will change any more
+        self._after.clear()
+        waiters, self._waiters = self._waiters, {}
+        for key, events in waiters.items():  # wake schedulers: nothing will change any more
             for event in events:
-                event.set()
-        self._waiters.clear()
+                if isinstance(event, KeyWatch):
+                    event.fire(key)
+                else:
+                    event.set()
 
     async def wait_idle(self) -> None:
         """Return once no promotion or write-through is in flight (for a flush, or tests)."""
@@ -286,7 +292,7 @@ class TieringManager:
             result = tier.lookup(key)
             if result is HIT:
                 if budget is not None:
-                    refused = self._refuse_promotion(budget, tier)
+                    refused = self._refuse_promotion(budget, tier, key)
                     if refused is not None:
                         return refused
                 slot = self.pool.try_reserve(key)
@@ -307,7 +313,7 @@ class TieringManager:
                 soonest = min(soonest, self._landing(tier))
         if any_retry:
             if budget is not None:
-                budget.unresolved = True
+                budget.unknown = True
                 budget.expect(soonest)
             self._retries += 1
             return RETRY
@@ -319,14 +325,19 @@ class TieringManager:
         """When a promotion from ``tier`` started now is expected to have landed."""
         return self.cost.clock() + (self.cost.expected_latency(tier.name) or 0.0)
 
-    def _refuse_promotion(self, budget: ScanBudget, tier: SecondaryTier) -> LookupResult | None:
+    def _refuse_promotion(
+        self, budget: ScanBudget, tier: SecondaryTier, key: bytes
+    ) -> LookupResult | None:
         """For a scheduler's budgeted scan, the answer when a tier hit is not promoted now:
         RETRY when an earlier key of the scan is still unknown (lazy promotion: the scan may
         stop before this key; its rescan promotes it once that key resolves), MISS when the
         tier is expected later than recompute would finish. None: promote it."""
-        if budget.lazy and budget.unresolved:
+        blocker = budget.blocker
+        if blocker is not None:
             self._deferred += 1
             self._retries += 1
+            if blocker != key:  # wake this key's waiters when the blocker's answer changes
+                self._after.setdefault(blocker, []).append(key)
             return RETRY
         if not self.cost.promote_before(tier.name, budget.deadline, self.cost.clock()):
             self._declined += 1
@@ -599,19 +610,44 @@ class TieringManager:
         return event
 
     def unwatch(self, keys: Sequence[bytes], event: anyio.Event) -> None:
+        self._unregister(keys, event)
+
+    def watch_each(self, keys: Iterable[bytes], watch: KeyWatch) -> None:
+        """Fire ``watch`` with each of ``keys`` once, when that key's answer may have changed
+        (the scheduler's resumable scans: they learn which keys to ask again)."""
+        if self._task_group is None:
+            for key in keys:  # closed: nothing will change, so look again now
+                watch.fire(key)
+            return
+        waiters = self._waiters
+        for key in keys:
+            waiters.setdefault(key, []).append(watch)
+
+    def unwatch_each(self, keys: Iterable[bytes], watch: KeyWatch) -> None:
+        """Drop the registrations of ``watch`` that have not fired."""
+        self._unregister(keys, watch)
+
+    def _unregister(self, keys: Iterable[bytes], waiter: anyio.Event | KeyWatch) -> None:
         for key in keys:
             events = self._waiters.get(key)
             if events is not None:
-                if event in events:
-                    events.remove(event)
+                if waiter in events:
+                    events.remove(waiter)
                 if not events:
                     del self._waiters[key]
 
     def _notify(self, key: bytes) -> None:
+        deferred = self._after.pop(key, None)
+        if deferred:
+            for other in deferred:
+                self._notify(other)
         events = self._waiters.pop(key, None)
         if events:
             for event in events:
-                event.set()
+                if isinstance(event, KeyWatch):
+                    event.fire(key)
+                else:
+                    event.set()
 
     # -- observation -------------------------------------------------------------------------
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier import CostModel, InvalidArgumentError
+from kvtier import CostModel, InvalidArgumentError, LookupResult
 from kvtier._cost import ScanBudget
 
 
@@ -96,21 +96,50 @@ def test_the_engine_can_measure_recompute_as_it_runs() -> None:
     assert cost.statistics().recompute_observations == 2
 
 
-def test_scan_budget_plans_its_deadline_once_and_keeps_the_latest_arrival() -> None:
-    budget = ScanBudget(10.0, 0.5)
-    budget.plan(4)
-    budget.plan(100)  # a later scan does not move the deadline
-    assert budget.deadline == 12.0
-    budget.expect(1.0)
-    budget.expect(3.0)
-    budget.expect(2.0)
+class FakeManager:
+    """A lookup that says which keys are still being checked, and records each blocker."""
+
+    def __init__(self, unknown: set[bytes]) -> None:
+        self.unknown = unknown
+        self.blockers: list[bytes | None] = []
+
+    def lookup(self, key: bytes, ctx: object = None) -> LookupResult:
+        assert isinstance(ctx, ScanBudget)
+        self.blockers.append(ctx.blocker)
+        if key in self.unknown:
+            ctx.unknown = True
+            ctx.expect(float(len(self.blockers)))
+            return LookupResult.RETRY
+        return LookupResult.HIT
+
+
+def test_scan_budget_names_the_first_unknown_key_before_each_key() -> None:
+    keys = [bytes([i]) * 16 for i in range(5)]
+    manager = FakeManager({keys[1], keys[3]})
+    budget = ScanBudget(manager.lookup, keys, 10.0, 0.5)
+    for key in keys[1:]:  # key 0 was resident: the scan starts at key 1
+        budget.ask(key)
+    assert manager.blockers == [None, keys[1], keys[1], keys[1]]
+    assert budget.deadline == 10.0 + 0.5 * 4  # recomputing the 4 keys past the resident one
     assert budget.expected_ready == 3.0
-    budget.unresolved = True
-    budget.new_scan()
-    assert not budget.unresolved and budget.expected_ready < 0
-    unknown = ScanBudget(10.0, None)
-    unknown.plan(4)
-    assert unknown.deadline is None  # no recompute estimate: no deadline
+    manager.unknown.discard(keys[1])  # key 1 resolved: key 3 is the first unknown now
+    budget.ask(keys[1])
+    budget.ask(keys[2])
+    budget.ask(keys[4])
+    assert manager.blockers[-3:] == [None, None, keys[3]]
+    budget.promote = False  # the request stopped waiting: nothing is promoted for it
+    budget.ask(keys[2])
+    assert manager.blockers[-1] == keys[2]
+
+
+def test_scan_budget_without_laziness_or_an_estimate() -> None:
+    keys = [bytes([i]) * 16 for i in range(3)]
+    manager = FakeManager({keys[0]})
+    budget = ScanBudget(manager.lookup, keys, 10.0, None, lazy=False)
+    for key in reversed(keys):
+        budget.ask(key)
+    assert manager.blockers == [None, None, None]
+    assert budget.deadline is None
 
 
 @pytest.mark.parametrize(
