@@ -354,6 +354,7 @@ def report(
     stats: kvtier.ManagerStatistics | None,
     config: ModelConfig,
     tier_names: list[str],
+    waits_cut: int = 0,
 ) -> bool:
     """Print the table; return False when the correctness check failed."""
     print()
@@ -439,7 +440,7 @@ def report(
         + ("not given" if per_block is None else f"{per_block * 1e3:.2f} ms/block")
         + f"; promotion {estimates or 'not measured'}; {stats.promotions_declined:,} "
         f"promotions declined (slower than recompute), {stats.promotions_deferred:,} deferred "
-        "(lazy)"
+        f"(lazy), {waits_cut:,} lookups stopped waiting (recompute was cheaper)"
     )
     if base is None:
         return True
@@ -599,7 +600,7 @@ async def amain(args: argparse.Namespace) -> int:
             await run_workload("with kvtier", engine, sessions, tiering, args.decode_tokens)
         )
         stats = manager.statistics()
-    ok = report(runs, stats, config, [t.name for t in tiers])
+    ok = report(runs, stats, config, [t.name for t in tiers], scheduler.statistics().waits_cut)
     return 0 if ok else 1
 
 
