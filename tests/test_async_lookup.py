@@ -216,18 +216,6 @@ async def test_a_delete_during_a_check_drops_its_stale_hit() -> None:
         assert manager.lookup(k(1)) is LookupResult.RETRY  # unknown again: asked anew
 
 
-async def test_recording_a_queued_key_answers_its_waiters_without_a_check() -> None:
-    storage = Storage(set())
-    woken: list[bytes] = []
-    manager = AsyncLookupManager(storage.contains_many, on_verdict=woken.extend)
-    async with manager:
-        assert manager.lookup(k(1)) is LookupResult.RETRY  # queued, not yet in flight
-        manager.record(k(1), True)
-        assert woken == [k(1)]
-        assert manager.lookup(k(1)) is LookupResult.HIT
-    assert storage.batches == []
-
-
 def test_cached_verdicts_add_no_objects_for_the_garbage_collector() -> None:
     manager = AsyncLookupManager(Storage(set()).contains_many, max_entries=50_000)
     keys = [k(i) for i in range(20_000)]

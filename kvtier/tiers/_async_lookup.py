@@ -182,15 +182,12 @@ class AsyncLookupManager:
     def record(self, key: bytes, present: bool, reason: MissReason = MissReason.NOT_FOUND) -> None:
         """Set the verdict for ``key`` from outside (a store landed, a load found it bad).
 
-        It wins over a check of ``key`` that is queued or in flight: the queued check is
-        dropped, and the answer of the one in flight is ignored for this key.
+        It wins over a check of ``key`` in flight: that check's answer is ignored for this
+        key. (A check still queued runs later, after this, so its answer is not stale.)
         """
-        was_pending = self._pending.pop(key, False) is None
         if key in self._in_flight:
             self._superseded.add(key)
         self._set(key, present, reason)
-        if was_pending:  # its waiters would otherwise wait for a check that will not run
-            self._emit([key])
 
     def _set(self, key: bytes, present: bool, reason: MissReason) -> None:
         expires = self._clock() + (self._hit_ttl if present else self._miss_ttl)
