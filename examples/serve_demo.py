@@ -581,12 +581,14 @@ async def amain(args: argparse.Namespace) -> int:
         tiers = make_tiers(args, tmp)
         pool = kvtier.HostPool(args.pool_blocks, config.block_bytes, policy=args.policy)
         latency = kvtier.LatencyHistograms()
-        admission = kvtier.AdmissionPolicy(
-            max_in_flight_bytes=(256 << 20) // max(len(tiers), 1), write_back=args.write_back
-        )
-        manager = await stack.enter_async_context(
-            kvtier.TieringManager(pool, tiers, latency=latency, admission=admission)
-        )
+        manager = kvtier.TieringManager(pool, tiers, latency=latency)
+        if args.write_back:  # the default admission, plus the tiers to write back
+            admission = kvtier.AdmissionPolicy(
+                max_in_flight_bytes=manager.default_tier_in_flight_bytes(),
+                write_back=args.write_back,
+            )
+            manager = kvtier.TieringManager(pool, tiers, latency=latency, admission=admission)
+        manager = await stack.enter_async_context(manager)
         scheduler = kvtier.OffloadScheduler(manager, latency=latency)
         if args.metrics_port is not None:
             server = await stack.enter_async_context(

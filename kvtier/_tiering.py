@@ -173,9 +173,8 @@ class TieringManager:
         self._dtype = None if dtype is None else dtype_name(dtype)
         self._latency = latency
         self.cost = cost if cost is not None else CostModel()
-        if admission is None:  # by default each tier may use its share of the in-flight bytes
-            share = max(self._max_in_flight_bytes // max(len(self.tiers), 1), pool.block_bytes)
-            admission = AdmissionPolicy(max_in_flight_bytes=share)
+        if admission is None:
+            admission = AdmissionPolicy(max_in_flight_bytes=self.default_tier_in_flight_bytes())
         self.admission = admission
         self._write_back = WriteBackQueue(
             max(pool.num_blocks // 4, 1) if write_back_limit is None else write_back_limit
@@ -320,6 +319,14 @@ class TieringManager:
         self._misses += 1
         _bump(self._miss_reasons, MissReason.NOT_FOUND)
         return MISS
+
+    def default_tier_in_flight_bytes(self) -> int:
+        """Each tier's default limit on bytes being written: its share of
+        ``max_in_flight_bytes``, and at most an eighth of the pool, since every block being
+        written stays pinned there (a slow tier would otherwise pin the whole pool)."""
+        pool_bytes = self.pool.num_blocks * self.pool.block_bytes
+        share = min(self._max_in_flight_bytes // max(len(self.tiers), 1), pool_bytes // 8)
+        return max(share, self.pool.block_bytes)
 
     def _landing(self, tier: SecondaryTier) -> float:
         """When a promotion from ``tier`` started now is expected to have landed."""
