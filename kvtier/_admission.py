@@ -78,7 +78,7 @@ class AdmissionPolicy:
         self,
         *,
         max_in_flight_bytes: int | Mapping[str, int] | None = None,
-        max_write_latency: float | None = 1.0,
+        max_write_latency: float | None = 0.25,
         probe_interval: float = 1.0,
         alpha: float = 0.3,
         write_back: Collection[str] = (),
