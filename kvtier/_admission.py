@@ -125,6 +125,11 @@ class AdmissionPolicy:
             and gate.latency > self.max_write_latency
         )
 
+    def write_latency(self, tier: str) -> float | None:
+        """The moving average of one write to ``tier`` (None before the first)."""
+        gate = self._gates.get(tier)
+        return None if gate is None else gate.latency
+
     def admit(self, tier: str, nbytes: int) -> bool:
         """Whether ``tier`` takes a write of ``nbytes`` now. True reserves the bytes (give
         them back with ``finished``); False counts a dropped write."""

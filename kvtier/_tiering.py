@@ -329,8 +329,13 @@ class TieringManager:
         return max(share, self.pool.block_bytes)
 
     def _landing(self, tier: SecondaryTier) -> float:
-        """When a promotion from ``tier`` started now is expected to have landed."""
-        return self.cost.clock() + (self.cost.expected_latency(tier.name) or 0.0)
+        """When a promotion from ``tier`` started now is expected to have landed. Before
+        its first promotion, the tier's write latency stands in: a tier that takes half a
+        second to write is unlikely to answer a check and a read much sooner."""
+        latency = self.cost.expected_latency(tier.name)
+        if latency is None:
+            latency = self.admission.write_latency(tier.name) or 0.0
+        return self.cost.clock() + latency
 
     def _refuse_promotion(
         self, budget: ScanBudget, tier: SecondaryTier, key: bytes

@@ -8,7 +8,14 @@ from __future__ import annotations
 import anyio
 import numpy as np
 
-from kvtier import CostModel, HostPool, OffloadScheduler, SlotState, TieringManager
+from kvtier import (
+    AdmissionPolicy,
+    CostModel,
+    HostPool,
+    OffloadScheduler,
+    SlotState,
+    TieringManager,
+)
 from kvtier.testing import StallingTier, resolve_lookup
 
 BB = 4096
@@ -122,3 +129,19 @@ async def test_the_engine_measured_recompute_cost_is_used(keys: list[bytes]) -> 
         with anyio.fail_after(10):
             assert await OffloadScheduler(manager).lookup(keys[:2]) == 0
         assert manager.statistics().promotions_declined == 1
+
+
+async def test_a_tier_known_only_by_its_slow_writes_is_not_waited_for(keys: list[bytes]) -> None:
+    remote = StallingTier(name="remote")
+    remote.stall("contains")  # its existence checks never answer while the request asks
+    cost = CostModel(recompute_seconds_per_block=0.001)
+    policy = AdmissionPolicy()
+    async with TieringManager(HostPool(8, BB), [remote], cost=cost, admission=policy) as manager:
+        policy.finished("remote", 0, 2.0)  # never promoted from yet; its writes take 2 s
+        scheduler = OffloadScheduler(manager)
+        with anyio.fail_after(10):
+            assert await scheduler.lookup(keys[:4]) == 0
+        stats = scheduler.statistics()
+        assert stats.waits_cut == 1
+        assert stats.waits == 0  # it did not wait at all
+        remote.release("contains")
