@@ -144,15 +144,18 @@ class ScanBudget:
         self.blocker: bytes | None = None
         self.unknown = False
         self.expected_ready = -math.inf
-        self._positions: dict[bytes, int] = {}
-        for i, key in enumerate(keys):
-            self._positions.setdefault(key, i)
+        self._positions: dict[bytes, int] | None = None  # built at the first ask
         self._unknown: set[int] = set()  # positions whose existence was unknown when asked
         self._heap: list[int] = []  # the same positions (and stale ones), smallest first
 
     def ask(self, key: bytes, ctx: object = None) -> LookupResult:
         """``manager.lookup(key, self)``, with this key's blocker set and its answer noted."""
-        position = self._positions.get(key, 0)
+        positions = self._positions
+        if positions is None:  # not for requests answered by the pool alone
+            positions = self._positions = {}
+            for i, k in enumerate(self._keys):
+                positions.setdefault(k, i)
+        position = positions.get(key, 0)
         if not self._planned:  # the first key asked is the first one past the resident run
             self._planned = True
             if self.per_block is not None:

@@ -12,7 +12,10 @@ fires a key can only move from RETRY to HIT_PENDING (a promotion started by the 
 and both defer, so the answer (``None``) does not depend on which one is remembered.
 
 The answers are those of the synchronous scans of design §2.2 (``OffloadScheduler``): a
-resumed scan answers what a fresh scan would answer, given the keys' current answers.
+resumed scan answers what a fresh scan would answer, given the keys' current answers. One
+difference from rescanning: a hit stays pinned until the async lookup returns even if a later
+miss before it means the answer no longer counts it (a rescan would have let it go); the pins
+are the request's own keys and are given back with the answer.
 """
 
 from __future__ import annotations
@@ -49,9 +52,7 @@ class _Progress:
         self._lookup = lookup
         self._pin = pin
         self._answers: list[LookupResult | None] = [None] * len(keys)  # None: ask
-        self._positions: dict[bytes, list[int]] = {}
-        for i, key in enumerate(keys):
-            self._positions.setdefault(key, []).append(i)
+        self._positions: dict[bytes, list[int]] | None = None  # built at the first wake
         self.lease: list[int] = []
         self.watched: set[bytes] = set()  # registered with the manager, not fired yet
         self._to_watch: list[bytes] = []
@@ -75,11 +76,15 @@ class _Progress:
 
     def _fired(self, changed: list[bytes]) -> list[int]:
         """Positions of the keys that fired, each key's watch now spent."""
+        if self._positions is None:
+            self._positions = {}
+            for i, key in enumerate(self.keys):
+                self._positions.setdefault(key, []).append(i)
         positions: list[int] = []
         for key in changed:
             if key in self.watched:
                 self.watched.discard(key)
-                positions += self._positions.get(key, ())
+                positions += self._positions[key]
         return positions
 
 

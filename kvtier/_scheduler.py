@@ -3,6 +3,7 @@ and an async layer that waits for state changes instead of polling (design §2.3
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -15,6 +16,7 @@ import anyio
 from kvtier._buffers import check_keys
 from kvtier._cost import CostModel, ScanBudget
 from kvtier._errors import InvalidArgumentError
+from kvtier._logging import BurstLogger
 from kvtier._lookup import LookupResult
 from kvtier._progress import PrefixProgress, WindowProgress
 from kvtier._validate import positive_int, positive_number
@@ -25,6 +27,8 @@ __all__ = ["OffloadScheduler", "SchedulerStatistics", "SupportsLookup"]
 HIT = LookupResult.HIT
 HIT_PENDING = LookupResult.HIT_PENDING
 RETRY = LookupResult.RETRY
+
+_log = BurstLogger(logging.getLogger(__name__))
 
 
 @runtime_checkable
@@ -45,6 +49,7 @@ class SchedulerStatistics:
     async_lookups: int
     waits: int
     timeouts: int
+    callback_failures: int
     waits_cut: int
     """Async lookups that stopped waiting early: recomputing was expected to be cheaper."""
 
@@ -89,6 +94,7 @@ class OffloadScheduler:
         self._pin: Callable[[Sequence[bytes]], list[int]] | None = pin if unpin else None
         self._unpin: Callable[[Sequence[int]], None] | None = unpin if pin else None
         self._scans = self._deferred = self._async_lookups = self._waits = self._timeouts = 0
+        self._callback_failures = 0
         self._cut = 0
         # A manager with a cost model (TieringManager) gets a ScanBudget as the ctx of the
         # async lookup's scans: lazy promotion, and the "never slower than recompute" rule.
@@ -223,7 +229,11 @@ class OffloadScheduler:
             return await self._wait_for_answer(keys, window, limit, watch_each, unwatch_each)
         finally:
             if self._latency is not None:
-                self._latency.observe_lookup(time.perf_counter() - started)
+                try:
+                    self._latency.observe_lookup(time.perf_counter() - started)
+                except Exception as exc:  # an observer's fault must not fail the request
+                    self._callback_failures += 1
+                    _log.warning("observer", "latency observer raised: %r", exc)
 
     async def _wait_for_answer(
         self,
@@ -332,6 +342,7 @@ class OffloadScheduler:
             async_lookups=self._async_lookups,
             waits=self._waits,
             timeouts=self._timeouts,
+            callback_failures=self._callback_failures,
             waits_cut=self._cut,
         )
 

@@ -12,7 +12,7 @@ import logging
 import math
 import time
 import types
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import Any, Protocol, Self
@@ -24,6 +24,7 @@ from kvtier._admission import AdmissionPolicy, AdmissionStatistics, WriteBackQue
 from kvtier._buffers import check_keys, dtype_name, split_blocks
 from kvtier._cost import CostModel, CostStatistics, ScanBudget
 from kvtier._errors import InvalidArgumentError, LifecycleError, TierError
+from kvtier._failures import RecentFailures
 from kvtier._logging import BurstLogger
 from kvtier._lookup import LookupResult, MissReason
 from kvtier._validate import positive_int, positive_number
@@ -70,6 +71,7 @@ class ManagerStatistics:
     cascades_cancelled: int
     in_flight_bytes: int
     background_tasks: int
+    callback_failures: int
     pool: PoolStatistics
     tiers: tuple[TierStatistics, ...]
     promotions_deferred: int
@@ -126,6 +128,11 @@ class TieringManager:
     finish for up to ``close_timeout`` seconds, cancels the rest (counted in
     ``cascades_cancelled``) and closes the tiers.
 
+    A promotion that fails is remembered for ``failure_ttl`` seconds: meanwhile that tier's
+    HIT for the key counts as a miss with the failure's reason, so a tier that cannot serve a
+    block it still reports (for example one that keeps the default ``record_miss``) is not
+    asked to promote it again at every lookup.
+
     ``cost`` (a ``kvtier.CostModel``, one is made if not given) learns each tier's promotion
     latency; give it the engine's recompute cost and the scheduler never waits longer than
     recomputing would take. ``admission`` (a ``kvtier.AdmissionPolicy``) decides which tiers
@@ -143,6 +150,7 @@ class TieringManager:
         store_timeout: float = 30.0,
         max_in_flight_bytes: int = 256 << 20,
         close_timeout: float = 5.0,
+        failure_ttl: float = 2.0,
         dtype: Any = None,
         latency: PromotionObserver | None = None,
         cost: CostModel | None = None,
@@ -170,6 +178,8 @@ class TieringManager:
         self._store_timeout = positive_number(store_timeout, "store_timeout")
         self._max_in_flight_bytes = positive_int(max_in_flight_bytes, "max_in_flight_bytes")
         self._close_timeout = positive_number(close_timeout, "close_timeout")
+        # what the manager remembers itself, whatever each tier's record_miss does
+        self._failed = RecentFailures(positive_number(failure_ttl, "failure_ttl"))
         self._dtype = None if dtype is None else dtype_name(dtype)
         self._latency = latency
         self.cost = cost if cost is not None else CostModel()
@@ -200,6 +210,7 @@ class TieringManager:
         self._cascades_started = self._cascades_ok = 0
         self._cascades_skipped = self._cascades_cancelled = 0
         self._cascade_failures: dict[str, int] = {}
+        self._callback_failures = 0
         self._deferred = self._declined = 0
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -286,10 +297,16 @@ class TieringManager:
             return MISS
         budget = ctx if isinstance(ctx, ScanBudget) else None
         any_retry = False
+        reason = MissReason.NOT_FOUND
         soonest = math.inf  # of the tiers still checking: when the block could land
         for tier in self.tiers:
             result = tier.lookup(key)
             if result is HIT:
+                if self._failed:
+                    failure = self._failed.get(tier, key)
+                    if failure is not None:  # promoting it again would fail again
+                        reason = failure
+                        continue
                 if budget is not None:
                     refused = self._refuse_promotion(budget, tier, key)
                     if refused is not None:
@@ -317,7 +334,7 @@ class TieringManager:
             self._retries += 1
             return RETRY
         self._misses += 1
-        _bump(self._miss_reasons, MissReason.NOT_FOUND)
+        _bump(self._miss_reasons, reason)
         return MISS
 
     def default_tier_in_flight_bytes(self) -> int:
@@ -387,7 +404,8 @@ class TieringManager:
             failed = True
             reason = _reason_of(exc)
             _bump(self._promotion_failures, reason)
-            tier.record_miss(key, reason)
+            self._failed.remember(tier, key, reason)
+            self._callback("record_miss", tier.record_miss, key, reason)
             self._log.warning(
                 "promote:" + reason.value,
                 "promotion from %s failed (%s): %r",
@@ -406,10 +424,24 @@ class TieringManager:
             if ok or failed:  # a cancelled promotion says nothing about the tier
                 self.cost.observe_promotion(tier.name, seconds, self.pool.block_bytes, ok)
             if self._latency is not None:
-                self._latency.observe_promotion(tier.name, seconds, ok)
+                self._callback(
+                    "latency observer", self._latency.observe_promotion, tier.name, seconds, ok
+                )
             self._promoting.pop(key, None)
             self._notify(key)
             self._tasks.finished()
+
+    def _callback(self, what: str, function: Callable[..., object], *args: object) -> None:
+        """Call a tier's or an observer's hook from background work. The manager's task group
+        lives in the engine's task, so an exception here would stop the engine: it is logged
+        once per burst and counted in ``callback_failures`` instead."""
+        try:
+            function(*args)
+        except Exception as exc:
+            self._callback_failures += 1
+            self._log.warning(
+                "callback:" + what, "%s raised in kvtier background work: %r", what, exc
+            )
 
     # -- store and load ------------------------------------------------------------------------
 
@@ -447,6 +479,11 @@ class TieringManager:
         try:
             with anyio.fail_after(self._store_timeout):
                 await self.pool.copy_in(slots, chosen)
+            if self._task_group is not task_group:  # closed while we copied
+                raise LifecycleError(
+                    "TieringManager is not open any more: it was closed while this store "
+                    "copied its blocks, and nothing was stored"
+                )
             for slot in slots:
                 self.pool.commit(slot)
             committed = True
@@ -580,7 +617,7 @@ class TieringManager:
                 exc,
             )
         else:
-            tier.notify([key])
+            self._callback("notify", tier.notify, [key])
         finally:
             self.admission.finished(tier.name, view.nbytes, time.perf_counter() - started)
 
@@ -626,11 +663,9 @@ class TieringManager:
 
     def watch_each(self, keys: Iterable[bytes], watch: KeyWatch) -> None:
         """Fire ``watch`` with each of ``keys`` once, when that key's answer may have changed
-        (the scheduler's resumable scans: they learn which keys to ask again)."""
-        if self._task_group is None:
-            for key in keys:  # closed: nothing will change, so look again now
-                watch.fire(key)
-            return
+        (the scheduler's resumable scans: they learn which keys to ask again). Closed, the
+        manager answers every key at once except blocks a store is still copying, and those
+        fire when the store ends, so registering stays right."""
         waiters = self._waiters
         for key in keys:
             waiters.setdefault(key, []).append(watch)
@@ -685,6 +720,7 @@ class TieringManager:
             cascades_cancelled=self._cascades_cancelled,
             in_flight_bytes=self._in_flight_bytes,
             background_tasks=self._tasks.count,
+            callback_failures=self._callback_failures,
             pool=self.pool.statistics(),
             tiers=tuple(t.statistics() for t in self.tiers),
             promotions_deferred=self._deferred,
