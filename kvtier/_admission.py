@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvtier._errors import InvalidArgumentError
@@ -147,6 +147,12 @@ class AdmissionPolicy:
         gate.in_flight += nbytes
         return True
 
+    def force(self, tier: str, nbytes: int) -> None:
+        """Reserve a write that must happen whatever the state (write-back at close)."""
+        gate = self._gate(tier)
+        gate.admitted += 1
+        gate.in_flight += nbytes
+
     def _drop(self, gate: _Gate, cause: str) -> bool:
         gate.dropped[cause] = gate.dropped.get(cause, 0) + 1
         return False
@@ -214,20 +220,38 @@ class WriteBackQueue:
     def add(self, key: bytes, slot: int) -> None:
         self._dirty[key] = slot
 
-    def oldest(self) -> tuple[bytes, int] | None:
-        """The oldest dirty block, if the queue is over its limit."""
-        if len(self._dirty) <= self.limit:
-            return None
-        return next(iter(self._dirty.items()))
+    def due(
+        self, admission: AdmissionPolicy, tiers: Sequence[str], nbytes: int, *, everything: bool
+    ) -> tuple[list[tuple[bytes, int, list[str]]], list[int]]:
+        """What to write back now: (key, pinned slot, tiers to write) for each block taken
+        off the queue, and the slots of blocks every tier dropped (to unpin).
 
-    def pop(self, key: bytes) -> int:
-        return self._dirty.pop(key)
-
-    def drain(self) -> list[tuple[bytes, int]]:
-        """Every dirty block, oldest first, and the queue emptied (at close)."""
-        items = list(self._dirty.items())
-        self._dirty.clear()
-        return items
+        Oldest first, while more than ``limit`` wait (all of them when ``everything``: at
+        close, admission or not). A tier short of in-flight room stops the pass (the block
+        stays dirty, tried again when a write ends); a tier the latency rule closed drops
+        the block for that tier (counted by the policy)."""
+        writes: list[tuple[bytes, int, list[str]]] = []
+        unpin: list[int] = []
+        while self._dirty and (everything or len(self._dirty) > self.limit):
+            key, slot = next(iter(self._dirty.items()))
+            targets: list[str] = []
+            for tier in tiers:
+                if everything:
+                    admission.force(tier, nbytes)
+                    targets.append(tier)
+                elif admission.admit(tier, nbytes):
+                    targets.append(tier)
+                elif not admission.is_closed(tier):  # full for now: retry later
+                    for admitted in targets:
+                        admission.cancel(admitted, nbytes)
+                    return writes, unpin
+            del self._dirty[key]
+            if targets:
+                writes.append((key, slot, targets))
+                self.written_back += 1
+            else:
+                unpin.append(slot)
+        return writes, unpin
 
 
 def _ewma(old: float | None, sample: float, alpha: float) -> float:

@@ -525,33 +525,15 @@ class TieringManager:
     def _flush_write_back(
         self, task_group: anyio.abc.TaskGroup, *, everything: bool = False
     ) -> None:
-        """Write back the oldest dirty blocks while more than the limit wait (all of them at
-        close). A tier short of in-flight room is tried again when a write ends; a tier the
-        latency rule closed drops the block (counted by the policy)."""
-        queue, nbytes = self._write_back, self.pool.block_bytes
-        if everything:
-            for key, slot in queue.drain():
-                for tier in self._write_back_tiers:
-                    self.admission.admit(tier.name, nbytes)
-                self._launch(task_group, key, slot, self._write_back_tiers)
-                queue.written_back += 1
-            return
-        while (item := queue.oldest()) is not None:
-            key, slot = item
-            targets: list[SecondaryTier] = []
-            for tier in self._write_back_tiers:
-                if self.admission.admit(tier.name, nbytes):
-                    targets.append(tier)
-                elif not self.admission.is_closed(tier.name):  # full for now: retry later
-                    for admitted in targets:
-                        self.admission.cancel(admitted.name, nbytes)
-                    return
-            queue.pop(key)
-            if targets:
-                self._launch(task_group, key, slot, targets)
-                queue.written_back += 1
-            else:
-                self.pool.unpin(slot)
+        """Start the write-backs the queue says are due (see ``WriteBackQueue.due``)."""
+        by_name = {tier.name: tier for tier in self._write_back_tiers}
+        writes, unpin = self._write_back.due(
+            self.admission, list(by_name), self.pool.block_bytes, everything=everything
+        )
+        for key, slot, names in writes:
+            self._launch(task_group, key, slot, [by_name[name] for name in names])
+        for slot in unpin:
+            self.pool.unpin(slot)
 
     def _launch(
         self,

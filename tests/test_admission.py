@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvtier import AdmissionPolicy, InvalidArgumentError
+from kvtier._admission import WriteBackQueue
 
 
 class Clock:
@@ -79,3 +80,33 @@ def test_write_back_is_per_tier() -> None:
 def test_bad_arguments_say_what_to_fix(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(InvalidArgumentError, match=message):
         AdmissionPolicy(**kwargs)  # type: ignore[arg-type]
+
+
+def test_write_back_queue_writes_the_oldest_beyond_its_limit() -> None:
+    policy = AdmissionPolicy(max_in_flight_bytes=2 * 10, write_back=["s3"])
+    queue = WriteBackQueue(limit=1)
+    for slot, key in enumerate([b"a", b"b", b"c", b"d"]):
+        queue.add(key, slot)
+    writes, unpin = queue.due(policy, ["s3"], 10, everything=False)
+    assert writes == [(b"a", 0, ["s3"]), (b"b", 1, ["s3"])]  # then the tier is full
+    assert unpin == [] and len(queue) == 2  # c waits for room
+    policy.finished("s3", 10, 0.01)
+    writes, _ = queue.due(policy, ["s3"], 10, everything=False)
+    assert writes == [(b"c", 2, ["s3"])] and len(queue) == 1
+    assert queue.due(policy, ["s3"], 10, everything=False) == ([], [])  # at the limit
+
+
+def test_write_back_queue_drops_for_a_closed_tier_and_flushes_everything_at_close() -> None:
+    clock = Clock()
+    policy = AdmissionPolicy(max_write_latency=0.5, write_back=["s3"], clock=clock)
+    policy.finished("s3", 0, 5.0)  # closed
+    queue = WriteBackQueue(limit=1)
+    for slot, key in enumerate([b"a", b"b", b"c"]):
+        queue.add(key, slot)
+    writes, unpin = queue.due(policy, ["s3"], 10, everything=False)
+    assert writes == [(b"a", 0, ["s3"])]  # the probe
+    assert unpin == [1]  # b: dropped, counted
+    assert policy.dropped() == 1
+    writes, unpin = queue.due(policy, ["s3"], 10, everything=True)
+    assert writes == [(b"c", 2, ["s3"])] and unpin == [] and len(queue) == 0
+    assert queue.written_back == 2
