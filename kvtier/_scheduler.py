@@ -285,7 +285,7 @@ class OffloadScheduler:
                 return result
             assert scope.cancelled_caught
             self._timeouts += 1
-            return self._hits_now(keys, window, scan.lease, budget)
+            return self._hits_now(keys, window, scan.lease)  # as ever (design §2.3)
         finally:
             unwatch_each(scan.watched, changes)
             self._release(scan.lease)
