@@ -3,13 +3,13 @@ recompute" rule, as a small synchronous model (design §5a).
 
 The manager feeds it each promotion's duration and size, per tier; the engine feeds it what
 prefill costs (once, with ``set_recompute_cost``, or as it runs, with ``observe_recompute``).
-The scheduler asks it two questions for each request:
+Each async lookup carries a ``ScanBudget`` (its deadline: when recomputing its blocks past
+the resident prefix would be done) and two questions are asked of the model:
 
-- ``promote_before(tier, deadline, now)``: can this tier deliver a block before recomputing
-  would have finished? If not, the block is not promoted for this request.
-- the wait budget, ``recompute_seconds(blocks)``: a request never waits longer in all than
-  recomputing the blocks it waits for would take, and stops at once when the blocks it waits
-  for are expected later than that.
+- ``promote_before(tier, deadline, now)`` (by the manager): can this tier deliver a block
+  before recomputing would have finished? If not, the block is not promoted for this request.
+- ``keep_waiting(...)`` (by the scheduler): a request never waits longer in all than that
+  recompute would take, and stops at once when the blocks it waits for are expected later.
 
 Everything here is plain arithmetic on numbers the callers pass in (``now`` included, from the
 model's ``clock``), so it is tested without an event loop and with a fake clock. Estimates are
