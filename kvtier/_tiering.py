@@ -329,6 +329,8 @@ class TieringManager:
                 soonest = min(soonest, self._landing(tier))
         if any_retry:
             if budget is not None:
+                if budget.deadline is not None and soonest > budget.deadline:
+                    return self._too_slow()  # only tiers slower than recompute may hold it
                 budget.unknown = True
                 budget.expect(soonest)
             self._retries += 1
@@ -360,7 +362,8 @@ class TieringManager:
         """For a scheduler's budgeted scan, the answer when a tier hit is not promoted now:
         RETRY when an earlier key of the scan is still unknown (lazy promotion: the scan may
         stop before this key; its rescan promotes it once that key resolves), MISS when the
-        tier is expected later than recompute would finish. None: promote it."""
+        tier is expected later than recompute would finish. None: promote it. (A key that
+        only such slow tiers are still checking is a MISS for the scan too.)"""
         blocker = budget.blocker
         if blocker is not None:
             self._deferred += 1
@@ -369,11 +372,16 @@ class TieringManager:
                 self._after.setdefault(blocker, []).append(key)
             return RETRY
         if not self.cost.promote_before(tier.name, budget.deadline, self.cost.clock()):
-            self._declined += 1
-            self._misses += 1
-            self._miss_reasons["too_slow"] = self._miss_reasons.get("too_slow", 0) + 1
-            return MISS
+            return self._too_slow()
         return None
+
+    def _too_slow(self) -> LookupResult:
+        """A budgeted scan's MISS for a block no tier can deliver before recompute would
+        finish: the prefix ends there, and the request does not wait for it."""
+        self._declined += 1
+        self._misses += 1
+        self._miss_reasons["too_slow"] = self._miss_reasons.get("too_slow", 0) + 1
+        return MISS
 
     def pin_ready(self, keys: Sequence[bytes]) -> list[int]:
         """Pin the READY blocks among ``keys`` and return their slots: the lease a scheduler

@@ -141,7 +141,36 @@ async def test_a_tier_known_only_by_its_slow_writes_is_not_waited_for(keys: list
         scheduler = OffloadScheduler(manager)
         with anyio.fail_after(10):
             assert await scheduler.lookup(keys[:4]) == 0
-        stats = scheduler.statistics()
-        assert stats.waits_cut == 1
-        assert stats.waits == 0  # it did not wait at all
+        assert scheduler.statistics().waits == 0  # it did not wait at all
+        assert manager.statistics().misses_by_reason.get("too_slow") == 1
         remote.release("contains")
+
+
+async def test_the_request_waits_for_the_fast_tier_but_not_for_a_slow_tiers_checks(
+    keys: list[bytes],
+) -> None:
+    fast = await tier_holding(keys[:2])
+    fast.stall("load")
+    slow = StallingTier(name="slow")
+    slow.stall("contains")  # key 2 is in neither; only the slow tier is still checking it
+    cost = CostModel(recompute_seconds_per_block=1.0)
+    cost.observe_promotion("remote", 0.001, BB, ok=True)  # the fast tier
+    cost.observe_promotion("slow", 10.0, BB, ok=True)
+    async with TieringManager(HostPool(8, BB), [fast, slow], cost=cost) as manager:
+        for key in keys[:3]:
+            await resolve_lookup(fast, key)
+        scheduler = OffloadScheduler(manager)
+        answer: list[int] = []
+
+        async def request() -> None:
+            answer.append(await scheduler.lookup(keys[:3]))
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(request)
+                await fast.wait_stalled("load")  # it waits for the fast tier's two blocks
+                fast.release("load")
+        assert answer == [2]
+        assert scheduler.statistics().waits_cut == 0
+        assert manager.statistics().misses_by_reason.get("too_slow") == 1
+        slow.release("contains")
