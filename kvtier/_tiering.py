@@ -528,7 +528,8 @@ class TieringManager:
                     self._cascades_skipped += 1
                     return
                 self._launch(task_group, key, slot, targets)
-        self._flush_write_back(task_group)
+        if self._write_back:
+            self._flush_write_back(task_group)
 
     def _flush_write_back(
         self, task_group: anyio.abc.TaskGroup, *, everything: bool = False
