@@ -5,8 +5,9 @@ store under load, a hung mount) then holds pinned slots, in-flight bytes and wor
 the engine needs. This policy lets each tier yield instead:
 
 - **Back-pressure.** A tier whose write latency (a moving average) is above
-  ``max_write_latency``, or whose in-flight bytes would pass ``max_in_flight_bytes``, is not
-  given new blocks; each block it is not given is counted as dropped, by cause. While the
+  ``max_write_latency``, whose oldest write in flight has run longer than that (a hung tier
+  never reports a latency), or whose in-flight bytes would pass ``max_in_flight_bytes``, is
+  not given new blocks; each block it is not given is counted as dropped, by cause. While the
   latency keeps it closed, one write is let through every ``probe_interval`` seconds to
   measure it again, so the tier is admitted again once it has recovered.
 - **Write-back.** A tier named in ``write_back`` is not written on store: the manager keeps
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -54,9 +56,10 @@ class AdmissionStatistics:
 
 
 class _Gate:
-    __slots__ = ("admitted", "dropped", "in_flight", "last_probe", "latency", "probes")
+    __slots__ = ("admitted", "dropped", "in_flight", "last_probe", "latency", "probes", "started")
 
     def __init__(self) -> None:
+        self.started: deque[float] = deque()  # start times of the writes in flight, oldest first
         self.admitted = 0
         self.dropped: dict[str, int] = {}
         self.probes = 0
@@ -116,14 +119,17 @@ class AdmissionPolicy:
         return tier in self.write_back_tiers
 
     def is_closed(self, tier: str) -> bool:
-        """Whether the latency rule refuses new writes to ``tier`` right now."""
+        """Whether the latency rule refuses new writes to ``tier`` right now: its writes
+        average too long, or its oldest write in flight has already run too long."""
         gate = self._gates.get(tier)
-        return (
-            gate is not None
-            and self.max_write_latency is not None
-            and gate.latency is not None
-            and gate.latency > self.max_write_latency
-        )
+        limit = self.max_write_latency
+        if gate is None or limit is None:
+            return False
+        if gate.latency is not None and gate.latency > limit:
+            return True
+        # Writes end roughly in the order they start, so the oldest start stands for the
+        # oldest write still running.
+        return bool(gate.started) and self.clock() - gate.started[0] > limit
 
     def write_latency(self, tier: str) -> float | None:
         """The moving average of one write to ``tier`` (None before the first)."""
@@ -137,14 +143,15 @@ class AdmissionPolicy:
         cap = self._cap if self._caps is None else self._caps.get(tier)
         if cap is not None and gate.in_flight + nbytes > cap:
             return self._drop(gate, CAUSE_IN_FLIGHT)
+        now = self.clock()
         if self.is_closed(tier):
-            now = self.clock()
             if gate.in_flight or now - gate.last_probe < self._probe_interval:
                 return self._drop(gate, CAUSE_LATENCY)
             gate.last_probe = now  # one probe write, alone, to measure the tier again
             gate.probes += 1
         gate.admitted += 1
         gate.in_flight += nbytes
+        gate.started.append(now)
         return True
 
     def force(self, tier: str, nbytes: int) -> None:
@@ -152,6 +159,7 @@ class AdmissionPolicy:
         gate = self._gate(tier)
         gate.admitted += 1
         gate.in_flight += nbytes
+        gate.started.append(self.clock())
 
     def _drop(self, gate: _Gate, cause: str) -> bool:
         gate.dropped[cause] = gate.dropped.get(cause, 0) + 1
@@ -162,12 +170,16 @@ class AdmissionPolicy:
         gate = self._gate(tier)
         gate.in_flight = max(gate.in_flight - nbytes, 0)
         gate.admitted -= 1
+        if gate.started:
+            gate.started.pop()
 
     def finished(self, tier: str, nbytes: int, seconds: float) -> None:
         """An admitted write of ``nbytes`` ended after ``seconds`` (failed, timed out or
         cancelled writes too: each says how long the tier held the bytes)."""
         gate = self._gate(tier)
         gate.in_flight = max(gate.in_flight - nbytes, 0)
+        if gate.started:
+            gate.started.popleft()
         gate.latency = _ewma(gate.latency, max(float(seconds), 0.0), self._alpha)
 
     def dropped(self) -> int:

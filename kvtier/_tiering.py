@@ -341,10 +341,8 @@ class TieringManager:
 
     def default_tier_in_flight_bytes(self) -> int:
         """Each tier's default limit on bytes being written: its share of
-        ``max_in_flight_bytes``, and at most half the pool, since every block being written
-        stays pinned there (a slow tier would otherwise pin the whole pool)."""
-        pool_bytes = self.pool.num_blocks * self.pool.block_bytes
-        share = min(self._max_in_flight_bytes // max(len(self.tiers), 1), pool_bytes // 2)
+        ``max_in_flight_bytes``, so one tier that falls behind cannot hold it all."""
+        share = self._max_in_flight_bytes // max(len(self.tiers), 1)
         return max(share, self.pool.block_bytes)
 
     def _landing(self, tier: SecondaryTier) -> float:

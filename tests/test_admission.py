@@ -52,6 +52,22 @@ def test_a_slow_tier_closes_then_probes_and_reopens_when_it_recovers() -> None:
     assert policy.dropped() == 2
 
 
+def test_a_hung_write_closes_the_tier_before_it_reports_any_latency() -> None:
+    clock = Clock()
+    policy = AdmissionPolicy(max_write_latency=0.5, clock=clock)
+    assert policy.admit("nfs", 10)
+    clock.now = 0.4
+    assert policy.admit("nfs", 10)  # the first write is not late yet
+    clock.now = 0.6
+    assert policy.is_closed("nfs")  # it is now, though it has not finished
+    assert not policy.admit("nfs", 10)
+    policy.finished("nfs", 10, 0.6)
+    policy.finished("nfs", 10, 0.2)  # both done: average 0.48 s, nothing in flight
+    assert not policy.is_closed("nfs")
+    assert policy.admit("nfs", 10)
+    assert policy.statistics()[0].dropped_by_cause == {"latency": 1}
+
+
 def test_a_fast_tier_is_never_closed() -> None:
     policy = AdmissionPolicy(max_write_latency=0.5)
     for _ in range(100):
