@@ -182,6 +182,11 @@ class AdmissionPolicy:
             gate.started.popleft()
         gate.latency = _ewma(gate.latency, max(float(seconds), 0.0), self._alpha)
 
+    def observe_write_latency(self, tier: str, seconds: float) -> None:
+        """A write latency measured elsewhere (a tier's own client, an earlier run)."""
+        gate = self._gate(tier)
+        gate.latency = _ewma(gate.latency, max(float(seconds), 0.0), self._alpha)
+
     def dropped(self) -> int:
         return sum(sum(g.dropped.values()) for g in self._gates.values())
 

@@ -115,7 +115,7 @@ def test_write_back_queue_writes_the_oldest_beyond_its_limit() -> None:
 def test_write_back_queue_drops_for_a_closed_tier_and_flushes_everything_at_close() -> None:
     clock = Clock()
     policy = AdmissionPolicy(max_write_latency=0.5, write_back=["s3"], clock=clock)
-    policy.finished("s3", 0, 5.0)  # closed
+    policy.observe_write_latency("s3", 5.0)  # closed
     queue = WriteBackQueue(limit=1)
     for slot, key in enumerate([b"a", b"b", b"c"]):
         queue.add(key, slot)

@@ -44,7 +44,7 @@ async def test_a_slow_tier_is_skipped_counted_and_admitted_again_when_it_recover
     policy = AdmissionPolicy(max_write_latency=0.5, probe_interval=1.0, alpha=0.5, clock=clock)
     fast, slow = MemoryTier("fast"), MemoryTier("slow")
     async with TieringManager(HostPool(32, BB), [fast, slow], admission=policy) as manager:
-        policy.finished("slow", 0, 8.0)  # its last write took 8 s: back-pressure engages
+        policy.observe_write_latency("slow", 8.0)  # its last write took 8 s: back-pressure engages
         for i in range(3):
             await manager.store(keys[i : i + 1], blocks(1))
             await manager.wait_idle()

@@ -137,7 +137,7 @@ async def test_a_tier_known_only_by_its_slow_writes_is_not_waited_for(keys: list
     cost = CostModel(recompute_seconds_per_block=0.001)
     policy = AdmissionPolicy()
     async with TieringManager(HostPool(8, BB), [remote], cost=cost, admission=policy) as manager:
-        policy.finished("remote", 0, 2.0)  # never promoted from yet; its writes take 2 s
+        policy.observe_write_latency("remote", 2.0)  # never promoted from yet; its writes take 2 s
         scheduler = OffloadScheduler(manager)
         with anyio.fail_after(10):
             assert await scheduler.lookup(keys[:4]) == 0

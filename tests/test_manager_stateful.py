@@ -161,7 +161,7 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @rule(tier=st.sampled_from(["stalling", "failing"]), seconds=st.floats(0.0, 2.0))
     def write_latency_observed(self, tier: str, seconds: float) -> None:
-        self.manager.admission.finished(tier, 0, seconds)
+        self.manager.admission.observe_write_latency(tier, seconds)
 
     @rule()
     def exit_and_reenter(self) -> None:

@@ -255,7 +255,7 @@ async def test_cost_model_and_admission_are_exported() -> None:
     registry.register(KVTierCollector(manager, scheduler=scheduler))
     async with manager:
         assert await scheduler.lookup([k], timeout=5.0) == 1  # one promotion: measured
-        policy.finished("remote", 0, 3.0)  # a write that took 3 s: admission closes
+        policy.observe_write_latency("remote", 3.0)  # a write that took 3 s: admission closes
         await manager.store([key()], np.zeros((1, BLOCK), np.uint8))  # a probe
         await manager.store([key()], np.zeros((1, BLOCK), np.uint8))  # dropped
         await manager.wait_idle()
