@@ -526,8 +526,8 @@ class TieringManager:
                     self._cascades_skipped += 1
                     return
                 self._launch(task_group, key, slot, targets)
-        if self._write_back:
-            self._flush_write_back(task_group)
+        if self._write_back:  # while closing (a store that raced aclose), write back at once
+            self._flush_write_back(task_group, everything=self._stack is None)
 
     def _flush_write_back(
         self, task_group: anyio.abc.TaskGroup, *, everything: bool = False
