@@ -5,6 +5,8 @@ StallingTier; nothing here asserts a duration."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import anyio
 import numpy as np
 
@@ -16,6 +18,7 @@ from kvtier import (
     SlotState,
     TieringManager,
 )
+from kvtier._buffers import BlockBuffer
 from kvtier.testing import StallingTier
 
 BB = 4096
@@ -112,3 +115,49 @@ async def test_write_back_writes_on_eviction_and_loses_nothing(keys: list[bytes]
     assert held(remote, keys[:12]) == [True] * 12  # the rest were written back at close
     stats = manager.statistics()
     assert stats.written_back == 12 and stats.dirty_blocks == 0 and stats.cascades_dropped == 0
+
+
+class GatedPool(HostPool):
+    """A HostPool whose copies into the pool wait at a gate once it is closed."""
+
+    def __init__(self, num_blocks: int) -> None:
+        super().__init__(num_blocks, BB)
+        self.gate: anyio.Event | None = None
+        self.entered = anyio.Event()
+
+    async def copy_in(self, slots: Sequence[int], blocks: Sequence[BlockBuffer]) -> None:
+        if self.gate is not None:
+            self.entered.set()
+            await self.gate.wait()
+        await super().copy_in(slots, blocks)
+
+
+async def test_a_block_stored_while_the_manager_closes_is_written_back_not_left_pinned(
+    keys: list[bytes],
+) -> None:
+    pool = GatedPool(8)
+    near = StallingTier(name="near")
+    remote = MemoryTier("remote")
+    manager = TieringManager(
+        pool, [near, remote], admission=AdmissionPolicy(write_back=["remote"]), write_back_limit=4
+    )
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as engine:
+            await manager.__aenter__()
+            near.stall("store")
+            await manager.store(keys[:1], blocks(1))  # its write-through to near is held
+            pool.gate = anyio.Event()
+            engine.start_soon(manager.store, keys[1:2], blocks(1))
+            await pool.entered.wait()  # the second store is copying
+
+            async def while_it_closes() -> None:
+                await anyio.wait_all_tasks_blocked()  # close waits for near's write-through
+                pool.gate.set()  # the store lands while the manager closes
+                await anyio.wait_all_tasks_blocked()
+                near.release("store")
+
+            engine.start_soon(while_it_closes)
+            await manager.aclose()
+    stats = manager.statistics()
+    assert stats.dirty_blocks == 0 and stats.pool.pinned == 0
+    assert held(remote, keys[:2]) == [True, True]
