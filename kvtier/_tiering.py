@@ -255,6 +255,7 @@ class TieringManager:
         # shield around a task group's exit is not allowed.
         await stack.aclose()
         self._after.clear()
+        self._promoting.clear()
         waiters, self._waiters = self._waiters, {}
         for key, events in waiters.items():  # wake schedulers: nothing will change any more
             for event in events:
