@@ -562,13 +562,17 @@ class TieringManager:
         self, key: bytes, slot: int, nbytes: int, targets: tuple[SecondaryTier, ...]
     ) -> None:
         failures: list[MissReason] = []
-        write = functools.partial(self._write_through, key, targets, failures)
+        begun: list[SecondaryTier] = []  # the tiers whose write started (and reports itself)
+        write = functools.partial(self._write_through, key, targets, failures, begun)
         try:
             with anyio.fail_after(self._store_timeout):
                 await self.pool.drain(slot, write)
         except Exception as exc:
             failures.append(_reason_of(exc))
         finally:
+            for tier in targets:
+                if tier not in begun:  # the drain failed first: give the admission back
+                    self.admission.cancel(tier.name, nbytes)
             self.pool.unpin(slot)
             self._in_flight_bytes -= nbytes
             self._cascades.finished()
@@ -584,15 +588,22 @@ class TieringManager:
         key: bytes,
         targets: tuple[SecondaryTier, ...],
         failures: list[MissReason],
+        begun: list[SecondaryTier],
         view: memoryview,
     ) -> None:
         async with anyio.create_task_group() as tg:
             for tier in targets:
-                tg.start_soon(self._store_one, tier, key, view, failures)
+                tg.start_soon(self._store_one, tier, key, view, failures, begun)
 
     async def _store_one(
-        self, tier: SecondaryTier, key: bytes, view: memoryview, failures: list[MissReason]
+        self,
+        tier: SecondaryTier,
+        key: bytes,
+        view: memoryview,
+        failures: list[MissReason],
+        begun: list[SecondaryTier],
     ) -> None:
+        begun.append(tier)  # from here on this write reports to the admission policy itself
         started = time.perf_counter()
         try:
             await tier.store(key, view)

@@ -19,6 +19,7 @@ from kvtier import (
     TieringManager,
 )
 from kvtier._buffers import BlockBuffer
+from kvtier.pools._base import ByteSource
 from kvtier.testing import StallingTier
 
 BB = 4096
@@ -161,3 +162,25 @@ async def test_a_block_stored_while_the_manager_closes_is_written_back_not_left_
     stats = manager.statistics()
     assert stats.dirty_blocks == 0 and stats.pool.pinned == 0
     assert held(remote, keys[:2]) == [True, True]
+
+
+class FailingDrainPool(HostPool):
+    """A HostPool whose drains fail before handing the bytes to any tier."""
+
+    async def drain(self, slot: int, source: ByteSource) -> None:
+        await anyio.lowlevel.checkpoint()
+        raise OSError("staging buffer lost")
+
+
+async def test_a_write_through_that_fails_before_any_tier_gives_its_admission_back(
+    keys: list[bytes],
+) -> None:
+    policy = AdmissionPolicy(max_in_flight_bytes=BB)
+    tier = MemoryTier("t")
+    async with TieringManager(FailingDrainPool(8, BB), [tier], admission=policy) as manager:
+        for i in range(3):  # with the admission leaked, the 2nd and 3rd would be dropped
+            await manager.store(keys[i : i + 1], blocks(1))
+            await manager.wait_idle()
+        (stats,) = manager.statistics().admission
+        assert stats.in_flight_bytes == 0 and stats.dropped == 0
+        assert manager.statistics().cascade_failures_by_reason == {"unavailable": 3}
