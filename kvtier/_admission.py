@@ -5,8 +5,9 @@ store under load, a hung mount) then holds pinned slots, in-flight bytes and wor
 the engine needs. This policy lets each tier yield instead:
 
 - **Back-pressure.** A tier whose write latency (a moving average) is above
-  ``max_write_latency``, whose oldest write in flight has run longer than that (a hung tier
-  never reports a latency), or whose in-flight bytes would pass ``max_in_flight_bytes``, is
+  ``max_write_latency``, whose oldest write in flight has run ``STUCK_FACTOR`` times longer
+  than that (a hung tier never reports a latency; a burst queued behind a few writer threads
+  must not look hung), or whose in-flight bytes would pass ``max_in_flight_bytes``, is
   not given new blocks; each block it is not given is counted as dropped, by cause. While the
   latency keeps it closed, one write is let through every ``probe_interval`` seconds to
   measure it again, so the tier is admitted again once it has recovered.
@@ -32,6 +33,7 @@ from kvtier._validate import positive_int, positive_number
 __all__ = ["AdmissionPolicy", "AdmissionStatistics", "WriteBackQueue"]
 
 CAUSE_LATENCY = "latency"
+STUCK_FACTOR = 4.0
 CAUSE_IN_FLIGHT = "in_flight"
 
 
@@ -120,7 +122,8 @@ class AdmissionPolicy:
 
     def is_closed(self, tier: str) -> bool:
         """Whether the latency rule refuses new writes to ``tier`` right now: its writes
-        average too long, or its oldest write in flight has already run too long."""
+        average too long, or its oldest write in flight has run ``STUCK_FACTOR`` times too
+        long already."""
         gate = self._gates.get(tier)
         limit = self.max_write_latency
         if gate is None or limit is None:
@@ -129,7 +132,7 @@ class AdmissionPolicy:
             return True
         # Writes end roughly in the order they start, so the oldest start stands for the
         # oldest write still running.
-        return bool(gate.started) and self.clock() - gate.started[0] > limit
+        return bool(gate.started) and self.clock() - gate.started[0] > limit * STUCK_FACTOR
 
     def write_latency(self, tier: str) -> float | None:
         """The moving average of one write to ``tier`` (None before the first)."""

@@ -56,13 +56,13 @@ def test_a_hung_write_closes_the_tier_before_it_reports_any_latency() -> None:
     clock = Clock()
     policy = AdmissionPolicy(max_write_latency=0.5, clock=clock)
     assert policy.admit("nfs", 10)
-    clock.now = 0.4
-    assert policy.admit("nfs", 10)  # the first write is not late yet
-    clock.now = 0.6
-    assert policy.is_closed("nfs")  # it is now, though it has not finished
+    clock.now = 1.9
+    assert policy.admit("nfs", 10)  # the first write is slow, but not hung yet
+    clock.now = 2.1
+    assert policy.is_closed("nfs")  # 4 times the limit: hung, though it has not finished
     assert not policy.admit("nfs", 10)
-    policy.finished("nfs", 10, 0.6)
-    policy.finished("nfs", 10, 0.2)  # both done: average 0.48 s, nothing in flight
+    policy.finished("nfs", 10, 0.3)
+    policy.finished("nfs", 10, 0.2)  # both done: average 0.27 s, nothing in flight
     assert not policy.is_closed("nfs")
     assert policy.admit("nfs", 10)
     assert policy.statistics()[0].dropped_by_cause == {"latency": 1}
