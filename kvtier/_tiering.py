@@ -517,9 +517,17 @@ class TieringManager:
             if self._in_flight_bytes + nbytes > self._max_in_flight_bytes:
                 self._cascades_skipped += 1
                 return
-            admit = self.admission.admit
-            targets = [tier for tier in self._through_tiers if admit(tier.name, nbytes)]
-            if targets:  # the refused are counted as dropped by the policy
+            targets: list[SecondaryTier] = []
+            for tier in self._through_tiers:
+                if self.admission.admit(tier.name, nbytes):
+                    targets.append(tier)
+                else:  # counted as dropped by the policy; said once per burst
+                    self._log.warning(
+                        "admission:" + tier.name,
+                        "%s is behind: write-through to it is dropped until it recovers",
+                        tier.name,
+                    )
+            if targets:
                 slot = self.pool.pin(key)
                 if slot is None:  # already evicted by a later store in the same burst
                     for tier in targets:
