@@ -35,6 +35,12 @@ Choices where the contract leaves room:
   stall, the payload is not SHA-256 signed (the block carries its own checksum) and botocore
   adds checksums only where the operation requires them, so no pass over the block runs on
   the event loop.
+- Signed blocks: with ``integrity_key`` every object carries a keyed BLAKE2b MAC (see
+  ``kvtier._format``) and only objects that verify are served; anything else (unsigned, or
+  signed with another key) is a ``corrupt`` miss and is deleted. The prefix's marker
+  (``_s3_integrity``) names the key's public fingerprint, so a node with no key or another key
+  refuses the prefix at open instead of deleting its peers' blocks; a signing tier refuses a
+  prefix that already holds unsigned blocks.
 - Faults: botocore's own retries are off; kvtier retries transient faults (unreachable,
   timeouts, 5xx, throttling) ``max_attempts`` times with full-jitter backoff, and every
   attempt feeds a circuit breaker (``kvtier.tiers._s3_breaker``). While it is open, requests
@@ -48,6 +54,7 @@ Choices where the contract leaves room:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -67,6 +74,7 @@ from kvtier._errors import (
     TierError,
     TierUnavailableError,
 )
+from kvtier._format import IntegrityKey
 from kvtier._keys import check_key
 from kvtier._logging import BurstLogger
 from kvtier._lookup import LookupResult, MissReason
@@ -84,6 +92,7 @@ from kvtier.tiers._s3_config import (
 from kvtier.tiers._s3_errors import Fault
 from kvtier.tiers._s3_index import ExistenceIndex
 from kvtier.tiers._s3_index_sync import IndexSync
+from kvtier.tiers._s3_integrity import check_marker
 from kvtier.tiers._s3_journal import writer_id
 from kvtier.tiers._s3_requests import Requests
 
@@ -109,6 +118,10 @@ class S3Tier(SecondaryTier):
     ``index_lookback`` (how far back a poll lists journal segments: covers a segment's PUT
     time and clock skew between nodes), ``index_list_timeout`` (bound on the listing at
     open), ``index_max_keys`` (bound on the index's memory).
+
+    ``integrity_key`` (a secret of at least 16 bytes, or an ``IntegrityKey``): sign every block
+    and serve only blocks signed with it; every node sharing the prefix must set the same one.
+    It is never shown (``repr`` says ``signed=True``).
     """
 
     def __init__(
@@ -137,10 +150,16 @@ class S3Tier(SecondaryTier):
         index_lookback: float = 60.0,
         index_list_timeout: float = 60.0,
         index_max_keys: int = 10_000_000,
+        integrity_key: str | bytes | IntegrityKey | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not isinstance(name, str) or not name:
             raise InvalidArgumentError("name must be a non-empty string")
+        self.integrity_key = (
+            integrity_key
+            if integrity_key is None or isinstance(integrity_key, IntegrityKey)
+            else IntegrityKey(integrity_key)
+        )
         super().__init__(name)
         self.settings = S3Settings.check(
             bucket,
@@ -292,6 +311,17 @@ class S3Tier(SecondaryTier):
                     tier=self.name,
                     operation="open",
                 )
+            where = f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
+            self._conditional_put = await check_marker(
+                self._call,
+                self._client,
+                bucket=self.bucket,
+                prefix=self.prefix,
+                integrity_key=self.integrity_key,
+                conditional_put=self._conditional_put,
+                tier=self.name,
+                where=where,
+            )
             if cfg.lookup_mode == "index":
                 await self._sync.list_at_open()
             self._stack = stack.pop_all()
@@ -405,7 +435,13 @@ class S3Tier(SecondaryTier):
         """One GET, streamed into ``dst``; a corrupt object is deleted and raised."""
         response = await client.get_object(Bucket=self.bucket, Key=self.object_key(key))
         try:
-            problem, head = await read_block(response, key, dst, thread_bytes=_THREAD_BUILD_BYTES)
+            problem, head = await read_block(
+                response,
+                key,
+                dst,
+                thread_bytes=_THREAD_BUILD_BYTES,
+                integrity_key=self.integrity_key,
+            )
         finally:
             response["Body"].close()
         if problem is not None:
@@ -449,10 +485,11 @@ class S3Tier(SecondaryTier):
             return
         payload = memoryview(src).cast("B") if memoryview(src).format != "B" else memoryview(src)
         started = time.perf_counter()
+        build = functools.partial(build_object, key, payload, integrity_key=self.integrity_key)
         if payload.nbytes > _THREAD_BUILD_BYTES:
-            body, metadata, crc = await anyio.to_thread.run_sync(build_object, key, payload)
+            body, metadata, crc = await anyio.to_thread.run_sync(build)
         else:
-            body, metadata, crc = build_object(key, payload)
+            body, metadata, crc = build()
         object_key = self.object_key(key)
 
         async def put() -> Any:
@@ -568,7 +605,8 @@ class S3Tier(SecondaryTier):
         where = f"{self.bucket}/{self.prefix}" if self.prefix else self.bucket
         return (
             f"<S3Tier {self.name!r} s3://{where} endpoint={self._endpoint_label} "
-            f"open={self.is_open} breaker={s.breaker_state} hits={s.lookups.hits} "
+            f"open={self.is_open} signed={self.integrity_key is not None} "
+            f"breaker={s.breaker_state} hits={s.lookups.hits} "
             f"misses={s.lookups.misses} pending={s.lookups.pending} "
             f"in_flight={s.lookups.in_flight} loads={s.loads} stores={s.stores}>"
         )
