@@ -265,6 +265,22 @@ async def test_a_signing_tier_refuses_a_prefix_of_unsigned_blocks(
         assert out == block
 
 
+async def test_a_tier_without_a_key_leaves_signed_blocks_in_place(
+    make_tier: MakeTier, weed_server: WeedServer
+) -> None:
+    """A keyless node that opened before a signing node claimed the prefix cannot check signed
+    blocks: a corrupt miss for it, but not deleted (they may be its peers')."""
+    (key,) = _keys(1)
+    block = os.urandom(BLOCK)
+    async with make_tier() as plain:
+        signed = encode_header(key, block, integrity_key=IntegrityKey(SECRET)) + block
+        await _put(weed_server.endpoint_url, plain.object_key(key), signed)
+        with pytest.raises(CorruptBlockError, match="this reader has none"):
+            await plain.load(key, memoryview(bytearray(BLOCK)))
+        assert plain.statistics().corrupt_deleted == 0
+    assert await _get(weed_server.endpoint_url, plain.object_key(key)) == signed
+
+
 async def test_racing_claims_of_an_empty_prefix_agree(make_tier: MakeTier) -> None:
     """Two nodes with different keys open an empty prefix at once: one claims it, the other
     refuses; two with the same key both open."""

@@ -21,9 +21,10 @@ Choices where the contract leaves room:
   ``lookup()`` was asked about a key the index did not hold (0 in index mode).
 - A corrupt object (bad header, wrong key, wrong length, checksum mismatch) is a miss with
   reason ``corrupt`` and is **deleted**, so no node keeps paying for it and the next store
-  of that key repairs it. The one exception: a header of a *newer* format version is
-  skipped, not deleted, so a mixed-version fleet sharing a bucket never destroys the newer
-  nodes' blocks.
+  of that key repairs it. Two exceptions, skipped rather than deleted: a header of a *newer*
+  format version, so a mixed-version fleet sharing a bucket never destroys the newer nodes'
+  blocks; and, for a tier without an integrity key, a signed block, which it cannot check and
+  which may be a signing peer's (the prefix's marker normally keeps such a tier out).
 - Stores send ``If-None-Match: *``: an object that exists is not rewritten (412 means
   "already there", a success). A server that rejects the header (501 / NotImplemented) is
   remembered and gets plain puts from then on: the idempotent overwrite is harmless because
@@ -81,7 +82,7 @@ from kvtier._lookup import LookupResult, MissReason
 from kvtier.tiers._async_lookup import AsyncLookupManager
 from kvtier.tiers._base import SecondaryTier, TierMeter, TierStatistics
 from kvtier.tiers._s3_breaker import BreakerState, CircuitBreaker
-from kvtier.tiers._s3_codec import build_object, is_newer_format, read_block
+from kvtier.tiers._s3_codec import build_object, is_newer_format, is_signed, read_block
 from kvtier.tiers._s3_config import (
     S3Settings,
     S3TierStatistics,
@@ -450,9 +451,14 @@ class S3Tier(SecondaryTier):
     async def _discard_corrupt(
         self, client: Any, key: bytes, head: bytes, problem: str
     ) -> NoReturn:
-        """Delete a corrupt object (unless it is a newer format) and raise CorruptBlockError."""
-        newer = is_newer_format(head)
-        if not newer:
+        """Delete a corrupt object (unless it may be valid to other nodes: a newer format, or
+        signed while this tier has no key) and raise CorruptBlockError."""
+        kept = ""
+        if is_newer_format(head):
+            kept = "; newer format, left in place"
+        elif self.integrity_key is None and is_signed(head):
+            kept = "; signed, and this tier has no integrity key: left in place"
+        if not kept:
             with anyio.move_on_after(self.settings.read_timeout, shield=True):
                 try:
                     await client.delete_object(Bucket=self.bucket, Key=self.object_key(key))
@@ -470,7 +476,7 @@ class S3Tier(SecondaryTier):
             self.name,
             self.object_key(key),
             problem,
-            "; newer format, left in place" if newer else "",
+            kept,
         )
         raise CorruptBlockError(problem, tier=self.name, operation="load", key=key)
 

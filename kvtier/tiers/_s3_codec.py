@@ -23,6 +23,7 @@ import anyio.to_thread
 
 from kvtier._errors import InvalidArgumentError
 from kvtier._format import (
+    FLAG_MAC,
     FORMAT_VERSION,
     MAGIC,
     HeaderError,
@@ -33,7 +34,14 @@ from kvtier._format import (
     verify_block,
 )
 
-__all__ = ["META_CHECKSUM", "build_object", "is_newer_format", "read_block", "verify_into"]
+__all__ = [
+    "META_CHECKSUM",
+    "build_object",
+    "is_newer_format",
+    "is_signed",
+    "read_block",
+    "verify_into",
+]
 
 META_CHECKSUM = "kvtier-checksum"
 META_FORMAT = "kvtier-format"
@@ -68,6 +76,15 @@ def is_newer_format(head: bytes | bytearray) -> bool:
         len(head) >= 6
         and bytes(head[:4]) == MAGIC
         and struct.unpack_from("<H", head, 4)[0] > FORMAT_VERSION
+    )
+
+
+def is_signed(head: bytes | bytearray) -> bool:
+    """A kvtier header of this format with the signed flag (not checked: anyone can set it)."""
+    return (
+        len(head) >= 8
+        and bytes(head[:4]) == MAGIC
+        and struct.unpack_from("<HH", head, 4) == (FORMAT_VERSION, FLAG_MAC)
     )
 
 
