@@ -5,6 +5,8 @@ Measures, for blocks of ``--block-mib`` MiB:
 - store throughput: ``S3Tier.store`` beside raw ``put_object`` of the same payload bytes;
 - load throughput: ``S3Tier.load`` (streamed into a block buffer, checksum verified) beside
   raw ``get_object`` + ``read()``;
+- signed blocks: the same stores and loads through a tier with an integrity key (a BLAKE2b
+  MAC on store; on load the MAC replaces the xxh3 check), beside the unsigned tier;
 - existence of ``--keys`` keys: a cold ``S3Tier.lookup`` of every key until every verdict has
   landed, in ``lookup_mode="ask"`` (batched HEADs behind the AsyncLookupManager; the default
   index mode answers at once, without a request) beside as many raw concurrent
@@ -150,7 +152,7 @@ async def _raw_head(client: Any, bucket: str, name: str) -> None:
 async def _round(
     args: argparse.Namespace,
     client: Any,
-    make_tier: Callable[[str], S3Tier],
+    make_tier: Callable[..., S3Tier],
     payloads: list[bytes],
     results: dict[str, list[float]],
     raw_first: bool,
@@ -160,8 +162,12 @@ async def _round(
     keys = block_keys(list(range(args.blocks * 4)), 4, namespace=run_id.encode())
     raw_names = [f"bench-raw/{run_id}/{k.hex()}" for k in keys]
     data = [payloads[i % len(payloads)] for i in range(len(keys))]
-    order = ("raw", "tier") if raw_first else ("tier", "raw")
-    async with make_tier(f"bench-tier/{run_id}") as tier:
+    order = ("raw", "tier", "signed") if raw_first else ("signed", "tier", "raw")
+    async with (
+        make_tier(f"bench-tier/{run_id}") as tier,
+        make_tier(f"bench-signed/{run_id}", signed=True) as signed,
+    ):
+        tiers = {"tier": tier, "signed": signed}
         for side in order:
             if side == "raw":
                 jobs = [
@@ -171,23 +177,25 @@ async def _round(
                 results["put"].append(await _bounded(c, jobs))
             else:
                 jobs = [
-                    functools.partial(tier.store, k, memoryview(d))
+                    functools.partial(tiers[side].store, k, memoryview(d))
                     for k, d in zip(keys, data, strict=True)
                 ]
-                results["store"].append(await _bounded(c, jobs))
-        loader = _Loader(tier, c, len(payloads[0]))
+                results["store" if side == "tier" else "signed_store"].append(
+                    await _bounded(c, jobs)
+                )
         for side in order:
             if side == "raw":
                 jobs = [functools.partial(_raw_get, client, bucket, n) for n in raw_names]
                 results["get"].append(await _bounded(c, jobs))
             else:
+                loader = _Loader(tiers[side], c, len(payloads[0]))
                 jobs = [functools.partial(loader.load, k) for k in keys]
-                results["load"].append(await _bounded(c, jobs))
+                results["load" if side == "tier" else "signed_load"].append(await _bounded(c, jobs))
     # Existence: half the probed keys exist (stored above), half do not.
     absent = block_keys(list(range(args.keys * 4)), 4, namespace=(run_id + "-absent").encode())
     probe = keys[: args.keys // 2] + absent[: args.keys - len(keys[: args.keys // 2])]
     names = [f"bench-tier/{run_id}/{k.hex()[:2]}/{k.hex()}" for k in probe]
-    for side in order:
+    for side in order[::2]:  # raw and the unsigned tier
         if side == "raw":
             jobs = [functools.partial(_raw_head, client, bucket, n) for n in names]
             results["head"].append(await _bounded(c, jobs))
@@ -202,10 +210,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     block = args.block_mib * MiB
     payloads = [os.urandom(block) for _ in range(min(args.blocks, 8))]
     results: dict[str, list[float]] = {
-        k: [] for k in ("put", "store", "get", "load", "head", "lookup")
+        k: []
+        for k in ("put", "store", "get", "load", "signed_store", "signed_load", "head", "lookup")
     }
 
-    def make_tier(prefix: str) -> S3Tier:
+    def make_tier(prefix: str, *, signed: bool = False) -> S3Tier:
         return S3Tier(
             args.bucket,
             prefix=prefix,
@@ -217,6 +226,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             read_timeout=30.0,
             lookup_timeout=120.0,
             lookup_mode="ask",
+            integrity_key=os.urandom(32) if signed else None,  # a fresh prefix each round
         )
 
     async with _client(get_session(), args) as client:
@@ -240,11 +250,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "tier_store_mib_s": moved / best["store"],
         "raw_get_mib_s": moved / best["get"],
         "tier_load_mib_s": moved / best["load"],
+        "signed_store_mib_s": moved / best["signed_store"],
+        "signed_load_mib_s": moved / best["signed_load"],
         "raw_head_s": best["head"],
         "tier_lookup_s": best["lookup"],
     }
     report["store_ratio"] = report["tier_store_mib_s"] / report["raw_put_mib_s"]
     report["load_ratio"] = report["tier_load_mib_s"] / report["raw_get_mib_s"]
+    report["signed_store_ratio"] = report["signed_store_mib_s"] / report["tier_store_mib_s"]
+    report["signed_load_ratio"] = report["signed_load_mib_s"] / report["tier_load_mib_s"]
     report["existence_ratio"] = report["tier_lookup_s"] / report["raw_head_s"]
     return report
 
@@ -281,11 +295,27 @@ def main(argv: list[str] | None = None) -> int:
     rows = [
         ("store", "tier_store_mib_s", "raw put", "raw_put_mib_s", "MiB/s", "store_ratio"),
         ("load", "tier_load_mib_s", "raw get", "raw_get_mib_s", "MiB/s", "load_ratio"),
+        (
+            "signed store",
+            "signed_store_mib_s",
+            "tier",
+            "tier_store_mib_s",
+            "MiB/s",
+            "signed_store_ratio",
+        ),
+        (
+            "signed load",
+            "signed_load_mib_s",
+            "tier",
+            "tier_load_mib_s",
+            "MiB/s",
+            "signed_load_ratio",
+        ),
         ("exists", "tier_lookup_s", "raw head", "raw_head_s", "s", "existence_ratio"),
     ]
     for label, tier_key, raw_label, raw_key, unit, ratio in rows:
         print(
-            f"  {label:<6} tier {report[tier_key]:9.3f} {unit:<5}  {raw_label} "
+            f"  {label:<12} {report[tier_key]:9.3f} {unit:<5}  {raw_label:<8} "
             f"{report[raw_key]:9.3f} {unit:<5}  ratio {report[ratio]:.3f}"
         )
     print(f"  (exists: {args.keys} keys; a ratio there is time, lower is better)")

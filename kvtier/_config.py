@@ -44,7 +44,7 @@ Choices where the issue was silent:
   whole stack, not per tier: every tier that shares blocks with other nodes must sign them
   with the same secret, and a per-tier key would only add ways to get it wrong. It is a
   secret: hidden from ``repr``, ``to_dict`` and every error message. ``build_tiers`` hands it
-  to the FS tier as ``integrity_key`` (the S3 tier takes it the same way once it signs).
+  to the FS tier and the S3 tier as ``integrity_key``; both sign with it.
 - ``from_env`` reads ``KVTIER_CONFIG`` (a TOML file) first, then lets each ``KVTIER_<SECTION>_
   <KEY>`` variable override one value, so a container can ship a file and tweak it. Any other
   ``KVTIER_*`` variable is an error: a typo must not silently fall back to a default.
@@ -592,6 +592,7 @@ class KVTierConfig:
 
             kwargs = _kwargs(self.s3)
             bucket = kwargs.pop("bucket")
+            kwargs["integrity_key"] = None if self.integrity is None else self.integrity.key
             try:
                 tiers.append(S3Tier(bucket, **kwargs))
             except InvalidArgumentError as exc:

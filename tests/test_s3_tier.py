@@ -223,9 +223,9 @@ async def test_store_of_a_large_block_keeps_work_off_the_loop(
     threads: list[threading.Thread] = []
     real_build = s3_module.build_object
 
-    def build(key: bytes, payload: memoryview) -> Any:
+    def build(key: bytes, payload: memoryview, **kwargs: Any) -> Any:
         threads.append(threading.current_thread())
-        return real_build(key, payload)
+        return real_build(key, payload, **kwargs)
 
     monkeypatch.setattr(s3_module, "build_object", build)
     (key,) = _keys(1)

@@ -21,9 +21,10 @@ Choices where the contract leaves room:
   ``lookup()`` was asked about a key the index did not hold (0 in index mode).
 - A corrupt object (bad header, wrong key, wrong length, checksum mismatch) is a miss with
   reason ``corrupt`` and is **deleted**, so no node keeps paying for it and the next store
-  of that key repairs it. The one exception: a header of a *newer* format version is
-  skipped, not deleted, so a mixed-version fleet sharing a bucket never destroys the newer
-  nodes' blocks.
+  of that key repairs it. Two exceptions, skipped rather than deleted: a header of a *newer*
+  format version, so a mixed-version fleet sharing a bucket never destroys the newer nodes'
+  blocks; and, for a tier without an integrity key, a signed block, which it cannot check and
+  which may be a signing peer's (the prefix's marker normally keeps such a tier out).
 - Stores send ``If-None-Match: *``: an object that exists is not rewritten (412 means
   "already there", a success). A server that rejects the header (501 / NotImplemented) is
   remembered and gets plain puts from then on: the idempotent overwrite is harmless because
@@ -35,6 +36,12 @@ Choices where the contract leaves room:
   stall, the payload is not SHA-256 signed (the block carries its own checksum) and botocore
   adds checksums only where the operation requires them, so no pass over the block runs on
   the event loop.
+- Signed blocks: with ``integrity_key`` every object carries a keyed BLAKE2b MAC (see
+  ``kvtier._format``) and only objects that verify are served; anything else (unsigned, or
+  signed with another key) is a ``corrupt`` miss and is deleted. The prefix's marker
+  (``_s3_integrity``) names the key's public fingerprint, so a node with no key or another key
+  refuses the prefix at open instead of deleting its peers' blocks; a signing tier refuses a
+  prefix that already holds unsigned blocks.
 - Faults: botocore's own retries are off; kvtier retries transient faults (unreachable,
   timeouts, 5xx, throttling) ``max_attempts`` times with full-jitter backoff, and every
   attempt feeds a circuit breaker (``kvtier.tiers._s3_breaker``). While it is open, requests
@@ -48,6 +55,7 @@ Choices where the contract leaves room:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -67,13 +75,14 @@ from kvtier._errors import (
     TierError,
     TierUnavailableError,
 )
+from kvtier._format import IntegrityKey
 from kvtier._keys import check_key
 from kvtier._logging import BurstLogger
 from kvtier._lookup import LookupResult, MissReason
 from kvtier.tiers._async_lookup import AsyncLookupManager
 from kvtier.tiers._base import SecondaryTier, TierMeter, TierStatistics
 from kvtier.tiers._s3_breaker import BreakerState, CircuitBreaker
-from kvtier.tiers._s3_codec import build_object, is_newer_format, read_block
+from kvtier.tiers._s3_codec import build_object, is_newer_format, is_signed, read_block
 from kvtier.tiers._s3_config import (
     S3Settings,
     S3TierStatistics,
@@ -84,6 +93,7 @@ from kvtier.tiers._s3_config import (
 from kvtier.tiers._s3_errors import Fault
 from kvtier.tiers._s3_index import ExistenceIndex
 from kvtier.tiers._s3_index_sync import IndexSync
+from kvtier.tiers._s3_integrity import check_marker
 from kvtier.tiers._s3_journal import writer_id
 from kvtier.tiers._s3_requests import Requests
 
@@ -109,6 +119,10 @@ class S3Tier(SecondaryTier):
     ``index_lookback`` (how far back a poll lists journal segments: covers a segment's PUT
     time and clock skew between nodes), ``index_list_timeout`` (bound on the listing at
     open), ``index_max_keys`` (bound on the index's memory).
+
+    ``integrity_key`` (a secret of at least 16 bytes, or an ``IntegrityKey``): sign every block
+    and serve only blocks signed with it; every node sharing the prefix must set the same one.
+    It is never shown (``repr`` says ``signed=True``).
     """
 
     def __init__(
@@ -137,10 +151,16 @@ class S3Tier(SecondaryTier):
         index_lookback: float = 60.0,
         index_list_timeout: float = 60.0,
         index_max_keys: int = 10_000_000,
+        integrity_key: str | bytes | IntegrityKey | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not isinstance(name, str) or not name:
             raise InvalidArgumentError("name must be a non-empty string")
+        self.integrity_key = (
+            integrity_key
+            if integrity_key is None or isinstance(integrity_key, IntegrityKey)
+            else IntegrityKey(integrity_key)
+        )
         super().__init__(name)
         self.settings = S3Settings.check(
             bucket,
@@ -292,6 +312,17 @@ class S3Tier(SecondaryTier):
                     tier=self.name,
                     operation="open",
                 )
+            where = f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
+            self._conditional_put = await check_marker(
+                self._call,
+                self._client,
+                bucket=self.bucket,
+                prefix=self.prefix,
+                integrity_key=self.integrity_key,
+                conditional_put=self._conditional_put,
+                tier=self.name,
+                where=where,
+            )
             if cfg.lookup_mode == "index":
                 await self._sync.list_at_open()
             self._stack = stack.pop_all()
@@ -405,7 +436,13 @@ class S3Tier(SecondaryTier):
         """One GET, streamed into ``dst``; a corrupt object is deleted and raised."""
         response = await client.get_object(Bucket=self.bucket, Key=self.object_key(key))
         try:
-            problem, head = await read_block(response, key, dst, thread_bytes=_THREAD_BUILD_BYTES)
+            problem, head = await read_block(
+                response,
+                key,
+                dst,
+                thread_bytes=_THREAD_BUILD_BYTES,
+                integrity_key=self.integrity_key,
+            )
         finally:
             response["Body"].close()
         if problem is not None:
@@ -414,9 +451,14 @@ class S3Tier(SecondaryTier):
     async def _discard_corrupt(
         self, client: Any, key: bytes, head: bytes, problem: str
     ) -> NoReturn:
-        """Delete a corrupt object (unless it is a newer format) and raise CorruptBlockError."""
-        newer = is_newer_format(head)
-        if not newer:
+        """Delete a corrupt object (unless it may be valid to other nodes: a newer format, or
+        signed while this tier has no key) and raise CorruptBlockError."""
+        kept = ""
+        if is_newer_format(head):
+            kept = "; newer format, left in place"
+        elif self.integrity_key is None and is_signed(head):
+            kept = "; signed, and this tier has no integrity key: left in place"
+        if not kept:
             with anyio.move_on_after(self.settings.read_timeout, shield=True):
                 try:
                     await client.delete_object(Bucket=self.bucket, Key=self.object_key(key))
@@ -434,7 +476,7 @@ class S3Tier(SecondaryTier):
             self.name,
             self.object_key(key),
             problem,
-            "; newer format, left in place" if newer else "",
+            kept,
         )
         raise CorruptBlockError(problem, tier=self.name, operation="load", key=key)
 
@@ -449,10 +491,11 @@ class S3Tier(SecondaryTier):
             return
         payload = memoryview(src).cast("B") if memoryview(src).format != "B" else memoryview(src)
         started = time.perf_counter()
+        build = functools.partial(build_object, key, payload, integrity_key=self.integrity_key)
         if payload.nbytes > _THREAD_BUILD_BYTES:
-            body, metadata, crc = await anyio.to_thread.run_sync(build_object, key, payload)
+            body, metadata, crc = await anyio.to_thread.run_sync(build)
         else:
-            body, metadata, crc = build_object(key, payload)
+            body, metadata, crc = build()
         object_key = self.object_key(key)
 
         async def put() -> Any:
@@ -568,7 +611,8 @@ class S3Tier(SecondaryTier):
         where = f"{self.bucket}/{self.prefix}" if self.prefix else self.bucket
         return (
             f"<S3Tier {self.name!r} s3://{where} endpoint={self._endpoint_label} "
-            f"open={self.is_open} breaker={s.breaker_state} hits={s.lookups.hits} "
+            f"open={self.is_open} signed={self.integrity_key is not None} "
+            f"breaker={s.breaker_state} hits={s.lookups.hits} "
             f"misses={s.lookups.misses} pending={s.lookups.pending} "
             f"in_flight={s.lookups.in_flight} loads={s.loads} stores={s.stores}>"
         )

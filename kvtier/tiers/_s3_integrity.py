@@ -1,0 +1,210 @@
+"""The S3 tier's integrity marker: which key, if any, signs the blocks under a prefix.
+
+With an integrity key (``kvtier._format``) every block an S3 tier stores carries a MAC, and
+a block that does not verify is a ``corrupt`` miss, which the tier deletes. A node with no key,
+or with another key, would therefore call every block its peers wrote corrupt and delete it.
+So a prefix whose blocks are signed says so in one small object,
+``<prefix>/_kvtier_integrity.json`` = ``{"mac": "blake2b-256", "key_id": <public fingerprint>}``,
+and every tier checks it when it opens:
+
+- a tier with a key whose ``key_id`` differs from the marker's refuses to open;
+- a tier without a key refuses a prefix that has a marker;
+- a tier with a key over a prefix with no marker creates it, with a conditional put
+  (``If-None-Match: *``) so two nodes racing to claim an empty prefix agree on one key;
+- a tier with a key over a prefix that already holds blocks but no marker (unsigned blocks,
+  written by tiers without a key) refuses to open, as the FS tier does for a folder: a signed
+  tier there would delete every block the unsigned nodes wrote, and they would keep writing
+  them. Point it at an empty prefix, or empty this one.
+
+A tier without a key writes no marker, so an unsigned prefix is exactly what it was before
+signing existed (no extra object, no write at open: read-only nodes keep working). The price:
+an unsigned node that opened an empty prefix *before* a signing node claimed it does not notice
+until it reopens; its blocks are meanwhile corrupt misses for the signing nodes. On a server
+without conditional puts two nodes with different keys racing on an empty prefix may both open
+(each re-reads the marker after writing it, which narrows that window but cannot close it).
+
+The marker names no secret: ``key_id`` is a MAC of a constant. Someone who can write the
+prefix can delete or replace the marker, which makes signing nodes refuse to open (a denial of
+service, as deleting blocks would be), never serve a forged block.
+
+The marker's name does not have the ``<2 hex>/<hex key>`` shape of a block, so the listing at
+open and ``key_from_object`` never take it for one.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from typing import Any
+
+from kvtier._errors import InvalidArgumentError, TierUnavailableError
+from kvtier._format import IntegrityKey
+from kvtier.tiers._s3_errors import Fault
+from kvtier.tiers._s3_index_sync import Call
+
+__all__ = [
+    "MAC_NAME",
+    "MARKER_NAME",
+    "check_marker",
+    "holds_blocks",
+    "marker_body",
+    "marker_key",
+    "marker_problem",
+    "unsigned_blocks_problem",
+]
+
+MARKER_NAME = "_kvtier_integrity.json"
+MAC_NAME = "blake2b-256"
+_SHARD = re.compile(r"[0-9a-f]{2}/")
+
+
+def marker_key(prefix: str) -> str:
+    return f"{prefix}/{MARKER_NAME}" if prefix else MARKER_NAME
+
+
+def marker_body(integrity_key: IntegrityKey) -> bytes:
+    return json.dumps({"mac": MAC_NAME, "key_id": integrity_key.key_id}).encode()
+
+
+def marker_problem(found: bytes, integrity_key: IntegrityKey | None, where: str) -> str | None:
+    """Why a tier with ``integrity_key`` must not open a prefix whose marker holds ``found``;
+    None when it may."""
+    try:
+        marker: Any = json.loads(found)
+    except ValueError:
+        marker = None
+    if (
+        not isinstance(marker, dict)
+        or marker.get("mac") != MAC_NAME
+        or not isinstance(marker.get("key_id"), str)
+    ):
+        return (
+            f"{where}/{MARKER_NAME} is not an integrity marker this kvtier reads (a newer "
+            "kvtier, or not kvtier's); point the tier at another prefix"
+        )
+    have = marker["key_id"]
+    if integrity_key is None:
+        return (
+            f"{where} holds blocks signed with an integrity key (key id {have!r}); set "
+            "integrity_key (KVTIER_INTEGRITY_KEY) to the key every node sharing this prefix uses"
+        )
+    if have != integrity_key.key_id:
+        return (
+            f"{where} is signed with another integrity key (key id {have!r}, this tier's "
+            f"{integrity_key.key_id!r}); every node sharing a prefix must set the same key"
+        )
+    return None
+
+
+def unsigned_blocks_problem(where: str) -> str:
+    return (
+        f"{where} holds unsigned blocks (no {MARKER_NAME}), and this tier has an integrity "
+        "key: point it at an empty prefix, or empty this one, to start a signed cache"
+    )
+
+
+def holds_blocks(listing: dict[str, Any], prefix: str) -> bool:
+    """Whether a ``Delimiter="/"`` listing of the prefix shows a block shard folder."""
+    start = len(prefix) + 1 if prefix else 0
+    return any(
+        _SHARD.fullmatch(item.get("Prefix", "")[start:]) is not None
+        for item in listing.get("CommonPrefixes", ())
+    )
+
+
+async def check_marker(
+    call: Call,
+    client: Any,
+    *,
+    bucket: str,
+    prefix: str,
+    integrity_key: IntegrityKey | None,
+    conditional_put: bool,
+    tier: str,
+    where: str,
+) -> bool:
+    """Check (and with a key, claim) the prefix's marker at open; raise
+    ``InvalidArgumentError`` saying what to fix when this tier must not use the prefix.
+
+    Requests: a tier without a key, one GET. A tier with a key, one GET when the marker is
+    there; else a LIST (one page: at most 256 shard folders), a conditional PUT, and a GET
+    again only when another node won the race. Returns whether conditional puts still look
+    supported (False once the server rejected one as not implemented).
+    """
+    name = marker_key(prefix)
+
+    async def get() -> bytes | None:
+        async def attempt() -> bytes:
+            response = await client.get_object(Bucket=bucket, Key=name)
+            async with response["Body"] as body:
+                data: bytes = await body.read()
+            return data
+
+        found = await call("open", None, attempt, expected=frozenset({Fault.NOT_FOUND}))
+        return None if isinstance(found, Fault) else found
+
+    def settle(found: bytes) -> None:
+        problem = marker_problem(found, integrity_key, where)
+        if problem is not None:
+            raise InvalidArgumentError(problem)
+
+    found = await get()
+    if found is not None:
+        settle(found)
+        return conditional_put
+    if integrity_key is None:
+        return conditional_put
+    listing = await call(
+        "open",
+        None,
+        functools.partial(
+            client.list_objects_v2,
+            Bucket=bucket,
+            Prefix=f"{prefix}/" if prefix else "",
+            Delimiter="/",
+            MaxKeys=1000,
+        ),
+    )
+    assert not isinstance(listing, Fault)
+    if holds_blocks(listing, prefix):
+        # A signing node may have claimed the prefix and stored blocks since the GET above
+        # (it writes the marker before its first block): read the marker once more.
+        found = await get()
+        if found is None:
+            raise InvalidArgumentError(unsigned_blocks_problem(where))
+        settle(found)
+        return conditional_put
+    body = marker_body(integrity_key)
+    extra = {"IfNoneMatch": "*"} if conditional_put else {}
+    expected = frozenset({Fault.PRECONDITION, Fault.CONFLICT, Fault.UNSUPPORTED})
+    result = await call(
+        "open",
+        None,
+        functools.partial(client.put_object, Bucket=bucket, Key=name, Body=body, **extra),
+        expected=expected,
+    )
+    if result is Fault.UNSUPPORTED and conditional_put:
+        conditional_put = False
+        result = await call(
+            "open",
+            None,
+            functools.partial(client.put_object, Bucket=bucket, Key=name, Body=body),
+            expected=expected,
+        )
+    if result is Fault.UNSUPPORTED:
+        raise TierUnavailableError(
+            f"{where}: the server rejected the integrity marker's put as not implemented",
+            tier=tier,
+            operation="open",
+        )
+    if result in (Fault.PRECONDITION, Fault.CONFLICT) or not conditional_put:
+        found = await get()  # another node claimed it first (or no conditional put): whose?
+        if found is None:
+            raise TierUnavailableError(
+                f"{where}: the integrity marker vanished right after it was written; retry",
+                tier=tier,
+                operation="open",
+            )
+        settle(found)
+    return conditional_put
