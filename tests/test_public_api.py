@@ -70,3 +70,14 @@ def test_errors_form_one_tree() -> None:
         kvtier.MissReason.CORRUPT,
     )
     assert "fs.load key=0102: bad checksum" in str(error)
+
+
+def test_types_users_read_or_pass_are_exported() -> None:
+    # Statistics a public statistics() returns, and objects a public constructor takes.
+    assert issubclass(kvtier.S3TierStatistics, kvtier.TierStatistics)
+    assert "hidden" in repr(kvtier.IntegrityKey("0123456789abcdef0123"))
+    assert kvtier.KVTierConfig.__dataclass_fields__["integrity"].type == "IntegrityConfig | None"
+    assert repr(kvtier.IntegrityConfig(key="0123456789abcdef0123")) == (
+        "IntegrityConfig(key=<hidden>)"
+    )
+    assert kvtier.serve_metrics.__annotations__["return"] == "MetricsServer"
