@@ -505,6 +505,12 @@ class KVTierConfig:
                 f"fs.name and s3.name must differ (metrics and logs tell tiers apart by name), "
                 f"both are {self.fs.name!r}"
             )
+        limit = self.manager.write_back_limit
+        if limit is not None and limit >= self.pool.num_blocks:
+            raise InvalidArgumentError(
+                f"manager.write_back_limit ({limit}) must be below pool.num_blocks "
+                f"({self.pool.num_blocks}): blocks waiting for write-back stay pinned in the pool"
+            )
         names = [tier.name for tier in (self.fs, self.s3) if tier is not None]
         for name in self.manager.write_back:
             if name not in names:

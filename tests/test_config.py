@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +126,10 @@ def test_parse_size_rejects(text: object) -> None:
         (
             {"pool": POOL, "manager": {"write_back": ["s3", 3]}},
             "manager.write_back must be a list of tier names",
+        ),
+        (
+            {"pool": POOL, "manager": {"write_back_limit": 8}},
+            "manager.write_back_limit (8) must be below pool.num_blocks (8)",
         ),
         (
             {"pool": POOL, "fs": {"root": "x"}, "manager": {"write_back": ["S3"]}},
@@ -527,3 +533,14 @@ async def test_write_back_from_config_writes_the_tier_on_close(tmp_path: Path) -
         assert tier.lookup(key) is LookupResult.MISS  # not written through
     async with FSTier(root, fsync="never") as reopened:
         assert await resolve_lookup(reopened, key) is LookupResult.HIT  # written at close
+
+
+def test_the_readme_manager_example_is_valid() -> None:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("## Operating it", 1)[1]
+    block = re.search(r"```toml\n(.*?)```", section, re.S)
+    assert block, "no TOML example in the README's Operating it section"
+    example = tomllib.loads("\n".join(line.strip() for line in block[1].splitlines()))
+    pool = {"num_blocks": 4096, "block_bytes": "256KiB"}
+    config = KVTierConfig.from_dict({"pool": pool, "s3": {"bucket": "kv-cache"}, **example})
+    assert config.manager.write_back == ("s3",)
