@@ -427,12 +427,11 @@ def report(
     for tier in stats.tiers:
         print(f"  {tier.name:<14} {tier.loads:,} promoted into the pool")
     for tier in stats.tiers:
-        mode = getattr(tier, "lookup_mode", None)  # an S3 tier
-        if mode is not None:
+        if isinstance(tier, kvtier.S3TierStatistics):
             print(
                 f"  {tier.name:<14} {tier.request_path_requests:,} requests on the request path "
-                f"for keys its index did not hold ({mode} mode, "
-                f"{getattr(tier, 'index_keys', 0):,} keys indexed)"
+                f"for keys its index did not hold ({tier.lookup_mode} mode, "
+                f"{tier.index_keys:,} keys indexed)"
             )
     other = loaded - resident - sum(tier.loads for tier in stats.tiers)
     if other > 0:

@@ -6,7 +6,14 @@ Everything public is imported from here; the modules behind it are private.
 from __future__ import annotations
 
 from kvtier._admission import AdmissionPolicy, AdmissionStatistics
-from kvtier._config import FSConfig, KVTierConfig, ManagerConfig, PoolConfig, S3Config
+from kvtier._config import (
+    FSConfig,
+    IntegrityConfig,
+    KVTierConfig,
+    ManagerConfig,
+    PoolConfig,
+    S3Config,
+)
 from kvtier._cost import CostModel, CostStatistics, TierCost
 from kvtier._errors import (
     BlockNotFoundError,
@@ -20,9 +27,10 @@ from kvtier._errors import (
     TierTimeoutError,
     TierUnavailableError,
 )
+from kvtier._format import IntegrityKey
 from kvtier._keys import block_keys
 from kvtier._lookup import LookupResult, MissReason
-from kvtier._metrics import KVTierCollector, LatencyHistograms, serve_metrics
+from kvtier._metrics import KVTierCollector, LatencyHistograms, MetricsServer, serve_metrics
 from kvtier._scheduler import OffloadScheduler, SchedulerStatistics
 from kvtier._tiering import ManagerStatistics, TieringManager
 from kvtier.pools._base import PrimaryPool
@@ -35,6 +43,7 @@ from kvtier.tiers._base import LookupStatistics, SecondaryTier, TierStatistics
 from kvtier.tiers._fs import FSTier
 from kvtier.tiers._memory import MemoryTier
 from kvtier.tiers._s3 import S3Tier
+from kvtier.tiers._s3_config import S3TierStatistics
 
 __version__ = "0.1.0"
 
@@ -54,6 +63,8 @@ __all__ = [
     "FSConfig",
     "FSTier",
     "HostPool",
+    "IntegrityConfig",
+    "IntegrityKey",
     "InvalidArgumentError",
     "KVTierCollector",
     "KVTierConfig",
@@ -66,6 +77,7 @@ __all__ = [
     "ManagerConfig",
     "ManagerStatistics",
     "MemoryTier",
+    "MetricsServer",
     "MissReason",
     "OffloadScheduler",
     "PoolConfig",
@@ -73,6 +85,7 @@ __all__ = [
     "PrimaryPool",
     "S3Config",
     "S3Tier",
+    "S3TierStatistics",
     "SchedulerStatistics",
     "SecondaryTier",
     "SlotState",

@@ -28,6 +28,11 @@ A file looks like this (every section but ``pool`` is optional)::
 
     [manager]
     promotion_timeout = 10.0
+    failure_ttl = 2.0        # a failed promotion counts as a miss for this long
+    recompute_seconds_per_block = 0.004  # the engine's prefill cost: never wait longer
+    max_write_latency = 0.25 # a tier whose writes average longer gets no new blocks
+    tier_max_in_flight_bytes = "64MiB"
+    write_back = ["s3"]      # written only when a block leaves the pool (env: "s3,fs")
 
     [integrity]
     key = "..."              # better: KVTIER_INTEGRITY_KEY in the environment, not in a file
@@ -45,6 +50,12 @@ Choices where the issue was silent:
   with the same secret, and a per-tier key would only add ways to get it wrong. It is a
   secret: hidden from ``repr``, ``to_dict`` and every error message. ``build_tiers`` hands it
   to the FS tier and the S3 tier as ``integrity_key``; both sign with it.
+- The manager section also configures the ``CostModel`` and ``AdmissionPolicy`` that
+  ``build()`` hands the manager, with the same defaults as those classes; an application
+  that wants more (a per-tier mapping of in-flight limits, its own clock) builds the manager
+  itself. The recompute cost given here is a starting point: ``manager.cost.
+  observe_recompute`` refines it as the engine runs. ``write_back`` must name configured
+  tiers (``fs.name``, ``s3.name``): a typo would otherwise write that tier through.
 - ``from_env`` reads ``KVTIER_CONFIG`` (a TOML file) first, then lets each ``KVTIER_<SECTION>_
   <KEY>`` variable override one value, so a container can ship a file and tweak it. Any other
   ``KVTIER_*`` variable is an error: a typo must not silently fall back to a default.
@@ -179,6 +190,32 @@ def _seconds(value: object, text: bool) -> float:
     if not (math.isfinite(value) and value > 0):
         raise _Bad(expected)
     return float(value)
+
+
+def _non_negative_seconds(value: object, text: bool) -> float:
+    expected = "a number of seconds >= 0"
+    if text and isinstance(value, str):
+        try:
+            value = float(value.strip())
+        except ValueError:
+            raise _Bad(expected) from None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _Bad(expected)
+    if not (math.isfinite(value) and value >= 0):
+        raise _Bad(expected)
+    return float(value)
+
+
+def _names(value: object, text: bool) -> tuple[str, ...]:
+    """Tier names: a list (dict, TOML) or, as text, comma-separated (``"fs,s3"``)."""
+    expected = "a list of tier names such as ['s3'] (in the environment: 's3' or 'fs,s3')"
+    if text and isinstance(value, str):
+        value = [part.strip() for part in value.split(",") if part.strip()]
+    if isinstance(value, str) or not isinstance(value, list | tuple):
+        raise _Bad(expected)
+    if not all(isinstance(name, str) and name.strip() for name in value):
+        raise _Bad(expected)
+    return tuple(dict.fromkeys(value))
 
 
 def _text(value: object, text: bool) -> str:
@@ -381,7 +418,9 @@ class S3Config(_Section):
 
 @dataclass(frozen=True, slots=True)
 class ManagerConfig(_Section):
-    """The ``TieringManager``'s deadlines and limits."""
+    """The ``TieringManager``'s deadlines and limits, its cost model (``kvtier.CostModel``)
+    and its write-through admission (``kvtier.AdmissionPolicy``); ``build()`` makes both
+    from these settings. The defaults are those of the classes themselves."""
 
     SECTION: ClassVar[str] = "manager"
 
@@ -389,6 +428,25 @@ class ManagerConfig(_Section):
     store_timeout: float = field(default=30.0, metadata=_spec(_seconds))
     max_in_flight_bytes: int = field(default=256 << 20, metadata=_spec(_size))
     close_timeout: float = field(default=5.0, metadata=_spec(_seconds))
+    # How long a failed promotion keeps that tier's HIT for the key counting as a miss.
+    failure_ttl: float = field(default=2.0, metadata=_spec(_seconds))
+    # The cost model: what prefilling one block costs the engine (None: unknown, and the
+    # scheduler waits up to the caller's timeout), and how often a tier judged slower than
+    # recompute still gets a promotion, to measure it again.
+    recompute_seconds_per_block: float | None = field(
+        default=None, metadata=_spec(_optional(_non_negative_seconds))
+    )
+    promotion_probe_interval: float = field(default=5.0, metadata=_spec(_seconds))
+    # Admission: a tier whose writes average longer than max_write_latency (None: never for
+    # latency) gets no new blocks, but one probe write every write_probe_interval; a tier
+    # with tier_max_in_flight_bytes being written gets none either (None: each tier's share
+    # of max_in_flight_bytes). Tiers named in write_back get a block only when it leaves
+    # the pool; at most write_back_limit blocks wait for that (None: a quarter of the pool).
+    max_write_latency: float | None = field(default=0.25, metadata=_spec(_optional(_seconds)))
+    write_probe_interval: float = field(default=1.0, metadata=_spec(_seconds))
+    tier_max_in_flight_bytes: int | None = field(default=None, metadata=_spec(_optional(_size)))
+    write_back: tuple[str, ...] = field(default=(), metadata=_spec(_names))
+    write_back_limit: int | None = field(default=None, metadata=_spec(_optional(_positive_int)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -447,6 +505,20 @@ class KVTierConfig:
                 f"fs.name and s3.name must differ (metrics and logs tell tiers apart by name), "
                 f"both are {self.fs.name!r}"
             )
+        limit = self.manager.write_back_limit
+        if limit is not None and limit >= self.pool.num_blocks:
+            raise InvalidArgumentError(
+                f"manager.write_back_limit ({limit}) must be below pool.num_blocks "
+                f"({self.pool.num_blocks}): blocks waiting for write-back stay pinned in the pool"
+            )
+        names = [tier.name for tier in (self.fs, self.s3) if tier is not None]
+        for name in self.manager.write_back:
+            if name not in names:
+                configured = ", ".join(repr(n) for n in names) or "none"
+                raise InvalidArgumentError(
+                    f"manager.write_back names {name!r}, which is not a configured tier "
+                    f"(configured tiers: {configured}; a tier's name is fs.name or s3.name)"
+                )
 
     # -- constructors ----------------------------------------------------------------------
 
@@ -602,11 +674,38 @@ class KVTierConfig:
     def build(self) -> TieringManager:
         """A ``TieringManager`` over the configured pool and tiers, not yet entered: use it
         as ``async with config.build() as manager``."""
+        from kvtier._admission import AdmissionPolicy
+        from kvtier._cost import CostModel
         from kvtier._tiering import TieringManager
 
         tiers = self.build_tiers()  # tiers first: they hold nothing until opened
         pool = self.build_pool()
-        return TieringManager(pool, tiers, **_kwargs(self.manager))
+        m = self.manager
+        cost = CostModel(
+            recompute_seconds_per_block=m.recompute_seconds_per_block,
+            probe_interval=m.promotion_probe_interval,
+        )
+        tier_limit = m.tier_max_in_flight_bytes
+        if tier_limit is None:  # the manager's own default (default_tier_in_flight_bytes)
+            tier_limit = max(m.max_in_flight_bytes // max(len(tiers), 1), pool.block_bytes)
+        admission = AdmissionPolicy(
+            max_in_flight_bytes=tier_limit,
+            max_write_latency=m.max_write_latency,
+            probe_interval=m.write_probe_interval,
+            write_back=m.write_back,
+        )
+        return TieringManager(
+            pool,
+            tiers,
+            promotion_timeout=m.promotion_timeout,
+            store_timeout=m.store_timeout,
+            max_in_flight_bytes=m.max_in_flight_bytes,
+            close_timeout=m.close_timeout,
+            failure_ttl=m.failure_ttl,
+            cost=cost,
+            admission=admission,
+            write_back_limit=m.write_back_limit,
+        )
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """The configuration as plain data, for printing; secrets are replaced by ``"***"``."""

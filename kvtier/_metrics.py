@@ -289,6 +289,10 @@ class KVTierCollector:
         f.gauge("background_tasks", "Promotions and write-through running now.").add_metric(
             [], s.background_tasks
         )
+        f.counter(
+            "callback_failures",
+            "Tier hooks and observers that raised in background work (contained and logged).",
+        ).add_metric([], s.callback_failures)
 
         # -- pool
         p = s.pool
@@ -311,7 +315,7 @@ class KVTierCollector:
             f.counter(name, doc).add_metric([], value)
 
         # -- tiers
-        self._collect_tiers(f, s.tiers)
+        self._collect_tiers(f, s.tiers, [t.listener_failures for t in self.manager.tiers])
         self._collect_policies(f, s)
 
         # -- scheduler
@@ -327,6 +331,11 @@ class KVTierCollector:
                     "scheduler_waits_cut",
                     sch.waits_cut,
                     "Lookups that stopped waiting: recomputing was expected to be cheaper.",
+                ),
+                (
+                    "scheduler_callback_failures",
+                    sch.callback_failures,
+                    "Latency observers that raised (contained and logged).",
                 ),
             ):
                 f.counter(name, doc).add_metric([], value)
@@ -344,7 +353,9 @@ class KVTierCollector:
                 promotions.add_metric([tier, outcome], histogram.cumulative(), histogram.sum)
         return f.families
 
-    def _collect_tiers(self, f: _Families, tiers: Sequence[TierStatistics]) -> None:
+    def _collect_tiers(
+        self, f: _Families, tiers: Sequence[TierStatistics], listener_failures: Sequence[int]
+    ) -> None:
         L = ["tier"]
         lookups = f.counter("tier_lookups", "Tier lookups by result.", [*L, "result"])
         misses = f.counter("tier_misses", "Tier lookup misses by reason.", [*L, "reason"])
@@ -357,6 +368,14 @@ class KVTierCollector:
         evictions = f.counter("tier_evictions", "Blocks the tier evicted for room.", L)
         batches = f.counter("tier_lookup_batches", "Batched existence checks run.", L)
         checked = f.counter("tier_lookup_keys_checked", "Keys asked of the storage.", L)
+        request_path = f.counter(
+            "tier_request_path_requests",
+            "Requests sent because lookup() was asked about a key the tier's index lacks.",
+            L,
+        )
+        listeners = f.counter(
+            "tier_listener_failures", "Change listeners that raised (contained and logged).", L
+        )
         blocks = f.gauge("tier_blocks", "Blocks the tier holds.", L)
         stored = f.gauge("tier_stored_bytes", "Bytes the tier holds.", L)
         pending = f.gauge("tier_lookup_pending", "Keys waiting for an existence check.", L)
@@ -364,7 +383,7 @@ class KVTierCollector:
         cached = f.gauge("tier_lookup_cached_verdicts", "Lookup verdicts cached.", L)
         extras: dict[str, Any] = {}
         seen: dict[str, int] = {}
-        for t in tiers:
+        for t, listener_failed in zip(tiers, listener_failures, strict=True):
             seen[t.name] = seen.get(t.name, 0) + 1
             name = t.name if seen[t.name] == 1 else f"{t.name}#{seen[t.name]}"
             lk = t.lookups
@@ -380,6 +399,8 @@ class KVTierCollector:
                 (evictions, t.evictions),
                 (batches, lk.batches),
                 (checked, lk.keys_checked),
+                (request_path, t.request_path_requests),
+                (listeners, listener_failed),
                 (blocks, t.blocks),
                 (stored, t.bytes_stored),
                 (pending, lk.pending),
@@ -387,8 +408,9 @@ class KVTierCollector:
                 (cached, lk.cached_verdicts),
             ):
                 family.add_metric([name], value)
-            # What a tier adds to TierStatistics (S3: breaker state, retries, ...), exported
-            # as gauges of its value now; a string becomes a label with the value 1.
+            # What a tier adds to TierStatistics (S3TierStatistics: breaker_state, retries,
+            # index_keys, journal_segments_published, ...), exported as gauges of its value
+            # now (kvtier_tier_<field>); a string becomes a label with the value 1.
             for field in dataclasses.fields(t):
                 if field.name in _BASE_TIER_FIELDS:
                     continue

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import inspect
 import os
+import re
+import tomllib
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
+from kvtier._admission import AdmissionPolicy
 from kvtier._config import FSConfig, KVTierConfig, ManagerConfig, PoolConfig, S3Config, parse_size
+from kvtier._cost import CostModel
 from kvtier._errors import InvalidArgumentError
 from kvtier._lookup import LookupResult
 from kvtier._tiering import TieringManager
@@ -86,6 +91,50 @@ def test_parse_size_rejects(text: object) -> None:
         ),
         ({"pool": POOL, "manager": {"close_timeout": "soon"}}, "manager.close_timeout must be"),
         ({"pool": POOL, "manager": {"max_in_flight_bytes": 0}}, "manager.max_in_flight_bytes"),
+        (
+            {"pool": POOL, "manager": {"failure_ttl": 0}},
+            "manager.failure_ttl must be a positive number of seconds; got 0",
+        ),
+        (
+            {"pool": POOL, "manager": {"recompute_seconds_per_block": -0.001}},
+            "manager.recompute_seconds_per_block must be a number of seconds >= 0, or nothing",
+        ),
+        (
+            {"pool": POOL, "manager": {"max_write_latency": "fast"}},
+            "manager.max_write_latency must be a positive number of seconds, or nothing",
+        ),
+        (
+            {"pool": POOL, "manager": {"promotion_probe_interval": float("inf")}},
+            "manager.promotion_probe_interval must be a positive number of seconds",
+        ),
+        (
+            {"pool": POOL, "manager": {"write_probe_interval": -1}},
+            "manager.write_probe_interval must be a positive number of seconds",
+        ),
+        (
+            {"pool": POOL, "manager": {"tier_max_in_flight_bytes": "lots"}},
+            "manager.tier_max_in_flight_bytes must be a positive size in bytes",
+        ),
+        (
+            {"pool": POOL, "manager": {"write_back_limit": 0}},
+            "manager.write_back_limit must be a positive integer, or nothing; got 0",
+        ),
+        (
+            {"pool": POOL, "s3": {"bucket": "kv-cache"}, "manager": {"write_back": "s3"}},
+            "manager.write_back must be a list of tier names such as ['s3']",
+        ),
+        (
+            {"pool": POOL, "manager": {"write_back": ["s3", 3]}},
+            "manager.write_back must be a list of tier names",
+        ),
+        (
+            {"pool": POOL, "manager": {"write_back_limit": 8}},
+            "manager.write_back_limit (8) must be below pool.num_blocks (8)",
+        ),
+        (
+            {"pool": POOL, "fs": {"root": "x"}, "manager": {"write_back": ["S3"]}},
+            "manager.write_back names 'S3', which is not a configured tier (configured tiers: 'fs'",
+        ),
     ],
 )
 def test_from_dict_rejects_bad_values_naming_the_key(data: dict[str, Any], message: str) -> None:
@@ -234,6 +283,22 @@ def test_from_env_reads_os_environ_by_default(monkeypatch: pytest.MonkeyPatch) -
             {"KVTIER_MANAGER_PROMOTION_TIMEOUT": "-1"},
             "KVTIER_MANAGER_PROMOTION_TIMEOUT must be a positive number of seconds",
         ),
+        (
+            {"KVTIER_MANAGER_RECOMPUTE_SECONDS_PER_BLOCK": "4ms"},
+            "KVTIER_MANAGER_RECOMPUTE_SECONDS_PER_BLOCK must be a number of seconds >= 0",
+        ),
+        (
+            {"KVTIER_MANAGER_FAILURE_TTL": "nan"},
+            "KVTIER_MANAGER_FAILURE_TTL must be a positive number of seconds",
+        ),
+        (
+            {"KVTIER_MANAGER_WRITE_BACK": "s3"},
+            "manager.write_back names 's3', which is not a configured tier (configured tiers: none",
+        ),
+        (
+            {"KVTIER_MANAGER_WRITE_BACK_LIMT": "4"},
+            "did you mean 'KVTIER_MANAGER_WRITE_BACK_LIMIT'?",
+        ),
     ],
 )
 def test_from_env_rejects_bad_variables(extra: dict[str, str], message: str) -> None:
@@ -316,3 +381,166 @@ def test_cuda_pool_without_cupy_names_the_extra() -> None:
     config = KVTierConfig.from_dict({"pool": {**POOL, "kind": "cuda"}})
     with pytest.raises(ImportError, match=r"kvtier\[cuda\]"):
         config.build()
+
+
+# -- manager: cost model and admission -----------------------------------------------------
+
+MANAGER = {
+    "failure_ttl": 0.5,
+    "recompute_seconds_per_block": 0.004,
+    "promotion_probe_interval": 2.0,
+    "max_write_latency": 0.1,
+    "write_probe_interval": 0.5,
+    "tier_max_in_flight_bytes": "8KiB",
+    "write_back": ["s3"],
+    "write_back_limit": 3,
+}
+MANAGER_PARSED = ManagerConfig(
+    failure_ttl=0.5,
+    recompute_seconds_per_block=0.004,
+    promotion_probe_interval=2.0,
+    max_write_latency=0.1,
+    write_probe_interval=0.5,
+    tier_max_in_flight_bytes=8192,
+    write_back=("s3",),
+    write_back_limit=3,
+)
+
+
+def test_manager_policy_settings_from_dict_toml_and_env(tmp_path: Path) -> None:
+    tiers = {"fs": {"root": str(tmp_path)}, "s3": {"bucket": "kv-cache"}}
+    assert KVTierConfig.from_dict({"pool": POOL, **tiers, "manager": MANAGER}).manager == (
+        MANAGER_PARSED
+    )
+    path = tmp_path / "kvtier.toml"
+    path.write_text(
+        f"""
+[pool]
+num_blocks = 8
+block_bytes = 4096
+[fs]
+root = "{tmp_path}"
+[s3]
+bucket = "kv-cache"
+[manager]
+failure_ttl = 0.5
+recompute_seconds_per_block = 0.004
+promotion_probe_interval = 2
+max_write_latency = 0.1
+write_probe_interval = 0.5
+tier_max_in_flight_bytes = "8KiB"
+write_back = ["s3"]
+write_back_limit = 3
+"""
+    )
+    assert KVTierConfig.from_toml(path).manager == MANAGER_PARSED
+    env = {
+        **ENV,
+        "KVTIER_FS_ROOT": str(tmp_path),
+        "KVTIER_S3_BUCKET": "kv-cache",
+        **{
+            f"KVTIER_MANAGER_{name.upper()}": "s3" if name == "write_back" else str(value)
+            for name, value in MANAGER.items()
+        },
+    }
+    assert KVTierConfig.from_env(env).manager == MANAGER_PARSED
+    # Text forms: several names, separated by commas; "none" for an optional setting.
+    env |= {"KVTIER_MANAGER_WRITE_BACK": " s3, fs ,", "KVTIER_MANAGER_MAX_WRITE_LATENCY": "none"}
+    manager = KVTierConfig.from_env(env).manager
+    assert manager.write_back == ("s3", "fs") and manager.max_write_latency is None
+    assert KVTierConfig.from_env({**ENV, "KVTIER_MANAGER_WRITE_BACK": ""}).manager.write_back == ()
+
+
+def test_manager_defaults_are_the_classes_defaults() -> None:
+    """A config that leaves a setting out gets what the class itself would do."""
+    config = ManagerConfig()
+
+    def defaults(function: Any) -> dict[str, Any]:
+        return {
+            name: p.default
+            for name, p in inspect.signature(function).parameters.items()
+            if p.default is not inspect.Parameter.empty
+        }
+
+    manager = defaults(TieringManager.__init__)
+    cost = defaults(CostModel.__init__)
+    admission = defaults(AdmissionPolicy.__init__)
+    for name in ("promotion_timeout", "store_timeout", "max_in_flight_bytes", "close_timeout"):
+        assert getattr(config, name) == manager[name], name
+    assert config.failure_ttl == manager["failure_ttl"]
+    assert config.write_back_limit == manager["write_back_limit"]
+    assert config.recompute_seconds_per_block == cost["recompute_seconds_per_block"]
+    assert config.promotion_probe_interval == cost["probe_interval"]
+    assert config.max_write_latency == admission["max_write_latency"]
+    assert config.write_probe_interval == admission["probe_interval"]
+    assert config.write_back == tuple(admission["write_back"])
+
+
+def test_build_hands_the_manager_its_cost_model_and_admission(tmp_path: Path) -> None:
+    config = KVTierConfig.from_dict(
+        {
+            "pool": POOL,
+            "fs": {"root": str(tmp_path)},
+            "s3": {"bucket": "kv-cache"},
+            "manager": MANAGER,
+        }
+    )
+    manager = config.build()
+    assert manager.cost.recompute_seconds_per_block == 0.004
+    assert manager.cost._probe_interval == 2.0
+    assert manager._failed._ttl == 0.5
+    policy = manager.admission
+    assert policy.max_write_latency == 0.1 and policy._probe_interval == 0.5
+    assert policy.write_back_tiers == {"s3"}
+    assert [t.name for t in manager._write_back_tiers] == ["s3"]
+    assert [t.name for t in manager._through_tiers] == ["fs"]
+    assert manager._write_back.limit == 3
+    assert policy.admit("fs", 8192) and not policy.admit("fs", 1)  # the per-tier limit
+    assert policy.statistics(["fs"])[0].dropped_by_cause == {"in_flight": 1}
+
+
+def test_build_without_policy_settings_matches_a_default_manager(tmp_path: Path) -> None:
+    config = KVTierConfig.from_dict(
+        {"pool": POOL, "fs": {"root": str(tmp_path)}, "s3": {"bucket": "kv-cache"}}
+    )
+    built = config.build()
+    default = TieringManager(config.build_pool(), config.build_tiers())
+    limit = default.default_tier_in_flight_bytes()
+    for manager in (built, default):
+        policy = manager.admission
+        assert policy.admit("s3", limit) and not policy.admit("s3", 1)
+        assert policy.max_write_latency == 0.25 and policy.write_back_tiers == frozenset()
+        assert manager.cost.recompute_seconds_per_block is None
+        assert manager._write_back.limit == POOL["num_blocks"] // 4
+
+
+async def test_write_back_from_config_writes_the_tier_on_close(tmp_path: Path) -> None:
+    root = tmp_path / "cache"
+    config = KVTierConfig.from_dict(
+        {
+            "pool": {"num_blocks": 4, "block_bytes": 4096},
+            "fs": {"root": str(root), "fsync": "never", "shared": False},
+            "manager": {"write_back": ["fs"], "write_back_limit": 2},
+        }
+    )
+    key = b"\x01" + os.urandom(15)
+    block = np.frombuffer(os.urandom(4096), np.uint8)
+    manager = config.build()
+    (tier,) = manager.tiers
+    async with manager:
+        assert await manager.store([key], block[None, :]) == 1
+        await manager.wait_idle()
+        assert tier.lookup(key) is LookupResult.MISS  # not written through
+    async with FSTier(root, fsync="never") as reopened:
+        assert await resolve_lookup(reopened, key) is LookupResult.HIT  # written at close
+
+
+def test_the_readme_manager_example_is_valid() -> None:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("## Operating it", 1)[1]
+    block = re.search(r"```toml\n(.*?)```", section, re.S)
+    assert block, "no TOML example in the README's Operating it section"
+    example = tomllib.loads("\n".join(line.strip() for line in block[1].splitlines()))
+    pool = {"num_blocks": 4096, "block_bytes": "256KiB"}
+    config = KVTierConfig.from_dict({"pool": pool, "s3": {"bucket": "kv-cache"}, **example})
+    assert config.manager.write_back == ("s3",)

@@ -24,6 +24,7 @@ from kvtier.pools._host import HostPool
 from kvtier.testing import FailingTier
 from kvtier.tiers._base import TierStatistics
 from kvtier.tiers._memory import MemoryTier
+from kvtier.tiers._s3_config import S3TierStatistics
 
 BLOCK = 4096
 
@@ -269,3 +270,76 @@ async def test_cost_model_and_admission_are_exported() -> None:
     assert got["kvtier_tier_writes_admitted_total", (("tier", "remote"),)] == 1
     assert got["kvtier_scheduler_waits_cut_total", ()] == 0
     assert got["kvtier_promotions_not_started_total", (("why", "declined"),)] == 0
+
+
+class _BrokenObserver:
+    """A latency observer with a bug: each call raises."""
+
+    def observe_promotion(self, tier: str, seconds: float, ok: bool) -> None:
+        raise RuntimeError("observer bug")
+
+    def observe_lookup(self, seconds: float) -> None:
+        raise RuntimeError("observer bug")
+
+
+async def test_contained_callback_and_listener_failures_are_exported() -> None:
+    disk = MemoryTier("disk")
+    k = key()
+    await disk.store(k, memoryview(os.urandom(BLOCK)))
+    observer = _BrokenObserver()
+    manager = TieringManager(HostPool(4, BLOCK), [disk, MemoryTier("other")], latency=observer)
+    scheduler = OffloadScheduler(manager, latency=observer)
+    registry = CollectorRegistry()
+    registry.register(KVTierCollector(manager, scheduler=scheduler))
+
+    def broken_listener(changed: bytes) -> None:
+        raise RuntimeError("listener bug")
+
+    async with manager:
+        remove = disk.add_listener(broken_listener)
+        assert await scheduler.lookup([k], timeout=5.0) == 1  # one promotion, one lookup
+        assert await manager.store([key()], np.zeros((1, BLOCK), np.uint8)) == 1
+        await manager.wait_idle()  # write-through: each tier notifies its listeners
+        remove()
+        got = samples(registry)
+    assert got["kvtier_callback_failures_total", ()] == 1  # the promotion's observer call
+    assert got["kvtier_scheduler_callback_failures_total", ()] == 1  # the lookup's
+    assert got["kvtier_tier_listener_failures_total", (("tier", "disk"),)] == 1
+    assert got["kvtier_tier_listener_failures_total", (("tier", "other"),)] == 0
+
+
+class _IndexedTier(MemoryTier):
+    """A tier that reports S3TierStatistics, with the figures an S3 tier keeps."""
+
+    def statistics(self) -> TierStatistics:
+        s = super().statistics()
+        return S3TierStatistics(
+            name=s.name,
+            lookups=s.lookups,
+            request_path_requests=3,
+            breaker_state="half_open",
+            lookup_mode="index",
+            index_keys=1234,
+            index_listing_complete=True,
+            index_refreshes=9,
+            journal_segments_published=5,
+            journal_segments_read=11,
+        )
+
+
+async def test_s3_index_statistics_are_exported() -> None:
+    manager = TieringManager(HostPool(2, BLOCK), [MemoryTier("disk"), _IndexedTier("s3")])
+    registry = CollectorRegistry()
+    registry.register(KVTierCollector(manager))
+    got = samples(registry)
+    s3 = (("tier", "s3"),)
+    assert got["kvtier_tier_request_path_requests_total", s3] == 3
+    assert got["kvtier_tier_request_path_requests_total", (("tier", "disk"),)] == 0
+    assert got["kvtier_tier_index_keys", s3] == 1234
+    assert got["kvtier_tier_index_listing_complete", s3] == 1
+    assert got["kvtier_tier_index_refreshes", s3] == 9
+    assert got["kvtier_tier_journal_segments_published", s3] == 5
+    assert got["kvtier_tier_journal_segments_read", s3] == 11
+    assert got["kvtier_tier_breaker_state", (("breaker_state", "half_open"), *s3)] == 1
+    assert got["kvtier_tier_lookup_mode", (("lookup_mode", "index"), *s3)] == 1
+    assert ("kvtier_tier_index_keys", (("tier", "disk"),)) not in got  # not an S3 tier

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -70,3 +71,18 @@ def test_errors_form_one_tree() -> None:
         kvtier.MissReason.CORRUPT,
     )
     assert "fs.load key=0102: bad checksum" in str(error)
+
+
+def test_types_users_read_or_pass_are_exported(tmp_path: Path) -> None:
+    # What a public statistics() returns, and what a public constructor takes.
+    assert issubclass(kvtier.S3TierStatistics, kvtier.TierStatistics)
+    key = kvtier.IntegrityKey("0123456789abcdef0123")
+    assert kvtier.FSTier(tmp_path, integrity_key=key).integrity_key is key
+    section = kvtier.IntegrityConfig(key="0123456789abcdef0123")
+    config = kvtier.KVTierConfig(
+        pool=kvtier.PoolConfig(num_blocks=1, block_bytes=64), integrity=section
+    )
+    assert "0123456789" not in repr(config)
+    assert isinstance(
+        kvtier.serve_metrics(kvtier.TieringManager(kvtier.HostPool(1, 64)), 0), kvtier.MetricsServer
+    )
