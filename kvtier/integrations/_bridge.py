@@ -31,6 +31,7 @@ results.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import contextvars
 import logging
@@ -39,9 +40,9 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TypeVar
 
 import anyio
 import anyio.abc
@@ -57,6 +58,7 @@ __all__ = ["BridgeStatistics", "JobOutcome", "TierBridge"]
 logger = logging.getLogger(__name__)
 
 Operation = Literal["load", "store"]
+T = TypeVar("T")
 
 # Reasons a lookup can be a miss besides the tier's own (``MissReason``).
 CLOSED = "closed"  # the bridge was shut down, or its tier failed to open
@@ -92,6 +94,7 @@ class BridgeStatistics:
     misses_by_reason: dict[str, int]
     checks_in_flight: int
     jobs_active: int
+    draining: int
     jobs_finished: int
     loads_failed: int
     stores_failed: int
@@ -175,6 +178,7 @@ class TierBridge:
         self._flush_scheduled = False
         self._finished: list[JobOutcome] = []
         self._active = 0
+        self._draining = 0  # threads blocked in drain()
         self._counts = {"hits": 0, "misses": 0, "retries": 0, "jobs_finished": 0}
         self._failed = {"load": 0, "store": 0}
         self._miss_reasons: dict[str, int] = {}
@@ -208,6 +212,8 @@ class TierBridge:
         now = time.monotonic()
         schedule = False
         with self._lock:
+            if self._state not in ("opening", "open"):
+                return self._count_miss(CLOSED)  # a closed tier can no longer load a hit
             verdict = self._verdicts.get(key)
             if verdict is not None:
                 present, expires, reason = verdict
@@ -217,8 +223,6 @@ class TierBridge:
                         return LookupResult.HIT
                     return self._count_miss(reason)
                 del self._verdicts[key]
-            if self._state not in ("opening", "open"):
-                return self._count_miss(CLOSED)
             if key not in self._asking and key not in self._checking:
                 if len(self._asking) + len(self._checking) >= self._max_checks:
                     self._log.warning("overload", "%s: too many existence checks", self.name)
@@ -281,6 +285,7 @@ class TierBridge:
                 misses_by_reason=dict(self._miss_reasons),
                 checks_in_flight=len(self._asking) + len(self._checking),
                 jobs_active=self._active,
+                draining=self._draining,
                 jobs_finished=self._counts["jobs_finished"],
                 loads_failed=self._failed["load"],
                 stores_failed=self._failed["store"],
@@ -298,10 +303,42 @@ class TierBridge:
         with self._changed:
             return self._changed.wait_for(lambda: self._generation != since, timeout)
 
+    def run(self, func: Callable[..., Awaitable[T]], *args: object, timeout: float = 30.0) -> T:
+        """Run ``await func(*args)`` on the loop thread and return its result (blocks).
+
+        For tools and tests that must reach the tier in its own loop (a test tier's stall
+        switch, say); never from an engine's scheduler step.
+        """
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        async def runner() -> None:
+            try:
+                future.set_result(await func(*args))
+            except BaseException as exc:
+                future.set_exception(exc)
+                if not isinstance(exc, Exception):
+                    raise
+
+        def start() -> None:
+            if self._tg is None:
+                future.set_exception(RuntimeError(f"{self.name}: the bridge is closed"))
+            else:
+                self._tg.start_soon(runner)
+
+        if not self._call_soon(start):
+            raise RuntimeError(f"{self.name}: the bridge is closed")
+        return future.result(timeout)
+
     def drain(self, *, warn_after: float = 5.0) -> None:
         """Block until no job is running; jobs are waited for, never cancelled."""
         started = time.monotonic()
         with self._changed:
+            if self._active:  # say so to whoever waits for changes (a watchdog, a test)
+                self._draining += 1
+                self._generation += 1
+                self._changed.notify_all()
+            else:
+                return
             while self._active:
                 if not self._changed.wait(warn_after):
                     logger.warning(
@@ -310,6 +347,7 @@ class TierBridge:
                         self._active,
                         time.monotonic() - started,
                     )
+            self._draining -= 1
 
     def close(self) -> None:
         """Refuse new work, wait for running jobs, close the tier and join the thread."""
@@ -371,8 +409,8 @@ class TierBridge:
         assert self._ready is not None
         try:
             await self.tier.open()
-        except Exception as exc:
-            logger.error("%s: the tier did not open, it answers misses: %r", self.name, exc)
+        except Exception:
+            logger.exception("%s: the tier did not open; it answers misses", self.name)
             state = "failed"
         else:
             state = "open"

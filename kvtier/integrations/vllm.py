@@ -35,6 +35,10 @@ the parallel layout (unless vLLM says the bytes are parallelism-agnostic) and th
 size. The leading ``0x56`` ('V') keeps these keys apart from ``kvtier.block_keys`` keys.
 """
 
+# vLLM is an optional extra: where it is missing (the usual typecheck session) its names are
+# Any, and the adapter subclasses one of them.
+# mypy: allow-subclassing-any
+
 from __future__ import annotations
 
 import contextlib
@@ -50,23 +54,33 @@ from kvtier.integrations._bridge import BridgeStatistics, TierBridge
 from kvtier.tiers._base import SecondaryTier
 
 try:
-    from vllm.v1.kv_offload.base import LookupResult as VLLMLookupResult
-    from vllm.v1.kv_offload.base import (
+    from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found, unused-ignore]
         Locality,
         Medium,
         OffloadKey,
         ReqContext,
         RequestOffloadingContext,
     )
-    from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+    from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found, unused-ignore]
+        LookupResult as VLLMLookupResult,
+    )
+    from vllm.v1.kv_offload.tiering.base import (  # type: ignore[import-not-found, unused-ignore]
+        JobResult,
+        SecondaryTierManager,
+        TransferJob,
+    )
 except ImportError as exc:  # pragma: no cover - exercised only without vLLM
     raise ExtraNotInstalledError(
         "kvtier.integrations.vllm", "vllm", "vllm.v1.kv_offload.tiering"
     ) from exc
 
 if TYPE_CHECKING:
-    from vllm.v1.kv_offload.base import OffloadingSpec
-    from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
+    from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found, unused-ignore]
+        OffloadingSpec,
+    )
+    from vllm.v1.kv_offload.tiering.backpressure import (  # type: ignore[import-not-found, unused-ignore]
+        BackpressureDetector,
+    )
 
 __all__ = ["KVTierSecondaryTier", "kvtier", "tier_from_config", "vllm_key_hasher"]
 
@@ -85,7 +99,9 @@ _TO_VLLM = {
 }
 
 
-def tier_from_config(tier: Mapping[str, Any], *, num_blocks: int, block_bytes: int) -> SecondaryTier:
+def tier_from_config(
+    tier: Mapping[str, Any], *, num_blocks: int, block_bytes: int
+) -> SecondaryTier:
     """Build the tier that ``{"kind": "fs"|"s3", ...}`` describes, with ``KVTierConfig``.
 
     The keys are those of the ``[fs]`` or ``[s3]`` section of a kvtier config file.
@@ -282,7 +298,10 @@ class KVTierSecondaryTier(SecondaryTierManager):
         return self._bridge.statistics()
 
     def __repr__(self) -> str:
-        return f"<KVTierSecondaryTier {self.tier_type!r} namespace={self.namespace!r} {self._bridge!r}>"
+        return (
+            f"<KVTierSecondaryTier {self.tier_type!r} namespace={self.namespace!r} "
+            f"{self._bridge!r}>"
+        )
 
 
 # vLLM's factory resolves an out-of-tree tier as getattr(import_module(module_path), type),
