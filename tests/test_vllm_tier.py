@@ -28,27 +28,27 @@ pytest.importorskip(
     reason="vLLM is not installed here; `nox -s vllm` installs it and runs these tests",
 )
 
-from vllm.v1.kv_offload.base import (  # noqa: E402
+from vllm.v1.kv_offload.base import (
     LookupResult,
     OffloadKey,
     ReqContext,
     ScheduleEndContext,
     make_offload_key,
 )
-from vllm.v1.kv_offload.config import (  # noqa: E402
+from vllm.v1.kv_offload.config import (
     OffloadingCacheConfig,
     OffloadingConfig,
     OffloadingGroupConfig,
     OffloadingModelConfig,
     OffloadingParallelConfig,
 )
-from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager  # noqa: E402
-from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
+from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-import kvtier  # noqa: E402
-from kvtier.integrations.vllm import KVTierSecondaryTier  # noqa: E402
-from kvtier.testing import FailingTier, StallingTier  # noqa: E402
-from tests.moto_proc import ACCESS_KEY, REGION, SECRET_KEY, MotoServer, create_bucket  # noqa: E402
+import kvtier
+from kvtier.integrations.vllm import KVTierSecondaryTier
+from kvtier.testing import FailingTier, StallingTier
+from tests.moto_proc import ACCESS_KEY, REGION, SECRET_KEY, MotoServer, create_bucket
 
 BLOCK = 64 << 10  # a chunk of the primary tier, page aligned as vLLM requires
 ROOT = Path(__file__).resolve().parent.parent
