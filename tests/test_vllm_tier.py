@@ -28,6 +28,7 @@ pytest.importorskip(
     reason="vLLM is not installed here; `nox -s vllm` installs it and runs these tests",
 )
 
+from moto_proc import ACCESS_KEY, REGION, SECRET_KEY, MotoServer, create_bucket
 from vllm.v1.kv_offload.base import (
     LookupResult,
     OffloadKey,
@@ -48,7 +49,6 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 import kvtier
 from kvtier.integrations.vllm import KVTierSecondaryTier
 from kvtier.testing import FailingTier, StallingTier
-from tests.moto_proc import ACCESS_KEY, REGION, SECRET_KEY, MotoServer, create_bucket
 
 BLOCK = 64 << 10  # a chunk of the primary tier, page aligned as vLLM requires
 ROOT = Path(__file__).resolve().parent.parent
