@@ -20,8 +20,10 @@ Contenders, all in the same run on the same filesystem:
 
 Loads are cold: before each load phase every stored file is evicted from the page cache
 (``fsync`` + ``POSIX_FADV_DONTNEED``), so reads come from the device for every contender.
-Each load is checked against what was stored, outside the timing. The ratio column is each
-contender's MiB/s over ``vllm-fs``'s in the same case.
+Each load is checked against what was stored, outside the timing. Every phase starts after
+``os.sync()``, so no contender pays for another's writeback. The ratio column is each
+contender's MiB/s over ``vllm-fs``'s in the same case; ``--repeat`` runs the contenders in
+turn and keeps each one's best.
 """
 
 from __future__ import annotations
@@ -104,9 +106,13 @@ def contenders(root: Path) -> dict[str, dict[str, Any]]:
     }
 
 
-def run_jobs(tier: Any, jobs: list[TransferJob], submit: Callable[[TransferJob], None]) -> float:
-    """Submit every job, poll until all are back; seconds taken. Raises if one failed."""
+def run_jobs(
+    tier: Any, jobs: list[TransferJob], submit: Callable[[TransferJob], None]
+) -> tuple[float, float]:
+    """Submit every job, poll until all are back: (wall seconds, CPU seconds of this process,
+    all threads). Raises if a job failed."""
     pending = {j.job_id for j in jobs}
+    cpu = time.process_time()
     started = time.perf_counter()
     for job in jobs:
         submit(job)
@@ -119,9 +125,10 @@ def run_jobs(tier: Any, jobs: list[TransferJob], submit: Callable[[TransferJob],
         if pending:
             time.sleep(POLL)
     seconds = time.perf_counter() - started
+    cpu = time.process_time() - cpu
     if failed:
         raise RuntimeError(f"{len(failed)} job(s) failed")
-    return seconds
+    return seconds, cpu
 
 
 def evict(paths: Iterable[Path]) -> None:
@@ -140,8 +147,8 @@ def files_under(root: Path) -> list[Path]:
 
 def bench_case(
     name: str, tier_config: dict[str, Any], per_job: int, n_blocks: int, root: Path
-) -> tuple[float, float]:
-    """(store MiB/s, load MiB/s) for one contender and one job shape."""
+) -> tuple[float, float, float, float]:
+    """(store MiB/s, load MiB/s, store CPU ms/GiB, load CPU ms/GiB) for one case."""
     spec = offloading_spec(2 * n_blocks)
     region = mmap.mmap(-1, 2 * n_blocks * BLOCK)
     flat = memoryview(region)
@@ -173,9 +180,11 @@ def bench_case(
                 for j in range(n_blocks // per_job)
             ]
 
-        store_s = run_jobs(tier, jobs(0, False, 0), tier.submit_store)
+        os.sync()  # start from a clean page cache: no contender pays another's writeback
+        store_s, store_cpu = run_jobs(tier, jobs(0, False, 0), tier.submit_store)
         evict(files_under(root))
-        load_s = run_jobs(tier, jobs(n_blocks, True, 10**6), tier.submit_load)
+        os.sync()
+        load_s, load_cpu = run_jobs(tier, jobs(n_blocks, True, 10**6), tier.submit_load)
         if not np.array_equal(src[: n_blocks * BLOCK], src[n_blocks * BLOCK :]):
             raise RuntimeError(f"{name}: loaded bytes differ from the stored ones")
     finally:
@@ -185,7 +194,8 @@ def bench_case(
         flat.release()
         region.close()
     total = n_blocks * BLOCK / MiB
-    return total / store_s, total / load_s
+    gib = total / 1024
+    return total / store_s, total / load_s, store_cpu * 1e3 / gib, load_cpu * 1e3 / gib
 
 
 def main() -> None:
@@ -203,27 +213,38 @@ def main() -> None:
     for per_job in (128, 1):
         if per_job > n_blocks:
             continue
-        figures: dict[str, tuple[float, float]] = {}
-        for name in contenders(base):
-            best = (0.0, 0.0)
-            for _ in range(args.repeat):
+        figures: dict[str, tuple[float, float, float, float]] = {}
+        for _ in range(args.repeat):
+            for name in contenders(base):
                 root = Path(tempfile.mkdtemp(prefix="kvtier-bench-vllm-", dir=base))
                 try:
-                    config = contenders(root)[name]
-                    store, load = bench_case(name, config, per_job, n_blocks, root)
+                    got = bench_case(name, contenders(root)[name], per_job, n_blocks, root)
                 finally:
                     with contextlib.suppress(OSError):
                         shutil.rmtree(root)
-                best = (max(best[0], store), max(best[1], load))
-            figures[name] = best
+                best = figures.get(name, (0.0, 0.0, float("inf"), float("inf")))
+                figures[name] = (
+                    max(best[0], got[0]),
+                    max(best[1], got[1]),
+                    min(best[2], got[2]),
+                    min(best[3], got[3]),
+                )
         ref = figures["vllm-fs"]
-        print(f"\n{per_job} block(s) per job")
-        head = ("tier", "store MiB/s", "x vllm-fs", "load MiB/s", "x vllm-fs")
-        print("  {:<18} {:>12} {:>10} {:>12} {:>10}".format(*head))
-        for name, (store, load) in figures.items():
+        print(f"\n{per_job} block(s) per job (MiB/s: best run; CPU: ms of this process per GiB)")
+        head = (
+            "tier",
+            "store MiB/s",
+            "x vllm-fs",
+            "load MiB/s",
+            "x vllm-fs",
+            "store CPU",
+            "load CPU",
+        )
+        print("  {:<18} {:>12} {:>10} {:>12} {:>10} {:>10} {:>10}".format(*head))
+        for name, (store, load, store_cpu, load_cpu) in figures.items():
             print(
                 f"  {name:<18} {store:>12.0f} {store / ref[0]:>10.2f} "
-                f"{load:>12.0f} {load / ref[1]:>10.2f}"
+                f"{load:>12.0f} {load / ref[1]:>10.2f} {store_cpu:>10.0f} {load_cpu:>10.0f}"
             )
 
 

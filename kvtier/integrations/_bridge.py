@@ -527,6 +527,8 @@ class TierBridge:
             await self._ready.wait()
             if self._state != "open":
                 reasons[CLOSED] = len(job.keys)
+            elif len(job.keys) == 1:  # the common one-block job needs no task group
+                await self._run_one(job, 0, done, reasons)
             else:
                 async with anyio.create_task_group() as tg:
                     for i in range(len(job.keys)):
