@@ -1,4 +1,5 @@
-"""Developer sessions: `nox -s tests`, `lint`, `typecheck`, `demo`, `bench`, `gpu`, `vllm`.
+"""Developer sessions: `nox -s tests`, `lint`, `typecheck`, `demo`, `two_nodes`, `bench`, `gpu`,
+`vllm`.
 
 torch is pinned to 2.13.0 here because on our machines that is a CPU build from local disk
 (an unpinned torch pulls a multi-GB CUDA build); the project itself accepts a range.
@@ -22,7 +23,8 @@ def install(session: nox.Session, *groups: str, extras: str = "s3,torch,metrics"
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """The whole test suite (starts its own moto_server on 127.0.0.1 for the S3 tests)."""
+    """The whole test suite (starts its own SeaweedFS on 127.0.0.1 for the S3 tests, and a
+    moto_server for the credential tests)."""
     install(session, "test", "bench")
     session.run("python", "-m", "pytest", *session.posargs)
 
@@ -56,6 +58,17 @@ def demo(session: nox.Session) -> None:
     if args == ["--full"]:
         args = []
     session.run("python", "examples/serve_demo.py", *args)
+
+
+@nox.session
+def two_nodes(session: nox.Session) -> None:
+    """Two engine processes sharing one SeaweedFS bucket (examples/two_nodes.py; pass
+    `-- --full` for the long run)."""
+    install(session, "test")
+    args = session.posargs or ["--quick"]
+    if args == ["--full"]:
+        args = []
+    session.run("python", "examples/two_nodes.py", *args)
 
 
 @nox.session

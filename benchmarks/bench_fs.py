@@ -19,6 +19,10 @@ POSIX_FADV_DONTNEED)``); warm loads read what the page cache already holds. Stor
 ``fsync="data"`` (durable: fdatasync before the rename). Promotion latency is one
 ``TieringManager.lookup()`` -> HIT of a block that lives only in the FSTier (existence already
 known), into a ``HostPool``, beside one plain open + readinto of the same file.
+
+The cost of the integrity key: a second FSTier with ``integrity_key`` set (every block signed
+with a keyed BLAKE2b-256 MAC and verified on load instead of xxh3) takes its turn in the same
+rounds as the plain (xxh3) FSTier, and ``hash`` prints what each costs on one thread in memory.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ import aiofiles
 import aiofiles.os
 import anyio
 
-from kvtier._format import checksum
+from kvtier._format import IntegrityKey, checksum
 from kvtier._keys import block_keys
 from kvtier._lookup import LookupResult
 from kvtier._tiering import TieringManager
@@ -227,6 +231,23 @@ def tier_path(root: Path, key: bytes) -> Path:
     return root / name[-4:-2] / name[-2:] / name
 
 
+def hash_speed(block_bytes: int) -> dict[str, float]:
+    """GB/s of xxh3 and of the keyed BLAKE2b MAC over one block, on one thread, in memory."""
+    block = memoryview(bytearray(os.urandom(block_bytes)))
+    ikey = IntegrityKey(os.urandom(32))
+    out: dict[str, float] = {}
+    for label, fn in (
+        ("xxh3", lambda: checksum(block)),
+        ("blake2b mac", lambda: ikey.mac(b"header", block)),
+    ):
+        reps = max(4, (256 * MiB) // block_bytes)
+        started = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        out[label] = gbps(reps * block_bytes, time.perf_counter() - started)
+    return out
+
+
 # -- the run ------------------------------------------------------------------------------------
 
 
@@ -248,6 +269,8 @@ async def main(args: argparse.Namespace) -> None:
         disk_paths = [base / "disk" / f"{i}" for i in range(n)]
         root = base / "tier"
         tier_paths = [tier_path(root, k) for k in keys]
+        signed_root = base / "tier-signed"
+        signed_paths = [tier_path(signed_root, k) for k in keys]
         has_odirect = odirect_supported(base)
         print(
             f"bench_fs: {n} blocks x {args.block_mib} MiB = {total / MiB:.0f} MiB in {base}, "
@@ -264,7 +287,19 @@ async def main(args: argparse.Namespace) -> None:
         scratch = memoryview(mmap.mmap(-1, width * block_bytes))
         thread = anyio.to_thread.run_sync
 
-        async with FSTier(root, fsync=args.fsync, max_concurrency=width) as tier:
+        signed_tier = FSTier(
+            signed_root,
+            fsync=args.fsync,
+            max_concurrency=width,
+            integrity_key=IntegrityKey(os.urandom(32)),
+        )
+        async with FSTier(root, fsync=args.fsync, max_concurrency=width) as tier, signed_tier:
+
+            async def signed_store(i: int, _: memoryview) -> None:
+                await signed_tier.store(keys[i], blocks[i])
+
+            async def signed_load(i: int, buf: memoryview) -> None:
+                await signed_tier.load(keys[i], buf)
 
             async def store(i: int, _: memoryview) -> None:
                 await tier.store(keys[i], blocks[i])
@@ -312,6 +347,12 @@ async def main(args: argparse.Namespace) -> None:
                     todo.append(
                         ("fstier store", lambda: tier_run(idx, width, store, scratch, block_bytes))
                     )
+                    todo.append(
+                        (
+                            "signed store",
+                            lambda: tier_run(idx, width, signed_store, scratch, block_bytes),
+                        )
+                    )
                 elif kind == "cold":
 
                     async def plain_cold() -> float:
@@ -326,6 +367,11 @@ async def main(args: argparse.Namespace) -> None:
                         await thread(drop_cache, pick(aio_paths, idx))
                         return await tier_run(idx, width, aio_load, scratch, block_bytes)
 
+                    async def signed_cold() -> float:
+                        await thread(drop_cache, pick(signed_paths, idx))
+                        return await tier_run(idx, width, signed_load, scratch, block_bytes)
+
+                    todo.append(("signed load cold", signed_cold))
                     todo.append(("plain load cold", plain_cold))
                     todo.append(("aiofiles load cold", aio_cold))
                     if has_odirect:
@@ -351,6 +397,12 @@ async def main(args: argparse.Namespace) -> None:
                         (
                             "fstier load warm",
                             lambda: tier_run(idx, width, load, scratch, block_bytes),
+                        )
+                    )
+                    todo.append(
+                        (
+                            "signed load warm",
+                            lambda: tier_run(idx, width, signed_load, scratch, block_bytes),
                         )
                     )
                 shift = r % len(todo)
@@ -388,6 +440,15 @@ async def main(args: argparse.Namespace) -> None:
             )
         for label, value in ratio.items():
             print(f"  {label:40}{value:6.2f}x")
+        print("integrity key (signed FSTier / xxh3 FSTier, same rounds; 1.00x: free):")
+        for op in ("store", "load cold", "load warm"):
+            signed, plain_tier = rows[f"signed {op}"], rows[f"fstier {op}"]
+            print(f"  {op:40}{signed / plain_tier:6.2f}x   ({signed:.2f} vs {plain_tier:.2f} GB/s)")
+        speeds = await thread(hash_speed, block_bytes)
+        print(
+            "hash, one thread in memory: "
+            + ", ".join(f"{label} {value:.2f} GB/s" for label, value in speeds.items())
+        )
         print(f"latency, median of {samples} ({args.block_mib} MiB block):")
         for tag in ("cold", "warm"):
             p_ms, r_ms = latency[f"promotion {tag}"], latency[f"plain read {tag}"]

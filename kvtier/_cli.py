@@ -15,12 +15,23 @@ anybody's event loop) and never write to it, except ``verify --remove`` which un
 block files, and only if the file is still the one it read (a running ``FSTier`` may have
 republished a good block there meanwhile). Temporary files are reported, never removed: a live
 writer may own them, and the next ``FSTier.open()`` clears the dead ones.
+
+No command follows a link out of the root: the folder is walked through directory file
+descriptors opened with ``O_NOFOLLOW`` at every level, so a shard folder or block file that is
+a symbolic link (planted by anyone who can write to a shared folder) is reported as foreign,
+never read, and never deleted, even if it is swapped in while the command runs. Only ROOT
+itself may be a link: naming it is the operator's choice.
+
+A folder whose blocks are signed (an FS tier with an integrity key) is verified with the key
+in ``KVTIER_INTEGRITY_KEY``; it is never taken from the command line, where other users of the
+machine could read it in the process list.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import logging
 import math
@@ -35,7 +46,13 @@ from pathlib import Path
 from typing import IO, Any
 
 from kvtier._errors import ExtraNotInstalledError, InvalidArgumentError, KVTierError
-from kvtier._format import FORMAT_VERSION, HeaderError, decode_header, verify_block
+from kvtier._format import (
+    FORMAT_VERSION,
+    HeaderError,
+    IntegrityKey,
+    decode_header,
+    verify_block,
+)
 from kvtier._logging import BurstLogger
 
 __all__ = ["main"]
@@ -57,6 +74,10 @@ except ImportError:  # pragma: no cover
 
 _TMP_PREFIX = ".tmp-"
 _HEX = frozenset("0123456789abcdef")
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _O_NOFOLLOW | _O_CLOEXEC
+_INTEGRITY_ENV = "KVTIER_INTEGRITY_KEY"
 
 
 class _UsageError(Exception):
@@ -68,9 +89,11 @@ class _UsageError(Exception):
 
 @dataclass(slots=True)
 class _BlockFile:
-    path: Path
+    path: Path  # for reports; files are opened through ``shard`` and ``name``, never by path
     size: int
     mtime: float
+    shard: tuple[str, str]
+    name: str
 
 
 @dataclass(slots=True)
@@ -96,7 +119,9 @@ def _read_marker(root: Path) -> dict[str, Any]:
         raise _UsageError(f"{root} is not a folder")
     marker = root / _MARKER_NAME
     try:
-        found = json.loads(marker.read_bytes())
+        fd = os.open(marker, os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC)  # a link is not a marker
+        with os.fdopen(fd, "rb") as f:
+            found = json.loads(f.read())
     except FileNotFoundError:
         raise _UsageError(
             f"{root} is not a kvtier FS tier folder: it has no {_MARKER_NAME} marker"
@@ -108,33 +133,98 @@ def _read_marker(root: Path) -> dict[str, Any]:
     return found
 
 
+def _open_dir(name: str, dir_fd: int) -> int | None:
+    """A shard folder's descriptor, or None if it is gone or is not a real folder (a link)."""
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # a symbolic link: never followed
+            return None
+        raise
+
+
+def _folders(dir_fd: int) -> list[tuple[str, bool]]:
+    """``(name, is a real folder)`` for each entry, links never followed, sorted."""
+    with os.scandir(dir_fd) as it:
+        return sorted((e.name, e.is_dir(follow_symlinks=False)) for e in it)
+
+
 def _scan(root: Path) -> _Scan:
     """Every block file under ``root``, by the FS layout ``<2 hex>/<2 hex>/<name>``."""
     scan = _Scan(marker=_read_marker(root))
-    for first in sorted(root.iterdir()):
-        if not _is_shard(first.name) or not first.is_dir():
-            if first.name != _MARKER_NAME and not first.name.startswith(".kvtier-fs"):
-                scan.foreign.append(first)
-            continue
-        for second in sorted(first.iterdir()):
-            if not _is_shard(second.name) or not second.is_dir():
-                scan.foreign.append(second)
+    root_fd = os.open(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _O_CLOEXEC)
+    try:
+        for first, is_dir in _folders(root_fd):
+            if not (is_dir and _is_shard(first)):
+                if first != _MARKER_NAME and not first.startswith(".kvtier-fs"):
+                    scan.foreign.append(root / first)
                 continue
-            scan.shards += 1
-            with os.scandir(second) as entries:
-                for entry in entries:
-                    if entry.name.startswith(_TMP_PREFIX):
-                        scan.temporary += 1
+            first_fd = _open_dir(first, root_fd)
+            if first_fd is None:
+                scan.foreign.append(root / first)
+                continue
+            try:
+                for second, second_is_dir in _folders(first_fd):
+                    second_fd = _open_dir(second, first_fd) if second_is_dir else None
+                    if second_fd is None or not _is_shard(second):
+                        if second_fd is not None:
+                            os.close(second_fd)
+                        scan.foreign.append(root / first / second)
                         continue
                     try:
-                        st = entry.stat(follow_symlinks=False)
-                    except FileNotFoundError:
-                        continue  # evicted while we looked
-                    if _is_block_name(entry.name) and stat.S_ISREG(st.st_mode):
-                        scan.blocks.append(_BlockFile(Path(entry.path), st.st_size, st.st_mtime))
-                    else:
-                        scan.foreign.append(Path(entry.path))
+                        scan.shards += 1
+                        _scan_shard(scan, root, (first, second), second_fd)
+                    finally:
+                        os.close(second_fd)
+            finally:
+                os.close(first_fd)
+    finally:
+        os.close(root_fd)
     return scan
+
+
+def _scan_shard(scan: _Scan, root: Path, shard: tuple[str, str], fd: int) -> None:
+    with os.scandir(fd) as entries:
+        for entry in entries:
+            path = root / shard[0] / shard[1] / entry.name
+            if entry.name.startswith(_TMP_PREFIX):
+                scan.temporary += 1
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue  # evicted while we looked
+            if _is_block_name(entry.name) and stat.S_ISREG(st.st_mode):
+                scan.blocks.append(_BlockFile(path, st.st_size, st.st_mtime, shard, entry.name))
+            else:
+                scan.foreign.append(path)
+
+
+def _integrity_key(marker: dict[str, Any]) -> IntegrityKey | None:
+    """The key to verify this folder with: from ``KVTIER_INTEGRITY_KEY`` when the folder is
+    signed (a usage error when it is unset or another key), None when it is not."""
+    signed = marker.get("integrity")
+    if signed is None:
+        return None
+    secret = os.environ.get(_INTEGRITY_ENV)
+    if not secret:
+        raise _UsageError(
+            f"this folder's blocks are signed with an integrity key: set {_INTEGRITY_ENV} to "
+            "the key its FS tiers use"
+        )
+    try:
+        ikey = IntegrityKey(secret)
+    except InvalidArgumentError as exc:
+        raise _UsageError(f"{_INTEGRITY_ENV}: {exc}") from None
+    if not isinstance(signed, dict) or signed.get("key_id") != ikey.key_id:
+        raise _UsageError(
+            f"this folder is signed with another integrity key than {_INTEGRITY_ENV} "
+            f"(folder key id {signed.get('key_id') if isinstance(signed, dict) else signed!r}, "
+            f"yours {ikey.key_id})"
+        )
+    return ikey
 
 
 def _check_compatible(marker: dict[str, Any]) -> None:
@@ -215,6 +305,7 @@ def _inspect(args: argparse.Namespace, out: IO[str]) -> int:
         "block_format": scan.marker.get("block_format"),
         "readable": scan.marker.get("layout") == _LAYOUT_VERSION
         and scan.marker.get("block_format") == FORMAT_VERSION,
+        "signed": scan.marker.get("integrity") is not None,
         "blocks": len(scan.blocks),
         "bytes": sum(sizes),
         "block_bytes_min": min(sizes, default=None),
@@ -233,7 +324,8 @@ def _inspect(args: argparse.Namespace, out: IO[str]) -> int:
     lines = [
         f"root:          {report['root']}",
         f"format:        kvtier-fs layout {report['layout']}, block format "
-        f"{report['block_format']}{readable}",
+        f"{report['block_format']}{readable}"
+        + (", signed (integrity key)" if report["signed"] else ""),
         f"blocks:        {len(scan.blocks)} in {scan.shards} shard folders",
         f"bytes:         {_bytes(report['bytes'])} ({report['bytes']} bytes)",
     ]
@@ -257,37 +349,73 @@ def _inspect(args: argparse.Namespace, out: IO[str]) -> int:
 # -- verify ----------------------------------------------------------------------------------
 
 
-def _check_file(block: _BlockFile, remove: bool) -> tuple[str | None, bool]:
+class _ShardDirs:
+    """Descriptors of the shard folder being verified, opened level by level without
+    following links from the root's descriptor (blocks come sorted, so one is kept open)."""
+
+    def __init__(self, root: Path) -> None:
+        self._root_fd = os.open(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _O_CLOEXEC)
+        self._shard: tuple[str, str] | None = None
+        self._fd: int | None = None
+
+    def fd(self, shard: tuple[str, str]) -> int | None:
+        if shard != self._shard:
+            self._close_shard()
+            self._shard = shard
+            first = _open_dir(shard[0], self._root_fd)
+            if first is not None:
+                try:
+                    self._fd = _open_dir(shard[1], first)
+                finally:
+                    os.close(first)
+        return self._fd
+
+    def _close_shard(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+        self._fd = None
+
+    def close(self) -> None:
+        self._close_shard()
+        os.close(self._root_fd)
+
+
+def _check_file(
+    block: _BlockFile, dirs: _ShardDirs, remove: bool, ikey: IntegrityKey | None
+) -> tuple[str | None, bool]:
     """``(problem, removed)`` for one block file; ``problem`` is None when it is intact."""
+    dir_fd = dirs.fd(block.shard)
+    if dir_fd is None:
+        return None, False  # the shard folder went away (or became a link): not followed
     try:
-        fd = os.open(block.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        fd = os.open(block.name, os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC, dir_fd=dir_fd)
     except FileNotFoundError:
         return None, False  # evicted by a running tier while we walked: not a fault
     try:
         with os.fdopen(os.dup(fd), "rb") as f:
             data = f.read()
-        problem = _problem(block.path.name, data)
+        problem = _problem(block.name, data, ikey)
         removed = False
         if problem is not None and remove:
             mine = os.fstat(fd)
             with contextlib.suppress(FileNotFoundError):
-                now = os.stat(block.path, follow_symlinks=False)
+                now = os.stat(block.name, dir_fd=dir_fd, follow_symlinks=False)
                 if (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino):
-                    os.unlink(block.path)
+                    os.unlink(block.name, dir_fd=dir_fd)
                     removed = True
         return problem, removed
     finally:
         os.close(fd)
 
 
-def _problem(name: str, data: bytes) -> str | None:
+def _problem(name: str, data: bytes, ikey: IntegrityKey | None = None) -> str | None:
     try:
-        header = decode_header(data)
+        header = decode_header(data, integrity_key=ikey)
         if name.startswith("h"):  # a long key named by its hash: the name must be that hash
             expected_key = header.key if _fs_name_of(header.key) == name else b""
         else:
             expected_key = bytes.fromhex(name)
-        verify_block(expected_key, header, memoryview(data)[header.size :])
+        verify_block(expected_key, header, memoryview(data)[header.size :], integrity_key=ikey)
     except HeaderError as exc:
         return str(exc)
     except ValueError as exc:  # a block name that is not hex
@@ -305,22 +433,27 @@ def _verify(args: argparse.Namespace, out: IO[str], err: IO[str]) -> int:
     root = Path(args.root).expanduser()
     scan = _scan(root)
     _check_compatible(scan.marker)
+    ikey = _integrity_key(scan.marker)
     enabled = {"always": True, "never": False}.get(args.progress, err.isatty())
     progress = _Progress(len(scan.blocks), err, enabled, "verify")
     corrupt: list[tuple[Path, str, bool]] = []
     unreadable: list[tuple[Path, str]] = []
     checked = nbytes = 0
-    for i, block in enumerate(scan.blocks):
-        try:
-            problem, removed = _check_file(block, args.remove)
-        except OSError as exc:
-            unreadable.append((block.path, f"{exc.strerror or exc}"))
-        else:
-            checked += 1
-            nbytes += block.size
-            if problem is not None:
-                corrupt.append((block.path, problem, removed))
-        progress.update(i + 1, nbytes)
+    dirs = _ShardDirs(root)
+    try:
+        for i, block in enumerate(scan.blocks):
+            try:
+                problem, removed = _check_file(block, dirs, args.remove, ikey)
+            except OSError as exc:
+                unreadable.append((block.path, f"{exc.strerror or exc}"))
+            else:
+                checked += 1
+                nbytes += block.size
+                if problem is not None:
+                    corrupt.append((block.path, problem, removed))
+            progress.update(i + 1, nbytes)
+    finally:
+        dirs.close()
     progress.update(len(scan.blocks), nbytes, final=True)
     for path, problem, removed in corrupt:
         out.write(f"CORRUPT {path}: {problem}{' (removed)' if removed else ''}\n")

@@ -19,6 +19,7 @@ A file looks like this (every section but ``pool`` is optional)::
     root = "/var/cache/kvtier"
     capacity_bytes = "200GiB"
     fsync = "data"           # never | data | always
+    shared = true            # false: only this process writes root (lookups without a stat)
 
     [s3]
     bucket = "kv-cache"
@@ -28,6 +29,9 @@ A file looks like this (every section but ``pool`` is optional)::
     [manager]
     promotion_timeout = 10.0
 
+    [integrity]
+    key = "..."              # better: KVTIER_INTEGRITY_KEY in the environment, not in a file
+
 Choices where the issue was silent:
 
 - ``pool.num_blocks`` and ``pool.block_bytes`` have no defaults: both follow from the model and
@@ -36,6 +40,11 @@ Choices where the issue was silent:
   the network, so a block present in both is promoted from the disk.
 - S3 credentials are optional (without them botocore reads the usual AWS environment and
   files). When given, they are kept out of ``repr`` and out of every error message.
+- The integrity key (``[integrity] key``, or ``KVTIER_INTEGRITY_KEY``) is one setting for the
+  whole stack, not per tier: every tier that shares blocks with other nodes must sign them
+  with the same secret, and a per-tier key would only add ways to get it wrong. It is a
+  secret: hidden from ``repr``, ``to_dict`` and every error message. ``build_tiers`` hands it
+  to the FS tier as ``integrity_key`` (the S3 tier takes it the same way once it signs).
 - ``from_env`` reads ``KVTIER_CONFIG`` (a TOML file) first, then lets each ``KVTIER_<SECTION>_
   <KEY>`` variable override one value, so a container can ship a file and tweak it. Any other
   ``KVTIER_*`` variable is an error: a typo must not silently fall back to a default.
@@ -63,6 +72,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ENV_PREFIX",
     "FSConfig",
+    "IntegrityConfig",
     "KVTierConfig",
     "ManagerConfig",
     "PoolConfig",
@@ -177,6 +187,12 @@ def _text(value: object, text: bool) -> str:
     return value
 
 
+def _secret(value: object, text: bool) -> str:
+    if not isinstance(value, str) or len(value.encode()) < 16:
+        raise _Bad("a secret of at least 16 bytes (for example 64 random hex digits)")
+    return value
+
+
 def _any_text(value: object, text: bool) -> str:
     if not isinstance(value, str):
         raise _Bad("a string (it may be empty)")
@@ -195,6 +211,14 @@ def _url(value: object, text: bool) -> str:
     if not isinstance(value, str) or not re.match(r"https?://[^/\s]+", value):
         raise _Bad("an http:// or https:// URL such as 'http://127.0.0.1:9000'")
     return value
+
+
+def _bool(value: object, text: bool) -> bool:
+    if isinstance(value, bool):
+        return value
+    if text and isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0"):
+        return value.strip().lower() in ("true", "1")
+    raise _Bad("true or false")
 
 
 def _choice(*options: str) -> _Parser:
@@ -285,6 +309,8 @@ class FSConfig(_Section):
     lookup_timeout: float = field(default=5.0, metadata=_spec(_seconds))
     max_concurrency: int = field(default=16, metadata=_spec(_positive_int))
     max_write_concurrency: int = field(default=16, metadata=_spec(_positive_int))
+    shared: bool = field(default=True, metadata=_spec(_bool))
+    max_stuck_threads: int = field(default=32, metadata=_spec(_positive_int))
 
 
 @dataclass(frozen=True, slots=True)
@@ -319,9 +345,21 @@ class S3Config(_Section):
     breaker_threshold: int = field(default=5, metadata=_spec(_positive_int))
     breaker_reset: float = field(default=5.0, metadata=_spec(_seconds))
     lookup_timeout: float = field(default=5.0, metadata=_spec(_seconds))
+    # The existence index (see kvtier.tiers._s3_index): "index" answers lookup() without a
+    # request (unknown keys miss at once); "ask" sends HEADs for unknown keys.
+    lookup_mode: str = field(default="index", metadata=_spec(_choice("index", "ask")))
+    index_refresh: float = field(default=2.0, metadata=_spec(_seconds))
+    index_lookback: float = field(default=60.0, metadata=_spec(_seconds))
+    index_list_timeout: float = field(default=60.0, metadata=_spec(_seconds))
+    index_max_keys: int = field(default=10_000_000, metadata=_spec(_positive_int))
 
     def __post_init__(self) -> None:
         _check_fields(self, lambda name: f"s3.{name}")
+        if self.index_lookback < 2 * self.index_refresh:
+            raise InvalidArgumentError(
+                f"s3.index_lookback ({self.index_lookback} s) must be at least 2 x "
+                f"s3.index_refresh ({self.index_refresh} s)"
+            )
         if (self.aws_access_key_id is None) != (self.aws_secret_access_key is None):
             raise InvalidArgumentError(
                 "aws_access_key_id and aws_secret_access_key go together: set both, or "
@@ -353,12 +391,27 @@ class ManagerConfig(_Section):
     close_timeout: float = field(default=5.0, metadata=_spec(_seconds))
 
 
+@dataclass(frozen=True, slots=True)
+class IntegrityConfig(_Section):
+    """The secret every node sharing a tier sets, so only blocks signed with it are served
+    (see ``kvtier._format``). Set it with ``KVTIER_INTEGRITY_KEY``; never shown."""
+
+    SECTION: ClassVar[str] = "integrity"
+
+    key: str = field(repr=False, metadata=_spec(_secret, secret=True))
+
+    def __repr__(self) -> str:
+        return "IntegrityConfig(key=<hidden>)"
+
+
 _SECTIONS: dict[str, type[Any]] = {
     "pool": PoolConfig,
     "fs": FSConfig,
     "s3": S3Config,
     "manager": ManagerConfig,
+    "integrity": IntegrityConfig,
 }
+_OPTIONAL = ("fs", "s3", "integrity")
 
 
 # -- the whole configuration ----------------------------------------------------------------
@@ -380,11 +433,12 @@ class KVTierConfig:
     fs: FSConfig | None = None
     s3: S3Config | None = None
     manager: ManagerConfig = field(default_factory=ManagerConfig)
+    integrity: IntegrityConfig | None = None
 
     def __post_init__(self) -> None:
         for name, cls in _SECTIONS.items():
             value = getattr(self, name)
-            if not (isinstance(value, cls) or (value is None and name in ("fs", "s3"))):
+            if not (isinstance(value, cls) or (value is None and name in _OPTIONAL)):
                 raise InvalidArgumentError(
                     f"{name} must be a {cls.__name__}, got {type(value).__name__}"
                 )
@@ -528,6 +582,7 @@ class KVTierConfig:
 
             kwargs = _kwargs(self.fs)
             root = kwargs.pop("root")
+            kwargs["integrity_key"] = None if self.integrity is None else self.integrity.key
             try:
                 tiers.append(FSTier(root, **kwargs))
             except InvalidArgumentError as exc:

@@ -4,24 +4,61 @@ A block is a fixed header followed by its payload. The header names the key it b
 a file or object renamed, truncated or swapped can never be served as another block, and
 carries an xxh3-64 checksum of the payload (xxh3 runs at memory speed, far above disk and
 network, so verifying every load costs little) plus a checksum of the header itself.
+
+**Integrity key (signed blocks).** xxh3 catches corruption, not forgery: anyone who can write
+to a shared folder or bucket can publish a well-formed block for any key. With an
+``IntegrityKey`` (a secret every node sharing the tier sets), a block also carries a keyed
+BLAKE2b-256 MAC over its header and payload, and only blocks whose MAC verifies are served.
+How a signed block differs at rest (the decision, and why):
+
+- the header's ``flags`` has ``FLAG_MAC`` set and 32 bytes of MAC follow the header checksum,
+  so a signed header is ``MAC_BYTES`` longer (``header_size(n, integrity_key=k)``). The format
+  version stays 1: an unsigned block is byte for byte what it was, and the flag is covered by
+  the header checksum and by the MAC, so stripping it is caught.
+- a reader with a key refuses an unsigned block, and a signed block whose MAC does not verify
+  (forged, or signed with another key): ``HeaderError``, which tiers turn into a ``corrupt``
+  miss. A reader without a key refuses a signed block (it cannot tell a forgery), and a reader
+  from before this flag existed refuses it too (its length check fails on the 32 extra bytes).
+- the xxh3 payload checksum is still written, so keyless tools (``kvtier verify``) can still
+  find bit rot; with a key, loads check the MAC instead (it covers the same bytes).
+
+How a codec uses it (the FS tier does exactly this; the S3 codec can do the same)::
+
+    ikey = IntegrityKey(secret)                     # once, from config; None when unset
+    head = encode_header(key, payload, integrity_key=ikey)          # write: head + payload
+    size = header_size(len(key), integrity_key=ikey)               # bytes before the payload
+    header = decode_header(raw[:size], integrity_key=ikey)          # read: check the header
+    verify_block(key, header, raw[size:], integrity_key=ikey)       # then the payload
+
+Pass the same ``integrity_key`` (or ``None``) to all four. ``decode_header`` needs only the
+first ``header_size(...)`` bytes; ``verify_block`` checks the key, the length and then the MAC
+(with a key) or the xxh3 checksum (without).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import xxhash
 
 __all__ = [
+    "FLAG_MAC",
     "FORMAT_VERSION",
+    "MAC_BYTES",
     "MAGIC",
     "BlockHeader",
     "HeaderError",
+    "IntegrityKey",
+    "PayloadCheck",
     "checksum",
     "decode_header",
     "encode_header",
     "header_size",
+    "verify_block",
 ]
 
 MAGIC = b"KVTB"
@@ -30,10 +67,68 @@ FORMAT_VERSION = 1
 _FIXED = struct.Struct("<4sHHHHQQ")
 _HEADER_SUM = struct.Struct("<Q")
 MAX_KEY_BYTES = 255
+FLAG_MAC = 0x0001  # a BLAKE2b-256 MAC under the tier's integrity key follows the header checksum
+MAC_BYTES = 32
+_KNOWN_FLAGS = FLAG_MAC
+MIN_SECRET_BYTES = 16
 
 
 class HeaderError(ValueError):
     """The bytes are not a valid block header; the caller maps it to a ``corrupt`` miss."""
+
+
+class IntegrityKey:
+    """The secret that signs and verifies blocks (see the module docstring).
+
+    Built from a secret of at least 16 bytes (str or bytes; a str is UTF-8 encoded); the MAC
+    key is derived from it with BLAKE2b, so a secret of any length works. The secret is never
+    shown: not in ``repr``, not in error messages. ``key_id`` is a short public fingerprint
+    (a MAC of a constant), for telling keys apart in a folder marker without revealing them.
+    """
+
+    __slots__ = ("_mac_key", "key_id")
+
+    def __init__(self, secret: str | bytes) -> None:
+        if isinstance(secret, str):
+            raw = secret.encode()
+        elif isinstance(secret, bytes | bytearray):
+            raw = bytes(secret)
+        else:
+            raise _invalid(f"an integrity key must be str or bytes, got {type(secret).__name__}")
+        if len(raw) < MIN_SECRET_BYTES:
+            raise _invalid(
+                f"an integrity key must be at least {MIN_SECRET_BYTES} bytes; use a random "
+                "secret such as the output of `python -c 'import secrets; "
+                "print(secrets.token_hex(32))'`"
+            )
+        self._mac_key = hashlib.blake2b(raw, digest_size=32, person=b"kvtier-mac-key").digest()
+        self.key_id = hashlib.blake2b(
+            b"key-id", key=self._mac_key, digest_size=8, person=b"kvtier-key-id"
+        ).hexdigest()
+
+    def mac(self, signed: bytes | bytearray | memoryview, payload: object) -> bytes:
+        """The MAC of a block: its header (up to the header checksum) and its payload."""
+        h = self.hasher(signed)
+        h.update(payload)  # type: ignore[arg-type]
+        return h.digest()
+
+    def hasher(self, signed: bytes | bytearray | memoryview) -> hashlib.blake2b:
+        """A MAC in progress over ``signed``; feed it the payload, then take ``digest()``."""
+        h = hashlib.blake2b(key=self._mac_key, digest_size=MAC_BYTES, person=b"kvtier-block")
+        h.update(signed)
+        return h
+
+    def __repr__(self) -> str:
+        return "<IntegrityKey (secret hidden)>"
+
+    def __reduce__(self) -> str | tuple[object, ...]:
+        raise TypeError("an IntegrityKey is not picklable: pass the secret explicitly")
+
+
+def _invalid(message: str) -> ValueError:
+    from kvtier._errors import InvalidArgumentError  # the error tree imports nothing from here
+
+    return InvalidArgumentError(message)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,33 +137,54 @@ class BlockHeader:
     payload_length: int
     payload_checksum: int
     flags: int = 0
+    mac: bytes = field(default=b"", repr=False)
+    signed: bytes = field(default=b"", repr=False, compare=False)  # what the MAC covers
 
     @property
     def size(self) -> int:
-        return header_size(len(self.key))
+        return header_size(len(self.key)) + (MAC_BYTES if self.flags & FLAG_MAC else 0)
 
 
-def header_size(key_length: int) -> int:
-    return _FIXED.size + key_length + _HEADER_SUM.size
+def header_size(key_length: int, *, integrity_key: IntegrityKey | None = None) -> int:
+    """Bytes before the payload for a key of ``key_length`` bytes (more when signed)."""
+    mac = MAC_BYTES if integrity_key is not None else 0
+    return _FIXED.size + key_length + _HEADER_SUM.size + mac
 
 
 def checksum(payload: bytes | bytearray | memoryview) -> int:
     return xxhash.xxh3_64_intdigest(payload)
 
 
-def encode_header(key: bytes, payload: bytes | bytearray | memoryview, flags: int = 0) -> bytes:
-    """Header bytes for ``payload`` stored under ``key``."""
+def encode_header(
+    key: bytes,
+    payload: bytes | bytearray | memoryview,
+    flags: int = 0,
+    *,
+    integrity_key: IntegrityKey | None = None,
+) -> bytes:
+    """Header bytes for ``payload`` stored under ``key``; signed when ``integrity_key`` is set."""
     if not 0 < len(key) <= MAX_KEY_BYTES:
         raise ValueError(f"key must be 1 to {MAX_KEY_BYTES} bytes")
+    if integrity_key is not None:
+        flags |= FLAG_MAC
     fixed = _FIXED.pack(
         MAGIC, FORMAT_VERSION, flags, len(key), 0, memoryview(payload).nbytes, checksum(payload)
     )
     body = fixed + key
-    return body + _HEADER_SUM.pack(xxhash.xxh3_64_intdigest(body))
+    head = body + _HEADER_SUM.pack(xxhash.xxh3_64_intdigest(body))
+    if integrity_key is None:
+        return head
+    return head + integrity_key.mac(body, payload)
 
 
-def decode_header(data: bytes | bytearray | memoryview) -> BlockHeader:
-    """Parse and check a header; raise ``HeaderError`` saying what is wrong."""
+def decode_header(
+    data: bytes | bytearray | memoryview, *, integrity_key: IntegrityKey | None = None
+) -> BlockHeader:
+    """Parse and check a header; raise ``HeaderError`` saying what is wrong.
+
+    With ``integrity_key`` an unsigned block is refused; without one a signed block is refused
+    (its MAC cannot be checked). The MAC itself is checked by ``verify_block``.
+    """
     view = memoryview(data)
     if view.nbytes < _FIXED.size:
         raise HeaderError(f"header truncated: {view.nbytes} bytes")
@@ -83,18 +199,78 @@ def decode_header(data: bytes | bytearray | memoryview) -> BlockHeader:
     (stored_sum,) = _HEADER_SUM.unpack_from(view, end)
     if xxhash.xxh3_64_intdigest(view[:end]) != stored_sum:
         raise HeaderError("header checksum mismatch")
-    return BlockHeader(bytes(view[_FIXED.size : end]), length, payload_sum, flags)
+    if flags & ~_KNOWN_FLAGS:
+        raise HeaderError(f"unknown header flags {flags:#06x}")
+    mac = b""
+    if flags & FLAG_MAC:
+        if integrity_key is None:
+            raise HeaderError(
+                "block is signed with an integrity key and this reader has none; set the "
+                "integrity key every node of this tier uses"
+            )
+        start = end + _HEADER_SUM.size
+        if view.nbytes < start + MAC_BYTES:
+            raise HeaderError("header truncated")
+        mac = bytes(view[start : start + MAC_BYTES])
+    elif integrity_key is not None:
+        raise HeaderError("block is not signed, and an integrity key is set: refused")
+    signed = bytes(view[:end]) if mac else b""
+    return BlockHeader(bytes(view[_FIXED.size : end]), length, payload_sum, flags, mac, signed)
+
+
+class PayloadCheck:
+    """``verify_block`` for a payload that arrives in pieces (a reader that streams a file
+    through a small buffer): feed each piece to ``update``, then ``finish`` raises
+    ``HeaderError`` unless the whole is the intact (and, with a key, authentic) payload."""
+
+    __slots__ = ("_hasher", "_header", "_keyed", "_seen")
+
+    def __init__(
+        self,
+        expected_key: bytes,
+        header: BlockHeader,
+        *,
+        integrity_key: IntegrityKey | None = None,
+    ) -> None:
+        if header.key != expected_key:
+            raise HeaderError("block belongs to another key")
+        if bool(header.flags & FLAG_MAC) != (integrity_key is not None):
+            raise HeaderError("block signing does not match this reader's integrity key setting")
+        self._header = header
+        self._keyed = integrity_key is not None
+        self._hasher: Any = (
+            xxhash.xxh3_64() if integrity_key is None else integrity_key.hasher(header.signed)
+        )
+        self._seen = 0
+
+    def update(self, piece: bytes | bytearray | memoryview) -> None:
+        self._hasher.update(piece)
+        self._seen += memoryview(piece).nbytes
+
+    def finish(self) -> None:
+        header = self._header
+        if self._seen != header.payload_length:
+            raise HeaderError(f"payload is {self._seen} bytes, header says {header.payload_length}")
+        if self._keyed:
+            if not hmac.compare_digest(self._hasher.digest(), header.mac):
+                raise HeaderError("integrity check failed: block not signed with this tier's key")
+        elif self._hasher.intdigest() != header.payload_checksum:
+            raise HeaderError("payload checksum mismatch")
 
 
 def verify_block(
-    expected_key: bytes, header: BlockHeader, payload: bytes | bytearray | memoryview
+    expected_key: bytes,
+    header: BlockHeader,
+    payload: bytes | bytearray | memoryview,
+    *,
+    integrity_key: IntegrityKey | None = None,
 ) -> None:
-    """Raise ``HeaderError`` unless ``payload`` is the intact block of ``expected_key``."""
-    if header.key != expected_key:
-        raise HeaderError("block belongs to another key")
+    """Raise ``HeaderError`` unless ``payload`` is the intact block of ``expected_key``: the
+    MAC must verify under ``integrity_key`` when one is set, else the xxh3 checksum must."""
+    check = PayloadCheck(expected_key, header, integrity_key=integrity_key)
     if memoryview(payload).nbytes != header.payload_length:
         raise HeaderError(
             f"payload is {memoryview(payload).nbytes} bytes, header says {header.payload_length}"
         )
-    if checksum(payload) != header.payload_checksum:
-        raise HeaderError("payload checksum mismatch")
+    check.update(payload)
+    check.finish()

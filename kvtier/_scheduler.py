@@ -3,8 +3,9 @@ and an async layer that waits for state changes instead of polling (design §2.3
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from typing import Protocol, runtime_checkable
@@ -13,14 +14,19 @@ import anyio
 
 from kvtier._buffers import check_keys
 from kvtier._errors import InvalidArgumentError
+from kvtier._logging import BurstLogger
 from kvtier._lookup import LookupResult
+from kvtier._progress import PrefixProgress, WindowProgress
 from kvtier._validate import positive_int, positive_number
+from kvtier._watch import KeyWatch
 
 __all__ = ["OffloadScheduler", "SchedulerStatistics", "SupportsLookup"]
 
 HIT = LookupResult.HIT
 HIT_PENDING = LookupResult.HIT_PENDING
 RETRY = LookupResult.RETRY
+
+_log = BurstLogger(logging.getLogger(__name__))
 
 
 @runtime_checkable
@@ -41,6 +47,7 @@ class SchedulerStatistics:
     async_lookups: int
     waits: int
     timeouts: int
+    callback_failures: int
 
 
 def _check_window(size: object) -> int:
@@ -83,6 +90,7 @@ class OffloadScheduler:
         self._pin: Callable[[Sequence[bytes]], list[int]] | None = pin if unpin else None
         self._unpin: Callable[[Sequence[int]], None] | None = unpin if pin else None
         self._scans = self._deferred = self._async_lookups = self._waits = self._timeouts = 0
+        self._callback_failures = 0
 
     # -- synchronous scans (design §2.2) -------------------------------------------------------
 
@@ -90,7 +98,7 @@ class OffloadScheduler:
         """Leading blocks that are hits, or None to defer (something is pending or unknown)."""
         lease: list[int] = []
         try:
-            return self._prefix(keys, ctx, None, lease)
+            return self._prefix(keys, ctx, lease)
         finally:
             self._release(lease)
 
@@ -101,7 +109,7 @@ class OffloadScheduler:
         size = _check_window(sliding_window_size)
         lease: list[int] = []
         try:
-            return self._window(keys, size, ctx, None, lease)
+            return self._window(keys, size, ctx, lease)
         finally:
             self._release(lease)
 
@@ -109,9 +117,7 @@ class OffloadScheduler:
         if lease and self._unpin is not None:
             self._unpin(lease)
 
-    def _prefix(
-        self, keys: Sequence[bytes], ctx: object, waiting: list[bytes] | None, lease: list[int]
-    ) -> int | None:
+    def _prefix(self, keys: Sequence[bytes], ctx: object, lease: list[int]) -> int | None:
         """The prefix scan; pins each hit it counts into ``lease`` (the caller releases)."""
         self._scans += 1
         start = 0
@@ -134,12 +140,8 @@ class OffloadScheduler:
             elif result is HIT_PENDING:
                 count += 1
                 defer = True
-                if waiting is not None:
-                    waiting.append(key)
             elif result is RETRY:
                 defer = True
-                if waiting is not None:
-                    waiting.append(key)
             else:
                 break
         if defer:
@@ -152,7 +154,6 @@ class OffloadScheduler:
         keys: Sequence[bytes],
         size: int,
         ctx: object,
-        waiting: list[bytes] | None,
         lease: list[int],
     ) -> int | None:
         """The window scan; pins each hit it sees into ``lease`` (the caller releases)."""
@@ -170,13 +171,9 @@ class OffloadScheduler:
             elif result is HIT_PENDING:
                 streak += 1
                 defer = True
-                if waiting is not None:
-                    waiting.append(keys[i])
             elif result is RETRY:
                 streak = 0
                 defer = True
-                if waiting is not None:
-                    waiting.append(keys[i])
             else:
                 streak = 0
             if streak == size:
@@ -209,57 +206,60 @@ class OffloadScheduler:
             isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout < 0
         ):
             raise InvalidArgumentError(f"timeout must be a non-negative number, got {timeout!r}")
-        watch = getattr(self.manager, "watch", None)
-        unwatch = getattr(self.manager, "unwatch", None)
-        if watch is None or unwatch is None:
+        watch_each = getattr(self.manager, "watch_each", None)
+        unwatch_each = getattr(self.manager, "unwatch_each", None)
+        if watch_each is None or unwatch_each is None:
             raise InvalidArgumentError(
-                "the async lookup needs a manager with watch()/unwatch() (TieringManager); "
-                "use the synchronous scans with other managers"
+                "the async lookup needs a manager with watch_each()/unwatch_each() "
+                "(TieringManager); use the synchronous scans with other managers"
             )
         self._async_lookups += 1
         limit = self._max_wait if timeout is None else float(timeout)
         started = time.perf_counter()
         try:
-            return await self._wait_for_answer(keys, window, limit, watch, unwatch)
+            return await self._wait_for_answer(keys, window, limit, watch_each, unwatch_each)
         finally:
             if self._latency is not None:
-                self._latency.observe_lookup(time.perf_counter() - started)
+                try:
+                    self._latency.observe_lookup(time.perf_counter() - started)
+                except Exception as exc:  # an observer's fault must not fail the request
+                    self._callback_failures += 1
+                    _log.warning("observer", "latency observer raised: %r", exc)
 
     async def _wait_for_answer(
         self,
         keys: list[bytes],
         window: int | None,
         limit: float,
-        watch: Callable[[list[bytes]], anyio.Event],
-        unwatch: Callable[[list[bytes], anyio.Event], None],
+        watch_each: Callable[[list[bytes], KeyWatch], None],
+        unwatch_each: Callable[[Iterable[bytes], KeyWatch], None],
     ) -> int:
-        # The hits of the latest scan stay pinned while we wait for the rest; each rescan
-        # takes a new lease before the old one is given back.
-        leased: list[int] = []
+        # The scan resumes after each wake: it asks again only the keys that changed, and the
+        # hits it has counted stay pinned (its lease) until the answer is returned.
+        changes = KeyWatch()
+        scan: PrefixProgress | WindowProgress
+        if window is None:
+            scan = PrefixProgress(keys, self.manager.lookup, self._pin, self._fast_prefix)
+        else:
+            scan = WindowProgress(keys, self.manager.lookup, self._pin, window)
         try:
             with anyio.move_on_after(limit) as scope:
-                while True:
-                    waiting: list[bytes] = []
-                    lease: list[int] = []
-                    if window is None:
-                        result = self._prefix(keys, None, waiting, lease)
-                    else:
-                        result = self._window(keys, window, None, waiting, lease)
-                    self._release(leased)
-                    leased = lease
-                    if result is not None:
-                        return result
-                    event = watch(waiting)
-                    try:
-                        self._waits += 1
-                        await event.wait()
-                    finally:
-                        unwatch(waiting, event)
+                self._scans += 1
+                result = scan.start()
+                while result is None:
+                    self._deferred += 1
+                    watch_each(scan.take_watches(), changes)
+                    self._waits += 1
+                    await changes.wait()
+                    self._scans += 1
+                    result = scan.resume(changes.take())
+                return result
             assert scope.cancelled_caught
             self._timeouts += 1
-            return self._hits_now(keys, window, leased)
+            return self._hits_now(keys, window, scan.lease)
         finally:
-            self._release(leased)
+            unwatch_each(scan.watched, changes)
+            self._release(scan.lease)
 
     def _hits_now(self, keys: Sequence[bytes], window: int | None, lease: list[int]) -> int:
         """The answer counting only blocks that are HIT at this moment (pinned into
@@ -289,6 +289,7 @@ class OffloadScheduler:
             async_lookups=self._async_lookups,
             waits=self._waits,
             timeouts=self._timeouts,
+            callback_failures=self._callback_failures,
         )
 
     def __repr__(self) -> str:

@@ -11,7 +11,7 @@ import functools
 import logging
 import time
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import Any, Protocol, Self
@@ -21,9 +21,11 @@ import anyio.abc
 
 from kvtier._buffers import check_keys, dtype_name, split_blocks
 from kvtier._errors import InvalidArgumentError, LifecycleError, TierError
+from kvtier._failures import RecentFailures
 from kvtier._logging import BurstLogger
 from kvtier._lookup import LookupResult, MissReason
 from kvtier._validate import positive_int, positive_number
+from kvtier._watch import KeyWatch
 from kvtier.pools._base import PrimaryPool
 from kvtier.pools._slots import PoolStatistics, SlotState
 from kvtier.tiers._base import SecondaryTier, TierStatistics
@@ -66,6 +68,7 @@ class ManagerStatistics:
     cascades_cancelled: int
     in_flight_bytes: int
     background_tasks: int
+    callback_failures: int
     pool: PoolStatistics
     tiers: tuple[TierStatistics, ...]
 
@@ -111,6 +114,11 @@ class TieringManager:
     them) and a task group for background work; leaving the block lets in-flight write-through
     finish for up to ``close_timeout`` seconds, cancels the rest (counted in
     ``cascades_cancelled``) and closes the tiers.
+
+    A promotion that fails is remembered for ``failure_ttl`` seconds: meanwhile that tier's
+    HIT for the key counts as a miss with the failure's reason, so a tier that cannot serve a
+    block it still reports (for example one that keeps the default ``record_miss``) is not
+    asked to promote it again at every lookup.
     """
 
     def __init__(
@@ -122,6 +130,7 @@ class TieringManager:
         store_timeout: float = 30.0,
         max_in_flight_bytes: int = 256 << 20,
         close_timeout: float = 5.0,
+        failure_ttl: float = 2.0,
         dtype: Any = None,
         latency: PromotionObserver | None = None,
     ) -> None:
@@ -146,11 +155,14 @@ class TieringManager:
         self._store_timeout = positive_number(store_timeout, "store_timeout")
         self._max_in_flight_bytes = positive_int(max_in_flight_bytes, "max_in_flight_bytes")
         self._close_timeout = positive_number(close_timeout, "close_timeout")
+        # what the manager remembers itself, whatever each tier's record_miss does
+        self._failed = RecentFailures(positive_number(failure_ttl, "failure_ttl"))
         self._dtype = None if dtype is None else dtype_name(dtype)
         self._latency = latency
         self._stack: AsyncExitStack | None = None
         self._task_group: anyio.abc.TaskGroup | None = None
-        self._waiters: dict[bytes, list[anyio.Event]] = {}
+        self._was_open = False  # closed after use: lookups answer MISS; never opened: misuse
+        self._waiters: dict[bytes, list[anyio.Event | KeyWatch]] = {}
         self._tasks = _InFlight()  # promotions and write-through
         self._cascades = _InFlight()  # write-through only: what exit waits for
         self._in_flight_bytes = 0
@@ -164,6 +176,7 @@ class TieringManager:
         self._cascades_started = self._cascades_ok = 0
         self._cascades_skipped = self._cascades_cancelled = 0
         self._cascade_failures: dict[str, int] = {}
+        self._callback_failures = 0
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -177,6 +190,7 @@ class TieringManager:
             task_group = anyio.create_task_group()
             await task_group.__aenter__()
             self._task_group = task_group
+            self._was_open = True
             self._stack = stack.pop_all()
         return self
 
@@ -203,10 +217,13 @@ class TieringManager:
         # Not shielded here: each tier shields and bounds its own awaiting cleanup, and a
         # shield around a task group's exit is not allowed.
         await stack.aclose()
-        for events in self._waiters.values():  # wake schedulers: nothing will change any more
+        waiters, self._waiters = self._waiters, {}
+        for key, events in waiters.items():  # wake schedulers: nothing will change any more
             for event in events:
-                event.set()
-        self._waiters.clear()
+                if isinstance(event, KeyWatch):
+                    event.fire(key)
+                else:
+                    event.set()
 
     async def wait_idle(self) -> None:
         """Return once no promotion or write-through is in flight (for a flush, or tests)."""
@@ -230,11 +247,24 @@ class TieringManager:
         if self.pool.lookup(key) is HIT_PENDING:
             self._pending += 1
             return HIT_PENDING
-        task_group = self._check_open()
+        task_group = self._task_group
+        if task_group is None:
+            if not self._was_open:
+                self._check_open()  # never opened: a usage error, say so
+            # Closed (or closing) while the engine still asks: nothing can promote now.
+            self._misses += 1
+            _bump(self._miss_reasons, MissReason.UNAVAILABLE)
+            return MISS
         any_retry = False
+        reason = MissReason.NOT_FOUND
         for tier in self.tiers:
             result = tier.lookup(key)
             if result is HIT:
+                if self._failed:
+                    failure = self._failed.get(tier, key)
+                    if failure is not None:  # promoting it again would fail again
+                        reason = failure
+                        continue
                 slot = self.pool.try_reserve(key)
                 if slot is None:
                     self._misses += 1
@@ -251,7 +281,7 @@ class TieringManager:
             self._retries += 1
             return RETRY
         self._misses += 1
-        _bump(self._miss_reasons, MissReason.NOT_FOUND)
+        _bump(self._miss_reasons, reason)
         return MISS
 
     def pin_ready(self, keys: Sequence[bytes]) -> list[int]:
@@ -283,7 +313,8 @@ class TieringManager:
             failed = True
             reason = _reason_of(exc)
             _bump(self._promotion_failures, reason)
-            tier.record_miss(key, reason)
+            self._failed.remember(tier, key, reason)
+            self._callback("record_miss", tier.record_miss, key, reason)
             self._log.warning(
                 "promote:" + reason.value,
                 "promotion from %s failed (%s): %r",
@@ -299,9 +330,24 @@ class TieringManager:
                 self.pool.abort(slot)
                 self._promotions_cancelled += not failed
             if self._latency is not None:
-                self._latency.observe_promotion(tier.name, time.perf_counter() - started, ok)
+                seconds = time.perf_counter() - started
+                self._callback(
+                    "latency observer", self._latency.observe_promotion, tier.name, seconds, ok
+                )
             self._notify(key)
             self._tasks.finished()
+
+    def _callback(self, what: str, function: Callable[..., object], *args: object) -> None:
+        """Call a tier's or an observer's hook from background work. The manager's task group
+        lives in the engine's task, so an exception here would stop the engine: it is logged
+        once per burst and counted in ``callback_failures`` instead."""
+        try:
+            function(*args)
+        except Exception as exc:
+            self._callback_failures += 1
+            self._log.warning(
+                "callback:" + what, "%s raised in kvtier background work: %r", what, exc
+            )
 
     # -- store and load ------------------------------------------------------------------------
 
@@ -339,6 +385,11 @@ class TieringManager:
         try:
             with anyio.fail_after(self._store_timeout):
                 await self.pool.copy_in(slots, chosen)
+            if self._task_group is not task_group:  # closed while we copied
+                raise LifecycleError(
+                    "TieringManager is not open any more: it was closed while this store "
+                    "copied its blocks, and nothing was stored"
+                )
             for slot in slots:
                 self.pool.commit(slot)
             committed = True
@@ -409,7 +460,7 @@ class TieringManager:
                 exc,
             )
         else:
-            tier.notify([key])
+            self._callback("notify", tier.notify, [key])
 
     async def load(self, keys: Sequence[bytes], out: Any) -> int:
         """Copy the blocks of ``keys`` from the pool into ``out`` (one array with a leading
@@ -449,11 +500,27 @@ class TieringManager:
         return event
 
     def unwatch(self, keys: Sequence[bytes], event: anyio.Event) -> None:
+        self._unregister(keys, event)
+
+    def watch_each(self, keys: Iterable[bytes], watch: KeyWatch) -> None:
+        """Fire ``watch`` with each of ``keys`` once, when that key's answer may have changed
+        (the scheduler's resumable scans: they learn which keys to ask again). Closed, the
+        manager answers every key at once except blocks a store is still copying, and those
+        fire when the store ends, so registering stays right."""
+        waiters = self._waiters
+        for key in keys:
+            waiters.setdefault(key, []).append(watch)
+
+    def unwatch_each(self, keys: Iterable[bytes], watch: KeyWatch) -> None:
+        """Drop the registrations of ``watch`` that have not fired."""
+        self._unregister(keys, watch)
+
+    def _unregister(self, keys: Iterable[bytes], waiter: anyio.Event | KeyWatch) -> None:
         for key in keys:
             events = self._waiters.get(key)
             if events is not None:
-                if event in events:
-                    events.remove(event)
+                if waiter in events:
+                    events.remove(waiter)
                 if not events:
                     del self._waiters[key]
 
@@ -461,7 +528,10 @@ class TieringManager:
         events = self._waiters.pop(key, None)
         if events:
             for event in events:
-                event.set()
+                if isinstance(event, KeyWatch):
+                    event.fire(key)
+                else:
+                    event.set()
 
     # -- observation -------------------------------------------------------------------------
 
@@ -487,6 +557,7 @@ class TieringManager:
             cascades_cancelled=self._cascades_cancelled,
             in_flight_bytes=self._in_flight_bytes,
             background_tasks=self._tasks.count,
+            callback_failures=self._callback_failures,
             pool=self.pool.statistics(),
             tiers=tuple(t.statistics() for t in self.tiers),
         )

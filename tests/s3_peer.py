@@ -6,7 +6,9 @@ tokens, block_bytes, seed and mode:
 - ``load``: look the blocks up (recording the first answer of each), wait for them through
   the scheduler, load them and print their sha256 digests.
 - ``store``: store the blocks through the manager (leaving the manager waits for the
-  write-through) and print the manager's write-through counts.
+  write-through, closing the tier publishes its journal) and print the write-through counts.
+- ``race``: like ``store``, but once open print ``ready`` and wait for a line on stdin, so
+  two peers put the same keys at the same moment (the conditional put race).
 
 The blocks are derived from ``seed`` so both processes know what the bytes must be.
 Prints one JSON object on stdout.
@@ -47,10 +49,14 @@ async def main(args: dict[str, Any]) -> dict[str, Any]:
         region_name="us-east-1",
         aws_access_key_id=args["access_key"],
         aws_secret_access_key=args["secret_key"],
+        lookup_mode=args.get("lookup_mode", "index"),
     )
     pool = HostPool(len(keys) + 4, block_bytes)
     async with TieringManager(pool, [tier]) as manager:
-        if args["mode"] == "store":
+        if args["mode"] == "race":
+            print("ready", flush=True)  # the tier is open: wait for the start line
+            await anyio.to_thread.run_sync(sys.stdin.readline)
+        if args["mode"] in ("store", "race"):
             blocks = make_blocks(int(args["seed"]), len(keys), block_bytes)
             array = np.frombuffer(b"".join(blocks), dtype=np.uint8).reshape(len(keys), -1)
             placed = await manager.store(keys, array)
@@ -69,6 +75,11 @@ async def main(args: dict[str, Any]) -> dict[str, Any]:
     stats = manager.statistics()
     result["cascades_succeeded"] = stats.cascades_succeeded
     result["promotions_succeeded"] = stats.promotions_succeeded
+    tier_stats = tier.statistics()
+    result["stores"] = tier_stats.stores
+    result["stores_skipped_existing"] = tier_stats.stores_skipped_existing
+    result["journal_segments_published"] = tier_stats.journal_segments_published
+    result["request_path_requests"] = tier_stats.request_path_requests
     return result
 
 

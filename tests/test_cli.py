@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -326,3 +327,63 @@ aws_secret_access_key = "wJalrXUtnFEMI-very-secret"
     assert shown["pool"]["block_bytes"] == 4096
     assert shown["s3"]["aws_secret_access_key"] == "***"
     assert "very-secret" not in out and "AKIDEXAMPLE" not in out
+
+
+# -- links out of the root (issue 11, item 11) -------------------------------------------------
+
+
+def free_shard(folder: Path) -> str:
+    return next(n for n in (f"{i:02x}" for i in range(256)) if not (folder / n).exists())
+
+
+def plant_outside(tmp_path: Path, name: str = "abcdef0123456789abcdef0123456789") -> Path:
+    """A folder outside the root holding a hex-named file that is not a valid block."""
+    outside = tmp_path / "precious"
+    outside.mkdir(exist_ok=True)
+    (outside / name).write_bytes(b"not a kvtier block, and not yours to delete")
+    return outside
+
+
+def test_verify_remove_never_follows_links_out_of_the_root(
+    tmp_path: Path, root: Path, blocks: dict[bytes, bytes]
+) -> None:
+    outside = plant_outside(tmp_path)
+    a_shard = next(p for p in root.iterdir() if p.is_dir())
+    first, second = free_shard(root), free_shard(a_shard)
+    os.symlink(outside, root / first)  # a first-level shard folder that is a link
+    os.symlink(outside, a_shard / second)  # a second-level one
+    a_folder = next(p for p in a_shard.iterdir() if p.is_dir() and not p.is_symlink())
+    os.symlink(outside / "abcdef0123456789abcdef0123456789", a_folder / "abcd")  # a block
+    code, out, _ = run_cli("verify", str(root), "--remove")
+    assert code == 0, out
+    assert f"{N} blocks checked" in out
+    assert (outside / "abcdef0123456789abcdef0123456789").exists()
+    code, out, _ = run_cli("inspect", str(root), "--json")
+    report = json.loads(out)
+    assert report["blocks"] == N
+    assert {Path(p).name for p in report["foreign_entries"]} == {first, second, "abcd"}
+
+
+def test_verify_remove_survives_a_shard_swapped_for_a_link_mid_run(
+    tmp_path: Path, root: Path, blocks: dict[bytes, bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The folder is scanned, then a shard folder is replaced by a link to a folder holding a
+    corrupt file of the same name: the check must not read or delete through the link."""
+    import kvtier._cli as cli
+
+    victim = file_of(root, next(iter(blocks)))
+    outside = plant_outside(tmp_path, victim.name)
+    real_scan = cli._scan
+
+    def scan_then_swap(where: Path) -> Any:
+        scan = real_scan(where)
+        shard = victim.parent
+        shard.rename(tmp_path / "moved-away")
+        os.symlink(outside, shard)
+        return scan
+
+    monkeypatch.setattr(cli, "_scan", scan_then_swap)
+    code, out, _ = run_cli("verify", str(root), "--remove")
+    assert "removed" not in out.split("blocks checked")[0], out
+    assert (outside / victim.name).exists()
+    assert code in (0, 1)

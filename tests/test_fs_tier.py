@@ -87,6 +87,7 @@ def no_blocking(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[lis
     monkeypatch.setattr(stdio, "open", guard(stdio.open, "io.open"))
     monkeypatch.setattr(_fs_io, "_writev", guard(_fs_io._writev, "os.writev"))
     monkeypatch.setattr(_fs_io, "_preadv", guard(_fs_io._preadv, "os.preadv"))
+    monkeypatch.setattr(_fs_io, "_stat", guard(_fs_io._stat, "os.stat"))
     yield caught
     assert not caught, f"blocking calls on the event loop: {sorted(set(caught))}"
 

@@ -1,20 +1,24 @@
-"""S3Tier against a real moto_server process on 127.0.0.1 (no mock of the client).
+"""S3Tier against a real SeaweedFS server (``weed server`` with its S3 gateway) on 127.0.0.1,
+no mock of the client.
 
 One session-wide server serves most tests (each test uses its own key prefix, so tests do not
-see each other's objects and can run in any order); tests that kill the server or switch its
-auth mode on start their own.
+see each other's objects and can run in any order); tests that kill the server start their own.
+moto_server remains only for the credential tests: it can switch IAM auth on and reject keys,
+which SeaweedFS without configured identities does not (it accepts any request).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import os
 import subprocess
 import sys
+import threading
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,16 +26,19 @@ import anyio
 import anyio.lowlevel
 import numpy as np
 import pytest
-from moto_proc import (
+from moto_proc import MotoServer, create_bucket, free_port
+from moto_proc import raw_client as moto_client
+from s3_peer import make_blocks
+from weed_proc import (
     ACCESS_KEY,
+    BUCKET,
     REGION,
     SECRET_KEY,
-    MotoServer,
-    create_bucket,
-    free_port,
+    WeedServer,
     raw_client,
+    serve_own,
+    serve_session,
 )
-from s3_peer import make_blocks
 
 from kvtier._errors import (
     BlockNotFoundError,
@@ -43,7 +50,7 @@ from kvtier._errors import (
 )
 from kvtier._format import FORMAT_VERSION, MAGIC, encode_header
 from kvtier._keys import block_keys
-from kvtier._lookup import LookupResult
+from kvtier._lookup import LookupResult, MissReason
 from kvtier._scheduler import OffloadScheduler
 from kvtier._tiering import TieringManager
 from kvtier.pools._host import HostPool
@@ -52,7 +59,6 @@ from kvtier.tiers._s3 import S3Tier
 from kvtier.tiers._s3_breaker import BreakerState, CircuitBreaker, Permit, backoff_delay
 from kvtier.tiers._s3_errors import Fault, translate
 
-BUCKET = "kvtier-test"
 BLOCK = 4096
 HERE = Path(__file__).parent
 
@@ -71,9 +77,13 @@ class FakeClock:
 
 
 @pytest.fixture(scope="session")
-def moto_server() -> Iterator[MotoServer]:
-    with MotoServer() as server:
-        anyio.run(create_bucket, server.endpoint_url, BUCKET)
+def weed_server() -> Iterator[WeedServer]:
+    yield from serve_session()
+
+
+@pytest.fixture
+async def own_weed() -> AsyncIterator[WeedServer]:
+    async for server in serve_own():
         yield server
 
 
@@ -101,8 +111,8 @@ def prefix() -> str:
 
 
 @pytest.fixture
-def make_tier(moto_server: MotoServer, prefix: str) -> MakeTier:
-    return _tier_factory(moto_server.endpoint_url, prefix)
+def make_tier(weed_server: WeedServer, prefix: str) -> MakeTier:
+    return _tier_factory(weed_server.endpoint_url, prefix)
 
 
 def _keys(n: int) -> list[bytes]:
@@ -112,7 +122,8 @@ def _keys(n: int) -> list[bytes]:
 async def _object_keys(endpoint_url: str, prefix: str) -> list[str]:
     async with raw_client(endpoint_url) as client:
         listing = await client.list_objects_v2(Bucket=BUCKET, Prefix=prefix + "/")
-    return [item["Key"] for item in listing.get("Contents", [])]
+    names = [item["Key"] for item in listing.get("Contents", [])]
+    return [name for name in names if "/_kvtier_journal/" not in name]
 
 
 async def _exists(endpoint_url: str, object_key: str, bucket: str = BUCKET) -> bool:
@@ -159,7 +170,7 @@ async def test_conformance(check: str, make_tier: MakeTier) -> None:
 
 @pytest.mark.parametrize("addressing_style", ["path", "auto"])
 async def test_round_trip_and_layout(
-    make_tier: MakeTier, moto_server: MotoServer, prefix: str, addressing_style: str
+    make_tier: MakeTier, weed_server: WeedServer, prefix: str, addressing_style: str
 ) -> None:
     keys = _keys(3)
     blocks = [os.urandom(BLOCK) for _ in keys]
@@ -171,25 +182,25 @@ async def test_round_trip_and_layout(
         assert out == blocks[1]
         stats = tier.statistics()
         assert (stats.stores, stats.loads, stats.bytes_read) == (3, 1, BLOCK)
-    names = await _object_keys(moto_server.endpoint_url, prefix)
+    names = await _object_keys(weed_server.endpoint_url, prefix)
     assert sorted(names) == sorted(f"{prefix}/{k.hex()[:2]}/{k.hex()}" for k in keys)
-    async with raw_client(moto_server.endpoint_url) as client:
+    async with raw_client(weed_server.endpoint_url) as client:
         head = await client.head_object(Bucket=BUCKET, Key=names[0])
     assert head["Metadata"]["kvtier-format"] == str(FORMAT_VERSION)
     assert len(head["Metadata"]["kvtier-checksum"]) == 16
 
 
 async def test_store_of_existing_object_is_skipped(
-    make_tier: MakeTier, moto_server: MotoServer
+    make_tier: MakeTier, weed_server: WeedServer
 ) -> None:
     (key,) = _keys(1)
     block = os.urandom(BLOCK)
     async with make_tier() as tier:
         await tier.store(key, memoryview(block))
-        async with raw_client(moto_server.endpoint_url) as client:
+        async with raw_client(weed_server.endpoint_url) as client:
             before = await client.head_object(Bucket=BUCKET, Key=tier.object_key(key))
         await tier.store(key, memoryview(os.urandom(BLOCK)))  # conditional put: 412, skipped
-        async with raw_client(moto_server.endpoint_url) as client:
+        async with raw_client(weed_server.endpoint_url) as client:
             after = await client.head_object(Bucket=BUCKET, Key=tier.object_key(key))
         stats = tier.statistics()
         assert stats.stores_skipped_existing == 1
@@ -200,6 +211,41 @@ async def test_store_of_existing_object_is_skipped(
         assert out == block
 
 
+async def test_store_of_a_large_block_keeps_work_off_the_loop(
+    make_tier: MakeTier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 11 item 10: the block copy and checksums of a store ran on the event loop (about
+    10 ms per 2 MiB), and botocore SHA-256-signed the payload there too. Now the object is
+    built in a worker thread and the payload is not signed (the block
+    carries its own checksum)."""
+    import kvtier.tiers._s3 as s3_module
+
+    threads: list[threading.Thread] = []
+    real_build = s3_module.build_object
+
+    def build(key: bytes, payload: memoryview) -> Any:
+        threads.append(threading.current_thread())
+        return real_build(key, payload)
+
+    monkeypatch.setattr(s3_module, "build_object", build)
+    (key,) = _keys(1)
+    sent: list[Any] = []
+
+    def before_send(request: Any, **_: Any) -> None:
+        if key.hex() in request.url:
+            sent.append(request.headers.get("x-amz-content-sha256", b""))
+
+    block = os.urandom(2 << 20)
+    async with make_tier() as tier:
+        tier._client.meta.events.register("before-send.s3.PutObject", before_send)
+        await tier.store(key, memoryview(block))
+        out = bytearray(len(block))
+        await tier.load(key, memoryview(out))
+    assert out == block
+    assert threads and threading.main_thread() not in threads
+    assert sent in ([b"UNSIGNED-PAYLOAD"], ["UNSIGNED-PAYLOAD"])
+
+
 async def test_batched_lookup_and_miss_ttl(make_tier: MakeTier) -> None:
     clock = FakeClock()
     keys = _keys(100)
@@ -207,7 +253,9 @@ async def test_batched_lookup_and_miss_ttl(make_tier: MakeTier) -> None:
     async with make_tier() as writer:
         for key in present:
             await writer.store(key, memoryview(os.urandom(64)))
-    async with make_tier(lookup_batch_size=16, miss_ttl=5.0, clock=clock) as tier:
+    async with make_tier(
+        lookup_mode="ask", lookup_batch_size=16, miss_ttl=5.0, clock=clock
+    ) as tier:
         assert all(tier.lookup(key) is LookupResult.RETRY for key in keys)
         results = [await resolve_lookup(tier, key) for key in keys]
         assert results == [LookupResult.HIT] * 60 + [LookupResult.MISS] * 40
@@ -242,9 +290,9 @@ async def test_round_trip_through_tiering_manager(make_tier: MakeTier) -> None:
 # -- several processes share one bucket ---------------------------------------------------------
 
 
-async def _run_peer(moto_server: MotoServer, **args: Any) -> dict[str, Any]:
+async def _run_peer(server: WeedServer, **args: Any) -> dict[str, Any]:
     payload = {
-        "endpoint": moto_server.endpoint_url,
+        "endpoint": server.endpoint_url,
         "bucket": BUCKET,
         "access_key": ACCESS_KEY,
         "secret_key": SECRET_KEY,
@@ -259,7 +307,7 @@ async def _run_peer(moto_server: MotoServer, **args: Any) -> dict[str, Any]:
 
 
 async def test_second_process_sees_blocks(
-    make_tier: MakeTier, moto_server: MotoServer, prefix: str
+    make_tier: MakeTier, weed_server: WeedServer, prefix: str
 ) -> None:
     namespace = os.urandom(8)
     keys = block_keys(list(range(16)), 4, namespace=namespace)
@@ -268,43 +316,141 @@ async def test_second_process_sees_blocks(
         for key, block in zip(keys, blocks, strict=True):
             await tier.store(key, memoryview(block))
     common = {"prefix": prefix, "namespace": namespace.hex(), "tokens": 16, "seed": 7}
-    peer = await _run_peer(moto_server, mode="load", **common)
-    assert peer["first"] == ["RETRY"] * len(keys)
+    peer = await _run_peer(weed_server, mode="load", **common)
+    assert peer["first"] == ["RETRY"] * len(keys)  # index HIT, promotion started
+    assert peer["request_path_requests"] == 0
     assert peer["count"] == peer["loaded"] == len(keys)
     assert peer["digests"] == [hashlib.sha256(b).hexdigest() for b in blocks]
 
-    # And the other way round: this node's cached miss turns into a hit once the peer has
-    # written the block and the miss TTL has run out.
-    clock = FakeClock()
+    # And the other way round: in index mode a block the peer writes is a MISS here at once
+    # (no request), and a HIT once the peer's journal segment has been read.
     other_ns = os.urandom(8)
     other_keys = block_keys(list(range(8)), 4, namespace=other_ns)
-    async with make_tier(miss_ttl=1.0, clock=clock) as tier:
-        assert await resolve_lookup(tier, other_keys[0]) is LookupResult.MISS
+    async with make_tier(index_refresh=100.0, index_lookback=1000.0) as tier:
+        assert tier.lookup(other_keys[0]) is LookupResult.MISS
         stored = await _run_peer(
-            moto_server, mode="store", prefix=prefix, namespace=other_ns.hex(), tokens=8, seed=9
+            weed_server, mode="store", prefix=prefix, namespace=other_ns.hex(), tokens=8, seed=9
         )
         assert stored["cascades_succeeded"] == len(other_keys)
-        assert tier.lookup(other_keys[0]) is LookupResult.MISS  # cached verdict
-        clock.advance(1.5)
-        assert await resolve_lookup(tier, other_keys[0]) is LookupResult.HIT
+        assert stored["journal_segments_published"] >= 1
+        assert tier.lookup(other_keys[0]) is LookupResult.MISS  # not polled yet
+        await tier.refresh_index()
+        assert [tier.lookup(k) for k in other_keys] == [LookupResult.HIT] * len(other_keys)
         out = bytearray(BLOCK)
         await tier.load(other_keys[0], memoryview(out))
         assert out == make_blocks(9, len(other_keys), BLOCK)[0]
+        stats = tier.statistics()
+        assert stats.request_path_requests == 0
+        assert stats.journal_segments_read >= 1
+
+
+async def test_index_staleness_bound(
+    make_tier: MakeTier, weed_server: WeedServer, prefix: str
+) -> None:
+    """Another process's write becomes a HIT here by the tier's own polling, within the
+    promised bound (about 2 x index_refresh; the wait below is a generous deadline)."""
+    namespace = os.urandom(8)
+    keys = block_keys(list(range(16)), 4, namespace=namespace)
+    async with make_tier(index_refresh=0.5, index_lookback=10.0) as tier:
+        assert tier.lookup(keys[-1]) is LookupResult.MISS
+        learnt = _notified(tier, keys)
+        await _run_peer(
+            weed_server, mode="store", prefix=prefix, namespace=namespace.hex(), tokens=16, seed=3
+        )
+        await learnt()
+        assert [tier.lookup(k) for k in keys] == [LookupResult.HIT] * len(keys)
+        assert tier.statistics().request_path_requests == 0
+
+
+async def test_index_rebuilt_after_restart(make_tier: MakeTier) -> None:
+    keys = _keys(40)
+    async with make_tier() as tier:
+        for key in keys:
+            await tier.store(key, memoryview(os.urandom(256)))
+        assert tier.statistics().index_keys == len(keys)
+    # A new instance (a restarted node) lists the prefix when it opens.
+    async with make_tier() as tier:
+        stats = tier.statistics()
+        assert stats.index_listing_complete
+        assert stats.index_listed == stats.index_keys == len(keys)
+        assert [tier.lookup(k) for k in keys] == [LookupResult.HIT] * len(keys)
+        assert tier.lookup(_keys(1)[0]) is LookupResult.MISS
+        assert tier.statistics().request_path_requests == 0
+
+
+async def test_index_hit_whose_object_was_deleted(
+    make_tier: MakeTier, weed_server: WeedServer
+) -> None:
+    keys = _keys(3)
+    data = np.frombuffer(os.urandom(len(keys) * BLOCK), dtype=np.uint8).reshape(len(keys), -1)
+    async with make_tier() as writer:
+        for key, row in zip(keys, data, strict=True):
+            await writer.store(key, memoryview(row))
+    tier = make_tier()
+    async with TieringManager(HostPool(8, BLOCK), [tier]) as manager:
+        assert tier.lookup(keys[1]) is LookupResult.HIT  # listed at open
+        async with raw_client(weed_server.endpoint_url) as client:  # another node deletes it
+            await client.delete_object(Bucket=BUCKET, Key=tier.object_key(keys[1]))
+        # The promotion's GET finds nothing: a miss (not an error), and the index forgets it.
+        assert await OffloadScheduler(manager).lookup(keys, timeout=20) == 1
+        assert manager.statistics().promotions_failed_by_reason == {"not_found": 1}
+        assert tier.lookup(keys[1]) is LookupResult.MISS
+        assert tier.statistics().index_keys == 2
+        assert manager.lookup(keys[1]) is LookupResult.MISS
+
+
+async def test_conditional_put_race_between_two_processes(
+    weed_server: WeedServer, prefix: str
+) -> None:
+    """Two processes put the same 64 keys at the same moment (If-None-Match: *): each key is
+    written at least once, every other put finds it there, and every block is intact."""
+    namespace = os.urandom(8)
+    payload = {
+        "endpoint": weed_server.endpoint_url,
+        "bucket": BUCKET,
+        "access_key": ACCESS_KEY,
+        "secret_key": SECRET_KEY,
+        "block_bytes": BLOCK,
+        "prefix": prefix,
+        "namespace": namespace.hex(),
+        "tokens": 64,
+        "seed": 5,
+    }
+    command = [sys.executable, str(HERE / "s3_peer.py"), json.dumps({**payload, "mode": "race"})]
+    results: list[dict[str, Any]] = []
+    with anyio.fail_after(120):
+        async with (
+            await anyio.open_process(command) as first,
+            await anyio.open_process(command) as second,
+        ):
+            peers = [first, second]
+            for peer in peers:  # both tiers are open ...
+                assert peer.stdout is not None
+                assert (await peer.stdout.receive()).startswith(b"ready")
+            for peer in peers:  # ... and both start now
+                assert peer.stdin is not None
+                await peer.stdin.send(b"go\n")
+            for peer in peers:
+                assert peer.stdout is not None
+                out = b""
+                async for chunk in peer.stdout:
+                    out += chunk
+                assert await peer.wait() == 0
+                results.append(json.loads(out.decode().strip().splitlines()[-1]))
+    keys = block_keys(list(range(64)), 4, namespace=namespace)
+    for result in results:
+        assert result["cascades_succeeded"] == len(keys)  # both saw success: put or "exists"
+    # Every key was written at least once; the writes that lost found it there (412/409).
+    assert sum(r["stores"] for r in results) >= len(keys)
+    assert sum(r["stores"] + r["stores_skipped_existing"] for r in results) == 2 * len(keys)
+    # And what is stored is intact: a third node loads every block and checks its bytes.
+    common = {k: payload[k] for k in ("prefix", "namespace", "tokens", "seed")}
+    loaded = await _run_peer(weed_server, mode="load", **common)
+    assert loaded["loaded"] == len(keys)
+    assert loaded["digests"] == [hashlib.sha256(b).hexdigest() for b in make_blocks(5, 16, BLOCK)]
 
 
 # -- faults ------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-async def own_server() -> Any:
-    """A server this test may kill and restart on the same port."""
-    server = MotoServer()
-    await server.astart()
-    await create_bucket(server.endpoint_url, BUCKET)
-    try:
-        yield server
-    finally:
-        await server.astop()
 
 
 async def _settle(manager: TieringManager) -> None:
@@ -314,9 +460,14 @@ async def _settle(manager: TieringManager) -> None:
             await anyio.lowlevel.checkpoint()
 
 
-async def test_server_killed_mid_run_and_restarted(own_server: MotoServer) -> None:
+async def test_server_killed_mid_run_and_restarted(own_weed: WeedServer) -> None:
+    """Ask mode (existence checks on the request path): kill -9 of the server turns lookups
+    into misses within their deadline; the same tier recovers when it is back."""
     clock = FakeClock()
-    tier = _tier_factory(own_server.endpoint_url, "kill")(
+    tier = _tier_factory(own_weed.endpoint_url, "kill")(
+        lookup_mode="ask",
+        index_refresh=100.0,
+        index_lookback=1000.0,
         connect_timeout=1.0,
         read_timeout=2.0,
         max_attempts=2,
@@ -335,7 +486,7 @@ async def test_server_killed_mid_run_and_restarted(own_server: MotoServer) -> No
         await written()
         assert tier.statistics().stores == 2
 
-        await own_server.akill()
+        await own_weed.akill()
         # Lookups of blocks nobody has seen resolve to MISS within their deadline.
         unknown = keys[4:8]
         assert await scheduler.lookup(unknown, timeout=8) == 0
@@ -355,19 +506,63 @@ async def test_server_killed_mid_run_and_restarted(own_server: MotoServer) -> No
         assert tier.statistics().failures_by_reason.get("unavailable", 0) >= 2
         assert manager.lookup(keys[8]) is LookupResult.HIT  # primary still serves
 
-        # The server comes back (empty: moto keeps state in memory), the breaker's reset
-        # period passes, and the same tier instance recovers.
-        await own_server.astart()
-        await create_bucket(own_server.endpoint_url, BUCKET)
+        # The server comes back (SeaweedFS keeps its data), the breaker's reset period passes,
+        # and the same tier instance recovers. The first existence check is a 2-key batch: the
+        # half-open breaker's trial must close it (issue 11 item 3: the sibling request was
+        # rejected, cancelled the trial, and 2-key batches stayed "unavailable" for good).
+        await own_weed.astart()
         clock.advance(10.5)
-        assert tier.lookup(keys[11]) is LookupResult.RETRY
-        assert await resolve_lookup(tier, keys[11]) is LookupResult.MISS
+        tier.record_miss(keys[0], MissReason.NOT_FOUND)  # drop the cached hits: ask again
+        tier.record_miss(keys[1], MissReason.NOT_FOUND)
+        clock.advance(1.5)  # past miss_ttl
+        assert [tier.lookup(k) for k in keys[:2]] == [LookupResult.RETRY] * 2
+        assert [await resolve_lookup(tier, k) for k in keys[:2]] == [LookupResult.HIT] * 2
         assert tier.breaker_state is BreakerState.CLOSED
+        assert await resolve_lookup(tier, keys[11]) is LookupResult.MISS
         await tier.store(keys[11], memoryview(blocks[11]))
         out = bytearray(BLOCK)
         await tier.load(keys[11], memoryview(out))
         assert out == blocks[11].tobytes()
     assert tier.statistics().breaker_opened >= 1
+
+
+async def test_index_mode_server_killed_and_restarted(own_weed: WeedServer) -> None:
+    """Index mode: with the server gone, indexed blocks become misses within the promotion
+    deadline and unknown ones miss at once; once it is back they load again."""
+    clock = FakeClock()
+    tier = _tier_factory(own_weed.endpoint_url, "kill-index")(
+        connect_timeout=1.0,
+        read_timeout=2.0,
+        max_attempts=2,
+        breaker_threshold=3,
+        breaker_reset=10.0,
+        miss_ttl=1.0,
+        index_refresh=100.0,
+        index_lookback=1000.0,
+        clock=clock,
+    )
+    keys = _keys(8)
+    blocks = np.frombuffer(os.urandom(len(keys) * BLOCK), dtype=np.uint8).reshape(len(keys), -1)
+    async with tier:
+        for key, row in zip(keys[:4], blocks[:4], strict=True):
+            await tier.store(key, memoryview(row))
+    async with TieringManager(HostPool(16, BLOCK), [tier], promotion_timeout=5) as manager:
+        scheduler = OffloadScheduler(manager)
+        await own_weed.akill()
+        assert await scheduler.lookup(keys[:4], timeout=20) == 0
+        assert [tier.lookup(k) for k in keys[:4]] == [LookupResult.MISS] * 4
+        assert tier.lookup(keys[6]) is LookupResult.MISS  # not indexed: no request
+        failed = manager.statistics().promotions_failed_by_reason
+        assert set(failed) <= {"unavailable", "timeout"} and failed
+
+        await own_weed.astart()
+        clock.advance(10.5)  # past the breaker's reset and the miss TTL
+        assert await scheduler.lookup(keys[:4], timeout=20) == 4
+        out = np.zeros((4, BLOCK), dtype=np.uint8)
+        assert await manager.load(keys[:4], out) == 4
+        assert np.array_equal(out, blocks[:4])
+        assert tier.breaker_state is BreakerState.CLOSED
+        assert tier.statistics().request_path_requests == 0
 
 
 def _corruptions(key: bytes, block: bytes) -> dict[str, bytes]:
@@ -388,12 +583,12 @@ def _corruptions(key: bytes, block: bytes) -> dict[str, bytes]:
     "kind", ["payload_bit_flip", "truncated", "other_keys_block", "garbage", "empty"]
 )
 async def test_corrupt_object_is_a_corrupt_miss_and_deleted(
-    make_tier: MakeTier, moto_server: MotoServer, kind: str
+    make_tier: MakeTier, weed_server: WeedServer, kind: str
 ) -> None:
     (key,) = _keys(1)
     block = os.urandom(BLOCK)
     tier = make_tier()
-    async with raw_client(moto_server.endpoint_url) as client:
+    async with raw_client(weed_server.endpoint_url) as client:
         await client.put_object(
             Bucket=BUCKET, Key=tier.object_key(key), Body=_corruptions(key, block)[kind]
         )
@@ -404,16 +599,16 @@ async def test_corrupt_object_is_a_corrupt_miss_and_deleted(
         assert manager.lookup(key) is LookupResult.MISS
         assert manager.statistics().promotions_failed_by_reason == {"corrupt": 1}
         stats = tier.statistics()
-        assert stats.lookups.misses_by_reason.get("corrupt", 0) >= 1
         assert stats.failures_by_reason == {"corrupt": 1}
+        assert stats.index_keys == 0  # removed from the index with the object
         assert stats.corrupt_deleted == 1
         with pytest.raises(BlockNotFoundError):
             await tier.load(key, memoryview(bytearray(BLOCK)))
-    assert not await _exists(moto_server.endpoint_url, tier.object_key(key))
+    assert not await _exists(weed_server.endpoint_url, tier.object_key(key))
 
 
 async def test_newer_format_is_skipped_not_deleted(
-    make_tier: MakeTier, moto_server: MotoServer
+    make_tier: MakeTier, weed_server: WeedServer
 ) -> None:
     (key,) = _keys(1)
     block = os.urandom(BLOCK)
@@ -421,14 +616,14 @@ async def test_newer_format_is_skipped_not_deleted(
     assert header[:4] == MAGIC
     header[4:6] = (FORMAT_VERSION + 1).to_bytes(2, "little")
     async with make_tier() as tier:
-        async with raw_client(moto_server.endpoint_url) as client:
+        async with raw_client(weed_server.endpoint_url) as client:
             await client.put_object(
                 Bucket=BUCKET, Key=tier.object_key(key), Body=bytes(header) + block
             )
         with pytest.raises(CorruptBlockError, match="format version"):
             await tier.load(key, memoryview(bytearray(BLOCK)))
         assert tier.statistics().corrupt_deleted == 0
-    assert await _exists(moto_server.endpoint_url, tier.object_key(key))
+    assert await _exists(weed_server.endpoint_url, tier.object_key(key))
 
 
 async def test_missing_bucket_is_a_clear_error_on_open(make_tier: MakeTier) -> None:
@@ -451,7 +646,7 @@ async def auth_server() -> Any:
     server = MotoServer()
     await server.astart()
     try:
-        async with raw_client(server.endpoint_url, "iam") as iam:
+        async with moto_client(server.endpoint_url, "iam") as iam:
             await iam.create_user(UserName="kvtier")
             created = (await iam.create_access_key(UserName="kvtier"))["AccessKey"]
             policy = {
@@ -473,7 +668,9 @@ async def test_bad_credentials_are_a_clear_error_and_never_leak(
 ) -> None:
     server, access_key, secret_key = auth_server
     caplog.set_level(logging.DEBUG, logger="kvtier")
-    make = _tier_factory(server.endpoint_url, "auth")
+    # Ask mode: no listing at open, because moto's signature check rejects a ListObjectsV2
+    # whose Prefix holds a '/' (a moto defect; AWS and SeaweedFS accept it).
+    make = functools.partial(_tier_factory(server.endpoint_url, "auth"), lookup_mode="ask")
     async with make(aws_access_key_id=access_key, aws_secret_access_key=secret_key) as tier:
         (key,) = _keys(1)
         await tier.store(key, memoryview(b"x" * BLOCK))  # the real key works
@@ -508,11 +705,11 @@ def aws_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> pytest.M
 
 
 async def test_credentials_from_the_environment(
-    aws_environment: pytest.MonkeyPatch, moto_server: MotoServer, prefix: str
+    aws_environment: pytest.MonkeyPatch, weed_server: WeedServer, prefix: str
 ) -> None:
     aws_environment.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
     aws_environment.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
-    tier = S3Tier(BUCKET, prefix=prefix, endpoint_url=moto_server.endpoint_url, region_name=REGION)
+    tier = S3Tier(BUCKET, prefix=prefix, endpoint_url=weed_server.endpoint_url, region_name=REGION)
     async with tier:
         (key,) = _keys(1)
         await tier.store(key, memoryview(b"e" * 64))
@@ -520,9 +717,9 @@ async def test_credentials_from_the_environment(
 
 
 async def test_no_credentials_is_a_clear_error(
-    aws_environment: pytest.MonkeyPatch, moto_server: MotoServer
+    aws_environment: pytest.MonkeyPatch, weed_server: WeedServer
 ) -> None:
-    tier = S3Tier(BUCKET, endpoint_url=moto_server.endpoint_url, region_name=REGION)
+    tier = S3Tier(BUCKET, endpoint_url=weed_server.endpoint_url, region_name=REGION)
     with pytest.raises(TierUnavailableError, match="no usable AWS credentials"):
         await tier.open()
 

@@ -104,6 +104,11 @@ class SlotTable:
         if self._free:
             slot = self._free.pop()
         else:
+            # Pins are only ever on READY slots: when every READY slot is pinned nothing can
+            # go, and saying so costs O(1) instead of a policy walk over the whole pool.
+            if len(self.ready) == self._pinned_slots:
+                self._reservation_failures += 1
+                return None
             victim = self.policy.victim(key, self._evictable)
             if victim is None:
                 self._reservation_failures += 1

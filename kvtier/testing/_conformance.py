@@ -12,9 +12,12 @@ from collections.abc import Awaitable, Callable
 
 import anyio
 
-from kvtier._errors import BlockNotFoundError, KVTierError
+from kvtier._errors import BlockNotFoundError, CorruptBlockError, KVTierError
 from kvtier._keys import block_keys
 from kvtier._lookup import LookupResult
+from kvtier._tiering import TieringManager
+from kvtier.pools._base import ByteSink
+from kvtier.pools._host import HostPool
 from kvtier.tiers._base import SecondaryTier, TierStatistics
 
 __all__ = ["CHECKS", "check_tier", "resolve_lookup"]
@@ -188,6 +191,44 @@ async def check_bad_destination(make_tier: MakeTier, block_bytes: int) -> None:
             raise AssertionError("load into a buffer of the wrong size must raise")
 
 
+class _RejectingPool(HostPool):
+    """Reads each promotion from the tier, then rejects the bytes, as a failed checksum
+    would: a promotion that fails after the tier did its part."""
+
+    async def fill(self, slot: int, sink: ByteSink) -> None:
+        await super().fill(slot, sink)
+        raise CorruptBlockError("rejected by the conformance kit", tier="kit", operation="load")
+
+
+async def check_failed_promotion(make_tier: MakeTier, block_bytes: int) -> None:
+    """A promotion from the tier that fails is not started again at every lookup: under a
+    TieringManager the key settles as a MISS (reason kept) after one promotion, whatever the
+    tier's ``record_miss`` does, instead of a RETRY livelock."""
+    (key,) = _keys(1, "failed-promotion")
+    pool = _RejectingPool(2, block_bytes, prefault=False)
+    async with TieringManager(pool, [make_tier()], failure_ttl=60) as manager:
+        (tier,) = manager.tiers
+        await tier.store(key, memoryview(os.urandom(block_bytes)))
+        result = LookupResult.RETRY
+        with anyio.fail_after(10):
+            for _ in range(20):  # enough changes to settle; a livelock never does
+                changed = manager.watch([key])
+                try:
+                    result = manager.lookup(key)
+                    if result not in (LookupResult.RETRY, LookupResult.HIT_PENDING):
+                        break
+                    await changed.wait()
+                finally:
+                    manager.unwatch([key], changed)
+        stats = manager.statistics()
+        assert result is LookupResult.MISS, f"a failed promotion left the key at {result.name}"
+        assert stats.promotions_started == 1, (
+            f"a failed promotion was started {stats.promotions_started} times"
+        )
+        assert stats.promotions_failed_by_reason == {"corrupt": 1}
+        assert manager.statistics().pool.writing == 0
+
+
 CHECKS: dict[str, Check] = {
     "round_trip": check_round_trip,
     "unknown_keys": check_unknown_keys,
@@ -198,6 +239,7 @@ CHECKS: dict[str, Check] = {
     "cancellation": check_cancellation,
     "aclose_idempotent": check_aclose_idempotent,
     "bad_destination": check_bad_destination,
+    "failed_promotion": check_failed_promotion,
 }
 
 

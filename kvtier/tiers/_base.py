@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import logging
 import types
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Self
 
+from kvtier._logging import BurstLogger
 from kvtier._lookup import LookupResult, MissReason
 
 __all__ = ["LookupStatistics", "SecondaryTier", "TierMeter", "TierStatistics"]
 
 Listener = Callable[[bytes], None]
+
+_log = BurstLogger(logging.getLogger(__name__))
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +49,9 @@ class TierStatistics:
     evictions: int = 0
     blocks: int = 0
     bytes_stored: int = 0
+    # Requests sent to the storage because ``lookup()`` was asked about a key the tier's own
+    # index does not hold (a remote tier answering from an existence index keeps this at 0).
+    request_path_requests: int = 0
 
 
 class TierMeter:
@@ -110,6 +117,7 @@ class SecondaryTier(ABC):
     def __init__(self, name: str) -> None:
         self.name = name
         self._listeners: list[Listener] = []
+        self.listener_failures = 0  # listeners that raised (contained: see notify)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -173,9 +181,18 @@ class SecondaryTier(ABC):
         return lambda: self._listeners.remove(listener)
 
     def notify(self, keys: Iterable[bytes]) -> None:
+        """Tell every listener about ``keys``. A listener that raises is logged (once per
+        burst) and counted in ``listener_failures``, and the others still hear: notify runs
+        inside background tasks whose task groups live in the engine's own task."""
         for key in keys:
             for listener in self._listeners:
-                listener(key)
+                try:
+                    listener(key)
+                except Exception as exc:
+                    self.listener_failures += 1
+                    _log.warning(
+                        "listener:" + self.name, "a listener of tier %s raised: %r", self.name, exc
+                    )
 
     def __repr__(self) -> str:
         s = self.statistics()

@@ -17,12 +17,28 @@ What makes it trustworthy:
   would pass the limit.
 - **Shares a folder.** Several processes may use one folder: publishing is a rename, removal is
   an unlink, and a reader holding a file open keeps reading it even if another process evicts
-  it, so the worst another process can do is turn a hit into a miss.
+  it, so the worst another process can do is turn a hit into a miss. Files are reached from
+  the root one folder at a time without following links, so a shard folder replaced by a link
+  cannot make the tier write, read or delete outside its root.
 - **Never blocks the loop.** Each operation is one call in a worker thread (``anyio.to_thread``,
   bounded by ``max_concurrency`` for reads and ``max_write_concurrency`` for write-through);
   see ``_fs_io``. aiofiles would cost one thread hop per OS call
   (open, write, fsync, close, rename: five per store) and could be abandoned between them by a
   cancellation, leaving a temporary file behind; one hop per operation is faster and atomic.
+- **Deadlines hold on a hung mount.** A caller whose deadline fires leaves the thread behind
+  (a syscall on a dead NFS server cannot be interrupted); reads land in a private buffer and
+  writes copy the pool slot out first, so an abandoned thread never touches pool memory (see
+  ``_fs_calls``). At most ``max_stuck_threads`` abandoned threads may still be running; past
+  that, operations fail at once (``unavailable``) instead of piling threads onto the mount.
+- **Exclusive folders answer without a stat.** With ``shared=False`` (only this process writes
+  the folder) ``lookup()`` answers from the index at once: a key it holds is a ``HIT``, any
+  other a ``MISS`` (``not_found``), never ``RETRY`` (see ``_fs_index``). The default,
+  ``shared=True``, checks the folder in batches, because another process may have written it.
+- **Signed blocks.** With ``integrity_key`` every block carries a keyed BLAKE2b MAC and only
+  blocks that verify are served (anything else is a ``corrupt`` miss): someone who can write
+  to a shared folder can no longer publish a block for a key. The folder marker names the key's
+  public fingerprint, so a node without the key, or with another, refuses the folder at open
+  rather than calling its peers' blocks corrupt. See ``kvtier._format``.
 
 The ``fsync`` policy (what a store costs against what a crash of the *machine* can lose; a
 crash of the process, kill -9 included, loses nothing that ``store`` returned under any policy,
@@ -45,6 +61,7 @@ import os
 import time
 from collections import OrderedDict
 from pathlib import Path
+from typing import Any, cast
 
 import anyio
 import anyio.to_thread
@@ -57,7 +74,7 @@ from kvtier._errors import (
     TierNoSpaceError,
     TierUnavailableError,
 )
-from kvtier._format import header_size
+from kvtier._format import IntegrityKey, header_size
 from kvtier._keys import check_key
 from kvtier._logging import BurstLogger
 from kvtier._lookup import LookupResult, MissReason
@@ -65,6 +82,8 @@ from kvtier._validate import positive_int, positive_number
 from kvtier.tiers import _fs_io as io
 from kvtier.tiers._async_lookup import AsyncLookupManager
 from kvtier.tiers._base import SecondaryTier, TierMeter, TierStatistics
+from kvtier.tiers._fs_calls import Abandoned, BufferPool, Handoff, Stuck, WorkerCalls
+from kvtier.tiers._fs_index import IndexLookups
 
 __all__ = ["FSYNC_POLICIES", "FSTier"]
 
@@ -89,6 +108,9 @@ class FSTier(SecondaryTier):
         lookup_timeout: float = 5.0,
         max_concurrency: int = 16,
         max_write_concurrency: int = 16,
+        shared: bool = True,
+        integrity_key: str | bytes | IntegrityKey | None = None,
+        max_stuck_threads: int = 32,
     ) -> None:
         if not isinstance(root, str | os.PathLike) or not os.fspath(root):
             raise InvalidArgumentError(
@@ -107,10 +129,25 @@ class FSTier(SecondaryTier):
         positive_number(lookup_timeout, "lookup_timeout", " of seconds")
         positive_int(max_concurrency, "max_concurrency")
         positive_int(max_write_concurrency, "max_write_concurrency")
+        positive_int(max_stuck_threads, "max_stuck_threads")
+        if not isinstance(shared, bool):
+            raise InvalidArgumentError(
+                f"shared must be True (other processes may write the folder) or False (only "
+                f"this process writes it), got {shared!r}"
+            )
+        self.integrity_key = (
+            integrity_key
+            if integrity_key is None or isinstance(integrity_key, IntegrityKey)
+            else IntegrityKey(integrity_key)
+        )
         super().__init__(name)
         self.root = Path(os.path.abspath(os.path.expanduser(os.fspath(root))))
         self.capacity_bytes = capacity_bytes
         self.fsync = fsync
+        self.shared = shared
+        self._marker = io.marker_for(self.integrity_key)
+        self._calls: WorkerCalls[Any] = WorkerCalls(max_stuck_threads)
+        self._buffers = BufferPool(keep=max_concurrency + max_write_concurrency)
         self._limiter = anyio.CapacityLimiter(max_concurrency)
         # Existence checks get threads of their own: queued behind write-through they would
         # hold lookups in RETRY for as long as a burst of stores takes.
@@ -120,20 +157,29 @@ class FSTier(SecondaryTier):
         # of the GIL to reads and checks, but too few let write-through fall behind a busy
         # engine (the trace replay lost 13% of its hits at 4): measure before lowering it.
         self._write_limiter = anyio.CapacityLimiter(max_write_concurrency)
-        self._lookups = AsyncLookupManager(
-            self.contains_many,
-            name=name,
-            batch_size=lookup_batch_size,
-            max_concurrency=max(1, min(4, max_concurrency)),
-            timeout=lookup_timeout,
-            miss_ttl=miss_ttl,
-            on_verdict=self.notify,
-        )
+        self._lookups: AsyncLookupManager | IndexLookups
+        if shared:
+            self._lookups = AsyncLookupManager(
+                self.contains_many,
+                name=name,
+                batch_size=lookup_batch_size,
+                max_concurrency=max(1, min(4, max_concurrency)),
+                timeout=lookup_timeout,
+                miss_ttl=miss_ttl,
+                on_verdict=self.notify,
+            )
+        else:
+            self._lookups = IndexLookups(self._holds, miss_ttl=miss_ttl)
         # Synchronous bookkeeping: file name -> size, least recently used first.
         self._index: OrderedDict[str, int] = OrderedDict()
         self._used = 0  # bytes of the files in the index
         self._reserved = 0  # bytes of stores in flight, counted against the capacity
         self._storing: dict[str, anyio.Event] = {}
+        # A check (or load) that finds no file must not drop a name stored while it ran: the
+        # names added since each watcher started are kept, by epoch, while any watcher runs.
+        self._epoch = 0
+        self._watchers = 0
+        self._added: dict[str, int] = {}
         self._ready = False
         self._meter = TierMeter()
         self._log = BurstLogger(logger)
@@ -159,11 +205,14 @@ class FSTier(SecondaryTier):
         self._ready = False
 
     async def _prepare(self, *, raise_unavailable: bool) -> None:
+        root, marker = self.root, self._marker
         try:
-            entries = await anyio.to_thread.run_sync(io.prepare_root, self.root)
+            entries = await self._calls.run(
+                lambda _: io.prepare_root(root, marker), limiter=self._limiter
+            )
         except io.IncompatibleRoot as exc:
             raise InvalidArgumentError(str(exc)) from None
-        except OSError as exc:
+        except (OSError, Stuck) as exc:
             self._ready = False
             self._log.warning(
                 "root", "%s: cannot use root %s (%s); tier degraded", self.name, self.root, exc
@@ -180,6 +229,9 @@ class FSTier(SecondaryTier):
     def lookup(self, key: bytes) -> LookupResult:
         return self._lookups.lookup(key)
 
+    def _holds(self, key: bytes) -> bool:
+        return self._ready and io.name_of(key) in self._index
+
     def record_miss(self, key: bytes, reason: MissReason) -> None:
         self._lookups.record(key, False, reason)
 
@@ -188,17 +240,22 @@ class FSTier(SecondaryTier):
 
     async def contains_many(self, keys: list[bytes]) -> list[bool]:
         names = [io.name_of(check_key(k)) for k in keys]
+        self._calls.drain_late()
+        root = self.root
+        since = self._watch()
         try:
-            sizes = await anyio.to_thread.run_sync(
-                io.stat_many, self.root, names, limiter=self._check_limiter
+            sizes: list[int | None] = await self._calls.run(
+                lambda _: io.stat_many(root, names), limiter=self._check_limiter
             )
-        except OSError as exc:
+            for name, size in zip(names, sizes, strict=True):
+                if size is None:
+                    self._drop_unless_newer(name, since)
+                elif name not in self._index:  # written by another process: account for it
+                    self._add(name, size)
+        except (OSError, Stuck) as exc:
             raise self._error(exc, "contains") from exc
-        for name, size in zip(names, sizes, strict=True):
-            if size is None:
-                self._drop(name)
-            elif name not in self._index:  # written by another process: account for it
-                self._add(name, size)
+        finally:
+            self._unwatch()
         return [size is not None for size in sizes]
 
     # -- data ----------------------------------------------------------------------------------
@@ -208,30 +265,45 @@ class FSTier(SecondaryTier):
         view = _writable_bytes(dst)
         name = io.name_of(key)
         started = time.perf_counter()
+        self._calls.drain_late()
+        root, ikey, buffers = self.root, self.integrity_key, self._buffers
+
+        def read(call: Handoff) -> io.ReadOutcome:
+            # Through a private buffer: a thread abandoned mid-read must never write into a
+            # pool slot that may already hold another block.
+            scratch = buffers.take(io.READ_CHUNK)
+            try:
+                return io.read_block(
+                    root, name, key, view, memoryview(scratch), call.touching, integrity_key=ikey
+                )
+            finally:
+                buffers.give(scratch)
+
+        since = self._watch()
         try:
-            outcome = await anyio.to_thread.run_sync(
-                io.read_block, self.root, name, key, view, limiter=self._limiter
-            )
+            outcome = await self._calls.run(read, limiter=self._limiter)
         except io.WrongSize as exc:
             raise InvalidArgumentError(
                 f"dst holds {view.nbytes} bytes but block {key.hex()} is {exc.stored} bytes"
             ) from None
         except io.Corrupt as exc:
-            self._drop(name)
+            self._drop_unless_newer(name, since)
             self._fail(key, MissReason.CORRUPT, "load", str(exc))
             raise CorruptBlockError(str(exc), tier=self.name, operation="load", key=key) from exc
-        except OSError as exc:
+        except (OSError, Stuck) as exc:
             error = self._error(exc, "load", key)
             self._lookups.record(key, False, error.reason)
             raise error from exc
+        finally:
+            self._unwatch()
         if outcome is io.ReadOutcome.MISSING:
-            self._drop(name)
+            self._drop_unless_newer(name, since)
             self._fail(key, MissReason.NOT_FOUND, "load", None)
             raise BlockNotFoundError("no such block", tier=self.name, operation="load", key=key)
         if name in self._index:
             self._index.move_to_end(name)
         else:
-            self._add(name, header_size(len(key)) + view.nbytes)
+            self._add(name, header_size(len(key), integrity_key=ikey) + view.nbytes)
         self._meter.read(view.nbytes, time.perf_counter() - started)
 
     async def store(self, key: bytes, src: memoryview) -> None:
@@ -249,38 +321,71 @@ class FSTier(SecondaryTier):
 
     async def _store(self, key: bytes, name: str, payload: memoryview) -> None:
         started = time.perf_counter()
+        self._calls.drain_late()
         if not self._ready:
             await self._prepare(raise_unavailable=True)  # counts its own failure
-        size = header_size(len(key)) + payload.nbytes
+        ikey = self.integrity_key
+        size = header_size(len(key), integrity_key=ikey) + payload.nbytes
         victims = self._choose_victims(key, name, size)
         self._reserved += size
-        ran = False
+        root, fsync, buffers = self.root, self.fsync, self._buffers
+        names = [v for v, _ in victims]
 
-        def write() -> tuple[io.WriteOutcome, int]:
-            nonlocal ran
-            ran = True
-            names = [v for v, _ in victims]
-            return io.write_block(self.root, name, key, payload, self.fsync, names)
+        def write(call: Handoff) -> tuple[io.WriteOutcome, int]:
+            # Copy out of the caller's memory (a pool slot) first: once the caller's deadline
+            # fires it unpins the slot, and an abandoned write must not read it any more.
+            private = buffers.take(payload.nbytes)
+            try:
+                with call.touching():
+                    io.copy_bytes(memoryview(private), payload)
+                return io.write_block(
+                    root, name, key, memoryview(private), fsync, names, integrity_key=ikey
+                )
+            finally:
+                buffers.give(private)
 
+        def late(result: tuple[io.WriteOutcome, int] | None, error: BaseException | None) -> None:
+            """The write was abandoned at a deadline and has now finished: settle its account."""
+            self._reserved -= size
+            self._settle(key, name, victims, result, touched=not isinstance(error, Abandoned))
+
+        call = Handoff()
         try:
-            outcome, on_disk = await anyio.to_thread.run_sync(write, limiter=self._write_limiter)
+            result = await self._calls.run(
+                write, limiter=self._write_limiter, on_late=late, handoff=call
+            )
         except BaseException as exc:
-            if ran:
-                self._evicted(victims)  # they may be gone: never count them again
-            else:  # cancelled before the thread started: nothing happened on disk
-                self._restore(victims)
-            if isinstance(exc, OSError):
+            if not call.left_running:  # else ``late`` settles the account when it finishes
+                self._reserved -= size
+                landed = cast("tuple[io.WriteOutcome, int] | None", call.result)  # cancelled late
+                self._settle(key, name, victims, landed, touched=call.started)
+            if isinstance(exc, OSError | Stuck):
                 raise self._error(exc, "store", key) from exc
             raise
-        finally:
-            self._reserved -= size
-        if outcome is io.WriteOutcome.EXISTS:
-            self._restore(victims)  # not needed after all
+        self._reserved -= size
+        self._settle(key, name, victims, result, touched=True)
+        if result[0] is io.WriteOutcome.WRITTEN:
+            self._meter.wrote(payload.nbytes, time.perf_counter() - started)
+
+    def _settle(
+        self,
+        key: bytes,
+        name: str,
+        victims: list[tuple[str, int]],
+        result: tuple[io.WriteOutcome, int] | None,
+        *,
+        touched: bool,
+    ) -> None:
+        """Account for a store: its victims and, when it landed, its file."""
+        if result is None and touched:
+            self._evicted(victims)  # the write ran: they may be gone, never count them again
+        elif result is None or result[0] is io.WriteOutcome.EXISTS:
+            self._restore(victims)  # nothing happened on disk, or nothing needed the room
         else:
             self._evicted(victims)
-            self._meter.wrote(payload.nbytes, time.perf_counter() - started)
-        self._add(name, on_disk)
-        self._lookups.record(key, True)
+        if result is not None:
+            self._add(name, result[1])
+            self._lookups.record(key, True)
 
     def _choose_victims(self, key: bytes, name: str, size: int) -> list[tuple[str, int]]:
         """Take least recently used blocks out of the index until ``size`` more bytes fit."""
@@ -325,11 +430,12 @@ class FSTier(SecondaryTier):
     async def delete(self, key: bytes) -> None:
         check_key(key)
         name = io.name_of(key)
+        root = self.root
         try:
-            removed = await anyio.to_thread.run_sync(
-                io.remove_block, self.root, name, limiter=self._limiter
+            removed = await self._calls.run(
+                lambda _: io.remove_block(root, name), limiter=self._limiter
             )
-        except OSError as exc:
+        except (OSError, Stuck) as exc:
             raise self._error(exc, "delete", key) from exc
         self._drop(name)
         self._lookups.record(key, False, MissReason.NOT_FOUND)
@@ -341,6 +447,24 @@ class FSTier(SecondaryTier):
         self._drop(name)
         self._index[name] = size
         self._used += size
+        self._epoch += 1
+        if self._watchers:
+            self._added[name] = self._epoch
+
+    def _watch(self) -> int:
+        """Start a check whose "no such file" may be stale by the time it returns."""
+        self._watchers += 1
+        return self._epoch
+
+    def _unwatch(self) -> None:
+        self._watchers -= 1
+        if not self._watchers:
+            self._added.clear()
+
+    def _drop_unless_newer(self, name: str, since: int) -> None:
+        """Drop ``name`` unless a store (or a load) added it after the check began."""
+        if self._added.get(name, -1) <= since:
+            self._drop(name)
 
     def _drop(self, name: str) -> None:
         size = self._index.pop(name, None)
@@ -361,8 +485,20 @@ class FSTier(SecondaryTier):
                 detail,
             )
 
-    def _error(self, exc: OSError, operation: str, key: bytes | None = None) -> TierError:
+    def _error(self, exc: OSError | Stuck, operation: str, key: bytes | None = None) -> TierError:
         """The one place an ``OSError`` becomes a kvtier error; counts and logs it."""
+        if isinstance(exc, Stuck):
+            self._meter.failed(MissReason.UNAVAILABLE)
+            self._log.warning(
+                f"{operation}:stuck",
+                "%s: %s refused: %s (hung file system?)",
+                self.name,
+                operation,
+                exc,
+            )
+            return TierUnavailableError(
+                f"file system not answering: {exc}", tier=self.name, operation=operation, key=key
+            )
         cls: type[TierError] = TierNoSpaceError if exc.errno in _NO_SPACE else TierUnavailableError
         self._meter.failed(cls.reason)
         code = errno.errorcode.get(exc.errno or 0, str(exc.errno))
@@ -372,6 +508,7 @@ class FSTier(SecondaryTier):
         return cls(f"{code}: {exc.strerror or exc}", tier=self.name, operation=operation, key=key)
 
     def statistics(self) -> TierStatistics:
+        self._calls.drain_late()
         return self._meter.snapshot(
             self.name,
             self._lookups.statistics(),
@@ -384,7 +521,9 @@ class FSTier(SecondaryTier):
         return (
             f"<FSTier {self.name!r} root={str(self.root)!r} ready={self._ready} "
             f"blocks={s.blocks} bytes={s.bytes_stored} capacity={self.capacity_bytes} "
-            f"fsync={self.fsync} storing={len(self._storing)} pending={s.lookups.pending}>"
+            f"fsync={self.fsync} shared={self.shared} signed={self.integrity_key is not None} "
+            f"storing={len(self._storing)} pending={s.lookups.pending} "
+            f"stuck_threads={self._calls.stuck}>"
         )
 
 

@@ -5,9 +5,14 @@ function, so an ``FSTier`` call costs one thread hop and a cancelled caller can 
 file half-written: the thread runs the whole operation (including cleanup of its temporary
 file) to the end, then the caller looks at the outcome.
 
-Every OS call that moves bytes goes through the module-level names ``_writev`` and ``_preadv``:
-that is the single boundary where a test injects ENOSPC or EIO when the machine cannot give it a
-real full or failing filesystem.
+Every OS call that moves bytes goes through the module-level names ``_writev`` and ``_preadv``,
+and every existence check through ``_stat``: that is the single boundary where a test injects
+ENOSPC or EIO (when the machine cannot give it a real full or failing filesystem) or a hang
+(standing in for a hung network mount).
+
+A read never lands in the caller's buffer directly, and a write never reads from it while a
+syscall is in flight: ``FSTier`` passes private buffers and copies under ``Handoff.touching()``
+(see ``_fs_calls``), so a thread abandoned at a deadline cannot touch a pool slot.
 """
 
 from __future__ import annotations
@@ -23,14 +28,18 @@ import secrets
 import socket
 import stat
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from kvtier._format import (
     FORMAT_VERSION,
     HeaderError,
-    checksum,
+    IntegrityKey,
+    PayloadCheck,
     decode_header,
     encode_header,
     header_size,
@@ -46,7 +55,9 @@ __all__ = [
     "ReadOutcome",
     "WriteOutcome",
     "WrongSize",
+    "copy_bytes",
     "key_of",
+    "marker_for",
     "name_of",
     "path_of",
     "prepare_root",
@@ -70,10 +81,13 @@ _DIR_MODE = 0o700
 _FILE_MODE = 0o600
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_ROOT_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _O_CLOEXEC
+_DIR_FLAGS = _ROOT_FLAGS | _O_NOFOLLOW
 
 # The byte-moving OS calls, named once so tests can inject a fault at exactly this boundary.
 _writev = os.writev
 _preadv = os.preadv
+_stat = os.stat
 
 
 def _host_tag() -> str:
@@ -137,19 +151,60 @@ def key_of(name: str) -> bytes | None:
     return None if name.startswith("h") else bytes.fromhex(name)
 
 
-def path_of(root: Path, name: str) -> Path:
+def _shard_of(name: str) -> str:
     if _NAME.fullmatch(name) is None:  # belt and braces: names come from name_of only
         raise AssertionError(f"refusing unsafe block file name {name!r}")
     # Shard on the last four hex digits: keys from ``block_keys`` start with their scheme
     # version byte, so the first digits would put every block under one folder.
-    shard = name.rjust(4, "0")[-4:]
+    return name.rjust(4, "0")[-4:]
+
+
+def path_of(root: Path, name: str) -> Path:
+    """Where the block file ``name`` lives (for reports and existence checks; the operations
+    that read, write or delete reach it through ``_open_shard`` instead)."""
+    shard = _shard_of(name)
     return root / shard[0:2] / shard[2:4] / name
+
+
+def _open_shard(root: Path, name: str, *, create: bool = False) -> int:
+    """A descriptor of ``name``'s shard folder, reached from ``root`` one level at a time
+    without following a symbolic link: whoever can write to a shared folder must not be able
+    to make this process write, read or delete outside it by planting a link as a shard
+    folder. A link there raises ``OSError`` (ELOOP); a missing level ``FileNotFoundError``
+    unless ``create``. The caller closes the descriptor."""
+    shard = _shard_of(name)
+    fd = os.open(root, _ROOT_FLAGS)
+    try:
+        for level in (shard[0:2], shard[2:4]):
+            if create:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(level, _DIR_MODE, dir_fd=fd)
+            try:
+                inner = os.open(level, _DIR_FLAGS, dir_fd=fd)
+            except NotADirectoryError as exc:
+                raise OSError(errno.ELOOP, f"shard {level} is not a folder") from exc
+            os.close(fd)
+            fd = inner
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 # -- opening a root ----------------------------------------------------------------------------
 
 
-def prepare_root(root: Path) -> list[Entry]:
+def marker_for(integrity_key: IntegrityKey | None) -> dict[str, object]:
+    """The format marker a tier with (or without) an integrity key writes and expects. A
+    signed folder names its MAC and the key's public fingerprint, so a node with no key or
+    another key refuses the folder at open, instead of calling every block corrupt and
+    removing the blocks its peers wrote."""
+    if integrity_key is None:
+        return dict(_MARKER)
+    return {**_MARKER, "integrity": {"mac": "blake2b-256", "key_id": integrity_key.key_id}}
+
+
+def prepare_root(root: Path, marker: dict[str, object] | None = None) -> list[Entry]:
     """Make ``root`` usable and list its blocks, oldest first.
 
     Creates the root (only its last component: a missing parent usually means a filesystem
@@ -158,7 +213,7 @@ def prepare_root(root: Path) -> list[Entry]:
     """
     with contextlib.suppress(FileExistsError):
         os.mkdir(root, _DIR_MODE)
-    _check_marker(root)
+    _check_marker(root, _MARKER if marker is None else marker)
     entries: list[Entry] = []
     now = time.time()
     for first in _subdirs(root):
@@ -185,7 +240,7 @@ def _subdirs(folder: str | Path) -> list[str]:
         ]
 
 
-def _check_marker(root: Path) -> None:
+def _check_marker(root: Path, expected: dict[str, object]) -> None:
     marker = root / MARKER_NAME
     try:
         raw = marker.read_bytes()
@@ -196,25 +251,48 @@ def _check_marker(root: Path) -> None:
                 f"{root} is not empty and has no {MARKER_NAME} marker, so it is not a kvtier "
                 "folder; point FSTier at an empty folder or at one kvtier created"
             ) from None
-        _write_marker(root)
+        _write_marker(root, expected)
         return
     try:
         found = json.loads(raw)
     except ValueError:
         found = None
-    if found != _MARKER:
+    if found != expected:
+        if isinstance(found, dict) and {**found, "integrity": None} == {
+            **expected,
+            "integrity": None,
+        }:
+            raise IncompatibleRoot(_integrity_mismatch(root, found, expected))
         raise IncompatibleRoot(
             f"{root} holds kvtier-fs data in another format ({MARKER_NAME} says {found!r}; this "
-            f"kvtier writes {_MARKER!r}); point FSTier at another folder, or empty this one to "
+            f"kvtier writes {expected!r}); point FSTier at another folder, or empty this one to "
             "start a fresh cache"
         )
 
 
-def _write_marker(root: Path) -> None:
+def _integrity_mismatch(root: Path, found: dict[str, object], expected: dict[str, object]) -> str:
+    have, want = found.get("integrity"), expected.get("integrity")
+    if want is None:
+        return (
+            f"{root} holds blocks signed with an integrity key; set integrity_key "
+            "(KVTIER_INTEGRITY_KEY) to the key every node sharing this folder uses"
+        )
+    if have is None:
+        return (
+            f"{root} holds unsigned blocks, and this tier has an integrity key: point it at an "
+            "empty folder, or empty this one, to start a signed cache"
+        )
+    return (
+        f"{root} is signed with another integrity key (key id {have!r}, this tier's "
+        f"{want!r}); every node sharing a folder must set the same key"
+    )
+
+
+def _write_marker(root: Path, marker: dict[str, object]) -> None:
     tmp = root / f".kvtier-fs.json.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, _FILE_MODE)
     try:
-        os.write(fd, json.dumps(_MARKER).encode())
+        os.write(fd, json.dumps(marker).encode())
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -269,7 +347,7 @@ def stat_many(root: Path, names: Sequence[str]) -> list[int | None]:
     sizes: list[int | None] = []
     for name in names:
         try:
-            st = os.stat(path_of(root, name), follow_symlinks=False)
+            st = _stat(path_of(root, name), follow_symlinks=False)
         except FileNotFoundError:
             sizes.append(None)
         else:
@@ -284,6 +362,8 @@ def write_block(
     payload: memoryview,
     fsync: str,
     victims: Sequence[str],
+    *,
+    integrity_key: IntegrityKey | None = None,
 ) -> tuple[WriteOutcome, int]:
     """Publish one block atomically; return the outcome and the file's size.
 
@@ -292,37 +372,50 @@ def write_block(
     beside its final place, is optionally flushed, and is renamed into place. Whatever fails,
     the temporary file is gone when this returns or raises.
     """
-    final = path_of(root, name)
-    try:
-        return WriteOutcome.EXISTS, os.stat(final, follow_symlinks=False).st_size
-    except FileNotFoundError:
-        pass
+    size = _existing_size(root, name)
+    if size is not None:
+        return WriteOutcome.EXISTS, size
     for victim in victims:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path_of(root, victim))
-    header = encode_header(key, payload)
-    folder = final.parent
-    for level in (folder.parent, folder):
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(level, _DIR_MODE)
-    tmp = folder / f"{_TMP_PREFIX}{HOST_TAG}-{os.getpid()}-{secrets.token_hex(4)}-{name}"
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC | _O_NOFOLLOW
-    fd = os.open(tmp, flags, _FILE_MODE)
+        remove_block(root, victim)
+    header = encode_header(key, payload, integrity_key=integrity_key)
+    dir_fd = _open_shard(root, name, create=True)
     try:
+        tmp = f"{_TMP_PREFIX}{HOST_TAG}-{os.getpid()}-{secrets.token_hex(4)}-{name}"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC | _O_NOFOLLOW
+        fd = os.open(tmp, flags, _FILE_MODE, dir_fd=dir_fd)
         try:
-            _write_all(fd, [header, payload])
-            if fsync != "never":
-                os.fdatasync(fd)
-        finally:
-            os.close(fd)
-        os.rename(tmp, final)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    if fsync == "always":
-        _fsync_dir(folder)
+            try:
+                _write_all(fd, [header, payload])
+                if fsync != "never":
+                    os.fdatasync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dir_fd)
+            raise
+        if fsync == "always":
+            os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
     return WriteOutcome.WRITTEN, len(header) + payload.nbytes
+
+
+def _existing_size(root: Path, name: str) -> int | None:
+    """The size of the published block file ``name``, or None (a link is not a block: the
+    rename replaces it)."""
+    try:
+        dir_fd = _open_shard(root, name)
+    except FileNotFoundError:
+        return None
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    finally:
+        os.close(dir_fd)
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
 
 
 def _write_all(fd: int, buffers: list[bytes | memoryview]) -> None:
@@ -338,33 +431,64 @@ def _write_all(fd: int, buffers: list[bytes | memoryview]) -> None:
             views[0] = views[0][written:]
 
 
-def read_block(root: Path, name: str, key: bytes, dst: memoryview) -> ReadOutcome:
-    """Read the block straight into ``dst`` and verify it before it counts as loaded.
+READ_CHUNK = 256 << 10  # small enough to stay in a core's cache between read, hash and copy
 
-    Raises ``Corrupt`` (after removing the file) when the header, key, length or checksum is
-    wrong, and ``WrongSize`` when the block is intact but ``dst`` has another size.
+
+def read_block(
+    root: Path,
+    name: str,
+    key: bytes,
+    dst: memoryview,
+    scratch: memoryview,
+    touching: Callable[[], AbstractContextManager[None]],
+    *,
+    integrity_key: IntegrityKey | None = None,
+) -> ReadOutcome:
+    """Read the block of ``key`` into ``dst`` and verify it before it counts as loaded.
+
+    The file is read piece by piece into ``scratch`` (a private buffer, ``READ_CHUNK`` bytes
+    is plenty), each piece is hashed while it is in the cache and then copied into ``dst``
+    inside ``touching()``: a read that hangs hangs on ``scratch``, never on ``dst``, and a
+    caller that gave up is never written to (``touching`` raises). Raises ``Corrupt`` (after
+    removing the file) when the header, key, length or checksum (or MAC) is wrong, and
+    ``WrongSize`` when the block is intact but ``dst`` has another size; ``dst`` may hold
+    part of the block then.
     """
-    path = path_of(root, name)
     try:
-        fd = os.open(path, os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW)
+        dir_fd = _open_shard(root, name)
     except FileNotFoundError:
         return ReadOutcome.MISSING
     try:
-        size = os.fstat(fd).st_size
-        header_buf = bytearray(header_size(len(key)))
-        got = _read_all(fd, [memoryview(header_buf), dst])
         try:
-            _verify(key, header_buf, dst, size, got)
+            fd = os.open(name, os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW, dir_fd=dir_fd)
+        except FileNotFoundError:
+            return ReadOutcome.MISSING
+        try:
+            _read_verified(fd, key, dst, scratch, touching, integrity_key)
         except HeaderError as exc:
-            _remove_if_same(path, fd)
+            _remove_if_same(dir_fd, name, fd)
             raise Corrupt(str(exc)) from exc
+        finally:
+            os.close(fd)
     finally:
-        os.close(fd)
+        os.close(dir_fd)
     return ReadOutcome.LOADED
 
 
-def _verify(key: bytes, header_buf: bytearray, dst: memoryview, size: int, got: int) -> None:
-    header = decode_header(header_buf)
+def _read_verified(
+    fd: int,
+    key: bytes,
+    dst: memoryview,
+    scratch: memoryview,
+    touching: Callable[[], AbstractContextManager[None]],
+    integrity_key: IntegrityKey | None,
+) -> None:
+    size = os.fstat(fd).st_size
+    header_buf = bytearray(header_size(len(key), integrity_key=integrity_key))
+    got = _read_all(fd, [memoryview(header_buf)], 0)
+    if got < len(header_buf):
+        raise HeaderError(f"file is {size} bytes, shorter than its header")
+    header = decode_header(header_buf, integrity_key=integrity_key)
     if header.key != key:
         raise HeaderError("block belongs to another key")
     expected = len(header_buf) + header.payload_length
@@ -372,14 +496,27 @@ def _verify(key: bytes, header_buf: bytearray, dst: memoryview, size: int, got: 
         raise HeaderError(f"file is {size} bytes, header says {expected}")
     if header.payload_length != dst.nbytes:
         raise WrongSize(header.payload_length)
-    if got != expected:
-        raise HeaderError(f"read {got} bytes of {expected}")
-    if checksum(dst) != header.payload_checksum:
-        raise HeaderError("payload checksum mismatch")
+    check = PayloadCheck(key, header, integrity_key=integrity_key)
+    done = 0
+    while done < dst.nbytes:
+        piece = scratch[: min(scratch.nbytes, dst.nbytes - done)]
+        got = _read_all(fd, [piece], len(header_buf) + done)
+        if got != piece.nbytes:
+            raise HeaderError(f"read {len(header_buf) + done + got} bytes of {expected}")
+        check.update(piece)
+        with touching():
+            copy_bytes(dst[done : done + piece.nbytes], piece)
+        done += piece.nbytes
+    check.finish()
 
 
-def _read_all(fd: int, views: list[memoryview]) -> int:
-    total, offset = 0, 0
+def copy_bytes(dst: memoryview, src: memoryview | bytearray) -> None:
+    """memcpy without holding the GIL (numpy releases it), so copying threads run in parallel."""
+    np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8))
+
+
+def _read_all(fd: int, views: list[memoryview], offset: int) -> int:
+    total = 0
     while views:
         got = _preadv(fd, views, offset)
         if got == 0:
@@ -394,19 +531,31 @@ def _read_all(fd: int, views: list[memoryview]) -> int:
     return total
 
 
-def _remove_if_same(path: Path, fd: int) -> None:
-    """Unlink ``path`` only if it is still the file we read, so a good block another process
+def _remove_if_same(dir_fd: int, name: str, fd: int) -> None:
+    """Unlink ``name`` only if it is still the file we read, so a good block another process
     published there in the meantime survives."""
     with contextlib.suppress(OSError):
         mine = os.fstat(fd)
-        now = os.stat(path, follow_symlinks=False)
+        now = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
         if (mine.st_dev, mine.st_ino) == (now.st_dev, now.st_ino):
-            os.unlink(path)
+            os.unlink(name, dir_fd=dir_fd)
 
 
 def remove_block(root: Path, name: str) -> bool:
+    """Unlink the block file ``name``; False when there was none (a shard folder that is a
+    link holds nothing of this tier's: it is left alone)."""
     try:
-        os.unlink(path_of(root, name))
+        dir_fd = _open_shard(root, name)
     except FileNotFoundError:
         return False
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return False
+        raise
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return False
+    finally:
+        os.close(dir_fd)
     return True

@@ -8,9 +8,17 @@ verified on every load. The checksum is also written to the object metadata.
 
 Choices where the contract leaves room:
 
-- ``lookup`` composes an ``AsyncLookupManager``: unknown keys answer RETRY while batched HEAD
-  requests run with bounded concurrency; misses expire after ``miss_ttl`` so blocks written
-  by other nodes become visible; hits are kept (a block is immutable under its key).
+- ``lookup`` answers from an existence index (``lookup_mode="index"``, the default;
+  ``_s3_index``): this node's own writes, a listing made at open, and the keys other nodes
+  publish in a small per-writer journal that this tier polls every ``index_refresh`` seconds
+  (``_s3_journal``, ``_s3_index_sync``). A key the index does not hold is a MISS at once
+  (reason ``not_found``): the request path never waits on the object store for a block that
+  cannot be there. Another node's write becomes a HIT here within about ``2 x
+  index_refresh`` seconds. An indexed key whose GET finds nothing is a miss that removes it.
+  ``lookup_mode="ask"`` keeps asking the server: it composes an ``AsyncLookupManager``
+  (unknown keys answer RETRY while batched HEADs run; misses expire after ``miss_ttl``).
+  Either way ``statistics().request_path_requests`` counts the requests sent because
+  ``lookup()`` was asked about a key the index did not hold (0 in index mode).
 - A corrupt object (bad header, wrong key, wrong length, checksum mismatch) is a miss with
   reason ``corrupt`` and is **deleted**, so no node keeps paying for it and the next store
   of that key repairs it. The one exception: a header of a *newer* format version is
@@ -20,10 +28,13 @@ Choices where the contract leaves room:
   "already there", a success). A server that rejects the header (501 / NotImplemented) is
   remembered and gets plain puts from then on: the idempotent overwrite is harmless because
   a key always names the same bytes and S3 puts are atomic.
-- Loads stream the body straight into the destination (header first, then the payload read
-  chunk by chunk into ``dst``): no whole-block copy besides the one from the socket buffer.
-  Stores build one ``bytearray`` of header + payload (one copy of the block; botocore needs a
-  single seekable body to sign and checksum it).
+- Loads read the whole body in one ``read()`` and verify and copy it into ``dst`` in a worker
+  thread for blocks over 64 KiB (``_s3_codec.read_block`` says why not chunk by chunk).
+  Stores build one ``bytes`` of header + payload in a worker thread for blocks over 64 KiB
+  (one copy of the block and one xxh3 pass): a ``bytes`` body is written by aiohttp without a
+  stall, the payload is not SHA-256 signed (the block carries its own checksum) and botocore
+  adds checksums only where the operation requires them, so no pass over the block runs on
+  the event loop.
 - Faults: botocore's own retries are off; kvtier retries transient faults (unreachable,
   timeouts, 5xx, throttling) ``max_attempts`` times with full-jitter backoff, and every
   attempt feeds a circuit breaker (``kvtier.tiers._s3_breaker``). While it is open, requests
@@ -39,11 +50,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from contextlib import AsyncExitStack
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn
 
 import anyio
+import anyio.abc
 import anyio.to_thread
 
 from kvtier._errors import (
@@ -51,7 +63,6 @@ from kvtier._errors import (
     CorruptBlockError,
     ExtraNotInstalledError,
     InvalidArgumentError,
-    KVTierError,
     LifecycleError,
     TierError,
     TierUnavailableError,
@@ -61,7 +72,7 @@ from kvtier._logging import BurstLogger
 from kvtier._lookup import LookupResult, MissReason
 from kvtier.tiers._async_lookup import AsyncLookupManager
 from kvtier.tiers._base import SecondaryTier, TierMeter, TierStatistics
-from kvtier.tiers._s3_breaker import BreakerState, CircuitBreaker, Permit, backoff_delay
+from kvtier.tiers._s3_breaker import BreakerState, CircuitBreaker
 from kvtier.tiers._s3_codec import build_object, is_newer_format, read_block
 from kvtier.tiers._s3_config import (
     S3Settings,
@@ -70,15 +81,18 @@ from kvtier.tiers._s3_config import (
     shared_session,
     warm_session,
 )
-from kvtier.tiers._s3_errors import Fault, translate
+from kvtier.tiers._s3_errors import Fault
+from kvtier.tiers._s3_index import ExistenceIndex
+from kvtier.tiers._s3_index_sync import IndexSync
+from kvtier.tiers._s3_journal import writer_id
+from kvtier.tiers._s3_requests import Requests
 
 __all__ = ["S3Tier", "S3TierStatistics"]
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
 _CLOSE_TIMEOUT = 5.0
+_THREAD_BUILD_BYTES = 64 * 1024  # build and verify larger objects in a worker thread
 
 
 class S3Tier(SecondaryTier):
@@ -89,6 +103,12 @@ class S3Tier(SecondaryTier):
     such bucket, access denied, endpoint unreachable). Credentials come from the arguments or
     from the standard AWS chain (environment, config files, instance roles).
     ``clock`` drives the miss TTL and the circuit breaker; tests pass a fake one.
+
+    Index settings: ``lookup_mode`` ("index" or "ask"), ``index_refresh`` (seconds between
+    journal rounds; bounds how soon another node's write is visible: about twice this),
+    ``index_lookback`` (how far back a poll lists journal segments: covers a segment's PUT
+    time and clock skew between nodes), ``index_list_timeout`` (bound on the listing at
+    open), ``index_max_keys`` (bound on the index's memory).
     """
 
     def __init__(
@@ -112,6 +132,11 @@ class S3Tier(SecondaryTier):
         breaker_threshold: int = 5,
         breaker_reset: float = 5.0,
         lookup_timeout: float = 5.0,
+        lookup_mode: str = "index",
+        index_refresh: float = 2.0,
+        index_lookback: float = 60.0,
+        index_list_timeout: float = 60.0,
+        index_max_keys: int = 10_000_000,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not isinstance(name, str) or not name:
@@ -132,6 +157,11 @@ class S3Tier(SecondaryTier):
             breaker_threshold=breaker_threshold,
             breaker_reset=breaker_reset,
             lookup_timeout=lookup_timeout,
+            lookup_mode=lookup_mode,
+            index_refresh=index_refresh,
+            index_lookback=index_lookback,
+            index_list_timeout=index_list_timeout,
+            index_max_keys=index_max_keys,
         )
         credentials = check_credentials(aws_access_key_id, aws_secret_access_key, aws_session_token)
         # Imported here, not at module level, so `import kvtier` works without the extra.
@@ -147,8 +177,18 @@ class S3Tier(SecondaryTier):
         self.bucket = cfg.bucket
         self.prefix = cfg.prefix
         self._breaker = CircuitBreaker(cfg.breaker_threshold, cfg.breaker_reset, clock=clock)
+        self._requests = Requests(
+            name=name,
+            bucket=cfg.bucket,
+            endpoint_label=cfg.endpoint_label,
+            max_attempts=cfg.max_attempts,
+            max_concurrency=cfg.max_concurrency,
+            breaker=self._breaker,
+        )
+        self._call = self._requests.call
+        self._translate = self._requests.translate
         self._lookups = AsyncLookupManager(
-            self.contains_many,
+            self._check_unindexed,
             name=name,
             batch_size=cfg.lookup_batch_size,
             max_concurrency=max(1, min(8, cfg.max_concurrency)),
@@ -157,16 +197,36 @@ class S3Tier(SecondaryTier):
             on_verdict=self.notify,
             clock=clock,
         )
-        self._limiter = anyio.CapacityLimiter(cfg.max_concurrency)
+        # Write-through is background work: it may use a quarter of the connections, so the
+        # loads a waiting request needs are never queued behind a burst of stores.
+        self._store_limiter = anyio.CapacityLimiter(max(1, cfg.max_concurrency // 4))
         self._stack: AsyncExitStack | None = None
         self._client: Any = None
         self._meter = TierMeter()
         self._log = BurstLogger(logger)
         self._conditional_put = True
         self._breaker_misses = 0
-        self._retries = 0
         self._skipped_existing = 0
         self._corrupt_deleted = 0
+        self._request_path_requests = 0
+        self._index = ExistenceIndex(
+            miss_ttl=cfg.miss_ttl, max_keys=cfg.index_max_keys, clock=clock
+        )
+        self._sync = IndexSync(
+            self._index,
+            name=name,
+            bucket=cfg.bucket,
+            prefix=cfg.prefix,
+            writer=writer_id(),
+            call=self._call,
+            client=lambda: self._require_client("refresh"),
+            notify=self.notify,
+            refresh=cfg.index_refresh,
+            lookback=cfg.index_lookback,
+            list_timeout=cfg.index_list_timeout,
+            read_journal=cfg.lookup_mode == "index",  # ask mode only publishes, for the others
+        )
+        self._task_group: anyio.abc.TaskGroup | None = None
 
     # -- naming ------------------------------------------------------------------------------
 
@@ -196,7 +256,11 @@ class S3Tier(SecondaryTier):
             read_timeout=cfg.read_timeout,
             retries={"total_max_attempts": 1},  # kvtier retries, so the breaker sees attempts
             max_pool_connections=cfg.max_concurrency,
-            s3={"addressing_style": cfg.addressing_style},
+            # The block carries its own checksum (verified on every load): no SHA-256 of the
+            # payload for the signature, no CRC of it unless the operation requires one.
+            s3={"addressing_style": cfg.addressing_style, "payload_signing_enabled": False},
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
         )
         session = shared_session()
         await anyio.to_thread.run_sync(warm_session, session)
@@ -228,10 +292,16 @@ class S3Tier(SecondaryTier):
                     tier=self.name,
                     operation="open",
                 )
+            if cfg.lookup_mode == "index":
+                await self._sync.list_at_open()
             self._stack = stack.pop_all()
-        # Entered outside the exit stack: its task group must be left in the task that entered
-        # it and outside the shielded scope that bounds closing the client.
+        # Entered outside the exit stack: task groups must be left in the task that entered
+        # them and outside the shielded scope that bounds closing the client.
         await self._lookups.__aenter__()
+        tg = anyio.create_task_group()
+        await tg.__aenter__()
+        self._task_group = tg
+        tg.start_soon(self._sync.run)
 
     async def _forget_client(self) -> None:
         self._client = None
@@ -241,8 +311,13 @@ class S3Tier(SecondaryTier):
         stack, self._stack = self._stack, None
         if stack is None:
             return
+        tg, self._task_group = self._task_group, None
+        if tg is not None:  # entered after the lookups' task group: left before it
+            tg.cancel_scope.cancel()
+            await tg.__aexit__(None, None, None)
         await self._lookups.aclose()  # cancels its checks: returns promptly
         with anyio.move_on_after(_CLOSE_TIMEOUT, shield=True):
+            await self._sync.refresh_once(poll=False)  # publish the last keys written here
             await stack.aclose()
 
     def _require_client(self, operation: str) -> Any:
@@ -255,91 +330,22 @@ class S3Tier(SecondaryTier):
 
     # -- requests ------------------------------------------------------------------------------
 
-    def _translate(self, exc: BaseException, operation: str, key: bytes | None) -> TierError:
-        translated = translate(
-            exc,
-            tier=self.name,
-            operation=operation,
-            key=key,
-            bucket=self.bucket,
-            endpoint=self._endpoint_label,
-        )
-        if translated is None:
-            return TierUnavailableError(
-                f"unexpected {type(exc).__name__}", tier=self.name, operation=operation, key=key
-            )
-        return translated.error
-
-    async def _call(
-        self,
-        operation: str,
-        key: bytes | None,
-        attempt: Callable[[], Awaitable[T]],
-        *,
-        expected: frozenset[Fault] = frozenset(),
-    ) -> T | Fault:
-        """Run ``attempt`` with retries, backoff and the breaker.
-
-        Faults in ``expected`` (e.g. NOT_FOUND for a HEAD) are answers, returned as the
-        Fault; others raise the translated TierError ``from`` the native error.
-        """
-        attempts = self.settings.max_attempts
-        for n in range(attempts):
-            permit = self._breaker.allow()
-            if permit is Permit.REJECTED:
-                raise TierUnavailableError(
-                    f"circuit breaker open: {self._endpoint_label} failed "
-                    f"{self._breaker.threshold} times in a row; retrying after "
-                    f"{self._breaker.reset_after} s",
-                    tier=self.name,
-                    operation=operation,
-                    key=key,
-                )
-            settled = False
-            try:
-                async with self._limiter:
-                    result = await attempt()
-                self._breaker.success(permit)
-                settled = True
-                return result
-            except Exception as exc:
-                translated = translate(
-                    exc,
-                    tier=self.name,
-                    operation=operation,
-                    key=key,
-                    bucket=self.bucket,
-                    endpoint=self._endpoint_label,
-                )
-                settled = True
-                if translated is None:
-                    if isinstance(exc, KVTierError):  # ours (corrupt, bad dst): it answered
-                        self._breaker.success(permit)
-                    else:  # not a storage or network error: a bug, let it show
-                        self._breaker.abandon(permit)
-                    raise
-                if not translated.fault.endpoint_down:
-                    self._breaker.success(permit)
-                    if translated.fault in expected:
-                        return translated.fault
-                    raise translated.error from exc
-                self._breaker.failure(permit)
-                if n + 1 >= attempts or self._breaker.rejecting():
-                    raise translated.error from exc
-                self._retries += 1
-            finally:
-                if not settled:
-                    self._breaker.abandon(permit)
-            await anyio.sleep(backoff_delay(n))
-        raise AssertionError("unreachable")  # pragma: no cover
-
     # -- the contract ------------------------------------------------------------------------
 
     def lookup(self, key: bytes) -> LookupResult:
         if self._breaker.rejecting():
             self._breaker_misses += 1
             return LookupResult.MISS
+        if self.settings.lookup_mode == "index":
+            if self._task_group is None:
+                return self._index.miss(MissReason.UNAVAILABLE)
+            return self._index.lookup(key)
         return self._lookups.lookup(key)
+
+    async def _check_unindexed(self, keys: list[bytes]) -> list[bool]:
+        """The ``ask`` mode's existence checks: each is a request on the request path."""
+        self._request_path_requests += len(keys)
+        return await self.contains_many(keys)
 
     async def contains_many(self, keys: list[bytes]) -> list[bool]:
         client = self._require_client("contains_many")
@@ -384,14 +390,14 @@ class S3Tier(SecondaryTier):
             )
         except CorruptBlockError:
             self._meter.failed(MissReason.CORRUPT)
-            self._lookups.record(key, False, MissReason.CORRUPT)
+            self.record_miss(key, MissReason.CORRUPT)
             raise
         except TierError as exc:
             self._meter.failed(exc.reason)
             raise
         if result is Fault.NOT_FOUND:
             self._meter.failed(MissReason.NOT_FOUND)
-            self._lookups.record(key, False, MissReason.NOT_FOUND)
+            self.record_miss(key, MissReason.NOT_FOUND)  # an index HIT that was stale
             raise BlockNotFoundError("no such object", tier=self.name, operation="load", key=key)
         self._meter.read(view.nbytes, time.perf_counter() - started)
 
@@ -399,14 +405,14 @@ class S3Tier(SecondaryTier):
         """One GET, streamed into ``dst``; a corrupt object is deleted and raised."""
         response = await client.get_object(Bucket=self.bucket, Key=self.object_key(key))
         try:
-            problem, head = await read_block(response, key, dst)
+            problem, head = await read_block(response, key, dst, thread_bytes=_THREAD_BUILD_BYTES)
         finally:
             response["Body"].close()
         if problem is not None:
             await self._discard_corrupt(client, key, head, problem)
 
     async def _discard_corrupt(
-        self, client: Any, key: bytes, head: bytearray, problem: str
+        self, client: Any, key: bytes, head: bytes, problem: str
     ) -> NoReturn:
         """Delete a corrupt object (unless it is a newer format) and raise CorruptBlockError."""
         newer = is_newer_format(head)
@@ -435,20 +441,35 @@ class S3Tier(SecondaryTier):
     async def store(self, key: bytes, src: memoryview) -> None:
         check_key(key)
         client = self._require_client("store")
+        if self.settings.lookup_mode == "index" and key in self._index:
+            # Already in the bucket (written here, listed, or published by another node): a key
+            # always names the same bytes, so there is nothing to send. If the object was
+            # deleted meanwhile, the next GET finds out and drops it from the index.
+            self._skipped_existing += 1
+            return
         payload = memoryview(src).cast("B") if memoryview(src).format != "B" else memoryview(src)
         started = time.perf_counter()
-        body, metadata = build_object(key, payload)
+        if payload.nbytes > _THREAD_BUILD_BYTES:
+            body, metadata, crc = await anyio.to_thread.run_sync(build_object, key, payload)
+        else:
+            body, metadata, crc = build_object(key, payload)
         object_key = self.object_key(key)
 
         async def put() -> Any:
             extra = {"IfNoneMatch": "*"} if self._conditional_put else {}
             return await client.put_object(
-                Bucket=self.bucket, Key=object_key, Body=body, Metadata=metadata, **extra
+                Bucket=self.bucket,
+                Key=object_key,
+                Body=body,
+                Metadata=metadata,
+                ChecksumCRC32=crc,
+                **extra,
             )
 
         expected = frozenset({Fault.PRECONDITION, Fault.CONFLICT, Fault.UNSUPPORTED})
         try:
-            result = await self._call("store", key, put, expected=expected)
+            async with self._store_limiter:
+                result = await self._call("store", key, put, expected=expected)
             if result is Fault.UNSUPPORTED and self._conditional_put:
                 logger.info("%s: the server rejects conditional puts; using plain puts", self.name)
                 self._conditional_put = False
@@ -468,7 +489,8 @@ class S3Tier(SecondaryTier):
             self._skipped_existing += 1  # it is there (or being written): nothing to do
         else:
             self._meter.wrote(len(body), time.perf_counter() - started)
-        self.record_hit(key)
+        self._index.wrote(key)  # indexed now, published in the next journal segment
+        self._lookups.record(key, True)
 
     async def delete(self, key: bytes) -> None:
         check_key(key)
@@ -485,37 +507,60 @@ class S3Tier(SecondaryTier):
             raise
         self._meter.deletes += 1
         self._lookups.forget(key)
+        self._index.discard(key)
 
     # -- feedback and statistics ---------------------------------------------------------------
 
     def record_miss(self, key: bytes, reason: MissReason) -> None:
         self._lookups.record(key, False, reason)
+        self._index.suppress(key, reason)
 
     def record_hit(self, key: bytes) -> None:
         self._lookups.record(key, True)
+        self._index.add(key)
+
+    async def refresh_index(self) -> None:
+        """Publish this node's new keys and read the other nodes' journals now, instead of at
+        the next ``index_refresh`` (tests, and a node that wants a fresh view at once)."""
+        self._require_client("refresh_index")
+        await self._sync.refresh_once()
 
     @property
     def breaker_state(self) -> BreakerState:
         return self._breaker.state
 
     def statistics(self) -> S3TierStatistics:
-        lookups = self._lookups.statistics()
+        if self.settings.lookup_mode == "index":
+            lookups = self._index.statistics()
+        else:
+            lookups = self._lookups.statistics()
         if self._breaker_misses:
             reasons = dict(lookups.misses_by_reason)
             reasons["unavailable"] = reasons.get("unavailable", 0) + self._breaker_misses
             lookups = dataclasses.replace(
                 lookups, misses=lookups.misses + self._breaker_misses, misses_by_reason=reasons
             )
-        base = self._meter.snapshot(self.name, lookups)
+        base = dataclasses.replace(
+            self._meter.snapshot(self.name, lookups),
+            request_path_requests=self._request_path_requests,
+        )
         return S3TierStatistics(
             **{f.name: getattr(base, f.name) for f in dataclasses.fields(TierStatistics)},
             breaker_state=self._breaker.state.value,
             breaker_opened=self._breaker.times_opened,
             requests_rejected_by_breaker=self._breaker.rejected,
-            retries=self._retries,
+            retries=self._requests.retries,
             stores_skipped_existing=self._skipped_existing,
             corrupt_deleted=self._corrupt_deleted,
             conditional_put=self._conditional_put,
+            lookup_mode=self.settings.lookup_mode,
+            index_keys=len(self._index),
+            index_listed=self._index.listed,
+            index_learnt=self._index.learnt,
+            index_listing_complete=self._sync.listing_complete,
+            index_refreshes=self._sync.refreshes,
+            journal_segments_published=self._sync.segments_published,
+            journal_segments_read=self._sync.segments_read,
         )
 
     def __repr__(self) -> str:

@@ -64,6 +64,11 @@ class CircuitBreaker:
     def state(self) -> BreakerState:
         return self._state
 
+    @property
+    def trial_out(self) -> bool:
+        """Half-open with its one trial request in flight: its outcome decides."""
+        return self._state is BreakerState.HALF_OPEN and self._trial_out
+
     def rejecting(self) -> bool:
         """True while open and the reset period has not elapsed: requests would be refused.
 

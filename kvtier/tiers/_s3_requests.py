@@ -1,0 +1,139 @@
+"""Sending one S3 request: bounded concurrency, retries with backoff, and the circuit breaker.
+
+``Requests.call(operation, key, attempt)`` runs ``attempt`` (one aiobotocore call) under the
+tier's connection limit, retries transient faults (unreachable, timeouts, 5xx, throttling)
+``max_attempts`` times with full-jitter backoff, and reports every attempt to the breaker.
+Faults the caller expects (a 404 for a HEAD) come back as the ``Fault``; others raise the
+translated ``TierError`` from the native error (``_s3_errors``). While the half-open breaker's
+one trial request is out, other requests wait for its outcome instead of being rejected.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import anyio
+
+from kvtier._errors import KVTierError, TierError, TierUnavailableError
+from kvtier.tiers._s3_breaker import CircuitBreaker, Permit, backoff_delay
+from kvtier.tiers._s3_errors import Fault, translate
+
+__all__ = ["Requests"]
+
+T = TypeVar("T")
+
+
+class Requests:
+    """The request policy of one ``S3Tier`` (its breaker, limiter and retry counter)."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        bucket: str,
+        endpoint_label: str,
+        max_attempts: int,
+        max_concurrency: int,
+        breaker: CircuitBreaker,
+    ) -> None:
+        self.name = name
+        self.bucket = bucket
+        self._endpoint_label = endpoint_label
+        self._max_attempts = max_attempts
+        self._limiter = anyio.CapacityLimiter(max_concurrency)
+        self._breaker = breaker
+        self._trial_done = anyio.Event()
+        self.retries = 0
+
+    def translate(self, exc: BaseException, operation: str, key: bytes | None) -> TierError:
+        translated = translate(
+            exc,
+            tier=self.name,
+            operation=operation,
+            key=key,
+            bucket=self.bucket,
+            endpoint=self._endpoint_label,
+        )
+        if translated is None:
+            return TierUnavailableError(
+                f"unexpected {type(exc).__name__}", tier=self.name, operation=operation, key=key
+            )
+        return translated.error
+
+    async def call(
+        self,
+        operation: str,
+        key: bytes | None,
+        attempt: Callable[[], Awaitable[T]],
+        *,
+        expected: frozenset[Fault] = frozenset(),
+    ) -> T | Fault:
+        """Run ``attempt`` with retries, backoff and the breaker.
+
+        Faults in ``expected`` (e.g. NOT_FOUND for a HEAD) are answers, returned as the
+        Fault; others raise the translated TierError ``from`` the native error.
+        """
+        attempts = self._max_attempts
+        for n in range(attempts):
+            permit = await self.permit()
+            if permit is Permit.REJECTED:
+                raise TierUnavailableError(
+                    f"circuit breaker open: {self._endpoint_label} failed "
+                    f"{self._breaker.threshold} times in a row; retrying after "
+                    f"{self._breaker.reset_after} s",
+                    tier=self.name,
+                    operation=operation,
+                    key=key,
+                )
+            settled = False
+            try:
+                async with self._limiter:
+                    result = await attempt()
+                self._breaker.success(permit)
+                settled = True
+                return result
+            except Exception as exc:
+                translated = translate(
+                    exc,
+                    tier=self.name,
+                    operation=operation,
+                    key=key,
+                    bucket=self.bucket,
+                    endpoint=self._endpoint_label,
+                )
+                settled = True
+                if translated is None:
+                    if isinstance(exc, KVTierError):  # ours (corrupt, bad dst): it answered
+                        self._breaker.success(permit)
+                    else:  # not a storage or network error: a bug, let it show
+                        self._breaker.abandon(permit)
+                    raise
+                if not translated.fault.endpoint_down:
+                    self._breaker.success(permit)
+                    if translated.fault in expected:
+                        return translated.fault
+                    raise translated.error from exc
+                self._breaker.failure(permit)
+                if n + 1 >= attempts or self._breaker.rejecting():
+                    raise translated.error from exc
+                self.retries += 1
+            finally:
+                if not settled:
+                    self._breaker.abandon(permit)
+                if permit is Permit.TRIAL:
+                    self._trial_done.set()
+            await anyio.sleep(backoff_delay(n))
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def permit(self) -> Permit:
+        """The breaker's permit for one request. While the half-open trial is out, requests
+        wait for its outcome instead of failing: a batch of requests sent together once the
+        reset period is over (several HEADs, several loads) must not be rejected beside the
+        trial, or worse, cancel it (issue 11 item 3: the breaker then never closed)."""
+        while self._breaker.trial_out:
+            await self._trial_done.wait()  # the trial has its own timeouts
+        permit = self._breaker.allow()
+        if permit is Permit.TRIAL:
+            self._trial_done = anyio.Event()
+        return permit

@@ -1,0 +1,105 @@
+"""FSTier with ``shared=False``: a folder only this process writes answers from its index.
+
+Issue 10, point 1: no stat on the request path; a key the index does not hold is a MISS
+(``not_found``) at once, never RETRY. Real files; the stat seam counts calls to prove none run.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtier._errors import InvalidArgumentError
+from kvtier._lookup import LookupResult, MissReason
+from kvtier._scheduler import OffloadScheduler
+from kvtier._tiering import TieringManager
+from kvtier.pools._host import HostPool
+from kvtier.testing import CHECKS
+from kvtier.tiers import _fs_io
+from kvtier.tiers._fs import FSTier
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fs_worker import key_of, payload_of
+
+BLOCK = 4096
+
+
+def key(i: int) -> bytes:
+    return key_of("x", i)
+
+
+def data(i: int) -> bytes:
+    return payload_of("x", i, BLOCK)
+
+
+@pytest.fixture
+def stats(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    calls: list[Any] = []
+
+    def counted(path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
+        calls.append(path)
+        return os.stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(_fs_io, "_stat", counted)
+    return calls
+
+
+@pytest.mark.parametrize("check", sorted(CHECKS))
+async def test_conformance(check: str, tmp_path: Path) -> None:
+    await CHECKS[check](lambda: FSTier(tmp_path / "cache", shared=False), BLOCK)
+
+
+def test_shared_must_be_a_bool(tmp_path: Path) -> None:
+    with pytest.raises(InvalidArgumentError, match="shared must be True"):
+        FSTier(tmp_path, shared="no")  # type: ignore[arg-type]
+
+
+async def test_answers_from_the_index_without_a_stat(tmp_path: Path, stats: list[Any]) -> None:
+    root = tmp_path / "c"
+    async with FSTier(root, shared=False) as tier:
+        assert tier.lookup(key(1)) is LookupResult.MISS  # unknown: a miss at once
+        await tier.store(key(1), memoryview(data(1)))
+        assert tier.lookup(key(1)) is LookupResult.HIT
+        await tier.delete(key(1))
+        assert tier.lookup(key(1)) is LookupResult.MISS
+        await tier.store(key(2), memoryview(data(2)))
+    async with FSTier(root, shared=False) as tier:  # the index is rebuilt from the files
+        assert tier.lookup(key(2)) is LookupResult.HIT
+        assert tier.lookup(key(3)) is LookupResult.MISS
+        s = tier.statistics().lookups
+        assert (s.hits, s.misses, s.retries) == (1, 1, 0)
+        assert s.misses_by_reason == {"not_found": 1}
+    assert stats == []
+    closed = FSTier(root, shared=False)
+    assert closed.lookup(key(2)) is LookupResult.MISS  # not open: nothing is known
+    assert closed.statistics().lookups.misses_by_reason == {"unavailable": 1}
+
+
+async def test_a_failed_load_is_remembered(tmp_path: Path) -> None:
+    async with FSTier(tmp_path / "c", shared=False, miss_ttl=60) as tier:
+        await tier.store(key(1), memoryview(data(1)))
+        tier.record_miss(key(1), MissReason.TIMEOUT)
+        assert tier.lookup(key(1)) is LookupResult.MISS
+        assert tier.statistics().lookups.misses_by_reason == {"timeout": 1}
+        await tier.store(key(1), memoryview(data(1)))  # a store that lands clears it
+        assert tier.lookup(key(1)) is LookupResult.HIT
+
+
+async def test_scheduler_never_waits_on_unknown_keys(tmp_path: Path, stats: list[Any]) -> None:
+    root = tmp_path / "c"
+    async with FSTier(root, shared=False) as tier:
+        for i in range(4):
+            await tier.store(key(i), memoryview(data(i)))
+    pool = HostPool(16, BLOCK)
+    async with TieringManager(pool, [FSTier(root, shared=False)]) as manager:
+        scheduler = OffloadScheduler(manager)
+        keys = [key(i) for i in range(8)]
+        # Key 4 is a miss at once, so only the promotions of the four held keys defer.
+        assert await scheduler.lookup(keys, timeout=30) == 4
+        assert manager.statistics().lookups_retry <= 4
+        assert manager.statistics().tiers[0].lookups.retries == 0
+    assert stats == []

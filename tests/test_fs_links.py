@@ -1,0 +1,72 @@
+"""FSTier never follows a link out of its root (the tier's side of issue 11, item 11).
+
+Whoever can write to a shared folder can replace a shard folder with a symbolic link. The tier
+must then never delete, write or read through it: evictions and deletes of blocks whose shard
+became a link leave the link's target alone, and a store into such a shard fails (a miss,
+``unavailable``) instead of writing elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtier._errors import TierUnavailableError
+from kvtier._format import header_size
+from kvtier.tiers import _fs_io
+from kvtier.tiers._fs import FSTier
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fs_worker import key_of, payload_of
+
+BLOCK = 4096
+FILE = header_size(16) + BLOCK
+
+
+def key(i: int) -> bytes:
+    return key_of("l", i)
+
+
+def data(i: int) -> bytes:
+    return payload_of("l", i, BLOCK)
+
+
+def swap_for_link(shard: Path, outside: Path) -> None:
+    """Replace the shard folder with a link to ``outside`` holding same-named files."""
+    outside.mkdir(exist_ok=True)
+    for f in shard.iterdir():
+        (outside / f.name).write_bytes(b"precious, and outside the cache")
+        f.unlink()
+    shard.rmdir()
+    os.symlink(outside, shard)
+
+
+async def test_evictions_and_deletes_never_follow_a_shard_link(tmp_path: Path) -> None:
+    root, outside = tmp_path / "c", tmp_path / "outside"
+    async with FSTier(root, capacity_bytes=2 * FILE) as tier:
+        await tier.store(key(1), memoryview(data(1)))
+        await tier.store(key(2), memoryview(data(2)))
+        first = _fs_io.path_of(root, _fs_io.name_of(key(1)))
+        swap_for_link(first.parent, outside)
+        await tier.store(key(3), memoryview(data(3)))  # evicts key 1, the least recent
+        await tier.delete(key(1))
+        with pytest.raises(TierUnavailableError):  # never read through the link
+            await tier.load(key(1), memoryview(bytearray(BLOCK)))
+        assert (outside / first.name).read_bytes() == b"precious, and outside the cache"
+
+
+async def test_a_store_into_a_linked_shard_writes_nothing_outside(tmp_path: Path) -> None:
+    root, outside = tmp_path / "c", tmp_path / "outside"
+    async with FSTier(root) as tier:
+        await tier.store(key(1), memoryview(data(1)))
+        path = _fs_io.path_of(root, _fs_io.name_of(key(1)))
+        await tier.delete(key(1))
+        swap_for_link(path.parent, outside)
+        before = sorted(p.name for p in outside.iterdir())
+        with pytest.raises(TierUnavailableError, match="ELOOP"):
+            await tier.store(key(1), memoryview(data(1)))
+        assert sorted(p.name for p in outside.iterdir()) == before
+        assert tier.statistics().failures_by_reason == {"unavailable": 1}

