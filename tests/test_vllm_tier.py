@@ -21,9 +21,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import anyio
 import pytest
-from moto_proc import ACCESS_KEY, REGION, SECRET_KEY, MotoServer, create_bucket
+from weed_proc import ACCESS_KEY, BUCKET, REGION, SECRET_KEY, serve_session
 
 import kvtier
 from kvtier.testing import FailingTier, StallingTier
@@ -433,14 +432,11 @@ def test_shutdown_waits_for_jobs_then_closes_the_tier_and_its_thread(
 
 # -- the S3 tier ----------------------------------------------------------------------------
 
-BUCKET = "kvtier-vllm"
-
 
 @pytest.fixture(scope="module")
 def s3_endpoint() -> Iterator[str]:
-    """The one place the S3 server starts: switch the server here."""
-    with MotoServer() as server:
-        anyio.run(create_bucket, server.endpoint_url, BUCKET)
+    """The one place the S3 server starts: SeaweedFS on 127.0.0.1 (tests/weed_proc.py)."""
+    for server in serve_session():
         yield server.endpoint_url
 
 
@@ -450,7 +446,7 @@ def test_store_cascades_to_s3_and_a_restart_promotes_it(
     tier = {
         "kind": "s3",
         "bucket": BUCKET,
-        "prefix": uuid.uuid4().hex,
+        "prefix": f"vllm/{uuid.uuid4().hex}",
         "endpoint_url": s3_endpoint,
         "region_name": REGION,
         "aws_access_key_id": ACCESS_KEY,
