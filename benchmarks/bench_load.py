@@ -1,6 +1,6 @@
 """Many concurrent scheduler lookups over a shared key space, with tiers that answer slowly.
 
-    python benchmarks/bench_load.py [--requests 5000] [--quick]
+    python benchmarks/bench_load.py [--requests 5000] [--quick] [--cached-keys 100000]
 
 Reports the event loop's lag (how late a 5 ms timer fires) during the run beside the lag of
 the same loop idle, measured in the same process just before; the longest single callback
@@ -8,6 +8,11 @@ the same loop idle, measured in the same process just before; the longest single
 bounded structures (lookup cache, pending checks, in-flight bytes) against their limits; and
 errors. Lag under load is queueing: with thousands of tasks woken by one batch of verdicts the
 loop runs all their (short) steps before the timer; the longest step shows nothing blocks.
+
+Each tier starts with ``--cached-keys`` existence verdicts already cached (a long-running
+node's state), and the report gives the garbage collector's pauses: a full collection timed
+before the run, and the longest and total collector time during it. Long-lived per-key state
+that the collector tracks makes every full pass walk it.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ class StepTimer:
     def __init__(self) -> None:
         self.longest = 0.0
         self.longest_gc = 0.0
+        self.total_gc = 0.0
+        self.full_passes = 0
         self._gc_started = 0.0
         self._original = asyncio.events.Handle._run
 
@@ -41,7 +48,10 @@ class StepTimer:
         if phase == "start":
             self._gc_started = time.perf_counter()
         else:
-            self.longest_gc = max(self.longest_gc, time.perf_counter() - self._gc_started)
+            pause = time.perf_counter() - self._gc_started
+            self.longest_gc = max(self.longest_gc, pause)
+            self.total_gc += pause
+            self.full_passes += info.get("generation") == 2
 
     def __enter__(self) -> StepTimer:
         original = self._original
@@ -72,18 +82,34 @@ def pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) * 1e3 if values else 0.0
 
 
+def full_collection_ms() -> float:
+    """The pause of one full collection now, as a full pass would stop the loop."""
+    started = time.perf_counter()
+    gc.collect()
+    return (time.perf_counter() - started) * 1e3
+
+
 async def workload(
-    requests: int, concurrency: int, key_space: int, seed: int = 0
+    requests: int, concurrency: int, key_space: int, cached_keys: int, seed: int = 0
 ) -> dict[str, float]:
     """Run the load; return peaks, errors and the scheduler's results."""
     rng = random.Random(seed)
     keys = kvtier.block_keys(list(range(key_space)), 1, namespace=b"load")
-    slow_a = SlowTier(delay=0.002, name="slow-a", max_pending=2_000, max_entries=5_000)
-    slow_b = SlowTier(delay=0.004, name="slow-b", max_pending=2_000, max_entries=5_000)
+    entries = 5_000 + cached_keys
+    slow_a = SlowTier(delay=0.002, name="slow-a", max_pending=2_000, max_entries=entries)
+    slow_b = SlowTier(delay=0.004, name="slow-b", max_pending=2_000, max_entries=entries)
     for key in keys[: key_space // 2]:
         await slow_b.inner.store(key, memoryview(bytes(BB)))
+    peaks = {"full_gc_ms_empty": full_collection_ms()}
+    old = kvtier.block_keys(list(range(cached_keys)), 1, namespace=b"earlier")
+    for tier in (slow_a, slow_b):  # what a long-running node has learnt about other keys
+        for i, key in enumerate(old):
+            tier.lookups.record(key, i % 2 == 0)
+    del old
+    peaks["full_gc_ms_cached"] = full_collection_ms()
+    peaks["tracked_objects"] = len(gc.get_objects())
     limit = 64 * BB
-    peaks = {"cached": 0.0, "pending": 0.0, "in_flight_bytes": 0.0, "errors": 0.0}
+    peaks.update({"cached": 0.0, "pending": 0.0, "in_flight_bytes": 0.0, "errors": 0.0})
     manager = kvtier.TieringManager(
         kvtier.HostPool(2_000, BB), [slow_a, slow_b], max_in_flight_bytes=limit
     )
@@ -123,14 +149,14 @@ async def workload(
                     if i % 32 == 31:  # requests arrive over time, not in one loop step
                         await anyio.lowlevel.checkpoint()
             done.set()
-    peaks["limit_cached"] = 5_000
+    peaks["limit_cached"] = entries
     peaks["limit_pending"] = 2_000
     peaks["limit_in_flight_bytes"] = limit
     peaks["timeouts"] = scheduler.statistics().timeouts
     return peaks
 
 
-async def run(requests: int, concurrency: int) -> None:
+async def run(requests: int, concurrency: int, cached_keys: int) -> None:
     stop = anyio.Event()
     idle: list[float] = []
     async with anyio.create_task_group() as tg:
@@ -143,7 +169,7 @@ async def run(requests: int, concurrency: int) -> None:
     with StepTimer() as steps:
         async with anyio.create_task_group() as tg:
             tg.start_soon(measure_lag, stop, busy)
-            peaks = await workload(requests, concurrency, key_space=20_000)
+            peaks = await workload(requests, concurrency, 20_000, cached_keys)
             stop.set()
     elapsed = time.perf_counter() - started
     print(f"{requests} scheduler lookups, {concurrency} concurrent, in {elapsed:.1f} s")
@@ -161,6 +187,13 @@ async def run(requests: int, concurrency: int) -> None:
     for name in ("cached", "pending", "in_flight_bytes"):
         print(f"peak {name:<16} {peaks[name]:>10.0f} (limit {peaks['limit_' + name]:.0f})")
     print(f"errors {peaks['errors']:.0f}, lookups that hit their deadline {peaks['timeouts']:.0f}")
+    print(
+        f"garbage collector with {cached_keys:,} cached verdicts per tier: a full collection "
+        f"takes {peaks['full_gc_ms_cached']:.1f} ms (before caching them: "
+        f"{peaks['full_gc_ms_empty']:.1f} ms; {peaks['tracked_objects']:,.0f} tracked objects); "
+        f"during the run {steps.full_passes} full passes, longest pass "
+        f"{steps.longest_gc * 1e3:.1f} ms, all passes {steps.total_gc * 1e3:.0f} ms"
+    )
 
 
 def main() -> None:
@@ -168,10 +201,13 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=20_000)
     parser.add_argument("--concurrency", type=int, default=2_000)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--cached-keys", type=int, default=100_000, help="verdicts cached per tier at the start"
+    )
     args = parser.parse_args()
     if args.quick:
         args.requests, args.concurrency = 3_000, 1_000
-    asyncio.run(run(args.requests, args.concurrency))
+    asyncio.run(run(args.requests, args.concurrency, args.cached_keys))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,14 @@ correctness line: the next-token logits computed from loaded KV against the full
 Run ``python examples/serve_demo.py --quick`` for a run of a few seconds; ``--help`` lists the
 knobs (pool and tier sizes, an S3 tier, the eviction policy, the workload's shape).
 
+The engine gives kvtier its recompute cost: it times each prefill and reports it with
+``manager.cost.observe_recompute(blocks, seconds)``, so ``scheduler.lookup`` never waits
+longer than recomputing would take. ``--slow-tier 0.5`` adds a tier that takes half a second
+per operation (``kvtier.testing.SlowTier``) to show that guarantee; ``--no-recompute-cost``
+runs without it (kvtier then waits up to the lookup timeout, as before). The report adds the
+event loop's lag during each run (how late a 5 ms timer fires) and the write-through kvtier
+dropped because a tier fell behind.
+
 Two choices worth knowing when reading the numbers:
 
 - The assistant turns in each history are scripted (like a recorded chat trace), not the
@@ -52,6 +60,7 @@ import numpy as np
 import torch
 
 import kvtier
+from kvtier.testing import SlowTier
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _tiny_model import KVCache, ModelConfig, TinyTransformer
@@ -137,6 +146,7 @@ class RunResult:
     label: str
     wall: float
     results: dict[int, RequestResult] = field(default_factory=dict)
+    loop_lag: list[float] = field(default_factory=list)  # seconds late, per 5 ms timer
 
     def ttfts(self) -> list[float]:
         return [r.ttft for r in self.results.values()]
@@ -173,6 +183,7 @@ class KVTier:
 
     manager: kvtier.TieringManager
     scheduler: kvtier.OffloadScheduler
+    report_recompute: bool = True  # tell kvtier what each prefill cost
 
 
 async def serve(
@@ -208,13 +219,18 @@ async def serve(
             result.loaded_blocks = loaded
             result.resident_blocks = min(resident, loaded)
 
-        def prefill() -> tuple[torch.Tensor, torch.Tensor | None]:
+        def prefill() -> tuple[torch.Tensor, torch.Tensor | None, float]:
+            started = time.perf_counter()
             slot.cache.scatter_blocks(slot.staging, loaded)
             logits = engine.model.forward_tokens(tokens[loaded * bs :], slot.cache)
+            seconds = time.perf_counter() - started
             new = slot.cache.gather_blocks(loaded, len(keys)) if len(keys) > loaded else None
-            return logits, new
+            return logits, new, seconds
 
-        logits, new_blocks = await engine.run(prefill)
+        logits, new_blocks, prefill_seconds = await engine.run(prefill)
+        if tiering is not None and tiering.report_recompute:
+            # The recompute cost kvtier weighs waiting against: this prefill, per block.
+            tiering.manager.cost.observe_recompute(max((n - loaded * bs) // bs, 1), prefill_seconds)
         token = int(logits.argmax())
         result.ttft = time.perf_counter() - arrived
         result.logits = logits
@@ -278,9 +294,19 @@ async def run_workload(
             run.results[request.rid] = result
             progress.update(run)
 
-    async with asyncio.TaskGroup() as tg:
-        for turns in sessions:
-            tg.create_task(chat(turns))
+    async def lag(done: asyncio.Event) -> None:
+        while not done.is_set():
+            before = time.perf_counter()
+            await asyncio.sleep(0.005)
+            run.loop_lag.append(time.perf_counter() - before - 0.005)
+
+    done = asyncio.Event()
+    async with asyncio.TaskGroup() as outer:
+        outer.create_task(lag(done))
+        async with asyncio.TaskGroup() as tg:
+            for turns in sessions:
+                tg.create_task(chat(turns))
+        done.set()
     run.wall = time.perf_counter() - started
     return run
 
@@ -308,6 +334,8 @@ def make_tiers(args: argparse.Namespace, scratch: str) -> list[kvtier.SecondaryT
                 aws_secret_access_key=key,
             )
         )
+    if args.slow_tier is not None:  # last: a tier slower than recomputing (a demo of the rule)
+        tiers.append(SlowTier(delay=args.slow_tier, name="slow"))
     return tiers
 
 
@@ -354,6 +382,7 @@ def report(
     stats: kvtier.ManagerStatistics | None,
     config: ModelConfig,
     tier_names: list[str],
+    waits_cut: int = 0,
 ) -> bool:
     """Print the table; return False when the correctness check failed."""
     print()
@@ -374,7 +403,14 @@ def report(
     if base and tiered:
         b, t = base.ttfts(), tiered.ttfts()
         p50, p95 = _pct(b, 50) / _pct(t, 50), _pct(b, 95) / _pct(t, 95)
-        print(f"{'speedup':16}{'':9}{p50:>9.1f} x{p95:>9.1f} x")
+        print(f"{'speedup':16}{'':9}{p50:>9.2f} x{p95:>9.2f} x")
+    for run in runs:
+        lag = run.loop_lag
+        print(
+            f"loop lag         {run.label}: p50 {_pct(lag, 50) * 1e3:.1f} ms, "
+            f"p99 {_pct(lag, 99) * 1e3:.1f} ms, max {max(lag, default=0.0) * 1e3:.1f} ms "
+            "(how late a 5 ms timer fired)"
+        )
     if tiered is None or stats is None:
         return True
     results = tiered.results.values()
@@ -423,6 +459,25 @@ def report(
         f"{sum(stats.promotions_failed_by_reason.values()):,} failed"
     )
     print(f"tiers            {', '.join(['host pool', *tier_names])}")
+    dropped = {a.name: a.dropped for a in stats.admission if a.dropped}
+    print(
+        f"write-through    {stats.cascades_started:,} started, {stats.cascades_skipped:,} "
+        f"skipped (in-flight limit), {stats.cascades_dropped:,} dropped by tier admission"
+        + (f" {dropped}" if dropped else "")
+        + (f", {stats.written_back:,} written back" if stats.written_back else "")
+    )
+    c = stats.cost
+    per_block = c.recompute_seconds_per_block
+    estimates = ", ".join(
+        f"{t.name} {t.latency_seconds * 1e3:.1f} ms" for t in c.tiers if t.latency_seconds
+    )
+    print(
+        "cost model       recompute "
+        + ("not given" if per_block is None else f"{per_block * 1e3:.2f} ms/block")
+        + f"; promotion {estimates or 'not measured'}; {stats.promotions_declined:,} "
+        f"promotions declined (slower than recompute), {stats.promotions_deferred:,} deferred "
+        f"(lazy), {waits_cut:,} lookups stopped waiting (recompute was cheaper)"
+    )
     if base is None:
         return True
     diffs = []
@@ -484,6 +539,25 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--decode-tokens", type=int, default=4, help="tokens decoded per request")
     p.add_argument("--seed", type=int, default=0)
+    policy = p.add_argument_group("never slower than recompute")
+    policy.add_argument(
+        "--slow-tier",
+        type=float,
+        metavar="SECONDS",
+        help="add a tier that takes SECONDS per operation (kvtier.testing.SlowTier)",
+    )
+    policy.add_argument(
+        "--no-recompute-cost",
+        action="store_true",
+        help="do not tell kvtier what prefill costs (it then waits up to the lookup timeout)",
+    )
+    policy.add_argument(
+        "--write-back",
+        action="append",
+        default=[],
+        metavar="TIER",
+        help="write this tier (fs, s3, slow) only when a block leaves the pool",
+    )
     p.add_argument(
         "--metrics-port",
         type=int,
@@ -551,9 +625,14 @@ async def amain(args: argparse.Namespace) -> int:
         tiers = make_tiers(args, tmp)
         pool = kvtier.HostPool(args.pool_blocks, config.block_bytes, policy=args.policy)
         latency = kvtier.LatencyHistograms()
-        manager = await stack.enter_async_context(
-            kvtier.TieringManager(pool, tiers, latency=latency)
-        )
+        manager = kvtier.TieringManager(pool, tiers, latency=latency)
+        if args.write_back:  # the default admission, plus the tiers to write back
+            admission = kvtier.AdmissionPolicy(
+                max_in_flight_bytes=manager.default_tier_in_flight_bytes(),
+                write_back=args.write_back,
+            )
+            manager = kvtier.TieringManager(pool, tiers, latency=latency, admission=admission)
+        manager = await stack.enter_async_context(manager)
         scheduler = kvtier.OffloadScheduler(manager, latency=latency)
         if args.metrics_port is not None:
             server = await stack.enter_async_context(
@@ -562,12 +641,12 @@ async def amain(args: argparse.Namespace) -> int:
                 )
             )
             print(f"metrics: {server.url}", flush=True)
-        tiering = KVTier(manager, scheduler)
+        tiering = KVTier(manager, scheduler, report_recompute=not args.no_recompute_cost)
         runs.append(
             await run_workload("with kvtier", engine, sessions, tiering, args.decode_tokens)
         )
         stats = manager.statistics()
-    ok = report(runs, stats, config, [t.name for t in tiers])
+    ok = report(runs, stats, config, [t.name for t in tiers], scheduler.statistics().waits_cut)
     return 0 if ok else 1
 
 

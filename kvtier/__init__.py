@@ -5,7 +5,9 @@ Everything public is imported from here; the modules behind it are private.
 
 from __future__ import annotations
 
+from kvtier._admission import AdmissionPolicy, AdmissionStatistics
 from kvtier._config import FSConfig, KVTierConfig, ManagerConfig, PoolConfig, S3Config
+from kvtier._cost import CostModel, CostStatistics, TierCost
 from kvtier._errors import (
     BlockNotFoundError,
     CorruptBlockError,
@@ -38,9 +40,13 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ARCPolicy",
+    "AdmissionPolicy",
+    "AdmissionStatistics",
     "AsyncLookupManager",
     "BlockNotFoundError",
     "CorruptBlockError",
+    "CostModel",
+    "CostStatistics",
     "CudaPool",
     "CudaUnavailableError",
     "EvictionPolicy",
@@ -70,6 +76,7 @@ __all__ = [
     "SchedulerStatistics",
     "SecondaryTier",
     "SlotState",
+    "TierCost",
     "TierError",
     "TierNoSpaceError",
     "TierStatistics",

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from prometheus_client.registry import CollectorRegistry
 
     from kvtier._scheduler import OffloadScheduler
-    from kvtier._tiering import TieringManager
+    from kvtier._tiering import ManagerStatistics, TieringManager
 
 __all__ = [
     "DEFAULT_BUCKETS",
@@ -312,6 +312,7 @@ class KVTierCollector:
 
         # -- tiers
         self._collect_tiers(f, s.tiers)
+        self._collect_policies(f, s)
 
         # -- scheduler
         if self.scheduler is not None:
@@ -322,6 +323,11 @@ class KVTierCollector:
                 ("scheduler_async_lookups", sch.async_lookups, "await scheduler.lookup() calls."),
                 ("scheduler_waits", sch.waits, "Waits for a change notification."),
                 ("scheduler_timeouts", sch.timeouts, "Lookups that hit their deadline."),
+                (
+                    "scheduler_waits_cut",
+                    sch.waits_cut,
+                    "Lookups that stopped waiting: recomputing was expected to be cheaper.",
+                ),
             ):
                 f.counter(name, doc).add_metric([], value)
 
@@ -396,6 +402,62 @@ class KVTierCollector:
                     if metric not in extras:
                         extras[metric] = f.gauge(metric, f"Tier {field.name}.", L)
                     extras[metric].add_metric([name], float(value))
+
+    def _collect_policies(self, f: _Families, s: ManagerStatistics) -> None:
+        """The cost model (promotion estimates, recompute) and write-through admission."""
+        _by(
+            f.counter(
+                "promotions_not_started",
+                "Tier hits not promoted: deferred (lazy) or declined (slower than recompute).",
+                ["why"],
+            ),
+            {"deferred": s.promotions_deferred, "declined": s.promotions_declined},
+        )
+        f.counter("write_back_blocks", "Blocks written back on leaving the pool.").add_metric(
+            [], s.written_back
+        )
+        f.gauge("write_back_dirty_blocks", "Blocks waiting in the pool for write-back.").add_metric(
+            [], s.dirty_blocks
+        )
+        c = s.cost
+        if c.recompute_seconds_per_block is not None:
+            f.gauge(
+                "recompute_seconds_per_block", "The engine's recompute cost per block."
+            ).add_metric([], c.recompute_seconds_per_block)
+        L = ["tier"]
+        latency = f.gauge(
+            "tier_promotion_latency_seconds", "Moving average of one promotion, per tier.", L
+        )
+        rate = f.gauge(
+            "tier_promotion_throughput_bytes_per_second",
+            "Moving average of one promotion's throughput, per tier.",
+            L,
+        )
+        declined = f.counter(
+            "tier_promotions_declined", "Promotions not started: tier slower than recompute.", L
+        )
+        for t in c.tiers:
+            if t.latency_seconds is not None:
+                latency.add_metric([t.name], t.latency_seconds)
+            if t.throughput_bytes_per_second is not None:
+                rate.add_metric([t.name], t.throughput_bytes_per_second)
+            declined.add_metric([t.name], t.declined)
+        admitted = f.counter("tier_writes_admitted", "Writes a tier's admission let through.", L)
+        dropped = f.counter(
+            "tier_writes_dropped", "Writes a tier's admission refused, by cause.", [*L, "cause"]
+        )
+        write_latency = f.gauge(
+            "tier_write_latency_seconds", "Moving average of one write, per tier.", L
+        )
+        closed = f.gauge("tier_write_closed", "1 while a tier refuses writes (too slow).", L)
+        in_flight = f.gauge("tier_write_in_flight_bytes", "Bytes being written to a tier.", L)
+        for a in s.admission:
+            admitted.add_metric([a.name], a.admitted)
+            _by(dropped, a.dropped_by_cause, a.name)
+            if a.write_latency_seconds is not None:
+                write_latency.add_metric([a.name], a.write_latency_seconds)
+            closed.add_metric([a.name], float(a.closed))
+            in_flight.add_metric([a.name], a.in_flight_bytes)
 
     def __repr__(self) -> str:
         return f"<KVTierCollector namespace={self.namespace!r} manager={self.manager!r}>"

@@ -4,6 +4,7 @@ and an async layer that waits for state changes instead of polling (design §2.3
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ from typing import Protocol, runtime_checkable
 import anyio
 
 from kvtier._buffers import check_keys
+from kvtier._cost import CostModel, ScanBudget
 from kvtier._errors import InvalidArgumentError
 from kvtier._logging import BurstLogger
 from kvtier._lookup import LookupResult
@@ -48,6 +50,8 @@ class SchedulerStatistics:
     waits: int
     timeouts: int
     callback_failures: int
+    waits_cut: int
+    """Async lookups that stopped waiting early: recomputing was expected to be cheaper."""
 
 
 def _check_window(size: object) -> int:
@@ -91,6 +95,11 @@ class OffloadScheduler:
         self._unpin: Callable[[Sequence[int]], None] | None = unpin if pin else None
         self._scans = self._deferred = self._async_lookups = self._waits = self._timeouts = 0
         self._callback_failures = 0
+        self._cut = 0
+        # A manager with a cost model (TieringManager) gets a ScanBudget as the ctx of the
+        # async lookup's scans: lazy promotion, and the "never slower than recompute" rule.
+        cost = getattr(manager, "cost", None)
+        self._cost: CostModel | None = cost if isinstance(cost, CostModel) else None
 
     # -- synchronous scans (design §2.2) -------------------------------------------------------
 
@@ -235,41 +244,85 @@ class OffloadScheduler:
         unwatch_each: Callable[[Iterable[bytes], KeyWatch], None],
     ) -> int:
         # The scan resumes after each wake: it asks again only the keys that changed, and the
-        # hits it has counted stay pinned (its lease) until the answer is returned.
+        # hits it has counted stay pinned (its lease) until the answer is returned. With a
+        # cost model, every ask goes through the request's ScanBudget (lazy promotion, and
+        # no promotion from a tier slower than recompute).
         changes = KeyWatch()
+        cost = self._cost
+        budget = (
+            None
+            if cost is None
+            else ScanBudget(
+                self.manager.lookup,
+                keys,
+                cost.clock(),
+                cost.recompute_seconds_per_block,
+                lazy=window is None,
+            )
+        )
+        lookup = self.manager.lookup if budget is None else budget.ask
         scan: PrefixProgress | WindowProgress
         if window is None:
-            scan = PrefixProgress(keys, self.manager.lookup, self._pin, self._fast_prefix)
+            scan = PrefixProgress(keys, lookup, self._pin, self._fast_prefix)
         else:
-            scan = WindowProgress(keys, self.manager.lookup, self._pin, window)
+            scan = WindowProgress(keys, lookup, self._pin, window)
         try:
             with anyio.move_on_after(limit) as scope:
                 self._scans += 1
                 result = scan.start()
                 while result is None:
                     self._deferred += 1
+                    patience = self._patience(budget)
+                    if patience is not None and patience <= 0:
+                        self._cut += 1  # recomputing is expected to be cheaper: stop here
+                        return self._hits_now(keys, window, scan.lease, budget)
                     watch_each(scan.take_watches(), changes)
                     self._waits += 1
-                    await changes.wait()
+                    with anyio.move_on_after(math.inf if patience is None else patience):
+                        await changes.wait()
                     self._scans += 1
                     result = scan.resume(changes.take())
                 return result
             assert scope.cancelled_caught
             self._timeouts += 1
-            return self._hits_now(keys, window, scan.lease)
+            return self._hits_now(keys, window, scan.lease)  # as ever (design §2.3)
         finally:
             unwatch_each(scan.watched, changes)
             self._release(scan.lease)
 
-    def _hits_now(self, keys: Sequence[bytes], window: int | None, lease: list[int]) -> int:
+    def _patience(self, budget: ScanBudget | None) -> float | None:
+        """How much longer waiting can pay off (<= 0: stop now), or None without a recompute
+        estimate (wait up to the caller's deadline, as always). A request never waits longer
+        in all than recomputing its blocks would take, and stops at once when the blocks it
+        waits for are expected later than that."""
+        if budget is None or budget.deadline is None or self._cost is None:
+            return None
+        now = self._cost.clock()
+        if not self._cost.keep_waiting(
+            budget.started, now, budget.expected_ready, budget.deadline - budget.started
+        ):
+            return 0.0
+        return max(budget.deadline - now, 0.0)
+
+    def _hits_now(
+        self,
+        keys: Sequence[bytes],
+        window: int | None,
+        lease: list[int],
+        budget: ScanBudget | None = None,
+    ) -> int:
         """The answer counting only blocks that are HIT at this moment (pinned into
-        ``lease`` as they are counted, like a scan's)."""
+        ``lease`` as they are counted, like a scan's). With a budget, it starts no new
+        promotion: the request has stopped waiting."""
         lookup = self.manager.lookup
+        if budget is not None:
+            budget.promote = False  # the manager defers every tier hit
+            lookup = budget.ask
         pin = self._pin
         count = streak = 0
         indexes = range(len(keys)) if window is None else range(len(keys) - 1, -1, -1)
         for i in indexes:
-            hit = lookup(keys[i], None) is HIT
+            hit = lookup(keys[i], budget) is HIT
             if hit and pin is not None:
                 lease += pin((keys[i],))
             if window is None:
@@ -290,6 +343,7 @@ class OffloadScheduler:
             waits=self._waits,
             timeouts=self._timeouts,
             callback_failures=self._callback_failures,
+            waits_cut=self._cut,
         )
 
     def __repr__(self) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import time
 import types
 from collections.abc import Callable, Iterable, Sequence
@@ -19,7 +20,9 @@ from typing import Any, Protocol, Self
 import anyio
 import anyio.abc
 
+from kvtier._admission import AdmissionPolicy, AdmissionStatistics, WriteBackQueue
 from kvtier._buffers import check_keys, dtype_name, split_blocks
+from kvtier._cost import CostModel, CostStatistics, ScanBudget
 from kvtier._errors import InvalidArgumentError, LifecycleError, TierError
 from kvtier._failures import RecentFailures
 from kvtier._logging import BurstLogger
@@ -71,6 +74,16 @@ class ManagerStatistics:
     callback_failures: int
     pool: PoolStatistics
     tiers: tuple[TierStatistics, ...]
+    promotions_deferred: int
+    """Tier hits not promoted yet because an earlier key of the scan was still unknown."""
+    promotions_declined: int
+    """Tier hits not promoted because the tier was expected later than recompute."""
+    cascades_dropped: int
+    """Writes to a tier that its admission refused (back-pressure), all tiers together."""
+    written_back: int
+    dirty_blocks: int
+    cost: CostStatistics
+    admission: tuple[AdmissionStatistics, ...]
 
 
 class _InFlight:
@@ -119,6 +132,13 @@ class TieringManager:
     HIT for the key counts as a miss with the failure's reason, so a tier that cannot serve a
     block it still reports (for example one that keeps the default ``record_miss``) is not
     asked to promote it again at every lookup.
+
+    ``cost`` (a ``kvtier.CostModel``, one is made if not given) learns each tier's promotion
+    latency; give it the engine's recompute cost and the scheduler never waits longer than
+    recomputing would take. ``admission`` (a ``kvtier.AdmissionPolicy``) decides which tiers
+    take each stored block: a tier that falls behind is skipped (counted) until it recovers,
+    and tiers it names as write-back get a block only when it must leave the pool; up to
+    ``write_back_limit`` blocks wait in the pool, pinned, for that.
     """
 
     def __init__(
@@ -133,6 +153,9 @@ class TieringManager:
         failure_ttl: float = 2.0,
         dtype: Any = None,
         latency: PromotionObserver | None = None,
+        cost: CostModel | None = None,
+        admission: AdmissionPolicy | None = None,
+        write_back_limit: int | None = None,
     ) -> None:
         if not isinstance(pool, PrimaryPool):
             raise InvalidArgumentError(
@@ -159,6 +182,17 @@ class TieringManager:
         self._failed = RecentFailures(positive_number(failure_ttl, "failure_ttl"))
         self._dtype = None if dtype is None else dtype_name(dtype)
         self._latency = latency
+        self.cost = cost if cost is not None else CostModel()
+        if admission is None:
+            admission = AdmissionPolicy(max_in_flight_bytes=self.default_tier_in_flight_bytes())
+        self.admission = admission
+        self._write_back = WriteBackQueue(
+            max(pool.num_blocks // 4, 1) if write_back_limit is None else write_back_limit
+        )
+        self._write_back_tiers = tuple(t for t in self.tiers if admission.is_write_back(t.name))
+        self._through_tiers = tuple(t for t in self.tiers if not admission.is_write_back(t.name))
+        self._promoting: dict[bytes, float] = {}  # key -> when its promotion should land
+        self._after: dict[bytes, list[bytes]] = {}  # key -> keys deferred until it changes
         self._stack: AsyncExitStack | None = None
         self._task_group: anyio.abc.TaskGroup | None = None
         self._was_open = False  # closed after use: lookups answer MISS; never opened: misuse
@@ -177,6 +211,7 @@ class TieringManager:
         self._cascades_skipped = self._cascades_cancelled = 0
         self._cascade_failures: dict[str, int] = {}
         self._callback_failures = 0
+        self._deferred = self._declined = 0
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -207,6 +242,8 @@ class TieringManager:
         stack, self._stack = self._stack, None
         if stack is None:
             return
+        if self._task_group is not None:
+            self._flush_write_back(self._task_group, everything=True)
         with anyio.move_on_after(self._close_timeout, shield=True):
             await self._cascades.wait_zero()  # promotions are only reads: cancel them at once
         self._cascades_cancelled += self._cascades.count
@@ -217,6 +254,8 @@ class TieringManager:
         # Not shielded here: each tier shields and bounds its own awaiting cleanup, and a
         # shield around a task group's exit is not allowed.
         await stack.aclose()
+        self._after.clear()
+        self._promoting.clear()
         waiters, self._waiters = self._waiters, {}
         for key, events in waiters.items():  # wake schedulers: nothing will change any more
             for event in events:
@@ -246,6 +285,8 @@ class TieringManager:
             return HIT
         if self.pool.lookup(key) is HIT_PENDING:
             self._pending += 1
+            if isinstance(ctx, ScanBudget):
+                ctx.expect(self._promoting.get(key, -math.inf))
             return HIT_PENDING
         task_group = self._task_group
         if task_group is None:
@@ -255,8 +296,10 @@ class TieringManager:
             self._misses += 1
             _bump(self._miss_reasons, MissReason.UNAVAILABLE)
             return MISS
+        budget = ctx if isinstance(ctx, ScanBudget) else None
         any_retry = False
         reason = MissReason.NOT_FOUND
+        soonest = math.inf  # of the tiers still checking: when the block could land
         for tier in self.tiers:
             result = tier.lookup(key)
             if result is HIT:
@@ -265,23 +308,78 @@ class TieringManager:
                     if failure is not None:  # promoting it again would fail again
                         reason = failure
                         continue
+                if budget is not None:
+                    refused = self._refuse_promotion(budget, tier, key)
+                    if refused is not None:
+                        return refused
                 slot = self.pool.try_reserve(key)
                 if slot is None:
                     self._misses += 1
                     _bump(self._miss_reasons, MissReason.PRIMARY_FULL)
                     return MISS
                 self._promotions_started += 1
+                self._promoting[key] = ready_at = self._landing(tier)
+                if budget is not None:
+                    budget.expect(ready_at)
                 self._tasks.started()
                 task_group.start_soon(self._promote, key, tier, slot)
                 self._retries += 1
                 return RETRY
             if result is RETRY:
                 any_retry = True
+                soonest = min(soonest, self._landing(tier))
         if any_retry:
+            if budget is not None:
+                if budget.deadline is not None and soonest > budget.deadline:
+                    return self._too_slow()  # only tiers slower than recompute may hold it
+                budget.unknown = True
+                budget.expect(soonest)
             self._retries += 1
             return RETRY
         self._misses += 1
         _bump(self._miss_reasons, reason)
+        return MISS
+
+    def default_tier_in_flight_bytes(self) -> int:
+        """Each tier's default limit on bytes being written: its share of
+        ``max_in_flight_bytes``, so one tier that falls behind cannot hold it all."""
+        share = self._max_in_flight_bytes // max(len(self.tiers), 1)
+        return max(share, self.pool.block_bytes)
+
+    def _landing(self, tier: SecondaryTier) -> float:
+        """When a promotion from ``tier`` started now is expected to have landed. Before
+        its first promotion, the tier's write latency stands in: a tier that takes half a
+        second to write is unlikely to answer a check and a read much sooner."""
+        latency = self.cost.expected_latency(tier.name)
+        if latency is None:
+            latency = self.admission.write_latency(tier.name) or 0.0
+        return self.cost.clock() + latency
+
+    def _refuse_promotion(
+        self, budget: ScanBudget, tier: SecondaryTier, key: bytes
+    ) -> LookupResult | None:
+        """For a scheduler's budgeted scan, the answer when a tier hit is not promoted now:
+        RETRY when an earlier key of the scan is still unknown (lazy promotion: the scan may
+        stop before this key; its rescan promotes it once that key resolves), MISS when the
+        tier is expected later than recompute would finish. None: promote it. (A key that
+        only such slow tiers are still checking is a MISS for the scan too.)"""
+        blocker = budget.blocker
+        if blocker is not None:
+            self._deferred += 1
+            self._retries += 1
+            if blocker != key:  # wake this key's waiters when the blocker's answer changes
+                self._after.setdefault(blocker, []).append(key)
+            return RETRY
+        if not self.cost.promote_before(tier.name, budget.deadline, self.cost.clock()):
+            return self._too_slow()
+        return None
+
+    def _too_slow(self) -> LookupResult:
+        """A budgeted scan's MISS for a block no tier can deliver before recompute would
+        finish: the prefix ends there, and the request does not wait for it."""
+        self._declined += 1
+        self._misses += 1
+        self._miss_reasons["too_slow"] = self._miss_reasons.get("too_slow", 0) + 1
         return MISS
 
     def pin_ready(self, keys: Sequence[bytes]) -> list[int]:
@@ -329,11 +427,14 @@ class TieringManager:
             else:
                 self.pool.abort(slot)
                 self._promotions_cancelled += not failed
+            seconds = time.perf_counter() - started
+            if ok or failed:  # a cancelled promotion says nothing about the tier
+                self.cost.observe_promotion(tier.name, seconds, self.pool.block_bytes, ok)
             if self._latency is not None:
-                seconds = time.perf_counter() - started
                 self._callback(
                     "latency observer", self._latency.observe_promotion, tier.name, seconds, ok
                 )
+            self._promoting.pop(key, None)
             self._notify(key)
             self._tasks.finished()
 
@@ -405,48 +506,113 @@ class TieringManager:
         return len(slots)
 
     def _start_cascade(self, task_group: anyio.abc.TaskGroup, key: bytes) -> None:
-        if not self.tiers:
-            return
+        """Write a just-stored block through to the tiers that admit it now; hold it for the
+        write-back tiers."""
+        if self._write_back_tiers and key not in self._write_back:
+            slot = self.pool.pin(key)  # not evictable until written back
+            if slot is not None:
+                self._write_back.add(key, slot)
+        if self._through_tiers:
+            nbytes = self.pool.block_bytes
+            if self._in_flight_bytes + nbytes > self._max_in_flight_bytes:
+                self._cascades_skipped += 1
+                return
+            targets: list[SecondaryTier] = []
+            for tier in self._through_tiers:
+                if self.admission.admit(tier.name, nbytes):
+                    targets.append(tier)
+                else:  # counted as dropped by the policy; said once per burst
+                    self._log.warning(
+                        "admission:" + tier.name,
+                        "%s is behind: write-through to it is dropped until it recovers",
+                        tier.name,
+                    )
+            if targets:
+                slot = self.pool.pin(key)
+                if slot is None:  # already evicted by a later store in the same burst
+                    for tier in targets:
+                        self.admission.cancel(tier.name, nbytes)
+                    self._cascades_skipped += 1
+                    return
+                self._launch(task_group, key, slot, targets)
+        if self._write_back:  # while closing (a store that raced aclose), write back at once
+            self._flush_write_back(task_group, everything=self._stack is None)
+
+    def _flush_write_back(
+        self, task_group: anyio.abc.TaskGroup, *, everything: bool = False
+    ) -> None:
+        """Start the write-backs the queue says are due (see ``WriteBackQueue.due``)."""
+        by_name = {tier.name: tier for tier in self._write_back_tiers}
+        writes, unpin = self._write_back.due(
+            self.admission, list(by_name), self.pool.block_bytes, everything=everything
+        )
+        for key, slot, names in writes:
+            self._launch(task_group, key, slot, [by_name[name] for name in names])
+        for slot in unpin:
+            self.pool.unpin(slot)
+
+    def _launch(
+        self,
+        task_group: anyio.abc.TaskGroup,
+        key: bytes,
+        slot: int,
+        targets: Sequence[SecondaryTier],
+    ) -> None:
+        """Start writing the pinned ``slot`` to ``targets``; the write gives the pin back."""
         nbytes = self.pool.block_bytes
-        if self._in_flight_bytes + nbytes > self._max_in_flight_bytes:
-            self._cascades_skipped += 1
-            return
-        slot = self.pool.pin(key)
-        if slot is None:  # already evicted by a later store in the same burst
-            self._cascades_skipped += 1
-            return
         self._in_flight_bytes += nbytes
         self._cascades_started += 1
         self._cascades.started()
         self._tasks.started()
-        task_group.start_soon(self._cascade, key, slot, nbytes)
+        task_group.start_soon(self._cascade, key, slot, nbytes, tuple(targets))
 
-    async def _cascade(self, key: bytes, slot: int, nbytes: int) -> None:
+    async def _cascade(
+        self, key: bytes, slot: int, nbytes: int, targets: tuple[SecondaryTier, ...]
+    ) -> None:
         failures: list[MissReason] = []
+        begun: list[SecondaryTier] = []  # the tiers whose write started (and reports itself)
+        write = functools.partial(self._write_through, key, targets, failures, begun)
         try:
             with anyio.fail_after(self._store_timeout):
-                await self.pool.drain(slot, functools.partial(self._write_through, key, failures))
+                await self.pool.drain(slot, write)
         except Exception as exc:
             failures.append(_reason_of(exc))
         finally:
+            for tier in targets:
+                if tier not in begun:  # the drain failed first: give the admission back
+                    self.admission.cancel(tier.name, nbytes)
             self.pool.unpin(slot)
             self._in_flight_bytes -= nbytes
             self._cascades.finished()
             self._tasks.finished()
+            if self._write_back and self._task_group is not None:
+                self._flush_write_back(self._task_group)  # room in flight again
         for reason in failures:
             _bump(self._cascade_failures, reason)
         self._cascades_ok += not failures
 
     async def _write_through(
-        self, key: bytes, failures: list[MissReason], view: memoryview
+        self,
+        key: bytes,
+        targets: tuple[SecondaryTier, ...],
+        failures: list[MissReason],
+        begun: list[SecondaryTier],
+        view: memoryview,
     ) -> None:
         async with anyio.create_task_group() as tg:
-            for tier in self.tiers:
-                tg.start_soon(self._store_one, tier, key, view, failures)
+            for tier in targets:
+                tg.start_soon(self._store_one, tier, key, view, failures, begun)
 
     async def _store_one(
-        self, tier: SecondaryTier, key: bytes, view: memoryview, failures: list[MissReason]
+        self,
+        tier: SecondaryTier,
+        key: bytes,
+        view: memoryview,
+        failures: list[MissReason],
+        begun: list[SecondaryTier],
     ) -> None:
+        begun.append(tier)  # from here on this write reports to the admission policy itself
+        started = time.perf_counter()
         try:
             await tier.store(key, view)
         except Exception as exc:
@@ -461,6 +627,8 @@ class TieringManager:
             )
         else:
             self._callback("notify", tier.notify, [key])
+        finally:
+            self.admission.finished(tier.name, view.nbytes, time.perf_counter() - started)
 
     async def load(self, keys: Sequence[bytes], out: Any) -> int:
         """Copy the blocks of ``keys`` from the pool into ``out`` (one array with a leading
@@ -525,6 +693,10 @@ class TieringManager:
                     del self._waiters[key]
 
     def _notify(self, key: bytes) -> None:
+        deferred = self._after.pop(key, None)
+        if deferred:
+            for other in deferred:
+                self._notify(other)
         events = self._waiters.pop(key, None)
         if events:
             for event in events:
@@ -560,6 +732,13 @@ class TieringManager:
             callback_failures=self._callback_failures,
             pool=self.pool.statistics(),
             tiers=tuple(t.statistics() for t in self.tiers),
+            promotions_deferred=self._deferred,
+            promotions_declined=self._declined,
+            cascades_dropped=self.admission.dropped(),
+            written_back=self._write_back.written_back,
+            dirty_blocks=len(self._write_back),
+            cost=self.cost.statistics(),
+            admission=self.admission.statistics([t.name for t in self.tiers]),
         )
 
     def __repr__(self) -> str:

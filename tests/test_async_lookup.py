@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import gc
+
 import anyio
 import pytest
 
-from kvtier import AsyncLookupManager, LookupResult, TierUnavailableError
+from kvtier import AsyncLookupManager, LookupResult, MissReason, TierUnavailableError
 
 
 def k(i: int) -> bytes:
@@ -179,6 +181,54 @@ async def test_record_overrides_and_forget_clears() -> None:
         manager.forget(k(1))
         assert manager.lookup(k(1)) is LookupResult.RETRY
     assert storage.batches == [] or storage.batches == [[k(1)]]
+
+
+async def test_a_store_that_lands_during_a_check_is_not_overwritten_by_its_stale_miss() -> None:
+    # Issue 11 item 6: the check looked before the write-through landed, so its MISS is older
+    # than the HIT the tier recorded; the key must stay a HIT.
+    storage = Storage(set())
+    storage.gate = anyio.Event()
+    async with manager_for(storage) as manager:
+        assert manager.lookup(k(1)) is LookupResult.RETRY
+        await storage.entered.wait()  # the check is in flight, and will answer "absent"
+        manager.record(k(1), True)  # the store landed meanwhile
+        storage.gate.set()
+        waker: Waker = manager.waker  # type: ignore[attr-defined]
+        with anyio.fail_after(5):
+            while manager.statistics().in_flight:
+                await waker.changed.wait()
+        assert manager.lookup(k(1)) is LookupResult.HIT
+        assert manager.statistics().keys_checked == 1
+
+
+async def test_a_delete_during_a_check_drops_its_stale_hit() -> None:
+    storage = Storage({k(1)})
+    storage.gate = anyio.Event()
+    async with manager_for(storage) as manager:
+        manager.lookup(k(1))
+        await storage.entered.wait()
+        manager.forget(k(1))  # deleted while the check (which will say "present") runs
+        storage.gate.set()
+        waker: Waker = manager.waker  # type: ignore[attr-defined]
+        with anyio.fail_after(5):
+            while manager.statistics().in_flight:
+                await waker.changed.wait()
+        assert manager.lookup(k(1)) is LookupResult.RETRY  # unknown again: asked anew
+
+
+def test_cached_verdicts_add_no_objects_for_the_garbage_collector() -> None:
+    manager = AsyncLookupManager(Storage(set()).contains_many, max_entries=50_000)
+    keys = [k(i) for i in range(20_000)]
+    gc.collect()
+    before = len(gc.get_objects())
+    for i, key in enumerate(keys):
+        manager.record(key, i % 2 == 0, MissReason.TIMEOUT)
+    after = len(gc.get_objects())
+    assert manager.statistics().cached_verdicts == 20_000
+    assert after - before < 100, f"{after - before} more tracked objects for 20,000 verdicts"
+    assert manager.lookup(keys[0]) is LookupResult.HIT
+    assert manager.lookup(keys[1]) is LookupResult.MISS
+    assert manager.statistics().misses_by_reason == {"timeout": 1}
 
 
 async def test_closing_resolves_pending_keys_and_wakes_listeners() -> None:

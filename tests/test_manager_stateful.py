@@ -2,6 +2,11 @@
 scheduler lookups, loads, cancellations, tier failures and recoveries, stalls, and manager
 exits and re-entries; after every step nothing has leaked and every hit has the right bytes.
 
+The cost and admission policies are driven too: the recompute cost comes and goes, tier
+latencies are injected (so promotions are declined and waits cut), write latencies close and
+reopen a tier's admission, and the file tier is written back (its blocks wait in the pool,
+pinned, until they must leave it).
+
 The manager lives in an event loop thread behind an anyio blocking portal, so the state
 machine itself stays synchronous; the portal keeps ``async with`` in one task.
 
@@ -26,6 +31,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvtier import (
+    AdmissionPolicy,
     FSTier,
     HostPool,
     LookupResult,
@@ -65,6 +71,10 @@ class ManagerMachine(RuleBasedStateMachine):
             store_timeout=2.0,
             close_timeout=0.2,
             max_in_flight_bytes=6 * BB,
+            admission=AdmissionPolicy(
+                max_in_flight_bytes=3 * BB, write_back=["failing"], probe_interval=0.05
+            ),
+            write_back_limit=2,
         )
         self.scheduler = OffloadScheduler(self.manager, max_wait=3.0)
         self.entered: AbstractContextManager[TieringManager] | None = None
@@ -141,6 +151,18 @@ class ManagerMachine(RuleBasedStateMachine):
     def tier_unstalls(self) -> None:
         self.portal.call(self.stalling.release)
 
+    @rule(per_block=st.none() | st.floats(0.0, 0.01))
+    def recompute_cost(self, per_block: float | None) -> None:
+        self.manager.cost.set_recompute_cost(per_block)
+
+    @rule(tier=st.sampled_from(["stalling", "failing"]), seconds=st.floats(0.0, 5.0))
+    def promotion_latency_observed(self, tier: str, seconds: float) -> None:
+        self.manager.cost.observe_promotion(tier, seconds, BB, ok=True)
+
+    @rule(tier=st.sampled_from(["stalling", "failing"]), seconds=st.floats(0.0, 2.0))
+    def write_latency_observed(self, tier: str, seconds: float) -> None:
+        self.manager.admission.observe_write_latency(tier, seconds)
+
     @rule()
     def exit_and_reenter(self) -> None:
         assert self.entered is not None
@@ -148,6 +170,7 @@ class ManagerMachine(RuleBasedStateMachine):
         stats = self.manager.statistics()
         assert stats.background_tasks == 0
         assert stats.pool.writing == 0 and stats.pool.pinned == 0
+        assert stats.dirty_blocks == 0  # written back at close
         self.enter()
 
     # -- invariants ----------------------------------------------------------------------------
@@ -156,9 +179,12 @@ class ManagerMachine(RuleBasedStateMachine):
     def nothing_leaked(self) -> None:
         self.manager.pool.table.check_invariants()
         stats = self.manager.statistics()
-        assert stats.in_flight_bytes <= 6 * BB
+        assert stats.in_flight_bytes <= 6 * BB + 3 * BB  # write-back: its tier's own cap only
         pool = stats.pool
         assert pool.reservations == pool.commits + pool.aborts + pool.writing
+        assert stats.dirty_blocks <= pool.pinned  # a block waiting for write-back is held
+        for a in stats.admission:
+            assert 0 <= a.in_flight_bytes <= 3 * BB or a.write_back
 
     @invariant()
     def settles_when_nothing_stalls(self) -> None:
@@ -171,8 +197,10 @@ class ManagerMachine(RuleBasedStateMachine):
                 await self.manager.wait_idle()
 
         self.call(settle)
-        pool = self.manager.statistics().pool
-        assert pool.writing == 0 and pool.pinned == 0
+        stats = self.manager.statistics()
+        pool = stats.pool
+        # only blocks waiting for write-back stay pinned, one pin each
+        assert pool.writing == 0 and pool.pinned == stats.dirty_blocks == pool.pins
         leftovers = list(self.folder.rglob(".tmp-*"))
         assert not leftovers, f"temporary files left: {leftovers}"
 

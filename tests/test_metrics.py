@@ -13,6 +13,8 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvtier._admission import AdmissionPolicy
+from kvtier._cost import CostModel
 from kvtier._errors import CorruptBlockError, ExtraNotInstalledError, InvalidArgumentError
 from kvtier._lookup import LookupResult
 from kvtier._metrics import KVTierCollector, LatencyHistograms, serve_metrics
@@ -239,3 +241,31 @@ async def test_serve_metrics_into_a_given_registry() -> None:
     async with serve_metrics(manager, 0, registry=registry) as server:
         assert server.registry is registry
         assert samples(registry)["kvtier_pool_blocks", (("state", "free"),)] == 2
+
+
+async def test_cost_model_and_admission_are_exported() -> None:
+    inner = MemoryTier("remote")
+    k = key()
+    await inner.store(k, memoryview(os.urandom(BLOCK)))
+    cost = CostModel(recompute_seconds_per_block=0.002)
+    policy = AdmissionPolicy(max_write_latency=0.5)
+    manager = TieringManager(HostPool(4, BLOCK), [inner], cost=cost, admission=policy)
+    scheduler = OffloadScheduler(manager)
+    registry = CollectorRegistry()
+    registry.register(KVTierCollector(manager, scheduler=scheduler))
+    async with manager:
+        assert await scheduler.lookup([k], timeout=5.0) == 1  # one promotion: measured
+        policy.observe_write_latency("remote", 3.0)  # a write that took 3 s: admission closes
+        await manager.store([key()], np.zeros((1, BLOCK), np.uint8))  # a probe
+        await manager.store([key()], np.zeros((1, BLOCK), np.uint8))  # dropped
+        await manager.wait_idle()
+        got = samples(registry)
+    assert got["kvtier_recompute_seconds_per_block", ()] == pytest.approx(0.002)
+    assert got["kvtier_tier_promotion_latency_seconds", (("tier", "remote"),)] > 0
+    assert got["kvtier_tier_promotion_throughput_bytes_per_second", (("tier", "remote"),)] > 0
+    assert got["kvtier_tier_promotions_declined_total", (("tier", "remote"),)] == 0
+    assert got["kvtier_tier_writes_dropped_total", (("cause", "latency"), ("tier", "remote"))] == 1
+    assert got["kvtier_tier_write_closed", (("tier", "remote"),)] == 1
+    assert got["kvtier_tier_writes_admitted_total", (("tier", "remote"),)] == 1
+    assert got["kvtier_scheduler_waits_cut_total", ()] == 0
+    assert got["kvtier_promotions_not_started_total", (("why", "declined"),)] == 0

@@ -5,6 +5,17 @@ verdict lands in a bounded cache and listeners are told so waiting schedulers wa
 expire after ``miss_ttl`` because another process may write the key to a shared tier; a check
 that fails or times out becomes a miss with that reason. The bookkeeping (cache, pending,
 in-flight) is synchronous; only the batch runner awaits.
+
+Two details matter at scale:
+
+- A verdict recorded from outside (a store landed, a load failed, the key was deleted) while a
+  check of that key is in flight is newer than the check's answer, so the check's answer for
+  that key is dropped instead of overwriting it (a stale MISS over a fresh HIT would hide the
+  block for ``miss_ttl``).
+- The cache holds one plain ``int`` per key (expiry in microseconds and a reason code packed
+  together), never a tuple or an enum member: ints are not tracked by the garbage collector, so
+  100,000 cached verdicts add no work to its passes (a tuple per key did, and full passes over
+  them stalled the event loop for tens of milliseconds).
 """
 
 from __future__ import annotations
@@ -31,7 +42,19 @@ __all__ = ["AsyncLookupManager"]
 logger = logging.getLogger(__name__)
 
 ContainsMany = Callable[[list[bytes]], Awaitable[list[bool]]]
-_Verdict = tuple[bool, float, MissReason]  # present, expires at, reason when absent
+
+# A cached verdict is one int: (expiry in whole microseconds) << _CODE_BITS | code, where code
+# 0 means present and code i > 0 means absent for _REASONS[i - 1].
+_REASONS: tuple[MissReason, ...] = tuple(MissReason)
+_CODE_OF: dict[MissReason, int] = {reason: i + 1 for i, reason in enumerate(_REASONS)}
+_CODE_BITS = 5
+_CODE_MASK = (1 << _CODE_BITS) - 1
+_FOREVER_US = 1 << 62  # "never expires" (hit_ttl=None), far beyond any monotonic clock
+assert len(_REASONS) < _CODE_MASK
+
+
+def _micros(seconds: float) -> int:
+    return _FOREVER_US if seconds == math.inf else math.ceil(seconds * 1e6)
 
 
 class AsyncLookupManager:
@@ -74,9 +97,12 @@ class AsyncLookupManager:
         self._max_pending = int(max_pending)
         self._on_verdict = on_verdict
         self._clock = clock
-        self._verdicts: OrderedDict[bytes, _Verdict] = OrderedDict()
+        self._verdicts: OrderedDict[bytes, int] = OrderedDict()
         self._pending: dict[bytes, None] = {}
         self._in_flight: set[bytes] = set()
+        # Keys recorded or forgotten from outside while their check was in flight: that
+        # check's answer is older than what we know now, so it is dropped for them.
+        self._superseded: set[bytes] = set()
         self._wake = anyio.Event()
         self._task_group: anyio.abc.TaskGroup | None = None
         self._log = BurstLogger(logger)
@@ -120,6 +146,7 @@ class AsyncLookupManager:
         dropped = list(self._pending)
         self._pending.clear()
         self._in_flight.clear()
+        self._superseded.clear()
         self._emit(dropped)
 
     # -- synchronous answers ---------------------------------------------------------------
@@ -127,12 +154,12 @@ class AsyncLookupManager:
     def lookup(self, key: bytes) -> LookupResult:
         verdict = self._verdicts.get(key)
         if verdict is not None:
-            present, expires, reason = verdict
-            if expires > self._clock():
-                if present:
+            if (verdict >> _CODE_BITS) > self._clock() * 1e6:
+                code = verdict & _CODE_MASK
+                if not code:
                     self._hits += 1
                     return LookupResult.HIT
-                return self._miss(reason)
+                return self._miss(_REASONS[code - 1])
             del self._verdicts[key]
         if key in self._pending or key in self._in_flight:
             self._retries += 1
@@ -153,16 +180,29 @@ class AsyncLookupManager:
         return LookupResult.MISS
 
     def record(self, key: bytes, present: bool, reason: MissReason = MissReason.NOT_FOUND) -> None:
-        """Set the verdict for ``key`` from outside (a store landed, a load found it bad)."""
-        now = self._clock()
-        expires = now + (self._hit_ttl if present else self._miss_ttl)
-        self._verdicts[key] = (present, expires, reason)
+        """Set the verdict for ``key`` from outside (a store landed, a load found it bad).
+
+        It wins over a check of ``key`` in flight: that check's answer is ignored for this
+        key. (A check still queued runs later, after this, so its answer is not stale.)
+        """
+        if key in self._in_flight:
+            self._superseded.add(key)
+        self._set(key, present, reason)
+
+    def _set(self, key: bytes, present: bool, reason: MissReason) -> None:
+        expires = self._clock() + (self._hit_ttl if present else self._miss_ttl)
+        code = 0 if present else _CODE_OF[MissReason(reason)]
+        self._verdicts[key] = _micros(expires) << _CODE_BITS | code
         self._verdicts.move_to_end(key)
         while len(self._verdicts) > self._max_entries:
             self._verdicts.popitem(last=False)
 
     def forget(self, key: bytes) -> None:
+        """Drop what is known about ``key`` (it was deleted); a check in flight for it is
+        ignored too, since it may have looked before the delete."""
         self._verdicts.pop(key, None)
+        if key in self._in_flight:
+            self._superseded.add(key)
 
     def statistics(self) -> LookupStatistics:
         return LookupStatistics(
@@ -219,20 +259,25 @@ class AsyncLookupManager:
             if reason is None and len(found) != len(batch):
                 reason = MissReason.UNAVAILABLE
                 self._log.warning("answers", "%s: contains_many gave a wrong count", self.name)
+            superseded = self._superseded
             if reason is not None:
                 self._log.warning(
                     reason.value, "%s: existence checks resolve to miss (%s)", self.name, reason
                 )
                 for key in batch:
-                    self.record(key, False, reason)
+                    if key not in superseded:
+                        self._set(key, False, reason)
             else:
                 for key, present in zip(batch, found, strict=True):
-                    self.record(key, present)
+                    if key not in superseded:
+                        self._set(key, present, MissReason.NOT_FOUND)
             self._batches += 1
             self._keys_checked += len(batch)
         finally:
             limiter.release()
             self._in_flight.difference_update(batch)
+            if self._superseded:
+                self._superseded.difference_update(batch)
             self._emit(batch)
 
     def _emit(self, keys: list[bytes]) -> None:

@@ -1,0 +1,278 @@
+"""Which stored blocks each secondary tier is asked to write, and when (design §5a).
+
+Write-through gives every tier every stored block at once. A tier that falls behind (a remote
+store under load, a hung mount) then holds pinned slots, in-flight bytes and worker time that
+the engine needs. This policy lets each tier yield instead:
+
+- **Back-pressure.** A tier whose write latency (a moving average) is above
+  ``max_write_latency``, whose oldest write in flight has run ``STUCK_FACTOR`` times longer
+  than that (a hung tier never reports a latency; a burst queued behind a few writer threads
+  must not look hung), or whose in-flight bytes would pass ``max_in_flight_bytes``, is
+  not given new blocks; each block it is not given is counted as dropped, by cause. While the
+  latency keeps it closed, one write is let through every ``probe_interval`` seconds to
+  measure it again, so the tier is admitted again once it has recovered.
+- **Write-back.** A tier named in ``write_back`` is not written on store: the manager keeps
+  the block in the pool, not evictable, and writes it to that tier when it must make room
+  (or at close). For tiers where every write costs money or bandwidth.
+
+The interface is synchronous (``admit`` / ``finished``), with times from ``clock``, so every
+rule is tested without an event loop and with a fake clock.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+
+from kvtier._errors import InvalidArgumentError
+from kvtier._validate import positive_int, positive_number
+
+__all__ = ["AdmissionPolicy", "AdmissionStatistics", "WriteBackQueue"]
+
+CAUSE_LATENCY = "latency"
+STUCK_FACTOR = 4.0
+CAUSE_IN_FLIGHT = "in_flight"
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionStatistics:
+    """One tier's admission state and counts."""
+
+    name: str
+    write_back: bool
+    admitted: int
+    dropped_by_cause: dict[str, int]
+    probes: int
+    in_flight_bytes: int
+    write_latency_seconds: float | None
+    """Moving average of one write to this tier, failures included."""
+    closed: bool
+    """Whether the latency rule refuses new writes right now."""
+
+    @property
+    def dropped(self) -> int:
+        return sum(self.dropped_by_cause.values())
+
+
+class _Gate:
+    __slots__ = ("admitted", "dropped", "in_flight", "last_probe", "latency", "probes", "started")
+
+    def __init__(self) -> None:
+        self.started: deque[float] = deque()  # start times of the writes in flight, oldest first
+        self.admitted = 0
+        self.dropped: dict[str, int] = {}
+        self.probes = 0
+        self.in_flight = 0
+        self.latency: float | None = None
+        self.last_probe = -math.inf
+
+
+class AdmissionPolicy:
+    """Per-tier admission of write-through, with back-pressure and an optional write-back.
+
+    ``max_in_flight_bytes``: a tier's own limit on bytes being written, the same for every
+    tier or a mapping from tier name to limit (None, or a tier not in the mapping: only the
+    manager's global limit applies). ``max_write_latency``: seconds a write may take on
+    average before the tier is closed to new blocks (None: latency never closes it).
+    """
+
+    def __init__(
+        self,
+        *,
+        max_in_flight_bytes: int | Mapping[str, int] | None = None,
+        max_write_latency: float | None = 0.25,
+        probe_interval: float = 1.0,
+        alpha: float = 0.3,
+        write_back: Collection[str] = (),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if isinstance(max_in_flight_bytes, Mapping):
+            for name, limit in max_in_flight_bytes.items():
+                positive_int(limit, f"max_in_flight_bytes[{name!r}]")
+            self._caps: Mapping[str, int] | None = dict(max_in_flight_bytes)
+            self._cap: int | None = None
+        else:
+            if max_in_flight_bytes is not None:
+                positive_int(max_in_flight_bytes, "max_in_flight_bytes", ", a mapping or None")
+            self._caps, self._cap = None, max_in_flight_bytes
+        if max_write_latency is not None:
+            positive_number(max_write_latency, "max_write_latency", " or None")
+        if isinstance(write_back, str):
+            raise InvalidArgumentError("write_back must be a collection of tier names, not a str")
+        if not 0 < alpha <= 1 or isinstance(alpha, bool):
+            raise InvalidArgumentError(f"alpha must be in (0, 1], got {alpha!r}")
+        self.max_write_latency = max_write_latency
+        self._probe_interval = positive_number(probe_interval, "probe_interval")
+        self._alpha = float(alpha)
+        self.write_back_tiers = frozenset(write_back)
+        self.clock = clock
+        self._gates: dict[str, _Gate] = {}
+
+    def _gate(self, tier: str) -> _Gate:
+        gate = self._gates.get(tier)
+        if gate is None:
+            gate = self._gates[tier] = _Gate()
+        return gate
+
+    def is_write_back(self, tier: str) -> bool:
+        return tier in self.write_back_tiers
+
+    def is_closed(self, tier: str) -> bool:
+        """Whether the latency rule refuses new writes to ``tier`` right now: its writes
+        average too long, or its oldest write in flight has run ``STUCK_FACTOR`` times too
+        long already."""
+        gate = self._gates.get(tier)
+        limit = self.max_write_latency
+        if gate is None or limit is None:
+            return False
+        if gate.latency is not None and gate.latency > limit:
+            return True
+        # Writes end roughly in the order they start, so the oldest start stands for the
+        # oldest write still running.
+        return bool(gate.started) and self.clock() - gate.started[0] > limit * STUCK_FACTOR
+
+    def write_latency(self, tier: str) -> float | None:
+        """The moving average of one write to ``tier`` (None before the first)."""
+        gate = self._gates.get(tier)
+        return None if gate is None else gate.latency
+
+    def admit(self, tier: str, nbytes: int) -> bool:
+        """Whether ``tier`` takes a write of ``nbytes`` now. True reserves the bytes (give
+        them back with ``finished``); False counts a dropped write."""
+        gate = self._gate(tier)
+        cap = self._cap if self._caps is None else self._caps.get(tier)
+        if cap is not None and gate.in_flight + nbytes > cap:
+            return self._drop(gate, CAUSE_IN_FLIGHT)
+        now = self.clock()
+        if self.is_closed(tier):
+            if gate.in_flight or now - gate.last_probe < self._probe_interval:
+                return self._drop(gate, CAUSE_LATENCY)
+            gate.last_probe = now  # one probe write, alone, to measure the tier again
+            gate.probes += 1
+        gate.admitted += 1
+        gate.in_flight += nbytes
+        gate.started.append(now)
+        return True
+
+    def force(self, tier: str, nbytes: int) -> None:
+        """Reserve a write that must happen whatever the state (write-back at close)."""
+        gate = self._gate(tier)
+        gate.admitted += 1
+        gate.in_flight += nbytes
+        gate.started.append(self.clock())
+
+    def _drop(self, gate: _Gate, cause: str) -> bool:
+        gate.dropped[cause] = gate.dropped.get(cause, 0) + 1
+        return False
+
+    def cancel(self, tier: str, nbytes: int) -> None:
+        """Give back an admission that was not used (no write happened: no latency sample)."""
+        gate = self._gate(tier)
+        gate.in_flight = max(gate.in_flight - nbytes, 0)
+        gate.admitted -= 1
+        if gate.started:
+            gate.started.pop()
+
+    def finished(self, tier: str, nbytes: int, seconds: float) -> None:
+        """An admitted write of ``nbytes`` ended after ``seconds`` (failed, timed out or
+        cancelled writes too: each says how long the tier held the bytes)."""
+        gate = self._gate(tier)
+        gate.in_flight = max(gate.in_flight - nbytes, 0)
+        if gate.started:
+            gate.started.popleft()
+        gate.latency = _ewma(gate.latency, max(float(seconds), 0.0), self._alpha)
+
+    def observe_write_latency(self, tier: str, seconds: float) -> None:
+        """A write latency measured elsewhere (a tier's own client, an earlier run)."""
+        gate = self._gate(tier)
+        gate.latency = _ewma(gate.latency, max(float(seconds), 0.0), self._alpha)
+
+    def dropped(self) -> int:
+        return sum(sum(g.dropped.values()) for g in self._gates.values())
+
+    def statistics(self, tiers: Collection[str] = ()) -> tuple[AdmissionStatistics, ...]:
+        """Per tier: those named (in that order), then any other tier seen."""
+        names = list(tiers) + [name for name in self._gates if name not in tiers]
+        out = []
+        for name in names:
+            gate = self._gate(name)
+            out.append(
+                AdmissionStatistics(
+                    name=name,
+                    write_back=self.is_write_back(name),
+                    admitted=gate.admitted,
+                    dropped_by_cause=dict(gate.dropped),
+                    probes=gate.probes,
+                    in_flight_bytes=gate.in_flight,
+                    write_latency_seconds=gate.latency,
+                    closed=self.is_closed(name),
+                )
+            )
+        return tuple(out)
+
+    def __repr__(self) -> str:
+        closed = [name for name in self._gates if self.is_closed(name)]
+        return (
+            f"<AdmissionPolicy write_back={sorted(self.write_back_tiers)} closed={closed} "
+            f"dropped={self.dropped()}>"
+        )
+
+
+class WriteBackQueue:
+    """The dirty blocks of write-back tiers: stored in the pool, pinned there (so they cannot
+    be evicted unwritten), oldest first. The manager writes back the oldest once more than
+    ``limit`` are dirty, and all of them at close."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = positive_int(limit, "write_back_limit")
+        self._dirty: dict[bytes, int] = {}  # key -> pinned slot, in the order stored
+        self.written_back = 0
+
+    def __len__(self) -> int:
+        return len(self._dirty)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._dirty
+
+    def add(self, key: bytes, slot: int) -> None:
+        self._dirty[key] = slot
+
+    def due(
+        self, admission: AdmissionPolicy, tiers: Sequence[str], nbytes: int, *, everything: bool
+    ) -> tuple[list[tuple[bytes, int, list[str]]], list[int]]:
+        """What to write back now: (key, pinned slot, tiers to write) for each block taken
+        off the queue, and the slots of blocks every tier dropped (to unpin).
+
+        Oldest first, while more than ``limit`` wait (all of them when ``everything``: at
+        close, admission or not). A tier short of in-flight room stops the pass (the block
+        stays dirty, tried again when a write ends); a tier the latency rule closed drops
+        the block for that tier (counted by the policy)."""
+        writes: list[tuple[bytes, int, list[str]]] = []
+        unpin: list[int] = []
+        while self._dirty and (everything or len(self._dirty) > self.limit):
+            key, slot = next(iter(self._dirty.items()))
+            targets: list[str] = []
+            for tier in tiers:
+                if everything:
+                    admission.force(tier, nbytes)
+                    targets.append(tier)
+                elif admission.admit(tier, nbytes):
+                    targets.append(tier)
+                elif not admission.is_closed(tier):  # full for now: retry later
+                    for admitted in targets:
+                        admission.cancel(admitted, nbytes)
+                    return writes, unpin
+            del self._dirty[key]
+            if targets:
+                writes.append((key, slot, targets))
+                self.written_back += 1
+            else:
+                unpin.append(slot)
+        return writes, unpin
+
+
+def _ewma(old: float | None, sample: float, alpha: float) -> float:
+    return sample if old is None else old + alpha * (sample - old)

@@ -1,0 +1,186 @@
+"""Write-through that yields, through a real manager: back-pressure engages, drops are
+counted, it recovers; write-back writes on eviction and loses nothing from a healthy tier.
+Latencies are injected into the policy (a fake clock), the tiers are held with a
+StallingTier; nothing here asserts a duration."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import anyio
+import numpy as np
+
+from kvtier import (
+    AdmissionPolicy,
+    HostPool,
+    LookupResult,
+    MemoryTier,
+    SlotState,
+    TieringManager,
+)
+from kvtier._buffers import BlockBuffer
+from kvtier.pools._base import ByteSource
+from kvtier.testing import StallingTier
+
+BB = 4096
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def blocks(n: int) -> np.ndarray:
+    return np.random.default_rng(0).integers(0, 256, (n, BB), dtype=np.uint8)
+
+
+def held(tier: MemoryTier, keys: list[bytes]) -> list[bool]:
+    return [tier.lookup(key) is LookupResult.HIT for key in keys]
+
+
+async def test_a_slow_tier_is_skipped_counted_and_admitted_again_when_it_recovers(
+    keys: list[bytes],
+) -> None:
+    clock = Clock()
+    policy = AdmissionPolicy(max_write_latency=0.5, probe_interval=1.0, alpha=0.5, clock=clock)
+    fast, slow = MemoryTier("fast"), MemoryTier("slow")
+    async with TieringManager(HostPool(32, BB), [fast, slow], admission=policy) as manager:
+        policy.observe_write_latency("slow", 8.0)  # its last write took 8 s: back-pressure engages
+        for i in range(3):
+            await manager.store(keys[i : i + 1], blocks(1))
+            await manager.wait_idle()
+        assert held(fast, keys[:3]) == [True, True, True]  # the fast tier is not held back
+        assert held(slow, keys[:3]) == [True, False, False]  # one probe; two dropped
+        assert manager.statistics().cascades_dropped == 2
+        assert manager.statistics().admission[1].dropped_by_cause == {"latency": 2}
+        # Each interval one probe measures it again; fast probes reopen it.
+        i = 3
+        while policy.is_closed("slow"):
+            clock.now += 1.0
+            await manager.store(keys[i : i + 1], blocks(1))
+            await manager.wait_idle()
+            i += 1
+            assert i < 12, "the tier never recovered"
+        await manager.store(keys[i : i + 3], blocks(3))
+        await manager.wait_idle()
+        assert held(slow, keys[i : i + 3]) == [True, True, True]
+        assert manager.statistics().cascades_dropped == 2
+
+
+async def test_a_tier_at_its_in_flight_limit_drops_new_blocks_until_it_drains(
+    keys: list[bytes],
+) -> None:
+    policy = AdmissionPolicy(max_in_flight_bytes={"slow": 2 * BB}, max_write_latency=None)
+    fast = MemoryTier("fast")
+    slow = StallingTier(name="slow")
+    slow.stall("store")
+    async with TieringManager(HostPool(32, BB), [fast, slow], admission=policy) as manager:
+        await manager.store(keys[:4], blocks(4))
+        with anyio.fail_after(10):
+            while slow.stalled["store"] < 2:
+                await slow.wait_stalled("store")
+                await anyio.lowlevel.checkpoint()
+        stats = manager.statistics()
+        assert stats.admission[1].dropped_by_cause == {"in_flight": 2}
+        assert stats.admission[1].in_flight_bytes == 2 * BB
+        slow.release("store")
+        with anyio.fail_after(10):
+            await manager.wait_idle()
+        assert held(fast, keys[:4]) == [True] * 4
+        await manager.store(keys[4:6], blocks(2))
+        await manager.wait_idle()
+        assert manager.statistics().admission[1].dropped == 2  # room again: none dropped
+        assert slow.inner.statistics().blocks == 4
+
+
+async def test_write_back_writes_on_eviction_and_loses_nothing(keys: list[bytes]) -> None:
+    policy = AdmissionPolicy(write_back=["remote"])
+    near, remote = MemoryTier("near"), MemoryTier("remote")
+    manager = TieringManager(HostPool(6, BB), [near, remote], admission=policy, write_back_limit=2)
+    async with manager:
+        for i in range(3):
+            await manager.store(keys[i : i + 1], blocks(1))
+            await manager.wait_idle()
+        assert held(near, keys[:3]) == [True] * 3  # write-through as ever
+        assert held(remote, keys[:3]) == [True, False, False]  # only the oldest left
+        assert manager.statistics().dirty_blocks == 2
+        for i in range(3, 12):  # twice the pool: blocks must leave it to make room
+            await manager.store(keys[i : i + 1], blocks(1))
+            await manager.wait_idle()
+            in_pool = [manager.pool.state_of(key) is SlotState.READY for key in keys[: i + 1]]
+            assert all(p or r for p, r in zip(in_pool, held(remote, keys[: i + 1]), strict=True))
+        assert manager.statistics().pool.evictions > 0
+    assert held(remote, keys[:12]) == [True] * 12  # the rest were written back at close
+    stats = manager.statistics()
+    assert stats.written_back == 12 and stats.dirty_blocks == 0 and stats.cascades_dropped == 0
+
+
+class GatedPool(HostPool):
+    """A HostPool whose copies into the pool wait at a gate once it is closed."""
+
+    def __init__(self, num_blocks: int) -> None:
+        super().__init__(num_blocks, BB)
+        self.gate: anyio.Event | None = None
+        self.entered = anyio.Event()
+
+    async def copy_in(self, slots: Sequence[int], blocks: Sequence[BlockBuffer]) -> None:
+        if self.gate is not None:
+            self.entered.set()
+            await self.gate.wait()
+        await super().copy_in(slots, blocks)
+
+
+async def test_a_block_stored_while_the_manager_closes_is_written_back_not_left_pinned(
+    keys: list[bytes],
+) -> None:
+    pool = GatedPool(8)
+    near = StallingTier(name="near")
+    remote = MemoryTier("remote")
+    manager = TieringManager(
+        pool, [near, remote], admission=AdmissionPolicy(write_back=["remote"]), write_back_limit=4
+    )
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as engine:
+            await manager.__aenter__()
+            near.stall("store")
+            await manager.store(keys[:1], blocks(1))  # its write-through to near is held
+            pool.gate = anyio.Event()
+            engine.start_soon(manager.store, keys[1:2], blocks(1))
+            await pool.entered.wait()  # the second store is copying
+
+            async def while_it_closes() -> None:
+                await anyio.wait_all_tasks_blocked()  # close waits for near's write-through
+                pool.gate.set()  # the store lands while the manager closes
+                await anyio.wait_all_tasks_blocked()
+                near.release("store")
+
+            engine.start_soon(while_it_closes)
+            await manager.aclose()
+    stats = manager.statistics()
+    assert stats.dirty_blocks == 0 and stats.pool.pinned == 0
+    assert held(remote, keys[:2]) == [True, True]
+
+
+class FailingDrainPool(HostPool):
+    """A HostPool whose drains fail before handing the bytes to any tier."""
+
+    async def drain(self, slot: int, source: ByteSource) -> None:
+        await anyio.lowlevel.checkpoint()
+        raise OSError("staging buffer lost")
+
+
+async def test_a_write_through_that_fails_before_any_tier_gives_its_admission_back(
+    keys: list[bytes],
+) -> None:
+    policy = AdmissionPolicy(max_in_flight_bytes=BB)
+    tier = MemoryTier("t")
+    async with TieringManager(FailingDrainPool(8, BB), [tier], admission=policy) as manager:
+        for i in range(3):  # with the admission leaked, the 2nd and 3rd would be dropped
+            await manager.store(keys[i : i + 1], blocks(1))
+            await manager.wait_idle()
+        (stats,) = manager.statistics().admission
+        assert stats.in_flight_bytes == 0 and stats.dropped == 0
+        assert manager.statistics().cascade_failures_by_reason == {"unavailable": 3}

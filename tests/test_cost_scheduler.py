@@ -1,0 +1,176 @@
+"""The "never slower than recompute" rule through a real manager and scheduler: the tier's
+speed is injected into the cost model, the tier itself is held with a StallingTier, and no
+test asserts a duration (a rule that failed would wait for ``max_wait``, 30 s, and trip the
+generous bound)."""
+
+from __future__ import annotations
+
+import anyio
+import numpy as np
+
+from kvtier import (
+    AdmissionPolicy,
+    CostModel,
+    HostPool,
+    OffloadScheduler,
+    SlotState,
+    TieringManager,
+)
+from kvtier.testing import StallingTier, resolve_lookup
+
+BB = 4096
+
+
+def blocks(n: int) -> np.ndarray:
+    return np.random.default_rng(0).integers(0, 256, (n, BB), dtype=np.uint8)
+
+
+async def tier_holding(keys: list[bytes]) -> StallingTier:
+    tier = StallingTier(name="remote")
+    for key, block in zip(keys, blocks(len(keys)), strict=True):
+        await tier.inner.store(key, memoryview(block.tobytes()))
+    return tier
+
+
+async def test_a_tier_slower_than_recompute_is_not_promoted_and_not_waited_for(
+    keys: list[bytes],
+) -> None:
+    remote = await tier_holding(keys[1:4])
+    remote.stall("load")
+    cost = CostModel(recompute_seconds_per_block=0.001)
+    cost.observe_promotion("remote", 10.0, BB, ok=True)  # this tier takes 10 s a block
+    async with TieringManager(HostPool(8, BB), [remote], cost=cost) as manager:
+        await manager.store(keys[:1], blocks(1))
+        for key in keys[1:4]:
+            await resolve_lookup(remote, key)
+        scheduler = OffloadScheduler(manager)
+        with anyio.fail_after(10):
+            assert await scheduler.lookup(keys[:4]) == 1  # serve the resident block, now
+        stats = manager.statistics()
+        assert stats.promotions_started == 0
+        assert stats.promotions_declined == 1
+        assert stats.misses_by_reason.get("too_slow") == 1
+        # Without a request's budget (a plain lookup), the seed's semantics are unchanged.
+        assert manager.lookup(keys[1]).name == "RETRY"
+        assert manager.statistics().promotions_started == 1
+        remote.release("load")
+
+
+async def test_stop_waiting_once_waiting_costs_more_than_recomputing(keys: list[bytes]) -> None:
+    remote = await tier_holding(keys[:4])
+    remote.stall("load")  # promotions start, and never land while the request waits
+    cost = CostModel(recompute_seconds_per_block=0.001)  # the tier's speed is not known yet
+    async with TieringManager(HostPool(8, BB), [remote], cost=cost) as manager:
+        for key in keys[:4]:
+            await resolve_lookup(remote, key)
+        scheduler = OffloadScheduler(manager)
+        with anyio.fail_after(10):
+            assert await scheduler.lookup(keys[:4]) == 0
+        assert scheduler.statistics().waits_cut == 1
+        assert scheduler.statistics().timeouts == 0
+        # The promotions it started go on for the next request, and do not leak.
+        assert manager.statistics().promotions_started == 4
+        remote.release("load")
+        await manager.wait_idle()
+        assert all(manager.pool.state_of(key) is SlotState.READY for key in keys[:4])
+
+
+async def test_keep_waiting_when_the_tier_is_faster_than_recompute(keys: list[bytes]) -> None:
+    remote = await tier_holding(keys[:4])
+    remote.stall("load")
+    cost = CostModel(recompute_seconds_per_block=1000.0)
+    cost.observe_promotion("remote", 0.001, BB, ok=True)
+    async with TieringManager(HostPool(8, BB), [remote], cost=cost) as manager:
+        for key in keys[:4]:
+            await resolve_lookup(remote, key)
+        scheduler = OffloadScheduler(manager)
+        answer: list[int] = []
+
+        async def request() -> None:
+            answer.append(await scheduler.lookup(keys[:4]))
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(request)
+                await remote.wait_stalled("load")  # it is waiting on the promotions
+                remote.release("load")
+        assert answer == [4]
+        assert scheduler.statistics().waits_cut == 0
+        assert manager.statistics().promotions_declined == 0
+
+
+async def test_without_a_recompute_estimate_the_wait_lasts_until_the_timeout(
+    keys: list[bytes],
+) -> None:
+    remote = await tier_holding(keys[:2])
+    remote.stall("load")
+    cost = CostModel()
+    cost.observe_promotion("remote", 10.0, BB, ok=True)  # slow, but recompute cost unknown
+    async with TieringManager(HostPool(8, BB), [remote], cost=cost) as manager:
+        for key in keys[:2]:
+            await resolve_lookup(remote, key)
+        scheduler = OffloadScheduler(manager)
+        with anyio.fail_after(10):
+            assert await scheduler.lookup(keys[:2], timeout=0.05) == 0
+        assert scheduler.statistics().timeouts == 1
+        assert scheduler.statistics().waits_cut == 0
+        assert manager.statistics().promotions_started == 2  # today's behaviour
+        remote.release("load")
+
+
+async def test_the_engine_measured_recompute_cost_is_used(keys: list[bytes]) -> None:
+    remote = await tier_holding(keys[:2])
+    cost = CostModel()
+    cost.observe_promotion("remote", 10.0, BB, ok=True)
+    cost.observe_recompute(blocks=100, seconds=0.1)  # the engine prefills 1 ms a block
+    async with TieringManager(HostPool(8, BB), [remote], cost=cost) as manager:
+        for key in keys[:2]:
+            await resolve_lookup(remote, key)
+        with anyio.fail_after(10):
+            assert await OffloadScheduler(manager).lookup(keys[:2]) == 0
+        assert manager.statistics().promotions_declined == 1
+
+
+async def test_a_tier_known_only_by_its_slow_writes_is_not_waited_for(keys: list[bytes]) -> None:
+    remote = StallingTier(name="remote")
+    remote.stall("contains")  # its existence checks never answer while the request asks
+    cost = CostModel(recompute_seconds_per_block=0.001)
+    policy = AdmissionPolicy()
+    async with TieringManager(HostPool(8, BB), [remote], cost=cost, admission=policy) as manager:
+        policy.observe_write_latency("remote", 2.0)  # never promoted from yet; its writes take 2 s
+        scheduler = OffloadScheduler(manager)
+        with anyio.fail_after(10):
+            assert await scheduler.lookup(keys[:4]) == 0
+        assert scheduler.statistics().waits == 0  # it did not wait at all
+        assert manager.statistics().misses_by_reason.get("too_slow") == 1
+        remote.release("contains")
+
+
+async def test_the_request_waits_for_the_fast_tier_but_not_for_a_slow_tiers_checks(
+    keys: list[bytes],
+) -> None:
+    fast = await tier_holding(keys[:2])
+    fast.stall("load")
+    slow = StallingTier(name="slow")
+    slow.stall("contains")  # key 2 is in neither; only the slow tier is still checking it
+    cost = CostModel(recompute_seconds_per_block=1.0)
+    cost.observe_promotion("remote", 0.001, BB, ok=True)  # the fast tier
+    cost.observe_promotion("slow", 10.0, BB, ok=True)
+    async with TieringManager(HostPool(8, BB), [fast, slow], cost=cost) as manager:
+        for key in keys[:3]:
+            await resolve_lookup(fast, key)
+        scheduler = OffloadScheduler(manager)
+        answer: list[int] = []
+
+        async def request() -> None:
+            answer.append(await scheduler.lookup(keys[:3]))
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(request)
+                await fast.wait_stalled("load")  # it waits for the fast tier's two blocks
+                fast.release("load")
+        assert answer == [2]
+        assert scheduler.statistics().waits_cut == 0
+        assert manager.statistics().misses_by_reason.get("too_slow") == 1
+        slow.release("contains")
