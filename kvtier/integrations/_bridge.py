@@ -20,9 +20,13 @@ once per scheduler step, and require every call to return at once. kvtier's tier
 - **Staleness.** A miss verdict expires after ``miss_ttl`` (another node may write the key to
   a shared tier); a hit stays until the tier says the key changed (its change notification
   drops the verdict), a load of it fails, or the snapshot's bound pushes it out.
-- **Jobs never leave a copy half done.** Each block is loaded or stored by the tier, whose
-  copies run in worker threads that cancellation waits for; ``drain`` waits for jobs, it
-  never cancels them; ``close`` drains first, then closes the tier and joins the thread.
+- **Jobs never leave a copy half done.** ``drain`` waits for jobs, it never cancels them;
+  ``close`` drains first, then closes the tier and joins the thread. The only cancellation
+  is a block's own deadline (``op_timeout``), and a kvtier tier call that returns, even by
+  cancellation, no longer touches the buffer it was given (FSTier copies under a per-call
+  lock a walked-away caller takes; the other tiers copy in threads that cancellation waits
+  for), so a finished job leaves nothing writing into the engine's memory; a block that
+  failed may be partly written, and is reported failed.
 
 Everything here is free of engine imports; the engine modules translate keys, slots and
 results.
