@@ -1,4 +1,5 @@
-"""Developer sessions: `nox -s tests`, `lint`, `typecheck`, `demo`, `two_nodes`, `bench`, `gpu`.
+"""Developer sessions: `nox -s tests`, `lint`, `typecheck`, `demo`, `two_nodes`, `bench`, `gpu`,
+`vllm`.
 
 torch is pinned to 2.13.0 here because on our machines that is a CPU build from local disk
 (an unpinned torch pulls a multi-GB CUDA build); the project itself accepts a range.
@@ -82,6 +83,24 @@ def bench(session: nox.Session) -> None:
         "../shared/traces/mooncake_synthetic_trace.jsonl",
         "--quick",
     )
+
+
+@nox.session
+def vllm(session: nox.Session) -> None:
+    """kvtier as a vLLM secondary tier, driven by vLLM's own tiering manager (CPU only).
+
+    vLLM 0.33.0 goes in with --no-deps (its wheel asks for torch 2.14 and CUDA packages), and
+    so does xgrammar (it asks for triton); then only what vLLM's kv_offload tiering modules
+    import, all under ci/vllm-constraints.txt, which keeps torch at the CPU 2.13.0 build.
+    """
+    constraints = ("-c", "ci/vllm-constraints.txt")
+    session.install(*constraints, TORCH)
+    groups = nox.project.dependency_groups(PYPROJECT, "test", "vllm")
+    session.install(*constraints, "-e", ".[s3]", *groups)
+    session.install(*constraints, "--no-deps", "vllm==0.33.0", "xgrammar==0.2.8")
+    tests = ["tests/test_vllm_bridge.py", "tests/test_vllm_tier.py"]
+    session.env["KVTIER_VLLM_REQUIRED"] = "1"  # here a missing import fails, never skips
+    session.run("python", "-m", "pytest", *tests, *session.posargs)
 
 
 @nox.session

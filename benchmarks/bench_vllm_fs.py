@@ -1,0 +1,252 @@
+"""kvtier's FSTier behind vLLM (``kvtier.integrations.vllm``) beside vLLM's own ``fs`` tier.
+
+    python benchmarks/bench_vllm_fs.py            # 512 MiB per case (the figures to report)
+    python benchmarks/bench_vllm_fs.py --quick    # 256 MiB per case
+
+Needs vLLM's tiering modules (`nox -s vllm` installs them). Both tiers are built by vLLM's
+``SecondaryTierFactory`` over one primary view of 2 MiB chunks, and driven the way vLLM's
+``TieringOffloadingManager`` drives them: every job submitted (``submit_store`` /
+``submit_load``), then ``get_finished_jobs()`` polled until all are back. Two shapes: jobs of
+128 blocks (one request's prefix) and jobs of 1 block (many small requests).
+
+Contenders, all in the same run on the same filesystem:
+
+- ``vllm-fs``: vLLM's pure-Python ``fs`` tier as it configures itself: O_DIRECT where the
+  filesystem allows it, 16 read and 16 write threads, no fsync, no checksum. (Its C extension
+  needs CUDA libraries; on a CPU machine vLLM falls back to this same Python path.)
+- ``vllm-fs-buffered``: the same with O_DIRECT off (page cache on both sides).
+- ``kvtier-never``: kvtier's FSTier with ``fsync="never"`` (vLLM's durability), checksums on.
+- ``kvtier-data``: kvtier's default, ``fsync="data"`` (fdatasync before publishing).
+
+Loads are cold: before each load phase every stored file is evicted from the page cache
+(``fsync`` + ``POSIX_FADV_DONTNEED``), so reads come from the device for every contender.
+Each load is checked against what was stored, outside the timing. Every phase starts after
+``os.sync()``, so no contender pays for another's writeback. The ratio column is each
+contender's MiB/s over ``vllm-fs``'s in the same case; ``--repeat`` runs the contenders in
+turn and keeps each one's best.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import mmap
+import os
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+try:
+    from vllm.v1.kv_offload.base import make_offload_key
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+    from vllm.v1.kv_offload.tiering.base import TransferJob
+    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+except ImportError:
+    sys.exit("bench_vllm_fs needs vLLM's tiering modules: run it in `nox -s vllm`'s env")
+
+MiB = 1 << 20
+BLOCK = 2 * MiB
+POLL = 0.0002  # seconds between get_finished_jobs() polls, the same for every contender
+
+
+def offloading_spec(num_chunks: int) -> TieringOffloadingSpec:
+    config = OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0",), group_id=0),),
+        worker_kv_bytes_per_block=BLOCK,
+        enable_kv_cache_events=False,
+        extra_config={"cpu_bytes_to_use": num_chunks * BLOCK, "secondary_tiers": []},
+        engine_id=f"bench-{uuid.uuid4().hex[:8]}",
+        model=OffloadingModelConfig(name="bench/model", dtype="float16"),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(
+            rank=0,
+            world_size=1,
+            tp_size=1,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=None,
+            is_parallelism_agnostic=True,
+        ),
+    )
+    return TieringOffloadingSpec(config)
+
+
+def contenders(root: Path) -> dict[str, dict[str, Any]]:
+    kv = "kvtier.integrations.vllm"
+    return {
+        "vllm-fs": {"type": "fs", "root_dir": str(root / "vllm")},
+        "vllm-fs-buffered": {"type": "fs", "root_dir": str(root / "vllm-buffered")},
+        "kvtier-never": {
+            "type": "kvtier",
+            "module_path": kv,
+            "tier": {"kind": "fs", "root": str(root / "kvtier-never"), "fsync": "never"},
+        },
+        "kvtier-data": {
+            "type": "kvtier",
+            "module_path": kv,
+            "tier": {"kind": "fs", "root": str(root / "kvtier-data"), "fsync": "data"},
+        },
+    }
+
+
+def run_jobs(
+    tier: Any, jobs: list[TransferJob], submit: Callable[[TransferJob], None]
+) -> tuple[float, float]:
+    """Submit every job, poll until all are back: (wall seconds, CPU seconds of this process,
+    all threads). Raises if a job failed."""
+    pending = {j.job_id for j in jobs}
+    cpu = time.process_time()
+    started = time.perf_counter()
+    for job in jobs:
+        submit(job)
+    failed = []
+    while pending:
+        for result in tier.get_finished_jobs():
+            pending.discard(result.job_id)
+            if not result.success:
+                failed.append(result.job_id)
+        if pending:
+            time.sleep(POLL)
+    seconds = time.perf_counter() - started
+    cpu = time.process_time() - cpu
+    if failed:
+        raise RuntimeError(f"{len(failed)} job(s) failed")
+    return seconds, cpu
+
+
+def evict(paths: Iterable[Path]) -> None:
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def files_under(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_file() and not p.name.endswith(".json")]
+
+
+def bench_case(
+    name: str, tier_config: dict[str, Any], per_job: int, n_blocks: int, root: Path
+) -> tuple[float, float, float, float]:
+    """(store MiB/s, load MiB/s, store CPU ms/GiB, load CPU ms/GiB) for one case."""
+    spec = offloading_spec(2 * n_blocks)
+    region = mmap.mmap(-1, 2 * n_blocks * BLOCK)
+    flat = memoryview(region)
+    view = flat.cast("B", (2 * n_blocks, BLOCK))
+    src = np.frombuffer(region, dtype=np.uint8)
+    src[: n_blocks * BLOCK] = np.random.default_rng(per_job).integers(
+        0, 256, n_blocks * BLOCK, dtype=np.uint8
+    )
+    tier = SecondaryTierFactory.create_secondary_tier(dict(tier_config), view, spec)
+    if name == "vllm-fs-buffered":
+        tier._use_o_direct = False  # the one knob vLLM's fs tier has no setting for
+    try:
+        seed = os.urandom(8)
+        keys = [
+            make_offload_key(seed + i.to_bytes(8, "big") + bytes(16), 0) for i in range(n_blocks)
+        ]
+
+        def jobs(first_slot: int, promotion: bool, id0: int) -> list[TransferJob]:
+            return [
+                TransferJob(
+                    job_id=id0 + j,
+                    keys=keys[j * per_job : (j + 1) * per_job],
+                    chunk_ids=np.arange(
+                        first_slot + j * per_job, first_slot + (j + 1) * per_job, dtype=np.int32
+                    ),
+                    is_promotion=promotion,
+                    req_context=None,
+                )
+                for j in range(n_blocks // per_job)
+            ]
+
+        os.sync()  # start from a clean page cache: no contender pays another's writeback
+        store_s, store_cpu = run_jobs(tier, jobs(0, False, 0), tier.submit_store)
+        evict(files_under(root))
+        os.sync()
+        load_s, load_cpu = run_jobs(tier, jobs(n_blocks, True, 10**6), tier.submit_load)
+        if not np.array_equal(src[: n_blocks * BLOCK], src[n_blocks * BLOCK :]):
+            raise RuntimeError(f"{name}: loaded bytes differ from the stored ones")
+    finally:
+        tier.shutdown()
+        del src
+        view.release()
+        flat.release()
+        region.close()
+    total = n_blocks * BLOCK / MiB
+    gib = total / 1024
+    return total / store_s, total / load_s, store_cpu * 1e3 / gib, load_cpu * 1e3 / gib
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="256 MiB per case")
+    parser.add_argument("--dir", default=None, help="folder to write in (default: a temp dir)")
+    parser.add_argument("--repeat", type=int, default=1, help="runs per case; the best counts")
+    args = parser.parse_args()
+    n_blocks = 128 if args.quick else 256
+    base = Path(args.dir) if args.dir else Path(tempfile.gettempdir())
+    print(
+        f"{n_blocks} blocks of {BLOCK // MiB} MiB per case ({n_blocks * BLOCK // MiB} MiB), "
+        f"{os.cpu_count()} CPUs, folder {base}"
+    )
+    for per_job in (128, 1):
+        if per_job > n_blocks:
+            continue
+        figures: dict[str, tuple[float, float, float, float]] = {}
+        for _ in range(args.repeat):
+            for name in contenders(base):
+                root = Path(tempfile.mkdtemp(prefix="kvtier-bench-vllm-", dir=base))
+                try:
+                    got = bench_case(name, contenders(root)[name], per_job, n_blocks, root)
+                finally:
+                    with contextlib.suppress(OSError):
+                        shutil.rmtree(root)
+                best = figures.get(name, (0.0, 0.0, float("inf"), float("inf")))
+                figures[name] = (
+                    max(best[0], got[0]),
+                    max(best[1], got[1]),
+                    min(best[2], got[2]),
+                    min(best[3], got[3]),
+                )
+        ref = figures["vllm-fs"]
+        print(f"\n{per_job} block(s) per job (MiB/s: best run; CPU: ms of this process per GiB)")
+        head = (
+            "tier",
+            "store MiB/s",
+            "x vllm-fs",
+            "load MiB/s",
+            "x vllm-fs",
+            "store CPU",
+            "load CPU",
+        )
+        print("  {:<18} {:>12} {:>10} {:>12} {:>10} {:>10} {:>10}".format(*head))
+        for name, (store, load, store_cpu, load_cpu) in figures.items():
+            print(
+                f"  {name:<18} {store:>12.0f} {store / ref[0]:>10.2f} "
+                f"{load:>12.0f} {load / ref[1]:>10.2f} {store_cpu:>10.0f} {load_cpu:>10.0f}"
+            )
+
+
+if __name__ == "__main__":
+    main()

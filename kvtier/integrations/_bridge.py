@@ -1,0 +1,610 @@
+"""A kvtier tier driven from an engine's synchronous scheduler thread (engine-neutral).
+
+Engines such as vLLM and SGLang call their storage tiers from a plain thread, under a lock,
+once per scheduler step, and require every call to return at once. kvtier's tiers are async.
+``TierBridge`` joins the two:
+
+- **A private event loop thread.** The bridge starts one thread that runs an asyncio loop
+  (``anyio.run``); the tier is opened, used and closed only there, and every job runs in a
+  task group that thread owns. The engine thread never awaits anything.
+- **Engine to loop: ``loop.call_soon_threadsafe`` only.** It appends a callback and wakes the
+  loop; it never waits for the loop (anyio's ``BlockingPortal.start_task_soon`` would: it
+  blocks until the loop has taken the task, a wait behind whatever the loop is doing).
+- **Loop to engine: a snapshot under a lock.** The loop publishes verdicts (key present or
+  not, with the reason) and finished jobs into plain containers guarded by one
+  ``threading.Lock``, held only for dict and list operations. ``lookup`` reads the snapshot:
+  a verdict gives ``HIT`` or ``MISS``; an unknown key is queued for the loop, which asks the
+  tier's own ``lookup()`` (where the tier's batched, coalesced existence checks live) and
+  answers ``RETRY`` until the verdict lands. So the tier's state machine is only ever touched
+  from its own loop thread, as kvtier's tiers expect.
+- **Staleness.** A miss verdict expires after ``miss_ttl`` (another node may write the key to
+  a shared tier); a hit stays until the tier says the key changed (its change notification
+  drops the verdict), a load of it fails, or the snapshot's bound pushes it out.
+- **Jobs never leave a copy half done.** ``drain`` waits for jobs, it never cancels them;
+  ``close`` drains first, then closes the tier and joins the thread. The only cancellation
+  is a block's own deadline (``op_timeout``), and a kvtier tier call that returns, even by
+  cancellation, no longer touches the buffer it was given (FSTier copies under a per-call
+  lock a walked-away caller takes; the other tiers copy in threads that cancellation waits
+  for), so a finished job leaves nothing writing into the engine's memory; a block that
+  failed may be partly written, and is reported failed.
+
+Everything here is free of engine imports; the engine modules translate keys, slots and
+results.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import contextvars
+import logging
+import math
+import threading
+import time
+import weakref
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, TypeVar
+
+import anyio
+import anyio.abc
+
+from kvtier._errors import InvalidArgumentError, TierError
+from kvtier._logging import BurstLogger
+from kvtier._lookup import LookupResult, MissReason
+from kvtier._validate import positive_int, positive_number
+from kvtier.tiers._base import SecondaryTier, TierStatistics
+
+__all__ = ["BridgeStatistics", "JobOutcome", "TierBridge"]
+
+logger = logging.getLogger(__name__)
+
+Operation = Literal["load", "store"]
+T = TypeVar("T")
+
+# Reasons a lookup can be a miss besides the tier's own (``MissReason``).
+CLOSED = "closed"  # the bridge was shut down, or its tier failed to open
+OVERLOAD = "overload"  # too many existence checks waiting
+TIER_ERROR = "tier_error"  # the tier's lookup() raised: a tier bug, counted and contained
+
+
+@dataclass(frozen=True, slots=True)
+class JobOutcome:
+    """What became of one submitted job; ``done`` holds the indices of the keys that made it."""
+
+    job_id: int
+    operation: Operation
+    done: tuple[int, ...]
+    total: int
+    nbytes: int
+    seconds: float
+    failures_by_reason: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def success(self) -> bool:
+        return len(self.done) == self.total
+
+
+@dataclass(frozen=True, slots=True)
+class BridgeStatistics:
+    """The engine-facing answers and the jobs, beside the tier's own statistics."""
+
+    state: str
+    hits: int
+    misses: int
+    retries: int
+    misses_by_reason: dict[str, int]
+    checks_in_flight: int
+    jobs_active: int
+    draining: int
+    jobs_finished: int
+    loads_failed: int
+    stores_failed: int
+    tier: TierStatistics | None
+
+
+@dataclass(slots=True)
+class _Job:
+    job_id: int
+    operation: Operation
+    keys: list[bytes]
+    views: list[memoryview]
+
+
+# Bridges still open when the interpreter exits are closed before threads are joined, so an
+# engine that never called shutdown() does not hang its own exit on our loop thread.
+_LIVE: weakref.WeakSet[TierBridge] = weakref.WeakSet()
+
+
+def _close_live_bridges() -> None:
+    for bridge in list(_LIVE):
+        with contextlib.suppress(Exception):
+            bridge.close()
+
+
+# threading._register_atexit runs before non-daemon threads are joined (atexit runs after).
+_register = getattr(threading, "_register_atexit", None)
+if _register is not None:
+    _register(_close_live_bridges)
+
+
+class TierBridge:
+    """One kvtier ``SecondaryTier`` behind synchronous calls that never wait (see module doc).
+
+    ``lookup``, ``submit``, ``take_finished`` and ``statistics`` return at once; ``drain``
+    and ``close`` block, as engines allow for those. The tier is opened in the background:
+    until it is, lookups answer ``RETRY`` and jobs wait in the loop.
+    """
+
+    def __init__(
+        self,
+        tier: SecondaryTier,
+        *,
+        name: str = "kvtier",
+        miss_ttl: float = 2.0,
+        op_timeout: float = 60.0,
+        check_timeout: float = 10.0,
+        close_timeout: float = 10.0,
+        max_verdicts: int = 1_000_000,
+        max_checks: int = 100_000,
+        start_timeout: float = 30.0,
+    ) -> None:
+        if not isinstance(tier, SecondaryTier):
+            raise InvalidArgumentError(
+                f"tier must be a kvtier SecondaryTier, got {type(tier).__name__}"
+            )
+        positive_number(miss_ttl, "miss_ttl", " of seconds")
+        positive_number(op_timeout, "op_timeout", " of seconds")
+        positive_number(check_timeout, "check_timeout", " of seconds")
+        positive_number(close_timeout, "close_timeout", " of seconds")
+        positive_int(max_verdicts, "max_verdicts")
+        positive_int(max_checks, "max_checks")
+        self.tier = tier
+        self.name = name
+        self._miss_ttl = float(miss_ttl)
+        self._op_timeout = float(op_timeout)
+        self._check_timeout = float(check_timeout)
+        self._close_timeout = float(close_timeout)
+        self._max_verdicts = int(max_verdicts)
+        self._max_checks = int(max_checks)
+        self._log = BurstLogger(logger)
+
+        # -- shared between the engine thread and the loop thread (under _lock) --------------
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._generation = 0  # bumped whenever a verdict or a job lands
+        self._state = "opening"  # opening -> open -> closing -> closed; or failed
+        self._verdicts: OrderedDict[bytes, tuple[bool, float, str]] = OrderedDict()
+        self._asking: dict[bytes, None] = {}  # unknown keys the loop has yet to ask about
+        self._checking: set[bytes] = set()  # keys the loop has asked the tier about
+        self._flush_scheduled = False
+        self._finished: list[JobOutcome] = []
+        self._active = 0
+        self._draining = 0  # threads blocked in drain()
+        self._counts = {"hits": 0, "misses": 0, "retries": 0, "jobs_finished": 0}
+        self._failed = {"load": 0, "store": 0}
+        self._miss_reasons: dict[str, int] = {}
+
+        # -- loop thread only -------------------------------------------------------------
+        self._waiting: set[bytes] = set()  # keys the tier answered RETRY for
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._context: contextvars.Context | None = None
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._ready: anyio.Event | None = None
+        self._stop: anyio.Event | None = None
+
+        started = threading.Event()
+        self._thread = threading.Thread(
+            target=self._thread_main, args=(started,), name=f"kvtier-bridge-{name}"
+        )
+        self._thread.start()
+        if not started.wait(start_timeout):  # the loop starts in milliseconds
+            raise RuntimeError(f"{name}: the kvtier loop thread did not start")
+        _LIVE.add(self)
+
+    # -- engine-facing, non-blocking ------------------------------------------------------------
+
+    @property
+    def generation(self) -> int:
+        """A counter that moves whenever a verdict or a job lands (see ``wait_for_change``)."""
+        return self._generation
+
+    def lookup(self, key: bytes) -> LookupResult:
+        """``HIT``, ``MISS`` or ``RETRY`` from the snapshot, without waiting."""
+        now = time.monotonic()
+        schedule = False
+        with self._lock:
+            if self._state not in ("opening", "open"):
+                return self._count_miss(CLOSED)  # a closed tier can no longer load a hit
+            verdict = self._verdicts.get(key)
+            if verdict is not None:
+                present, expires, reason = verdict
+                if expires > now:
+                    if present:
+                        self._counts["hits"] += 1
+                        return LookupResult.HIT
+                    return self._count_miss(reason)
+                del self._verdicts[key]
+            if key not in self._asking and key not in self._checking:
+                if len(self._asking) + len(self._checking) >= self._max_checks:
+                    self._log.warning("overload", "%s: too many existence checks", self.name)
+                    return self._count_miss(OVERLOAD)
+                self._asking[key] = None
+                if self._state == "open" and not self._flush_scheduled:
+                    self._flush_scheduled = schedule = True
+            self._counts["retries"] += 1
+        if schedule and not self._call_soon(self._flush):
+            with self._lock:
+                self._asking.pop(key, None)
+                return self._count_miss(CLOSED)
+        return LookupResult.RETRY
+
+    def submit(
+        self, job_id: int, operation: Operation, keys: Sequence[bytes], views: Sequence[memoryview]
+    ) -> None:
+        """Start loading ``keys`` into ``views`` (or storing ``views`` under ``keys``).
+
+        The views must stay valid until the job's outcome is taken; the bridge drops its
+        references to them before it publishes the outcome.
+        """
+        if len(keys) != len(views):
+            raise InvalidArgumentError(f"{len(keys)} keys but {len(views)} buffers")
+        job = _Job(job_id, operation, list(keys), list(views))
+        with self._lock:
+            accepted = self._state in ("opening", "open")
+            if accepted:
+                self._active += 1
+        if accepted and self._call_soon(self._spawn, job):
+            return
+        if accepted:
+            with self._lock:
+                self._active -= 1
+        self._publish_outcome(job, (), {CLOSED: len(job.keys)}, 0.0, counted=False)
+
+    def take_finished(self) -> list[JobOutcome]:
+        """The outcomes of jobs that finished since the last call."""
+        with self._lock:
+            done, self._finished = self._finished, []
+        return done
+
+    def has_pending_work(self) -> bool:
+        """Jobs running or existence checks in flight: the engine should keep stepping."""
+        with self._lock:
+            return bool(self._active or self._asking or self._checking)
+
+    def statistics(self) -> BridgeStatistics:
+        tier_stats: TierStatistics | None
+        try:
+            tier_stats = self.tier.statistics()
+        except Exception:  # a tier's statistics must never take the engine down
+            tier_stats = None
+        with self._lock:
+            return BridgeStatistics(
+                state=self._state,
+                hits=self._counts["hits"],
+                misses=self._counts["misses"],
+                retries=self._counts["retries"],
+                misses_by_reason=dict(self._miss_reasons),
+                checks_in_flight=len(self._asking) + len(self._checking),
+                jobs_active=self._active,
+                draining=self._draining,
+                jobs_finished=self._counts["jobs_finished"],
+                loads_failed=self._failed["load"],
+                stores_failed=self._failed["store"],
+                tier=tier_stats,
+            )
+
+    # -- engine-facing, blocking ------------------------------------------------------------
+
+    def wait_for_change(self, since: int, timeout: float) -> bool:
+        """Block until ``generation`` differs from ``since`` or ``timeout`` passes.
+
+        For engines that idle between steps (and for tests): read ``generation``, do the
+        non-blocking calls, then wait here instead of polling.
+        """
+        with self._changed:
+            return self._changed.wait_for(lambda: self._generation != since, timeout)
+
+    def run(self, func: Callable[..., Awaitable[T]], *args: object, timeout: float = 30.0) -> T:
+        """Run ``await func(*args)`` on the loop thread and return its result (blocks).
+
+        For tools and tests that must reach the tier in its own loop (a test tier's stall
+        switch, say); never from an engine's scheduler step.
+        """
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        async def runner() -> None:
+            try:
+                future.set_result(await func(*args))
+            except BaseException as exc:
+                future.set_exception(exc)
+                if not isinstance(exc, Exception):
+                    raise
+
+        def start() -> None:
+            if self._tg is None:
+                future.set_exception(RuntimeError(f"{self.name}: the bridge is closed"))
+            else:
+                self._tg.start_soon(runner)
+
+        if not self._call_soon(start):
+            raise RuntimeError(f"{self.name}: the bridge is closed")
+        return future.result(timeout)
+
+    def drain(self, *, warn_after: float = 5.0) -> None:
+        """Block until no job is running; jobs are waited for, never cancelled."""
+        started = time.monotonic()
+        with self._changed:
+            if self._active:  # say so to whoever waits for changes (a watchdog, a test)
+                self._draining += 1
+                self._generation += 1
+                self._changed.notify_all()
+            else:
+                return
+            while self._active:
+                if not self._changed.wait(warn_after):
+                    logger.warning(
+                        "%s: drain waits for %d job(s) after %.0f s",
+                        self.name,
+                        self._active,
+                        time.monotonic() - started,
+                    )
+            self._draining -= 1
+
+    def close(self) -> None:
+        """Refuse new work, wait for running jobs, close the tier and join the thread."""
+        with self._lock:
+            if self._state in ("closing", "closed"):
+                closing_elsewhere = self._state == "closing"
+            else:
+                closing_elsewhere = False
+                self._state = "closing"
+                self._asking.clear()
+        if not closing_elsewhere:
+            self.drain()
+            self._call_soon(self._request_stop)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(self._close_timeout + 5.0)
+        with self._lock:
+            self._state = "closed"
+        _LIVE.discard(self)
+
+    # -- the loop thread --------------------------------------------------------------------
+
+    def _thread_main(self, started: threading.Event) -> None:
+        try:
+            anyio.run(self._main, started, backend="asyncio")
+        except BaseException:
+            logger.exception("%s: the kvtier loop thread failed", self.name)
+        finally:
+            with self._changed:
+                if self._state != "closed":
+                    self._state = "closed"
+                self._generation += 1
+                self._changed.notify_all()
+            started.set()  # never leave the constructor waiting
+
+    async def _main(self, started: threading.Event) -> None:
+        self._loop = asyncio.get_running_loop()
+        # Callbacks from the engine thread run in the loop's context, where anyio knows
+        # which backend is running (a callback otherwise carries the engine thread's).
+        self._context = contextvars.copy_context()
+        self._ready = anyio.Event()
+        self._stop = anyio.Event()
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            started.set()
+            # The tier is opened and closed by this task at the same depth of cancel scopes:
+            # a tier's own task group (entered by open, left by aclose) must not be wrapped
+            # in another scope, so aclose is bounded by close()'s join, not by move_on_after.
+            await self._open()
+            remove_listener = self.tier.add_listener(self._on_tier_change)
+            try:
+                await self._stop.wait()
+            finally:
+                remove_listener()
+                self._tg = None
+                await self.tier.aclose()
+            tg.cancel_scope.cancel()  # only timers are left: close() drained the jobs
+
+    async def _open(self) -> None:
+        assert self._ready is not None
+        try:
+            await self.tier.open()
+        except Exception:
+            logger.exception("%s: the tier did not open; it answers misses", self.name)
+            state = "failed"
+        else:
+            state = "open"
+        with self._changed:
+            if self._state == "opening":
+                self._state = state
+            self._generation += 1
+            self._changed.notify_all()
+        self._ready.set()
+        self._flush()
+
+    def _request_stop(self) -> None:
+        if self._stop is not None:
+            self._stop.set()
+
+    def _call_soon(self, callback: Callable[..., object], *args: object) -> bool:
+        loop = self._loop
+        if loop is None:
+            return False
+        try:
+            loop.call_soon_threadsafe(callback, *args, context=self._context)
+        except RuntimeError:  # the loop is closed
+            return False
+        return True
+
+    def _flush(self) -> None:
+        """Ask the tier about every queued key (runs on the loop thread)."""
+        with self._lock:
+            keys = list(self._asking)
+            self._asking.clear()
+            self._flush_scheduled = False
+            self._checking.update(keys)
+            open_ = self._state == "open"
+        for key in keys:
+            if open_:
+                self._ask(key)
+            else:
+                self._verdict(key, False, CLOSED)
+
+    def _ask(self, key: bytes, *, final: bool = False) -> None:
+        before = self._tier_miss_reasons()
+        try:
+            result = self.tier.lookup(key)
+        except Exception as exc:
+            self._log.warning("lookup", "%s: tier lookup raised: %r", self.name, exc)
+            self._verdict(key, False, TIER_ERROR)
+            return
+        if result is LookupResult.RETRY and final:
+            self._verdict(key, False, MissReason.TIMEOUT.value)
+        elif result is LookupResult.RETRY:
+            # The tier notifies when its check lands; a tier that forgets to is asked once
+            # more after check_timeout, then the key is a miss: nothing waits forever.
+            if key not in self._waiting:
+                self._waiting.add(key)
+                assert self._loop is not None
+                self._loop.call_later(self._check_timeout, self._check_expired, key)
+        elif result is LookupResult.HIT:
+            self._verdict(key, True, "")
+        else:
+            self._verdict(key, False, self._new_miss_reason(before))
+
+    def _check_expired(self, key: bytes) -> None:
+        if key in self._waiting:
+            self._waiting.discard(key)
+            self._ask(key, final=True)
+
+    def _on_tier_change(self, key: bytes) -> None:
+        """The tier says ``key``'s answer may have changed (runs on the loop thread)."""
+        if key in self._waiting:
+            self._waiting.discard(key)
+            self._ask(key)
+            return
+        with self._changed:
+            if self._verdicts.pop(key, None) is not None:
+                self._generation += 1
+                self._changed.notify_all()
+
+    def _tier_miss_reasons(self) -> dict[str, int]:
+        try:
+            return dict(self.tier.statistics().lookups.misses_by_reason)
+        except Exception:
+            return {}
+
+    def _new_miss_reason(self, before: dict[str, int]) -> str:
+        """The reason the tier counted for the miss it just answered."""
+        for reason, count in self._tier_miss_reasons().items():
+            if count > before.get(reason, 0):
+                return reason
+        return MissReason.NOT_FOUND.value
+
+    def _verdict(self, key: bytes, present: bool, reason: str) -> None:
+        expires = math.inf if present else time.monotonic() + self._miss_ttl
+        with self._changed:
+            self._checking.discard(key)
+            self._verdicts[key] = (present, expires, reason)
+            self._verdicts.move_to_end(key)
+            while len(self._verdicts) > self._max_verdicts:
+                self._verdicts.popitem(last=False)
+            self._generation += 1
+            self._changed.notify_all()
+
+    def _spawn(self, job: _Job) -> None:
+        if self._tg is None:  # the loop is stopping: nothing can run the job
+            self._publish_outcome(job, (), {CLOSED: len(job.keys)}, 0.0, counted=True)
+            return
+        self._tg.start_soon(self._run_job, job)
+
+    async def _run_job(self, job: _Job) -> None:
+        assert self._ready is not None
+        started = time.perf_counter()
+        done: list[int] = []
+        reasons: dict[str, int] = {}
+        try:
+            await self._ready.wait()
+            if self._state != "open":
+                reasons[CLOSED] = len(job.keys)
+            elif len(job.keys) == 1:  # the common one-block job needs no task group
+                await self._run_one(job, 0, done, reasons)
+            else:
+                async with anyio.create_task_group() as tg:
+                    for i in range(len(job.keys)):
+                        tg.start_soon(self._run_one, job, i, done, reasons)
+        finally:
+            seconds = time.perf_counter() - started
+            if len(done) + sum(reasons.values()) < len(job.keys):  # cancelled part-way
+                reasons[CLOSED] = len(job.keys) - len(done) - sum(reasons.values())
+            self._publish_outcome(job, tuple(sorted(done)), reasons, seconds, counted=True)
+
+    async def _run_one(self, job: _Job, i: int, done: list[int], reasons: dict[str, int]) -> None:
+        key, view = job.keys[i], job.views[i]
+        try:
+            with anyio.fail_after(self._op_timeout):
+                if job.operation == "load":
+                    await self.tier.load(key, view)
+                else:
+                    await self.tier.store(key, view)
+        except TierError as exc:
+            reason = exc.reason.value
+        except TimeoutError:
+            reason = MissReason.TIMEOUT.value
+        except Exception as exc:  # a tier bug must not take the engine down
+            self._log.warning(job.operation, "%s: %s raised %r", self.name, job.operation, exc)
+            reason = TIER_ERROR
+        else:
+            done.append(i)
+            if job.operation == "store":
+                self._verdict(key, True, "")
+            return
+        reasons[reason] = reasons.get(reason, 0) + 1
+        if job.operation == "load":
+            self._verdict(key, False, reason)
+
+    def _publish_outcome(
+        self,
+        job: _Job,
+        done: tuple[int, ...],
+        reasons: dict[str, int],
+        seconds: float,
+        *,
+        counted: bool,
+    ) -> None:
+        nbytes = sum(job.views[i].nbytes for i in done)
+        for view in job.views:  # the engine may free its buffer once the outcome is out
+            with contextlib.suppress(BufferError):
+                view.release()
+        job.views.clear()
+        outcome = JobOutcome(
+            job.job_id, job.operation, done, len(job.keys), nbytes, seconds, dict(reasons)
+        )
+        with self._changed:
+            if counted:
+                self._active -= 1
+            if not outcome.success:
+                self._failed[job.operation] += 1
+            self._counts["jobs_finished"] += 1
+            self._finished.append(outcome)
+            self._generation += 1
+            self._changed.notify_all()
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _count_miss(self, reason: str) -> LookupResult:
+        self._counts["misses"] += 1
+        self._miss_reasons[reason] = self._miss_reasons.get(reason, 0) + 1
+        return LookupResult.MISS
+
+    def __repr__(self) -> str:
+        with self._lock:
+            return (
+                f"<TierBridge {self.name!r} state={self._state} tier={self.tier.name!r} "
+                f"verdicts={len(self._verdicts)} checks={len(self._asking) + len(self._checking)} "
+                f"jobs={self._active}>"
+            )

@@ -1,0 +1,309 @@
+"""kvtier's tiers as a vLLM secondary KV offload tier (vLLM's ``TieringOffloadingManager``).
+
+Put this in the tiering spec's ``secondary_tiers`` (``kv_connector_extra_config``); vLLM's
+``SecondaryTierFactory`` imports ``module_path`` and takes the class named by ``type``::
+
+    {"type": "kvtier", "module_path": "kvtier.integrations.vllm",
+     "namespace": "llama-3-8b",
+     "tier": {"kind": "fs", "root": "/var/cache/kvtier"}}
+
+``tier`` takes the keys of one section of ``KVTierConfig`` (``kvtier.FSConfig`` for
+``"kind": "fs"``, ``kvtier.S3Config`` for ``"kind": "s3"``), validated by the same code, so a
+mistake names the key (``fs.root``). From Python, ``tier`` may also be a ready
+``kvtier.SecondaryTier`` (a tier of your own). Other keys: ``namespace`` (text mixed into
+every key, see below), ``miss_ttl``, ``op_timeout``, ``check_timeout`` (seconds; see
+``TierBridge``) and vLLM's own ``locality`` and ``backpressure``.
+
+How vLLM's calls map onto kvtier (all of them return at once; see ``_bridge`` for the thread):
+
+- ``lookup``: a verdict the tier has given (``HIT``/``MISS``), or ``RETRY`` while the tier's
+  existence check runs; a fault in the tier is a ``MISS`` with a reason, never an exception in
+  vLLM's scheduler. Answers and reasons are counted (``statistics()``).
+- ``submit_store`` / ``submit_load``: each key is stored from, or loaded straight into, its
+  primary slot ``primary_kv_view[chunk_id]`` (no staging copy); kvtier's block format and
+  checksum apply. A load where some keys fail reports ``successful_keys``; a failed key's
+  verdict becomes a miss so vLLM does not promote it again at once.
+- ``drain_jobs`` blocks until no job touches the primary view (jobs are waited for, never
+  cancelled); ``shutdown`` drains, closes the tier and joins the loop thread.
+
+Keys: a vLLM ``OffloadKey`` (block hash plus group index) becomes the kvtier key
+``0x56 || blake2b-120(namespace, key)``. It depends only on the key and the namespace, so two
+vLLM instances with the same namespace share blocks in one folder or bucket. The namespace
+is ``namespace`` plus a fingerprint of what changes a chunk's bytes, taken from vLLM's
+offloading spec: model, KV dtype, tokens per hash, blocks per chunk, the KV cache groups,
+the parallel layout (unless vLLM says the bytes are parallelism-agnostic) and the chunk
+size. The leading ``0x56`` ('V') keeps these keys apart from ``kvtier.block_keys`` keys.
+"""
+
+# vLLM is an optional extra: where it is missing (the usual typecheck session) its names are
+# Any, and the adapter subclasses one of them.
+# mypy: allow-subclassing-any
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+from collections.abc import Collection, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from kvtier._errors import ExtraNotInstalledError, InvalidArgumentError
+from kvtier._lookup import LookupResult
+from kvtier.integrations._bridge import BridgeStatistics, TierBridge
+from kvtier.tiers._base import SecondaryTier
+
+try:
+    from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found, unused-ignore]
+        Locality,
+        Medium,
+        OffloadKey,
+        ReqContext,
+        RequestOffloadingContext,
+    )
+    from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found, unused-ignore]
+        LookupResult as VLLMLookupResult,
+    )
+    from vllm.v1.kv_offload.tiering.base import (  # type: ignore[import-not-found, unused-ignore]
+        JobResult,
+        SecondaryTierManager,
+        TransferJob,
+    )
+except ImportError as exc:  # pragma: no cover - exercised only without vLLM
+    raise ExtraNotInstalledError(
+        "kvtier.integrations.vllm", "vllm", "vllm.v1.kv_offload.tiering"
+    ) from exc
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found, unused-ignore]
+        OffloadingSpec,
+    )
+    from vllm.v1.kv_offload.tiering.backpressure import (  # type: ignore[import-not-found, unused-ignore]
+        BackpressureDetector,
+    )
+
+__all__ = ["KVTierSecondaryTier", "kvtier", "tier_from_config", "vllm_key_hasher"]
+
+logger = logging.getLogger(__name__)
+
+KEY_PREFIX = b"\x56"  # 'V': keys derived from vLLM OffloadKeys, scheme 1
+_PERSON = b"kvtier.vllm.v1"
+_KINDS = ("fs", "s3")
+_OPTIONS = ("namespace", "miss_ttl", "op_timeout", "check_timeout", "locality", "tier")
+
+_TO_VLLM = {
+    LookupResult.HIT: VLLMLookupResult.HIT,
+    LookupResult.MISS: VLLMLookupResult.MISS,
+    LookupResult.RETRY: VLLMLookupResult.RETRY,
+    LookupResult.HIT_PENDING: VLLMLookupResult.RETRY,  # a tier never says it; be safe
+}
+
+
+def tier_from_config(
+    tier: Mapping[str, Any], *, num_blocks: int, block_bytes: int
+) -> SecondaryTier:
+    """Build the tier that ``{"kind": "fs"|"s3", ...}`` describes, with ``KVTierConfig``.
+
+    The keys are those of the ``[fs]`` or ``[s3]`` section of a kvtier config file.
+    """
+    if not isinstance(tier, Mapping):
+        raise InvalidArgumentError(
+            f"tier must be a mapping such as {{'kind': 'fs', 'root': '/var/cache/kvtier'}} "
+            f"or a kvtier SecondaryTier, got {type(tier).__name__}"
+        )
+    settings = dict(tier)
+    kind = settings.pop("kind", None)
+    if kind not in _KINDS:
+        raise InvalidArgumentError(f"tier.kind must be one of {_KINDS}, got {kind!r}")
+    from kvtier._config import KVTierConfig
+
+    # The pool section only satisfies KVTierConfig; the adapter builds no pool (vLLM's CPU
+    # tier is the primary), but it does describe that primary truthfully.
+    config = KVTierConfig.from_dict(
+        {"pool": {"num_blocks": num_blocks, "block_bytes": block_bytes}, kind: settings},
+        source="secondary tier 'kvtier'",
+    )
+    (built,) = config.build_tiers()
+    return built
+
+
+def _spec_fingerprint(spec: object, block_bytes: int) -> dict[str, Any]:
+    """What changes the bytes of a chunk, from vLLM's offloading spec (see module doc)."""
+    fields: dict[str, Any] = {"chunk_bytes": block_bytes}
+    config = getattr(spec, "config", None)
+    if config is None:
+        return fields
+    try:
+        fields.update(
+            model=config.model.name,
+            dtype=str(config.model.dtype),
+            tokens_per_hash=config.cache.tokens_per_hash,
+            blocks_per_chunk=config.cache.blocks_per_chunk,
+            groups=[[g.tokens_per_block, list(g.layer_names)] for g in config.groups],
+            canonical_layout=bool(config.canonical_layout),
+            kv_cache_layout=config.kv_cache_layout,
+            replicated_layout=bool(config.replicated_layout),
+        )
+        p = config.parallel
+        if not p.is_parallelism_agnostic:
+            fields["parallel"] = [p.tp_size, p.pp_size, p.pcp_size, p.dcp_size, p.world_size]
+    except AttributeError as exc:  # another vLLM version: say so rather than guess
+        logger.warning("kvtier: cannot read vLLM's offloading config (%r); namespace only", exc)
+    return fields
+
+
+def vllm_key_hasher(namespace: str, fingerprint: Mapping[str, Any]) -> hashlib.blake2b:
+    """A blake2b state holding the namespace; ``copy()`` it and add an OffloadKey."""
+    ns = json.dumps([namespace, dict(fingerprint)], sort_keys=True).encode()
+    h = hashlib.blake2b(digest_size=15, person=_PERSON)
+    h.update(len(ns).to_bytes(8, "little"))
+    h.update(ns)
+    return h
+
+
+class KVTierSecondaryTier(SecondaryTierManager):
+    """A vLLM ``SecondaryTierManager`` over one kvtier ``SecondaryTier``; see the module doc."""
+
+    medium: ClassVar[Medium | None] = Medium.STORAGE
+
+    def __init__(
+        self,
+        offloading_spec: OffloadingSpec,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        backpressure_detector: BackpressureDetector | None = None,
+        *,
+        tier: Mapping[str, Any] | SecondaryTier | None = None,
+        namespace: str = "",
+        miss_ttl: float = 2.0,
+        op_timeout: float = 60.0,
+        check_timeout: float = 10.0,
+        locality: str | None = None,
+        **unknown: Any,
+    ) -> None:
+        if unknown:
+            raise InvalidArgumentError(
+                f"unknown setting(s) {sorted(unknown)} for the kvtier secondary tier; "
+                f"it takes {list(_OPTIONS)} (and vLLM's 'backpressure')"
+            )
+        if tier is None:
+            raise InvalidArgumentError(
+                "the kvtier secondary tier needs 'tier', such as "
+                "{'kind': 'fs', 'root': '/var/cache/kvtier'}"
+            )
+        if not isinstance(namespace, str):
+            raise InvalidArgumentError(f"namespace must be a string, got {namespace!r}")
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        self.locality = Locality(locality) if locality is not None else None
+        block_bytes = self.block_size_bytes
+        # One flat byte view of the primary tier; slot c is bytes [c*B, (c+1)*B).
+        self._flat = primary_kv_view.cast("B")
+        self._num_slots = self._flat.nbytes // block_bytes
+        built = (
+            tier
+            if isinstance(tier, SecondaryTier)
+            else tier_from_config(tier, num_blocks=max(1, self._num_slots), block_bytes=block_bytes)
+        )
+        self.namespace = namespace
+        self._hasher = vllm_key_hasher(namespace, _spec_fingerprint(offloading_spec, block_bytes))
+        self._bridge = TierBridge(
+            built,
+            name=tier_type,
+            miss_ttl=miss_ttl,
+            op_timeout=op_timeout,
+            check_timeout=check_timeout,
+        )
+        # Keys of running jobs, so a result can name vLLM's keys (successful_keys).
+        self._job_keys: dict[int, list[OffloadKey]] = {}
+
+    # -- keys and slots -------------------------------------------------------------------------
+
+    def kvtier_key(self, key: OffloadKey | bytes) -> bytes:
+        """The kvtier key that stores vLLM's ``key`` (deterministic; see the module doc)."""
+        h = self._hasher.copy()
+        h.update(bytes(key))
+        return KEY_PREFIX + h.digest()
+
+    def _slots(self, chunk_ids: Iterable[Any]) -> list[memoryview]:
+        size = self.block_size_bytes
+        views = []
+        for c in chunk_ids:
+            slot = int(c)
+            if not 0 <= slot < self._num_slots:
+                raise InvalidArgumentError(f"chunk id {slot} is outside the primary tier")
+            views.append(self._flat[slot * size : (slot + 1) * size])
+        return views
+
+    # -- SecondaryTierManager -----------------------------------------------------------------
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> VLLMLookupResult:
+        return _TO_VLLM[self._bridge.lookup(self.kvtier_key(key))]
+
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        self._submit(job_metadata, "store")
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        self._submit(job_metadata, "load")
+
+    def _submit(self, job: TransferJob, operation: Any) -> None:
+        keys = list(job.keys)
+        self._job_keys[job.job_id] = keys
+        views = self._slots(job.chunk_ids)
+        self._bridge.submit(job.job_id, operation, [self.kvtier_key(k) for k in keys], views)
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        results = []
+        for outcome in self._bridge.take_finished():
+            keys = self._job_keys.pop(outcome.job_id, [])
+            successful = None
+            if not outcome.success and outcome.done and outcome.operation == "load":
+                successful = tuple(keys[i] for i in outcome.done)
+            results.append(
+                JobResult(
+                    job_id=outcome.job_id,
+                    success=outcome.success,
+                    successful_keys=successful,
+                    transfer_time=outcome.seconds,
+                    transfer_bytes=outcome.nbytes,
+                )
+            )
+        return results
+
+    def has_pending_work(self) -> bool:
+        return self._bridge.has_pending_work()
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        return
+
+    def drain_jobs(self) -> None:
+        self._bridge.drain()
+
+    def shutdown(self) -> None:
+        self._bridge.close()
+        with contextlib.suppress(BufferError):  # vLLM closes the primary's mmap next
+            self._flat.release()
+
+    # -- kvtier extras ------------------------------------------------------------------------
+
+    @property
+    def bridge(self) -> TierBridge:
+        """The loop thread and snapshot behind this tier (for tools and tests)."""
+        return self._bridge
+
+    def statistics(self) -> BridgeStatistics:
+        """Lookup answers by result and miss reason, jobs, and the kvtier tier's own counters."""
+        return self._bridge.statistics()
+
+    def __repr__(self) -> str:
+        return (
+            f"<KVTierSecondaryTier {self.tier_type!r} namespace={self.namespace!r} "
+            f"{self._bridge!r}>"
+        )
+
+
+# vLLM's factory resolves an out-of-tree tier as getattr(import_module(module_path), type),
+# so ``"type": "kvtier"`` needs this name in the module.
+kvtier = KVTierSecondaryTier

@@ -1,0 +1,156 @@
+"""The engine-neutral bridge under the vLLM adapter: a kvtier tier on its own loop thread,
+called from a plain thread that must never wait. These tests need no vLLM."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+import kvtier
+from kvtier.integrations._bridge import TierBridge
+from kvtier.testing import StallingTier
+
+BLOCK = 4096
+WAIT = 30.0  # generous bound on a promised deadline, not a timing assertion
+
+
+def test_import_kvtier_never_imports_an_engine() -> None:
+    code = (
+        "import sys, kvtier, kvtier.integrations, kvtier.integrations._bridge\n"
+        "assert not {'vllm', 'sglang', 'torch'} & set(sys.modules), sorted(sys.modules)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.fixture
+def bridges() -> Iterator[list[TierBridge]]:
+    made: list[TierBridge] = []
+    yield made
+    for bridge in made:
+        bridge.close()
+
+
+def resolve(bridge: TierBridge, key: bytes) -> kvtier.LookupResult:
+    """Ask until the answer is not RETRY, waiting on the bridge's changes in between."""
+    for _ in range(100):
+        seen = bridge.generation
+        result = bridge.lookup(key)
+        if result is not kvtier.LookupResult.RETRY:
+            return result
+        bridge.wait_for_change(seen, WAIT)
+    raise AssertionError("the lookup never resolved")
+
+
+def finish(bridge: TierBridge, job_id: int) -> kvtier.integrations._bridge.JobOutcome:
+    taken: dict[int, kvtier.integrations._bridge.JobOutcome] = {}
+    for _ in range(100):
+        seen = bridge.generation
+        taken.update((o.job_id, o) for o in bridge.take_finished())
+        if job_id in taken:
+            return taken[job_id]
+        bridge.wait_for_change(seen, WAIT)
+    raise AssertionError("the job never finished")
+
+
+def test_store_then_lookup_and_load_round_trip(bridges: list[TierBridge]) -> None:
+    bridge = TierBridge(kvtier.MemoryTier())
+    bridges.append(bridge)
+    keys = kvtier.block_keys(list(range(8)), 4)
+    data = bytearray(b"a" * BLOCK + b"b" * BLOCK)
+    view = memoryview(data)
+    bridge.submit(1, "store", keys, [view[:BLOCK], view[BLOCK:]])
+    stored = finish(bridge, 1)
+    assert stored.success and stored.nbytes == 2 * BLOCK
+    assert [resolve(bridge, k) for k in keys] == [kvtier.LookupResult.HIT] * 2
+
+    out = bytearray(2 * BLOCK)
+    dst = memoryview(out)
+    bridge.submit(2, "load", keys, [dst[:BLOCK], dst[BLOCK:]])
+    assert finish(bridge, 2).success
+    assert out == data
+    assert bridge.statistics().hits == 2
+
+
+def test_retry_while_the_existence_check_is_in_flight(bridges: list[TierBridge]) -> None:
+    inner = kvtier.MemoryTier()
+    tier = StallingTier(inner)
+    bridge = TierBridge(tier)
+    bridges.append(bridge)
+    (key,) = kvtier.block_keys(list(range(4)), 4)
+    bridge.submit(1, "store", [key], [memoryview(bytearray(BLOCK))])
+    assert finish(bridge, 1).success
+
+    async def stall() -> None:
+        tier.stall("contains")
+
+    (other,) = kvtier.block_keys(list(range(4, 8)), 4)
+    bridge.run(stall)
+    assert bridge.lookup(other) is kvtier.LookupResult.RETRY
+    bridge.run(tier.wait_stalled, "contains")  # the check is now held in the tier
+    assert bridge.lookup(other) is kvtier.LookupResult.RETRY
+    assert bridge.has_pending_work()
+
+    async def release() -> None:
+        tier.release("contains")
+
+    bridge.run(release)
+    assert resolve(bridge, other) is kvtier.LookupResult.MISS
+    assert bridge.statistics().misses_by_reason == {"not_found": 1}
+
+
+class _RaisingTier(kvtier.MemoryTier):
+    def lookup(self, key: bytes) -> kvtier.LookupResult:
+        raise RuntimeError("a bug in a third-party tier")
+
+
+class _SilentTier(kvtier.MemoryTier):
+    """Answers RETRY and never notifies: the bridge's own deadline must end the wait."""
+
+    def lookup(self, key: bytes) -> kvtier.LookupResult:
+        return kvtier.LookupResult.RETRY
+
+
+def test_a_raising_tier_is_a_counted_miss(bridges: list[TierBridge]) -> None:
+    bridge = TierBridge(_RaisingTier())
+    bridges.append(bridge)
+    (key,) = kvtier.block_keys(list(range(4)), 4)
+    assert resolve(bridge, key) is kvtier.LookupResult.MISS
+    assert bridge.statistics().misses_by_reason == {"tier_error": 1}
+
+
+def test_a_check_that_never_lands_becomes_a_timeout_miss(bridges: list[TierBridge]) -> None:
+    bridge = TierBridge(_SilentTier(), check_timeout=0.2)
+    bridges.append(bridge)
+    (key,) = kvtier.block_keys(list(range(4)), 4)
+    assert resolve(bridge, key) is kvtier.LookupResult.MISS
+    assert bridge.statistics().misses_by_reason == {"timeout": 1}
+    assert not bridge.has_pending_work()
+
+
+def test_after_close_everything_is_refused_at_once() -> None:
+    bridge = TierBridge(kvtier.MemoryTier())
+    (key,) = kvtier.block_keys(list(range(4)), 4)
+    bridge.close()
+    bridge.close()  # idempotent
+    assert bridge.lookup(key) is kvtier.LookupResult.MISS
+    bridge.submit(7, "store", [key], [memoryview(bytearray(BLOCK))])
+    (outcome,) = bridge.take_finished()
+    assert outcome.job_id == 7 and not outcome.success
+    assert outcome.failures_by_reason == {"closed": 1}
+    assert not bridge._thread.is_alive()
+    with pytest.raises(RuntimeError, match="closed"):
+        bridge.run(_noop)
+
+
+def test_bad_arguments_say_what_to_fix() -> None:
+    with pytest.raises(ValueError, match="SecondaryTier"):
+        TierBridge(object())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="miss_ttl"):
+        TierBridge(kvtier.MemoryTier(), miss_ttl=0)
+
+
+async def _noop() -> None:
+    return None
