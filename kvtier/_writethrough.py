@@ -1,0 +1,228 @@
+"""Write-through: copying stored blocks from the pool to the secondary tiers (design §3).
+
+The manager hands each newly stored block to ``WriteThrough``, which asks the admission
+policy (``kvtier._admission``) which tiers take it now, pins the slot, counts the bytes in
+flight against ``max_in_flight_bytes`` and writes the block to those tiers in a background
+task; blocks for write-back tiers wait pinned in the ``WriteBackQueue`` until they must leave
+the pool. Everything here runs in the manager's task group, under ``store_timeout``.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Sequence
+
+import anyio
+import anyio.abc
+
+from kvtier._admission import AdmissionPolicy, WriteBackQueue
+from kvtier._errors import TierError
+from kvtier._logging import BurstLogger
+from kvtier._lookup import MissReason
+from kvtier.pools._base import PrimaryPool
+from kvtier.tiers._base import SecondaryTier
+
+__all__ = ["InFlight", "WriteThrough", "bump", "reason_of"]
+
+
+class InFlight:
+    """A count of running background tasks that can be awaited down to zero."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._zero = anyio.Event()
+        self._zero.set()
+
+    def started(self) -> None:
+        if self.count == 0:
+            self._zero = anyio.Event()
+        self.count += 1
+
+    def finished(self) -> None:
+        self.count -= 1
+        if self.count == 0:
+            self._zero.set()
+
+    async def wait_zero(self) -> None:
+        await self._zero.wait()
+
+
+def bump(counter: dict[str, int], reason: MissReason) -> None:
+    counter[reason.value] = counter.get(reason.value, 0) + 1
+
+
+def reason_of(exc: BaseException) -> MissReason:
+    """The miss reason a failed tier operation is counted and remembered under."""
+    if isinstance(exc, TimeoutError):
+        return MissReason.TIMEOUT
+    if isinstance(exc, TierError):
+        return exc.reason
+    return MissReason.UNAVAILABLE
+
+
+class WriteThrough:
+    """Writes stored blocks to the tiers, each tier as its admission allows.
+
+    ``tasks`` counts every background task of the manager (promotions too); ``cascades``
+    counts only the writes, which is what closing waits for. ``callback`` calls a tier's hook
+    with its exceptions contained (the manager's ``_callback``).
+    """
+
+    def __init__(
+        self,
+        pool: PrimaryPool,
+        tiers: Sequence[SecondaryTier],
+        admission: AdmissionPolicy,
+        *,
+        max_in_flight_bytes: int,
+        store_timeout: float,
+        write_back_limit: int,
+        tasks: InFlight,
+        callback: Callable[..., None],
+        log: BurstLogger,
+    ) -> None:
+        self.pool = pool
+        self.admission = admission
+        self._max_in_flight_bytes = max_in_flight_bytes
+        self._store_timeout = store_timeout
+        self.write_back = WriteBackQueue(write_back_limit)
+        self._write_back_tiers = tuple(t for t in tiers if admission.is_write_back(t.name))
+        self._through_tiers = tuple(t for t in tiers if not admission.is_write_back(t.name))
+        self._tasks = tasks
+        self.cascades = InFlight()  # write-through only: what exit waits for
+        self._callback = callback
+        self._log = log
+        self.task_group: anyio.abc.TaskGroup | None = None  # the manager's, while open
+        self.in_flight_bytes = 0
+        self.started = self.succeeded = self.skipped = self.cancelled = 0
+        self.failures: dict[str, int] = {}
+
+    def after_store(self, task_group: anyio.abc.TaskGroup, key: bytes, *, closing: bool) -> None:
+        """Write a just-stored block through to the tiers that admit it now; hold it for the
+        write-back tiers."""
+        if self._write_back_tiers and key not in self.write_back:
+            slot = self.pool.pin(key)  # not evictable until written back
+            if slot is not None:
+                self.write_back.add(key, slot)
+        if self._through_tiers:
+            nbytes = self.pool.block_bytes
+            if self.in_flight_bytes + nbytes > self._max_in_flight_bytes:
+                self.skipped += 1
+                return
+            targets: list[SecondaryTier] = []
+            for tier in self._through_tiers:
+                if self.admission.admit(tier.name, nbytes):
+                    targets.append(tier)
+                else:  # counted as dropped by the policy; said once per burst
+                    self._log.warning(
+                        "admission:" + tier.name,
+                        "%s is behind: write-through to it is dropped until it recovers",
+                        tier.name,
+                    )
+            if targets:
+                slot = self.pool.pin(key)
+                if slot is None:  # already evicted by a later store in the same burst
+                    for tier in targets:
+                        self.admission.cancel(tier.name, nbytes)
+                    self.skipped += 1
+                    return
+                self._launch(task_group, key, slot, targets)
+        if self.write_back:  # while closing (a store that raced aclose), write back at once
+            self.flush(task_group, everything=closing)
+
+    def flush(self, task_group: anyio.abc.TaskGroup, *, everything: bool = False) -> None:
+        """Start the write-backs the queue says are due (see ``WriteBackQueue.due``)."""
+        by_name = {tier.name: tier for tier in self._write_back_tiers}
+        writes, unpin = self.write_back.due(
+            self.admission, list(by_name), self.pool.block_bytes, everything=everything
+        )
+        for key, slot, names in writes:
+            self._launch(task_group, key, slot, [by_name[name] for name in names])
+        for slot in unpin:
+            self.pool.unpin(slot)
+
+    def _launch(
+        self,
+        task_group: anyio.abc.TaskGroup,
+        key: bytes,
+        slot: int,
+        targets: Sequence[SecondaryTier],
+    ) -> None:
+        """Start writing the pinned ``slot`` to ``targets``; the write gives the pin back."""
+        nbytes = self.pool.block_bytes
+        self.in_flight_bytes += nbytes
+        self.started += 1
+        self.cascades.started()
+        self._tasks.started()
+        task_group.start_soon(self._cascade, key, slot, nbytes, tuple(targets))
+
+    async def _cascade(
+        self, key: bytes, slot: int, nbytes: int, targets: tuple[SecondaryTier, ...]
+    ) -> None:
+        failures: list[MissReason] = []
+        begun: list[SecondaryTier] = []  # the tiers whose write started (and reports itself)
+        write = functools.partial(self._write_through, key, targets, failures, begun)
+        try:
+            with anyio.fail_after(self._store_timeout):
+                await self.pool.drain(slot, write)
+        except Exception as exc:
+            failures.append(reason_of(exc))
+        finally:
+            for tier in targets:
+                if tier not in begun:  # the drain failed first: give the admission back
+                    self.admission.cancel(tier.name, nbytes)
+            self.pool.unpin(slot)
+            self.in_flight_bytes -= nbytes
+            self.cascades.finished()
+            self._tasks.finished()
+            if self.write_back and self.task_group is not None:
+                self.flush(self.task_group)  # room in flight again
+        for reason in failures:
+            bump(self.failures, reason)
+        self.succeeded += not failures
+
+    async def _write_through(
+        self,
+        key: bytes,
+        targets: tuple[SecondaryTier, ...],
+        failures: list[MissReason],
+        begun: list[SecondaryTier],
+        view: memoryview,
+    ) -> None:
+        async with anyio.create_task_group() as tg:
+            for tier in targets:
+                tg.start_soon(self._store_one, tier, key, view, failures, begun)
+
+    async def _store_one(
+        self,
+        tier: SecondaryTier,
+        key: bytes,
+        view: memoryview,
+        failures: list[MissReason],
+        begun: list[SecondaryTier],
+    ) -> None:
+        begun.append(tier)  # from here on this write reports to the admission policy itself
+        started = time.perf_counter()
+        try:
+            await tier.store(key, view)
+        except Exception as exc:
+            reason = reason_of(exc)
+            failures.append(reason)
+            self._log.warning(
+                "store:" + tier.name,
+                "write-through to %s failed (%s): %r",
+                tier.name,
+                reason.value,
+                exc,
+            )
+        else:
+            self._callback("notify", tier.notify, [key])
+        finally:
+            self.admission.finished(tier.name, view.nbytes, time.perf_counter() - started)
+
+    def __repr__(self) -> str:
+        return (
+            f"<WriteThrough running={self.cascades.count} in_flight_bytes={self.in_flight_bytes}"
+            f" dirty={len(self.write_back)}>"
+        )
