@@ -23,6 +23,7 @@ import anyio
 import anyio.abc
 
 from kvtier._admission import AdmissionPolicy, AdmissionStatistics
+from kvtier._background import Background
 from kvtier._buffers import check_keys, dtype_name, split_blocks
 from kvtier._cost import CostModel, CostStatistics, ScanBudget
 from kvtier._errors import InvalidArgumentError, LifecycleError
@@ -31,7 +32,7 @@ from kvtier._logging import BurstLogger
 from kvtier._lookup import LookupResult, MissReason
 from kvtier._validate import positive_int, positive_number
 from kvtier._watch import KeyWatch
-from kvtier._writethrough import InFlight, WriteThrough, bump, reason_of
+from kvtier._writethrough import WriteThrough, bump, reason_of
 from kvtier.pools._base import PrimaryPool
 from kvtier.pools._slots import PoolStatistics, SlotState
 from kvtier.tiers._base import SecondaryTier, TierStatistics
@@ -161,7 +162,8 @@ class TieringManager:
         self._task_group: anyio.abc.TaskGroup | None = None
         self._was_open = False  # closed after use: lookups answer MISS; never opened: misuse
         self._waiters: dict[bytes, list[anyio.Event | KeyWatch]] = {}
-        self._tasks = InFlight()  # promotions and write-through
+        self._background = Background()  # promotions and write-through
+        self._tasks = self._background.tasks
         self._log = BurstLogger(logger)
         self._writer = WriteThrough(
             pool,
@@ -172,7 +174,7 @@ class TieringManager:
             write_back_limit=(
                 max(pool.num_blocks // 4, 1) if write_back_limit is None else write_back_limit
             ),
-            tasks=self._tasks,
+            background=self._background,
             callback=self._callback,
             log=self._log,
         )
@@ -225,6 +227,7 @@ class TieringManager:
         assert task_group is not None
         task_group.cancel_scope.cancel()
         await task_group.__aexit__(None, None, None)  # children are cancelled: returns promptly
+        self._background.undo_unstarted()
         # Not shielded here: each tier shields and bounds its own awaiting cleanup, and a
         # shield around a task group's exit is not allowed.
         await stack.aclose()
@@ -295,8 +298,8 @@ class TieringManager:
                 self._promoting[key] = ready_at = self._landing(tier)
                 if budget is not None:
                     budget.expect(ready_at)
-                self._tasks.started()
-                task_group.start_soon(self._promote, key, tier, slot)
+                undo = functools.partial(self._promotion_never_ran, key, slot)
+                self._background.start_soon(task_group, undo, self._promote, key, tier, slot)
                 self._retries += 1
                 return RETRY
             if result is RETRY:
@@ -410,7 +413,13 @@ class TieringManager:
                 )
             self._promoting.pop(key, None)
             self._notify(key)
-            self._tasks.finished()
+
+    def _promotion_never_ran(self, key: bytes, slot: int) -> None:
+        """Give back the slot ``lookup`` reserved for a promotion cancelled unstarted."""
+        self.pool.abort(slot)
+        self._promotions_cancelled += 1
+        self._promoting.pop(key, None)
+        self._notify(key)
 
     def _callback(self, what: str, function: Callable[..., object], *args: object) -> None:
         """Call a tier's or an observer's hook from background work. The manager's task group

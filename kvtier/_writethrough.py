@@ -17,35 +17,14 @@ import anyio
 import anyio.abc
 
 from kvtier._admission import AdmissionPolicy, WriteBackQueue
+from kvtier._background import Background, InFlight
 from kvtier._errors import TierError
 from kvtier._logging import BurstLogger
 from kvtier._lookup import MissReason
 from kvtier.pools._base import PrimaryPool
 from kvtier.tiers._base import SecondaryTier
 
-__all__ = ["InFlight", "WriteThrough", "bump", "reason_of"]
-
-
-class InFlight:
-    """A count of running background tasks that can be awaited down to zero."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self._zero = anyio.Event()
-        self._zero.set()
-
-    def started(self) -> None:
-        if self.count == 0:
-            self._zero = anyio.Event()
-        self.count += 1
-
-    def finished(self) -> None:
-        self.count -= 1
-        if self.count == 0:
-            self._zero.set()
-
-    async def wait_zero(self) -> None:
-        await self._zero.wait()
+__all__ = ["WriteThrough", "bump", "reason_of"]
 
 
 def bump(counter: dict[str, int], reason: MissReason) -> None:
@@ -64,9 +43,9 @@ def reason_of(exc: BaseException) -> MissReason:
 class WriteThrough:
     """Writes stored blocks to the tiers, each tier as its admission allows.
 
-    ``tasks`` counts every background task of the manager (promotions too); ``cascades``
-    counts only the writes, which is what closing waits for. ``callback`` calls a tier's hook
-    with its exceptions contained (the manager's ``_callback``).
+    ``background`` starts and counts every background task of the manager (promotions
+    too); ``cascades`` counts only the writes, which is what closing waits for. ``callback``
+    calls a tier's hook with its exceptions contained (the manager's ``_callback``).
     """
 
     def __init__(
@@ -78,7 +57,7 @@ class WriteThrough:
         max_in_flight_bytes: int,
         store_timeout: float,
         write_back_limit: int,
-        tasks: InFlight,
+        background: Background,
         callback: Callable[..., None],
         log: BurstLogger,
     ) -> None:
@@ -89,7 +68,7 @@ class WriteThrough:
         self.write_back = WriteBackQueue(write_back_limit)
         self._write_back_tiers = tuple(t for t in tiers if admission.is_write_back(t.name))
         self._through_tiers = tuple(t for t in tiers if not admission.is_write_back(t.name))
-        self._tasks = tasks
+        self._background = background
         self.cascades = InFlight()  # write-through only: what exit waits for
         self._callback = callback
         self._log = log
@@ -154,8 +133,17 @@ class WriteThrough:
         self.in_flight_bytes += nbytes
         self.started += 1
         self.cascades.started()
-        self._tasks.started()
-        task_group.start_soon(self._cascade, key, slot, nbytes, tuple(targets))
+        targets = tuple(targets)
+        undo = functools.partial(self._never_ran, slot, nbytes, targets)
+        self._background.start_soon(task_group, undo, self._cascade, key, slot, nbytes, targets)
+
+    def _never_ran(self, slot: int, nbytes: int, targets: tuple[SecondaryTier, ...]) -> None:
+        """Give back what ``_launch`` took for a write whose task was cancelled unstarted."""
+        for tier in targets:
+            self.admission.cancel(tier.name, nbytes)
+        self.pool.unpin(slot)
+        self.in_flight_bytes -= nbytes
+        self.cascades.finished()
 
     async def _cascade(
         self, key: bytes, slot: int, nbytes: int, targets: tuple[SecondaryTier, ...]
@@ -175,7 +163,6 @@ class WriteThrough:
             self.pool.unpin(slot)
             self.in_flight_bytes -= nbytes
             self.cascades.finished()
-            self._tasks.finished()
             if self.write_back and self.task_group is not None:
                 self.flush(self.task_group)  # room in flight again
         for reason in failures:
