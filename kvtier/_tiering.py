@@ -26,7 +26,7 @@ from kvtier._admission import AdmissionPolicy, AdmissionStatistics
 from kvtier._background import Background
 from kvtier._buffers import check_keys, dtype_name, split_blocks
 from kvtier._cost import CostModel, CostStatistics, ScanBudget
-from kvtier._errors import InvalidArgumentError, LifecycleError
+from kvtier._errors import InvalidArgumentError, LifecycleError, TierTimeoutError
 from kvtier._failures import RecentFailures
 from kvtier._logging import BurstLogger
 from kvtier._lookup import LookupResult, MissReason
@@ -109,6 +109,10 @@ class TieringManager:
     take each stored block: a tier that falls behind is skipped (counted) until it recovers,
     and tiers it names as write-back get a block only when it must leave the pool; up to
     ``write_back_limit`` blocks wait in the pool, pinned, for that.
+
+    Entering opens each tier within ``open_timeout`` seconds (None: no bound); a tier that
+    takes longer fails it with ``TierTimeoutError`` naming that tier, and every tier opened
+    before it is closed again. Keep it above an S3 tier's ``index_list_timeout``.
     """
 
     def __init__(
@@ -126,6 +130,7 @@ class TieringManager:
         cost: CostModel | None = None,
         admission: AdmissionPolicy | None = None,
         write_back_limit: int | None = None,
+        open_timeout: float | None = 120.0,
     ) -> None:
         if not isinstance(pool, PrimaryPool):
             raise InvalidArgumentError(
@@ -148,6 +153,9 @@ class TieringManager:
         self._store_timeout = positive_number(store_timeout, "store_timeout")
         self._max_in_flight_bytes = positive_int(max_in_flight_bytes, "max_in_flight_bytes")
         self._close_timeout = positive_number(close_timeout, "close_timeout")
+        self._open_timeout = (
+            None if open_timeout is None else positive_number(open_timeout, "open_timeout")
+        )
         # what the manager remembers itself, whatever each tier's record_miss does
         self._failed = RecentFailures(positive_number(failure_ttl, "failure_ttl"))
         self._dtype = None if dtype is None else dtype_name(dtype)
@@ -194,7 +202,7 @@ class TieringManager:
             raise LifecycleError("this TieringManager is already entered")
         async with AsyncExitStack() as stack:
             for tier in self.tiers:
-                await stack.enter_async_context(tier)
+                await self._open(stack, tier)
                 stack.callback(tier.add_listener(self._notify))
             task_group = anyio.create_task_group()
             await task_group.__aenter__()
@@ -202,6 +210,27 @@ class TieringManager:
             self._was_open = True
             self._stack = stack.pop_all()
         return self
+
+    async def _open(self, stack: AsyncExitStack, tier: SecondaryTier) -> None:
+        """Open ``tier`` into ``stack`` within ``open_timeout``. A tier that takes longer (a
+        hung mount, an endpoint that does not answer) is cancelled, closed, and entering
+        fails naming it; the tiers opened before it are closed by the caller's stack."""
+        if self._open_timeout is None:
+            await stack.enter_async_context(tier)
+            return
+        with anyio.move_on_after(self._open_timeout):
+            await stack.enter_async_context(tier)
+            return
+        # only the deadline gets here: an outer cancellation is not caught by this scope
+        with anyio.move_on_after(self._close_timeout, shield=True):
+            await tier.aclose()  # whatever its open had set up before it was cut
+        raise TierTimeoutError(
+            f"did not open within open_timeout={self._open_timeout:g} s; check that the "
+            "tier is reachable (a hung mount, an endpoint that does not answer) or raise "
+            "open_timeout",
+            tier=tier.name,
+            operation="open",
+        )
 
     async def __aexit__(
         self,
