@@ -200,37 +200,36 @@ class TieringManager:
     async def __aenter__(self) -> Self:
         if self._stack is not None:
             raise LifecycleError("this TieringManager is already entered")
+        opening: SecondaryTier | None = None
         async with AsyncExitStack() as stack:
+            # Entered first, so left last: it bounds each tier's open, then stays entered
+            # (with no deadline) until aclose, because task groups a tier enters while
+            # opening must be left before the scope they were entered in.
+            bound = stack.enter_context(anyio.CancelScope())
             for tier in self.tiers:
-                await self._open(stack, tier)
+                opening = tier
+                if self._open_timeout is not None:
+                    bound.deadline = anyio.current_time() + self._open_timeout
+                await stack.enter_async_context(tier)
                 stack.callback(tier.add_listener(self._notify))
+            opening = None
+            bound.deadline = math.inf
             task_group = anyio.create_task_group()
             await task_group.__aenter__()
             self._task_group = self._writer.task_group = task_group
             self._was_open = True
             self._stack = stack.pop_all()
+        if opening is not None:  # its open ran past open_timeout (the scope caught that)
+            with anyio.move_on_after(self._close_timeout, shield=True):
+                await opening.aclose()  # whatever its open had set up before it was cut
+            raise TierTimeoutError(
+                f"did not open within open_timeout={self._open_timeout:g} s; check that the "
+                "tier is reachable (a hung mount, an endpoint that does not answer) or raise "
+                "open_timeout",
+                tier=opening.name,
+                operation="open",
+            )
         return self
-
-    async def _open(self, stack: AsyncExitStack, tier: SecondaryTier) -> None:
-        """Open ``tier`` into ``stack`` within ``open_timeout``. A tier that takes longer (a
-        hung mount, an endpoint that does not answer) is cancelled, closed, and entering
-        fails naming it; the tiers opened before it are closed by the caller's stack."""
-        if self._open_timeout is None:
-            await stack.enter_async_context(tier)
-            return
-        with anyio.move_on_after(self._open_timeout):
-            await stack.enter_async_context(tier)
-            return
-        # only the deadline gets here: an outer cancellation is not caught by this scope
-        with anyio.move_on_after(self._close_timeout, shield=True):
-            await tier.aclose()  # whatever its open had set up before it was cut
-        raise TierTimeoutError(
-            f"did not open within open_timeout={self._open_timeout:g} s; check that the "
-            "tier is reachable (a hung mount, an endpoint that does not answer) or raise "
-            "open_timeout",
-            tier=tier.name,
-            operation="open",
-        )
 
     async def __aexit__(
         self,

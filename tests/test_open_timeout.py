@@ -4,10 +4,14 @@ tier, and leaves no tier open behind."""
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
+
 import anyio
 import pytest
 
 from kvtier import (
+    FSTier,
     HostPool,
     InvalidArgumentError,
     MemoryTier,
@@ -85,3 +89,20 @@ async def test_without_a_bound_entry_waits_for_the_tier() -> None:
 def test_open_timeout_is_validated(bad: object) -> None:
     with pytest.raises(InvalidArgumentError, match="open_timeout"):
         TieringManager(HostPool(4, BB), [MemoryTier()], open_timeout=bad)  # type: ignore[arg-type]
+
+
+async def test_a_tier_with_its_own_task_group_before_the_hung_one_is_closed(
+    tmp_path: Path,
+) -> None:
+    """An FS tier enters a task group while opening; timing out the next tier must unwind
+    it in order and leave no task of it running."""
+    fs = FSTier(tmp_path / "fs")
+    hung = RecordingTier("remote", hang=True)
+    manager = TieringManager(HostPool(4, BB), [fs, hung], open_timeout=0.2)
+    with anyio.fail_after(30), pytest.raises(TierTimeoutError, match="remote"):
+        await manager.__aenter__()
+    others = {t for t in asyncio.all_tasks() if t is not asyncio.current_task()}
+    assert not others, f"tasks left running: {others}"
+    hung.hang = False
+    async with manager:  # and it opens cleanly once the tier answers
+        pass
