@@ -88,6 +88,8 @@ class ManagerStatistics:
     dirty_blocks: int
     cost: CostStatistics
     admission: tuple[AdmissionStatistics, ...]
+    promotions_written_up: int
+    """Promoted blocks whose write to the faster tiers above their source was started."""
 
 
 class TieringManager:
@@ -113,6 +115,12 @@ class TieringManager:
     Entering opens each tier within ``open_timeout`` seconds (None: no bound); a tier that
     takes longer fails it with ``TierTimeoutError`` naming that tier, and every tier opened
     before it is closed again. Keep it above an S3 tier's ``index_list_timeout``.
+
+    With ``promote_write_up`` (the default), a block promoted from a tier is also written to
+    the write-through tiers listed before it, under the same admission and in-flight limits
+    as a store's write-through (counted in ``promotions_written_up``): a node that reads a
+    block from a shared S3 tier keeps it on its own FS tier, and the next time the block
+    leaves the pool it comes back from there, not from S3.
     """
 
     def __init__(
@@ -131,6 +139,7 @@ class TieringManager:
         admission: AdmissionPolicy | None = None,
         write_back_limit: int | None = None,
         open_timeout: float | None = 120.0,
+        promote_write_up: bool = True,
     ) -> None:
         if not isinstance(pool, PrimaryPool):
             raise InvalidArgumentError(
@@ -158,6 +167,11 @@ class TieringManager:
         )
         # what the manager remembers itself, whatever each tier's record_miss does
         self._failed = RecentFailures(positive_number(failure_ttl, "failure_ttl"))
+        if not isinstance(promote_write_up, bool):
+            raise InvalidArgumentError(
+                f"promote_write_up must be True or False, got {promote_write_up!r}"
+            )
+        self._promote_write_up = promote_write_up
         self._dtype = None if dtype is None else dtype_name(dtype)
         self._latency = latency
         self.cost = cost if cost is not None else CostModel()
@@ -429,6 +443,9 @@ class TieringManager:
             if ok:
                 self.pool.commit(slot)
                 self._promotions_ok += 1
+                task_group = self._task_group
+                if self._promote_write_up and task_group is not None and self._stack is not None:
+                    self._writer.write_up(task_group, key, tier)
             else:
                 self.pool.abort(slot)
                 self._promotions_cancelled += not failed
@@ -627,6 +644,7 @@ class TieringManager:
             dirty_blocks=len(writer.write_back),
             cost=self.cost.statistics(),
             admission=self.admission.statistics([t.name for t in self.tiers]),
+            promotions_written_up=writer.written_up,
         )
 
     def __repr__(self) -> str:

@@ -68,6 +68,10 @@ class WriteThrough:
         self.write_back = WriteBackQueue(write_back_limit)
         self._write_back_tiers = tuple(t for t in tiers if admission.is_write_back(t.name))
         self._through_tiers = tuple(t for t in tiers if not admission.is_write_back(t.name))
+        self._above = {  # id(tier) -> the write-through tiers before it
+            id(tier): tuple(t for t in tiers[:i] if t in self._through_tiers)
+            for i, tier in enumerate(tiers)
+        }
         self._background = background
         self.cascades = InFlight()  # write-through only: what exit waits for
         self._callback = callback
@@ -75,6 +79,7 @@ class WriteThrough:
         self.task_group: anyio.abc.TaskGroup | None = None  # the manager's, while open
         self.in_flight_bytes = 0
         self.started = self.succeeded = self.skipped = self.cancelled = 0
+        self.written_up = 0  # promoted blocks whose write to the tiers above was started
         self.failures: dict[str, int] = {}
 
     def after_store(self, task_group: anyio.abc.TaskGroup, key: bytes, *, closing: bool) -> None:
@@ -84,31 +89,51 @@ class WriteThrough:
             slot = self.pool.pin(key)  # not evictable until written back
             if slot is not None:
                 self.write_back.add(key, slot)
-        if self._through_tiers:
-            nbytes = self.pool.block_bytes
-            if self.in_flight_bytes + nbytes > self._max_in_flight_bytes:
-                self.skipped += 1
-                return
-            targets: list[SecondaryTier] = []
-            for tier in self._through_tiers:
-                if self.admission.admit(tier.name, nbytes):
-                    targets.append(tier)
-                else:  # counted as dropped by the policy; said once per burst
-                    self._log.warning(
-                        "admission:" + tier.name,
-                        "%s is behind: write-through to it is dropped until it recovers",
-                        tier.name,
-                    )
-            if targets:
-                slot = self.pool.pin(key)
-                if slot is None:  # already evicted by a later store in the same burst
-                    for tier in targets:
-                        self.admission.cancel(tier.name, nbytes)
-                    self.skipped += 1
-                    return
-                self._launch(task_group, key, slot, targets)
+        if self._through_tiers and self._write(task_group, key, self._through_tiers) is None:
+            return
         if self.write_back:  # while closing (a store that raced aclose), write back at once
             self.flush(task_group, everything=closing)
+
+    def write_up(self, task_group: anyio.abc.TaskGroup, key: bytes, source: SecondaryTier) -> None:
+        """Write a block just promoted from ``source`` to the write-through tiers above it,
+        so that the next time it leaves the pool it is found in a faster tier (a node that
+        promotes from a shared S3 tier keeps a copy on its own disk). Admitted, counted and
+        dropped under back-pressure exactly like a store's write-through; write-back tiers
+        are not given promoted blocks."""
+        targets = self._above.get(id(source))
+        if targets and self._write(task_group, key, targets):
+            self.written_up += 1
+
+    def _write(
+        self, task_group: anyio.abc.TaskGroup, key: bytes, tiers: Sequence[SecondaryTier]
+    ) -> bool | None:
+        """Start writing ``key``'s block to those of ``tiers`` that admit it now: True if
+        started, False if every tier dropped it, None if the global in-flight limit or an
+        eviction skipped it (counted in ``skipped``)."""
+        nbytes = self.pool.block_bytes
+        if self.in_flight_bytes + nbytes > self._max_in_flight_bytes:
+            self.skipped += 1
+            return None
+        targets: list[SecondaryTier] = []
+        for tier in tiers:
+            if self.admission.admit(tier.name, nbytes):
+                targets.append(tier)
+            else:  # counted as dropped by the policy; said once per burst
+                self._log.warning(
+                    "admission:" + tier.name,
+                    "%s is behind: write-through to it is dropped until it recovers",
+                    tier.name,
+                )
+        if not targets:
+            return False
+        slot = self.pool.pin(key)
+        if slot is None:  # already evicted by a later store in the same burst
+            for tier in targets:
+                self.admission.cancel(tier.name, nbytes)
+            self.skipped += 1
+            return None
+        self._launch(task_group, key, slot, targets)
+        return True
 
     def flush(self, task_group: anyio.abc.TaskGroup, *, everything: bool = False) -> None:
         """Start the write-backs the queue says are due (see ``WriteBackQueue.due``)."""
