@@ -465,6 +465,11 @@ def report(
         f"skipped (in-flight limit), {stats.cascades_dropped:,} dropped by tier admission"
         + (f" {dropped}" if dropped else "")
         + (f", {stats.written_back:,} written back" if stats.written_back else "")
+        + (
+            f", {stats.promotions_written_up:,} promoted blocks copied to faster tiers"
+            if stats.promotions_written_up
+            else ""
+        )
     )
     c = stats.cost
     per_block = c.recompute_seconds_per_block
@@ -558,6 +563,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         metavar="TIER",
         help="write this tier (fs, s3, slow) only when a block leaves the pool",
     )
+    policy.add_argument(
+        "--no-promote-write-up",
+        action="store_true",
+        help="do not copy blocks promoted from a slower tier (S3) to the faster ones (fs)",
+    )
     p.add_argument(
         "--metrics-port",
         type=int,
@@ -625,13 +635,16 @@ async def amain(args: argparse.Namespace) -> int:
         tiers = make_tiers(args, tmp)
         pool = kvtier.HostPool(args.pool_blocks, config.block_bytes, policy=args.policy)
         latency = kvtier.LatencyHistograms()
-        manager = kvtier.TieringManager(pool, tiers, latency=latency)
+        options: dict[str, Any] = {"promote_write_up": not args.no_promote_write_up}
+        manager = kvtier.TieringManager(pool, tiers, latency=latency, **options)
         if args.write_back:  # the default admission, plus the tiers to write back
             admission = kvtier.AdmissionPolicy(
                 max_in_flight_bytes=manager.default_tier_in_flight_bytes(),
                 write_back=args.write_back,
             )
-            manager = kvtier.TieringManager(pool, tiers, latency=latency, admission=admission)
+            manager = kvtier.TieringManager(
+                pool, tiers, latency=latency, admission=admission, **options
+            )
         manager = await stack.enter_async_context(manager)
         scheduler = kvtier.OffloadScheduler(manager, latency=latency)
         if args.metrics_port is not None:

@@ -92,7 +92,9 @@ async def node(args: argparse.Namespace) -> dict[str, Any]:
                 )
             )
         pool = kvtier.HostPool(args.pool_blocks, config.block_bytes)
-        manager = await stack.enter_async_context(kvtier.TieringManager(pool, tiers))
+        manager = await stack.enter_async_context(
+            kvtier.TieringManager(pool, tiers, promote_write_up=not args.no_promote_write_up)
+        )
         tiering = demo.KVTier(manager, kvtier.OffloadScheduler(manager))
         run = await demo.run_workload(
             f"node {args.node}{' +s3' if args.shared else ''}",
@@ -110,6 +112,7 @@ async def node(args: argparse.Namespace) -> dict[str, Any]:
         "requests": len(ttfts),
         "loaded": sum(r.loaded_blocks for r in run.results.values()),
         "from_s3": s3[0].loads if s3 else 0,
+        "written_up": stats.promotions_written_up,
         "written_to_s3": s3[0].stores if s3 else 0,
         "request_path_requests": s3[0].request_path_requests if s3 else 0,
         "logits": {
@@ -125,6 +128,7 @@ def run_node(args: argparse.Namespace, role: str, shared: bool) -> dict[str, Any
         argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     argv += ["--seed", str(args.seed), "--fs-capacity-mb", str(args.fs_capacity_mb)]
     argv += ["--quick"] if args.quick else []
+    argv += ["--no-promote-write-up"] if args.no_promote_write_up else []
     proc = subprocess.run(argv, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"node {role} failed:\n{proc.stderr[-4000:]}")
@@ -146,6 +150,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--endpoint",
         help="an S3 endpoint with bucket kvtier-two-nodes (default: start a SeaweedFS)",
+    )
+    p.add_argument(
+        "--no-promote-write-up",
+        action="store_true",
+        help="do not copy blocks a node promotes from S3 to its own file tier",
     )
     # Internal: how the script runs each node in its own process.
     p.add_argument("--node", choices=["a", "b"], help=argparse.SUPPRESS)
@@ -178,6 +187,10 @@ def report(a: dict[str, Any], without: dict[str, Any], shared: dict[str, Any]) -
         )
     speedup = without["ttft_p50"] / shared["ttft_p50"]
     print(f"{'speedup':<24}{speedup:>8.1f} x{without['ttft_p95'] / shared['ttft_p95']:>8.1f} x")
+    print(
+        f"node B copied {shared['written_up']:,} blocks it promoted from S3 to its file tier "
+        "(promote_write_up)"
+    )
     print(
         f"S3 requests on node B's request path for keys its index did not hold: "
         f"{shared['request_path_requests']:,}"

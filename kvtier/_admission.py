@@ -14,6 +14,11 @@ the engine needs. This policy lets each tier yield instead:
 - **Write-back.** A tier named in ``write_back`` is not written on store: the manager keeps
   the block in the pool, not evictable, and writes it to that tier when it must make room
   (or at close). For tiers where every write costs money or bandwidth.
+- **Deferred writes.** For a tier named in ``deferred``, a write that back-pressure drops is
+  not forgotten: its key waits in a bounded queue (``DeferredWrites``), and once the tier has
+  room again the manager copies the block to it from a faster tier that holds it. A remote
+  tier shared by several nodes then gets every block, at the pace it can take, without the
+  pool pinning anything for it and without its writes crowding the request path.
 
 The interface is synchronous (``admit`` / ``finished``), with times from ``clock``, so every
 rule is tested without an event loop and with a fake clock.
@@ -30,7 +35,7 @@ from dataclasses import dataclass
 from kvtier._errors import InvalidArgumentError
 from kvtier._validate import positive_int, positive_number
 
-__all__ = ["AdmissionPolicy", "AdmissionStatistics", "WriteBackQueue"]
+__all__ = ["AdmissionPolicy", "AdmissionStatistics", "DeferredWrites", "WriteBackQueue"]
 
 CAUSE_LATENCY = "latency"
 STUCK_FACTOR = 4.0
@@ -87,6 +92,7 @@ class AdmissionPolicy:
         probe_interval: float = 1.0,
         alpha: float = 0.3,
         write_back: Collection[str] = (),
+        deferred: Collection[str] = (),
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if isinstance(max_in_flight_bytes, Mapping):
@@ -102,12 +108,20 @@ class AdmissionPolicy:
             positive_number(max_write_latency, "max_write_latency", " or None")
         if isinstance(write_back, str):
             raise InvalidArgumentError("write_back must be a collection of tier names, not a str")
+        if isinstance(deferred, str):
+            raise InvalidArgumentError("deferred must be a collection of tier names, not a str")
+        if set(deferred) & set(write_back):
+            raise InvalidArgumentError(
+                f"tiers {sorted(set(deferred) & set(write_back))} are named in both write_back "
+                "and deferred; a write-back tier is never written on store, so name it once"
+            )
         if not 0 < alpha <= 1 or isinstance(alpha, bool):
             raise InvalidArgumentError(f"alpha must be in (0, 1], got {alpha!r}")
         self.max_write_latency = max_write_latency
         self._probe_interval = positive_number(probe_interval, "probe_interval")
         self._alpha = float(alpha)
         self.write_back_tiers = frozenset(write_back)
+        self.deferred_tiers = frozenset(deferred)
         self.clock = clock
         self._gates: dict[str, _Gate] = {}
 
@@ -119,6 +133,20 @@ class AdmissionPolicy:
 
     def is_write_back(self, tier: str) -> bool:
         return tier in self.write_back_tiers
+
+    def is_deferred(self, tier: str) -> bool:
+        return tier in self.deferred_tiers
+
+    def has_room(self, tier: str, nbytes: int) -> bool:
+        """Whether ``admit`` would take a write of ``nbytes`` now without a probe (asking
+        counts nothing)."""
+        gate = self._gates.get(tier)
+        if gate is None:
+            return True
+        cap = self._cap if self._caps is None else self._caps.get(tier)
+        if cap is not None and gate.in_flight + nbytes > cap:
+            return False
+        return not self.is_closed(tier)
 
     def is_closed(self, tier: str) -> bool:
         """Whether the latency rule refuses new writes to ``tier`` right now: its writes
@@ -272,6 +300,58 @@ class WriteBackQueue:
             else:
                 unpin.append(slot)
         return writes, unpin
+
+
+class DeferredWrites:
+    """Keys whose write to a ``deferred`` tier back-pressure dropped, oldest first, per tier.
+
+    At most ``limit`` keys wait per tier; past it the oldest is given up (counted in
+    ``lost``). Only keys are held: the block is read again, when its turn comes, from a
+    faster tier that holds it.
+    """
+
+    def __init__(self, tiers: Collection[str], limit: int) -> None:
+        self.limit = positive_int(limit, "deferred_limit")
+        self._queues: dict[str, dict[bytes, None]] = {tier: {} for tier in tiers}
+        self.deferred = self.written = self.lost = 0
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self._queues.values())
+
+    def wants(self, tier: str) -> bool:
+        return tier in self._queues
+
+    def add(self, tier: str, key: bytes) -> None:
+        queue = self._queues[tier]
+        if key in queue:
+            return
+        queue[key] = None
+        self.deferred += 1
+        if len(queue) > self.limit:
+            del queue[next(iter(queue))]
+            self.lost += 1
+
+    def due(self, admission: AdmissionPolicy, nbytes: int, room: int) -> list[tuple[str, bytes]]:
+        """Take (tier, key) off the queues, oldest first, while the tier admits a write of
+        ``nbytes`` (each taken one is admitted: give it back with ``finished`` or ``cancel``)
+        and at most ``room`` in all."""
+        out: list[tuple[str, bytes]] = []
+        for tier, queue in self._queues.items():
+            while queue and len(out) < room and admission.has_room(tier, nbytes):
+                if not admission.admit(tier, nbytes):
+                    break
+                key = next(iter(queue))
+                del queue[key]
+                out.append((tier, key))
+        return out
+
+    def clear(self) -> int:
+        """Give up every waiting key (at close); returns how many."""
+        n = len(self)
+        for queue in self._queues.values():
+            queue.clear()
+        self.lost += n
+        return n
 
 
 def _ewma(old: float | None, sample: float, alpha: float) -> float:

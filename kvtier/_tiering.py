@@ -90,6 +90,14 @@ class ManagerStatistics:
     admission: tuple[AdmissionStatistics, ...]
     promotions_written_up: int
     """Promoted blocks whose write to the faster tiers above their source was started."""
+    writes_deferred: int
+    """Writes to a ``deferred`` tier that back-pressure dropped and that were queued."""
+    deferred_written: int
+    """Deferred writes since copied to their tier from a faster one."""
+    deferred_lost: int
+    """Deferred writes given up: the queue overflowed, no faster tier held the block any
+    more, or the manager closed first."""
+    deferred_pending: int
 
 
 class TieringManager:
@@ -110,7 +118,9 @@ class TieringManager:
     recomputing would take. ``admission`` (a ``kvtier.AdmissionPolicy``) decides which tiers
     take each stored block: a tier that falls behind is skipped (counted) until it recovers,
     and tiers it names as write-back get a block only when it must leave the pool; up to
-    ``write_back_limit`` blocks wait in the pool, pinned, for that.
+    ``write_back_limit`` blocks wait in the pool, pinned, for that. Tiers it names as
+    deferred get the blocks their back-pressure dropped later, copied from a faster tier,
+    when they have room again (counted in ``writes_deferred`` and ``deferred_written``).
 
     Entering opens each tier within ``open_timeout`` seconds (None: no bound); a tier that
     takes longer fails it with ``TierTimeoutError`` naming that tier, and every tier opened
@@ -270,6 +280,7 @@ class TieringManager:
         task_group.cancel_scope.cancel()
         await task_group.__aexit__(None, None, None)  # children are cancelled: returns promptly
         self._background.undo_unstarted()
+        self._writer.deferred.clear()  # what the deferred tiers had not taken yet: given up
         # Not shielded here: each tier shields and bounds its own awaiting cleanup, and a
         # shield around a task group's exit is not allowed.
         await stack.aclose()
@@ -645,6 +656,10 @@ class TieringManager:
             cost=self.cost.statistics(),
             admission=self.admission.statistics([t.name for t in self.tiers]),
             promotions_written_up=writer.written_up,
+            writes_deferred=writer.deferred.deferred,
+            deferred_written=writer.deferred.written,
+            deferred_lost=writer.deferred.lost,
+            deferred_pending=len(writer.deferred),
         )
 
     def __repr__(self) -> str:

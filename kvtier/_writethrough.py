@@ -16,15 +16,18 @@ from collections.abc import Callable, Sequence
 import anyio
 import anyio.abc
 
-from kvtier._admission import AdmissionPolicy, WriteBackQueue
+from kvtier._admission import AdmissionPolicy, DeferredWrites, WriteBackQueue
 from kvtier._background import Background, InFlight
 from kvtier._errors import TierError
 from kvtier._logging import BurstLogger
-from kvtier._lookup import MissReason
+from kvtier._lookup import LookupResult, MissReason
 from kvtier.pools._base import PrimaryPool
 from kvtier.tiers._base import SecondaryTier
 
 __all__ = ["WriteThrough", "bump", "reason_of"]
+
+DEFERRED_LIMIT = 65536
+"""Keys waiting per deferred tier; past it the oldest is given up (see ``DeferredWrites``)."""
 
 
 def bump(counter: dict[str, int], reason: MissReason) -> None:
@@ -72,6 +75,12 @@ class WriteThrough:
             id(tier): tuple(t for t in tiers[:i] if t in self._through_tiers)
             for i, tier in enumerate(tiers)
         }
+        self._sources = {tier.name: tuple(tiers[:i]) for i, tier in enumerate(tiers)}
+        self._by_name = {tier.name: tier for tier in tiers}
+        self.deferred = DeferredWrites(
+            [t.name for t in self._through_tiers[1:] if admission.is_deferred(t.name)],
+            DEFERRED_LIMIT,
+        )
         self._background = background
         self.cascades = InFlight()  # write-through only: what exit waits for
         self._callback = callback
@@ -119,6 +128,8 @@ class WriteThrough:
             if self.admission.admit(tier.name, nbytes):
                 targets.append(tier)
             else:  # counted as dropped by the policy; said once per burst
+                if self.deferred.wants(tier.name):
+                    self.deferred.add(tier.name, key)  # written later from a faster tier
                 self._log.warning(
                     "admission:" + tier.name,
                     "%s is behind: write-through to it is dropped until it recovers",
@@ -188,11 +199,82 @@ class WriteThrough:
             self.pool.unpin(slot)
             self.in_flight_bytes -= nbytes
             self.cascades.finished()
-            if self.write_back and self.task_group is not None:
-                self.flush(self.task_group)  # room in flight again
+            self._room_again()
         for reason in failures:
             bump(self.failures, reason)
         self.succeeded += not failures
+
+    def _room_again(self) -> None:
+        """A write ended: start the write-backs and deferred writes that now fit."""
+        task_group = self.task_group
+        if task_group is None:
+            return
+        if self.write_back:
+            self.flush(task_group)
+        if self.deferred:
+            self.drain_deferred(task_group)
+
+    def drain_deferred(self, task_group: anyio.abc.TaskGroup) -> None:
+        """Start the deferred writes that the tiers' admission and the in-flight limit
+        take now; each copies its block from a faster tier that holds it."""
+        nbytes = self.pool.block_bytes
+        room = (self._max_in_flight_bytes - self.in_flight_bytes) // nbytes
+        if room <= 0:
+            return
+        for name, key in self.deferred.due(self.admission, nbytes, room):
+            target = self._by_name[name]
+            self.in_flight_bytes += nbytes
+            self.started += 1
+            self.cascades.started()
+            undo = functools.partial(self._write_down_never_ran, target, nbytes)
+            self._background.start_soon(task_group, undo, self._write_down, key, target, nbytes)
+
+    def _write_down_never_ran(self, target: SecondaryTier, nbytes: int) -> None:
+        self.admission.cancel(target.name, nbytes)
+        self.in_flight_bytes -= nbytes
+        self.deferred.lost += 1
+        self.cascades.finished()
+
+    async def _write_down(self, key: bytes, target: SecondaryTier, nbytes: int) -> None:
+        """Copy a deferred block from a faster tier that holds it to ``target``."""
+        began: float | None = None
+        failure: MissReason | None = None
+        try:
+            source = next(
+                (t for t in self._sources[target.name] if t.lookup(key) is LookupResult.HIT),
+                None,
+            )
+            if source is None:  # no faster tier holds it any more: nothing to copy from
+                self.deferred.lost += 1
+                return
+            buffer = memoryview(bytearray(nbytes))
+            with anyio.fail_after(self._store_timeout):
+                await source.load(key, buffer)
+                began = time.perf_counter()
+                await target.store(key, buffer)
+        except Exception as exc:
+            failure = reason_of(exc)
+            self._log.warning(
+                "store:" + target.name,
+                "deferred write to %s failed (%s): %r",
+                target.name,
+                failure.value,
+                exc,
+            )
+        finally:
+            if began is None:
+                self.admission.cancel(target.name, nbytes)
+            else:
+                self.admission.finished(target.name, nbytes, time.perf_counter() - began)
+            self.in_flight_bytes -= nbytes
+            self.cascades.finished()
+            self._room_again()
+        if failure is not None:
+            bump(self.failures, failure)
+        elif began is not None:
+            self.succeeded += 1
+            self.deferred.written += 1
+            self._callback("notify", target.notify, [key])
 
     async def _write_through(
         self,

@@ -1,0 +1,138 @@
+"""Deferred writes: a write that back-pressure drops for a ``deferred`` tier is queued (key
+only) and copied later from a faster tier that holds the block, so a shared remote tier gets
+every block at the pace it can take, without pinning the pool."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvtier import (
+    AdmissionPolicy,
+    HostPool,
+    InvalidArgumentError,
+    LookupResult,
+    MemoryTier,
+    TieringManager,
+)
+from kvtier._admission import DeferredWrites
+from kvtier.testing import StallingTier
+
+BB = 4096
+
+
+def blocks(n: int) -> np.ndarray:
+    return np.arange(n * BB, dtype=np.uint64).astype(np.uint8).reshape(n, BB) + np.arange(
+        n, dtype=np.uint8
+    ).reshape(n, 1)
+
+
+def policy(*, deferred: bool) -> AdmissionPolicy:
+    return AdmissionPolicy(
+        max_in_flight_bytes={"remote": BB},
+        max_write_latency=None,
+        deferred=["remote"] if deferred else [],
+    )
+
+
+async def test_dropped_writes_reach_the_deferred_tier_once_it_has_room(
+    keys: list[bytes],
+) -> None:
+    fast = MemoryTier("fast")
+    remote = StallingTier(MemoryTier("remote-inner"), name="remote")
+    remote.stall("store")
+    data = blocks(4)
+    async with TieringManager(
+        HostPool(8, BB), [fast, remote], admission=policy(deferred=True)
+    ) as manager:
+        await manager.store(keys[:4], data)
+        await remote.wait_stalled("store")
+        stats = manager.statistics()
+        assert stats.cascades_dropped == 3  # not written at store time ...
+        assert stats.writes_deferred == 3 and stats.deferred_pending == 3  # ... but kept
+        remote.release("store")
+        await manager.wait_idle()
+        stats = manager.statistics()
+    assert stats.deferred_written == 3 and stats.deferred_pending == 0
+    assert stats.deferred_lost == 0
+    assert stats.pool.pinned == 0 and stats.in_flight_bytes == 0
+    out = bytearray(BB)
+    for i, key in enumerate(keys[:4]):
+        await remote.inner.load(key, memoryview(out))
+        assert out == data[i].tobytes()
+
+
+async def test_without_deferred_the_dropped_writes_are_lost(keys: list[bytes]) -> None:
+    fast = MemoryTier("fast")
+    remote = StallingTier(MemoryTier("remote-inner"), name="remote")
+    remote.stall("store")
+    async with TieringManager(
+        HostPool(8, BB), [fast, remote], admission=policy(deferred=False)
+    ) as manager:
+        await manager.store(keys[:4], blocks(4))
+        await remote.wait_stalled("store")
+        remote.release("store")
+        await manager.wait_idle()
+        stats = manager.statistics()
+    assert stats.writes_deferred == 0 and stats.deferred_written == 0
+    assert sum(remote.inner.lookup(k) is LookupResult.HIT for k in keys[:4]) == 1
+
+
+async def test_a_deferred_write_whose_block_left_the_faster_tiers_is_given_up(
+    keys: list[bytes],
+) -> None:
+    fast = MemoryTier("fast")
+    remote = StallingTier(MemoryTier("remote-inner"), name="remote")
+    remote.stall("store")
+    async with TieringManager(
+        HostPool(8, BB), [fast, remote], admission=policy(deferred=True)
+    ) as manager:
+        await manager.store(keys[:2], blocks(2))
+        await remote.wait_stalled("store")
+        await fast.delete(keys[1])  # evicted from the fast tier before its turn came
+        remote.release("store")
+        await manager.wait_idle()
+        stats = manager.statistics()
+    assert stats.writes_deferred == 1 and stats.deferred_lost == 1
+    assert stats.deferred_written == 0
+    assert stats.admission[1].in_flight_bytes == 0
+    assert remote.inner.lookup(keys[1]) is LookupResult.MISS
+
+
+async def test_closing_gives_up_the_deferred_writes_and_leaves_nothing_behind(
+    keys: list[bytes],
+) -> None:
+    fast = MemoryTier("fast")
+    remote = StallingTier(MemoryTier("remote-inner"), name="remote")
+    remote.stall("store")
+    async with TieringManager(
+        HostPool(8, BB), [fast, remote], admission=policy(deferred=True), close_timeout=0.1
+    ) as manager:
+        await manager.store(keys[:3], blocks(3))
+        await remote.wait_stalled("store")
+    stats = manager.statistics()
+    assert stats.writes_deferred == 2 and stats.deferred_lost == 2
+    assert stats.deferred_pending == 0
+    assert stats.pool.pinned == 0 and stats.in_flight_bytes == 0
+    assert stats.background_tasks == 0
+
+
+def test_the_queue_is_bounded() -> None:
+    queue = DeferredWrites(["remote"], limit=2)
+    for key in (b"a", b"b", b"b", b"c"):
+        queue.add("remote", key)
+    assert len(queue) == 2 and queue.deferred == 3 and queue.lost == 1
+    admission = AdmissionPolicy(max_in_flight_bytes=3, max_write_latency=None)
+    assert queue.due(admission, 1, room=10) == [("remote", b"b"), ("remote", b"c")]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"deferred": "s3"}, "deferred"),
+        ({"deferred": ["s3"], "write_back": ["s3"]}, "both"),
+    ],
+)
+def test_deferred_is_validated(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=match):
+        AdmissionPolicy(**kwargs)  # type: ignore[arg-type]
