@@ -137,16 +137,18 @@ class AdmissionPolicy:
     def is_deferred(self, tier: str) -> bool:
         return tier in self.deferred_tiers
 
-    def has_room(self, tier: str, nbytes: int) -> bool:
-        """Whether ``admit`` would take a write of ``nbytes`` now without a probe (asking
-        counts nothing)."""
+    def has_room(self, tier: str, nbytes: int, *, ignore_latency: bool = False) -> bool:
+        """Whether ``admit`` would take a write of ``nbytes`` now (asking counts nothing);
+        with ``ignore_latency``, whether the tier's in-flight limit would."""
         gate = self._gates.get(tier)
         if gate is None:
             return True
         cap = self._cap if self._caps is None else self._caps.get(tier)
         if cap is not None and gate.in_flight + nbytes > cap:
             return False
-        return not self.is_closed(tier)
+        if not ignore_latency and self.is_closed(tier):  # only the probe admit lets through
+            return not gate.in_flight and self.clock() - gate.last_probe >= self._probe_interval
+        return True
 
     def is_closed(self, tier: str) -> bool:
         """Whether the latency rule refuses new writes to ``tier`` right now: its writes
@@ -331,14 +333,23 @@ class DeferredWrites:
             del queue[next(iter(queue))]
             self.lost += 1
 
-    def due(self, admission: AdmissionPolicy, nbytes: int, room: int) -> list[tuple[str, bytes]]:
+    def due(
+        self, admission: AdmissionPolicy, nbytes: int, room: int, *, closing: bool = False
+    ) -> list[tuple[str, bytes]]:
         """Take (tier, key) off the queues, oldest first, while the tier admits a write of
         ``nbytes`` (each taken one is admitted: give it back with ``finished`` or ``cancel``)
-        and at most ``room`` in all."""
+        and at most ``room`` in all. ``closing``: the manager is closing and gives what is
+        left its ``close_timeout``, so only each tier's in-flight limit applies."""
         out: list[tuple[str, bytes]] = []
         for tier, queue in self._queues.items():
-            while queue and len(out) < room and admission.has_room(tier, nbytes):
-                if not admission.admit(tier, nbytes):
+            while (
+                queue
+                and len(out) < room
+                and admission.has_room(tier, nbytes, ignore_latency=closing)
+            ):
+                if closing:
+                    admission.force(tier, nbytes)
+                elif not admission.admit(tier, nbytes):
                     break
                 key = next(iter(queue))
                 del queue[key]

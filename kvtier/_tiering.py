@@ -120,7 +120,8 @@ class TieringManager:
     and tiers it names as write-back get a block only when it must leave the pool; up to
     ``write_back_limit`` blocks wait in the pool, pinned, for that. Tiers it names as
     deferred get the blocks their back-pressure dropped later, copied from a faster tier,
-    when they have room again (counted in ``writes_deferred`` and ``deferred_written``).
+    when they have room again (counted in ``writes_deferred`` and ``deferred_written``);
+    closing gives the ones still waiting ``close_timeout``, whatever the tier's latency.
 
     Entering opens each tier within ``open_timeout`` seconds (None: no bound); a tier that
     takes longer fails it with ``TierTimeoutError`` naming that tier, and every tier opened
@@ -269,8 +270,10 @@ class TieringManager:
         if stack is None:
             return
         writer = self._writer
+        writer.closing = True
         if self._task_group is not None:
             writer.flush(self._task_group, everything=True)
+            writer.drain_deferred(self._task_group)
         with anyio.move_on_after(self._close_timeout, shield=True):
             await writer.cascades.wait_zero()  # promotions are only reads: cancel them at once
         writer.cancelled += writer.cascades.count
@@ -280,7 +283,8 @@ class TieringManager:
         task_group.cancel_scope.cancel()
         await task_group.__aexit__(None, None, None)  # children are cancelled: returns promptly
         self._background.undo_unstarted()
-        self._writer.deferred.clear()  # what the deferred tiers had not taken yet: given up
+        writer.deferred.clear()  # what the deferred tiers had not taken in time: given up
+        writer.closing = False
         # Not shielded here: each tier shields and bounds its own awaiting cleanup, and a
         # shield around a task group's exit is not allowed.
         await stack.aclose()

@@ -86,6 +86,7 @@ class WriteThrough:
         self._callback = callback
         self._log = log
         self.task_group: anyio.abc.TaskGroup | None = None  # the manager's, while open
+        self.closing = False  # deferred writes then ignore latency: close_timeout bounds them
         self.in_flight_bytes = 0
         self.started = self.succeeded = self.skipped = self.cancelled = 0
         self.written_up = 0  # promoted blocks whose write to the tiers above was started
@@ -221,7 +222,7 @@ class WriteThrough:
         room = (self._max_in_flight_bytes - self.in_flight_bytes) // nbytes
         if room <= 0:
             return
-        for name, key in self.deferred.due(self.admission, nbytes, room):
+        for name, key in self.deferred.due(self.admission, nbytes, room, closing=self.closing):
             target = self._by_name[name]
             self.in_flight_bytes += nbytes
             self.started += 1

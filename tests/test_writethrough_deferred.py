@@ -136,3 +136,32 @@ def test_the_queue_is_bounded() -> None:
 def test_deferred_is_validated(kwargs: dict[str, object], match: str) -> None:
     with pytest.raises(InvalidArgumentError, match=match):
         AdmissionPolicy(**kwargs)  # type: ignore[arg-type]
+
+
+async def test_closing_writes_what_waits_even_to_a_tier_closed_by_latency(
+    keys: list[bytes],
+) -> None:
+    """A node leaving the cluster (a session moving to another node) hands its deferred
+    blocks to the shared tier within ``close_timeout``, even though the tier's latency had
+    closed it to new writes."""
+    now = [0.0]
+    fast = MemoryTier("fast")
+    remote = StallingTier(MemoryTier("remote-inner"), name="remote")
+    admission = AdmissionPolicy(
+        max_in_flight_bytes={"remote": BB},
+        max_write_latency=0.1,
+        deferred=["remote"],
+        clock=lambda: now[0],
+    )
+    admission.observe_write_latency("remote", 5.0)  # closed: its writes average 5 s
+    async with TieringManager(
+        HostPool(8, BB), [fast, remote], admission=admission, close_timeout=30
+    ) as manager:
+        await manager.store(keys[:3], blocks(3))
+        await manager.wait_idle()
+        stats = manager.statistics()
+        # one probe write went through; the others wait, and no probe is due yet
+        assert stats.writes_deferred == 2 and stats.deferred_pending == 2
+    stats = manager.statistics()
+    assert stats.deferred_written == 2 and stats.deferred_lost == 0
+    assert all(remote.inner.lookup(k) is LookupResult.HIT for k in keys[:3])
