@@ -96,7 +96,7 @@ class ManagerStatistics:
     """Deferred writes since copied to their tier from a faster one."""
     deferred_lost: int
     """Deferred writes given up: the queue overflowed, no faster tier held the block any
-    more, or the manager closed first."""
+    more, the write failed, or the manager closed first."""
     deferred_pending: int
 
 

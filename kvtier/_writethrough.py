@@ -199,8 +199,8 @@ class WriteThrough:
                     self.admission.cancel(tier.name, nbytes)
             self.pool.unpin(slot)
             self.in_flight_bytes -= nbytes
+            self._room_again()  # before this one stops counting: closing waits for the next
             self.cascades.finished()
-            self._room_again()
         for reason in failures:
             bump(self.failures, reason)
         self.succeeded += not failures
@@ -237,22 +237,23 @@ class WriteThrough:
         self.cascades.finished()
 
     async def _write_down(self, key: bytes, target: SecondaryTier, nbytes: int) -> None:
-        """Copy a deferred block from a faster tier that holds it to ``target``."""
+        """Copy a deferred block from a faster tier that holds it to ``target``. One that
+        cannot be copied (no faster tier holds it any more, cancelled at close) is lost."""
         began: float | None = None
+        written = False
         failure: MissReason | None = None
         try:
             source = next(
                 (t for t in self._sources[target.name] if t.lookup(key) is LookupResult.HIT),
                 None,
             )
-            if source is None:  # no faster tier holds it any more: nothing to copy from
-                self.deferred.lost += 1
-                return
-            buffer = memoryview(bytearray(nbytes))
-            with anyio.fail_after(self._store_timeout):
-                await source.load(key, buffer)
-                began = time.perf_counter()
-                await target.store(key, buffer)
+            if source is not None:
+                buffer = memoryview(bytearray(nbytes))
+                with anyio.fail_after(self._store_timeout):
+                    await source.load(key, buffer)
+                    began = time.perf_counter()
+                    await target.store(key, buffer)
+                written = True
         except Exception as exc:
             failure = reason_of(exc)
             self._log.warning(
@@ -268,11 +269,13 @@ class WriteThrough:
             else:
                 self.admission.finished(target.name, nbytes, time.perf_counter() - began)
             self.in_flight_bytes -= nbytes
+            if not written:
+                self.deferred.lost += 1
+            self._room_again()  # before this one stops counting: closing waits for the next
             self.cascades.finished()
-            self._room_again()
         if failure is not None:
             bump(self.failures, failure)
-        elif began is not None:
+        elif written:
             self.succeeded += 1
             self.deferred.written += 1
             self._callback("notify", target.notify, [key])
