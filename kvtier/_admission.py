@@ -11,6 +11,8 @@ the engine needs. This policy lets each tier yield instead:
   not given new blocks; each block it is not given is counted as dropped, by cause. While the
   latency keeps it closed, one write is let through every ``probe_interval`` seconds to
   measure it again, so the tier is admitted again once it has recovered.
+- **Rate.** A tier with a ``max_write_rate`` is given at most that many bytes per second
+  (a token bucket holding one second's worth); a write past it is dropped (cause ``rate``).
 - **Write-back.** A tier named in ``write_back`` is not written on store: the manager keeps
   the block in the pool, not evictable, and writes it to that tier when it must make room
   (or at close). For tiers where every write costs money or bandwidth.
@@ -40,6 +42,7 @@ __all__ = ["AdmissionPolicy", "AdmissionStatistics", "DeferredWrites", "WriteBac
 CAUSE_LATENCY = "latency"
 STUCK_FACTOR = 4.0
 CAUSE_IN_FLIGHT = "in_flight"
+CAUSE_RATE = "rate"
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +66,17 @@ class AdmissionStatistics:
 
 
 class _Gate:
-    __slots__ = ("admitted", "dropped", "in_flight", "last_probe", "latency", "probes", "started")
+    __slots__ = (
+        "admitted",
+        "dropped",
+        "in_flight",
+        "last_probe",
+        "latency",
+        "probes",
+        "refilled_at",
+        "started",
+        "tokens",
+    )
 
     def __init__(self) -> None:
         self.started: deque[float] = deque()  # start times of the writes in flight, oldest first
@@ -73,6 +86,8 @@ class _Gate:
         self.in_flight = 0
         self.latency: float | None = None
         self.last_probe = -math.inf
+        self.tokens = math.inf  # bytes the rate limit lets through now (full at first)
+        self.refilled_at = -math.inf
 
 
 class AdmissionPolicy:
@@ -82,6 +97,11 @@ class AdmissionPolicy:
     tier or a mapping from tier name to limit (None, or a tier not in the mapping: only the
     manager's global limit applies). ``max_write_latency``: seconds a write may take on
     average before the tier is closed to new blocks (None: latency never closes it).
+    ``max_write_rate``: bytes per second a tier may be given on average (bursts up to one
+    second's worth), the same for every tier or a mapping from tier name to rate (None, or a
+    tier not in the mapping: no rate limit); it bounds the CPU and bandwidth that writes to
+    an expensive remote tier take from the engine. ``deferred``: tiers whose dropped writes
+    are kept and written later (see the module docstring).
     """
 
     def __init__(
@@ -93,6 +113,7 @@ class AdmissionPolicy:
         alpha: float = 0.3,
         write_back: Collection[str] = (),
         deferred: Collection[str] = (),
+        max_write_rate: float | Mapping[str, float] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if isinstance(max_in_flight_bytes, Mapping):
@@ -106,6 +127,16 @@ class AdmissionPolicy:
             self._caps, self._cap = None, max_in_flight_bytes
         if max_write_latency is not None:
             positive_number(max_write_latency, "max_write_latency", " or None")
+        if isinstance(max_write_rate, Mapping):
+            self._rates: Mapping[str, float] | None = {
+                name: positive_number(rate, f"max_write_rate[{name!r}]")
+                for name, rate in max_write_rate.items()
+            }
+            self._rate: float | None = None
+        else:
+            if max_write_rate is not None:
+                positive_number(max_write_rate, "max_write_rate", " (bytes per second) or None")
+            self._rates, self._rate = None, max_write_rate
         if isinstance(write_back, str):
             raise InvalidArgumentError("write_back must be a collection of tier names, not a str")
         if isinstance(deferred, str):
@@ -134,6 +165,19 @@ class AdmissionPolicy:
     def is_write_back(self, tier: str) -> bool:
         return tier in self.write_back_tiers
 
+    def _rate_of(self, tier: str) -> float | None:
+        return self._rate if self._rates is None else self._rates.get(tier)
+
+    def _rate_allows(self, gate: _Gate, tier: str, nbytes: int, now: float) -> bool:
+        """Refill ``gate``'s token bucket and say whether it holds ``nbytes``."""
+        rate = self._rate_of(tier)
+        if rate is None:
+            return True
+        burst = max(rate, float(nbytes))
+        gate.tokens = min(burst, gate.tokens + (now - gate.refilled_at) * rate)
+        gate.refilled_at = now
+        return gate.tokens >= nbytes
+
     def is_deferred(self, tier: str) -> bool:
         return tier in self.deferred_tiers
 
@@ -145,6 +189,8 @@ class AdmissionPolicy:
             return True
         cap = self._cap if self._caps is None else self._caps.get(tier)
         if cap is not None and gate.in_flight + nbytes > cap:
+            return False
+        if not ignore_latency and not self._rate_allows(gate, tier, nbytes, self.clock()):
             return False
         if not ignore_latency and self.is_closed(tier):  # only the probe admit lets through
             return not gate.in_flight and self.clock() - gate.last_probe >= self._probe_interval
@@ -177,11 +223,14 @@ class AdmissionPolicy:
         if cap is not None and gate.in_flight + nbytes > cap:
             return self._drop(gate, CAUSE_IN_FLIGHT)
         now = self.clock()
+        if not self._rate_allows(gate, tier, nbytes, now):
+            return self._drop(gate, CAUSE_RATE)
         if self.is_closed(tier):
             if gate.in_flight or now - gate.last_probe < self._probe_interval:
                 return self._drop(gate, CAUSE_LATENCY)
             gate.last_probe = now  # one probe write, alone, to measure the tier again
             gate.probes += 1
+        gate.tokens -= nbytes
         gate.admitted += 1
         gate.in_flight += nbytes
         gate.started.append(now)
@@ -192,6 +241,7 @@ class AdmissionPolicy:
         gate = self._gate(tier)
         gate.admitted += 1
         gate.in_flight += nbytes
+        gate.tokens -= nbytes
         gate.started.append(self.clock())
 
     def _drop(self, gate: _Gate, cause: str) -> bool:
@@ -202,6 +252,7 @@ class AdmissionPolicy:
         """Give back an admission that was not used (no write happened: no latency sample)."""
         gate = self._gate(tier)
         gate.in_flight = max(gate.in_flight - nbytes, 0)
+        gate.tokens += nbytes
         gate.admitted -= 1
         if gate.started:
             gate.started.pop()

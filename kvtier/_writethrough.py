@@ -95,6 +95,8 @@ class WriteThrough:
     def after_store(self, task_group: anyio.abc.TaskGroup, key: bytes, *, closing: bool) -> None:
         """Write a just-stored block through to the tiers that admit it now; hold it for the
         write-back tiers."""
+        if self.deferred:  # a rate limit refills with time: older deferred writes go first
+            self.drain_deferred(task_group)
         if self._write_back_tiers and key not in self.write_back:
             slot = self.pool.pin(key)  # not evictable until written back
             if slot is not None:

@@ -165,3 +165,52 @@ async def test_closing_writes_what_waits_even_to_a_tier_closed_by_latency(
     stats = manager.statistics()
     assert stats.deferred_written == 2 and stats.deferred_lost == 0
     assert all(remote.inner.lookup(k) is LookupResult.HIT for k in keys[:3])
+
+
+def test_a_rate_limit_drops_past_its_budget_and_refills_with_time() -> None:
+    now = [0.0]
+    policy = AdmissionPolicy(
+        max_write_rate={"remote": 3 * BB}, max_write_latency=None, clock=lambda: now[0]
+    )
+    assert [policy.admit("remote", BB) for _ in range(4)] == [True, True, True, False]
+    assert policy.admit("fast", BB)  # other tiers are not limited
+    for _ in range(3):
+        policy.finished("remote", BB, 0.01)
+    assert not policy.has_room("remote", BB)
+    now[0] += 1 / 3  # a third of a second: one block's worth
+    assert policy.has_room("remote", BB) and policy.admit("remote", BB)
+    assert not policy.admit("remote", BB)
+    (remote,) = [s for s in policy.statistics() if s.name == "remote"]
+    assert remote.dropped_by_cause == {"rate": 2}
+    assert policy.has_room("remote", BB, ignore_latency=True)  # closing ignores the rate
+
+
+async def test_rate_limited_writes_are_deferred_and_written_at_close(keys: list[bytes]) -> None:
+    now = [0.0]
+    fast, remote = MemoryTier("fast"), MemoryTier("remote")
+    admission = AdmissionPolicy(
+        max_write_rate={"remote": BB},
+        max_write_latency=None,
+        deferred=["remote"],
+        clock=lambda: now[0],
+    )
+    async with TieringManager(HostPool(8, BB), [fast, remote], admission=admission) as manager:
+        await manager.store(keys[:4], blocks(4))
+        await manager.wait_idle()
+        stats = manager.statistics()
+        assert stats.writes_deferred == 3 and stats.deferred_pending == 3
+        now[0] += 1.0  # room for one more block: the next store lets the oldest through
+        await manager.store(keys[4:5], blocks(1))
+        await manager.wait_idle()
+        stats = manager.statistics()
+        assert stats.deferred_written == 1
+    stats = manager.statistics()
+    assert stats.deferred_written == 4 and stats.deferred_lost == 0
+    assert all(remote.lookup(k) is LookupResult.HIT for k in keys[:5])
+
+
+def test_max_write_rate_is_validated() -> None:
+    with pytest.raises(InvalidArgumentError, match="max_write_rate"):
+        AdmissionPolicy(max_write_rate=0)
+    with pytest.raises(InvalidArgumentError, match="max_write_rate"):
+        AdmissionPolicy(max_write_rate={"s3": -1.0})
