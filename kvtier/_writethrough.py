@@ -4,7 +4,11 @@ The manager hands each newly stored block to ``WriteThrough``, which asks the ad
 policy (``kvtier._admission``) which tiers take it now, pins the slot, counts the bytes in
 flight against ``max_in_flight_bytes`` and writes the block to those tiers in a background
 task; blocks for write-back tiers wait pinned in the ``WriteBackQueue`` until they must leave
-the pool. Everything here runs in the manager's task group, under ``store_timeout``.
+the pool. Two more sources of writes go through the same admission and accounting: a block
+promoted from a slower tier is written up to the faster ones (``write_up``), and writes that
+back-pressure dropped for a ``deferred`` tier are copied to it later from a faster tier
+(``drain_deferred``). Everything here runs in the manager's task group, under
+``store_timeout``.
 """
 
 from __future__ import annotations
