@@ -73,16 +73,16 @@ class WriteThrough:
         self._max_in_flight_bytes = max_in_flight_bytes
         self._store_timeout = store_timeout
         self.write_back = WriteBackQueue(write_back_limit)
-        self._write_back_tiers = tuple(t for t in tiers if admission.is_write_back(t.name))
-        self._through_tiers = tuple(t for t in tiers if not admission.is_write_back(t.name))
+        self.write_back_tiers = tuple(t for t in tiers if admission.is_write_back(t.name))
+        self.through_tiers = tuple(t for t in tiers if not admission.is_write_back(t.name))
         self._above = {  # id(tier) -> the write-through tiers before it
-            id(tier): tuple(t for t in tiers[:i] if t in self._through_tiers)
+            id(tier): tuple(t for t in tiers[:i] if t in self.through_tiers)
             for i, tier in enumerate(tiers)
         }
         self._sources = {tier.name: tuple(tiers[:i]) for i, tier in enumerate(tiers)}
         self._by_name = {tier.name: tier for tier in tiers}
         self.deferred = DeferredWrites(
-            [t.name for t in self._through_tiers[1:] if admission.is_deferred(t.name)],
+            [t.name for t in self.through_tiers[1:] if admission.is_deferred(t.name)],
             DEFERRED_LIMIT,
         )
         self._background = background
@@ -101,11 +101,11 @@ class WriteThrough:
         write-back tiers."""
         if self.deferred:  # a rate limit refills with time: older deferred writes go first
             self.drain_deferred(task_group)
-        if self._write_back_tiers and key not in self.write_back:
+        if self.write_back_tiers and key not in self.write_back:
             slot = self.pool.pin(key)  # not evictable until written back
             if slot is not None:
                 self.write_back.add(key, slot)
-        if self._through_tiers and self._write(task_group, key, self._through_tiers) is None:
+        if self.through_tiers and self._write(task_group, key, self.through_tiers) is None:
             return
         if self.write_back:  # while closing (a store that raced aclose), write back at once
             self.flush(task_group, everything=closing)
@@ -155,7 +155,7 @@ class WriteThrough:
 
     def flush(self, task_group: anyio.abc.TaskGroup, *, everything: bool = False) -> None:
         """Start the write-backs the queue says are due (see ``WriteBackQueue.due``)."""
-        by_name = {tier.name: tier for tier in self._write_back_tiers}
+        by_name = {tier.name: tier for tier in self.write_back_tiers}
         writes, unpin = self.write_back.due(
             self.admission, list(by_name), self.pool.block_bytes, everything=everything
         )
