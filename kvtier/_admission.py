@@ -20,7 +20,8 @@ the engine needs. This policy lets each tier yield instead:
   not forgotten: its key waits in a bounded queue (``DeferredWrites``), and once the tier has
   room again the manager copies the block to it from a faster tier that holds it. A remote
   tier shared by several nodes then gets every block, at the pace it can take, without the
-  pool pinning anything for it and without its writes crowding the request path.
+  pool pinning anything for it and without its writes crowding the request path. (The first
+  write-through tier has no faster tier to copy from: naming it here changes nothing.)
 
 The interface is synchronous (``admit`` / ``finished``), with times from ``clock``, so every
 rule is tested without an event loop and with a fake clock.
