@@ -464,6 +464,11 @@ def report(
         f"skipped (in-flight limit), {stats.cascades_dropped:,} dropped by tier admission"
         + (f" {dropped}" if dropped else "")
         + (f", {stats.written_back:,} written back" if stats.written_back else "")
+        + (
+            f", {stats.promotions_written_up:,} promoted blocks copied to faster tiers"
+            if stats.promotions_written_up
+            else ""
+        )
     )
     c = stats.cost
     per_block = c.recompute_seconds_per_block
@@ -557,6 +562,26 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         metavar="TIER",
         help="write this tier (fs, s3, slow) only when a block leaves the pool",
     )
+    policy.add_argument(
+        "--defer",
+        action="append",
+        default=[],
+        metavar="TIER",
+        help="keep the writes to this tier (s3) that back-pressure drops, and write them later "
+        "from a faster tier",
+    )
+    policy.add_argument(
+        "--s3-write-rate",
+        type=float,
+        metavar="MIB_PER_S",
+        help="give the S3 tier at most this many MiB/s of writes while serving (add --defer "
+        "s3 to write the rest later, at the latest when the demo closes kvtier)",
+    )
+    policy.add_argument(
+        "--no-promote-write-up",
+        action="store_true",
+        help="do not copy blocks promoted from a slower tier (S3) to the faster ones (fs)",
+    )
     p.add_argument(
         "--metrics-port",
         type=int,
@@ -580,6 +605,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be positive")
     if args.s3_local and not args.s3_bucket:
         args.s3_bucket = "kvtier-demo"
+    if args.s3_write_rate is not None and not args.s3_write_rate > 0:
+        p.error("--s3-write-rate must be a positive number of MiB/s")
     if args.fs_capacity_mb < 0:
         p.error("--fs-capacity-mb must be 0 (no file tier) or positive")
     return args
@@ -624,13 +651,19 @@ async def amain(args: argparse.Namespace) -> int:
         tiers = make_tiers(args, tmp)
         pool = kvtier.HostPool(args.pool_blocks, config.block_bytes, policy=args.policy)
         latency = kvtier.LatencyHistograms()
-        manager = kvtier.TieringManager(pool, tiers, latency=latency)
-        if args.write_back:  # the default admission, plus the tiers to write back
+        options: dict[str, Any] = {"promote_write_up": not args.no_promote_write_up}
+        manager = kvtier.TieringManager(pool, tiers, latency=latency, **options)
+        if args.write_back or args.defer or args.s3_write_rate:  # the default admission, plus
+            rate = None if args.s3_write_rate is None else {"s3": args.s3_write_rate * 2**20}
             admission = kvtier.AdmissionPolicy(
                 max_in_flight_bytes=manager.default_tier_in_flight_bytes(),
                 write_back=args.write_back,
+                deferred=args.defer,
+                max_write_rate=rate,
             )
-            manager = kvtier.TieringManager(pool, tiers, latency=latency, admission=admission)
+            manager = kvtier.TieringManager(
+                pool, tiers, latency=latency, admission=admission, **options
+            )
         manager = await stack.enter_async_context(manager)
         scheduler = kvtier.OffloadScheduler(manager, latency=latency)
         if args.metrics_port is not None:
@@ -646,6 +679,13 @@ async def amain(args: argparse.Namespace) -> int:
         )
         stats = manager.statistics()
     ok = report(runs, stats, config, [t.name for t in tiers], scheduler.statistics().waits_cut)
+    closed = manager.statistics()  # deferred writes get kvtier's close_timeout at close
+    if closed.writes_deferred:
+        print(
+            f"deferred         {closed.writes_deferred:,} writes dropped by back-pressure were "
+            f"kept: {closed.deferred_written:,} written from a faster tier by the time kvtier "
+            f"closed, {closed.deferred_lost:,} given up"
+        )
     return 0 if ok else 1
 
 

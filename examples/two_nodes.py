@@ -92,7 +92,22 @@ async def node(args: argparse.Namespace) -> dict[str, Any]:
                 )
             )
         pool = kvtier.HostPool(args.pool_blocks, config.block_bytes)
-        manager = await stack.enter_async_context(kvtier.TieringManager(pool, tiers))
+        # S3 writes that back-pressure drops are deferred, not lost, and a node that leaves
+        # (node A, once its sessions move) hands them over within the hand-off timeout.
+        admission = kvtier.AdmissionPolicy(
+            max_in_flight_bytes=(256 << 20) // len(tiers),
+            deferred=["s3"],
+            max_write_rate=None if not args.s3_write_rate else {"s3": args.s3_write_rate * 2**20},
+        )
+        manager = await stack.enter_async_context(
+            kvtier.TieringManager(
+                pool,
+                tiers,
+                admission=admission,
+                close_timeout=args.handoff_timeout,
+                promote_write_up=not args.no_promote_write_up,
+            )
+        )
         tiering = demo.KVTier(manager, kvtier.OffloadScheduler(manager))
         run = await demo.run_workload(
             f"node {args.node}{' +s3' if args.shared else ''}",
@@ -110,6 +125,9 @@ async def node(args: argparse.Namespace) -> dict[str, Any]:
         "requests": len(ttfts),
         "loaded": sum(r.loaded_blocks for r in run.results.values()),
         "from_s3": s3[0].loads if s3 else 0,
+        "written_up": stats.promotions_written_up,
+        "deferred": stats.writes_deferred,
+        "deferred_written": stats.deferred_written,
         "written_to_s3": s3[0].stores if s3 else 0,
         "request_path_requests": s3[0].request_path_requests if s3 else 0,
         "logits": {
@@ -125,6 +143,9 @@ def run_node(args: argparse.Namespace, role: str, shared: bool) -> dict[str, Any
         argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     argv += ["--seed", str(args.seed), "--fs-capacity-mb", str(args.fs_capacity_mb)]
     argv += ["--quick"] if args.quick else []
+    argv += ["--no-promote-write-up"] if args.no_promote_write_up else []
+    argv += ["--handoff-timeout", str(args.handoff_timeout)]
+    argv += ["--s3-write-rate", str(args.s3_write_rate)] if args.s3_write_rate else []
     proc = subprocess.run(argv, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"node {role} failed:\n{proc.stderr[-4000:]}")
@@ -146,6 +167,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--endpoint",
         help="an S3 endpoint with bucket kvtier-two-nodes (default: start a SeaweedFS)",
+    )
+    p.add_argument(
+        "--s3-write-rate",
+        type=float,
+        metavar="MIB_PER_S",
+        help="give S3 at most this many MiB/s of writes while serving; the rest is deferred",
+    )
+    p.add_argument(
+        "--handoff-timeout",
+        type=float,
+        default=120.0,
+        help="seconds a node may take, when it stops, to write its deferred blocks to S3",
+    )
+    p.add_argument(
+        "--no-promote-write-up",
+        action="store_true",
+        help="do not copy blocks a node promotes from S3 to its own file tier",
     )
     # Internal: how the script runs each node in its own process.
     p.add_argument("--node", choices=["a", "b"], help=argparse.SUPPRESS)
@@ -169,7 +207,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def report(a: dict[str, Any], without: dict[str, Any], shared: dict[str, Any]) -> bool:
     print()
-    print(f"node A   {a['requests']:>3} requests, wrote {a['written_to_s3']:,} blocks to S3")
+    print(
+        f"node A   {a['requests']:>3} requests, wrote {a['written_to_s3']:,} blocks to S3 "
+        f"({a['deferred_written']:,} of them deferred by back-pressure and handed over when "
+        "it stopped)"
+    )
     print(f"{'node B':<24}{'TTFT p50':>10}{'TTFT p95':>10}{'blocks loaded':>15}{'from S3':>9}")
     for label, r in (("without the shared tier", without), ("with the shared tier", shared)):
         print(
@@ -178,6 +220,10 @@ def report(a: dict[str, Any], without: dict[str, Any], shared: dict[str, Any]) -
         )
     speedup = without["ttft_p50"] / shared["ttft_p50"]
     print(f"{'speedup':<24}{speedup:>8.1f} x{without['ttft_p95'] / shared['ttft_p95']:>8.1f} x")
+    print(
+        f"node B copied {shared['written_up']:,} blocks it promoted from S3 to its file tier "
+        "(promote_write_up)"
+    )
     print(
         f"S3 requests on node B's request path for keys its index did not hold: "
         f"{shared['request_path_requests']:,}"

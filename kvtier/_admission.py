@@ -11,9 +11,17 @@ the engine needs. This policy lets each tier yield instead:
   not given new blocks; each block it is not given is counted as dropped, by cause. While the
   latency keeps it closed, one write is let through every ``probe_interval`` seconds to
   measure it again, so the tier is admitted again once it has recovered.
+- **Rate.** A tier with a ``max_write_rate`` is given at most that many bytes per second
+  (a token bucket holding one second's worth); a write past it is dropped (cause ``rate``).
 - **Write-back.** A tier named in ``write_back`` is not written on store: the manager keeps
   the block in the pool, not evictable, and writes it to that tier when it must make room
   (or at close). For tiers where every write costs money or bandwidth.
+- **Deferred writes.** For a tier named in ``deferred``, a write that back-pressure drops is
+  not forgotten: its key waits in a bounded queue (``DeferredWrites``), and once the tier has
+  room again the manager copies the block to it from a faster tier that holds it. A remote
+  tier shared by several nodes then gets every block, at the pace it can take, without the
+  pool pinning anything for it and without its writes crowding the request path. (The first
+  write-through tier has no faster tier to copy from: naming it here changes nothing.)
 
 The interface is synchronous (``admit`` / ``finished``), with times from ``clock``, so every
 rule is tested without an event loop and with a fake clock.
@@ -30,11 +38,12 @@ from dataclasses import dataclass
 from kvtier._errors import InvalidArgumentError
 from kvtier._validate import positive_int, positive_number
 
-__all__ = ["AdmissionPolicy", "AdmissionStatistics", "WriteBackQueue"]
+__all__ = ["AdmissionPolicy", "AdmissionStatistics", "DeferredWrites", "WriteBackQueue"]
 
 CAUSE_LATENCY = "latency"
 STUCK_FACTOR = 4.0
 CAUSE_IN_FLIGHT = "in_flight"
+CAUSE_RATE = "rate"
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +67,17 @@ class AdmissionStatistics:
 
 
 class _Gate:
-    __slots__ = ("admitted", "dropped", "in_flight", "last_probe", "latency", "probes", "started")
+    __slots__ = (
+        "admitted",
+        "dropped",
+        "in_flight",
+        "last_probe",
+        "latency",
+        "probes",
+        "refilled_at",
+        "started",
+        "tokens",
+    )
 
     def __init__(self) -> None:
         self.started: deque[float] = deque()  # start times of the writes in flight, oldest first
@@ -68,6 +87,8 @@ class _Gate:
         self.in_flight = 0
         self.latency: float | None = None
         self.last_probe = -math.inf
+        self.tokens = math.inf  # bytes the rate limit lets through now (full at first)
+        self.refilled_at = -math.inf
 
 
 class AdmissionPolicy:
@@ -77,6 +98,11 @@ class AdmissionPolicy:
     tier or a mapping from tier name to limit (None, or a tier not in the mapping: only the
     manager's global limit applies). ``max_write_latency``: seconds a write may take on
     average before the tier is closed to new blocks (None: latency never closes it).
+    ``max_write_rate``: bytes per second a tier may be given on average (bursts up to one
+    second's worth), the same for every tier or a mapping from tier name to rate (None, or a
+    tier not in the mapping: no rate limit); it bounds the CPU and bandwidth that writes to
+    an expensive remote tier take from the engine. ``deferred``: tiers whose dropped writes
+    are kept and written later (see the module docstring).
     """
 
     def __init__(
@@ -87,6 +113,8 @@ class AdmissionPolicy:
         probe_interval: float = 1.0,
         alpha: float = 0.3,
         write_back: Collection[str] = (),
+        deferred: Collection[str] = (),
+        max_write_rate: float | Mapping[str, float] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if isinstance(max_in_flight_bytes, Mapping):
@@ -100,14 +128,32 @@ class AdmissionPolicy:
             self._caps, self._cap = None, max_in_flight_bytes
         if max_write_latency is not None:
             positive_number(max_write_latency, "max_write_latency", " or None")
+        if isinstance(max_write_rate, Mapping):
+            self._rates: Mapping[str, float] | None = {
+                name: positive_number(rate, f"max_write_rate[{name!r}]")
+                for name, rate in max_write_rate.items()
+            }
+            self._rate: float | None = None
+        else:
+            if max_write_rate is not None:
+                positive_number(max_write_rate, "max_write_rate", " (bytes per second) or None")
+            self._rates, self._rate = None, max_write_rate
         if isinstance(write_back, str):
             raise InvalidArgumentError("write_back must be a collection of tier names, not a str")
+        if isinstance(deferred, str):
+            raise InvalidArgumentError("deferred must be a collection of tier names, not a str")
+        if set(deferred) & set(write_back):
+            raise InvalidArgumentError(
+                f"tiers {sorted(set(deferred) & set(write_back))} are named in both write_back "
+                "and deferred; a write-back tier is never written on store, so name it once"
+            )
         if not 0 < alpha <= 1 or isinstance(alpha, bool):
             raise InvalidArgumentError(f"alpha must be in (0, 1], got {alpha!r}")
         self.max_write_latency = max_write_latency
         self._probe_interval = positive_number(probe_interval, "probe_interval")
         self._alpha = float(alpha)
         self.write_back_tiers = frozenset(write_back)
+        self.deferred_tiers = frozenset(deferred)
         self.clock = clock
         self._gates: dict[str, _Gate] = {}
 
@@ -119,6 +165,37 @@ class AdmissionPolicy:
 
     def is_write_back(self, tier: str) -> bool:
         return tier in self.write_back_tiers
+
+    def _rate_of(self, tier: str) -> float | None:
+        return self._rate if self._rates is None else self._rates.get(tier)
+
+    def _rate_allows(self, gate: _Gate, tier: str, nbytes: int, now: float) -> bool:
+        """Refill ``gate``'s token bucket and say whether it holds ``nbytes``."""
+        rate = self._rate_of(tier)
+        if rate is None:
+            return True
+        burst = max(rate, float(nbytes))
+        gate.tokens = min(burst, gate.tokens + (now - gate.refilled_at) * rate)
+        gate.refilled_at = now
+        return gate.tokens >= nbytes
+
+    def is_deferred(self, tier: str) -> bool:
+        return tier in self.deferred_tiers
+
+    def has_room(self, tier: str, nbytes: int, *, ignore_latency: bool = False) -> bool:
+        """Whether ``admit`` would take a write of ``nbytes`` now (asking counts nothing);
+        with ``ignore_latency``, whether the tier's in-flight limit would."""
+        gate = self._gates.get(tier)
+        if gate is None:
+            return True
+        cap = self._cap if self._caps is None else self._caps.get(tier)
+        if cap is not None and gate.in_flight + nbytes > cap:
+            return False
+        if not ignore_latency and not self._rate_allows(gate, tier, nbytes, self.clock()):
+            return False
+        if not ignore_latency and self.is_closed(tier):  # only the probe admit lets through
+            return not gate.in_flight and self.clock() - gate.last_probe >= self._probe_interval
+        return True
 
     def is_closed(self, tier: str) -> bool:
         """Whether the latency rule refuses new writes to ``tier`` right now: its writes
@@ -147,11 +224,14 @@ class AdmissionPolicy:
         if cap is not None and gate.in_flight + nbytes > cap:
             return self._drop(gate, CAUSE_IN_FLIGHT)
         now = self.clock()
+        if not self._rate_allows(gate, tier, nbytes, now):
+            return self._drop(gate, CAUSE_RATE)
         if self.is_closed(tier):
             if gate.in_flight or now - gate.last_probe < self._probe_interval:
                 return self._drop(gate, CAUSE_LATENCY)
             gate.last_probe = now  # one probe write, alone, to measure the tier again
             gate.probes += 1
+        gate.tokens -= nbytes
         gate.admitted += 1
         gate.in_flight += nbytes
         gate.started.append(now)
@@ -162,6 +242,7 @@ class AdmissionPolicy:
         gate = self._gate(tier)
         gate.admitted += 1
         gate.in_flight += nbytes
+        gate.tokens -= nbytes
         gate.started.append(self.clock())
 
     def _drop(self, gate: _Gate, cause: str) -> bool:
@@ -172,6 +253,7 @@ class AdmissionPolicy:
         """Give back an admission that was not used (no write happened: no latency sample)."""
         gate = self._gate(tier)
         gate.in_flight = max(gate.in_flight - nbytes, 0)
+        gate.tokens += nbytes
         gate.admitted -= 1
         if gate.started:
             gate.started.pop()
@@ -272,6 +354,67 @@ class WriteBackQueue:
             else:
                 unpin.append(slot)
         return writes, unpin
+
+
+class DeferredWrites:
+    """Keys whose write to a ``deferred`` tier back-pressure dropped, oldest first, per tier.
+
+    At most ``limit`` keys wait per tier; past it the oldest is given up (counted in
+    ``lost``). Only keys are held: the block is read again, when its turn comes, from a
+    faster tier that holds it.
+    """
+
+    def __init__(self, tiers: Collection[str], limit: int) -> None:
+        self.limit = positive_int(limit, "deferred_limit")
+        self._queues: dict[str, dict[bytes, None]] = {tier: {} for tier in tiers}
+        self.deferred = self.written = self.lost = 0
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self._queues.values())
+
+    def wants(self, tier: str) -> bool:
+        return tier in self._queues
+
+    def add(self, tier: str, key: bytes) -> None:
+        queue = self._queues[tier]
+        if key in queue:
+            return
+        queue[key] = None
+        self.deferred += 1
+        if len(queue) > self.limit:
+            del queue[next(iter(queue))]
+            self.lost += 1
+
+    def due(
+        self, admission: AdmissionPolicy, nbytes: int, room: int, *, closing: bool = False
+    ) -> list[tuple[str, bytes]]:
+        """Take (tier, key) off the queues, oldest first, while the tier admits a write of
+        ``nbytes`` (each taken one is admitted: give it back with ``finished`` or ``cancel``)
+        and at most ``room`` in all. ``closing``: the manager is closing and gives what is
+        left its ``close_timeout``, so only each tier's in-flight limit applies."""
+        out: list[tuple[str, bytes]] = []
+        for tier, queue in self._queues.items():
+            while (
+                queue
+                and len(out) < room
+                and admission.has_room(tier, nbytes, ignore_latency=closing)
+            ):
+                if closing:
+                    admission.force(tier, nbytes)
+                elif not admission.admit(tier, nbytes):
+                    break
+                key = next(iter(queue))
+                del queue[key]
+                out.append((tier, key))
+        return out
+
+    def clear(self) -> int:
+        """Give up every waiting key (at close); returns how many."""
+        n = len(self)
+        for queue in self._queues.values():
+            queue.clear()
+        self.lost += n
+        return n
 
 
 def _ewma(old: float | None, sample: float, alpha: float) -> float:

@@ -3,6 +3,8 @@
 Its ``lookup`` is synchronous and runs the pinned algorithm of design §2.1; everything slow
 (promotions, write-through to the tiers) runs as tasks in the manager's own task group, each
 under a deadline, so nothing stays pending forever and leaving ``async with`` joins them all.
+The manager holds lookup, promotion, load and change notification; write-through and
+write-back live in ``kvtier._writethrough``, which the manager calls after each store.
 """
 
 from __future__ import annotations
@@ -20,15 +22,17 @@ from typing import Any, Protocol, Self
 import anyio
 import anyio.abc
 
-from kvtier._admission import AdmissionPolicy, AdmissionStatistics, WriteBackQueue
+from kvtier._admission import AdmissionPolicy, AdmissionStatistics
+from kvtier._background import Background
 from kvtier._buffers import check_keys, dtype_name, split_blocks
 from kvtier._cost import CostModel, CostStatistics, ScanBudget
-from kvtier._errors import InvalidArgumentError, LifecycleError, TierError
+from kvtier._errors import InvalidArgumentError, LifecycleError, TierTimeoutError
 from kvtier._failures import RecentFailures
 from kvtier._logging import BurstLogger
 from kvtier._lookup import LookupResult, MissReason
 from kvtier._validate import positive_int, positive_number
 from kvtier._watch import KeyWatch
+from kvtier._writethrough import WriteThrough, bump, reason_of
 from kvtier.pools._base import PrimaryPool
 from kvtier.pools._slots import PoolStatistics, SlotState
 from kvtier.tiers._base import SecondaryTier, TierStatistics
@@ -84,40 +88,16 @@ class ManagerStatistics:
     dirty_blocks: int
     cost: CostStatistics
     admission: tuple[AdmissionStatistics, ...]
-
-
-class _InFlight:
-    """A count of running background tasks that can be awaited down to zero."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self._zero = anyio.Event()
-        self._zero.set()
-
-    def started(self) -> None:
-        if self.count == 0:
-            self._zero = anyio.Event()
-        self.count += 1
-
-    def finished(self) -> None:
-        self.count -= 1
-        if self.count == 0:
-            self._zero.set()
-
-    async def wait_zero(self) -> None:
-        await self._zero.wait()
-
-
-def _bump(counter: dict[str, int], reason: MissReason) -> None:
-    counter[reason.value] = counter.get(reason.value, 0) + 1
-
-
-def _reason_of(exc: BaseException) -> MissReason:
-    if isinstance(exc, TimeoutError):
-        return MissReason.TIMEOUT
-    if isinstance(exc, TierError):
-        return exc.reason
-    return MissReason.UNAVAILABLE
+    promotions_written_up: int
+    """Promoted blocks whose write to the faster tiers above their source was started."""
+    writes_deferred: int
+    """Writes to a ``deferred`` tier that back-pressure dropped and that were queued."""
+    deferred_written: int
+    """Deferred writes since copied to their tier from a faster one."""
+    deferred_lost: int
+    """Deferred writes given up: the queue overflowed, no faster tier held the block any
+    more, the write failed, or the manager closed first."""
+    deferred_pending: int
 
 
 class TieringManager:
@@ -138,7 +118,20 @@ class TieringManager:
     recomputing would take. ``admission`` (a ``kvtier.AdmissionPolicy``) decides which tiers
     take each stored block: a tier that falls behind is skipped (counted) until it recovers,
     and tiers it names as write-back get a block only when it must leave the pool; up to
-    ``write_back_limit`` blocks wait in the pool, pinned, for that.
+    ``write_back_limit`` blocks wait in the pool, pinned, for that. Tiers it names as
+    deferred get the blocks their back-pressure dropped later, copied from a faster tier,
+    when they have room again (counted in ``writes_deferred`` and ``deferred_written``);
+    closing gives the ones still waiting ``close_timeout``, whatever the tier's latency.
+
+    Entering opens each tier within ``open_timeout`` seconds (None: no bound); a tier that
+    takes longer fails it with ``TierTimeoutError`` naming that tier, and every tier opened
+    before it is closed again. Keep it above an S3 tier's ``index_list_timeout``.
+
+    With ``promote_write_up`` (the default), a block promoted from a tier is also written to
+    the write-through tiers listed before it, under the same admission and in-flight limits
+    as a store's write-through (counted in ``promotions_written_up``): a node that reads a
+    block from a shared S3 tier keeps it on its own FS tier, and the next time the block
+    leaves the pool it comes back from there, not from S3.
     """
 
     def __init__(
@@ -156,6 +149,8 @@ class TieringManager:
         cost: CostModel | None = None,
         admission: AdmissionPolicy | None = None,
         write_back_limit: int | None = None,
+        open_timeout: float | None = 120.0,
+        promote_write_up: bool = True,
     ) -> None:
         if not isinstance(pool, PrimaryPool):
             raise InvalidArgumentError(
@@ -178,38 +173,50 @@ class TieringManager:
         self._store_timeout = positive_number(store_timeout, "store_timeout")
         self._max_in_flight_bytes = positive_int(max_in_flight_bytes, "max_in_flight_bytes")
         self._close_timeout = positive_number(close_timeout, "close_timeout")
+        self._open_timeout = (
+            None if open_timeout is None else positive_number(open_timeout, "open_timeout")
+        )
         # what the manager remembers itself, whatever each tier's record_miss does
         self._failed = RecentFailures(positive_number(failure_ttl, "failure_ttl"))
+        if not isinstance(promote_write_up, bool):
+            raise InvalidArgumentError(
+                f"promote_write_up must be True or False, got {promote_write_up!r}"
+            )
+        self._promote_write_up = promote_write_up
         self._dtype = None if dtype is None else dtype_name(dtype)
         self._latency = latency
         self.cost = cost if cost is not None else CostModel()
         if admission is None:
             admission = AdmissionPolicy(max_in_flight_bytes=self.default_tier_in_flight_bytes())
         self.admission = admission
-        self._write_back = WriteBackQueue(
-            max(pool.num_blocks // 4, 1) if write_back_limit is None else write_back_limit
-        )
-        self._write_back_tiers = tuple(t for t in self.tiers if admission.is_write_back(t.name))
-        self._through_tiers = tuple(t for t in self.tiers if not admission.is_write_back(t.name))
         self._promoting: dict[bytes, float] = {}  # key -> when its promotion should land
         self._after: dict[bytes, list[bytes]] = {}  # key -> keys deferred until it changes
         self._stack: AsyncExitStack | None = None
         self._task_group: anyio.abc.TaskGroup | None = None
         self._was_open = False  # closed after use: lookups answer MISS; never opened: misuse
         self._waiters: dict[bytes, list[anyio.Event | KeyWatch]] = {}
-        self._tasks = _InFlight()  # promotions and write-through
-        self._cascades = _InFlight()  # write-through only: what exit waits for
-        self._in_flight_bytes = 0
+        self._background = Background()  # promotions and write-through
+        self._tasks = self._background.tasks
         self._log = BurstLogger(logger)
+        self._writer = WriteThrough(
+            pool,
+            self.tiers,
+            admission,
+            max_in_flight_bytes=self._max_in_flight_bytes,
+            store_timeout=self._store_timeout,
+            write_back_limit=(
+                max(pool.num_blocks // 4, 1) if write_back_limit is None else write_back_limit
+            ),
+            background=self._background,
+            callback=self._callback,
+            log=self._log,
+        )
         # counters
         self._hits = self._pending = self._retries = self._misses = 0
         self._miss_reasons: dict[str, int] = {}
         self._promotions_started = self._promotions_ok = self._promotions_cancelled = 0
         self._promotion_failures: dict[str, int] = {}
         self._stored = self._skipped_present = self._skipped_full = self._loaded = 0
-        self._cascades_started = self._cascades_ok = 0
-        self._cascades_skipped = self._cascades_cancelled = 0
-        self._cascade_failures: dict[str, int] = {}
         self._callback_failures = 0
         self._deferred = self._declined = 0
 
@@ -218,15 +225,35 @@ class TieringManager:
     async def __aenter__(self) -> Self:
         if self._stack is not None:
             raise LifecycleError("this TieringManager is already entered")
+        opening: SecondaryTier | None = None
         async with AsyncExitStack() as stack:
+            # Entered first, so left last: it bounds each tier's open, then stays entered
+            # (with no deadline) until aclose, because task groups a tier enters while
+            # opening must be left before the scope they were entered in.
+            bound = stack.enter_context(anyio.CancelScope())
             for tier in self.tiers:
+                opening = tier
+                if self._open_timeout is not None:
+                    bound.deadline = anyio.current_time() + self._open_timeout
                 await stack.enter_async_context(tier)
                 stack.callback(tier.add_listener(self._notify))
+            opening = None
+            bound.deadline = math.inf
             task_group = anyio.create_task_group()
             await task_group.__aenter__()
-            self._task_group = task_group
+            self._task_group = self._writer.task_group = task_group
             self._was_open = True
             self._stack = stack.pop_all()
+        if opening is not None:  # its open ran past open_timeout (the scope caught that)
+            with anyio.move_on_after(self._close_timeout, shield=True):
+                await opening.aclose()  # whatever its open had set up before it was cut
+            raise TierTimeoutError(
+                f"did not open within open_timeout={self._open_timeout:g} s; check that the "
+                "tier is reachable (a hung mount, an endpoint that does not answer) or raise "
+                "open_timeout",
+                tier=opening.name,
+                operation="open",
+            )
         return self
 
     async def __aexit__(
@@ -242,15 +269,22 @@ class TieringManager:
         stack, self._stack = self._stack, None
         if stack is None:
             return
+        writer = self._writer
+        writer.closing = True
         if self._task_group is not None:
-            self._flush_write_back(self._task_group, everything=True)
+            writer.flush(self._task_group, everything=True)
+            writer.drain_deferred(self._task_group)
         with anyio.move_on_after(self._close_timeout, shield=True):
-            await self._cascades.wait_zero()  # promotions are only reads: cancel them at once
-        self._cascades_cancelled += self._cascades.count
+            await writer.cascades.wait_zero()  # promotions are only reads: cancel them at once
+        writer.cancelled += writer.cascades.count
         task_group, self._task_group = self._task_group, None
+        writer.task_group = None
         assert task_group is not None
         task_group.cancel_scope.cancel()
         await task_group.__aexit__(None, None, None)  # children are cancelled: returns promptly
+        self._background.undo_unstarted()
+        writer.deferred.clear()  # what the deferred tiers had not taken in time: given up
+        writer.closing = False
         # Not shielded here: each tier shields and bounds its own awaiting cleanup, and a
         # shield around a task group's exit is not allowed.
         await stack.aclose()
@@ -294,7 +328,7 @@ class TieringManager:
                 self._check_open()  # never opened: a usage error, say so
             # Closed (or closing) while the engine still asks: nothing can promote now.
             self._misses += 1
-            _bump(self._miss_reasons, MissReason.UNAVAILABLE)
+            bump(self._miss_reasons, MissReason.UNAVAILABLE)
             return MISS
         budget = ctx if isinstance(ctx, ScanBudget) else None
         any_retry = False
@@ -315,14 +349,14 @@ class TieringManager:
                 slot = self.pool.try_reserve(key)
                 if slot is None:
                     self._misses += 1
-                    _bump(self._miss_reasons, MissReason.PRIMARY_FULL)
+                    bump(self._miss_reasons, MissReason.PRIMARY_FULL)
                     return MISS
                 self._promotions_started += 1
                 self._promoting[key] = ready_at = self._landing(tier)
                 if budget is not None:
                     budget.expect(ready_at)
-                self._tasks.started()
-                task_group.start_soon(self._promote, key, tier, slot)
+                undo = functools.partial(self._promotion_never_ran, key, slot)
+                self._background.start_soon(task_group, undo, self._promote, key, tier, slot)
                 self._retries += 1
                 return RETRY
             if result is RETRY:
@@ -337,7 +371,7 @@ class TieringManager:
             self._retries += 1
             return RETRY
         self._misses += 1
-        _bump(self._miss_reasons, reason)
+        bump(self._miss_reasons, reason)
         return MISS
 
     def default_tier_in_flight_bytes(self) -> int:
@@ -409,8 +443,8 @@ class TieringManager:
             ok = True
         except Exception as exc:
             failed = True
-            reason = _reason_of(exc)
-            _bump(self._promotion_failures, reason)
+            reason = reason_of(exc)
+            bump(self._promotion_failures, reason)
             self._failed.remember(tier, key, reason)
             self._callback("record_miss", tier.record_miss, key, reason)
             self._log.warning(
@@ -424,6 +458,9 @@ class TieringManager:
             if ok:
                 self.pool.commit(slot)
                 self._promotions_ok += 1
+                task_group = self._task_group
+                if self._promote_write_up and task_group is not None and self._stack is not None:
+                    self._writer.write_up(task_group, key, tier)
             else:
                 self.pool.abort(slot)
                 self._promotions_cancelled += not failed
@@ -436,7 +473,13 @@ class TieringManager:
                 )
             self._promoting.pop(key, None)
             self._notify(key)
-            self._tasks.finished()
+
+    def _promotion_never_ran(self, key: bytes, slot: int) -> None:
+        """Give back the slot ``lookup`` reserved for a promotion cancelled unstarted."""
+        self.pool.abort(slot)
+        self._promotions_cancelled += 1
+        self._promoting.pop(key, None)
+        self._notify(key)
 
     def _callback(self, what: str, function: Callable[..., object], *args: object) -> None:
         """Call a tier's or an observer's hook from background work. The manager's task group
@@ -501,134 +544,10 @@ class TieringManager:
             for key in chosen_keys:
                 self._notify(key)
         self._stored += len(slots)
+        closing = self._stack is None
         for key in chosen_keys:
-            self._start_cascade(task_group, key)
+            self._writer.after_store(task_group, key, closing=closing)
         return len(slots)
-
-    def _start_cascade(self, task_group: anyio.abc.TaskGroup, key: bytes) -> None:
-        """Write a just-stored block through to the tiers that admit it now; hold it for the
-        write-back tiers."""
-        if self._write_back_tiers and key not in self._write_back:
-            slot = self.pool.pin(key)  # not evictable until written back
-            if slot is not None:
-                self._write_back.add(key, slot)
-        if self._through_tiers:
-            nbytes = self.pool.block_bytes
-            if self._in_flight_bytes + nbytes > self._max_in_flight_bytes:
-                self._cascades_skipped += 1
-                return
-            targets: list[SecondaryTier] = []
-            for tier in self._through_tiers:
-                if self.admission.admit(tier.name, nbytes):
-                    targets.append(tier)
-                else:  # counted as dropped by the policy; said once per burst
-                    self._log.warning(
-                        "admission:" + tier.name,
-                        "%s is behind: write-through to it is dropped until it recovers",
-                        tier.name,
-                    )
-            if targets:
-                slot = self.pool.pin(key)
-                if slot is None:  # already evicted by a later store in the same burst
-                    for tier in targets:
-                        self.admission.cancel(tier.name, nbytes)
-                    self._cascades_skipped += 1
-                    return
-                self._launch(task_group, key, slot, targets)
-        if self._write_back:  # while closing (a store that raced aclose), write back at once
-            self._flush_write_back(task_group, everything=self._stack is None)
-
-    def _flush_write_back(
-        self, task_group: anyio.abc.TaskGroup, *, everything: bool = False
-    ) -> None:
-        """Start the write-backs the queue says are due (see ``WriteBackQueue.due``)."""
-        by_name = {tier.name: tier for tier in self._write_back_tiers}
-        writes, unpin = self._write_back.due(
-            self.admission, list(by_name), self.pool.block_bytes, everything=everything
-        )
-        for key, slot, names in writes:
-            self._launch(task_group, key, slot, [by_name[name] for name in names])
-        for slot in unpin:
-            self.pool.unpin(slot)
-
-    def _launch(
-        self,
-        task_group: anyio.abc.TaskGroup,
-        key: bytes,
-        slot: int,
-        targets: Sequence[SecondaryTier],
-    ) -> None:
-        """Start writing the pinned ``slot`` to ``targets``; the write gives the pin back."""
-        nbytes = self.pool.block_bytes
-        self._in_flight_bytes += nbytes
-        self._cascades_started += 1
-        self._cascades.started()
-        self._tasks.started()
-        task_group.start_soon(self._cascade, key, slot, nbytes, tuple(targets))
-
-    async def _cascade(
-        self, key: bytes, slot: int, nbytes: int, targets: tuple[SecondaryTier, ...]
-    ) -> None:
-        failures: list[MissReason] = []
-        begun: list[SecondaryTier] = []  # the tiers whose write started (and reports itself)
-        write = functools.partial(self._write_through, key, targets, failures, begun)
-        try:
-            with anyio.fail_after(self._store_timeout):
-                await self.pool.drain(slot, write)
-        except Exception as exc:
-            failures.append(_reason_of(exc))
-        finally:
-            for tier in targets:
-                if tier not in begun:  # the drain failed first: give the admission back
-                    self.admission.cancel(tier.name, nbytes)
-            self.pool.unpin(slot)
-            self._in_flight_bytes -= nbytes
-            self._cascades.finished()
-            self._tasks.finished()
-            if self._write_back and self._task_group is not None:
-                self._flush_write_back(self._task_group)  # room in flight again
-        for reason in failures:
-            _bump(self._cascade_failures, reason)
-        self._cascades_ok += not failures
-
-    async def _write_through(
-        self,
-        key: bytes,
-        targets: tuple[SecondaryTier, ...],
-        failures: list[MissReason],
-        begun: list[SecondaryTier],
-        view: memoryview,
-    ) -> None:
-        async with anyio.create_task_group() as tg:
-            for tier in targets:
-                tg.start_soon(self._store_one, tier, key, view, failures, begun)
-
-    async def _store_one(
-        self,
-        tier: SecondaryTier,
-        key: bytes,
-        view: memoryview,
-        failures: list[MissReason],
-        begun: list[SecondaryTier],
-    ) -> None:
-        begun.append(tier)  # from here on this write reports to the admission policy itself
-        started = time.perf_counter()
-        try:
-            await tier.store(key, view)
-        except Exception as exc:
-            reason = _reason_of(exc)
-            failures.append(reason)
-            self._log.warning(
-                "store:" + tier.name,
-                "write-through to %s failed (%s): %r",
-                tier.name,
-                reason.value,
-                exc,
-            )
-        else:
-            self._callback("notify", tier.notify, [key])
-        finally:
-            self.admission.finished(tier.name, view.nbytes, time.perf_counter() - started)
 
     async def load(self, keys: Sequence[bytes], out: Any) -> int:
         """Copy the blocks of ``keys`` from the pool into ``out`` (one array with a leading
@@ -708,6 +627,7 @@ class TieringManager:
     # -- observation -------------------------------------------------------------------------
 
     def statistics(self) -> ManagerStatistics:
+        writer = self._writer
         return ManagerStatistics(
             lookups_hit=self._hits,
             lookups_hit_pending=self._pending,
@@ -722,12 +642,12 @@ class TieringManager:
             stores_skipped_present=self._skipped_present,
             stores_skipped_full=self._skipped_full,
             blocks_loaded=self._loaded,
-            cascades_started=self._cascades_started,
-            cascades_succeeded=self._cascades_ok,
-            cascade_failures_by_reason=dict(self._cascade_failures),
-            cascades_skipped=self._cascades_skipped,
-            cascades_cancelled=self._cascades_cancelled,
-            in_flight_bytes=self._in_flight_bytes,
+            cascades_started=writer.started,
+            cascades_succeeded=writer.succeeded,
+            cascade_failures_by_reason=dict(writer.failures),
+            cascades_skipped=writer.skipped,
+            cascades_cancelled=writer.cancelled,
+            in_flight_bytes=writer.in_flight_bytes,
             background_tasks=self._tasks.count,
             callback_failures=self._callback_failures,
             pool=self.pool.statistics(),
@@ -735,15 +655,20 @@ class TieringManager:
             promotions_deferred=self._deferred,
             promotions_declined=self._declined,
             cascades_dropped=self.admission.dropped(),
-            written_back=self._write_back.written_back,
-            dirty_blocks=len(self._write_back),
+            written_back=writer.write_back.written_back,
+            dirty_blocks=len(writer.write_back),
             cost=self.cost.statistics(),
             admission=self.admission.statistics([t.name for t in self.tiers]),
+            promotions_written_up=writer.written_up,
+            writes_deferred=writer.deferred.deferred,
+            deferred_written=writer.deferred.written,
+            deferred_lost=writer.deferred.lost,
+            deferred_pending=len(writer.deferred),
         )
 
     def __repr__(self) -> str:
         state = "open" if self._task_group is not None else "closed"
         return (
             f"<TieringManager {state} pool={self.pool!r} tiers={[t.name for t in self.tiers]} "
-            f"background={self._tasks.count} in_flight_bytes={self._in_flight_bytes}>"
+            f"background={self._tasks.count} in_flight_bytes={self._writer.in_flight_bytes}>"
         )

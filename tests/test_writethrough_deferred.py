@@ -1,0 +1,216 @@
+"""Deferred writes: a write that back-pressure drops for a ``deferred`` tier is queued (key
+only) and copied later from a faster tier that holds the block, so a shared remote tier gets
+every block at the pace it can take, without pinning the pool."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvtier import (
+    AdmissionPolicy,
+    HostPool,
+    InvalidArgumentError,
+    LookupResult,
+    MemoryTier,
+    TieringManager,
+)
+from kvtier._admission import DeferredWrites
+from kvtier.testing import StallingTier
+
+BB = 4096
+
+
+def blocks(n: int) -> np.ndarray:
+    return np.arange(n * BB, dtype=np.uint64).astype(np.uint8).reshape(n, BB) + np.arange(
+        n, dtype=np.uint8
+    ).reshape(n, 1)
+
+
+def policy(*, deferred: bool) -> AdmissionPolicy:
+    return AdmissionPolicy(
+        max_in_flight_bytes={"remote": BB},
+        max_write_latency=None,
+        deferred=["remote"] if deferred else [],
+    )
+
+
+async def test_dropped_writes_reach_the_deferred_tier_once_it_has_room(
+    keys: list[bytes],
+) -> None:
+    fast = MemoryTier("fast")
+    remote = StallingTier(MemoryTier("remote-inner"), name="remote")
+    remote.stall("store")
+    data = blocks(4)
+    async with TieringManager(
+        HostPool(8, BB), [fast, remote], admission=policy(deferred=True)
+    ) as manager:
+        await manager.store(keys[:4], data)
+        await remote.wait_stalled("store")
+        stats = manager.statistics()
+        assert stats.cascades_dropped == 3  # not written at store time ...
+        assert stats.writes_deferred == 3 and stats.deferred_pending == 3  # ... but kept
+        remote.release("store")
+        await manager.wait_idle()
+        stats = manager.statistics()
+    assert stats.deferred_written == 3 and stats.deferred_pending == 0
+    assert stats.deferred_lost == 0
+    assert stats.pool.pinned == 0 and stats.in_flight_bytes == 0
+    out = bytearray(BB)
+    for i, key in enumerate(keys[:4]):
+        await remote.inner.load(key, memoryview(out))
+        assert out == data[i].tobytes()
+
+
+async def test_without_deferred_the_dropped_writes_are_lost(keys: list[bytes]) -> None:
+    fast = MemoryTier("fast")
+    remote = StallingTier(MemoryTier("remote-inner"), name="remote")
+    remote.stall("store")
+    async with TieringManager(
+        HostPool(8, BB), [fast, remote], admission=policy(deferred=False)
+    ) as manager:
+        await manager.store(keys[:4], blocks(4))
+        await remote.wait_stalled("store")
+        remote.release("store")
+        await manager.wait_idle()
+        stats = manager.statistics()
+    assert stats.writes_deferred == 0 and stats.deferred_written == 0
+    assert sum(remote.inner.lookup(k) is LookupResult.HIT for k in keys[:4]) == 1
+
+
+async def test_a_deferred_write_whose_block_left_the_faster_tiers_is_given_up(
+    keys: list[bytes],
+) -> None:
+    fast = MemoryTier("fast")
+    remote = StallingTier(MemoryTier("remote-inner"), name="remote")
+    remote.stall("store")
+    async with TieringManager(
+        HostPool(8, BB), [fast, remote], admission=policy(deferred=True)
+    ) as manager:
+        await manager.store(keys[:2], blocks(2))
+        await remote.wait_stalled("store")
+        await fast.delete(keys[1])  # evicted from the fast tier before its turn came
+        remote.release("store")
+        await manager.wait_idle()
+        stats = manager.statistics()
+    assert stats.writes_deferred == 1 and stats.deferred_lost == 1
+    assert stats.deferred_written == 0
+    assert stats.admission[1].in_flight_bytes == 0
+    assert remote.inner.lookup(keys[1]) is LookupResult.MISS
+
+
+async def test_closing_gives_up_the_deferred_writes_and_leaves_nothing_behind(
+    keys: list[bytes],
+) -> None:
+    fast = MemoryTier("fast")
+    remote = StallingTier(MemoryTier("remote-inner"), name="remote")
+    remote.stall("store")
+    async with TieringManager(
+        HostPool(8, BB), [fast, remote], admission=policy(deferred=True), close_timeout=0.1
+    ) as manager:
+        await manager.store(keys[:3], blocks(3))
+        await remote.wait_stalled("store")
+    stats = manager.statistics()
+    assert stats.writes_deferred == 2 and stats.deferred_lost == 2
+    assert stats.deferred_pending == 0
+    assert stats.pool.pinned == 0 and stats.in_flight_bytes == 0
+    assert stats.background_tasks == 0
+
+
+def test_the_queue_is_bounded() -> None:
+    queue = DeferredWrites(["remote"], limit=2)
+    for key in (b"a", b"b", b"b", b"c"):
+        queue.add("remote", key)
+    assert len(queue) == 2 and queue.deferred == 3 and queue.lost == 1
+    admission = AdmissionPolicy(max_in_flight_bytes=3, max_write_latency=None)
+    assert queue.due(admission, 1, room=10) == [("remote", b"b"), ("remote", b"c")]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"deferred": "s3"}, "deferred"),
+        ({"deferred": ["s3"], "write_back": ["s3"]}, "both"),
+    ],
+)
+def test_deferred_is_validated(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=match):
+        AdmissionPolicy(**kwargs)  # type: ignore[arg-type]
+
+
+async def test_closing_writes_what_waits_even_to_a_tier_closed_by_latency(
+    keys: list[bytes],
+) -> None:
+    """A node leaving the cluster (a session moving to another node) hands its deferred
+    blocks to the shared tier within ``close_timeout``, even though the tier's latency had
+    closed it to new writes."""
+    now = [0.0]
+    fast = MemoryTier("fast")
+    remote = StallingTier(MemoryTier("remote-inner"), name="remote")
+    admission = AdmissionPolicy(
+        max_in_flight_bytes={"remote": BB},
+        max_write_latency=0.1,
+        deferred=["remote"],
+        clock=lambda: now[0],
+    )
+    admission.observe_write_latency("remote", 5.0)  # closed: its writes average 5 s
+    async with TieringManager(
+        HostPool(8, BB), [fast, remote], admission=admission, close_timeout=30
+    ) as manager:
+        await manager.store(keys[:3], blocks(3))
+        await manager.wait_idle()
+        stats = manager.statistics()
+        # one probe write went through; the others wait, and no probe is due yet
+        assert stats.writes_deferred == 2 and stats.deferred_pending == 2
+    stats = manager.statistics()
+    assert stats.deferred_written == 2 and stats.deferred_lost == 0
+    assert all(remote.inner.lookup(k) is LookupResult.HIT for k in keys[:3])
+
+
+def test_a_rate_limit_drops_past_its_budget_and_refills_with_time() -> None:
+    now = [0.0]
+    policy = AdmissionPolicy(
+        max_write_rate={"remote": 3 * BB}, max_write_latency=None, clock=lambda: now[0]
+    )
+    assert [policy.admit("remote", BB) for _ in range(4)] == [True, True, True, False]
+    assert policy.admit("fast", BB)  # other tiers are not limited
+    for _ in range(3):
+        policy.finished("remote", BB, 0.01)
+    assert not policy.has_room("remote", BB)
+    now[0] += 1 / 3  # a third of a second: one block's worth
+    assert policy.has_room("remote", BB) and policy.admit("remote", BB)
+    assert not policy.admit("remote", BB)
+    (remote,) = [s for s in policy.statistics() if s.name == "remote"]
+    assert remote.dropped_by_cause == {"rate": 2}
+    assert policy.has_room("remote", BB, ignore_latency=True)  # closing ignores the rate
+
+
+async def test_rate_limited_writes_are_deferred_and_written_at_close(keys: list[bytes]) -> None:
+    now = [0.0]
+    fast, remote = MemoryTier("fast"), MemoryTier("remote")
+    admission = AdmissionPolicy(
+        max_write_rate={"remote": BB},
+        max_write_latency=None,
+        deferred=["remote"],
+        clock=lambda: now[0],
+    )
+    async with TieringManager(HostPool(8, BB), [fast, remote], admission=admission) as manager:
+        await manager.store(keys[:4], blocks(4))
+        await manager.wait_idle()
+        stats = manager.statistics()
+        assert stats.writes_deferred == 3 and stats.deferred_pending == 3
+        now[0] += 1.0  # room for one more block: the next store lets the oldest through
+        await manager.store(keys[4:5], blocks(1))
+        await manager.wait_idle()
+        stats = manager.statistics()
+        assert stats.deferred_written == 1
+    stats = manager.statistics()
+    assert stats.deferred_written == 4 and stats.deferred_lost == 0
+    assert all(remote.lookup(k) is LookupResult.HIT for k in keys[:5])
+
+
+def test_max_write_rate_is_validated() -> None:
+    with pytest.raises(InvalidArgumentError, match="max_write_rate"):
+        AdmissionPolicy(max_write_rate=0)
+    with pytest.raises(InvalidArgumentError, match="max_write_rate"):
+        AdmissionPolicy(max_write_rate={"s3": -1.0})

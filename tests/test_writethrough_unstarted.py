@@ -1,0 +1,83 @@
+"""A background task cancelled before its first step never reaches its own ``finally``.
+
+The manager pins the slot, counts the bytes in flight and the task before it starts a
+write-through or a promotion task; the task gives them back when it ends. anyio itself never
+cancels a task that has not started, but asyncio does when something cancels the task
+directly (``asyncio.run`` cancelling every task at shutdown, a supervisor that walks
+``asyncio.all_tasks()``). These tests cancel the manager's queued tasks that way, then close
+the manager and check that nothing was left pinned, reserved or counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import warnings
+from inspect import CORO_CREATED, getcoroutinestate
+
+import numpy as np
+
+from kvtier import HostPool, LookupResult, MemoryTier, TieringManager
+
+BB = 4096
+
+
+def cancel_unstarted_tasks() -> int:
+    """Cancel every task of this loop that has not run yet (the manager's queued work)."""
+    cancelled = 0
+    for task in asyncio.all_tasks():
+        coro = task.get_coro()
+        if coro is not None and getcoroutinestate(coro) == CORO_CREATED:  # type: ignore[arg-type]
+            task.cancel()
+            cancelled += 1
+    return cancelled
+
+
+def forget_unrun_coroutines() -> None:
+    """Collect the cancelled tasks' coroutines now: Python warns that they never ran (true,
+    and the point of the test) when they are collected."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "coroutine .* was never awaited", RuntimeWarning)
+        gc.collect()
+
+
+def assert_nothing_left(manager: TieringManager) -> None:
+    forget_unrun_coroutines()
+    stats = manager.statistics()
+    assert stats.pool.pinned == 0, "a slot was left pinned"
+    assert stats.pool.writing == 0, "a slot was left reserved"
+    assert stats.in_flight_bytes == 0
+    assert stats.background_tasks == 0
+    assert all(a.in_flight_bytes == 0 for a in stats.admission)
+    manager.pool.table.check_invariants()
+
+
+async def test_a_cascade_cancelled_before_it_starts_leaves_nothing_behind(
+    keys: list[bytes],
+) -> None:
+    manager = TieringManager(HostPool(8, BB), [MemoryTier()], close_timeout=0.2)
+    await manager.__aenter__()
+    await manager.store(keys[:3], np.ones((3, BB), np.uint8))
+    assert manager.statistics().in_flight_bytes == 3 * BB  # queued, not started
+    assert cancel_unstarted_tasks() == 3
+    await asyncio.sleep(0)  # let the cancellations land (an ordering step, not a wait)
+    await manager.aclose()
+    assert_nothing_left(manager)
+    stats = manager.statistics()
+    assert stats.cascades_cancelled == 3
+    assert stats.pool.ready == 3  # the stored blocks themselves stay
+
+
+async def test_a_promotion_cancelled_before_it_starts_leaves_nothing_behind(
+    keys: list[bytes],
+) -> None:
+    tier = MemoryTier()
+    await tier.store(keys[0], memoryview(bytes(BB)))
+    manager = TieringManager(HostPool(8, BB), [tier], close_timeout=0.2)
+    await manager.__aenter__()
+    assert manager.lookup(keys[0]) is LookupResult.RETRY  # its promotion is queued
+    assert cancel_unstarted_tasks() == 1
+    await asyncio.sleep(0)
+    await manager.aclose()
+    assert_nothing_left(manager)
+    assert manager.statistics().promotions_cancelled == 1
