@@ -492,9 +492,9 @@ def test_build_hands_the_manager_its_cost_model_and_admission(tmp_path: Path) ->
     policy = manager.admission
     assert policy.max_write_latency == 0.1 and policy._probe_interval == 0.5
     assert policy.write_back_tiers == {"s3"}
-    assert [t.name for t in manager._write_back_tiers] == ["s3"]
-    assert [t.name for t in manager._through_tiers] == ["fs"]
-    assert manager._write_back.limit == 3
+    assert [t.name for t in manager._writer.write_back_tiers] == ["s3"]
+    assert [t.name for t in manager._writer.through_tiers] == ["fs"]
+    assert manager._writer.write_back.limit == 3
     assert policy.admit("fs", 8192) and not policy.admit("fs", 1)  # the per-tier limit
     assert policy.statistics(["fs"])[0].dropped_by_cause == {"in_flight": 1}
 
@@ -511,7 +511,7 @@ def test_build_without_policy_settings_matches_a_default_manager(tmp_path: Path)
         assert policy.admit("s3", limit) and not policy.admit("s3", 1)
         assert policy.max_write_latency == 0.25 and policy.write_back_tiers == frozenset()
         assert manager.cost.recompute_seconds_per_block is None
-        assert manager._write_back.limit == POOL["num_blocks"] // 4
+        assert manager._writer.write_back.limit == POOL["num_blocks"] // 4
 
 
 async def test_write_back_from_config_writes_the_tier_on_close(tmp_path: Path) -> None:
