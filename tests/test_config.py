@@ -174,6 +174,10 @@ def test_parse_size_rejects(text: object) -> None:
             "manager.open_timeout must be a positive number of seconds, or nothing; got 0",
         ),
         (
+            {"pool": POOL, "s3": {"bucket": "kv-cache"}, "manager": {"open_timeout": 30}},
+            "manager.open_timeout (30 s) must be above s3.index_list_timeout (60 s)",
+        ),
+        (
             {"pool": POOL, "manager": {"promote_write_up": "yes"}},
             "manager.promote_write_up must be true or false; got 'yes'",
         ),
@@ -462,7 +466,7 @@ MANAGER = {
     "write_back_limit": 3,
     "deferred": ["fs"],
     "max_write_rate": "2MiB",
-    "open_timeout": 7.5,
+    "open_timeout": 90,
     "promote_write_up": False,
 }
 MANAGER_PARSED = ManagerConfig(
@@ -476,7 +480,7 @@ MANAGER_PARSED = ManagerConfig(
     write_back_limit=3,
     deferred=("fs",),
     max_write_rate=float(2 << 20),
-    open_timeout=7.5,
+    open_timeout=90.0,
     promote_write_up=False,
 )
 
@@ -507,7 +511,7 @@ write_back = ["s3"]
 write_back_limit = 3
 deferred = ["fs"]
 max_write_rate = "2MiB/s"
-open_timeout = 7.5
+open_timeout = 90
 promote_write_up = false
 """
     )
@@ -618,7 +622,7 @@ def test_build_hands_the_manager_its_cost_model_and_admission(tmp_path: Path) ->
     assert manager._writer.write_back.limit == 3
     assert policy.admit("fs", 8192) and not policy.admit("fs", 1)  # the per-tier limit
     assert policy.statistics(["fs"])[0].dropped_by_cause == {"in_flight": 1}
-    assert manager._open_timeout == 7.5 and manager._promote_write_up is False
+    assert manager._open_timeout == 90.0 and manager._promote_write_up is False
     assert policy.deferred_tiers == {"fs"} and policy._rate == 2 << 20
     # The rate applies to every tier: with the clock stopped, s3 takes one second's worth.
     policy.clock = lambda: 0.0
