@@ -197,11 +197,13 @@ class ManagerMachine(RuleBasedStateMachine):
         """The remote tier's write budget refills (and writes in flight look older)."""
         self.clock_offset += seconds
 
-    @rule(key=st.sampled_from(KEYS))
-    def promotion_is_written_up(self, key: bytes) -> None:
+    @rule(start=st.integers(0, len(KEYS) - 1))
+    def promotion_is_written_up(self, start: int) -> None:
         """A block only a lower tier holds is promoted and written to the memory tier above
         it, unless admission dropped or skipped that write (counted)."""
-        if self.stalled() or key in self.manager.pool.table.ready:
+        ready = self.manager.pool.table.ready
+        key = next((k for k in KEYS[start:] + KEYS[:start] if k not in ready), None)
+        if self.stalled() or key is None:
             return
 
         async def run() -> int:
@@ -225,6 +227,22 @@ class ManagerMachine(RuleBasedStateMachine):
             dropped = after.cascades_dropped > before.cascades_dropped
             skipped = after.cascades_skipped > before.cascades_skipped
             assert dropped or skipped, "a promoted block was neither written up nor dropped"
+
+    @rule(ops=st.sets(st.sampled_from(["contains", "load", "store"]), min_size=1))
+    def tier_stalls(self, ops: set[str]) -> None:
+        self.portal.call(lambda: self.stalling.stall(*ops))
+
+    @rule()
+    def tier_unstalls(self) -> None:
+        self.portal.call(self.stalling.release)
+
+    @rule(per_block=st.none() | st.floats(0.0, 0.01))
+    def recompute_cost(self, per_block: float | None) -> None:
+        self.manager.cost.set_recompute_cost(per_block)
+
+    @rule(tier=st.sampled_from(["stalling", "failing", "remote"]), seconds=st.floats(0.0, 5.0))
+    def promotion_latency_observed(self, tier: str, seconds: float) -> None:
+        self.manager.cost.observe_promotion(tier, seconds, BB, ok=True)
 
     @rule(tier=st.sampled_from(["stalling", "failing", "remote"]), seconds=st.floats(0.0, 2.0))
     def write_latency_observed(self, tier: str, seconds: float) -> None:
