@@ -174,10 +174,6 @@ def test_parse_size_rejects(text: object) -> None:
             "manager.open_timeout must be a positive number of seconds, or nothing; got 0",
         ),
         (
-            {"pool": POOL, "s3": {"bucket": "kv-cache"}, "manager": {"open_timeout": 30}},
-            "manager.open_timeout (30 s) must be above s3.index_list_timeout (60 s)",
-        ),
-        (
             {"pool": POOL, "manager": {"promote_write_up": "yes"}},
             "manager.promote_write_up must be true or false; got 'yes'",
         ),
@@ -631,6 +627,26 @@ def test_build_hands_the_manager_its_cost_model_and_admission(tmp_path: Path) ->
         policy.finished("s3", 4096, 0.0)
     assert not policy.admit("s3", 4096)
     assert policy.statistics(["s3"])[0].dropped_by_cause == {"rate": 1}
+
+
+def test_build_needs_open_timeout_above_the_s3_listing_bound() -> None:
+    config = KVTierConfig.from_dict(
+        {"pool": POOL, "s3": {"bucket": "kv-cache"}, "manager": {"open_timeout": 30}}
+    )
+    assert len(config.build_tiers()) == 1  # a tier alone (the vLLM adapter) opens unbounded
+    with pytest.raises(
+        InvalidArgumentError,
+        match=r"manager.open_timeout \(30 s\) must be above s3.index_list_timeout \(60 s\)",
+    ):
+        config.build()
+    for s3 in ({"lookup_mode": "ask"}, {"index_list_timeout": 20}):  # no listing, or a shorter one
+        settings = {"bucket": "kv-cache", **s3}
+        KVTierConfig.from_dict(
+            {"pool": POOL, "s3": settings, "manager": {"open_timeout": 30}}
+        ).build()
+    KVTierConfig.from_dict(
+        {"pool": POOL, "s3": {"bucket": "kv-cache"}, "manager": {"open_timeout": None}}
+    ).build()
 
 
 def test_build_without_policy_settings_matches_a_default_manager(tmp_path: Path) -> None:
