@@ -33,6 +33,10 @@ A file looks like this (every section but ``pool`` is optional)::
     max_write_latency = 0.25 # a tier whose writes average longer gets no new blocks
     tier_max_in_flight_bytes = "64MiB"
     write_back = ["s3"]      # written only when a block leaves the pool (env: "s3,fs")
+    deferred = []            # dropped writes queued and copied later (not with write_back)
+    max_write_rate = "512MiB" # bytes/s given to each tier at most (unset: no limit)
+    open_timeout = 120.0     # each tier must open within this (unset: no bound)
+    promote_write_up = true  # a block promoted from s3 is written to fs too
 
     [integrity]
     key = "..."              # better: KVTIER_INTEGRITY_KEY in the environment, not in a file
@@ -54,8 +58,19 @@ Choices where the issue was silent:
   ``build()`` hands the manager, with the same defaults as those classes; an application
   that wants more (a per-tier mapping of in-flight limits, its own clock) builds the manager
   itself. The recompute cost given here is a starting point: ``manager.cost.
-  observe_recompute`` refines it as the engine runs. ``write_back`` must name configured
-  tiers (``fs.name``, ``s3.name``): a typo would otherwise write that tier through.
+  observe_recompute`` refines it as the engine runs. ``write_back`` and ``deferred`` must
+  name configured tiers (``fs.name``, ``s3.name``): a typo would otherwise write that tier
+  through, or forget its dropped writes; a tier named in both is refused (a write-back tier
+  is never written on store, so it has no dropped writes to defer).
+- ``manager.max_write_rate`` is one rate for every tier, in bytes per second: a number or a
+  size string read per second (``"64MiB"``, also ``"64MiB/s"``). A per-tier mapping, as
+  ``AdmissionPolicy`` takes, is left to applications that build the policy themselves: the
+  fast local tier rarely wants a limit, and a per-tier table in the environment would be
+  clumsy.
+- ``build()`` refuses a ``manager.open_timeout`` not above ``s3.index_list_timeout`` when
+  the S3 tier keeps an index: the tier lists the bucket while it opens and, past its own
+  bound, opens with what it has; an open_timeout below that would fail the whole manager on
+  a large bucket instead. (``build_tiers()`` alone, as the vLLM adapter uses it, does not.)
 - ``from_env`` reads ``KVTIER_CONFIG`` (a TOML file) first, then lets each ``KVTIER_<SECTION>_
   <KEY>`` variable override one value, so a container can ship a file and tweak it. Any other
   ``KVTIER_*`` variable is an error: a typo must not silently fall back to a default.
@@ -202,6 +217,27 @@ def _non_negative_seconds(value: object, text: bool) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise _Bad(expected)
     if not (math.isfinite(value) and value >= 0):
+        raise _Bad(expected)
+    return float(value)
+
+
+def _rate(value: object, text: bool) -> float:
+    """Bytes per second: a positive number, or a size string (``"64MiB"``, ``"64MiB/s"``)."""
+    expected = "a positive rate in bytes per second: a number or a size such as '64MiB' (/s)"
+    if isinstance(value, str):
+        stripped = value.strip()
+        if stripped.lower().endswith("/s"):
+            stripped = stripped[:-2]
+        try:
+            value = float(stripped)  # a plain number may have a fraction of a byte
+        except ValueError:
+            try:
+                value = parse_size(stripped)
+            except ValueError:
+                raise _Bad(expected) from None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _Bad(expected)
+    if not (math.isfinite(value) and value > 0):
         raise _Bad(expected)
     return float(value)
 
@@ -447,6 +483,16 @@ class ManagerConfig(_Section):
     tier_max_in_flight_bytes: int | None = field(default=None, metadata=_spec(_optional(_size)))
     write_back: tuple[str, ...] = field(default=(), metadata=_spec(_names))
     write_back_limit: int | None = field(default=None, metadata=_spec(_optional(_positive_int)))
+    # Tiers named in deferred keep the writes back-pressure drops and get them later, copied
+    # from a faster tier; max_write_rate caps what every tier is given, in bytes per second
+    # (None: no cap; a write past it is dropped, or deferred for a deferred tier).
+    deferred: tuple[str, ...] = field(default=(), metadata=_spec(_names))
+    max_write_rate: float | None = field(default=None, metadata=_spec(_optional(_rate)))
+    # Each tier must open within open_timeout (None: no bound; keep it above an S3 tier's
+    # index_list_timeout). promote_write_up: a block promoted from a tier is also written to
+    # the write-through tiers before it (a node keeps on its disk what it read from S3).
+    open_timeout: float | None = field(default=120.0, metadata=_spec(_optional(_seconds)))
+    promote_write_up: bool = field(default=True, metadata=_spec(_bool))
 
 
 @dataclass(frozen=True, slots=True)
@@ -512,13 +558,21 @@ class KVTierConfig:
                 f"({self.pool.num_blocks}): blocks waiting for write-back stay pinned in the pool"
             )
         names = [tier.name for tier in (self.fs, self.s3) if tier is not None]
-        for name in self.manager.write_back:
-            if name not in names:
-                configured = ", ".join(repr(n) for n in names) or "none"
-                raise InvalidArgumentError(
-                    f"manager.write_back names {name!r}, which is not a configured tier "
-                    f"(configured tiers: {configured}; a tier's name is fs.name or s3.name)"
-                )
+        for key in ("write_back", "deferred"):
+            for name in getattr(self.manager, key):
+                if name not in names:
+                    configured = ", ".join(repr(n) for n in names) or "none"
+                    raise InvalidArgumentError(
+                        f"manager.{key} names {name!r}, which is not a configured tier "
+                        f"(configured tiers: {configured}; a tier's name is fs.name or s3.name)"
+                    )
+        both = [name for name in self.manager.deferred if name in self.manager.write_back]
+        if both:
+            raise InvalidArgumentError(
+                f"manager.deferred and manager.write_back both name {both[0]!r}: a write-back "
+                "tier is never written on store, so it has no dropped writes to defer; name it "
+                "in one of them"
+            )
 
     # -- constructors ----------------------------------------------------------------------
 
@@ -678,6 +732,16 @@ class KVTierConfig:
         from kvtier._cost import CostModel
         from kvtier._tiering import TieringManager
 
+        # Checked here, not with the other rules: a config used only for build_tiers (the
+        # vLLM adapter) opens its tier without the manager and this bound.
+        opening, s3 = self.manager.open_timeout, self.s3
+        listing = s3.index_list_timeout if s3 is not None and s3.lookup_mode == "index" else None
+        if opening is not None and listing is not None and opening <= listing:
+            raise InvalidArgumentError(
+                f"manager.open_timeout ({opening:g} s) must be above s3.index_list_timeout "
+                f"({listing:g} s): the S3 tier lists the bucket while it opens, and a listing "
+                "cut short by its own bound still opens the tier"
+            )
         tiers = self.build_tiers()  # tiers first: they hold nothing until opened
         pool = self.build_pool()
         m = self.manager
@@ -693,6 +757,8 @@ class KVTierConfig:
             max_write_latency=m.max_write_latency,
             probe_interval=m.write_probe_interval,
             write_back=m.write_back,
+            deferred=m.deferred,
+            max_write_rate=m.max_write_rate,
         )
         return TieringManager(
             pool,
@@ -705,6 +771,8 @@ class KVTierConfig:
             cost=cost,
             admission=admission,
             write_back_limit=m.write_back_limit,
+            open_timeout=m.open_timeout,
+            promote_write_up=m.promote_write_up,
         )
 
     def to_dict(self) -> dict[str, dict[str, Any]]:

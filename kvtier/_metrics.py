@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Self
 import anyio
 import anyio.abc
 
+from kvtier._admission import CAUSE_IN_FLIGHT, CAUSE_LATENCY, CAUSE_RATE
 from kvtier._errors import ExtraNotInstalledError, InvalidArgumentError
 from kvtier.tiers._base import TierStatistics
 
@@ -197,6 +198,10 @@ def _by(family: Any, values: Mapping[str, float], *prefix: str) -> None:
 
 
 _BASE_TIER_FIELDS = frozenset(f.name for f in dataclasses.fields(TierStatistics))
+
+# Every cause admission drops a write for: exported at 0 before the first drop, so a series
+# exists for each from the first scrape (rate() and alerts see a drop from its first one).
+_DROP_CAUSES = (CAUSE_IN_FLIGHT, CAUSE_LATENCY, CAUSE_RATE)
 
 
 class KVTierCollector:
@@ -441,6 +446,26 @@ class KVTierCollector:
         f.gauge("write_back_dirty_blocks", "Blocks waiting in the pool for write-back.").add_metric(
             [], s.dirty_blocks
         )
+        f.counter(
+            "promotions_written_up",
+            "Promoted blocks whose write to the faster tiers above their source was started.",
+        ).add_metric([], s.promotions_written_up)
+        _by(
+            f.counter(
+                "deferred_writes",
+                "Writes to a deferred tier that back-pressure dropped: queued, then written "
+                "(copied from a faster tier) or lost.",
+                ["outcome"],
+            ),
+            {
+                "queued": s.writes_deferred,
+                "written": s.deferred_written,
+                "lost": s.deferred_lost,
+            },
+        )
+        f.gauge(
+            "deferred_writes_pending", "Deferred writes waiting for their tier to have room."
+        ).add_metric([], s.deferred_pending)
         c = s.cost
         if c.recompute_seconds_per_block is not None:
             f.gauge(
@@ -475,7 +500,7 @@ class KVTierCollector:
         in_flight = f.gauge("tier_write_in_flight_bytes", "Bytes being written to a tier.", L)
         for a in s.admission:
             admitted.add_metric([a.name], a.admitted)
-            _by(dropped, a.dropped_by_cause, a.name)
+            _by(dropped, dict.fromkeys(_DROP_CAUSES, 0) | a.dropped_by_cause, a.name)
             if a.write_latency_seconds is not None:
                 write_latency.add_metric([a.name], a.write_latency_seconds)
             closed.add_metric([a.name], float(a.closed))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 import re
@@ -134,6 +135,47 @@ def test_parse_size_rejects(text: object) -> None:
         (
             {"pool": POOL, "fs": {"root": "x"}, "manager": {"write_back": ["S3"]}},
             "manager.write_back names 'S3', which is not a configured tier (configured tiers: 'fs'",
+        ),
+        (
+            {"pool": POOL, "fs": {"root": "x"}, "manager": {"deferred": ["s3"]}},
+            "manager.deferred names 's3', which is not a configured tier (configured tiers: 'fs'",
+        ),
+        (
+            {"pool": POOL, "s3": {"bucket": "kv-cache"}, "manager": {"deferred": "s3"}},
+            "manager.deferred must be a list of tier names such as ['s3']",
+        ),
+        (
+            {
+                "pool": POOL,
+                "s3": {"bucket": "kv-cache"},
+                "manager": {"deferred": ["s3"], "write_back": ["s3"]},
+            },
+            "manager.deferred and manager.write_back both name 's3'",
+        ),
+        (
+            {"pool": POOL, "manager": {"max_write_rate": 0}},
+            "manager.max_write_rate must be a positive rate in bytes per second",
+        ),
+        (
+            {"pool": POOL, "manager": {"max_write_rate": "fast"}},
+            "manager.max_write_rate must be a positive rate in bytes per second: a number or a "
+            "size such as '64MiB' (/s), or nothing; got 'fast'",
+        ),
+        (
+            {"pool": POOL, "manager": {"max_write_rate": float("inf")}},
+            "manager.max_write_rate must be a positive rate",
+        ),
+        (
+            {"pool": POOL, "manager": {"max_write_rate": True}},
+            "manager.max_write_rate must be a positive rate",
+        ),
+        (
+            {"pool": POOL, "manager": {"open_timeout": 0}},
+            "manager.open_timeout must be a positive number of seconds, or nothing; got 0",
+        ),
+        (
+            {"pool": POOL, "manager": {"promote_write_up": "yes"}},
+            "manager.promote_write_up must be true or false; got 'yes'",
         ),
     ],
 )
@@ -299,6 +341,30 @@ def test_from_env_reads_os_environ_by_default(monkeypatch: pytest.MonkeyPatch) -
             {"KVTIER_MANAGER_WRITE_BACK_LIMT": "4"},
             "did you mean 'KVTIER_MANAGER_WRITE_BACK_LIMIT'?",
         ),
+        (
+            {"KVTIER_MANAGER_DEFERRED": "fs"},
+            "manager.deferred names 'fs', which is not a configured tier (configured tiers: none",
+        ),
+        (
+            {"KVTIER_MANAGER_MAX_WRITE_RATE": "2 MiB per second"},
+            "KVTIER_MANAGER_MAX_WRITE_RATE must be a positive rate in bytes per second",
+        ),
+        (
+            {"KVTIER_MANAGER_MAX_WRITE_RATE": "-5"},
+            "KVTIER_MANAGER_MAX_WRITE_RATE must be a positive rate in bytes per second",
+        ),
+        (
+            {"KVTIER_MANAGER_OPEN_TIMEOUT": "2m"},
+            "KVTIER_MANAGER_OPEN_TIMEOUT must be a positive number of seconds, or nothing",
+        ),
+        (
+            {"KVTIER_MANAGER_PROMOTE_WRITE_UP": "off"},
+            "KVTIER_MANAGER_PROMOTE_WRITE_UP must be true or false; got 'off'",
+        ),
+        (
+            {"KVTIER_MANAGER_DEFERED": "s3"},
+            "did you mean 'KVTIER_MANAGER_DEFERRED'?",
+        ),
     ],
 )
 def test_from_env_rejects_bad_variables(extra: dict[str, str], message: str) -> None:
@@ -394,6 +460,10 @@ MANAGER = {
     "tier_max_in_flight_bytes": "8KiB",
     "write_back": ["s3"],
     "write_back_limit": 3,
+    "deferred": ["fs"],
+    "max_write_rate": "2MiB",
+    "open_timeout": 90,
+    "promote_write_up": False,
 }
 MANAGER_PARSED = ManagerConfig(
     failure_ttl=0.5,
@@ -404,6 +474,10 @@ MANAGER_PARSED = ManagerConfig(
     tier_max_in_flight_bytes=8192,
     write_back=("s3",),
     write_back_limit=3,
+    deferred=("fs",),
+    max_write_rate=float(2 << 20),
+    open_timeout=90.0,
+    promote_write_up=False,
 )
 
 
@@ -431,6 +505,10 @@ write_probe_interval = 0.5
 tier_max_in_flight_bytes = "8KiB"
 write_back = ["s3"]
 write_back_limit = 3
+deferred = ["fs"]
+max_write_rate = "2MiB/s"
+open_timeout = 90
+promote_write_up = false
 """
     )
     assert KVTierConfig.from_toml(path).manager == MANAGER_PARSED
@@ -439,16 +517,46 @@ write_back_limit = 3
         "KVTIER_FS_ROOT": str(tmp_path),
         "KVTIER_S3_BUCKET": "kv-cache",
         **{
-            f"KVTIER_MANAGER_{name.upper()}": "s3" if name == "write_back" else str(value)
+            f"KVTIER_MANAGER_{name.upper()}": ",".join(value)
+            if isinstance(value, list)
+            else str(value).lower()  # "False" -> "false", as a shell script would write it
             for name, value in MANAGER.items()
         },
     }
     assert KVTierConfig.from_env(env).manager == MANAGER_PARSED
     # Text forms: several names, separated by commas; "none" for an optional setting.
-    env |= {"KVTIER_MANAGER_WRITE_BACK": " s3, fs ,", "KVTIER_MANAGER_MAX_WRITE_LATENCY": "none"}
+    env |= {
+        "KVTIER_MANAGER_WRITE_BACK": " s3, fs ,",
+        "KVTIER_MANAGER_DEFERRED": "",
+        "KVTIER_MANAGER_MAX_WRITE_LATENCY": "none",
+        "KVTIER_MANAGER_MAX_WRITE_RATE": "none",
+    }
     manager = KVTierConfig.from_env(env).manager
     assert manager.write_back == ("s3", "fs") and manager.max_write_latency is None
+    assert manager.deferred == () and manager.max_write_rate is None
     assert KVTierConfig.from_env({**ENV, "KVTIER_MANAGER_WRITE_BACK": ""}).manager.write_back == ()
+    env = {
+        **ENV,
+        "KVTIER_FS_ROOT": str(tmp_path),
+        "KVTIER_S3_BUCKET": "kv-cache",
+        "KVTIER_MANAGER_DEFERRED": "s3, fs",
+        "KVTIER_MANAGER_MAX_WRITE_RATE": "1500000.5",
+        "KVTIER_MANAGER_OPEN_TIMEOUT": "none",
+        "KVTIER_MANAGER_PROMOTE_WRITE_UP": "1",
+    }
+    manager = KVTierConfig.from_env(env).manager
+    assert manager.deferred == ("s3", "fs") and manager.max_write_rate == 1500000.5
+    assert manager.open_timeout is None and manager.promote_write_up is True
+
+
+@pytest.mark.parametrize(
+    ("rate", "parsed"),
+    [(1000, 1000.0), (2.5e6, 2.5e6), ("4096", 4096.0), ("64MiB", 64 << 20), ("1 GB/s", 1e9)],
+)
+def test_max_write_rate_takes_numbers_and_sizes_per_second(rate: object, parsed: float) -> None:
+    config = KVTierConfig.from_dict({"pool": POOL, "manager": {"max_write_rate": rate}})
+    assert config.manager.max_write_rate == parsed
+    assert isinstance(config.manager.max_write_rate, float)
 
 
 def test_manager_defaults_are_the_classes_defaults() -> None:
@@ -474,6 +582,19 @@ def test_manager_defaults_are_the_classes_defaults() -> None:
     assert config.max_write_latency == admission["max_write_latency"]
     assert config.write_probe_interval == admission["probe_interval"]
     assert config.write_back == tuple(admission["write_back"])
+    assert config.deferred == tuple(admission["deferred"])
+    assert config.max_write_rate == admission["max_write_rate"]
+    assert config.open_timeout == manager["open_timeout"]
+    assert config.promote_write_up == manager["promote_write_up"]
+    # Every ManagerConfig key is checked above or is one of these (a new key must be added).
+    checked = {
+        "promotion_timeout", "store_timeout", "max_in_flight_bytes", "close_timeout",
+        "failure_ttl", "write_back_limit", "recompute_seconds_per_block",
+        "promotion_probe_interval", "max_write_latency", "write_probe_interval", "write_back",
+        "deferred", "max_write_rate", "open_timeout", "promote_write_up",
+        "tier_max_in_flight_bytes",  # None: the manager's default_tier_in_flight_bytes()
+    }  # fmt: skip
+    assert {f.name for f in dataclasses.fields(ManagerConfig)} == checked
 
 
 def test_build_hands_the_manager_its_cost_model_and_admission(tmp_path: Path) -> None:
@@ -497,6 +618,35 @@ def test_build_hands_the_manager_its_cost_model_and_admission(tmp_path: Path) ->
     assert manager._writer.write_back.limit == 3
     assert policy.admit("fs", 8192) and not policy.admit("fs", 1)  # the per-tier limit
     assert policy.statistics(["fs"])[0].dropped_by_cause == {"in_flight": 1}
+    assert manager._open_timeout == 90.0 and manager._promote_write_up is False
+    assert policy.deferred_tiers == {"fs"} and policy._rate == 2 << 20
+    # The rate applies to every tier: with the clock stopped, s3 takes one second's worth.
+    policy.clock = lambda: 0.0
+    for _ in range((2 << 20) // 4096):
+        assert policy.admit("s3", 4096)
+        policy.finished("s3", 4096, 0.0)
+    assert not policy.admit("s3", 4096)
+    assert policy.statistics(["s3"])[0].dropped_by_cause == {"rate": 1}
+
+
+def test_build_needs_open_timeout_above_the_s3_listing_bound() -> None:
+    config = KVTierConfig.from_dict(
+        {"pool": POOL, "s3": {"bucket": "kv-cache"}, "manager": {"open_timeout": 30}}
+    )
+    assert len(config.build_tiers()) == 1  # a tier alone (the vLLM adapter) opens unbounded
+    with pytest.raises(
+        InvalidArgumentError,
+        match=r"manager.open_timeout \(30 s\) must be above s3.index_list_timeout \(60 s\)",
+    ):
+        config.build()
+    for s3 in ({"lookup_mode": "ask"}, {"index_list_timeout": 20}):  # no listing, or a shorter one
+        settings = {"bucket": "kv-cache", **s3}
+        KVTierConfig.from_dict(
+            {"pool": POOL, "s3": settings, "manager": {"open_timeout": 30}}
+        ).build()
+    KVTierConfig.from_dict(
+        {"pool": POOL, "s3": {"bucket": "kv-cache"}, "manager": {"open_timeout": None}}
+    ).build()
 
 
 def test_build_without_policy_settings_matches_a_default_manager(tmp_path: Path) -> None:
@@ -510,6 +660,8 @@ def test_build_without_policy_settings_matches_a_default_manager(tmp_path: Path)
         policy = manager.admission
         assert policy.admit("s3", limit) and not policy.admit("s3", 1)
         assert policy.max_write_latency == 0.25 and policy.write_back_tiers == frozenset()
+        assert policy.deferred_tiers == frozenset() and policy._rate is None
+        assert manager._open_timeout == 120.0 and manager._promote_write_up is True
         assert manager.cost.recompute_seconds_per_block is None
         assert manager._writer.write_back.limit == POOL["num_blocks"] // 4
 
@@ -542,5 +694,7 @@ def test_the_readme_manager_example_is_valid() -> None:
     assert block, "no TOML example in the README's Operating it section"
     example = tomllib.loads("\n".join(line.strip() for line in block[1].splitlines()))
     pool = {"num_blocks": 4096, "block_bytes": "256KiB"}
-    config = KVTierConfig.from_dict({"pool": pool, "s3": {"bucket": "kv-cache"}, **example})
-    assert config.manager.write_back == ("s3",)
+    tiers = {"fs": {"root": "/var/cache/kvtier"}, "s3": {"bucket": "kv-cache"}}
+    config = KVTierConfig.from_dict({"pool": pool, **tiers, **example})
+    assert config.manager.deferred == ("s3",) and config.manager.max_write_rate == 512 << 20
+    assert config.manager.open_timeout == 120.0 and config.manager.promote_write_up is True

@@ -7,6 +7,12 @@ latencies are injected (so promotions are declined and waits cut), write latenci
 reopen a tier's admission, and the file tier is written back (its blocks wait in the pool,
 pinned, until they must leave it).
 
+A third, "remote" tier is ``deferred`` and paced by ``max_write_rate`` (on a clock the machine
+moves forward): writes it drops wait in a queue and are copied to it later from the memory
+tier; it fails and recovers too. Promotions from the lower tiers are written up to the memory
+tier (``promote_write_up``). Once settled, every deferred write is written, lost (counted) or
+still queued, and every block any tier holds reads back with the bytes that were stored.
+
 The manager lives in an event loop thread behind an anyio blocking portal, so the state
 machine itself stays synchronous; the portal keeps ``async with`` in one task.
 
@@ -19,6 +25,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+import time
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -32,6 +39,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvtier import (
     AdmissionPolicy,
+    BlockNotFoundError,
     FSTier,
     HostPool,
     LookupResult,
@@ -41,6 +49,7 @@ from kvtier import (
     block_keys,
 )
 from kvtier.testing import FailingTier, StallingTier
+from kvtier.tiers._base import SecondaryTier
 
 BB = 512
 KEYS = block_keys(list(range(24)), 1, namespace=b"stateful")
@@ -64,17 +73,25 @@ class ManagerMachine(RuleBasedStateMachine):
         self.folder = Path(tempfile.mkdtemp(prefix="kvtier-stateful-"))
         self.stalling = StallingTier(MemoryTier("stall.inner"), name="stalling", lookup_timeout=0.5)
         self.failing = FailingTier(FSTier(self.folder, fsync="never"), name="failing")
+        self.remote = FailingTier(MemoryTier("remote.inner"), name="remote")
+        self.clock_offset = 0.0  # the admission clock runs ahead of real time by this much
         self.manager = TieringManager(
             HostPool(8, BB, policy="arc"),
-            [self.stalling, self.failing],
+            [self.stalling, self.failing, self.remote],
             promotion_timeout=0.5,
             store_timeout=2.0,
             close_timeout=0.2,
             max_in_flight_bytes=6 * BB,
             admission=AdmissionPolicy(
-                max_in_flight_bytes=3 * BB, write_back=["failing"], probe_interval=0.05
+                max_in_flight_bytes=3 * BB,
+                write_back=["failing"],
+                deferred=["remote"],
+                max_write_rate={"remote": 2 * BB},  # two blocks a second: most writes wait
+                probe_interval=0.05,
+                clock=lambda: time.monotonic() + self.clock_offset,
             ),
             write_back_limit=2,
+            promote_write_up=True,
         )
         self.scheduler = OffloadScheduler(self.manager, max_wait=3.0)
         self.entered: AbstractContextManager[TieringManager] | None = None
@@ -92,6 +109,35 @@ class ManagerMachine(RuleBasedStateMachine):
     def check_loaded(self, keys: list[bytes], out: np.ndarray, n: int) -> None:
         for i in range(n):
             assert (out[i] == payload(keys[i])).all(), "a hit loaded the wrong bytes"
+
+    def stalled(self) -> bool:
+        return any(self.stalling.stalled.values()) or bool(self.stalling.stalled_operations)
+
+    def check_deferred_accounting(self, *, settled: bool) -> None:
+        """Every write queued for the deferred tier is written, lost (counted) or queued;
+        once settled, none is in flight, so the three add up exactly."""
+        stats = self.manager.statistics()
+        ended = stats.deferred_written + stats.deferred_lost + stats.deferred_pending
+        if settled:
+            assert ended == stats.writes_deferred, stats
+        else:
+            assert ended <= stats.writes_deferred, stats
+
+    def tier_contents(self, tier: SecondaryTier) -> dict[bytes, bytes]:
+        """What ``tier`` holds, read back block by block (a missing block is skipped)."""
+
+        async def read() -> dict[bytes, bytes]:
+            out: dict[bytes, bytes] = {}
+            for key in KEYS:
+                buffer = bytearray(BB)
+                try:
+                    await tier.load(key, memoryview(buffer))
+                except BlockNotFoundError:
+                    continue
+                out[key] = bytes(buffer)
+            return out
+
+        return self.call(read)
 
     # -- rules ---------------------------------------------------------------------------------
 
@@ -135,13 +181,52 @@ class ManagerMachine(RuleBasedStateMachine):
 
         self.call(run)
 
-    @rule(ops=st.sets(st.sampled_from(["contains", "load", "store"]), min_size=1))
-    def tier_fails(self, ops: set[str]) -> None:
-        self.failing.fail(*ops)
+    @rule(
+        ops=st.sets(st.sampled_from(["contains", "load", "store"]), min_size=1),
+        which=st.sampled_from(["failing", "remote"]),
+    )
+    def tier_fails(self, ops: set[str], which: str) -> None:
+        (self.failing if which == "failing" else self.remote).fail(*ops)
 
-    @rule()
-    def tier_recovers(self) -> None:
-        self.failing.recover()
+    @rule(which=st.sampled_from(["failing", "remote"]))
+    def tier_recovers(self, which: str) -> None:
+        (self.failing if which == "failing" else self.remote).recover()
+
+    @rule(seconds=st.sampled_from([0.5, 1.0, 5.0]))
+    def time_passes(self, seconds: float) -> None:
+        """The remote tier's write budget refills (and writes in flight look older)."""
+        self.clock_offset += seconds
+
+    @rule(start=st.integers(0, len(KEYS) - 1))
+    def promotion_is_written_up(self, start: int) -> None:
+        """A block only a lower tier holds is promoted and written to the memory tier above
+        it, unless admission dropped or skipped that write (counted)."""
+        ready = self.manager.pool.table.ready
+        key = next((k for k in KEYS[start:] + KEYS[:start] if k not in ready), None)
+        if self.stalled() or key is None:
+            return
+
+        async def run() -> int:
+            await self.stalling.delete(key)  # the top tier loses it (forgets its verdict too)
+            await self.remote.inner.store(key, memoryview(payload(key)))
+            self.remote.record_hit(key)
+            n = await self.scheduler.lookup([key], timeout=1.0)
+            with anyio.fail_after(10):
+                await self.manager.wait_idle()
+            return n
+
+        before = self.manager.statistics()
+        promoted = self.call(run)
+        after = self.manager.statistics()
+        if not promoted or after.promotions_succeeded == before.promotions_succeeded:
+            return  # declined as too slow, failed (an injected fault), or still pending
+        if after.promotions_written_up > before.promotions_written_up:
+            held = self.tier_contents(self.stalling.inner)
+            assert held.get(key) == payload(key).tobytes(), "a written-up block is missing"
+        else:
+            dropped = after.cascades_dropped > before.cascades_dropped
+            skipped = after.cascades_skipped > before.cascades_skipped
+            assert dropped or skipped, "a promoted block was neither written up nor dropped"
 
     @rule(ops=st.sets(st.sampled_from(["contains", "load", "store"]), min_size=1))
     def tier_stalls(self, ops: set[str]) -> None:
@@ -155,11 +240,11 @@ class ManagerMachine(RuleBasedStateMachine):
     def recompute_cost(self, per_block: float | None) -> None:
         self.manager.cost.set_recompute_cost(per_block)
 
-    @rule(tier=st.sampled_from(["stalling", "failing"]), seconds=st.floats(0.0, 5.0))
+    @rule(tier=st.sampled_from(["stalling", "failing", "remote"]), seconds=st.floats(0.0, 5.0))
     def promotion_latency_observed(self, tier: str, seconds: float) -> None:
         self.manager.cost.observe_promotion(tier, seconds, BB, ok=True)
 
-    @rule(tier=st.sampled_from(["stalling", "failing"]), seconds=st.floats(0.0, 2.0))
+    @rule(tier=st.sampled_from(["stalling", "failing", "remote"]), seconds=st.floats(0.0, 2.0))
     def write_latency_observed(self, tier: str, seconds: float) -> None:
         self.manager.admission.observe_write_latency(tier, seconds)
 
@@ -171,6 +256,8 @@ class ManagerMachine(RuleBasedStateMachine):
         assert stats.background_tasks == 0
         assert stats.pool.writing == 0 and stats.pool.pinned == 0
         assert stats.dirty_blocks == 0  # written back at close
+        assert stats.deferred_pending == 0  # written within close_timeout, or counted lost
+        self.check_deferred_accounting(settled=True)
         self.enter()
 
     # -- invariants ----------------------------------------------------------------------------
@@ -185,11 +272,12 @@ class ManagerMachine(RuleBasedStateMachine):
         assert stats.dirty_blocks <= pool.pinned  # a block waiting for write-back is held
         for a in stats.admission:
             assert 0 <= a.in_flight_bytes <= 3 * BB or a.write_back
+        self.check_deferred_accounting(settled=False)
 
     @invariant()
     def settles_when_nothing_stalls(self) -> None:
         """With no stall, background work finishes and leaves nothing pinned or WRITING."""
-        if any(self.stalling.stalled.values()) or self.stalling.stalled_operations:
+        if self.stalled():
             return
 
         async def settle() -> None:
@@ -203,10 +291,16 @@ class ManagerMachine(RuleBasedStateMachine):
         assert pool.writing == 0 and pool.pinned == stats.dirty_blocks == pool.pins
         leftovers = list(self.folder.rglob(".tmp-*"))
         assert not leftovers, f"temporary files left: {leftovers}"
+        self.check_deferred_accounting(settled=True)
+        # Every tier holds only the right bytes (read past the fault injection).
+        for tier in (self.stalling.inner, self.failing.inner, self.remote.inner):
+            for key, data in self.tier_contents(tier).items():
+                assert data == payload(key).tobytes(), f"{tier.name} holds wrong bytes"
 
     def teardown(self) -> None:
         try:
             self.failing.recover()
+            self.remote.recover()
             self.portal.call(self.stalling.release)
             if self.entered is not None:
                 # nothing stays RETRY or HIT_PENDING past its deadline: every key settles
@@ -220,6 +314,8 @@ class ManagerMachine(RuleBasedStateMachine):
                 self.entered.__exit__(None, None, None)
                 stats = self.manager.statistics()
                 assert stats.background_tasks == 0 and stats.pool.pinned == 0
+                assert stats.deferred_pending == 0
+                self.check_deferred_accounting(settled=True)
         finally:
             self.portal_cm.__exit__(None, None, None)
             shutil.rmtree(self.folder, ignore_errors=True)

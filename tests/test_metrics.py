@@ -343,3 +343,45 @@ async def test_s3_index_statistics_are_exported() -> None:
     assert got["kvtier_tier_breaker_state", (("breaker_state", "half_open"), *s3)] == 1
     assert got["kvtier_tier_lookup_mode", (("lookup_mode", "index"), *s3)] == 1
     assert ("kvtier_tier_index_keys", (("tier", "disk"),)) not in got  # not an S3 tier
+
+
+async def test_deferred_writes_promotions_written_up_and_rate_drops_are_exported() -> None:
+    """A remote tier paced to one block per second defers what it cannot take; each deferred
+    write ends written (copied from the disk tier) or lost; a block promoted from the remote
+    tier is written up to the disk."""
+    now = [0.0]
+    disk, remote = MemoryTier("disk"), MemoryTier("remote")
+    in_remote = key()
+    await remote.store(in_remote, memoryview(os.urandom(BLOCK)))
+    policy = AdmissionPolicy(
+        deferred=["remote"], max_write_rate={"remote": BLOCK}, clock=lambda: now[0]
+    )
+    manager = TieringManager(HostPool(8, BLOCK), [disk, remote], admission=policy)
+    registry = CollectorRegistry()
+    registry.register(KVTierCollector(manager))
+    first, second, third, fourth = (key() for _ in range(4))
+    async with manager:
+        got = samples(registry)
+        for cause in ("in_flight", "latency", "rate"):  # every cause has a series from the start
+            labels = (("cause", cause), ("tier", "disk"))
+            assert got["kvtier_tier_writes_dropped_total", labels] == 0
+        # One block fits the remote tier's budget; the other two wait for it.
+        assert await manager.store([first, second, third], np.zeros((3, BLOCK), np.uint8)) == 3
+        await manager.wait_idle()
+        await disk.delete(second)  # no faster tier holds it any more: its deferred write is lost
+        now[0] = 1.0  # one more block's worth of budget
+        assert await manager.store([fourth], np.zeros((1, BLOCK), np.uint8)) == 1
+        await manager.wait_idle()
+        assert manager.lookup(in_remote) is LookupResult.RETRY  # promoted, then written up
+        await manager.wait_idle()
+        got = samples(registry)
+        assert disk.lookup(in_remote) is LookupResult.HIT
+        assert remote.lookup(third) is LookupResult.HIT  # the deferred write, copied from disk
+
+    remote_rate = (("cause", "rate"), ("tier", "remote"))
+    assert got["kvtier_tier_writes_dropped_total", remote_rate] == 3  # second, third, fourth
+    assert got["kvtier_deferred_writes_total", (("outcome", "queued"),)] == 3
+    assert got["kvtier_deferred_writes_total", (("outcome", "written"),)] == 1  # third
+    assert got["kvtier_deferred_writes_total", (("outcome", "lost"),)] == 1  # second
+    assert got["kvtier_deferred_writes_pending", ()] == 1  # fourth
+    assert got["kvtier_promotions_written_up_total", ()] == 1
