@@ -20,12 +20,15 @@ once per scheduler step, and require every call to return at once. kvtier's tier
 - **Staleness.** A miss verdict expires after ``miss_ttl`` (another node may write the key to
   a shared tier); a hit stays until the tier says the key changed (its change notification
   drops the verdict), a load of it fails, or the snapshot's bound pushes it out.
+- **A job is one batch call.** ``load_many``/``store_many`` with ``pinned=True`` (the slots
+  stay the engine's until the outcome is out, and nothing here walks away from a job), so
+  FSTier reads into and writes from the engine's memory directly, a few thread hops per
+  job rather than one per block.
 - **Jobs never leave a copy half done.** ``drain`` waits for jobs, it never cancels them;
-  ``close`` drains first, then closes the tier and joins the thread. The only cancellation
-  is a block's own deadline (``op_timeout``), and a kvtier tier call that returns, even by
-  cancellation, no longer touches the buffer it was given (FSTier copies under a per-call
-  lock a walked-away caller takes; the other tiers copy in threads that cancellation waits
-  for), so a finished job leaves nothing writing into the engine's memory; a block that
+  ``close`` drains first, then closes the tier and joins the thread. A job's deadline
+  (``op_timeout``) fails the blocks not done by then (``timeout``) and the batch returns only
+  when nothing of it touches the engine's memory any more (a pinned batch waits for I/O in
+  flight), so a finished job leaves nothing writing into the engine's memory; a block that
   failed may be partly written, and is reported failed.
 
 Everything here is free of engine imports; the engine modules translate keys, slots and
@@ -51,7 +54,7 @@ from typing import Literal, TypeVar
 import anyio
 import anyio.abc
 
-from kvtier._errors import InvalidArgumentError, TierError
+from kvtier._errors import InvalidArgumentError
 from kvtier._logging import BurstLogger
 from kvtier._lookup import LookupResult, MissReason
 from kvtier._validate import positive_int, positive_number
@@ -531,41 +534,38 @@ class TierBridge:
             await self._ready.wait()
             if self._state != "open":
                 reasons[CLOSED] = len(job.keys)
-            elif len(job.keys) == 1:  # the common one-block job needs no task group
-                await self._run_one(job, 0, done, reasons)
             else:
-                async with anyio.create_task_group() as tg:
-                    for i in range(len(job.keys)):
-                        tg.start_soon(self._run_one, job, i, done, reasons)
+                await self._run_batch(job, done, reasons)
         finally:
             seconds = time.perf_counter() - started
             if len(done) + sum(reasons.values()) < len(job.keys):  # cancelled part-way
                 reasons[CLOSED] = len(job.keys) - len(done) - sum(reasons.values())
             self._publish_outcome(job, tuple(sorted(done)), reasons, seconds, counted=True)
 
-    async def _run_one(self, job: _Job, i: int, done: list[int], reasons: dict[str, int]) -> None:
-        key, view = job.keys[i], job.views[i]
+    async def _run_batch(self, job: _Job, done: list[int], reasons: dict[str, int]) -> None:
+        """The whole job as one batch call. ``pinned``: the engine keeps the slots until the
+        job's outcome is out and this bridge waits for every job (``drain``), so the tier may
+        read into and write from them directly."""
+        call = self.tier.load_many if job.operation == "load" else self.tier.store_many
         try:
-            with anyio.fail_after(self._op_timeout):
-                if job.operation == "load":
-                    await self.tier.load(key, view)
-                else:
-                    await self.tier.store(key, view)
-        except TierError as exc:
-            reason = exc.reason.value
-        except TimeoutError:
-            reason = MissReason.TIMEOUT.value
+            errors = await call(job.keys, job.views, timeout=self._op_timeout, pinned=True)
         except Exception as exc:  # a tier bug must not take the engine down
             self._log.warning(job.operation, "%s: %s raised %r", self.name, job.operation, exc)
-            reason = TIER_ERROR
-        else:
-            done.append(i)
-            if job.operation == "store":
-                self._verdict(key, True, "")
+            reasons[TIER_ERROR] = len(job.keys)
+            if job.operation == "load":
+                for key in job.keys:
+                    self._verdict(key, False, TIER_ERROR)
             return
-        reasons[reason] = reasons.get(reason, 0) + 1
-        if job.operation == "load":
-            self._verdict(key, False, reason)
+        for i, (key, error) in enumerate(zip(job.keys, errors, strict=True)):
+            if error is None:
+                done.append(i)
+                if job.operation == "store":
+                    self._verdict(key, True, "")
+                continue
+            reason = error.reason.value
+            reasons[reason] = reasons.get(reason, 0) + 1
+            if job.operation == "load":
+                self._verdict(key, False, reason)
 
     def _publish_outcome(
         self,

@@ -56,10 +56,12 @@ because the page cache survives it):
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -72,6 +74,7 @@ from kvtier._errors import (
     InvalidArgumentError,
     TierError,
     TierNoSpaceError,
+    TierTimeoutError,
     TierUnavailableError,
 )
 from kvtier._format import IntegrityKey, header_size
@@ -81,7 +84,15 @@ from kvtier._lookup import LookupResult, MissReason
 from kvtier._validate import positive_int, positive_number
 from kvtier.tiers import _fs_io as io
 from kvtier.tiers._async_lookup import AsyncLookupManager
-from kvtier.tiers._base import SecondaryTier, TierMeter, TierStatistics
+from kvtier.tiers._base import (
+    BatchResults,
+    SecondaryTier,
+    TierMeter,
+    TierStatistics,
+    batch_deadline,
+    check_batch,
+    run_each,
+)
 from kvtier.tiers._fs_calls import Abandoned, BufferPool, Handoff, Stuck, WorkerCalls
 from kvtier.tiers._fs_index import IndexLookups
 
@@ -90,6 +101,9 @@ __all__ = ["FSYNC_POLICIES", "FSTier"]
 logger = logging.getLogger(__name__)
 
 FSYNC_POLICIES = ("never", "data", "always")
+# What a worker thread leaves for an item of a batch it did not finish (see ``_fs_batch``).
+_NOT_STARTED = "not-started"  # never touched the file system
+_RUNNING = "running"  # may have touched it: a store's victims may be gone
 _NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
 
@@ -149,6 +163,7 @@ class FSTier(SecondaryTier):
         self._calls: WorkerCalls[Any] = WorkerCalls(max_stuck_threads)
         self._buffers = BufferPool(keep=max_concurrency + max_write_concurrency)
         self._limiter = anyio.CapacityLimiter(max_concurrency)
+        self._read_threads, self._write_threads = max_concurrency, max_write_concurrency
         # Existence checks get threads of their own: queued behind write-through they would
         # hold lookups in RETRY for as long as a burst of stores takes.
         self._check_limiter = anyio.CapacityLimiter(max(1, min(4, max_concurrency)))
@@ -367,6 +382,308 @@ class FSTier(SecondaryTier):
         if result[0] is io.WriteOutcome.WRITTEN:
             self._meter.wrote(payload.nbytes, time.perf_counter() - started)
 
+    # -- batches -------------------------------------------------------------------------------
+
+    async def load_many(
+        self,
+        keys: Sequence[bytes],
+        dsts: Sequence[memoryview],
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109 - a per-batch bound with partial results
+        pinned: bool = False,
+    ) -> BatchResults:
+        """``load`` for many blocks in a few thread hops: the batch is split into at most
+        ``max_concurrency`` runs, each read in turn by one worker thread (a hop per block
+        costs more than the hashing). Pinned, a run reads straight into ``dsts`` and a
+        cancellation waits for it; else through private buffers, as ``load`` does."""
+        check_batch(keys, dsts, "dsts")
+        keys = [check_key(k) for k in keys]
+        views = [_writable_bytes(d) for d in dsts]
+        deadline = batch_deadline(timeout)
+        self._calls.drain_late()
+        names = [io.name_of(k) for k in keys]
+        results: BatchResults = [None] * len(keys)
+        wrong: list[str] = []
+        since = self._watch()
+        try:
+            with anyio.CancelScope(deadline=deadline):
+                async with anyio.create_task_group() as tg:
+                    for run in _runs(len(keys), self._read_threads):
+                        tg.start_soon(
+                            self._load_run, run, keys, names, views, results, wrong, since, pinned
+                        )
+        finally:
+            self._unwatch()
+        if wrong:
+            raise InvalidArgumentError(wrong[0])
+        return results
+
+    async def _load_run(
+        self,
+        run: range,
+        keys: list[bytes],
+        names: list[str],
+        views: list[memoryview],
+        results: BatchResults,
+        wrong: list[str],
+        since: int,
+        pinned: bool,
+    ) -> None:
+        root, ikey, buffers = self.root, self.integrity_key, self._buffers
+        stop_at = _stop_at()
+        local: list[object] = [_NOT_STARTED] * len(run)
+
+        def read(call: Handoff) -> None:
+            scratch = None if pinned else buffers.take(io.READ_CHUNK)
+            try:
+                for j, i in enumerate(run):
+                    if time.monotonic() > stop_at:
+                        return
+                    outcome: object
+                    try:
+                        outcome = io.read_block(
+                            root,
+                            names[i],
+                            keys[i],
+                            views[i],
+                            None if scratch is None else memoryview(scratch),
+                            call.touching,
+                            integrity_key=ikey,
+                        )
+                    except (io.Corrupt, io.WrongSize, OSError) as exc:
+                        outcome = exc
+                    with call.holding():
+                        local[j] = outcome
+            finally:
+                if scratch is not None:
+                    buffers.give(scratch)
+
+        call = Handoff()
+        started = time.perf_counter()
+        try:
+            await self._calls.run(read, limiter=self._limiter, handoff=call, abandon=not pinned)
+        except Stuck as exc:
+            local = [exc] * len(run)
+        finally:
+            with call.holding():  # an abandoned thread may still be running: take a snapshot
+                got = list(local)
+            each = (time.perf_counter() - started) / len(run)
+            for j, i in enumerate(run):
+                results[i] = self._loaded(keys[i], names[i], views[i], got[j], since, wrong, each)
+
+    def _loaded(
+        self,
+        key: bytes,
+        name: str,
+        view: memoryview,
+        outcome: object,
+        since: int,
+        wrong: list[str],
+        seconds: float,
+    ) -> TierError | None:
+        """The bookkeeping of one block of a batch load, as ``load`` does it for one."""
+        if outcome is io.ReadOutcome.LOADED:
+            if name in self._index:
+                self._index.move_to_end(name)
+            else:
+                self._add(
+                    name, header_size(len(key), integrity_key=self.integrity_key) + view.nbytes
+                )
+            self._meter.read(view.nbytes, seconds)
+            return None
+        if outcome is io.ReadOutcome.MISSING:
+            self._drop_unless_newer(name, since)
+            self._fail(key, MissReason.NOT_FOUND, "load", None)
+            return BlockNotFoundError("no such block", tier=self.name, operation="load", key=key)
+        if isinstance(outcome, io.Corrupt):
+            self._drop_unless_newer(name, since)
+            self._fail(key, MissReason.CORRUPT, "load", str(outcome))
+            return CorruptBlockError(str(outcome), tier=self.name, operation="load", key=key)
+        if isinstance(outcome, io.WrongSize):
+            wrong.append(
+                f"dst holds {view.nbytes} bytes but block {key.hex()} is {outcome.stored} bytes"
+            )
+            return None
+        if isinstance(outcome, OSError | Stuck):
+            error = self._error(outcome, "load", key)
+            self._lookups.record(key, False, error.reason)
+            return error
+        return self._timed_out(key, "load")  # not started (or abandoned) by the deadline
+
+    async def store_many(
+        self,
+        keys: Sequence[bytes],
+        srcs: Sequence[memoryview],
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109 - a per-batch bound with partial results
+        pinned: bool = False,
+    ) -> BatchResults:
+        """``store`` for many blocks in a few thread hops (see ``load_many``). Pinned, a run
+        writes straight from ``srcs``; else it copies each block out first, as ``store``
+        does. Capacity, victims and publishing are ``store``'s, block by block."""
+        check_batch(keys, srcs, "srcs")
+        keys = [check_key(k) for k in keys]
+        payloads = [_readable_bytes(s) for s in srcs]
+        deadline = batch_deadline(timeout)
+        names = [io.name_of(k) for k in keys]
+        results: BatchResults = [None] * len(keys)
+        mine: list[int] = []
+        later: list[int] = []  # keys being stored already (or twice here): store() waits
+        for i, name in enumerate(names):
+            if name in self._storing:
+                later.append(i)
+            else:
+                self._storing[name] = anyio.Event()
+                mine.append(i)
+        try:
+            await self._store_mine(mine, keys, names, payloads, results, deadline, pinned)
+        finally:
+            for i in mine:
+                self._storing.pop(names[i]).set()
+        if later:
+            calls = [functools.partial(self.store, keys[i], payloads[i]) for i in later]
+            for i, error in zip(
+                later,
+                await run_each([keys[i] for i in later], calls, deadline, self.name, "store"),
+                strict=True,
+            ):
+                results[i] = error
+        return results
+
+    async def _store_mine(
+        self,
+        mine: list[int],
+        keys: list[bytes],
+        names: list[str],
+        payloads: list[memoryview],
+        results: BatchResults,
+        deadline: float,
+        pinned: bool,
+    ) -> None:
+        self._calls.drain_late()
+        if not self._ready:
+            try:
+                await self._prepare(raise_unavailable=True)
+            except TierError as exc:
+                for i in mine:
+                    results[i] = exc
+                return
+        plan: list[tuple[int, list[tuple[str, int]], int]] = []
+        for i in mine:
+            size = header_size(len(keys[i]), integrity_key=self.integrity_key) + payloads[i].nbytes
+            try:
+                victims = self._choose_victims(keys[i], names[i], size)
+            except TierNoSpaceError as exc:
+                results[i] = exc
+                continue
+            self._reserved += size
+            plan.append((i, victims, size))
+        with anyio.CancelScope(deadline=deadline):
+            async with anyio.create_task_group() as tg:
+                for run in _runs(len(plan), self._write_threads):
+                    part = [plan[j] for j in run]
+                    tg.start_soon(self._store_run, part, keys, names, payloads, results, pinned)
+
+    async def _store_run(
+        self,
+        part: list[tuple[int, list[tuple[str, int]], int]],
+        keys: list[bytes],
+        names: list[str],
+        payloads: list[memoryview],
+        results: BatchResults,
+        pinned: bool,
+    ) -> None:
+        root, fsync, ikey, buffers = self.root, self.fsync, self.integrity_key, self._buffers
+        stop_at = _stop_at()
+        local: list[object] = [_NOT_STARTED] * len(part)
+
+        def write(call: Handoff) -> None:
+            for j, (i, victims, _) in enumerate(part):
+                if time.monotonic() > stop_at:
+                    return
+                payload = payloads[i]
+                private = None if pinned else buffers.take(payload.nbytes)
+                try:
+                    # Not pinned: copy out of the caller's memory first (see ``store``).
+                    with call.touching():
+                        if private is not None:
+                            io.copy_bytes(memoryview(private), payload)
+                        local[j] = _RUNNING
+                    data = payload if private is None else memoryview(private)
+                    outcome: object
+                    try:
+                        outcome = io.write_block(
+                            root,
+                            names[i],
+                            keys[i],
+                            data,
+                            fsync,
+                            [v for v, _ in victims],
+                            integrity_key=ikey,
+                        )
+                    except OSError as exc:
+                        outcome = exc
+                finally:
+                    if private is not None:
+                        buffers.give(private)
+                with call.holding():
+                    local[j] = outcome
+
+        def late(result: object, error: BaseException | None) -> None:
+            """The run was abandoned and has now finished: settle what it left running."""
+            for j, was in enumerate(got):
+                if was is _RUNNING:
+                    self._stored(part[j], keys, names, payloads, local[j], 0.0)
+
+        call = Handoff()
+        started = time.perf_counter()
+        got: list[object] = local
+        try:
+            await self._calls.run(
+                write, limiter=self._write_limiter, on_late=late, handoff=call, abandon=not pinned
+            )
+        except Stuck as exc:
+            local[:] = [exc] * len(part)
+        finally:
+            with call.holding():
+                got = list(local)
+            each = (time.perf_counter() - started) / len(part)
+            for j, item in enumerate(part):
+                if got[j] is _RUNNING and call.left_running:
+                    continue  # ``late`` settles it when the thread returns
+                results[item[0]] = self._stored(item, keys, names, payloads, got[j], each)
+
+    def _stored(
+        self,
+        item: tuple[int, list[tuple[str, int]], int],
+        keys: list[bytes],
+        names: list[str],
+        payloads: list[memoryview],
+        outcome: object,
+        seconds: float,
+    ) -> TierError | None:
+        """The bookkeeping of one block of a batch store, as ``_store`` does it for one."""
+        i, victims, size = item
+        key, name = keys[i], names[i]
+        self._reserved -= size
+        if isinstance(outcome, tuple):
+            self._settle(key, name, victims, outcome, touched=True)
+            if outcome[0] is io.WriteOutcome.WRITTEN:
+                self._meter.wrote(payloads[i].nbytes, seconds)
+            return None
+        self._settle(key, name, victims, None, touched=outcome is not _NOT_STARTED)
+        if isinstance(outcome, OSError | Stuck):
+            return self._error(outcome, "store", key)
+        return self._timed_out(key, "store")
+
+    def _timed_out(self, key: bytes, operation: str) -> TierError:
+        self._meter.failed(MissReason.TIMEOUT)
+        if operation == "load":
+            self._lookups.record(key, False, MissReason.TIMEOUT)
+        return TierTimeoutError(
+            "the batch's timeout passed first", tier=self.name, operation=operation, key=key
+        )
+
     def _settle(
         self,
         key: bytes,
@@ -525,6 +842,18 @@ class FSTier(SecondaryTier):
             f"storing={len(self._storing)} pending={s.lookups.pending} "
             f"stuck_threads={self._calls.stuck}>"
         )
+
+
+def _runs(n: int, most: int) -> list[range]:
+    """``range(n)`` cut into at most ``most`` contiguous runs of near-equal length."""
+    k = min(n, most)
+    return [range(r * n // k, (r + 1) * n // k) for r in range(k)]
+
+
+def _stop_at() -> float:
+    """The current cancel scope's deadline on ``time.monotonic()``'s clock, for a thread."""
+    left = anyio.current_effective_deadline() - anyio.current_time()
+    return time.monotonic() + left
 
 
 def _writable_bytes(dst: object) -> memoryview:

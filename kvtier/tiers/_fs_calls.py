@@ -72,6 +72,12 @@ class Handoff:
         return self._abandoned and self._started
 
     @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        """The call's lock, for sharing state with the thread without racing it."""
+        with self._lock:
+            yield
+
+    @contextlib.contextmanager
     def touching(self) -> Iterator[None]:
         """Hold while reading or writing the caller's memory; raises ``Abandoned`` when the
         caller has gone (then its memory may already be reused)."""
@@ -104,7 +110,10 @@ class WorkerCalls(Generic[T]):
         limiter: anyio.CapacityLimiter,
         on_late: OnLate[T] | None = None,
         handoff: Handoff | None = None,
+        abandon: bool = True,
     ) -> T:
+        """``fn(handoff)`` in a worker thread. With ``abandon=False`` a cancelled caller waits
+        for the thread to finish (for callers whose memory the thread uses directly)."""
         if self._running_abandoned >= self.max_abandoned:
             raise Stuck(
                 f"{self._running_abandoned} file-system calls abandoned at their deadline "
@@ -136,7 +145,9 @@ class WorkerCalls(Generic[T]):
             return result
 
         try:
-            result = await anyio.to_thread.run_sync(work, limiter=limiter, abandon_on_cancel=True)
+            result = await anyio.to_thread.run_sync(
+                work, limiter=limiter, abandon_on_cancel=abandon
+            )
         except BaseException:
             with call._lock:  # waits at most for a memcpy inside ``touching()``
                 if not call._done:

@@ -12,7 +12,9 @@ ENOSPC or EIO (when the machine cannot give it a real full or failing filesystem
 
 A read never lands in the caller's buffer directly, and a write never reads from it while a
 syscall is in flight: ``FSTier`` passes private buffers and copies under ``Handoff.touching()``
-(see ``_fs_calls``), so a thread abandoned at a deadline cannot touch a pool slot.
+(see ``_fs_calls``), so a thread abandoned at a deadline cannot touch a pool slot. The one
+exception is a *pinned* batch, whose caller waits for the thread however long it takes: it
+reads into and writes from the caller's buffers directly.
 """
 
 from __future__ import annotations
@@ -439,7 +441,7 @@ def read_block(
     name: str,
     key: bytes,
     dst: memoryview,
-    scratch: memoryview,
+    scratch: memoryview | None,
     touching: Callable[[], AbstractContextManager[None]],
     *,
     integrity_key: IntegrityKey | None = None,
@@ -453,6 +455,9 @@ def read_block(
     removing the file) when the header, key, length or checksum (or MAC) is wrong, and
     ``WrongSize`` when the block is intact but ``dst`` has another size; ``dst`` may hold
     part of the block then.
+
+    With ``scratch=None`` the pieces are read straight into ``dst`` (no copy): only for a
+    caller that waits for this call to return, whatever happens (``FSTier``'s pinned batches).
     """
     try:
         dir_fd = _open_shard(root, name)
@@ -479,7 +484,7 @@ def _read_verified(
     fd: int,
     key: bytes,
     dst: memoryview,
-    scratch: memoryview,
+    scratch: memoryview | None,
     touching: Callable[[], AbstractContextManager[None]],
     integrity_key: IntegrityKey | None,
 ) -> None:
@@ -498,15 +503,18 @@ def _read_verified(
         raise WrongSize(header.payload_length)
     check = PayloadCheck(key, header, integrity_key=integrity_key)
     done = 0
+    chunk = READ_CHUNK if scratch is None else scratch.nbytes
     while done < dst.nbytes:
-        piece = scratch[: min(scratch.nbytes, dst.nbytes - done)]
+        n = min(chunk, dst.nbytes - done)
+        piece = dst[done : done + n] if scratch is None else scratch[:n]
         got = _read_all(fd, [piece], len(header_buf) + done)
-        if got != piece.nbytes:
+        if got != n:
             raise HeaderError(f"read {len(header_buf) + done + got} bytes of {expected}")
         check.update(piece)
-        with touching():
-            copy_bytes(dst[done : done + piece.nbytes], piece)
-        done += piece.nbytes
+        if scratch is not None:
+            with touching():
+                copy_bytes(dst[done : done + n], piece)
+        done += n
     check.finish()
 
 
