@@ -568,9 +568,37 @@ class FSTier(SecondaryTier):
                 for i in mine:
                     results[i] = exc
                 return
+        todo = list(mine)
+        with anyio.CancelScope(deadline=deadline):
+            while todo:  # in waves: a block can only evict blocks already published
+                plan = self._plan_wave(todo, keys, names, payloads, results)
+                async with anyio.create_task_group() as tg:
+                    for run in _runs(len(plan), self._write_threads):
+                        part = [plan[j] for j in run]
+                        tg.start_soon(self._store_run, part, keys, names, payloads, results, pinned)
+        for i in todo:  # the deadline passed before their wave
+            results[i] = self._timed_out(keys[i], "store")
+
+    def _plan_wave(
+        self,
+        todo: list[int],
+        keys: list[bytes],
+        names: list[str],
+        payloads: list[memoryview],
+        results: BatchResults,
+    ) -> list[tuple[int, list[tuple[str, int]], int]]:
+        """Take from ``todo`` the blocks that fit now, choosing their victims and reserving
+        their room; a block that needs room only earlier blocks of the batch can give (once
+        they are published and evictable) waits for the next wave, as it would in a loop of
+        ``store`` calls."""
         plan: list[tuple[int, list[tuple[str, int]], int]] = []
-        for i in mine:
+        while todo:
+            i = todo[0]
             size = header_size(len(keys[i]), integrity_key=self.integrity_key) + payloads[i].nbytes
+            cap = self.capacity_bytes
+            if plan and cap is not None and self._reserved + size > cap:
+                break
+            del todo[0]
             try:
                 victims = self._choose_victims(keys[i], names[i], size)
             except TierNoSpaceError as exc:
@@ -578,11 +606,7 @@ class FSTier(SecondaryTier):
                 continue
             self._reserved += size
             plan.append((i, victims, size))
-        with anyio.CancelScope(deadline=deadline):
-            async with anyio.create_task_group() as tg:
-                for run in _runs(len(plan), self._write_threads):
-                    part = [plan[j] for j in run]
-                    tg.start_soon(self._store_run, part, keys, names, payloads, results, pinned)
+        return plan
 
     async def _store_run(
         self,
@@ -650,7 +674,9 @@ class FSTier(SecondaryTier):
             each = (time.perf_counter() - started) / len(part)
             for j, item in enumerate(part):
                 if got[j] is _RUNNING and call.left_running:
-                    continue  # ``late`` settles it when the thread returns
+                    # ``late`` settles its account when the thread returns.
+                    results[item[0]] = self._timed_out(keys[item[0]], "store")
+                    continue
                 results[item[0]] = self._stored(item, keys, names, payloads, got[j], each)
 
     def _stored(
