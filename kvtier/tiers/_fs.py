@@ -61,7 +61,7 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -125,6 +125,7 @@ class FSTier(SecondaryTier):
         shared: bool = True,
         integrity_key: str | bytes | IntegrityKey | None = None,
         max_stuck_threads: int = 32,
+        direct_io: bool = True,
     ) -> None:
         if not isinstance(root, str | os.PathLike) or not os.fspath(root):
             raise InvalidArgumentError(
@@ -144,6 +145,11 @@ class FSTier(SecondaryTier):
         positive_int(max_concurrency, "max_concurrency")
         positive_int(max_write_concurrency, "max_write_concurrency")
         positive_int(max_stuck_threads, "max_stuck_threads")
+        if not isinstance(direct_io, bool):
+            raise InvalidArgumentError(
+                f"direct_io must be True (O_DIRECT where the file system takes it) or False, "
+                f"got {direct_io!r}"
+            )
         if not isinstance(shared, bool):
             raise InvalidArgumentError(
                 f"shared must be True (other processes may write the folder) or False (only "
@@ -159,6 +165,8 @@ class FSTier(SecondaryTier):
         self.capacity_bytes = capacity_bytes
         self.fsync = fsync
         self.shared = shared
+        self.direct_io = direct_io
+        self._direct = False  # O_DIRECT asked for and taken by the file system (probed at open)
         self._marker = io.marker_for(self.integrity_key)
         self._calls: WorkerCalls[Any] = WorkerCalls(max_stuck_threads)
         self._buffers = BufferPool(keep=max_concurrency + max_write_concurrency)
@@ -222,8 +230,9 @@ class FSTier(SecondaryTier):
     async def _prepare(self, *, raise_unavailable: bool) -> None:
         root, marker = self.root, self._marker
         try:
-            entries = await self._calls.run(
-                lambda _: io.prepare_root(root, marker), limiter=self._limiter
+            entries, direct = await self._calls.run(
+                lambda _: (io.prepare_root(root, marker), self.direct_io and io.probe_direct(root)),
+                limiter=self._limiter,
             )
         except io.IncompatibleRoot as exc:
             raise InvalidArgumentError(str(exc)) from None
@@ -235,6 +244,7 @@ class FSTier(SecondaryTier):
             if raise_unavailable:
                 raise self._error(exc, "store") from exc
             return
+        self._direct = direct
         self._index = OrderedDict((e.name, e.size) for e in entries)
         self._used = sum(e.size for e in entries)
         self._ready = True
@@ -281,18 +291,12 @@ class FSTier(SecondaryTier):
         name = io.name_of(key)
         started = time.perf_counter()
         self._calls.drain_late()
-        root, ikey, buffers = self.root, self.integrity_key, self._buffers
+        ikey = self.integrity_key
 
         def read(call: Handoff) -> io.ReadOutcome:
             # Through a private buffer: a thread abandoned mid-read must never write into a
             # pool slot that may already hold another block.
-            scratch = buffers.take(io.READ_CHUNK)
-            try:
-                return io.read_block(
-                    root, name, key, view, memoryview(scratch), call.touching, integrity_key=ikey
-                )
-            finally:
-                buffers.give(scratch)
+            return self._read_block(call, key, name, view, private=True)
 
         since = self._watch()
         try:
@@ -343,21 +347,12 @@ class FSTier(SecondaryTier):
         size = header_size(len(key), integrity_key=ikey) + payload.nbytes
         victims = self._choose_victims(key, name, size)
         self._reserved += size
-        root, fsync, buffers = self.root, self.fsync, self._buffers
         names = [v for v, _ in victims]
 
         def write(call: Handoff) -> tuple[io.WriteOutcome, int]:
             # Copy out of the caller's memory (a pool slot) first: once the caller's deadline
             # fires it unpins the slot, and an abandoned write must not read it any more.
-            private = buffers.take(payload.nbytes)
-            try:
-                with call.touching():
-                    io.copy_bytes(memoryview(private), payload)
-                return io.write_block(
-                    root, name, key, memoryview(private), fsync, names, integrity_key=ikey
-                )
-            finally:
-                buffers.give(private)
+            return self._write_block(call, key, name, payload, names, private=True)
 
         def late(result: tuple[io.WriteOutcome, int] | None, error: BaseException | None) -> None:
             """The write was abandoned at a deadline and has now finished: settle its account."""
@@ -381,6 +376,84 @@ class FSTier(SecondaryTier):
         self._settle(key, name, victims, result, touched=True)
         if result[0] is io.WriteOutcome.WRITTEN:
             self._meter.wrote(payload.nbytes, time.perf_counter() - started)
+
+    # -- one block, in a worker thread ----------------------------------------------------------
+
+    def _read_block(
+        self, call: Handoff, key: bytes, name: str, view: memoryview, *, private: bool
+    ) -> io.ReadOutcome:
+        """Read and verify one block (in a worker thread). ``private``: through a buffer of
+        the tier's, copied into ``view`` inside ``touching()``; else straight into ``view``,
+        unless O_DIRECT needs an aligned buffer anyway."""
+        if not (private or self._direct):
+            return io.read_block(
+                self.root, name, key, view, None, call.touching, integrity_key=self.integrity_key
+            )
+        hlen = header_size(len(key), integrity_key=self.integrity_key)
+        buf = self._buffers.take(io.scratch_size(self._direct, hlen, view.nbytes))
+        try:
+            return io.read_block(
+                self.root,
+                name,
+                key,
+                view,
+                memoryview(buf),
+                call.touching,
+                integrity_key=self.integrity_key,
+                direct=self._direct,
+            )
+        finally:
+            self._buffers.give(buf)
+
+    def _write_block(
+        self,
+        call: Handoff,
+        key: bytes,
+        name: str,
+        payload: memoryview,
+        victims: list[str],
+        *,
+        private: bool,
+        started: Callable[[], None] | None = None,
+    ) -> tuple[io.WriteOutcome, int]:
+        """Publish one block (in a worker thread). ``private``: copy the payload out of the
+        caller's memory first, inside ``touching()`` (always with O_DIRECT, whose header and
+        payload must sit side by side in one aligned buffer). ``started`` is called, under
+        the call's lock, once the block may touch the file system."""
+        hlen = header_size(len(key), integrity_key=self.integrity_key)
+        if not (private or self._direct):
+            with call.holding():
+                if started is not None:
+                    started()
+            return io.write_block(
+                self.root,
+                name,
+                key,
+                payload,
+                self.fsync,
+                victims,
+                integrity_key=self.integrity_key,
+            )
+        buf = self._buffers.take(io.staging_size(hlen, payload.nbytes))
+        try:
+            staging = memoryview(buf)
+            body = staging[hlen : hlen + payload.nbytes]
+            with call.touching():
+                io.copy_bytes(body, payload)
+                if started is not None:
+                    started()
+            return io.write_block(
+                self.root,
+                name,
+                key,
+                body,
+                self.fsync,
+                victims,
+                integrity_key=self.integrity_key,
+                staging=staging if self._direct else None,
+            )
+        finally:
+            self._buffers.give(buf)
 
     # -- batches -------------------------------------------------------------------------------
 
@@ -429,34 +502,22 @@ class FSTier(SecondaryTier):
         since: int,
         pinned: bool,
     ) -> None:
-        root, ikey, buffers = self.root, self.integrity_key, self._buffers
         stop_at = _stop_at()
         local: list[object] = [_NOT_STARTED] * len(run)
 
         def read(call: Handoff) -> None:
-            scratch = None if pinned else buffers.take(io.READ_CHUNK)
-            try:
-                for j, i in enumerate(run):
-                    if time.monotonic() > stop_at:
-                        return
-                    outcome: object
-                    try:
-                        outcome = io.read_block(
-                            root,
-                            names[i],
-                            keys[i],
-                            views[i],
-                            None if scratch is None else memoryview(scratch),
-                            call.touching,
-                            integrity_key=ikey,
-                        )
-                    except (io.Corrupt, io.WrongSize, OSError) as exc:
-                        outcome = exc
-                    with call.holding():
-                        local[j] = outcome
-            finally:
-                if scratch is not None:
-                    buffers.give(scratch)
+            for j, i in enumerate(run):
+                if time.monotonic() > stop_at:
+                    return
+                outcome: object
+                try:
+                    outcome = self._read_block(
+                        call, keys[i], names[i], views[i], private=not pinned
+                    )
+                except (io.Corrupt, io.WrongSize, OSError) as exc:
+                    outcome = exc
+                with call.holding():
+                    local[j] = outcome
 
         call = Handoff()
         started = time.perf_counter()
@@ -617,7 +678,6 @@ class FSTier(SecondaryTier):
         results: BatchResults,
         pinned: bool,
     ) -> None:
-        root, fsync, ikey, buffers = self.root, self.fsync, self.integrity_key, self._buffers
         stop_at = _stop_at()
         local: list[object] = [_NOT_STARTED] * len(part)
 
@@ -625,31 +685,19 @@ class FSTier(SecondaryTier):
             for j, (i, victims, _) in enumerate(part):
                 if time.monotonic() > stop_at:
                     return
-                payload = payloads[i]
-                private = None if pinned else buffers.take(payload.nbytes)
+                outcome: object
                 try:
-                    # Not pinned: copy out of the caller's memory first (see ``store``).
-                    with call.touching():
-                        if private is not None:
-                            io.copy_bytes(memoryview(private), payload)
-                        local[j] = _RUNNING
-                    data = payload if private is None else memoryview(private)
-                    outcome: object
-                    try:
-                        outcome = io.write_block(
-                            root,
-                            names[i],
-                            keys[i],
-                            data,
-                            fsync,
-                            [v for v, _ in victims],
-                            integrity_key=ikey,
-                        )
-                    except OSError as exc:
-                        outcome = exc
-                finally:
-                    if private is not None:
-                        buffers.give(private)
+                    outcome = self._write_block(
+                        call,
+                        keys[i],
+                        names[i],
+                        payloads[i],
+                        [v for v, _ in victims],
+                        private=not pinned,
+                        started=functools.partial(local.__setitem__, j, _RUNNING),
+                    )
+                except OSError as exc:
+                    outcome = exc
                 with call.holding():
                     local[j] = outcome
 
@@ -864,7 +912,8 @@ class FSTier(SecondaryTier):
         return (
             f"<FSTier {self.name!r} root={str(self.root)!r} ready={self._ready} "
             f"blocks={s.blocks} bytes={s.bytes_stored} capacity={self.capacity_bytes} "
-            f"fsync={self.fsync} shared={self.shared} signed={self.integrity_key is not None} "
+            f"fsync={self.fsync} shared={self.shared} direct={self._direct} "
+            f"signed={self.integrity_key is not None} "
             f"storing={len(self._storing)} pending={s.lookups.pending} "
             f"stuck_threads={self._calls.stuck}>"
         )

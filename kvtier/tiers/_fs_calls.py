@@ -27,6 +27,7 @@ index) stays single-threaded.
 from __future__ import annotations
 
 import contextlib
+import mmap
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -173,22 +174,23 @@ class WorkerCalls(Generic[T]):
 
 class BufferPool:
     """Reusable private buffers for reads and write copies (allocating and faulting in a
-    fresh multi-MiB buffer per block costs more than the copy). Thread-safe; a buffer kept
-    by an abandoned thread is simply never returned."""
+    fresh multi-MiB buffer per block costs more than the copy). Page-aligned (anonymous
+    mmap), as O_DIRECT needs. Thread-safe; a buffer kept by an abandoned thread is simply
+    never returned (and freed with its last reference)."""
 
     def __init__(self, keep: int) -> None:
         self._keep = keep  # per size: read pieces and whole-block write copies
-        self._free: dict[int, list[bytearray]] = {}
+        self._free: dict[int, list[mmap.mmap]] = {}
         self._lock = threading.Lock()
 
-    def take(self, nbytes: int) -> bytearray:
+    def take(self, nbytes: int) -> mmap.mmap:
         with self._lock:
             free = self._free.get(nbytes)
             if free:
                 return free.pop()
-        return bytearray(nbytes)
+        return mmap.mmap(-1, nbytes)
 
-    def give(self, buf: bytearray) -> None:
+    def give(self, buf: mmap.mmap) -> None:
         with self._lock:
             free = self._free.setdefault(len(buf), [])
             if len(free) < self._keep and len(self._free) <= 4:
