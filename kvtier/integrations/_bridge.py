@@ -23,7 +23,8 @@ once per scheduler step, and require every call to return at once. kvtier's tier
 - **A job is one batch call.** ``load_many``/``store_many`` with ``pinned=True`` (the slots
   stay the engine's until the outcome is out, and nothing here walks away from a job), so
   FSTier reads into and writes from the engine's memory directly, a few thread hops per
-  job rather than one per block.
+  job rather than one per block. Small jobs submitted together share a call (up to
+  ``COALESCE_BLOCKS`` blocks), each still reported on its own.
 - **Jobs never leave a copy half done.** ``drain`` waits for jobs, it never cancels them;
   ``close`` drains first, then closes the tier and joins the thread. A job's deadline
   (``op_timeout``) fails the blocks not done by then (``timeout``) and the batch returns only
@@ -71,6 +72,9 @@ T = TypeVar("T")
 CLOSED = "closed"  # the bridge was shut down, or its tier failed to open
 OVERLOAD = "overload"  # too many existence checks waiting
 TIER_ERROR = "tier_error"  # the tier's lookup() raised: a tier bug, counted and contained
+# Jobs submitted together run as one batch call, up to this many blocks (a job is never split;
+# a bigger batch would make the first job wait for the others).
+COALESCE_BLOCKS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +196,7 @@ class TierBridge:
 
         # -- loop thread only -------------------------------------------------------------
         self._waiting: set[bytes] = set()  # keys the tier answered RETRY for
+        self._queued: list[_Job] = []  # jobs submitted in this turn of the loop
         self._loop: asyncio.AbstractEventLoop | None = None
         self._context: contextvars.Context | None = None
         self._tg: anyio.abc.TaskGroup | None = None
@@ -520,52 +525,82 @@ class TierBridge:
             self._changed.notify_all()
 
     def _spawn(self, job: _Job) -> None:
-        if self._tg is None:  # the loop is stopping: nothing can run the job
-            self._publish_outcome(job, (), {CLOSED: len(job.keys)}, 0.0, counted=True)
-            return
-        self._tg.start_soon(self._run_job, job)
+        """Queue ``job``; the jobs that arrive in one turn of the loop are started together
+        (``_start_queued``), so a burst of one-block jobs costs a few batch calls, not one
+        per block."""
+        self._queued.append(job)
+        if len(self._queued) == 1:
+            assert self._loop is not None
+            self._loop.call_soon(self._start_queued, context=self._context)
 
-    async def _run_job(self, job: _Job) -> None:
+    def _start_queued(self) -> None:
+        queued, self._queued = self._queued, []
+        if self._tg is None:  # the loop is stopping: nothing can run the jobs
+            for job in queued:
+                self._publish_outcome(job, (), {CLOSED: len(job.keys)}, 0.0, counted=True)
+            return
+        group: list[_Job] = []
+        for job in queued:
+            if group and (
+                job.operation != group[0].operation
+                or sum(len(j.keys) for j in group) + len(job.keys) > COALESCE_BLOCKS
+            ):
+                self._tg.start_soon(self._run_jobs, group)
+                group = []
+            group.append(job)
+        if group:
+            self._tg.start_soon(self._run_jobs, group)
+
+    async def _run_jobs(self, jobs: list[_Job]) -> None:
+        """Run ``jobs`` (one operation) as one batch call and publish each job's outcome."""
         assert self._ready is not None
         started = time.perf_counter()
-        done: list[int] = []
-        reasons: dict[str, int] = {}
+        keys = [k for job in jobs for k in job.keys]
+        errors: list[str | None] = [CLOSED] * len(keys)
         try:
             await self._ready.wait()
-            if self._state != "open":
-                reasons[CLOSED] = len(job.keys)
-            else:
-                await self._run_batch(job, done, reasons)
+            if self._state == "open":
+                errors = await self._run_batch(jobs[0].operation, keys, jobs)
         finally:
             seconds = time.perf_counter() - started
-            if len(done) + sum(reasons.values()) < len(job.keys):  # cancelled part-way
-                reasons[CLOSED] = len(job.keys) - len(done) - sum(reasons.values())
-            self._publish_outcome(job, tuple(sorted(done)), reasons, seconds, counted=True)
+            first = 0
+            for job in jobs:
+                mine = errors[first : first + len(job.keys)]
+                first += len(job.keys)
+                reasons: dict[str, int] = {}
+                for reason in mine:
+                    if reason is not None:
+                        reasons[reason] = reasons.get(reason, 0) + 1
+                done = tuple(i for i, reason in enumerate(mine) if reason is None)
+                self._publish_outcome(job, done, reasons, seconds, counted=True)
 
-    async def _run_batch(self, job: _Job, done: list[int], reasons: dict[str, int]) -> None:
-        """The whole job as one batch call. ``pinned``: the engine keeps the slots until the
-        job's outcome is out and this bridge waits for every job (``drain``), so the tier may
-        read into and write from them directly."""
-        call = self.tier.load_many if job.operation == "load" else self.tier.store_many
+    async def _run_batch(
+        self, operation: Operation, keys: list[bytes], jobs: list[_Job]
+    ) -> list[str | None]:
+        """One batch call; per key, None or the reason it failed. ``pinned``: the engine
+        keeps the slots until the job's outcome is out and this bridge waits for every job
+        (``drain``), so the tier may read into and write from them directly."""
+        views = [v for job in jobs for v in job.views]
+        call = self.tier.load_many if operation == "load" else self.tier.store_many
         try:
-            errors = await call(job.keys, job.views, timeout=self._op_timeout, pinned=True)
+            errors = await call(keys, views, timeout=self._op_timeout, pinned=True)
         except Exception as exc:  # a tier bug must not take the engine down
-            self._log.warning(job.operation, "%s: %s raised %r", self.name, job.operation, exc)
-            reasons[TIER_ERROR] = len(job.keys)
-            if job.operation == "load":
-                for key in job.keys:
+            self._log.warning(operation, "%s: %s raised %r", self.name, operation, exc)
+            if operation == "load":
+                for key in keys:
                     self._verdict(key, False, TIER_ERROR)
-            return
-        for i, (key, error) in enumerate(zip(job.keys, errors, strict=True)):
+            return [TIER_ERROR] * len(keys)
+        reasons: list[str | None] = []
+        for key, error in zip(keys, errors, strict=True):
             if error is None:
-                done.append(i)
-                if job.operation == "store":
+                reasons.append(None)
+                if operation == "store":
                     self._verdict(key, True, "")
                 continue
-            reason = error.reason.value
-            reasons[reason] = reasons.get(reason, 0) + 1
-            if job.operation == "load":
-                self._verdict(key, False, reason)
+            reasons.append(error.reason.value)
+            if operation == "load":
+                self._verdict(key, False, error.reason.value)
+        return reasons
 
     def _publish_outcome(
         self,
