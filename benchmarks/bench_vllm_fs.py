@@ -17,10 +17,11 @@ Contenders, all in the same run on the same filesystem:
 - ``vllm-fs-buffered``: the same with O_DIRECT off (page cache on both sides).
 - ``kvtier-never``: kvtier's FSTier with ``fsync="never"`` (vLLM's durability), checksums on.
 - ``kvtier-data``: kvtier's default, ``fsync="data"`` (fdatasync before publishing).
-- ``kvtier-buffered``: ``kvtier-never`` with ``direct_io=False`` (page cache on both sides).
+- ``kvtier-direct``: ``kvtier-never`` with ``direct_io=True`` (O_DIRECT where the filesystem
+  takes it, through an aligned private buffer; kvtier's default is the page cache).
 
-kvtier's tiers use O_DIRECT where the filesystem takes it, and the adapter hands each job to
-the tier as one pinned batch (``load_many``/``store_many``).
+The adapter hands each job (and jobs submitted together) to the tier as one pinned batch
+(``load_many``/``store_many``).
 
 Loads are cold: before each load phase every stored file is evicted from the page cache
 (``fsync`` + ``POSIX_FADV_DONTNEED``), so reads come from the device for every contender.
@@ -109,10 +110,10 @@ def contenders(root: Path) -> dict[str, dict[str, Any]]:
             "module_path": kv,
             "tier": {"kind": "fs", "root": str(root / "kvtier-data"), "fsync": "data"},
         },
-        "kvtier-buffered": {  # a ready tier: direct_io is a constructor setting
+        "kvtier-direct": {  # a ready tier: direct_io is a constructor setting
             "type": "kvtier",
             "module_path": kv,
-            "tier": kvtier.FSTier(root / "kvtier-buffered", fsync="never", direct_io=False),
+            "tier": kvtier.FSTier(root / "kvtier-direct", fsync="never", direct_io=True),
         },
     }
 

@@ -281,8 +281,8 @@ async def test_unpinned_store_deadline_settles_the_write_it_left(
 
 
 @pytest.mark.parametrize("check", sorted(CHECKS))
-async def test_conformance_without_direct_io(check: str, tmp_path: Path) -> None:
-    await CHECKS[check](lambda: FSTier(tmp_path / "c", direct_io=False), BLOCK)
+async def test_conformance_with_direct_io(check: str, tmp_path: Path) -> None:
+    await CHECKS[check](lambda: FSTier(tmp_path / "c", direct_io=True), BLOCK)
 
 
 @pytest.mark.parametrize("payload", [100, 4096 - header_size(16), 4096, 20_000])
@@ -295,20 +295,20 @@ async def test_direct_and_buffered_write_the_same_files(
     monkeypatch.setattr(_fs_io, "DIRECT_CHUNK", 8192)
     blocks = {i: os.urandom(payload) for i in range(4)}
     direct, buffered = tmp_path / "direct", tmp_path / "buffered"
-    async with FSTier(direct) as tier:
+    async with FSTier(direct, direct_io=True) as tier:
         if not tier._direct:
             pytest.skip("this file system refuses O_DIRECT")
         await tier.store_many([key(0), key(1)], [memoryview(blocks[0]), memoryview(blocks[1])])
         await tier.store(key(2), memoryview(blocks[2]))
-    async with FSTier(buffered, direct_io=False) as tier:
-        assert not tier._direct
+    async with FSTier(buffered) as tier:
+        assert not tier._direct, "direct I/O is opt-in"
         for i in range(3):
             await tier.store(key(i), memoryview(blocks[i]))
     for name in (key(i).hex() for i in range(3)):
         shard = f"{name[-4:-2]}/{name[-2:]}/{name}"
         assert (direct / shard).read_bytes() == (buffered / shard).read_bytes()
         assert (direct / shard).stat().st_size == header_size(16) + payload
-    for root, other in ((direct, False), (buffered, True)):
+    for root, other in ((direct, False), (buffered, True)):  # each reads the other's files
         async with FSTier(root, direct_io=other) as tier:
             dsts = [bytearray(payload) for _ in range(3)]
             got = await tier.load_many([key(i) for i in range(3)], [memoryview(d) for d in dsts])
@@ -326,7 +326,7 @@ async def test_a_corrupt_block_is_caught_by_direct_reads(
 ) -> None:
     monkeypatch.setattr(_fs_io, "DIRECT_CHUNK", 8192)
     root = tmp_path / "c"
-    async with FSTier(root) as tier:
+    async with FSTier(root, direct_io=True) as tier:
         if not tier._direct:
             pytest.skip("this file system refuses O_DIRECT")
         payload = os.urandom(20_000)

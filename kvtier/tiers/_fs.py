@@ -38,14 +38,15 @@ What makes it trustworthy:
   adapter does) reads into and writes from the caller's memory directly and is never
   walked away from; its deadline only stops blocks that have not started. Batches that
   are not pinned keep every deadline promise above.
-- **O_DIRECT where the file system takes it** (probed at open; ``direct_io=False`` turns it
-  off): blocks are written and read past the page cache, through an aligned private buffer
-  that holds header and payload side by side (the header is why: the payload sits at an
-  unaligned offset, so the engine's memory cannot be the buffer). The files are the same
-  bytes either way, so folders written with and without it read alike. Measured on one
-  thread here, a cold 2 MiB load cost ~230 ms of CPU per GiB direct against ~380 through
-  the page cache, and a direct store leaves no write-back behind; a buffered store returns
-  sooner while memory is plentiful (``benchmarks/bench_vllm_fs.py`` runs both).
+- **O_DIRECT on request** (``direct_io=True``; used where the file system takes it, probed
+  at open): blocks are written and read past the page cache, through an aligned private
+  buffer that holds header and payload side by side (the header is why: the payload sits at
+  an unaligned offset, so the engine's memory cannot be the buffer). The files are the same
+  bytes either way, so folders written with and without it read alike. It is off by default
+  because it did not pay here: on one thread a cold 2 MiB load cost ~230 ms of CPU per GiB
+  direct against ~380 through the page cache, but behind vLLM on this 2-core machine the
+  buffered tier matched or beat it in MiB/s both ways (``benchmarks/bench_vllm_fs.py`` runs
+  both). Turn it on to keep KV blocks out of the page cache and leave no write-back behind.
 - **Exclusive folders answer without a stat.** With ``shared=False`` (only this process writes
   the folder) ``lookup()`` answers from the index at once: a key it holds is a ``HIT``, any
   other a ``MISS`` (``not_found``), never ``RETRY`` (see ``_fs_index``). The default,
@@ -117,7 +118,7 @@ __all__ = ["FSYNC_POLICIES", "FSTier"]
 logger = logging.getLogger(__name__)
 
 FSYNC_POLICIES = ("never", "data", "always")
-# What a worker thread leaves for an item of a batch it did not finish (see ``_fs_batch``).
+# What a worker thread leaves for an item of a batch it did not finish (see ``load_many``).
 _NOT_STARTED = "not-started"  # never touched the file system
 _RUNNING = "running"  # may have touched it: a store's victims may be gone
 _NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
@@ -141,7 +142,7 @@ class FSTier(SecondaryTier):
         shared: bool = True,
         integrity_key: str | bytes | IntegrityKey | None = None,
         max_stuck_threads: int = 32,
-        direct_io: bool = True,
+        direct_io: bool = False,
     ) -> None:
         if not isinstance(root, str | os.PathLike) or not os.fspath(root):
             raise InvalidArgumentError(
@@ -482,9 +483,9 @@ class FSTier(SecondaryTier):
         pinned: bool = False,
     ) -> BatchResults:
         """``load`` for many blocks in a few thread hops: the batch is split into at most
-        ``max_concurrency`` runs, each read in turn by one worker thread (a hop per block
-        costs more than the hashing). Pinned, a run reads straight into ``dsts`` and a
-        cancellation waits for it; else through private buffers, as ``load`` does."""
+        ``max_concurrency`` runs, each read in turn by one worker thread. Pinned, a run
+        reads straight into ``dsts`` (buffered I/O) and a cancellation waits for it; else
+        through private buffers, as ``load`` does."""
         check_batch(keys, dsts, "dsts")
         keys = [check_key(k) for k in keys]
         views = [_writable_bytes(d) for d in dsts]
