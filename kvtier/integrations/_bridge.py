@@ -188,6 +188,8 @@ class TierBridge:
         self._checking: set[bytes] = set()  # keys the loop has asked the tier about
         self._flush_scheduled = False
         self._finished: list[JobOutcome] = []
+        self._incoming: list[_Job] = []  # submitted jobs the loop has yet to start
+        self._jobs_scheduled = False  # a _start_incoming is on its way to the loop
         self._active = 0
         self._draining = 0  # threads blocked in drain()
         self._counts = {"hits": 0, "misses": 0, "retries": 0, "jobs_finished": 0}
@@ -196,7 +198,6 @@ class TierBridge:
 
         # -- loop thread only -------------------------------------------------------------
         self._waiting: set[bytes] = set()  # keys the tier answered RETRY for
-        self._queued: list[_Job] = []  # jobs submitted in this turn of the loop
         self._loop: asyncio.AbstractEventLoop | None = None
         self._context: contextvars.Context | None = None
         self._tg: anyio.abc.TaskGroup | None = None
@@ -262,14 +263,15 @@ class TierBridge:
         job = _Job(job_id, operation, list(keys), list(views))
         with self._lock:
             accepted = self._state in ("opening", "open")
+            schedule = False
             if accepted:
                 self._active += 1
-        if accepted and self._call_soon(self._spawn, job):
-            return
-        if accepted:
-            with self._lock:
-                self._active -= 1
-        self._publish_outcome(job, (), {CLOSED: len(job.keys)}, 0.0, counted=False)
+                self._incoming.append(job)
+                schedule, self._jobs_scheduled = not self._jobs_scheduled, True
+        if not accepted:
+            self._publish_outcome(job, (), {CLOSED: len(job.keys)}, 0.0, counted=False)
+        elif schedule and not self._call_soon(self._start_incoming):
+            self._start_incoming()  # the loop is gone: every queued job fails as closed
 
     def take_finished(self) -> list[JobOutcome]:
         """The outcomes of jobs that finished since the last call."""
@@ -524,19 +526,15 @@ class TierBridge:
             self._generation += 1
             self._changed.notify_all()
 
-    def _spawn(self, job: _Job) -> None:
-        """Queue ``job``; the jobs that arrive in one turn of the loop are started together
-        (``_start_queued``), so a burst of one-block jobs costs a few batch calls, not one
-        per block."""
-        self._queued.append(job)
-        if len(self._queued) == 1:
-            assert self._loop is not None
-            self._loop.call_soon(self._start_queued, context=self._context)
-
-    def _start_queued(self) -> None:
-        queued, self._queued = self._queued, []
-        if self._tg is None:  # the loop is stopping: nothing can run the jobs
-            for job in queued:
+    def _start_incoming(self) -> None:
+        """Start the jobs submitted since the last call (on the loop thread; on the engine's
+        only when the loop is gone). Jobs queue while the loop is busy and wake it once, so a
+        burst of one-block jobs costs a few batch calls and wake-ups, not one per block."""
+        with self._lock:
+            queued, self._incoming = self._incoming, []
+            self._jobs_scheduled = False
+        if self._tg is None or threading.current_thread() is not self._thread:
+            for job in queued:  # the loop is stopping: nothing can run the jobs
                 self._publish_outcome(job, (), {CLOSED: len(job.keys)}, 0.0, counted=True)
             return
         group: list[_Job] = []
