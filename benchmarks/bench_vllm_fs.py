@@ -17,6 +17,11 @@ Contenders, all in the same run on the same filesystem:
 - ``vllm-fs-buffered``: the same with O_DIRECT off (page cache on both sides).
 - ``kvtier-never``: kvtier's FSTier with ``fsync="never"`` (vLLM's durability), checksums on.
 - ``kvtier-data``: kvtier's default, ``fsync="data"`` (fdatasync before publishing).
+- ``kvtier-direct``: ``kvtier-never`` with ``direct_io=True`` (O_DIRECT where the filesystem
+  takes it, through an aligned private buffer; kvtier's default is the page cache).
+
+The adapter hands each job (and jobs submitted together) to the tier as one pinned batch
+(``load_many``/``store_many``).
 
 Loads are cold: before each load phase every stored file is evicted from the page cache
 (``fsync`` + ``POSIX_FADV_DONTNEED``), so reads come from the device for every contender.
@@ -42,6 +47,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+import kvtier
 
 try:
     from vllm.v1.kv_offload.base import make_offload_key
@@ -102,6 +109,11 @@ def contenders(root: Path) -> dict[str, dict[str, Any]]:
             "type": "kvtier",
             "module_path": kv,
             "tier": {"kind": "fs", "root": str(root / "kvtier-data"), "fsync": "data"},
+        },
+        "kvtier-direct": {  # a ready tier: direct_io is a constructor setting
+            "type": "kvtier",
+            "module_path": kv,
+            "tier": kvtier.FSTier(root / "kvtier-direct", fsync="never", direct_io=True),
         },
     }
 

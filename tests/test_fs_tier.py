@@ -607,3 +607,16 @@ async def test_promotion_from_fs_into_a_host_pool(tmp_path: Path, no_blocking: l
         out = np.zeros((4, BLOCK), np.uint8)
         assert await manager.load(keys, out) == 4
         assert np.array_equal(out, blocks)
+
+
+async def test_batches_never_block_the_loop(tmp_path: Path, no_blocking: list[str]) -> None:
+    keys = [key(i) for i in range(20)]
+    async with FSTier(tmp_path / "c", capacity_bytes=10 * FILE) as tier:
+        for pinned in (False, True):
+            got = await tier.store_many(
+                keys, [memoryview(data(i)) for i in range(20)], pinned=pinned
+            )
+            assert got == [None] * 20
+            dst = [bytearray(BLOCK) for _ in range(10)]
+            got = await tier.load_many(keys[10:], [memoryview(d) for d in dst], pinned=pinned)
+            assert got == [None] * 10 and dst == [data(i) for i in range(10, 20)]

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -154,3 +156,91 @@ def test_bad_arguments_say_what_to_fix() -> None:
 
 async def _noop() -> None:
     return None
+
+
+class _CountingTier(kvtier.MemoryTier):
+    """Records the size of every batch call; raises from one when told to (a tier bug)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches: list[tuple[str, int, bool]] = []
+        self.broken = False
+
+    async def load_many(self, keys: Any, dsts: Any, **kwargs: Any) -> Any:
+        self.batches.append(("load", len(keys), kwargs.get("pinned", False)))
+        if self.broken:
+            raise RuntimeError("a bug in the tier")
+        return await super().load_many(keys, dsts, **kwargs)
+
+
+def outcomes(bridge: TierBridge, ids: set[int]) -> dict[int, Any]:
+    taken: dict[int, Any] = {}
+    for _ in range(100):
+        seen = bridge.generation
+        taken.update((o.job_id, o) for o in bridge.take_finished())
+        if ids <= set(taken):
+            return taken
+        bridge.wait_for_change(seen, WAIT)
+    raise AssertionError("the jobs never finished")
+
+
+def _submit_together(bridge: TierBridge, jobs: list[tuple[int, list[bytes], list[Any]]]) -> None:
+    """Submit ``jobs`` while the loop thread is held, so they land in one turn of it."""
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        held.set()
+        release.wait(WAIT)
+
+    assert bridge._call_soon(hold)
+    assert held.wait(WAIT)
+    for job_id, keys, views in jobs:
+        bridge.submit(job_id, "load", keys, views)
+    release.set()
+
+
+def test_jobs_submitted_together_share_one_pinned_batch(bridges: list[TierBridge]) -> None:
+    tier = _CountingTier()
+    bridge = TierBridge(tier)
+    bridges.append(bridge)
+    keys = kvtier.block_keys(list(range(16)), 4)
+    missing = kvtier.block_keys(list(range(100, 104)), 4)[0]
+    blocks = [bytes([i]) * BLOCK for i in range(4)]
+    bridge.submit(1, "store", keys, [memoryview(b) for b in blocks])
+    assert outcomes(bridge, {1})[1].success
+    out = [bytearray(BLOCK) for _ in range(5)]
+    _submit_together(
+        bridge,
+        [
+            (10, [keys[0]], [memoryview(out[0])]),
+            (11, [keys[1], missing], [memoryview(out[1]), memoryview(out[2])]),
+            (12, [keys[2], keys[3]], [memoryview(out[3]), memoryview(out[4])]),
+        ],
+    )
+    got = outcomes(bridge, {10, 11, 12})
+    assert tier.batches == [("load", 5, True)], "three jobs should have been one batch call"
+    assert got[10].success and got[12].success
+    assert got[11].done == (0,) and got[11].failures_by_reason == {"not_found": 1}
+    assert got[11].nbytes == BLOCK
+    assert out[:2] + out[3:] == [blocks[0], blocks[1], blocks[2], blocks[3]]
+    assert resolve(bridge, missing) is kvtier.LookupResult.MISS
+
+
+def test_a_batch_that_raises_fails_every_job_in_it(bridges: list[TierBridge]) -> None:
+    tier = _CountingTier()
+    bridge = TierBridge(tier)
+    bridges.append(bridge)
+    keys = kvtier.block_keys(list(range(8)), 4)
+    bridge.submit(1, "store", keys, [memoryview(bytes(BLOCK)) for _ in keys])
+    assert outcomes(bridge, {1})[1].success
+    tier.broken = True
+    _submit_together(
+        bridge,
+        [
+            (2, [keys[0]], [memoryview(bytearray(BLOCK))]),
+            (3, [keys[1]], [memoryview(bytearray(BLOCK))]),
+        ],
+    )
+    got = outcomes(bridge, {2, 3})
+    assert [got[i].failures_by_reason for i in (2, 3)] == [{"tier_error": 1}] * 2
+    assert bridge.statistics().loads_failed == 2

@@ -20,12 +20,16 @@ once per scheduler step, and require every call to return at once. kvtier's tier
 - **Staleness.** A miss verdict expires after ``miss_ttl`` (another node may write the key to
   a shared tier); a hit stays until the tier says the key changed (its change notification
   drops the verdict), a load of it fails, or the snapshot's bound pushes it out.
+- **A job is one batch call.** ``load_many``/``store_many`` with ``pinned=True`` (the slots
+  stay the engine's until the outcome is out, and nothing here walks away from a job), so
+  FSTier reads into and writes from the engine's memory directly, a few thread hops per
+  job rather than one per block. Small jobs submitted together share a call (up to
+  ``COALESCE_BLOCKS`` blocks), each still reported on its own.
 - **Jobs never leave a copy half done.** ``drain`` waits for jobs, it never cancels them;
-  ``close`` drains first, then closes the tier and joins the thread. The only cancellation
-  is a block's own deadline (``op_timeout``), and a kvtier tier call that returns, even by
-  cancellation, no longer touches the buffer it was given (FSTier copies under a per-call
-  lock a walked-away caller takes; the other tiers copy in threads that cancellation waits
-  for), so a finished job leaves nothing writing into the engine's memory; a block that
+  ``close`` drains first, then closes the tier and joins the thread. A job's deadline
+  (``op_timeout``) fails the blocks not done by then (``timeout``) and the batch returns only
+  when nothing of it touches the engine's memory any more (a pinned batch waits for I/O in
+  flight), so a finished job leaves nothing writing into the engine's memory; a block that
   failed may be partly written, and is reported failed.
 
 Everything here is free of engine imports; the engine modules translate keys, slots and
@@ -51,7 +55,7 @@ from typing import Literal, TypeVar
 import anyio
 import anyio.abc
 
-from kvtier._errors import InvalidArgumentError, TierError
+from kvtier._errors import InvalidArgumentError
 from kvtier._logging import BurstLogger
 from kvtier._lookup import LookupResult, MissReason
 from kvtier._validate import positive_int, positive_number
@@ -68,6 +72,9 @@ T = TypeVar("T")
 CLOSED = "closed"  # the bridge was shut down, or its tier failed to open
 OVERLOAD = "overload"  # too many existence checks waiting
 TIER_ERROR = "tier_error"  # the tier's lookup() raised: a tier bug, counted and contained
+# Jobs submitted together run as one batch call, up to this many blocks (a job is never split;
+# a bigger batch would make the first job wait for the others).
+COALESCE_BLOCKS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +188,8 @@ class TierBridge:
         self._checking: set[bytes] = set()  # keys the loop has asked the tier about
         self._flush_scheduled = False
         self._finished: list[JobOutcome] = []
+        self._incoming: list[_Job] = []  # submitted jobs the loop has yet to start
+        self._jobs_scheduled = False  # a _start_incoming is on its way to the loop
         self._active = 0
         self._draining = 0  # threads blocked in drain()
         self._counts = {"hits": 0, "misses": 0, "retries": 0, "jobs_finished": 0}
@@ -254,14 +263,15 @@ class TierBridge:
         job = _Job(job_id, operation, list(keys), list(views))
         with self._lock:
             accepted = self._state in ("opening", "open")
+            schedule = False
             if accepted:
                 self._active += 1
-        if accepted and self._call_soon(self._spawn, job):
-            return
-        if accepted:
-            with self._lock:
-                self._active -= 1
-        self._publish_outcome(job, (), {CLOSED: len(job.keys)}, 0.0, counted=False)
+                self._incoming.append(job)
+                schedule, self._jobs_scheduled = not self._jobs_scheduled, True
+        if not accepted:
+            self._publish_outcome(job, (), {CLOSED: len(job.keys)}, 0.0, counted=False)
+        elif schedule and not self._call_soon(self._start_incoming):
+            self._start_incoming()  # the loop is gone: every queued job fails as closed
 
     def take_finished(self) -> list[JobOutcome]:
         """The outcomes of jobs that finished since the last call."""
@@ -516,56 +526,79 @@ class TierBridge:
             self._generation += 1
             self._changed.notify_all()
 
-    def _spawn(self, job: _Job) -> None:
-        if self._tg is None:  # the loop is stopping: nothing can run the job
-            self._publish_outcome(job, (), {CLOSED: len(job.keys)}, 0.0, counted=True)
+    def _start_incoming(self) -> None:
+        """Start the jobs submitted since the last call (on the loop thread; on the engine's
+        only when the loop is gone). Jobs queue while the loop is busy and wake it once, so a
+        burst of one-block jobs costs a few batch calls and wake-ups, not one per block."""
+        with self._lock:
+            queued, self._incoming = self._incoming, []
+            self._jobs_scheduled = False
+        if self._tg is None or threading.current_thread() is not self._thread:
+            for job in queued:  # the loop is stopping: nothing can run the jobs
+                self._publish_outcome(job, (), {CLOSED: len(job.keys)}, 0.0, counted=True)
             return
-        self._tg.start_soon(self._run_job, job)
+        group: list[_Job] = []
+        for job in queued:
+            if group and (
+                job.operation != group[0].operation
+                or sum(len(j.keys) for j in group) + len(job.keys) > COALESCE_BLOCKS
+            ):
+                self._tg.start_soon(self._run_jobs, group)
+                group = []
+            group.append(job)
+        if group:
+            self._tg.start_soon(self._run_jobs, group)
 
-    async def _run_job(self, job: _Job) -> None:
+    async def _run_jobs(self, jobs: list[_Job]) -> None:
+        """Run ``jobs`` (one operation) as one batch call and publish each job's outcome."""
         assert self._ready is not None
         started = time.perf_counter()
-        done: list[int] = []
-        reasons: dict[str, int] = {}
+        keys = [k for job in jobs for k in job.keys]
+        errors: list[str | None] = [CLOSED] * len(keys)
         try:
             await self._ready.wait()
-            if self._state != "open":
-                reasons[CLOSED] = len(job.keys)
-            elif len(job.keys) == 1:  # the common one-block job needs no task group
-                await self._run_one(job, 0, done, reasons)
-            else:
-                async with anyio.create_task_group() as tg:
-                    for i in range(len(job.keys)):
-                        tg.start_soon(self._run_one, job, i, done, reasons)
+            if self._state == "open":
+                errors = await self._run_batch(jobs[0].operation, keys, jobs)
         finally:
             seconds = time.perf_counter() - started
-            if len(done) + sum(reasons.values()) < len(job.keys):  # cancelled part-way
-                reasons[CLOSED] = len(job.keys) - len(done) - sum(reasons.values())
-            self._publish_outcome(job, tuple(sorted(done)), reasons, seconds, counted=True)
+            first = 0
+            for job in jobs:
+                mine = errors[first : first + len(job.keys)]
+                first += len(job.keys)
+                reasons: dict[str, int] = {}
+                for reason in mine:
+                    if reason is not None:
+                        reasons[reason] = reasons.get(reason, 0) + 1
+                done = tuple(i for i, reason in enumerate(mine) if reason is None)
+                self._publish_outcome(job, done, reasons, seconds, counted=True)
 
-    async def _run_one(self, job: _Job, i: int, done: list[int], reasons: dict[str, int]) -> None:
-        key, view = job.keys[i], job.views[i]
+    async def _run_batch(
+        self, operation: Operation, keys: list[bytes], jobs: list[_Job]
+    ) -> list[str | None]:
+        """One batch call; per key, None or the reason it failed. ``pinned``: the engine
+        keeps the slots until the job's outcome is out and this bridge waits for every job
+        (``drain``), so the tier may read into and write from them directly."""
+        views = [v for job in jobs for v in job.views]
+        call = self.tier.load_many if operation == "load" else self.tier.store_many
         try:
-            with anyio.fail_after(self._op_timeout):
-                if job.operation == "load":
-                    await self.tier.load(key, view)
-                else:
-                    await self.tier.store(key, view)
-        except TierError as exc:
-            reason = exc.reason.value
-        except TimeoutError:
-            reason = MissReason.TIMEOUT.value
+            errors = await call(keys, views, timeout=self._op_timeout, pinned=True)
         except Exception as exc:  # a tier bug must not take the engine down
-            self._log.warning(job.operation, "%s: %s raised %r", self.name, job.operation, exc)
-            reason = TIER_ERROR
-        else:
-            done.append(i)
-            if job.operation == "store":
-                self._verdict(key, True, "")
-            return
-        reasons[reason] = reasons.get(reason, 0) + 1
-        if job.operation == "load":
-            self._verdict(key, False, reason)
+            self._log.warning(operation, "%s: %s raised %r", self.name, operation, exc)
+            if operation == "load":
+                for key in keys:
+                    self._verdict(key, False, TIER_ERROR)
+            return [TIER_ERROR] * len(keys)
+        reasons: list[str | None] = []
+        for key, error in zip(keys, errors, strict=True):
+            if error is None:
+                reasons.append(None)
+                if operation == "store":
+                    self._verdict(key, True, "")
+                continue
+            reasons.append(error.reason.value)
+            if operation == "load":
+                self._verdict(key, False, error.reason.value)
+        return reasons
 
     def _publish_outcome(
         self,

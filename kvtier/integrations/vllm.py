@@ -19,10 +19,14 @@ How vLLM's calls map onto kvtier (all of them return at once; see ``_bridge`` fo
 - ``lookup``: a verdict the tier has given (``HIT``/``MISS``), or ``RETRY`` while the tier's
   existence check runs; a fault in the tier is a ``MISS`` with a reason, never an exception in
   vLLM's scheduler. Answers and reasons are counted (``statistics()``).
-- ``submit_store`` / ``submit_load``: each key is stored from, or loaded straight into, its
-  primary slot ``primary_kv_view[chunk_id]`` (no staging copy); kvtier's block format and
-  checksum apply. A load where some keys fail reports ``successful_keys``; a failed key's
-  verdict becomes a miss so vLLM does not promote it again at once.
+- ``submit_store`` / ``submit_load``: each key is stored from, or loaded into, its primary
+  slot ``primary_kv_view[chunk_id]``; a job is one pinned batch call on the tier
+  (``store_many``/``load_many``: vLLM keeps the slots until the job is reported, and
+  ``drain_jobs`` waits), so FSTier needs no private copy beyond what O_DIRECT asks for, and
+  jobs submitted together share a call. kvtier's block format and checksum apply. A load
+  where some keys fail reports ``successful_keys``; a failed key's verdict becomes a miss
+  so vLLM does not promote it again at once. ``op_timeout`` bounds each call: blocks not
+  started by then fail (``timeout``); a block under way is waited for.
 - ``drain_jobs`` blocks until no job touches the primary view (jobs are waited for, never
   cancelled); ``shutdown`` drains, closes the tier and joins the loop thread.
 

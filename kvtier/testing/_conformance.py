@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 
 import anyio
 
-from kvtier._errors import BlockNotFoundError, CorruptBlockError, KVTierError
+from kvtier._errors import BlockNotFoundError, CorruptBlockError, KVTierError, TierError
 from kvtier._keys import block_keys
 from kvtier._lookup import LookupResult
 from kvtier._tiering import TieringManager
@@ -229,6 +229,60 @@ async def check_failed_promotion(make_tier: MakeTier, block_bytes: int) -> None:
         assert manager.statistics().pool.writing == 0
 
 
+async def check_batch_round_trip(make_tier: MakeTier, block_bytes: int) -> None:
+    """``store_many`` then ``load_many``, pinned and not: every block made it, byte for byte,
+    and a key repeated in one batch is harmless."""
+    keys = _keys(5, "batch")
+    blocks = [os.urandom(block_bytes) for _ in keys]
+    async with make_tier() as tier:
+        for pinned in (False, True):
+            got = await tier.store_many(
+                [*keys, keys[0]], [memoryview(b) for b in [*blocks, blocks[0]]], pinned=pinned
+            )
+            assert got == [None] * (len(keys) + 1), f"store_many failed: {got}"
+            dst = bytearray(block_bytes * len(keys))
+            views = [memoryview(dst)[i * block_bytes : (i + 1) * block_bytes] for i in range(5)]
+            assert await tier.load_many(keys, views, pinned=pinned) == [None] * len(keys)
+            assert dst == b"".join(blocks), "load_many returned other bytes than were stored"
+        assert await tier.store_many([], []) == []
+        assert await tier.load_many([], [], timeout=1.0) == []
+
+
+async def check_batch_partial(make_tier: MakeTier, block_bytes: int) -> None:
+    """A batch where some keys are missing: the others still load, and the result says
+    which key failed and why."""
+    keys = _keys(4, "batch-partial")
+    blocks = {k: os.urandom(block_bytes) for k in keys[::2]}
+    async with make_tier() as tier:
+        assert await tier.store_many(list(blocks), [memoryview(b) for b in blocks.values()]) == [
+            None,
+            None,
+        ]
+        for pinned in (False, True):
+            dsts = [bytearray(block_bytes) for _ in keys]
+            got = await tier.load_many(keys, [memoryview(d) for d in dsts], pinned=pinned)
+            for key, dst, error in zip(keys, dsts, got, strict=True):
+                if key in blocks:
+                    assert error is None and dst == blocks[key], f"a stored key failed: {error}"
+                else:
+                    assert isinstance(error, BlockNotFoundError), (
+                        f"a missing key must fail with BlockNotFoundError, got {error!r}"
+                    )
+                    assert isinstance(error, TierError) and error.key == key
+
+
+async def check_batch_bad_arguments(make_tier: MakeTier, block_bytes: int) -> None:
+    keys = _keys(2, "batch-bad")
+    async with make_tier() as tier:
+        for call in (tier.load_many, tier.store_many):
+            try:
+                await call(keys, [memoryview(bytearray(block_bytes))])
+            except ValueError:
+                pass
+            else:
+                raise AssertionError("a batch with fewer buffers than keys must raise")
+
+
 CHECKS: dict[str, Check] = {
     "round_trip": check_round_trip,
     "unknown_keys": check_unknown_keys,
@@ -240,6 +294,9 @@ CHECKS: dict[str, Check] = {
     "aclose_idempotent": check_aclose_idempotent,
     "bad_destination": check_bad_destination,
     "failed_promotion": check_failed_promotion,
+    "batch_round_trip": check_batch_round_trip,
+    "batch_partial": check_batch_partial,
+    "batch_bad_arguments": check_batch_bad_arguments,
 }
 
 

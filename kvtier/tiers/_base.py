@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
 import types
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Self
 
+import anyio
+
+from kvtier._errors import InvalidArgumentError, TierError, TierTimeoutError
 from kvtier._logging import BurstLogger
 from kvtier._lookup import LookupResult, MissReason
 
-__all__ = ["LookupStatistics", "SecondaryTier", "TierMeter", "TierStatistics"]
+__all__ = ["BatchResults", "LookupStatistics", "SecondaryTier", "TierMeter", "TierStatistics"]
 
 Listener = Callable[[bytes], None]
+# What a batch call returns: one entry per key, None where the block made it, else the error.
+BatchResults = list[TierError | None]
 
 _log = BurstLogger(logging.getLogger(__name__))
 
@@ -165,6 +172,51 @@ class SecondaryTier(ABC):
     @abstractmethod
     def statistics(self) -> TierStatistics: ...
 
+    # -- batches -------------------------------------------------------------------------------
+
+    async def load_many(
+        self,
+        keys: Sequence[bytes],
+        dsts: Sequence[memoryview],
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109 - a per-batch bound with partial results
+        pinned: bool = False,
+    ) -> BatchResults:
+        """Load ``keys[i]`` into ``dsts[i]``; return, per key, None or the ``TierError``.
+
+        A failed block does not fail the others: the result says which keys made it. Blocks
+        not done when ``timeout`` seconds pass fail with ``TierTimeoutError`` and the call
+        returns. Bad arguments raise ``InvalidArgumentError``; a cancelled call raises.
+
+        ``pinned=True`` is the caller's promise that the buffers stay valid and unused until
+        this call returns, even when it is cancelled or times out: a tier may then read
+        straight into them and wait for I/O in flight instead of walking away from it (on a
+        hung file system the call then returns when the I/O does). Engines that wait for
+        their transfers (vLLM's ``drain_jobs``) can promise it; ``TieringManager``, whose
+        deadlines must hold, does not. The default runs ``load`` for every key concurrently;
+        a tier overrides it to save per-block overhead.
+        """
+        check_batch(keys, dsts, "dsts")
+        calls = [functools.partial(self.load, k, d) for k, d in zip(keys, dsts, strict=True)]
+        return await run_each(keys, calls, batch_deadline(timeout), self.name, "load")
+
+    async def store_many(
+        self,
+        keys: Sequence[bytes],
+        srcs: Sequence[memoryview],
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109 - a per-batch bound with partial results
+        pinned: bool = False,
+    ) -> BatchResults:
+        """Store ``srcs[i]`` under ``keys[i]``; per key, None or the ``TierError``.
+
+        ``timeout`` and ``pinned`` as in ``load_many``: with ``pinned`` the tier may write
+        straight from the caller's buffers instead of copying them first.
+        """
+        check_batch(keys, srcs, "srcs")
+        calls = [functools.partial(self.store, k, v) for k, v in zip(keys, srcs, strict=True)]
+        return await run_each(keys, calls, batch_deadline(timeout), self.name, "store")
+
     # -- feedback from the manager -----------------------------------------------------------
 
     def record_miss(self, key: bytes, reason: MissReason) -> None:
@@ -201,3 +253,49 @@ class SecondaryTier(ABC):
             f"hits={s.lookups.hits} misses={s.lookups.misses} pending={s.lookups.pending} "
             f"in_flight={s.lookups.in_flight}>"
         )
+
+
+def check_batch(keys: Sequence[bytes], views: Sequence[memoryview], what: str) -> None:
+    if len(keys) != len(views):
+        raise InvalidArgumentError(f"{len(keys)} keys but {len(views)} {what}; pass one per key")
+
+
+def batch_deadline(timeout: float | None) -> float:
+    """The ``anyio.current_time()`` deadline of a batch bounded by ``timeout`` seconds."""
+    if timeout is None:
+        return math.inf
+    if not isinstance(timeout, int | float) or not timeout > 0:
+        raise InvalidArgumentError(
+            f"timeout must be a positive number of seconds or None, got {timeout!r}"
+        )
+    return anyio.current_time() + timeout
+
+
+async def run_each(
+    keys: Sequence[bytes],
+    calls: Sequence[Callable[[], Awaitable[None]]],
+    deadline: float,
+    tier: str,
+    operation: str,
+) -> BatchResults:
+    """Run every call concurrently; collect each one's ``TierError`` (or None)."""
+    results: list[TierError | None] = [None] * len(calls)
+    finished = [False] * len(calls)
+
+    async def one(i: int) -> None:
+        try:
+            await calls[i]()
+        except TierError as exc:
+            results[i] = exc
+        finished[i] = True
+
+    with anyio.CancelScope(deadline=deadline):
+        async with anyio.create_task_group() as tg:
+            for i in range(len(calls)):
+                tg.start_soon(one, i)
+    for i, done in enumerate(finished):
+        if not done:
+            results[i] = TierTimeoutError(
+                "the batch's timeout passed first", tier=tier, operation=operation, key=keys[i]
+            )
+    return results

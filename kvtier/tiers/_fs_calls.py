@@ -27,6 +27,7 @@ index) stays single-threaded.
 from __future__ import annotations
 
 import contextlib
+import mmap
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -72,6 +73,12 @@ class Handoff:
         return self._abandoned and self._started
 
     @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        """The call's lock, for sharing state with the thread without racing it."""
+        with self._lock:
+            yield
+
+    @contextlib.contextmanager
     def touching(self) -> Iterator[None]:
         """Hold while reading or writing the caller's memory; raises ``Abandoned`` when the
         caller has gone (then its memory may already be reused)."""
@@ -104,7 +111,10 @@ class WorkerCalls(Generic[T]):
         limiter: anyio.CapacityLimiter,
         on_late: OnLate[T] | None = None,
         handoff: Handoff | None = None,
+        abandon: bool = True,
     ) -> T:
+        """``fn(handoff)`` in a worker thread. With ``abandon=False`` a cancelled caller waits
+        for the thread to finish (for callers whose memory the thread uses directly)."""
         if self._running_abandoned >= self.max_abandoned:
             raise Stuck(
                 f"{self._running_abandoned} file-system calls abandoned at their deadline "
@@ -136,7 +146,9 @@ class WorkerCalls(Generic[T]):
             return result
 
         try:
-            result = await anyio.to_thread.run_sync(work, limiter=limiter, abandon_on_cancel=True)
+            result = await anyio.to_thread.run_sync(
+                work, limiter=limiter, abandon_on_cancel=abandon
+            )
         except BaseException:
             with call._lock:  # waits at most for a memcpy inside ``touching()``
                 if not call._done:
@@ -162,22 +174,23 @@ class WorkerCalls(Generic[T]):
 
 class BufferPool:
     """Reusable private buffers for reads and write copies (allocating and faulting in a
-    fresh multi-MiB buffer per block costs more than the copy). Thread-safe; a buffer kept
-    by an abandoned thread is simply never returned."""
+    fresh multi-MiB buffer per block costs more than the copy). Page-aligned (anonymous
+    mmap), as O_DIRECT needs. Thread-safe; a buffer kept by an abandoned thread is simply
+    never returned (and freed with its last reference)."""
 
     def __init__(self, keep: int) -> None:
         self._keep = keep  # per size: read pieces and whole-block write copies
-        self._free: dict[int, list[bytearray]] = {}
+        self._free: dict[int, list[mmap.mmap]] = {}
         self._lock = threading.Lock()
 
-    def take(self, nbytes: int) -> bytearray:
+    def take(self, nbytes: int) -> mmap.mmap:
         with self._lock:
             free = self._free.get(nbytes)
             if free:
                 return free.pop()
-        return bytearray(nbytes)
+        return mmap.mmap(-1, nbytes)
 
-    def give(self, buf: bytearray) -> None:
+    def give(self, buf: mmap.mmap) -> None:
         with self._lock:
             free = self._free.setdefault(len(buf), [])
             if len(free) < self._keep and len(self._free) <= 4:
