@@ -384,6 +384,7 @@ class FSConfig(_Section):
     max_write_concurrency: int = field(default=16, metadata=_spec(_positive_int))
     shared: bool = field(default=True, metadata=_spec(_bool))
     max_stuck_threads: int = field(default=32, metadata=_spec(_positive_int))
+    direct_io: bool = field(default=False, metadata=_spec(_bool))
 
 
 @dataclass(frozen=True, slots=True)

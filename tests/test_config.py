@@ -698,3 +698,22 @@ def test_the_readme_manager_example_is_valid() -> None:
     config = KVTierConfig.from_dict({"pool": pool, **tiers, **example})
     assert config.manager.deferred == ("s3",) and config.manager.max_write_rate == 512 << 20
     assert config.manager.open_timeout == 120.0 and config.manager.promote_write_up is True
+
+
+def test_fs_direct_io_from_dict_and_env(tmp_path: Path) -> None:
+    base: dict[str, Any] = {"pool": POOL, "fs": {"root": str(tmp_path)}}
+    (tier,) = KVTierConfig.from_dict(base).build_tiers()
+    assert isinstance(tier, FSTier) and tier.direct_io is False
+    base["fs"]["direct_io"] = True
+    (tier,) = KVTierConfig.from_dict(base).build_tiers()
+    assert isinstance(tier, FSTier) and tier.direct_io is True
+    env = {
+        "KVTIER_POOL_NUM_BLOCKS": "8",
+        "KVTIER_POOL_BLOCK_BYTES": "4096",
+        "KVTIER_FS_ROOT": str(tmp_path),
+        "KVTIER_FS_DIRECT_IO": "true",
+    }
+    fs = KVTierConfig.from_env(env).fs
+    assert fs is not None and fs.direct_io is True
+    with pytest.raises(ValueError, match="direct_io"):
+        KVTierConfig.from_dict({"pool": POOL, "fs": {"root": str(tmp_path), "direct_io": "x"}})
