@@ -29,13 +29,17 @@ Choices where the contract leaves room:
   "already there", a success). A server that rejects the header (501 / NotImplemented) is
   remembered and gets plain puts from then on: the idempotent overwrite is harmless because
   a key always names the same bytes and S3 puts are atomic.
-- Loads read the whole body in one ``read()`` and verify and copy it into ``dst`` in a worker
-  thread for blocks over 64 KiB (``_s3_codec.read_block`` says why not chunk by chunk).
-  Stores build one ``bytes`` of header + payload in a worker thread for blocks over 64 KiB
-  (one copy of the block and one xxh3 pass): a ``bytes`` body is written by aiohttp without a
-  stall, the payload is not SHA-256 signed (the block carries its own checksum) and botocore
-  adds checksums only where the operation requires them, so no pass over the block runs on
-  the event loop.
+- Loads read the whole body in one ``read()`` and verify and copy it into ``dst``
+  (``_s3_codec.read_block`` says why not chunk by chunk). Stores build one ``bytes`` of
+  header + payload (one copy of the block, one xxh3 pass, one CRC32 pass): a ``bytes`` body
+  is written by aiohttp without a stall, the payload is not SHA-256 signed (the block carries
+  its own checksum) and botocore adds checksums only where the operation requires them.
+  Both run on the event loop for blocks up to 1 MiB (3 MiB for a verify; 64 KiB when signed)
+  and in a worker thread above: the hop costs as much CPU as the work on a 256 KiB block.
+- Client CPU per request is what decides whether an S3 load beats recomputing the block on a
+  machine with few cores: the client's configuration (``_s3_config.client_config``) and the
+  retry wrapper (``_s3_requests``) are trimmed for it; ``benchmarks/bench_s3_cpu.py``
+  measures it beside raw aiobotocore.
 - Signed blocks: with ``integrity_key`` every object carries a keyed BLAKE2b MAC (see
   ``kvtier._format``) and only objects that verify are served; anything else (unsigned, or
   signed with another key) is a ``corrupt`` miss and is deleted. The prefix's marker
@@ -195,7 +199,7 @@ class S3Tier(SecondaryTier):
         # Imported here, not at module level, so `import kvtier` works without the extra.
         try:
             import aiobotocore.config
-            import aiobotocore.session  # noqa: F401 - checked here, used by client_config
+            import aiobotocore.session  # noqa: F401 - checked here; client_config uses them
         except ImportError as exc:
             raise ExtraNotInstalledError("S3Tier", "s3", "aiobotocore") from exc
         # Kept in a closure, not as attributes, so no repr or vars() dump shows them.

@@ -251,9 +251,9 @@ def parse_timestamp(value: Any) -> datetime.datetime:
     goes to botocore's own parser."""
     if isinstance(value, str):
         try:
-            if "T" in value:
+            if value[:1].isdigit():  # "2026-12-01T12:24:08.000Z"
                 parsed = datetime.datetime.fromisoformat(value)
-            else:
+            else:  # "Tue, 01 Dec 2026 12:24:08 GMT"
                 parsed = email.utils.parsedate_to_datetime(value)
         except (TypeError, ValueError):
             parsed = None
