@@ -12,8 +12,9 @@ Sides, for each block size and concurrency:
 - ``raw``: a plain aiobotocore client with botocore's defaults (as a user's would be):
   ``put_object`` of the payload, ``get_object`` + ``read()``;
 - ``raw-tuned``: the same calls through a client made as the tier makes its own (its
-  ``AioConfig`` and session: no payload signing, checksums only when required, a fixed user
-  agent, no parameter validation, a cheaper timestamp parser), to tell the client
+  ``AioConfig``, session and handlers: no payload signing, checksums only when required, a
+  fixed user agent, no parameter validation, a cheaper timestamp parser, ``bytes`` bodies
+  sent as they are), to tell the client
   configuration's share from the tier's own work (header, checksums, copy, retry wrapper);
 - ``tier``: ``S3Tier.store`` (header, xxh3, CRC32, conditional put) and ``S3Tier.load``
   (checksum verified, copied into a block buffer).
@@ -37,7 +38,7 @@ import statistics
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +46,12 @@ import anyio
 
 from kvtier._keys import block_keys
 from kvtier.tiers._s3 import S3Tier
-from kvtier.tiers._s3_config import S3Settings, client_config, shared_session
+from kvtier.tiers._s3_config import (
+    S3Settings,
+    client_config,
+    send_bodies_as_given,
+    shared_session,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 KiB = 1 << 10
@@ -106,7 +112,8 @@ def _raw_client(session: Any, args: argparse.Namespace) -> Any:
     )
 
 
-def _tuned_client(args: argparse.Namespace) -> Any:
+@contextlib.asynccontextmanager
+async def _tuned_client(args: argparse.Namespace) -> AsyncIterator[Any]:
     """A client built as ``S3Tier.open`` builds its own: same session, same ``AioConfig``."""
     settings = S3Settings.check(
         args.bucket,
@@ -124,14 +131,16 @@ def _tuned_client(args: argparse.Namespace) -> Any:
         breaker_reset=5.0,
         lookup_timeout=5.0,
     )
-    return shared_session().create_client(
+    async with shared_session().create_client(
         "s3",
         endpoint_url=args.endpoint,
         region_name=args.region,
         aws_access_key_id=args.access_key,
         aws_secret_access_key=args.secret_key,
         config=client_config(settings),
-    )
+    ) as client:
+        send_bodies_as_given(client)
+        yield client
 
 
 async def _raw_get(client: Any, bucket: str, name: str) -> None:

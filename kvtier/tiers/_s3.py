@@ -34,7 +34,7 @@ Choices where the contract leaves room:
   header + payload (one copy of the block, one xxh3 pass, one CRC32 pass): a ``bytes`` body
   is written by aiohttp without a stall, the payload is not SHA-256 signed (the block carries
   its own checksum) and botocore adds checksums only where the operation requires them.
-  Both run on the event loop for blocks up to 1 MiB (3 MiB for a verify; 64 KiB when signed)
+  Both run on the event loop for blocks up to 1 MiB (64 KiB when signed)
   and in a worker thread above: the hop costs as much CPU as the work on a 256 KiB block.
 - Client CPU per request is what decides whether an S3 load beats recomputing the block on a
   machine with few cores: the client's configuration (``_s3_config.client_config``) and the
@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import io
 import logging
 import time
 from collections.abc import Callable
@@ -88,10 +89,12 @@ from kvtier.tiers._base import SecondaryTier, TierMeter, TierStatistics
 from kvtier.tiers._s3_breaker import BreakerState, CircuitBreaker
 from kvtier.tiers._s3_codec import build_object, is_newer_format, is_signed, read_block
 from kvtier.tiers._s3_config import (
+    BYTES_BODY_LIMIT,
     S3Settings,
     S3TierStatistics,
     check_credentials,
     client_config,
+    send_bodies_as_given,
     shared_session,
     warm_session,
 )
@@ -109,11 +112,11 @@ logger = logging.getLogger(__name__)
 _CLOSE_TIMEOUT = 5.0
 # Building and verifying objects: on the event loop when small, in a worker thread above
 # these sizes. A hop costs ~0.04 ms of CPU and two loop wakeups, as much as building a 256 KiB
-# object (0.07 ms; verifying it: 0.015 ms), so small blocks stay on the loop while no block
-# holds it for more than ~0.3 ms: unsigned build 0.29 ms per MiB, verify 0.1 ms per MiB;
-# signed (BLAKE2b) build 1.3 ms, verify 1.0 ms per MiB (2-core machine, loaded).
+# object (0.07 ms; verifying it: 0.015 ms), so blocks up to 1 MiB stay on the loop (unsigned
+# build 0.29 ms per MiB, verify 0.1 ms per MiB); signed blocks (BLAKE2b: build 1.3 ms,
+# verify 1.0 ms per MiB) above 64 KiB go to the thread (2-core machine, loaded).
 _THREAD_BUILD_BYTES = 1 << 20
-_THREAD_VERIFY_BYTES = 3 << 20
+_THREAD_VERIFY_BYTES = (1 << 20) + 4096  # a 1 MiB payload and its header
 _THREAD_SIGNED_BYTES = 64 << 10
 
 
@@ -298,6 +301,7 @@ class S3Tier(SecondaryTier):
                 )
             except Exception as exc:
                 raise self._translate(exc, "open", None) from exc
+            send_bodies_as_given(self._client)
             stack.push_async_callback(self._forget_client)
             self._breaker.reset()
             probe = await self._call(
@@ -507,7 +511,7 @@ class S3Tier(SecondaryTier):
             return await client.put_object(
                 Bucket=self.bucket,
                 Key=object_key,
-                Body=body,
+                Body=body if len(body) <= BYTES_BODY_LIMIT else io.BytesIO(body),
                 Metadata=metadata,
                 ChecksumCRC32=crc,
                 **extra,
