@@ -31,11 +31,12 @@ Choices where the contract leaves room:
   a key always names the same bytes and S3 puts are atomic.
 - Loads read the whole body in one ``read()`` and verify and copy it into ``dst``
   (``_s3_codec.read_block`` says why not chunk by chunk). Stores build one ``bytes`` of
-  header + payload (one copy of the block, one xxh3 pass, one CRC32 pass): a ``bytes`` body
-  is written by aiohttp without a stall, the payload is not SHA-256 signed (the block carries
-  its own checksum) and botocore adds checksums only where the operation requires them.
-  Both run on the event loop for blocks up to 1 MiB (64 KiB when signed)
-  and in a worker thread above: the hop costs as much CPU as the work on a 256 KiB block.
+  header + payload (one copy of the block, one xxh3 pass, one CRC32 pass), sent as it is up
+  to 1 MiB and through a ``BytesIO`` above (``_s3_config.send_bodies_as_given``); the payload
+  is not SHA-256 signed (the block carries its own checksum) and botocore adds checksums
+  only where the operation requires them. Building and verifying run on the event loop for
+  blocks up to 1 MiB (64 KiB when signed) and in a worker thread above: the hop costs as
+  much CPU as the work on a 256 KiB block.
 - Client CPU per request is what decides whether an S3 load beats recomputing the block on a
   machine with few cores: the client's configuration (``_s3_config.client_config``) and the
   retry wrapper (``_s3_requests``) are trimmed for it; ``benchmarks/bench_s3_cpu.py``
