@@ -246,6 +246,29 @@ async def test_store_of_a_large_block_keeps_work_off_the_loop(
     assert sent in ([b"UNSIGNED-PAYLOAD"], ["UNSIGNED-PAYLOAD"])
 
 
+async def test_store_sends_its_bytes_body_without_expect_continue(make_tier: MakeTier) -> None:
+    """botocore wrapped every PutObject body in a BytesIO, and a file-like body gets an
+    ``Expect: 100-continue`` header: each store waited one more round trip for the server's
+    interim answer and aiohttp copied the body out chunk by chunk (0.2 ms of client CPU per
+    256 KiB store, benchmarks/bench_s3_cpu.py). The tier's client sends its ``bytes`` body
+    as it is."""
+    (key,) = _keys(1)
+    sent: list[tuple[type, object]] = []
+
+    def before_send(request: Any, **_: Any) -> None:
+        if key.hex() in request.url:
+            sent.append((type(request.body), request.headers.get("Expect")))
+
+    block = os.urandom(256 << 10)
+    async with make_tier() as tier:
+        tier._client.meta.events.register("before-send.s3.PutObject", before_send)
+        await tier.store(key, memoryview(block))
+        out = bytearray(len(block))
+        await tier.load(key, memoryview(out))
+    assert out == block
+    assert sent == [(bytes, None)]
+
+
 async def test_batched_lookup_and_miss_ttl(make_tier: MakeTier) -> None:
     clock = FakeClock()
     keys = _keys(100)
@@ -891,3 +914,27 @@ def test_error_translation() -> None:
         translate(KeyError("x"), tier="s", operation="o", key=None, bucket="b", endpoint="e")
         is None
     )
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "Tue, 01 Dec 2026 12:24:08 GMT",  # Last-Modified of a GET or HEAD
+        "Tue, 01 Dec 2026 12:24:08 -0000",
+        "2026-12-01T12:24:08.000Z",  # LastModified in a listing
+        "2026-12-01T12:24:08Z",
+        "2026-12-01T12:24:08.123456+02:00",
+        1764591848,
+        "1764591848",
+    ],
+)
+def test_timestamp_parser_agrees_with_botocore(value: object) -> None:
+    """The tier's client parses timestamps without dateutil (about 0.1 ms of client CPU per
+    GET, benchmarks/bench_s3_cpu.py); what it returns must not change."""
+    from botocore.utils import parse_timestamp as botocore_parse
+
+    from kvtier.tiers._s3_config import parse_timestamp
+
+    got = parse_timestamp(value)
+    assert got == botocore_parse(value)
+    assert got.tzinfo is not None

@@ -29,13 +29,18 @@ Choices where the contract leaves room:
   "already there", a success). A server that rejects the header (501 / NotImplemented) is
   remembered and gets plain puts from then on: the idempotent overwrite is harmless because
   a key always names the same bytes and S3 puts are atomic.
-- Loads read the whole body in one ``read()`` and verify and copy it into ``dst`` in a worker
-  thread for blocks over 64 KiB (``_s3_codec.read_block`` says why not chunk by chunk).
-  Stores build one ``bytes`` of header + payload in a worker thread for blocks over 64 KiB
-  (one copy of the block and one xxh3 pass): a ``bytes`` body is written by aiohttp without a
-  stall, the payload is not SHA-256 signed (the block carries its own checksum) and botocore
-  adds checksums only where the operation requires them, so no pass over the block runs on
-  the event loop.
+- Loads read the whole body in one ``read()`` and verify and copy it into ``dst``
+  (``_s3_codec.read_block`` says why not chunk by chunk). Stores build one ``bytes`` of
+  header + payload (one copy of the block, one xxh3 pass, one CRC32 pass), sent as it is up
+  to 1 MiB and through a ``BytesIO`` above (``_s3_config.send_bodies_as_given``); the payload
+  is not SHA-256 signed (the block carries its own checksum) and botocore adds checksums
+  only where the operation requires them. Building and verifying run on the event loop for
+  blocks up to 1 MiB (64 KiB when signed) and in a worker thread above: the hop costs as
+  much CPU as the work on a 256 KiB block.
+- Client CPU per request is what decides whether an S3 load beats recomputing the block on a
+  machine with few cores: the client's configuration (``_s3_config.client_config``) and the
+  retry wrapper (``_s3_requests``) are trimmed for it; ``benchmarks/bench_s3_cpu.py``
+  measures it beside raw aiobotocore.
 - Signed blocks: with ``integrity_key`` every object carries a keyed BLAKE2b MAC (see
   ``kvtier._format``) and only objects that verify are served; anything else (unsigned, or
   signed with another key) is a ``corrupt`` miss and is deleted. The prefix's marker
@@ -56,6 +61,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import io
 import logging
 import time
 from collections.abc import Callable
@@ -84,9 +90,12 @@ from kvtier.tiers._base import SecondaryTier, TierMeter, TierStatistics
 from kvtier.tiers._s3_breaker import BreakerState, CircuitBreaker
 from kvtier.tiers._s3_codec import build_object, is_newer_format, is_signed, read_block
 from kvtier.tiers._s3_config import (
+    BYTES_BODY_LIMIT,
     S3Settings,
     S3TierStatistics,
     check_credentials,
+    client_config,
+    send_bodies_as_given,
     shared_session,
     warm_session,
 )
@@ -95,14 +104,21 @@ from kvtier.tiers._s3_index import ExistenceIndex
 from kvtier.tiers._s3_index_sync import IndexSync
 from kvtier.tiers._s3_integrity import check_marker
 from kvtier.tiers._s3_journal import writer_id
-from kvtier.tiers._s3_requests import Requests
+from kvtier.tiers._s3_requests import Requests, acquire
 
 __all__ = ["S3Tier", "S3TierStatistics"]
 
 logger = logging.getLogger(__name__)
 
 _CLOSE_TIMEOUT = 5.0
-_THREAD_BUILD_BYTES = 64 * 1024  # build and verify larger objects in a worker thread
+# Building and verifying objects: on the event loop when small, in a worker thread above
+# these sizes. A hop costs ~0.04 ms of CPU and two loop wakeups, as much as building a 256 KiB
+# object (0.07 ms; verifying it: 0.015 ms), so blocks up to 1 MiB stay on the loop (unsigned
+# build 0.29 ms per MiB, verify 0.1 ms per MiB); signed blocks (BLAKE2b: build 1.3 ms,
+# verify 1.0 ms per MiB) above 64 KiB go to the thread (2-core machine, loaded).
+_THREAD_BUILD_BYTES = 1 << 20
+_THREAD_VERIFY_BYTES = (1 << 20) + 4096  # a 1 MiB payload and its header
+_THREAD_SIGNED_BYTES = 64 << 10
 
 
 class S3Tier(SecondaryTier):
@@ -187,10 +203,9 @@ class S3Tier(SecondaryTier):
         # Imported here, not at module level, so `import kvtier` works without the extra.
         try:
             import aiobotocore.config
-            import aiobotocore.session
+            import aiobotocore.session  # noqa: F401 - checked here; client_config uses them
         except ImportError as exc:
             raise ExtraNotInstalledError("S3Tier", "s3", "aiobotocore") from exc
-        self._aio_config = aiobotocore.config.AioConfig
         # Kept in a closure, not as attributes, so no repr or vars() dump shows them.
         self._credentials: Callable[[], dict[str, str]] = lambda: dict(credentials)
         cfg = self.settings
@@ -271,17 +286,7 @@ class S3Tier(SecondaryTier):
         if self._stack is not None:
             return
         cfg = self.settings
-        config = self._aio_config(
-            connect_timeout=cfg.connect_timeout,
-            read_timeout=cfg.read_timeout,
-            retries={"total_max_attempts": 1},  # kvtier retries, so the breaker sees attempts
-            max_pool_connections=cfg.max_concurrency,
-            # The block carries its own checksum (verified on every load): no SHA-256 of the
-            # payload for the signature, no CRC of it unless the operation requires one.
-            s3={"addressing_style": cfg.addressing_style, "payload_signing_enabled": False},
-            request_checksum_calculation="when_required",
-            response_checksum_validation="when_required",
-        )
+        config = client_config(cfg)
         session = shared_session()
         await anyio.to_thread.run_sync(warm_session, session)
         async with AsyncExitStack() as stack:
@@ -297,6 +302,7 @@ class S3Tier(SecondaryTier):
                 )
             except Exception as exc:
                 raise self._translate(exc, "open", None) from exc
+            send_bodies_as_given(self._client)
             stack.push_async_callback(self._forget_client)
             self._breaker.reset()
             probe = await self._call(
@@ -440,7 +446,9 @@ class S3Tier(SecondaryTier):
                 response,
                 key,
                 dst,
-                thread_bytes=_THREAD_BUILD_BYTES,
+                thread_bytes=_THREAD_VERIFY_BYTES
+                if self.integrity_key is None
+                else _THREAD_SIGNED_BYTES,
                 integrity_key=self.integrity_key,
             )
         finally:
@@ -492,7 +500,8 @@ class S3Tier(SecondaryTier):
         payload = memoryview(src).cast("B") if memoryview(src).format != "B" else memoryview(src)
         started = time.perf_counter()
         build = functools.partial(build_object, key, payload, integrity_key=self.integrity_key)
-        if payload.nbytes > _THREAD_BUILD_BYTES:
+        limit = _THREAD_BUILD_BYTES if self.integrity_key is None else _THREAD_SIGNED_BYTES
+        if payload.nbytes > limit:
             body, metadata, crc = await anyio.to_thread.run_sync(build)
         else:
             body, metadata, crc = build()
@@ -503,7 +512,7 @@ class S3Tier(SecondaryTier):
             return await client.put_object(
                 Bucket=self.bucket,
                 Key=object_key,
-                Body=body,
+                Body=body if len(body) <= BYTES_BODY_LIMIT else io.BytesIO(body),
                 Metadata=metadata,
                 ChecksumCRC32=crc,
                 **extra,
@@ -511,8 +520,11 @@ class S3Tier(SecondaryTier):
 
         expected = frozenset({Fault.PRECONDITION, Fault.CONFLICT, Fault.UNSUPPORTED})
         try:
-            async with self._store_limiter:
+            await acquire(self._store_limiter)
+            try:
                 result = await self._call("store", key, put, expected=expected)
+            finally:
+                self._store_limiter.release()
             if result is Fault.UNSUPPORTED and self._conditional_put:
                 logger.info("%s: the server rejects conditional puts; using plain puts", self.name)
                 self._conditional_put = False

@@ -1,0 +1,301 @@
+"""Client CPU per S3 request: S3Tier load/store beside raw aiobotocore get/put, same run.
+
+On a machine with few cores the S3 tier competes with the engine for CPU: what a request
+costs in *this* process (botocore's request building and signing, aiohttp, kvtier's retry and
+breaker wrapper, the checksum and copy) decides whether loading a block beats recomputing it.
+The figure is ``time.process_time()`` of this process (every thread, so work handed to worker
+threads counts too) divided by the requests made; the server is another process and is not
+counted. Wall time per request is printed beside it.
+
+Sides, for each block size and concurrency:
+
+- ``raw``: a plain aiobotocore client with botocore's defaults (as a user's would be):
+  ``put_object`` of the payload, ``get_object`` + ``read()``;
+- ``raw-tuned``: the same calls through a client made as the tier makes its own (its
+  ``AioConfig``, session and handlers: no payload signing, checksums only when required, a
+  fixed user agent, no parameter validation, a cheaper timestamp parser, ``bytes`` bodies
+  sent as they are), to tell the client
+  configuration's share from the tier's own work (header, checksums, copy, retry wrapper);
+- ``tier``: ``S3Tier.store`` (header, xxh3, CRC32, conditional put) and ``S3Tier.load``
+  (checksum verified, copied into a block buffer).
+
+Sides alternate within each round and each figure is the median of ``--repeat`` rounds, so
+drift on a shared machine hits all sides alike. Without ``--endpoint`` it starts its own
+SeaweedFS on 127.0.0.1 (``tests/weed_proc.py``).
+
+    PYTHONPATH=$PWD python benchmarks/bench_s3_cpu.py
+    PYTHONPATH=$PWD python benchmarks/bench_s3_cpu.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import importlib.util
+import os
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from kvtier._keys import block_keys
+from kvtier.tiers._s3 import S3Tier
+from kvtier.tiers._s3_config import (
+    S3Settings,
+    client_config,
+    send_bodies_as_given,
+    shared_session,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+KiB = 1 << 10
+SIDES = ("raw", "raw-tuned", "tier")
+
+
+def _weed_helper() -> Any:
+    """tests/weed_proc.py, loaded by path (tests/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(
+        "kvtier_bench_weed", ROOT / "tests" / "weed_proc.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@contextlib.contextmanager
+def _server(endpoint: str | None) -> Iterator[str]:
+    if endpoint is not None:
+        yield endpoint
+        return
+    with _weed_helper().WeedServer() as server:
+        yield server.endpoint_url
+
+
+async def _measure(
+    concurrency: int, jobs: Sequence[Callable[[], Awaitable[Any]]]
+) -> tuple[float, float]:
+    """Run ``jobs`` with at most ``concurrency`` at once; (CPU s, wall s) per job."""
+    limiter = anyio.CapacityLimiter(concurrency)
+
+    async def run(job: Callable[[], Awaitable[Any]]) -> None:
+        async with limiter:
+            await job()
+
+    cpu, wall = time.process_time(), time.perf_counter()
+    if concurrency == 1:
+        for job in jobs:
+            await job()
+    else:
+        async with anyio.create_task_group() as tg:
+            for job in jobs:
+                tg.start_soon(run, job)
+    return (time.process_time() - cpu) / len(jobs), (time.perf_counter() - wall) / len(jobs)
+
+
+def _raw_client(session: Any, args: argparse.Namespace) -> Any:
+    from aiobotocore.config import AioConfig
+
+    return session.create_client(
+        "s3",
+        endpoint_url=args.endpoint,
+        region_name=args.region,
+        aws_access_key_id=args.access_key,
+        aws_secret_access_key=args.secret_key,
+        config=AioConfig(max_pool_connections=32, read_timeout=30.0),
+    )
+
+
+@contextlib.asynccontextmanager
+async def _tuned_client(args: argparse.Namespace) -> AsyncIterator[Any]:
+    """A client built as ``S3Tier.open`` builds its own: same session, same ``AioConfig``."""
+    settings = S3Settings.check(
+        args.bucket,
+        prefix="",
+        endpoint_url=args.endpoint,
+        region_name=args.region,
+        addressing_style="auto",
+        connect_timeout=2.0,
+        read_timeout=30.0,
+        max_attempts=1,
+        max_concurrency=32,
+        miss_ttl=2.0,
+        lookup_batch_size=64,
+        breaker_threshold=5,
+        breaker_reset=5.0,
+        lookup_timeout=5.0,
+    )
+    async with shared_session().create_client(
+        "s3",
+        endpoint_url=args.endpoint,
+        region_name=args.region,
+        aws_access_key_id=args.access_key,
+        aws_secret_access_key=args.secret_key,
+        config=client_config(settings),
+    ) as client:
+        send_bodies_as_given(client)
+        yield client
+
+
+async def _raw_get(client: Any, bucket: str, name: str) -> None:
+    response = await client.get_object(Bucket=bucket, Key=name)
+    async with response["Body"] as body:
+        await body.read()
+
+
+class _Loader:
+    """Loads into a fixed set of block buffers, one per concurrent load."""
+
+    def __init__(self, tier: S3Tier, concurrency: int, block: int) -> None:
+        self.tier = tier
+        self.buffers = [bytearray(block) for _ in range(concurrency)]
+        self.free = list(range(concurrency))
+
+    async def load(self, key: bytes) -> None:
+        slot = self.free.pop()
+        try:
+            await self.tier.load(key, memoryview(self.buffers[slot]))
+        finally:
+            self.free.append(slot)
+
+
+async def _case(
+    args: argparse.Namespace,
+    clients: dict[str, Any],
+    tier: S3Tier,
+    block: int,
+    concurrency: int,
+    order: Sequence[str],
+) -> dict[tuple[str, str], tuple[float, float]]:
+    """One round of one (block, concurrency) case: put/store then get/load on every side."""
+    run_id = uuid.uuid4().hex[:12]
+    payloads = [os.urandom(block) for _ in range(4)]
+    keys = block_keys(list(range(args.n * 4)), 4, namespace=run_id.encode())
+    data = [payloads[i % len(payloads)] for i in range(len(keys))]
+    names = {side: [f"cpu-{side}/{run_id}/{k.hex()}" for k in keys] for side in SIDES[:2]}
+    out: dict[tuple[str, str], tuple[float, float]] = {}
+    for side in order:
+        if side == "tier":
+            jobs = [
+                functools.partial(tier.store, k, memoryview(d))
+                for k, d in zip(keys, data, strict=True)
+            ]
+        else:
+            c = clients[side]
+            jobs = [
+                functools.partial(c.put_object, Bucket=args.bucket, Key=n, Body=d)
+                for n, d in zip(names[side], data, strict=True)
+            ]
+        out[(side, "put")] = await _measure(concurrency, jobs)
+    for side in order:
+        if side == "tier":
+            loader = _Loader(tier, concurrency, block)
+            jobs = [functools.partial(loader.load, k) for k in keys]
+        else:
+            jobs = [functools.partial(_raw_get, clients[side], args.bucket, n) for n in names[side]]
+        out[(side, "get")] = await _measure(concurrency, jobs)
+    return out
+
+
+async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from aiobotocore.session import get_session
+
+    session = get_session()
+    rows: list[dict[str, Any]] = []
+    async with (
+        _raw_client(session, args) as raw,
+        _tuned_client(args) as tuned,
+    ):
+        with contextlib.suppress(Exception):  # it may exist already
+            await raw.create_bucket(Bucket=args.bucket)
+        clients = {"raw": raw, "raw-tuned": tuned}
+        async with S3Tier(
+            args.bucket,
+            prefix=f"cpu-tier/{uuid.uuid4().hex[:12]}",
+            endpoint_url=args.endpoint,
+            region_name=args.region,
+            aws_access_key_id=args.access_key,
+            aws_secret_access_key=args.secret_key,
+            read_timeout=30.0,
+        ) as tier:
+            # One warm-up round (connections, botocore's lazily built handlers), not counted.
+            await _case(args, clients, tier, 64 * KiB, 8, SIDES)
+            for block in args.block_kib:
+                for concurrency in args.concurrency:
+                    samples: dict[tuple[str, str], list[tuple[float, float]]] = {}
+                    for r in range(args.repeat):
+                        order = SIDES if r % 2 == 0 else SIDES[::-1]
+                        got = await _case(args, clients, tier, block * KiB, concurrency, order)
+                        for k, v in got.items():
+                            samples.setdefault(k, []).append(v)
+                    for (side, op), vs in samples.items():
+                        rows.append(
+                            {
+                                "block_kib": block,
+                                "concurrency": concurrency,
+                                "side": side,
+                                "op": op,
+                                "cpu_ms": 1e3 * statistics.median(v[0] for v in vs),
+                                "wall_ms": 1e3 * statistics.median(v[1] for v in vs),
+                            }
+                        )
+    return rows
+
+
+def _print(rows: list[dict[str, Any]], args: argparse.Namespace, endpoint: str) -> None:
+    print(
+        f"S3 client CPU per request: N={args.n} per side, median of {args.repeat} rounds, "
+        f"endpoint {endpoint} (process_time of this process; the server is not counted)"
+    )
+    by = {(r["block_kib"], r["concurrency"], r["side"], r["op"]): r for r in rows}
+    print(
+        f"  {'block':>8} {'conc':>4} {'op':<4} "
+        + " ".join(f"{s + ' cpu ms':>16}" for s in SIDES)
+        + f" {'tier/raw':>9} {'tier/tuned':>10}   wall ms (raw/tuned/tier)"
+    )
+    for block in args.block_kib:
+        for concurrency in args.concurrency:
+            for op in ("put", "get"):
+                got = [by[(block, concurrency, s, op)] for s in SIDES]
+                cpu = [g["cpu_ms"] for g in got]
+                wall = "/".join(f"{g['wall_ms']:.2f}" for g in got)
+                print(
+                    f"  {block:>5} KiB {concurrency:>4} {op:<4} "
+                    + " ".join(f"{c:>16.3f}" for c in cpu)
+                    + f" {cpu[2] / cpu[0]:>9.2f} {cpu[2] / cpu[1]:>10.2f}   {wall}"
+                )
+    print("  (put: raw put_object / tier store; get: raw get_object + read() / tier load)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--endpoint", help="S3 endpoint URL (default: start a SeaweedFS)")
+    parser.add_argument("--bucket", default="kvtier-bench-cpu")
+    parser.add_argument("--region", default="us-east-1")
+    parser.add_argument("--access-key", default=os.environ.get("AWS_ACCESS_KEY_ID", "bench"))
+    parser.add_argument(
+        "--secret-key", default=os.environ.get("AWS_SECRET_ACCESS_KEY", "bench-secret")
+    )
+    parser.add_argument("-n", type=int, default=200, help="requests per side per round")
+    parser.add_argument("--block-kib", type=int, nargs="+", default=[256, 2048])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="N=100, 1 round")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.n, args.repeat = 100, 1
+    with _server(args.endpoint) as endpoint:
+        args.endpoint = endpoint
+        rows = anyio.run(run, args)
+    _print(rows, args, endpoint)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
