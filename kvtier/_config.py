@@ -193,8 +193,8 @@ def _size(value: object, text: bool) -> int:
     return size
 
 
-def _seconds(value: object, text: bool) -> float:
-    expected = "a positive number of seconds"
+def _number_of_seconds(value: object, text: bool, *, zero_ok: bool) -> float:
+    expected = "a number of seconds >= 0" if zero_ok else "a positive number of seconds"
     if text and isinstance(value, str):
         try:
             value = float(value.strip())
@@ -202,23 +202,17 @@ def _seconds(value: object, text: bool) -> float:
             raise _Bad(expected) from None
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise _Bad(expected)
-    if not (math.isfinite(value) and value > 0):
+    if not (math.isfinite(value) and (value >= 0 if zero_ok else value > 0)):
         raise _Bad(expected)
     return float(value)
+
+
+def _seconds(value: object, text: bool) -> float:
+    return _number_of_seconds(value, text, zero_ok=False)
 
 
 def _non_negative_seconds(value: object, text: bool) -> float:
-    expected = "a number of seconds >= 0"
-    if text and isinstance(value, str):
-        try:
-            value = float(value.strip())
-        except ValueError:
-            raise _Bad(expected) from None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise _Bad(expected)
-    if not (math.isfinite(value) and value >= 0):
-        raise _Bad(expected)
-    return float(value)
+    return _number_of_seconds(value, text, zero_ok=True)
 
 
 def _rate(value: object, text: bool) -> float:
