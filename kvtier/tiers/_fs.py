@@ -48,6 +48,7 @@ What makes it trustworthy:
   direct against ~380 through the page cache, but behind vLLM on this 2-core machine the
   buffered tier matched or beat it in MiB/s both ways (``benchmarks/bench_vllm_fs.py`` runs
   both). Turn it on to keep KV blocks out of the page cache and leave no write-back behind.
+  Which buffer a block's bytes pass through, per block in a worker thread, is ``_fs_block``'s.
 - **Exclusive folders answer without a stat.** With ``shared=False`` (only this process writes
   the folder) ``lookup()`` answers from the index at once: a key it holds is a ``HIT``, any
   other a ``MISS`` (``not_found``), never ``RETRY`` (see ``_fs_index``). The default,
@@ -78,7 +79,7 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -98,7 +99,7 @@ from kvtier._keys import check_key
 from kvtier._logging import BurstLogger
 from kvtier._lookup import LookupResult, MissReason
 from kvtier._validate import positive_int, positive_number
-from kvtier.tiers import _fs_batch
+from kvtier.tiers import _fs_batch, _fs_block
 from kvtier.tiers import _fs_io as io
 from kvtier.tiers._async_lookup import AsyncLookupManager
 from kvtier.tiers._base import (
@@ -309,7 +310,7 @@ class FSTier(SecondaryTier):
         def read(call: Handoff) -> io.ReadOutcome:
             # Through a private buffer: a thread abandoned mid-read must never write into a
             # pool slot that may already hold another block.
-            return self._read_block(call, key, name, view, private=True)
+            return _fs_block.read_block(self, call, key, name, view, private=True)
 
         since = self._watch()
         try:
@@ -365,7 +366,7 @@ class FSTier(SecondaryTier):
         def write(call: Handoff) -> tuple[io.WriteOutcome, int]:
             # Copy out of the caller's memory (a pool slot) first: once the caller's deadline
             # fires it unpins the slot, and an abandoned write must not read it any more.
-            return self._write_block(call, key, name, payload, names, private=True)
+            return _fs_block.write_block(self, call, key, name, payload, names, private=True)
 
         def late(result: tuple[io.WriteOutcome, int] | None, error: BaseException | None) -> None:
             """The write was abandoned at a deadline and has now finished: settle its account."""
@@ -389,84 +390,6 @@ class FSTier(SecondaryTier):
         self._settle(key, name, victims, result, touched=True)
         if result[0] is io.WriteOutcome.WRITTEN:
             self._meter.wrote(payload.nbytes, time.perf_counter() - started)
-
-    # -- one block, in a worker thread ----------------------------------------------------------
-
-    def _read_block(
-        self, call: Handoff, key: bytes, name: str, view: memoryview, *, private: bool
-    ) -> io.ReadOutcome:
-        """Read and verify one block (in a worker thread). ``private``: through a buffer of
-        the tier's, copied into ``view`` inside ``touching()``; else straight into ``view``,
-        unless O_DIRECT needs an aligned buffer anyway."""
-        if not (private or self._direct):
-            return io.read_block(
-                self.root, name, key, view, None, call.touching, integrity_key=self.integrity_key
-            )
-        hlen = header_size(len(key), integrity_key=self.integrity_key)
-        buf = self._buffers.take(io.scratch_size(self._direct, hlen, view.nbytes))
-        try:
-            return io.read_block(
-                self.root,
-                name,
-                key,
-                view,
-                memoryview(buf),
-                call.touching,
-                integrity_key=self.integrity_key,
-                direct=self._direct,
-            )
-        finally:
-            self._buffers.give(buf)
-
-    def _write_block(
-        self,
-        call: Handoff,
-        key: bytes,
-        name: str,
-        payload: memoryview,
-        victims: list[str],
-        *,
-        private: bool,
-        started: Callable[[], None] | None = None,
-    ) -> tuple[io.WriteOutcome, int]:
-        """Publish one block (in a worker thread). ``private``: copy the payload out of the
-        caller's memory first, inside ``touching()`` (always with O_DIRECT, whose header and
-        payload must sit side by side in one aligned buffer). ``started`` is called, under
-        the call's lock, once the block may touch the file system."""
-        hlen = header_size(len(key), integrity_key=self.integrity_key)
-        if not (private or self._direct):
-            with call.holding():
-                if started is not None:
-                    started()
-            return io.write_block(
-                self.root,
-                name,
-                key,
-                payload,
-                self.fsync,
-                victims,
-                integrity_key=self.integrity_key,
-            )
-        buf = self._buffers.take(io.staging_size(hlen, payload.nbytes))
-        try:
-            staging = memoryview(buf)
-            body = staging[hlen : hlen + payload.nbytes]
-            with call.touching():
-                io.copy_bytes(body, payload)
-                if started is not None:
-                    started()
-            return io.write_block(
-                self.root,
-                name,
-                key,
-                body,
-                self.fsync,
-                victims,
-                integrity_key=self.integrity_key,
-                staging=staging if self._direct else None,
-            )
-        finally:
-            self._buffers.give(buf)
 
     # -- batches -------------------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ from kvtier._errors import (
 )
 from kvtier._format import header_size
 from kvtier._lookup import MissReason
+from kvtier.tiers import _fs_block
 from kvtier.tiers import _fs_io as io
 from kvtier.tiers._base import BatchResults, run_each
 from kvtier.tiers._fs_calls import Handoff, Stuck
@@ -83,7 +84,9 @@ async def _load_run(
                 return
             outcome: object
             try:
-                outcome = tier._read_block(call, keys[i], names[i], views[i], private=not pinned)
+                outcome = _fs_block.read_block(
+                    tier, call, keys[i], names[i], views[i], private=not pinned
+                )
             except (io.Corrupt, io.WrongSize, OSError) as exc:
                 outcome = exc
             with call.holding():
@@ -249,7 +252,8 @@ async def _store_run(
                 return
             outcome: object
             try:
-                outcome = tier._write_block(
+                outcome = _fs_block.write_block(
+                    tier,
                     call,
                     keys[i],
                     names[i],
