@@ -37,7 +37,8 @@ What makes it trustworthy:
   published). A *pinned* batch (the caller waits for it whatever happens, as the vLLM
   adapter does) reads into and writes from the caller's memory directly and is never
   walked away from; its deadline only stops blocks that have not started. Batches that
-  are not pinned keep every deadline promise above.
+  are not pinned keep every deadline promise above. The batch machinery is its own job,
+  so it lives in ``_fs_batch``; ``FSTier`` checks a batch's arguments and hands it over.
 - **O_DIRECT on request** (``direct_io=True``; used where the file system takes it, probed
   at open): blocks are written and read past the page cache, through an aligned private
   buffer that holds header and payload side by side (the header is why: the payload sits at
@@ -47,6 +48,7 @@ What makes it trustworthy:
   direct against ~380 through the page cache, but behind vLLM on this 2-core machine the
   buffered tier matched or beat it in MiB/s both ways (``benchmarks/bench_vllm_fs.py`` runs
   both). Turn it on to keep KV blocks out of the page cache and leave no write-back behind.
+  Which buffer a block's bytes pass through, per block in a worker thread, is ``_fs_block``'s.
 - **Exclusive folders answer without a stat.** With ``shared=False`` (only this process writes
   the folder) ``lookup()`` answers from the index at once: a key it holds is a ``HIT``, any
   other a ``MISS`` (``not_found``), never ``RETRY`` (see ``_fs_index``). The default,
@@ -73,12 +75,11 @@ because the page cache survives it):
 from __future__ import annotations
 
 import errno
-import functools
 import logging
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -91,7 +92,6 @@ from kvtier._errors import (
     InvalidArgumentError,
     TierError,
     TierNoSpaceError,
-    TierTimeoutError,
     TierUnavailableError,
 )
 from kvtier._format import IntegrityKey, header_size
@@ -99,6 +99,7 @@ from kvtier._keys import check_key
 from kvtier._logging import BurstLogger
 from kvtier._lookup import LookupResult, MissReason
 from kvtier._validate import positive_int, positive_number
+from kvtier.tiers import _fs_batch, _fs_block
 from kvtier.tiers import _fs_io as io
 from kvtier.tiers._async_lookup import AsyncLookupManager
 from kvtier.tiers._base import (
@@ -108,7 +109,6 @@ from kvtier.tiers._base import (
     TierStatistics,
     batch_deadline,
     check_batch,
-    run_each,
 )
 from kvtier.tiers._fs_calls import Abandoned, BufferPool, Handoff, Stuck, WorkerCalls
 from kvtier.tiers._fs_index import IndexLookups
@@ -118,9 +118,6 @@ __all__ = ["FSYNC_POLICIES", "FSTier"]
 logger = logging.getLogger(__name__)
 
 FSYNC_POLICIES = ("never", "data", "always")
-# What a worker thread leaves for an item of a batch it did not finish (see ``load_many``).
-_NOT_STARTED = "not-started"  # never touched the file system
-_RUNNING = "running"  # may have touched it: a store's victims may be gone
 _NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
 
@@ -313,7 +310,7 @@ class FSTier(SecondaryTier):
         def read(call: Handoff) -> io.ReadOutcome:
             # Through a private buffer: a thread abandoned mid-read must never write into a
             # pool slot that may already hold another block.
-            return self._read_block(call, key, name, view, private=True)
+            return _fs_block.read_block(self, call, key, name, view, private=True)
 
         since = self._watch()
         try:
@@ -369,7 +366,7 @@ class FSTier(SecondaryTier):
         def write(call: Handoff) -> tuple[io.WriteOutcome, int]:
             # Copy out of the caller's memory (a pool slot) first: once the caller's deadline
             # fires it unpins the slot, and an abandoned write must not read it any more.
-            return self._write_block(call, key, name, payload, names, private=True)
+            return _fs_block.write_block(self, call, key, name, payload, names, private=True)
 
         def late(result: tuple[io.WriteOutcome, int] | None, error: BaseException | None) -> None:
             """The write was abandoned at a deadline and has now finished: settle its account."""
@@ -394,84 +391,6 @@ class FSTier(SecondaryTier):
         if result[0] is io.WriteOutcome.WRITTEN:
             self._meter.wrote(payload.nbytes, time.perf_counter() - started)
 
-    # -- one block, in a worker thread ----------------------------------------------------------
-
-    def _read_block(
-        self, call: Handoff, key: bytes, name: str, view: memoryview, *, private: bool
-    ) -> io.ReadOutcome:
-        """Read and verify one block (in a worker thread). ``private``: through a buffer of
-        the tier's, copied into ``view`` inside ``touching()``; else straight into ``view``,
-        unless O_DIRECT needs an aligned buffer anyway."""
-        if not (private or self._direct):
-            return io.read_block(
-                self.root, name, key, view, None, call.touching, integrity_key=self.integrity_key
-            )
-        hlen = header_size(len(key), integrity_key=self.integrity_key)
-        buf = self._buffers.take(io.scratch_size(self._direct, hlen, view.nbytes))
-        try:
-            return io.read_block(
-                self.root,
-                name,
-                key,
-                view,
-                memoryview(buf),
-                call.touching,
-                integrity_key=self.integrity_key,
-                direct=self._direct,
-            )
-        finally:
-            self._buffers.give(buf)
-
-    def _write_block(
-        self,
-        call: Handoff,
-        key: bytes,
-        name: str,
-        payload: memoryview,
-        victims: list[str],
-        *,
-        private: bool,
-        started: Callable[[], None] | None = None,
-    ) -> tuple[io.WriteOutcome, int]:
-        """Publish one block (in a worker thread). ``private``: copy the payload out of the
-        caller's memory first, inside ``touching()`` (always with O_DIRECT, whose header and
-        payload must sit side by side in one aligned buffer). ``started`` is called, under
-        the call's lock, once the block may touch the file system."""
-        hlen = header_size(len(key), integrity_key=self.integrity_key)
-        if not (private or self._direct):
-            with call.holding():
-                if started is not None:
-                    started()
-            return io.write_block(
-                self.root,
-                name,
-                key,
-                payload,
-                self.fsync,
-                victims,
-                integrity_key=self.integrity_key,
-            )
-        buf = self._buffers.take(io.staging_size(hlen, payload.nbytes))
-        try:
-            staging = memoryview(buf)
-            body = staging[hlen : hlen + payload.nbytes]
-            with call.touching():
-                io.copy_bytes(body, payload)
-                if started is not None:
-                    started()
-            return io.write_block(
-                self.root,
-                name,
-                key,
-                body,
-                self.fsync,
-                victims,
-                integrity_key=self.integrity_key,
-                staging=staging if self._direct else None,
-            )
-        finally:
-            self._buffers.give(buf)
-
     # -- batches -------------------------------------------------------------------------------
 
     async def load_many(
@@ -490,103 +409,7 @@ class FSTier(SecondaryTier):
         keys = [check_key(k) for k in keys]
         views = [_writable_bytes(d) for d in dsts]
         deadline = batch_deadline(timeout)
-        self._calls.drain_late()
-        names = [io.name_of(k) for k in keys]
-        results: BatchResults = [None] * len(keys)
-        wrong: list[str] = []
-        since = self._watch()
-        try:
-            with anyio.CancelScope(deadline=deadline):
-                async with anyio.create_task_group() as tg:
-                    for run in _runs(len(keys), self._read_threads):
-                        tg.start_soon(
-                            self._load_run, run, keys, names, views, results, wrong, since, pinned
-                        )
-        finally:
-            self._unwatch()
-        if wrong:
-            raise InvalidArgumentError(wrong[0])
-        return results
-
-    async def _load_run(
-        self,
-        run: range,
-        keys: list[bytes],
-        names: list[str],
-        views: list[memoryview],
-        results: BatchResults,
-        wrong: list[str],
-        since: int,
-        pinned: bool,
-    ) -> None:
-        stop_at = _stop_at()
-        local: list[object] = [_NOT_STARTED] * len(run)
-
-        def read(call: Handoff) -> None:
-            for j, i in enumerate(run):
-                if time.monotonic() > stop_at:
-                    return
-                outcome: object
-                try:
-                    outcome = self._read_block(
-                        call, keys[i], names[i], views[i], private=not pinned
-                    )
-                except (io.Corrupt, io.WrongSize, OSError) as exc:
-                    outcome = exc
-                with call.holding():
-                    local[j] = outcome
-
-        call = Handoff()
-        started = time.perf_counter()
-        try:
-            await self._calls.run(read, limiter=self._limiter, handoff=call, abandon=not pinned)
-        except Stuck as exc:
-            local = [exc] * len(run)
-        finally:
-            with call.holding():  # an abandoned thread may still be running: take a snapshot
-                got = list(local)
-            each = (time.perf_counter() - started) / len(run)
-            for j, i in enumerate(run):
-                results[i] = self._loaded(keys[i], names[i], views[i], got[j], since, wrong, each)
-
-    def _loaded(
-        self,
-        key: bytes,
-        name: str,
-        view: memoryview,
-        outcome: object,
-        since: int,
-        wrong: list[str],
-        seconds: float,
-    ) -> TierError | None:
-        """The bookkeeping of one block of a batch load, as ``load`` does it for one."""
-        if outcome is io.ReadOutcome.LOADED:
-            if name in self._index:
-                self._index.move_to_end(name)
-            else:
-                self._add(
-                    name, header_size(len(key), integrity_key=self.integrity_key) + view.nbytes
-                )
-            self._meter.read(view.nbytes, seconds)
-            return None
-        if outcome is io.ReadOutcome.MISSING:
-            self._drop_unless_newer(name, since)
-            self._fail(key, MissReason.NOT_FOUND, "load", None)
-            return BlockNotFoundError("no such block", tier=self.name, operation="load", key=key)
-        if isinstance(outcome, io.Corrupt):
-            self._drop_unless_newer(name, since)
-            self._fail(key, MissReason.CORRUPT, "load", str(outcome))
-            return CorruptBlockError(str(outcome), tier=self.name, operation="load", key=key)
-        if isinstance(outcome, io.WrongSize):
-            wrong.append(
-                f"dst holds {view.nbytes} bytes but block {key.hex()} is {outcome.stored} bytes"
-            )
-            return None
-        if isinstance(outcome, OSError | Stuck):
-            error = self._error(outcome, "load", key)
-            self._lookups.record(key, False, error.reason)
-            return error
-        return self._timed_out(key, "load")  # not started (or abandoned) by the deadline
+        return await _fs_batch.load_many(self, keys, views, deadline, pinned)
 
     async def store_many(
         self,
@@ -603,177 +426,7 @@ class FSTier(SecondaryTier):
         keys = [check_key(k) for k in keys]
         payloads = [_readable_bytes(s) for s in srcs]
         deadline = batch_deadline(timeout)
-        names = [io.name_of(k) for k in keys]
-        results: BatchResults = [None] * len(keys)
-        mine: list[int] = []
-        later: list[int] = []  # keys being stored already (or twice here): store() waits
-        for i, name in enumerate(names):
-            if name in self._storing:
-                later.append(i)
-            else:
-                self._storing[name] = anyio.Event()
-                mine.append(i)
-        try:
-            await self._store_mine(mine, keys, names, payloads, results, deadline, pinned)
-        finally:
-            for i in mine:
-                self._storing.pop(names[i]).set()
-        if later:
-            calls = [functools.partial(self.store, keys[i], payloads[i]) for i in later]
-            for i, error in zip(
-                later,
-                await run_each([keys[i] for i in later], calls, deadline, self.name, "store"),
-                strict=True,
-            ):
-                results[i] = error
-        return results
-
-    async def _store_mine(
-        self,
-        mine: list[int],
-        keys: list[bytes],
-        names: list[str],
-        payloads: list[memoryview],
-        results: BatchResults,
-        deadline: float,
-        pinned: bool,
-    ) -> None:
-        self._calls.drain_late()
-        if not self._ready:
-            try:
-                await self._prepare(raise_unavailable=True)
-            except TierError as exc:
-                for i in mine:
-                    results[i] = exc
-                return
-        todo = list(mine)
-        with anyio.CancelScope(deadline=deadline):
-            while todo:  # in waves: a block can only evict blocks already published
-                plan = self._plan_wave(todo, keys, names, payloads, results)
-                async with anyio.create_task_group() as tg:
-                    for run in _runs(len(plan), self._write_threads):
-                        part = [plan[j] for j in run]
-                        tg.start_soon(self._store_run, part, keys, names, payloads, results, pinned)
-        for i in todo:  # the deadline passed before their wave
-            results[i] = self._timed_out(keys[i], "store")
-
-    def _plan_wave(
-        self,
-        todo: list[int],
-        keys: list[bytes],
-        names: list[str],
-        payloads: list[memoryview],
-        results: BatchResults,
-    ) -> list[tuple[int, list[tuple[str, int]], int]]:
-        """Take from ``todo`` the blocks that fit now, choosing their victims and reserving
-        their room; a block that needs room only earlier blocks of the batch can give (once
-        they are published and evictable) waits for the next wave, as it would in a loop of
-        ``store`` calls."""
-        plan: list[tuple[int, list[tuple[str, int]], int]] = []
-        while todo:
-            i = todo[0]
-            size = header_size(len(keys[i]), integrity_key=self.integrity_key) + payloads[i].nbytes
-            cap = self.capacity_bytes
-            if plan and cap is not None and self._reserved + size > cap:
-                break
-            del todo[0]
-            try:
-                victims = self._choose_victims(keys[i], names[i], size)
-            except TierNoSpaceError as exc:
-                results[i] = exc
-                continue
-            self._reserved += size
-            plan.append((i, victims, size))
-        return plan
-
-    async def _store_run(
-        self,
-        part: list[tuple[int, list[tuple[str, int]], int]],
-        keys: list[bytes],
-        names: list[str],
-        payloads: list[memoryview],
-        results: BatchResults,
-        pinned: bool,
-    ) -> None:
-        stop_at = _stop_at()
-        local: list[object] = [_NOT_STARTED] * len(part)
-
-        def write(call: Handoff) -> None:
-            for j, (i, victims, _) in enumerate(part):
-                if time.monotonic() > stop_at:
-                    return
-                outcome: object
-                try:
-                    outcome = self._write_block(
-                        call,
-                        keys[i],
-                        names[i],
-                        payloads[i],
-                        [v for v, _ in victims],
-                        private=not pinned,
-                        started=functools.partial(local.__setitem__, j, _RUNNING),
-                    )
-                except OSError as exc:
-                    outcome = exc
-                with call.holding():
-                    local[j] = outcome
-
-        def late(result: object, error: BaseException | None) -> None:
-            """The run was abandoned and has now finished: settle what it left running."""
-            for j, was in enumerate(got):
-                if was is _RUNNING:
-                    self._stored(part[j], keys, names, payloads, local[j], 0.0)
-
-        call = Handoff()
-        started = time.perf_counter()
-        got: list[object] = local
-        try:
-            await self._calls.run(
-                write, limiter=self._write_limiter, on_late=late, handoff=call, abandon=not pinned
-            )
-        except Stuck as exc:
-            local[:] = [exc] * len(part)
-        finally:
-            with call.holding():
-                got = list(local)
-            each = (time.perf_counter() - started) / len(part)
-            for j, item in enumerate(part):
-                if got[j] is _RUNNING and call.left_running:
-                    # ``late`` settles its account when the thread returns.
-                    results[item[0]] = self._timed_out(keys[item[0]], "store")
-                    continue
-                results[item[0]] = self._stored(item, keys, names, payloads, got[j], each)
-
-    def _stored(
-        self,
-        item: tuple[int, list[tuple[str, int]], int],
-        keys: list[bytes],
-        names: list[str],
-        payloads: list[memoryview],
-        outcome: object,
-        seconds: float,
-    ) -> TierError | None:
-        """The bookkeeping of one block of a batch store, as ``_store`` does it for one."""
-        i, victims, size = item
-        key, name = keys[i], names[i]
-        self._reserved -= size
-        if isinstance(outcome, tuple):
-            self._settle(key, name, victims, outcome, touched=True)
-            if outcome[0] is io.WriteOutcome.WRITTEN:
-                self._meter.wrote(payloads[i].nbytes, seconds)
-            return None
-        self._settle(key, name, victims, None, touched=outcome is not _NOT_STARTED)
-        if isinstance(outcome, OSError | Stuck):
-            return self._error(outcome, "store", key)
-        return self._timed_out(key, "store")
-
-    def _timed_out(self, key: bytes, operation: str) -> TierError:
-        self._meter.failed(MissReason.TIMEOUT)
-        if operation == "load":
-            self._lookups.record(key, False, MissReason.TIMEOUT)
-        return TierTimeoutError(
-            "the batch's timeout passed first", tier=self.name, operation=operation, key=key
-        )
+        return await _fs_batch.store_many(self, keys, payloads, deadline, pinned)
 
     def _settle(
         self,
@@ -934,18 +587,6 @@ class FSTier(SecondaryTier):
             f"storing={len(self._storing)} pending={s.lookups.pending} "
             f"stuck_threads={self._calls.stuck}>"
         )
-
-
-def _runs(n: int, most: int) -> list[range]:
-    """``range(n)`` cut into at most ``most`` contiguous runs of near-equal length."""
-    k = min(n, most)
-    return [range(r * n // k, (r + 1) * n // k) for r in range(k)]
-
-
-def _stop_at() -> float:
-    """The current cancel scope's deadline on ``time.monotonic()``'s clock, for a thread."""
-    left = anyio.current_effective_deadline() - anyio.current_time()
-    return time.monotonic() + left
 
 
 def _writable_bytes(dst: object) -> memoryview:
