@@ -6,7 +6,7 @@ generous bound)."""
 from __future__ import annotations
 
 import anyio
-import numpy as np
+from held_lookup import BB, blocks, fill, lookup_while_held
 
 from kvtier import (
     AdmissionPolicy,
@@ -18,17 +18,10 @@ from kvtier import (
 )
 from kvtier.testing import StallingTier, resolve_lookup
 
-BB = 4096
-
-
-def blocks(n: int) -> np.ndarray:
-    return np.random.default_rng(0).integers(0, 256, (n, BB), dtype=np.uint8)
-
 
 async def tier_holding(keys: list[bytes]) -> StallingTier:
     tier = StallingTier(name="remote")
-    for key, block in zip(keys, blocks(len(keys)), strict=True):
-        await tier.inner.store(key, memoryview(block.tobytes()))
+    await fill(tier.inner, keys)
     return tier
 
 
@@ -84,17 +77,9 @@ async def test_keep_waiting_when_the_tier_is_faster_than_recompute(keys: list[by
         for key in keys[:4]:
             await resolve_lookup(remote, key)
         scheduler = OffloadScheduler(manager)
-        answer: list[int] = []
-
-        async def request() -> None:
-            answer.append(await scheduler.lookup(keys[:4]))
-
         with anyio.fail_after(10):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(request)
-                await remote.wait_stalled("load")  # it is waiting on the promotions
-                remote.release("load")
-        assert answer == [4]
+            # it waits on the promotions, then they land
+            assert await lookup_while_held(scheduler, keys[:4], remote, "load") == 4
         assert scheduler.statistics().waits_cut == 0
         assert manager.statistics().promotions_declined == 0
 
@@ -160,17 +145,9 @@ async def test_the_request_waits_for_the_fast_tier_but_not_for_a_slow_tiers_chec
         for key in keys[:3]:
             await resolve_lookup(fast, key)
         scheduler = OffloadScheduler(manager)
-        answer: list[int] = []
-
-        async def request() -> None:
-            answer.append(await scheduler.lookup(keys[:3]))
-
         with anyio.fail_after(10):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(request)
-                await fast.wait_stalled("load")  # it waits for the fast tier's two blocks
-                fast.release("load")
-        assert answer == [2]
+            # it waits for the fast tier's two blocks
+            assert await lookup_while_held(scheduler, keys[:3], fast, "load") == 2
         assert scheduler.statistics().waits_cut == 0
         assert manager.statistics().misses_by_reason.get("too_slow") == 1
         slow.release("contains")

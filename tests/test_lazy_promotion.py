@@ -4,21 +4,10 @@ it will count; the lookup results keep design §2's semantics."""
 from __future__ import annotations
 
 import anyio
-import numpy as np
+from held_lookup import BB, blocks, fill, lookup_while_held
 
 from kvtier import HostPool, MemoryTier, OffloadScheduler, SlotState, TieringManager
 from kvtier.testing import StallingTier, resolve_lookup
-
-BB = 4096
-
-
-def blocks(n: int) -> np.ndarray:
-    return np.random.default_rng(0).integers(0, 256, (n, BB), dtype=np.uint8)
-
-
-async def fill(tier: MemoryTier, keys: list[bytes]) -> None:
-    for key, block in zip(keys, blocks(len(keys)), strict=True):
-        await tier.store(key, memoryview(block.tobytes()))
 
 
 async def test_no_promotion_starts_beyond_the_first_miss_of_a_prefix(keys: list[bytes]) -> None:
@@ -28,18 +17,16 @@ async def test_no_promotion_starts_beyond_the_first_miss_of_a_prefix(keys: list[
     checking.stall("contains")
     async with TieringManager(HostPool(8, BB), [checking, holding]) as manager:
         scheduler = OffloadScheduler(manager)
-        answer: list[int] = []
 
-        async def request() -> None:
-            answer.append(await scheduler.lookup(keys[:4]))
+        async def key_0_still_unknown() -> None:
+            assert manager.statistics().promotions_started == 0
 
         with anyio.fail_after(10):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(request)
-                await checking.wait_stalled("contains")  # key 0 is still unknown
-                assert manager.statistics().promotions_started == 0
-                checking.release("contains")  # key 0: in no tier, the prefix ends there
-        assert answer == [0]
+            # released, key 0 is in no tier: the prefix ends there
+            answer = await lookup_while_held(
+                scheduler, keys[:4], checking, "contains", key_0_still_unknown
+            )
+        assert answer == 0
         stats = manager.statistics()
         assert stats.promotions_started == 0
         assert stats.promotions_deferred >= 3
@@ -48,23 +35,14 @@ async def test_no_promotion_starts_beyond_the_first_miss_of_a_prefix(keys: list[
 
 async def test_once_the_prefix_resolves_the_whole_run_is_promoted(keys: list[bytes]) -> None:
     checking = StallingTier(name="checking")
-    await fill(checking.inner, keys[:1])  # type: ignore[arg-type]
+    await fill(checking.inner, keys[:1])
     holding = MemoryTier("holding")
     await fill(holding, keys[1:4])
     checking.stall("contains")
     async with TieringManager(HostPool(8, BB), [checking, holding]) as manager:
         scheduler = OffloadScheduler(manager)
-        answer: list[int] = []
-
-        async def request() -> None:
-            answer.append(await scheduler.lookup(keys[:4]))
-
         with anyio.fail_after(10):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(request)
-                await checking.wait_stalled("contains")
-                checking.release("contains")
-        assert answer == [4]
+            assert await lookup_while_held(scheduler, keys[:4], checking, "contains") == 4
         assert manager.statistics().promotions_started == 4
 
 
@@ -86,25 +64,22 @@ async def test_a_request_that_stopped_waiting_cannot_evict_what_a_waiting_one_co
 ) -> None:
     w0, w1, wx, s0 = keys[:4]
     remote = StallingTier(name="remote")
-    await fill(remote.inner, [wx, s0])  # type: ignore[arg-type]
+    await fill(remote.inner, [wx, s0])
     remote.stall("load")
     async with TieringManager(HostPool(3, BB), [remote]) as manager:
         await manager.store([w0, w1], blocks(2))
         for key in (wx, s0):
             await resolve_lookup(remote, key)
         scheduler = OffloadScheduler(manager)
-        answer: list[int] = []
 
-        async def waiting_request() -> None:
-            answer.append(await scheduler.lookup([w0, w1, wx]))
+        async def while_w0_w1_counted_and_wx_in_flight() -> None:
+            assert await scheduler.lookup([s0], timeout=0) == 0  # gives up at once
+            assert manager.pool.state_of(w0) is SlotState.READY
+            assert manager.pool.state_of(w1) is SlotState.READY
 
         with anyio.fail_after(10):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(waiting_request)
-                await remote.wait_stalled("load")  # w0, w1 counted and pinned; wx in flight
-                assert await scheduler.lookup([s0], timeout=0) == 0  # gives up at once
-                assert manager.pool.state_of(w0) is SlotState.READY
-                assert manager.pool.state_of(w1) is SlotState.READY
-                remote.release("load")
-        assert answer == [3]
+            answer = await lookup_while_held(
+                scheduler, [w0, w1, wx], remote, "load", while_w0_w1_counted_and_wx_in_flight
+            )
+        assert answer == 3
         assert manager.statistics().misses_by_reason.get("primary_full") == 1

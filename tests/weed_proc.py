@@ -21,30 +21,36 @@ that use SeaweedFS (one for the session, one for a test that kills the server).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import shutil
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
-import time
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any
 
 import anyio.to_thread
 
-__all__ = ["WeedServer", "ensure_bucket", "find_weed", "free_port_pair"]
+try:
+    from server_proc import ACCESS_KEY, HOST, REGION, SECRET_KEY, ServerProcess, raw_client
+except ModuleNotFoundError:  # loaded by path (benchmarks, examples): tests/ is not on sys.path
+    sys.path.append(str(Path(__file__).resolve().parent))
+    from server_proc import ACCESS_KEY, HOST, REGION, SECRET_KEY, ServerProcess, raw_client
 
-HOST = "127.0.0.1"
-ACCESS_KEY = "AKIDKVTIERTEST000000"
-SECRET_KEY = "kvtier-test-secret-never-log-me"
-REGION = "us-east-1"
+__all__ = [
+    "ACCESS_KEY",
+    "REGION",
+    "SECRET_KEY",
+    "WeedServer",
+    "ensure_bucket",
+    "find_weed",
+    "free_port_pair",
+    "raw_client",
+]
+
 _GRPC_OFFSET = 10000
 
 
@@ -81,14 +87,18 @@ def find_weed() -> str:
     return found
 
 
-class WeedServer:
+class WeedServer(ServerProcess):
     """One ``weed server`` process with an S3 gateway; start/stop/kill/restart on the same
     ports and data folder."""
 
+    name = "weed's S3 gateway"
+    stop_grace = 3.0  # weed may take 10 s to drain; the data is on disk
+    reap_timeout = 10.0
+
     def __init__(self, data_dir: str | None = None, *, ready_timeout: float = 60.0) -> None:
+        super().__init__(ready_timeout=ready_timeout)
         self._own_dir = data_dir is None
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="kvtier-weed-")
-        self._ready_timeout = ready_timeout
         taken: set[int] = set()
         ports = []
         for _ in range(4):
@@ -96,16 +106,10 @@ class WeedServer:
             taken.update({port, port + _GRPC_OFFSET})
             ports.append(port)
         self.master_port, self.volume_port, self.filer_port, self.s3_port = ports
-        self._process: subprocess.Popen[bytes] | None = None
-        self._log: Any = None
 
     @property
     def endpoint_url(self) -> str:
         return f"http://{HOST}:{self.s3_port}"
-
-    @property
-    def running(self) -> bool:
-        return self._process is not None and self._process.poll() is None
 
     def command(self) -> list[str]:
         return [
@@ -129,37 +133,10 @@ class WeedServer:
             "-master.electionTimeout=1s",
         ]
 
-    def start(self) -> None:
-        """Start the process and return once the S3 gateway answers; raise if not in time."""
-        if self.running:
-            return
-        env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-        self._log = open(os.path.join(self.data_dir, "weed.log"), "ab")  # noqa: SIM115
-        self._process = subprocess.Popen(
-            self.command(), stdout=self._log, stderr=subprocess.STDOUT, env=env
-        )
-        self._wait_ready()
+    def log_path(self) -> str:
+        return os.path.join(self.data_dir, "weed.log")
 
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + self._ready_timeout
-        while True:
-            assert self._process is not None
-            if self._process.poll() is not None:
-                raise RuntimeError(
-                    f"weed exited with status {self._process.returncode} before its S3 gateway "
-                    f"answered; see {self.data_dir}/weed.log"
-                )
-            if self._writable():
-                return
-            if time.monotonic() > deadline:
-                self.kill()
-                raise RuntimeError(
-                    f"weed's S3 gateway did not answer on {self.endpoint_url} within "
-                    f"{self._ready_timeout} s; see {self.data_dir}/weed.log"
-                )
-            time.sleep(0.1)  # poll interval between readiness probes, bounded by the deadline
-
-    def _writable(self) -> bool:
+    def ready(self) -> bool:
         """The S3 gateway answers and a write goes through. Writing is what takes longest
         after a start (the volume server must register and grow volumes), so a test's first
         store with a short read timeout would otherwise time out."""
@@ -181,74 +158,11 @@ class WeedServer:
             return False
         return True
 
-    def _reap(self, process: subprocess.Popen[bytes]) -> None:
-        process.wait(timeout=10)
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
-    def stop(self) -> None:
-        """SIGTERM, escalating to SIGKILL after a few seconds."""
-        process, self._process = self._process, None
-        if process is None:
-            return
-        if process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(timeout=3)  # weed may take 10 s to drain; the data is on disk
-            except subprocess.TimeoutExpired:
-                process.kill()
-        self._reap(process)
-
-    def kill(self) -> None:
-        """SIGKILL, like a crashed server or a lost machine; waits until it is gone."""
-        process, self._process = self._process, None
-        if process is None:
-            return
-        if process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(process.pid, signal.SIGKILL)
-        self._reap(process)
-
     def close(self) -> None:
         """Stop and remove the data folder if this object created it."""
         self.stop()
         if self._own_dir:
             shutil.rmtree(self.data_dir, ignore_errors=True)
-
-    async def astart(self) -> None:
-        await anyio.to_thread.run_sync(self.start)
-
-    async def akill(self) -> None:
-        await anyio.to_thread.run_sync(self.kill)
-
-    def __enter__(self) -> WeedServer:
-        self.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-
-def _session() -> Any:
-    from aiobotocore.session import get_session
-
-    return get_session()
-
-
-def raw_client(endpoint_url: str, **overrides: Any) -> Any:
-    """An aiobotocore S3 client context manager for ``endpoint_url`` (setup, benchmarks)."""
-    from aiobotocore.config import AioConfig
-
-    kwargs: dict[str, Any] = {
-        "endpoint_url": endpoint_url,
-        "region_name": REGION,
-        "aws_access_key_id": ACCESS_KEY,
-        "aws_secret_access_key": SECRET_KEY,
-        "config": AioConfig(retries={"total_max_attempts": 1}),
-    }
-    kwargs.update(overrides)
-    return _session().create_client("s3", **kwargs)
 
 
 async def ensure_bucket(endpoint_url: str, bucket: str) -> None:
