@@ -106,6 +106,37 @@ def test_serve_demo_with_an_s3_tier() -> None:
     assert re.search(r"^correctness\s+OK", proc.stdout, re.M), proc.stdout
 
 
+@pytest.mark.timeout(300)
+def test_two_nodes_share_blocks_through_one_bucket() -> None:
+    """Node B loads, from the bucket node A filled, blocks of the chats A computed; asks S3
+    nothing on its request path for keys its index does not hold; and its logits with those
+    blocks match its own recompute."""
+    pytest.importorskip("aiobotocore", reason="the S3 tier needs the kvtier[s3] extra")
+    from weed_proc import find_weed
+
+    try:
+        find_weed()
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / "two_nodes.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    written = re.search(r"^node A\s+\d+ requests, wrote ([\d,]+) blocks to S3", proc.stdout, re.M)
+    assert written and int(written[1].replace(",", "")) > 0, proc.stdout
+    with_s3 = re.search(
+        r"^with the shared tier\s+\S+ s\s+\S+ s\s+[\d,]+\s+([\d,]+)$", proc.stdout, re.M
+    )
+    assert with_s3 and int(with_s3[1].replace(",", "")) > 0, proc.stdout
+    unindexed = re.search(r"request path for keys its index did not hold: (\d+)", proc.stdout)
+    assert unindexed and unindexed[1] == "0", proc.stdout
+    assert re.search(r"^correctness OK", proc.stdout, re.M), proc.stdout
+
+
 @asynccontextmanager
 async def asgi_client(**options: object) -> AsyncIterator[httpx.AsyncClient]:
     """The example app behind an in-process client, with its lifespan running.
