@@ -59,7 +59,8 @@ def _weed_helper() -> Any:
 
 
 @contextlib.contextmanager
-def _server(endpoint: str | None) -> Iterator[str]:
+def s3_endpoint(endpoint: str | None) -> Iterator[str]:
+    """``endpoint``, or a SeaweedFS started here for the run (bench_s3_cpu.py uses it too)."""
     if endpoint is not None:
         yield endpoint
         return
@@ -285,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.blocks, args.keys, args.repeat = 8, 200, 2
-    with _server(args.endpoint) as endpoint:
+    with s3_endpoint(args.endpoint) as endpoint:
         args.endpoint = endpoint
         report = anyio.run(run, args)
     print(

@@ -32,17 +32,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import importlib.util
 import os
 import statistics
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import anyio
+from bench_s3 import s3_endpoint  # the script's folder is on sys.path
 
 from kvtier._keys import block_keys
 from kvtier.tiers._s3 import S3Tier
@@ -56,26 +56,6 @@ from kvtier.tiers._s3_config import (
 ROOT = Path(__file__).resolve().parent.parent
 KiB = 1 << 10
 SIDES = ("raw", "raw-tuned", "tier")
-
-
-def _weed_helper() -> Any:
-    """tests/weed_proc.py, loaded by path (tests/ is not a package)."""
-    spec = importlib.util.spec_from_file_location(
-        "kvtier_bench_weed", ROOT / "tests" / "weed_proc.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@contextlib.contextmanager
-def _server(endpoint: str | None) -> Iterator[str]:
-    if endpoint is not None:
-        yield endpoint
-        return
-    with _weed_helper().WeedServer() as server:
-        yield server.endpoint_url
 
 
 async def _measure(
@@ -290,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.n, args.repeat = 100, 1
-    with _server(args.endpoint) as endpoint:
+    with s3_endpoint(args.endpoint) as endpoint:
         args.endpoint = endpoint
         rows = anyio.run(run, args)
     _print(rows, args, endpoint)
