@@ -77,6 +77,7 @@ def bench(session: nox.Session) -> None:
     install(session, "test", "bench")
     for script in ("bench_lookup.py", "bench_fs.py", "bench_s3.py", "bench_load.py"):
         session.run("python", f"benchmarks/{script}", "--quick")
+    session.run("python", "benchmarks/bench_demo_tiers.py", "--quick", "--rounds", "1")
     session.run(
         "python",
         "benchmarks/replay_trace.py",

@@ -339,6 +339,27 @@ def make_tiers(args: argparse.Namespace, scratch: str) -> list[kvtier.SecondaryT
     return tiers
 
 
+def make_manager(
+    args: argparse.Namespace,
+    pool: kvtier.HostPool,
+    tiers: Sequence[kvtier.SecondaryTier],
+    latency: kvtier.LatencyHistograms,
+) -> kvtier.TieringManager:
+    """The manager over ``pool`` and ``tiers``, with the admission the flags ask for."""
+    options: dict[str, Any] = {"promote_write_up": not args.no_promote_write_up}
+    manager = kvtier.TieringManager(pool, tiers, latency=latency, **options)
+    if not (args.write_back or args.defer or args.s3_write_rate):
+        return manager
+    rate = None if args.s3_write_rate is None else {"s3": args.s3_write_rate * 2**20}
+    admission = kvtier.AdmissionPolicy(  # the default admission, plus what the flags add
+        max_in_flight_bytes=manager.default_tier_in_flight_bytes(),
+        write_back=args.write_back,
+        deferred=args.defer,
+        max_write_rate=rate,
+    )
+    return kvtier.TieringManager(pool, tiers, latency=latency, admission=admission, **options)
+
+
 @contextlib.contextmanager
 def local_s3(args: argparse.Namespace) -> Iterator[None]:
     """``--s3-local``: start a SeaweedFS (its S3 gateway) on 127.0.0.1 for this run, with
@@ -651,20 +672,7 @@ async def amain(args: argparse.Namespace) -> int:
         tiers = make_tiers(args, tmp)
         pool = kvtier.HostPool(args.pool_blocks, config.block_bytes, policy=args.policy)
         latency = kvtier.LatencyHistograms()
-        options: dict[str, Any] = {"promote_write_up": not args.no_promote_write_up}
-        manager = kvtier.TieringManager(pool, tiers, latency=latency, **options)
-        if args.write_back or args.defer or args.s3_write_rate:  # the default admission, plus
-            rate = None if args.s3_write_rate is None else {"s3": args.s3_write_rate * 2**20}
-            admission = kvtier.AdmissionPolicy(
-                max_in_flight_bytes=manager.default_tier_in_flight_bytes(),
-                write_back=args.write_back,
-                deferred=args.defer,
-                max_write_rate=rate,
-            )
-            manager = kvtier.TieringManager(
-                pool, tiers, latency=latency, admission=admission, **options
-            )
-        manager = await stack.enter_async_context(manager)
+        manager = await stack.enter_async_context(make_manager(args, pool, tiers, latency))
         scheduler = kvtier.OffloadScheduler(manager, latency=latency)
         if args.metrics_port is not None:
             server = await stack.enter_async_context(

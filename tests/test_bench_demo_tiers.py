@@ -1,0 +1,42 @@
+"""benchmarks/bench_demo_tiers.py runs the demo's workload for several tier setups in one
+process, each against its own round's baseline (a short round here, on a real SeaweedFS)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch", reason="the demo needs torch (the kvtier[torch] extra)")
+pytest.importorskip("aiobotocore", reason="the S3 tier needs the kvtier[s3] extra")
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_demo_tiers.py"
+
+
+@pytest.mark.timeout(300)
+def test_one_quick_round_prints_each_setup_against_its_baseline() -> None:
+    from weed_proc import find_weed
+
+    try:
+        find_weed()
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--rounds", "1", "--setups", "fs", "fs+s3"],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {
+        m[1]: (float(m[2]), float(m[3]), m[4])
+        for m in re.finditer(r"^(fs|fs\+s3)\s+([\d.]+) x\s+([\d.]+) x\s+(\d+)%$", proc.stdout, re.M)
+    }
+    assert set(rows) == {"fs", "fs+s3"}, proc.stdout
+    assert rows["fs"][2] == "100"  # the FS-only setup is its own reference
+    assert all(p50 > 0 and p95 > 0 for p50, p95, _ in rows.values())
+    assert re.search(r"^round 1/1: TTFT p50 speedup fs [\d.]+x, fs\+s3 [\d.]+x$", proc.stdout, re.M)
