@@ -27,14 +27,11 @@ import tempfile
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
 
-import torch
-
 import kvtier
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples")
 sys.path.insert(0, EXAMPLES)
 import serve_demo as demo  # noqa: E402 - the demo's engine, workload and tier setup
-from _tiny_model import KVCache, ModelConfig, TinyTransformer  # noqa: E402
 
 BUCKET = "kvtier-bench-demo"
 SETUPS: dict[str, list[str]] = {
@@ -71,23 +68,7 @@ def speedups(base: demo.RunResult, run: demo.RunResult) -> tuple[float, float]:
 async def amain(args: argparse.Namespace, endpoint: str) -> None:
     common = ["--quick"] if args.quick else []
     base_args = demo.parse_args(common)
-    torch.manual_seed(base_args.seed)
-    torch.set_num_threads(2)
-    config = ModelConfig(seed=base_args.seed)
-    model = TinyTransformer(config)
-    sessions = demo.make_sessions(
-        sessions=base_args.sessions,
-        requests=base_args.requests,
-        system_prompts=min(3, base_args.sessions),
-        system_tokens=base_args.system_tokens,
-        turn_tokens=base_args.turn_tokens,
-        vocab=config.vocab_size,
-        seed=base_args.seed,
-    )
-    longest = max(r.tokens.shape[0] for chat in sessions for r in chat)
-    max_len = -(-(longest + base_args.decode_tokens) // config.block_size) * config.block_size
-    engine = demo.Engine(model, base_args.concurrency, max_len)
-    await engine.run(model.forward_tokens, sessions[0][0].tokens[:512], KVCache(config, 512))
+    engine, sessions = await demo.start_engine(base_args)
 
     ratios: dict[str, list[tuple[float, float]]] = {name: [] for name in args.setups}
     for round_ in range(args.rounds):

@@ -633,7 +633,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-async def amain(args: argparse.Namespace) -> int:
+async def start_engine(args: argparse.Namespace) -> tuple[Engine, list[list[Request]]]:
+    """The model, the workload's chat sessions and a warmed-up engine, as ``args`` say."""
     torch.manual_seed(args.seed)
     torch.set_num_threads(2)
     config = ModelConfig(seed=args.seed)
@@ -662,7 +663,12 @@ async def amain(args: argparse.Namespace) -> int:
     await engine.run(
         model.forward_tokens, sessions[0][0].tokens[:512], KVCache(config, 512)
     )  # warm-up
+    return engine, sessions
 
+
+async def amain(args: argparse.Namespace) -> int:
+    engine, sessions = await start_engine(args)
+    config = engine.config
     runs = [await run_workload("without kvtier", engine, sessions, None, args.decode_tokens)]
     if args.no_kvtier:
         report(runs, None, config, [])
