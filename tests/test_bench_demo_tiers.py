@@ -33,10 +33,13 @@ def test_one_quick_round_prints_each_setup_against_its_baseline() -> None:
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = {
-        m[1]: (float(m[2]), float(m[3]), m[4])
-        for m in re.finditer(r"^(fs|fs\+s3)\s+([\d.]+) x\s+([\d.]+) x\s+(\d+)%$", proc.stdout, re.M)
+        m[1]: (float(m[2]), float(m[3]), m[4], float(m[5]))
+        for m in re.finditer(
+            r"^(fs|fs\+s3)\s+([\d.]+) x\s+([\d.]+) x\s+(\d+)%\s+([\d.]+) cores$", proc.stdout, re.M
+        )
     }
     assert set(rows) == {"fs", "fs+s3"}, proc.stdout
     assert rows["fs"][2] == "100"  # the FS-only setup is its own reference
-    assert all(p50 > 0 and p95 > 0 for p50, p95, _ in rows.values())
+    assert all(p50 > 0 and p95 > 0 for p50, p95, _, _ in rows.values())
+    assert rows["fs+s3"][3] > 0  # SeaweedFS worked while the S3 tier was written
     assert re.search(r"^round 1/1: TTFT p50 speedup fs [\d.]+x, fs\+s3 [\d.]+x$", proc.stdout, re.M)
