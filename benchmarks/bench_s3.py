@@ -4,7 +4,7 @@ Measures, for blocks of ``--block-mib`` MiB:
 
 - store throughput: ``S3Tier.store`` beside raw ``put_object`` of the same payload bytes;
 - load throughput: ``S3Tier.load`` (streamed into a block buffer, checksum verified) beside
-  raw ``get_object`` + ``read()``;
+  raw ``get_object`` + ``read()``, ``--load-passes`` passes per side in each round;
 - signed blocks: the same stores and loads through a tier with an integrity key (a BLAKE2b
   MAC on store; on load the MAC replaces the xxh3 check), beside the unsigned tier;
 - existence of ``--keys`` keys: a cold ``S3Tier.lookup`` of every key until every verdict has
@@ -184,14 +184,27 @@ async def _round(
                 results["store" if side == "tier" else "signed_store"].append(
                     await _bounded(c, jobs)
                 )
-        for side in order:
-            if side == "raw":
-                jobs = [functools.partial(_raw_get, client, bucket, n) for n in raw_names]
-                results["get"].append(await _bounded(c, jobs))
-            else:
-                loader = _Loader(tiers[side], c, len(payloads[0]))
-                jobs = [functools.partial(loader.load, k) for k in keys]
-                results["load" if side == "tier" else "signed_load"].append(await _bounded(c, jobs))
+        # Loads take a fraction of a second per pass: several passes per side, in ABBA order
+        # (raw, tier, signed, then signed, tier, raw, ...), each side's figure the sum of its
+        # passes, so that drift on a shared machine hits all sides alike.
+        # The client's CPU (this process, every thread) is measured too: on a loaded machine
+        # it says more steadily than wall time what each side costs per block.
+        spent = {"get": 0.0, "load": 0.0, "signed_load": 0.0}
+        cpu = dict.fromkeys(spent, 0.0)
+        for done in range(args.load_passes):
+            for side in order if done % 2 == 0 else order[::-1]:
+                name = {"raw": "get", "tier": "load", "signed": "signed_load"}[side]
+                if side == "raw":
+                    jobs = [functools.partial(_raw_get, client, bucket, n) for n in raw_names]
+                else:
+                    loader = _Loader(tiers[side], c, len(payloads[0]))
+                    jobs = [functools.partial(loader.load, k) for k in keys]
+                before = time.process_time()
+                spent[name] += await _bounded(c, jobs)
+                cpu[name] += time.process_time() - before
+        for name, seconds in spent.items():
+            results[name].append(seconds / args.load_passes)
+            results[name + "_cpu"].append(cpu[name] / (args.load_passes * len(keys)))
     # Existence: half the probed keys exist (stored above), half do not.
     absent = block_keys(list(range(args.keys * 4)), 4, namespace=(run_id + "-absent").encode())
     probe = keys[: args.keys // 2] + absent[: args.keys - len(keys[: args.keys // 2])]
@@ -212,7 +225,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     payloads = [os.urandom(block) for _ in range(min(args.blocks, 8))]
     results: dict[str, list[float]] = {
         k: []
-        for k in ("put", "store", "get", "load", "signed_store", "signed_load", "head", "lookup")
+        for k in (
+            *("put", "store", "get", "load", "signed_store", "signed_load", "head", "lookup"),
+            *("get_cpu", "load_cpu", "signed_load_cpu"),
+        )
     }
 
     def make_tier(prefix: str, *, signed: bool = False) -> S3Tier:
@@ -247,6 +263,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "concurrency": args.concurrency,
         "keys": args.keys,
         "repeat": args.repeat,
+        "load_passes": args.load_passes,
         "raw_put_mib_s": moved / best["put"],
         "tier_store_mib_s": moved / best["store"],
         "raw_get_mib_s": moved / best["get"],
@@ -255,6 +272,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "signed_load_mib_s": moved / best["signed_load"],
         "raw_head_s": best["head"],
         "tier_lookup_s": best["lookup"],
+        "raw_get_cpu_ms_per_block": best["get_cpu"] * 1e3,
+        "tier_load_cpu_ms_per_block": best["load_cpu"] * 1e3,
+        "signed_load_cpu_ms_per_block": best["signed_load_cpu"] * 1e3,
     }
     report["store_ratio"] = report["tier_store_mib_s"] / report["raw_put_mib_s"]
     report["load_ratio"] = report["tier_load_mib_s"] / report["raw_get_mib_s"]
@@ -280,18 +300,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keys", type=int, default=1000)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument(
+        "--load-passes", type=int, default=4, help="load passes per side in each round"
+    )
+    parser.add_argument(
         "--quick", action="store_true", help="8 blocks, 200 keys, 2 rounds: about 20 s"
     )
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
     args = parser.parse_args(argv)
     if args.quick:
-        args.blocks, args.keys, args.repeat = 8, 200, 2
+        args.blocks, args.keys, args.repeat, args.load_passes = 8, 200, 2, 2
     with s3_endpoint(args.endpoint) as endpoint:
         args.endpoint = endpoint
         report = anyio.run(run, args)
     print(
         f"S3 benchmark: {args.blocks} blocks of {args.block_mib} MiB, concurrency "
-        f"{args.concurrency}, median of {args.repeat} rounds, endpoint {endpoint}"
+        f"{args.concurrency}, median of {args.repeat} rounds ({args.load_passes} load passes "
+        f"each), endpoint {endpoint}"
     )
     rows = [
         ("store", "tier_store_mib_s", "raw put", "raw_put_mib_s", "MiB/s", "store_ratio"),
@@ -320,6 +344,11 @@ def main(argv: list[str] | None = None) -> int:
             f"{report[raw_key]:9.3f} {unit:<5}  ratio {report[ratio]:.3f}"
         )
     print(f"  (exists: {args.keys} keys; a ratio there is time, lower is better)")
+    print(
+        f"  client CPU per block loaded: tier {report['tier_load_cpu_ms_per_block']:.2f} ms, "
+        f"raw get {report['raw_get_cpu_ms_per_block']:.2f} ms, signed "
+        f"{report['signed_load_cpu_ms_per_block']:.2f} ms"
+    )
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2))
     return 0

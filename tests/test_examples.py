@@ -129,9 +129,22 @@ def test_two_nodes_share_blocks_through_one_bucket() -> None:
     written = re.search(r"^node A\s+\d+ requests, wrote ([\d,]+) blocks to S3", proc.stdout, re.M)
     assert written and int(written[1].replace(",", "")) > 0, proc.stdout
     with_s3 = re.search(
-        r"^with the shared tier\s+\S+ s\s+\S+ s\s+[\d,]+\s+([\d,]+)$", proc.stdout, re.M
+        r"^\s+with the shared tier\s+\S+ s\s+\S+ s\s+[\d,]+\s+([\d,]+)$", proc.stdout, re.M
     )
     assert with_s3 and int(with_s3[1].replace(",", "")) > 0, proc.stdout
+    # The headline: TTFT of the first turn after the move, both ways, from the same run.
+    assert re.search(
+        r"^node B, first turn after the move \(4\)\s+TTFT p50\s+TTFT p95\n"
+        r"\s+without the shared tier\s+\S+ s\s+\S+ s\n"
+        r"\s+with the shared tier\s+\S+ s\s+\S+ s\n"
+        r"\s+speedup\s+\S+ x\s+\S+ x$",
+        proc.stdout,
+        re.M,
+    ), proc.stdout
+    listed = re.search(
+        r"node B's S3 index held ([\d,]+) keys before its first request", proc.stdout
+    )
+    assert listed and int(listed[1].replace(",", "")) > 0, proc.stdout
     unindexed = re.search(r"request path for keys its index did not hold: (\d+)", proc.stdout)
     assert unindexed and unindexed[1] == "0", proc.stdout
     assert re.search(r"^correctness OK", proc.stdout, re.M), proc.stdout

@@ -630,6 +630,41 @@ async def test_corrupt_object_is_a_corrupt_miss_and_deleted(
     assert not await _exists(weed_server.endpoint_url, tier.object_key(key))
 
 
+@pytest.mark.parametrize("signed", [False, True], ids=["xxh3", "signed"])
+async def test_large_objects_stream_into_the_block_and_damage_anywhere_is_caught(
+    make_tier: MakeTier, weed_server: WeedServer, signed: bool
+) -> None:
+    """A multi-MiB body arrives in many socket chunks, each copied straight into the block
+    buffer and checked there: an intact block comes back byte for byte; a flipped byte in
+    a middle chunk or in the last one, or a body cut short, is a corrupt miss, never data."""
+    size = 3 << 20
+    keys = _keys(4)
+    block = os.urandom(size)
+    secret = os.urandom(32) if signed else None
+    tier = make_tier(integrity_key=secret)
+    async with tier:
+        await tier.store(keys[0], memoryview(block))
+        dst = bytearray(size)
+        await tier.load(keys[0], memoryview(dst))
+        assert dst == block
+        good = [
+            bytearray(encode_header(key, block, integrity_key=tier.integrity_key) + block)
+            for key in keys
+        ]
+        good[1][len(good[1]) // 2] ^= 0x01  # in a middle chunk
+        good[2][-1] ^= 0x80  # in the last chunk
+        damaged = {keys[1]: good[1], keys[2]: good[2], keys[3]: good[3][: -(1 << 20)]}
+        async with raw_client(weed_server.endpoint_url) as client:
+            for key, body in damaged.items():
+                await client.put_object(Bucket=BUCKET, Key=tier.object_key(key), Body=bytes(body))
+        for key in damaged:
+            with pytest.raises(CorruptBlockError, match=r"checksum|integrity|header says"):
+                await tier.load(key, memoryview(bytearray(size)))
+        assert tier.statistics().corrupt_deleted == 3
+    for key in damaged:
+        assert not await _exists(weed_server.endpoint_url, tier.object_key(key))
+
+
 async def test_newer_format_is_skipped_not_deleted(
     make_tier: MakeTier, weed_server: WeedServer
 ) -> None:

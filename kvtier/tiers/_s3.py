@@ -29,14 +29,16 @@ Choices where the contract leaves room:
   "already there", a success). A server that rejects the header (501 / NotImplemented) is
   remembered and gets plain puts from then on: the idempotent overwrite is harmless because
   a key always names the same bytes and S3 puts are atomic.
-- Loads read the whole body in one ``read()`` and verify and copy it into ``dst``
-  (``_s3_codec.read_block`` says why not chunk by chunk). Stores build one ``bytes`` of
+- Loads copy each socket chunk of the body straight into ``dst`` and check the xxh3
+  checksum over what was written there, chunk by chunk (``_s3_codec.read_block``): one copy
+  of the block and no worker-thread hop, so a load costs less client CPU than a raw GET and
+  ``read()``. Stores build one ``bytes`` of
   header + payload (one copy of the block, one xxh3 pass, one CRC32 pass), sent as it is up
   to 1 MiB and through a ``BytesIO`` above (``_s3_config.send_bodies_as_given``); the payload
   is not SHA-256 signed (the block carries its own checksum) and botocore adds checksums
-  only where the operation requires them. Building and verifying run on the event loop for
-  blocks up to 1 MiB (64 KiB when signed) and in a worker thread above: the hop costs as
-  much CPU as the work on a 256 KiB block.
+  only where the operation requires them. Building runs on the event loop for blocks up to
+  1 MiB (64 KiB when signed) and in a worker thread above, as does a signed load's MAC
+  check: the hop costs as much CPU as the work on a 256 KiB block.
 - Client CPU per request is what decides whether an S3 load beats recomputing the block on a
   machine with few cores: the client's configuration (``_s3_config.client_config``) and the
   retry wrapper (``_s3_requests``) are trimmed for it; ``benchmarks/bench_s3_cpu.py``
@@ -115,7 +117,9 @@ _CLOSE_TIMEOUT = 5.0
 # these sizes. A hop costs ~0.04 ms of CPU and two loop wakeups, as much as building a 256 KiB
 # object (0.07 ms; verifying it: 0.015 ms), so blocks up to 1 MiB stay on the loop (unsigned
 # build 0.29 ms per MiB, verify 0.1 ms per MiB); signed blocks (BLAKE2b: build 1.3 ms,
-# verify 1.0 ms per MiB) above 64 KiB go to the thread (2-core machine, loaded).
+# verify 1.0 ms per MiB) above 64 KiB go to the thread (2-core machine, loaded). An unsigned
+# load streamed from aiohttp checks each chunk as it lands and never hops (_s3_codec); the
+# verify threshold applies to a body read whole (another HTTP backend).
 _THREAD_BUILD_BYTES = 1 << 20
 _THREAD_VERIFY_BYTES = (1 << 20) + 4096  # a 1 MiB payload and its header
 _THREAD_SIGNED_BYTES = 64 << 10
