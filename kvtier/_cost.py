@@ -16,6 +16,16 @@ model's ``clock``), so it is tested without an event loop and with a fake clock.
 exponentially weighted moving averages: cheap, bounded state, and they follow a tier that
 slows down or recovers within a few samples. A tier whose estimate says "too slow" still gets
 one promotion every ``probe_interval`` seconds, so the estimate can see it recover.
+
+A promotion's time depends on how many others from the same tier run beside it: a request
+that promotes 60 blocks at once sees its last ones land after the tier has served the other
+59. A plain average of those durations would call the tier slow for seconds after the burst
+has drained, and decline promotions that would have landed at once. So each promotion is
+observed with the number already in flight when it began (``queued``), and the model keeps
+two averages: the duration of a promotion that found the tier idle, and what each promotion
+already in flight adds. The expected latency of a promotion started now is the first plus
+the second times the tier's promotions in flight now (``promotion_started`` and
+``promotion_finished`` keep that count).
 """
 
 from __future__ import annotations
@@ -57,6 +67,12 @@ class TierCost:
     failures: int
     latency_seconds: float | None
     """Moving average of one promotion, start to readable, failures included."""
+    idle_latency_seconds: float | None
+    """Moving average of one promotion that found no other from this tier in flight."""
+    queued_seconds: float | None
+    """What each promotion already in flight adds to a new one's latency (moving average)."""
+    in_flight: int
+    """Promotions from this tier running now."""
     throughput_bytes_per_second: float | None
     """Moving average of one successful promotion's bytes per second."""
     declined: int
@@ -75,10 +91,24 @@ class CostStatistics:
 
 
 class _Tier:
-    __slots__ = ("declined", "failures", "last_probe", "latency", "probes", "promotions", "rate")
+    __slots__ = (
+        "declined",
+        "failures",
+        "idle",
+        "in_flight",
+        "last_probe",
+        "latency",
+        "per_queued",
+        "probes",
+        "promotions",
+        "rate",
+    )
 
     def __init__(self) -> None:
         self.latency: float | None = None
+        self.idle: float | None = None  # a promotion that found the tier idle
+        self.per_queued: float | None = None  # added by each promotion already in flight
+        self.in_flight = 0
         self.rate: float | None = None
         self.promotions = 0
         self.failures = 0
@@ -252,13 +282,40 @@ class CostModel:
             tier = self._tiers[name] = _Tier()
         return tier
 
-    def observe_promotion(self, tier: str, seconds: float, nbytes: int, ok: bool) -> None:
-        """One promotion from ``tier`` ended after ``seconds``; a failure (a timeout, say)
-        still says how long the tier made a request wait."""
+    def promotion_started(self, tier: str) -> int:
+        """A promotion from ``tier`` begins: returns how many from it were already in flight
+        (pass it back as ``observe_promotion``'s ``queued``). Pair with
+        ``promotion_finished``, whatever the outcome."""
+        state = self._tier(tier)
+        queued = state.in_flight
+        state.in_flight += 1
+        return queued
+
+    def promotion_finished(self, tier: str) -> None:
+        state = self._tier(tier)
+        state.in_flight = max(state.in_flight - 1, 0)
+
+    def observe_promotion(
+        self, tier: str, seconds: float, nbytes: int, ok: bool, *, queued: int = 0
+    ) -> None:
+        """One promotion from ``tier`` ended after ``seconds``, having started with ``queued``
+        others from the tier in flight; a failure (a timeout, say) still says how long the
+        tier made a request wait."""
         state = self._tier(tier)
         seconds = max(float(seconds), 0.0)
+        queued = max(int(queued), 0)
         state.last_probe = self.clock()  # a fresh measurement: the next probe can wait
         state.latency = _ewma(state.latency, seconds, self._alpha)
+        if queued == 0 or state.idle is None:
+            # Before any idle sample, a queued one is split evenly: a first guess that the
+            # tier served the queue one promotion at a time.
+            share = seconds / (queued + 1)
+            state.idle = _ewma(state.idle, share, self._alpha)
+            if queued and state.per_queued is None:
+                state.per_queued = share
+        else:
+            added = max(seconds - state.idle, 0.0) / queued
+            state.per_queued = _ewma(state.per_queued, added, self._alpha)
         if ok:
             state.promotions += 1
             if seconds > 0:
@@ -267,8 +324,16 @@ class CostModel:
             state.failures += 1
 
     def expected_latency(self, tier: str) -> float | None:
+        """How long a promotion from ``tier`` started now should take, given the tier's
+        promotions in flight; None before its first measurement."""
         state = self._tiers.get(tier)
-        return None if state is None else state.latency
+        return None if state is None else self._expected(state)
+
+    @staticmethod
+    def _expected(state: _Tier) -> float | None:
+        if state.idle is None:
+            return None
+        return state.idle + state.in_flight * (state.per_queued or 0.0)
 
     def promote_before(self, tier: str, deadline: float | None, now: float) -> bool:
         """Whether to promote a block from ``tier`` for a request whose recompute would be
@@ -276,7 +341,8 @@ class CostModel:
         (no deadline, or no estimate yet: measuring needs a first promotion), or when the
         tier is due a probe (``probe_interval`` after its last measurement)."""
         state = self._tier(tier)
-        if deadline is None or state.latency is None or now + state.latency <= deadline:
+        expected = self._expected(state)
+        if deadline is None or expected is None or now + expected <= deadline:
             return True
         if now - state.last_probe >= self._probe_interval:
             state.last_probe = now
@@ -309,6 +375,9 @@ class CostModel:
                     promotions=t.promotions,
                     failures=t.failures,
                     latency_seconds=t.latency,
+                    idle_latency_seconds=t.idle,
+                    queued_seconds=t.per_queued,
+                    in_flight=t.in_flight,
                     throughput_bytes_per_second=t.rate,
                     declined=t.declined,
                     probes=t.probes,
@@ -319,7 +388,7 @@ class CostModel:
 
     def __repr__(self) -> str:
         tiers = ", ".join(
-            f"{name}={t.latency * 1e3:.1f}ms" if t.latency is not None else f"{name}=?"
+            f"{name}={t.idle * 1e3:.1f}ms" if t.idle is not None else f"{name}=?"
             for name, t in self._tiers.items()
         )
         recompute = "?" if self._recompute is None else f"{self._recompute * 1e3:.2f}ms/block"

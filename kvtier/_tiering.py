@@ -355,8 +355,17 @@ class TieringManager:
                 self._promoting[key] = ready_at = self._landing(tier)
                 if budget is not None:
                     budget.expect(ready_at)
-                undo = functools.partial(self._promotion_never_ran, key, slot)
-                self._background.start_soon(task_group, undo, self._promote, key, tier, slot)
+                # Counted in flight from now, so the next key of this scan expects its
+                # promotion behind this one (and a start that raises gives it all back).
+                queued = self.cost.promotion_started(tier.name)
+                undo = functools.partial(self._promotion_never_ran, key, slot, tier)
+                try:
+                    self._background.start_soon(
+                        task_group, undo, self._promote, key, tier, slot, queued
+                    )
+                except BaseException:
+                    undo()
+                    raise
                 self._retries += 1
                 return RETRY
             if result is RETRY:
@@ -434,7 +443,7 @@ class TieringManager:
         self._hits += n
         return n
 
-    async def _promote(self, key: bytes, tier: SecondaryTier, slot: int) -> None:
+    async def _promote(self, key: bytes, tier: SecondaryTier, slot: int, queued: int) -> None:
         started = time.perf_counter()
         ok = failed = False
         try:
@@ -465,8 +474,11 @@ class TieringManager:
                 self.pool.abort(slot)
                 self._promotions_cancelled += not failed
             seconds = time.perf_counter() - started
+            self.cost.promotion_finished(tier.name)
             if ok or failed:  # a cancelled promotion says nothing about the tier
-                self.cost.observe_promotion(tier.name, seconds, self.pool.block_bytes, ok)
+                self.cost.observe_promotion(
+                    tier.name, seconds, self.pool.block_bytes, ok, queued=queued
+                )
             if self._latency is not None:
                 self._callback(
                     "latency observer", self._latency.observe_promotion, tier.name, seconds, ok
@@ -474,8 +486,9 @@ class TieringManager:
             self._promoting.pop(key, None)
             self._notify(key)
 
-    def _promotion_never_ran(self, key: bytes, slot: int) -> None:
+    def _promotion_never_ran(self, key: bytes, slot: int, tier: SecondaryTier) -> None:
         """Give back the slot ``lookup`` reserved for a promotion cancelled unstarted."""
+        self.cost.promotion_finished(tier.name)
         self.pool.abort(slot)
         self._promotions_cancelled += 1
         self._promoting.pop(key, None)

@@ -156,3 +156,39 @@ def test_scan_budget_without_laziness_or_an_estimate() -> None:
 def test_bad_arguments_say_what_to_fix(call: object, message: str) -> None:
     with pytest.raises(InvalidArgumentError, match=message):
         call()  # type: ignore[operator]
+
+
+def test_a_burst_of_queued_promotions_does_not_make_an_idle_tier_look_slow() -> None:
+    """60 promotions started together: the k-th lands after 20 ms plus 5 ms for each one
+    ahead of it. Once they have drained, a promotion started now is expected in about 20 ms,
+    as the tier delivers it, not in the burst's average (about 170 ms), which would decline
+    it against a 50 ms recompute."""
+    clock = Clock()
+    cost = CostModel(recompute_seconds_per_block=0.05, alpha=0.2, clock=clock)
+    queued = [cost.promotion_started("s3") for _ in range(60)]
+    assert queued == list(range(60))
+    for q in queued:
+        cost.observe_promotion("s3", 0.020 + 0.005 * q, 4096, ok=True, queued=q)
+        cost.promotion_finished("s3")
+    (tier,) = cost.statistics().tiers
+    assert tier.latency_seconds is not None and tier.latency_seconds > 0.1  # the plain average
+    assert tier.idle_latency_seconds == pytest.approx(0.020)
+    assert tier.queued_seconds == pytest.approx(0.005)
+    assert tier.in_flight == 0
+    assert cost.expected_latency("s3") == pytest.approx(0.020)
+    assert cost.promote_before("s3", clock.now + 0.05, clock.now)
+    # With 20 of its promotions in flight, a new one is expected behind them: 20 + 20 x 5 ms.
+    for _ in range(20):
+        cost.promotion_started("s3")
+    assert cost.expected_latency("s3") == pytest.approx(0.120)
+    assert not cost.promote_before("s3", clock.now + 0.05, clock.now)
+
+
+def test_a_first_measurement_made_in_a_queue_is_split_over_it() -> None:
+    cost = CostModel(alpha=1.0)
+    cost.observe_promotion("t", 0.4, 4096, ok=True, queued=3)  # no idle sample yet
+    (tier,) = cost.statistics().tiers
+    assert tier.idle_latency_seconds == pytest.approx(0.1)
+    assert tier.queued_seconds == pytest.approx(0.1)
+    cost.observe_promotion("t", 0.03, 4096, ok=True)  # then one finds the tier idle
+    assert cost.expected_latency("t") == pytest.approx(0.03)

@@ -372,3 +372,31 @@ async def test_latency_observers_see_promotions_and_lookups(keys: list[bytes]) -
         assert await scheduler.lookup(keys[:2]) == 2
     assert recorder.promotions == [("mem", True), ("mem", True)]
     assert len(recorder.lookups) == 1
+
+
+async def test_promotions_in_flight_are_counted_for_the_cost_model_and_given_back(
+    keys: list[bytes],
+) -> None:
+    """Each promotion is counted in flight from the lookup that starts it, so the next key of
+    the same scan is expected behind it; finished, failed or cancelled before it ran, each
+    gives its count back."""
+    slow = StallingTier()
+    await fill(slow.inner, keys[:4], blocks(4))
+    slow.stall("load")
+    async with TieringManager(HostPool(8, BB), [slow]) as manager:
+        for key in keys[:4]:
+            assert await resolve_lookup(slow, key) is H
+        for key in keys[:3]:
+            assert manager.lookup(key) is R
+        (tier,) = manager.statistics().cost.tiers
+        assert tier.in_flight == 3
+        await slow.wait_stalled("load")
+        slow.release("load")
+        await manager.wait_idle()
+        (tier,) = manager.statistics().cost.tiers
+        assert tier.in_flight == 0
+        assert tier.idle_latency_seconds is not None  # the first one found the tier idle
+        slow.stall("load")
+        assert manager.lookup(keys[3]) is R  # promoted, then the manager closes under it
+    (tier,) = manager.statistics().cost.tiers
+    assert tier.in_flight == 0
