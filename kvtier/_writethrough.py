@@ -26,7 +26,7 @@ from kvtier._errors import TierError
 from kvtier._logging import BurstLogger
 from kvtier._lookup import LookupResult, MissReason
 from kvtier.pools._base import PrimaryPool
-from kvtier.tiers._base import SecondaryTier
+from kvtier.tiers._base import SecondaryTier, settled_lookup
 
 __all__ = ["WriteThrough", "bump", "reason_of"]
 
@@ -242,6 +242,15 @@ class WriteThrough:
         self.deferred.lost += 1
         self.cascades.finished()
 
+    async def _source_of(self, key: bytes, target: SecondaryTier) -> SecondaryTier | None:
+        """The first tier above ``target`` that holds ``key``. A tier still finding out
+        (its own write of the block in flight, an existence check) is waited for: asked
+        at once, it would answer RETRY and the block would be lost for ``target``."""
+        for tier in self._sources[target.name]:
+            if await settled_lookup(tier, key) is LookupResult.HIT:
+                return tier
+        return None
+
     async def _write_down(self, key: bytes, target: SecondaryTier, nbytes: int) -> None:
         """Copy a deferred block from a faster tier that holds it to ``target``. One that
         cannot be copied (no faster tier holds it any more, cancelled at close) is lost."""
@@ -249,17 +258,14 @@ class WriteThrough:
         written = False
         failure: MissReason | None = None
         try:
-            source = next(
-                (t for t in self._sources[target.name] if t.lookup(key) is LookupResult.HIT),
-                None,
-            )
-            if source is not None:
-                buffer = memoryview(bytearray(nbytes))
-                with anyio.fail_after(self._store_timeout):
+            with anyio.fail_after(self._store_timeout):
+                source = await self._source_of(key, target)
+                if source is not None:
+                    buffer = memoryview(bytearray(nbytes))
                     await source.load(key, buffer)
                     began = time.perf_counter()
                     await target.store(key, buffer)
-                written = True
+                    written = True
         except Exception as exc:
             failure = reason_of(exc)
             self._log.warning(

@@ -4,6 +4,7 @@ every block at the pace it can take, without pinning the pool."""
 
 from __future__ import annotations
 
+import anyio
 import numpy as np
 import pytest
 
@@ -214,3 +215,49 @@ def test_max_write_rate_is_validated() -> None:
         AdmissionPolicy(max_write_rate=0)
     with pytest.raises(InvalidArgumentError, match="max_write_rate"):
         AdmissionPolicy(max_write_rate={"s3": -1.0})
+
+
+class AskedTier(StallingTier):
+    """A StallingTier that sets ``asked`` when ``lookup`` is called for one of ``watched``."""
+
+    def __init__(self, name: str, watched: list[bytes]) -> None:
+        super().__init__(name=name)
+        self.watched = set(watched)
+        self.asked = anyio.Event()
+
+    def lookup(self, key: bytes) -> LookupResult:
+        result = super().lookup(key)
+        if key in self.watched:
+            self.asked.set()
+        return result
+
+
+async def test_a_deferred_write_waits_for_the_faster_tier_still_writing_the_block(
+    keys: list[bytes],
+) -> None:
+    """The deferred writes come due while the faster tier is still writing their blocks (it
+    answers RETRY for them): they wait for its answer and copy the blocks once written,
+    instead of giving them up as lost."""
+    fast = AskedTier("fast", keys[1:4])
+    remote = StallingTier(MemoryTier("remote-inner"), name="remote")
+    remote.stall("store")
+    data = blocks(4)
+    async with TieringManager(
+        HostPool(8, BB), [fast, remote], admission=policy(deferred=True)
+    ) as manager:
+        await manager.store(keys[:1], data[:1])
+        await remote.wait_stalled("store")  # keys[0] holds the remote's in-flight room
+        fast.stall("store")
+        await manager.store(keys[1:4], data[1:4])  # dropped for the remote: deferred
+        await fast.wait_stalled("store")
+        assert manager.statistics().writes_deferred == 3
+        remote.release("store")  # room again: the deferred writes start ...
+        await fast.asked.wait()  # ... and ask the fast tier, which is still writing them
+        fast.release("store")
+        await manager.wait_idle()
+        stats = manager.statistics()
+    assert stats.deferred_written == 3 and stats.deferred_lost == 0
+    out = bytearray(BB)
+    for i, key in enumerate(keys[:4]):
+        await remote.inner.load(key, memoryview(out))
+        assert out == data[i].tobytes()

@@ -18,7 +18,7 @@ from kvtier._lookup import LookupResult
 from kvtier._tiering import TieringManager
 from kvtier.pools._base import ByteSink
 from kvtier.pools._host import HostPool
-from kvtier.tiers._base import SecondaryTier, TierStatistics
+from kvtier.tiers._base import SecondaryTier, TierStatistics, settled_lookup
 
 __all__ = ["CHECKS", "check_tier", "resolve_lookup"]
 
@@ -40,21 +40,7 @@ async def resolve_lookup(
     """Ask ``tier.lookup(key)`` until it stops answering RETRY, waking on the tier's
     notifications rather than polling on a timer."""
     with anyio.fail_after(timeout):
-        while True:
-            changed = anyio.Event()
-
-            def wake(k: bytes, changed: anyio.Event = changed) -> None:
-                if k == key:
-                    changed.set()
-
-            remove = tier.add_listener(wake)
-            try:
-                result = tier.lookup(key)
-                if result is not LookupResult.RETRY:
-                    return result
-                await changed.wait()
-            finally:
-                remove()
+        return await settled_lookup(tier, key)
 
 
 async def check_round_trip(make_tier: MakeTier, block_bytes: int) -> None:

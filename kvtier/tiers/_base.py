@@ -17,7 +17,14 @@ from kvtier._errors import InvalidArgumentError, TierError, TierTimeoutError
 from kvtier._logging import BurstLogger
 from kvtier._lookup import LookupResult, MissReason
 
-__all__ = ["BatchResults", "LookupStatistics", "SecondaryTier", "TierMeter", "TierStatistics"]
+__all__ = [
+    "BatchResults",
+    "LookupStatistics",
+    "SecondaryTier",
+    "TierMeter",
+    "TierStatistics",
+    "settled_lookup",
+]
 
 Listener = Callable[[bytes], None]
 # What a batch call returns: one entry per key, None where the block made it, else the error.
@@ -299,3 +306,24 @@ async def run_each(
                 "the batch's timeout passed first", tier=tier, operation=operation, key=keys[i]
             )
     return results
+
+
+async def settled_lookup(tier: SecondaryTier, key: bytes) -> LookupResult:
+    """``tier.lookup(key)`` once it answers something other than RETRY (its existence check
+    or its write of ``key`` has ended), woken by the tier's notifications rather than a
+    timer. It does not bound the wait: the caller does (tiers bound their checks)."""
+    while True:
+        changed = anyio.Event()
+
+        def wake(k: bytes, changed: anyio.Event = changed) -> None:
+            if k == key:
+                changed.set()
+
+        remove = tier.add_listener(wake)
+        try:
+            result = tier.lookup(key)
+            if result is not LookupResult.RETRY:
+                return result
+            await changed.wait()
+        finally:
+            remove()
