@@ -67,6 +67,11 @@ from _tiny_model import KVCache, ModelConfig, TinyTransformer
 
 T = TypeVar("T")
 
+PACED_S3_MIB_PER_S = 2.0
+"""MiB/s of writes the S3 tier gets while serving when a file tier sits above it: on this
+2-core machine SeaweedFS runs beside the engine, and writing every block through costs the
+engine about a fifth of the file tier's speedup (``benchmarks/bench_demo_tiers.py``)."""
+
 LOOKUP_TIMEOUT = 2.0
 """Longest a request waits for promotions; past it the engine recomputes what is not loaded."""
 TOLERANCE = 1e-3
@@ -597,7 +602,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=float,
         metavar="MIB_PER_S",
         help="give the S3 tier at most this many MiB/s of writes while serving (add --defer "
-        "s3 to write the rest later, at the latest when the demo closes kvtier)",
+        "s3 to write the rest later, at the latest when the demo closes kvtier); below a file "
+        f"tier the default is {PACED_S3_MIB_PER_S:g}, deferred (see --s3-write-through)",
+    )
+    policy.add_argument(
+        "--s3-write-through",
+        action="store_true",
+        help="write every block through to S3 as it is stored, even below a file tier",
     )
     policy.add_argument(
         "--no-promote-write-up",
@@ -629,6 +640,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.s3_bucket = "kvtier-demo"
     if args.s3_write_rate is not None and not args.s3_write_rate > 0:
         p.error("--s3-write-rate must be a positive number of MiB/s")
+    if args.s3_write_through and args.s3_write_rate is not None:
+        p.error("--s3-write-through and --s3-write-rate contradict each other: choose one")
+    paced = args.s3_bucket and args.fs_capacity_mb > 0 and args.s3_write_rate is None
+    if paced and not args.s3_write_through:
+        # Below a file tier, S3's copy of a block can wait: pace the writes and defer the
+        # rest (written from the file tier, every one by the time kvtier closes).
+        args.s3_write_rate = PACED_S3_MIB_PER_S
+        args.defer = [*dict.fromkeys([*args.defer, "s3"])]
     if args.fs_capacity_mb < 0:
         p.error("--fs-capacity-mb must be 0 (no file tier) or positive")
     return args

@@ -71,6 +71,7 @@ class _Gate:
         "admitted",
         "dropped",
         "in_flight",
+        "last_cause",
         "last_probe",
         "latency",
         "probes",
@@ -85,6 +86,7 @@ class _Gate:
         self.dropped: dict[str, int] = {}
         self.probes = 0
         self.in_flight = 0
+        self.last_cause = ""  # why the last write was refused
         self.latency: float | None = None
         self.last_probe = -math.inf
         self.tokens = math.inf  # bytes the rate limit lets through now (full at first)
@@ -247,7 +249,13 @@ class AdmissionPolicy:
 
     def _drop(self, gate: _Gate, cause: str) -> bool:
         gate.dropped[cause] = gate.dropped.get(cause, 0) + 1
+        gate.last_cause = cause
         return False
+
+    def last_refusal(self, tier: str) -> str:
+        """Why ``admit`` last refused a write to ``tier`` (a cause such as ``"rate"``)."""
+        gate = self._gates.get(tier)
+        return "" if gate is None else gate.last_cause
 
     def cancel(self, tier: str, nbytes: int) -> None:
         """Give back an admission that was not used (no write happened: no latency sample)."""

@@ -135,13 +135,24 @@ class WriteThrough:
             if self.admission.admit(tier.name, nbytes):
                 targets.append(tier)
             else:  # counted as dropped by the policy; said once per burst
+                cause = self.admission.last_refusal(tier.name)
                 if self.deferred.wants(tier.name):
                     self.deferred.add(tier.name, key)  # written later from a faster tier
-                self._log.warning(
-                    "admission:" + tier.name,
-                    "%s is behind: write-through to it is dropped until it recovers",
-                    tier.name,
-                )
+                    self._log.warning(
+                        "admission:" + tier.name,
+                        "%s refuses writes for now (%s): they are deferred, to be copied "
+                        "from a faster tier when it has room",
+                        tier.name,
+                        cause,
+                    )
+                else:
+                    self._log.warning(
+                        "admission:" + tier.name,
+                        "%s refuses writes for now (%s): write-through to it is dropped "
+                        "until it has room",
+                        tier.name,
+                        cause,
+                    )
         if not targets:
             return False
         slot = self.pool.pin(key)

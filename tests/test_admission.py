@@ -126,3 +126,19 @@ def test_write_back_queue_drops_for_a_closed_tier_and_flushes_everything_at_clos
     writes, unpin = queue.due(policy, ["s3"], 10, everything=True)
     assert writes == [(b"c", 2, ["s3"])] and unpin == [] and len(queue) == 0
     assert queue.written_back == 2
+
+
+def test_the_last_refusal_says_its_cause() -> None:
+    clock = Clock()
+    policy = AdmissionPolicy(
+        max_in_flight_bytes=200, max_write_latency=None, max_write_rate=100.0, clock=clock
+    )
+    assert policy.last_refusal("s3") == ""
+    assert policy.admit("s3", 100)  # the first second's worth of rate
+    assert not policy.admit("s3", 100)
+    assert policy.last_refusal("s3") == "rate"
+    clock.now += 1.0
+    assert policy.admit("s3", 100)  # both in flight now: the next is refused for room
+    clock.now += 1.0
+    assert not policy.admit("s3", 100)
+    assert policy.last_refusal("s3") == "in_flight"

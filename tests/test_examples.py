@@ -79,8 +79,8 @@ def test_serve_demo_quick(tmp_path: Path) -> None:
 @pytest.mark.timeout(300)
 def test_serve_demo_with_an_s3_tier() -> None:
     """The demo's S3 mode on a real SeaweedFS it starts itself (``--s3-local``): blocks are
-    written through to S3, and no S3 request is made on the request path for keys the
-    tier's index does not hold."""
+    written to S3 (paced below the file tier, the rest deferred and each one accounted for),
+    and no S3 request is made on the request path for keys the tier's index does not hold."""
     pytest.importorskip("aiobotocore", reason="the S3 tier needs the kvtier[s3] extra")
     from weed_proc import find_weed
 
@@ -104,6 +104,14 @@ def test_serve_demo_with_an_s3_tier() -> None:
     unindexed = re.search(r"^\s+s3\s+([\d,]+) requests on the request path", proc.stdout, re.M)
     assert unindexed and unindexed[1] == "0", proc.stdout
     assert re.search(r"^correctness\s+OK", proc.stdout, re.M), proc.stdout
+    deferred = re.search(
+        r"^deferred\s+([\d,]+) writes .* kept: ([\d,]+) written .* closed, ([\d,]+) given up",
+        proc.stdout,
+        re.M,
+    )
+    assert deferred, proc.stdout  # S3 gets 2 MiB/s while serving: more than that is deferred
+    kept, written, given_up = (int(g.replace(",", "")) for g in deferred.groups())
+    assert kept > 0 and kept == written + given_up, proc.stdout  # each one accounted for
 
 
 @pytest.mark.timeout(300)
