@@ -20,6 +20,9 @@ Contenders, all in the same run on the same filesystem:
 - ``kvtier-direct``: ``kvtier-never`` with ``direct_io=True`` (O_DIRECT where the filesystem
   takes it, through an aligned private buffer; kvtier's default is the page cache).
 
+The kvtier contenders read with 32 threads (the adapter's default, vLLM's fs tier's count)
+and write with 16.
+
 The adapter hands each job (and jobs submitted together) to the tier as one pinned batch
 (``load_many``/``store_many``).
 
@@ -114,7 +117,9 @@ def contenders(root: Path) -> dict[str, dict[str, Any]]:
         "kvtier-direct": {  # a ready tier: direct_io is a constructor setting
             "type": "kvtier",
             "module_path": kv,
-            "tier": kvtier.FSTier(root / "kvtier-direct", fsync="never", direct_io=True),
+            "tier": kvtier.FSTier(
+                root / "kvtier-direct", fsync="never", direct_io=True, max_concurrency=32
+            ),
         },
     }
 
