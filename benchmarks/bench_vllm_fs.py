@@ -26,6 +26,12 @@ and write with 16.
 The adapter hands each job (and jobs submitted together) to the tier as one pinned batch
 (``load_many``/``store_many``).
 
+The process is set up as vLLM's engine sets up its own: the primary region is faulted in
+before the first job (vLLM's ``SharedOffloadRegion`` pre-faults it with
+``MADV_POPULATE_WRITE``) and the startup heap is frozen (vLLM's ``freeze_gc_heap``), so
+neither a fresh mapping's page faults (~300 ms of CPU per GiB loaded, for every contender)
+nor a full collection of the ~600k objects vLLM's imports leave (~0.3 s) lands in a phase.
+
 Loads are cold: before each load phase every stored file is evicted from the page cache
 (``fsync`` + ``POSIX_FADV_DONTNEED``), so reads come from the device for every contender.
 Each load is checked against what was stored, outside the timing. Every phase starts after
