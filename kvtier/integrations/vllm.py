@@ -96,8 +96,9 @@ _PERSON = b"kvtier.vllm.v1"
 _KINDS = ("fs", "s3")
 # Where the adapter's defaults differ from ``KVTierConfig``'s, and why: vLLM's own ``fs`` tier
 # lets all 32 of its threads take loads (16 read-first, 16 write-first), and one-block jobs
-# arrive dozens at a time; 16 reader threads lost ~10% of load MiB/s beside it
-# (``benchmarks/bench_vllm_fs.py``). Writers stay at 16: more made buffered stores slower here.
+# arrive dozens at a time: in five paired runs of ``benchmarks/bench_vllm_fs.py``'s one-block
+# case, loads were 0.81-1.35x vLLM's with 16 readers and 1.07-1.63x with 32 (32 won 4 of 5).
+# Writers stay at 16: 8 or 32 measured no better.
 ADAPTER_DEFAULTS: dict[str, dict[str, Any]] = {"fs": {"max_concurrency": 32}}
 _OPTIONS = ("namespace", "miss_ttl", "op_timeout", "check_timeout", "locality", "tier")
 
