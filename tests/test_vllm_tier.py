@@ -339,6 +339,19 @@ def test_settings_are_checked_with_messages_that_say_what_to_fix(tmp_path: Path)
         make_manager(kvtier_tier())
 
 
+def test_the_fs_tier_reads_with_vllms_thread_count_unless_told(
+    engines: Callable[..., Engine], tmp_path: Path
+) -> None:
+    default = engines(kvtier_tier(tier={"kind": "fs", "root": str(tmp_path / "a")})).tier
+    told = engines(
+        kvtier_tier(tier={"kind": "fs", "root": str(tmp_path / "b"), "max_concurrency": 4})
+    ).tier
+    for tier, readers in ((default, 32), (told, 4)):
+        fs = tier.bridge.tier
+        assert isinstance(fs, kvtier.FSTier)
+        assert (fs.max_concurrency, fs.max_write_concurrency) == (readers, 16)
+
+
 # -- concurrency, drain, shutdown -----------------------------------------------------------
 
 

@@ -9,9 +9,10 @@ Put this in the tiering spec's ``secondary_tiers`` (``kv_connector_extra_config`
 
 ``tier`` takes the keys of one section of ``KVTierConfig`` (``kvtier.FSConfig`` for
 ``"kind": "fs"``, ``kvtier.S3Config`` for ``"kind": "s3"``), validated by the same code, so a
-mistake names the key (``fs.root``). From Python, ``tier`` may also be a ready
-``kvtier.SecondaryTier`` (a tier of your own). Other keys: ``namespace`` (text mixed into
-every key, see below), ``miss_ttl``, ``op_timeout``, ``check_timeout`` (seconds; see
+mistake names the key (``fs.root``); one default differs (``ADAPTER_DEFAULTS``): the FS tier
+reads with 32 threads, as vLLM's own ``fs`` tier does. From Python, ``tier`` may also be a
+ready ``kvtier.SecondaryTier`` (a tier of your own). Other keys: ``namespace`` (text mixed
+into every key, see below), ``miss_ttl``, ``op_timeout``, ``check_timeout`` (seconds; see
 ``TierBridge``) and vLLM's own ``locality`` and ``backpressure``.
 
 How vLLM's calls map onto kvtier (all of them return at once; see ``_bridge`` for the thread):
@@ -93,6 +94,12 @@ logger = logging.getLogger(__name__)
 KEY_PREFIX = b"\x56"  # 'V': keys derived from vLLM OffloadKeys, scheme 1
 _PERSON = b"kvtier.vllm.v1"
 _KINDS = ("fs", "s3")
+# Where the adapter's defaults differ from ``KVTierConfig``'s, and why: vLLM's own ``fs`` tier
+# lets all 32 of its threads take loads (16 read-first, 16 write-first), and one-block jobs
+# arrive dozens at a time: in five paired runs of ``benchmarks/bench_vllm_fs.py``'s one-block
+# case, loads were 0.81-1.35x vLLM's with 16 readers and 1.07-1.63x with 32 (32 won 4 of 5).
+# Writers stay at 16: 8 or 32 measured no better.
+ADAPTER_DEFAULTS: dict[str, dict[str, Any]] = {"fs": {"max_concurrency": 32}}
 _OPTIONS = ("namespace", "miss_ttl", "op_timeout", "check_timeout", "locality", "tier")
 
 _TO_VLLM = {
@@ -108,7 +115,8 @@ def tier_from_config(
 ) -> SecondaryTier:
     """Build the tier that ``{"kind": "fs"|"s3", ...}`` describes, with ``KVTierConfig``.
 
-    The keys are those of the ``[fs]`` or ``[s3]`` section of a kvtier config file.
+    The keys are those of the ``[fs]`` or ``[s3]`` section of a kvtier config file; a key
+    left out takes ``KVTierConfig``'s default, except those in ``ADAPTER_DEFAULTS``.
     """
     if not isinstance(tier, Mapping):
         raise InvalidArgumentError(
@@ -119,6 +127,8 @@ def tier_from_config(
     kind = settings.pop("kind", None)
     if kind not in _KINDS:
         raise InvalidArgumentError(f"tier.kind must be one of {_KINDS}, got {kind!r}")
+    for name, value in ADAPTER_DEFAULTS.get(kind, {}).items():
+        settings.setdefault(name, value)
     from kvtier._config import KVTierConfig
 
     # The pool section only satisfies KVTierConfig; the adapter builds no pool (vLLM's CPU

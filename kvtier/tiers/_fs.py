@@ -185,7 +185,8 @@ class FSTier(SecondaryTier):
         self._calls: WorkerCalls[Any] = WorkerCalls(max_stuck_threads)
         self._buffers = BufferPool(keep=max_concurrency + max_write_concurrency)
         self._limiter = anyio.CapacityLimiter(max_concurrency)
-        self._read_threads, self._write_threads = max_concurrency, max_write_concurrency
+        # Threads for reads and for write-through; a batch is cut into at most this many runs.
+        self.max_concurrency, self.max_write_concurrency = max_concurrency, max_write_concurrency
         # Existence checks get threads of their own: queued behind write-through they would
         # hold lookups in RETRY for as long as a burst of stores takes.
         self._check_limiter = anyio.CapacityLimiter(max(1, min(4, max_concurrency)))

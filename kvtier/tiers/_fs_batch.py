@@ -53,7 +53,7 @@ async def load_many(
     try:
         with anyio.CancelScope(deadline=deadline):
             async with anyio.create_task_group() as tg:
-                for run in _runs(len(keys), tier._read_threads):
+                for run in _runs(len(keys), tier.max_concurrency):
                     tg.start_soon(
                         _load_run, tier, run, keys, names, views, results, wrong, since, pinned
                     )
@@ -197,7 +197,7 @@ async def _store_mine(
         while todo:  # in waves: a block can only evict blocks already published
             plan = _plan_wave(tier, todo, keys, names, payloads, results)
             async with anyio.create_task_group() as tg:
-                for run in _runs(len(plan), tier._write_threads):
+                for run in _runs(len(plan), tier.max_write_concurrency):
                     part = [plan[j] for j in run]
                     tg.start_soon(_store_run, tier, part, keys, names, payloads, results, pinned)
     for i in todo:  # the deadline passed before their wave
