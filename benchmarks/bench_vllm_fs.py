@@ -15,9 +15,11 @@ Contenders, all in the same run on the same filesystem:
   filesystem allows it, 16 read and 16 write threads, no fsync, no checksum. (Its C extension
   needs CUDA libraries; on a CPU machine vLLM falls back to this same Python path.)
 - ``vllm-fs-buffered``: the same with O_DIRECT off (page cache on both sides).
-- ``kvtier-never``: kvtier's FSTier with ``fsync="never"`` (vLLM's durability), checksums on.
-- ``kvtier-data``: kvtier's default, ``fsync="data"`` (fdatasync before publishing).
-- ``kvtier-direct``: ``kvtier-never`` with ``direct_io=True`` (O_DIRECT where the filesystem
+- ``kvtier``: kvtier's FSTier as the adapter configures it: ``fsync="never"`` (vLLM's
+  durability; a kill -9 still loses nothing), checksums on.
+- ``kvtier-data``: ``"fsync": "data"`` (fdatasync before publishing; a kvtier config file's
+  default).
+- ``kvtier-direct``: ``kvtier`` with ``direct_io=True`` (O_DIRECT where the filesystem
   takes it, through an aligned private buffer; kvtier's default is the page cache).
 
 The kvtier contenders read with 32 threads (the adapter's default, vLLM's fs tier's count)
@@ -110,10 +112,10 @@ def contenders(root: Path) -> dict[str, dict[str, Any]]:
     return {
         "vllm-fs": {"type": "fs", "root_dir": str(root / "vllm")},
         "vllm-fs-buffered": {"type": "fs", "root_dir": str(root / "vllm-buffered")},
-        "kvtier-never": {
+        "kvtier": {
             "type": "kvtier",
             "module_path": kv,
-            "tier": {"kind": "fs", "root": str(root / "kvtier-never"), "fsync": "never"},
+            "tier": {"kind": "fs", "root": str(root / "kvtier")},  # the adapter's defaults
         },
         "kvtier-data": {
             "type": "kvtier",

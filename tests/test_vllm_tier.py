@@ -339,17 +339,20 @@ def test_settings_are_checked_with_messages_that_say_what_to_fix(tmp_path: Path)
         make_manager(kvtier_tier())
 
 
-def test_the_fs_tier_reads_with_vllms_thread_count_unless_told(
+def test_the_fs_tier_reads_and_syncs_as_vllms_unless_told(
     engines: Callable[..., Engine], tmp_path: Path
 ) -> None:
     default = engines(kvtier_tier(tier={"kind": "fs", "root": str(tmp_path / "a")})).tier
     told = engines(
-        kvtier_tier(tier={"kind": "fs", "root": str(tmp_path / "b"), "max_concurrency": 4})
+        kvtier_tier(
+            tier={"kind": "fs", "root": str(tmp_path / "b"), "max_concurrency": 4, "fsync": "data"}
+        )
     ).tier
-    for tier, readers in ((default, 32), (told, 4)):
+    for tier, readers, fsync in ((default, 32, "never"), (told, 4, "data")):
         fs = tier.bridge.tier
         assert isinstance(fs, kvtier.FSTier)
         assert (fs.max_concurrency, fs.max_write_concurrency) == (readers, 16)
+        assert fs.fsync == fsync
 
 
 # -- concurrency, drain, shutdown -----------------------------------------------------------
