@@ -14,6 +14,7 @@ from kvtier import (
     InvalidArgumentError,
     LookupResult,
     MemoryTier,
+    SecondaryTier,
     TieringManager,
 )
 from kvtier._admission import DeferredWrites
@@ -26,6 +27,13 @@ def blocks(n: int) -> np.ndarray:
     return np.arange(n * BB, dtype=np.uint64).astype(np.uint8).reshape(n, BB) + np.arange(
         n, dtype=np.uint8
     ).reshape(n, 1)
+
+
+async def assert_holds(tier: SecondaryTier, keys: list[bytes], data: np.ndarray) -> None:
+    out = bytearray(BB)
+    for i, key in enumerate(keys):
+        await tier.load(key, memoryview(out))
+        assert out == data[i].tobytes()
 
 
 def policy(*, deferred: bool) -> AdmissionPolicy:
@@ -57,10 +65,7 @@ async def test_dropped_writes_reach_the_deferred_tier_once_it_has_room(
     assert stats.deferred_written == 3 and stats.deferred_pending == 0
     assert stats.deferred_lost == 0
     assert stats.pool.pinned == 0 and stats.in_flight_bytes == 0
-    out = bytearray(BB)
-    for i, key in enumerate(keys[:4]):
-        await remote.inner.load(key, memoryview(out))
-        assert out == data[i].tobytes()
+    await assert_holds(remote.inner, keys[:4], data)
 
 
 async def test_without_deferred_the_dropped_writes_are_lost(keys: list[bytes]) -> None:
@@ -257,7 +262,4 @@ async def test_a_deferred_write_waits_for_the_faster_tier_still_writing_the_bloc
         await manager.wait_idle()
         stats = manager.statistics()
     assert stats.deferred_written == 3 and stats.deferred_lost == 0
-    out = bytearray(BB)
-    for i, key in enumerate(keys[:4]):
-        await remote.inner.load(key, memoryview(out))
-        assert out == data[i].tobytes()
+    await assert_holds(remote.inner, keys[:4], data)

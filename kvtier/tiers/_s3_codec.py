@@ -26,6 +26,7 @@ from kvtier._format import (
     FLAG_MAC,
     FORMAT_VERSION,
     MAGIC,
+    BlockHeader,
     HeaderError,
     IntegrityKey,
     PayloadCheck,
@@ -89,6 +90,33 @@ def is_signed(head: bytes | bytearray) -> bool:
     )
 
 
+def _check_header(
+    head: bytes,
+    key: bytes,
+    length: int,
+    dst: memoryview,
+    meta_checksum: str | None,
+    integrity_key: IntegrityKey | None,
+) -> tuple[str | None, BlockHeader | None]:
+    """Check the ``head`` of an object of ``length`` bytes meant for ``key``'s block in
+    ``dst``: (problem, None) for an object that is wrong, (None, header) for one to read."""
+    try:
+        header = decode_header(head, integrity_key=integrity_key)
+    except HeaderError as exc:
+        return str(exc), None
+    if header.key != key:
+        return "object holds the block of another key", None
+    if header.payload_length != length - len(head):
+        return f"object is {length} bytes, header says {len(head)} + {header.payload_length}", None
+    if meta_checksum is not None and meta_checksum != f"{header.payload_checksum:016x}":
+        return "header checksum differs from the object metadata", None
+    if header.payload_length != dst.nbytes:
+        raise InvalidArgumentError(
+            f"dst holds {dst.nbytes} bytes but block {key.hex()} is {header.payload_length} bytes"
+        )
+    return None, header
+
+
 def verify_into(
     data: bytes,
     key: bytes,
@@ -103,23 +131,9 @@ def verify_into(
     head = data[:size]
     if len(head) < size:
         return f"object is {len(data)} bytes, shorter than a header", head
-    try:
-        header = decode_header(head, integrity_key=integrity_key)
-    except HeaderError as exc:
-        return str(exc), head
-    if header.key != key:
-        return "object holds the block of another key", head
-    if header.payload_length != len(data) - len(head):
-        return (
-            f"object is {len(data)} bytes, header says {len(head)} + {header.payload_length}",
-            head,
-        )
-    if meta_checksum is not None and meta_checksum != f"{header.payload_checksum:016x}":
-        return "header checksum differs from the object metadata", head
-    if header.payload_length != dst.nbytes:
-        raise InvalidArgumentError(
-            f"dst holds {dst.nbytes} bytes but block {key.hex()} is {header.payload_length} bytes"
-        )
+    problem, header = _check_header(head, key, len(data), dst, meta_checksum, integrity_key)
+    if header is None:
+        return problem, head
     dst[:] = memoryview(data)[len(head) :]
     try:  # over the copy, so what is checked is what the caller gets
         verify_block(key, header, dst, integrity_key=integrity_key)
@@ -184,20 +198,9 @@ async def _stream_into(
             return f"object is {len(first)} bytes, shorter than a header", first
         first += chunk
     head = first[:size]
-    try:
-        header = decode_header(head, integrity_key=integrity_key)
-    except HeaderError as exc:
-        return str(exc), head
-    if header.key != key:
-        return "object holds the block of another key", head
-    if header.payload_length != length - size:
-        return f"object is {length} bytes, header says {size} + {header.payload_length}", head
-    if meta_checksum is not None and meta_checksum != f"{header.payload_checksum:016x}":
-        return "header checksum differs from the object metadata", head
-    if header.payload_length != dst.nbytes:
-        raise InvalidArgumentError(
-            f"dst holds {dst.nbytes} bytes but block {key.hex()} is {header.payload_length} bytes"
-        )
+    problem, header = _check_header(head, key, length, dst, meta_checksum, integrity_key)
+    if header is None:
+        return problem, head
     try:
         check = PayloadCheck(key, header, integrity_key=integrity_key)
     except HeaderError as exc:
