@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-from bench_s3 import s3_endpoint  # the script's folder is on sys.path
+from bench_s3 import _Loader, _raw_get, s3_endpoint  # the script's folder is on sys.path
 
 from kvtier._keys import block_keys
 from kvtier.tiers._s3 import S3Tier
@@ -121,28 +121,6 @@ async def _tuned_client(args: argparse.Namespace) -> AsyncIterator[Any]:
     ) as client:
         send_bodies_as_given(client)
         yield client
-
-
-async def _raw_get(client: Any, bucket: str, name: str) -> None:
-    response = await client.get_object(Bucket=bucket, Key=name)
-    async with response["Body"] as body:
-        await body.read()
-
-
-class _Loader:
-    """Loads into a fixed set of block buffers, one per concurrent load."""
-
-    def __init__(self, tier: S3Tier, concurrency: int, block: int) -> None:
-        self.tier = tier
-        self.buffers = [bytearray(block) for _ in range(concurrency)]
-        self.free = list(range(concurrency))
-
-    async def load(self, key: bytes) -> None:
-        slot = self.free.pop()
-        try:
-            await self.tier.load(key, memoryview(self.buffers[slot]))
-        finally:
-            self.free.append(slot)
 
 
 async def _case(

@@ -36,6 +36,29 @@ async def assert_holds(tier: SecondaryTier, keys: list[bytes], data: np.ndarray)
         assert out == data[i].tobytes()
 
 
+def stalled_remote() -> StallingTier:
+    """The slower tier, its stores held until the test releases them."""
+    remote = StallingTier(MemoryTier("remote-inner"), name="remote")
+    remote.stall("store")
+    return remote
+
+
+def over(
+    fast: SecondaryTier,
+    remote: SecondaryTier,
+    *,
+    deferred: bool = True,
+    close_timeout: float = 5.0,
+) -> TieringManager:
+    """A manager writing through to ``fast`` and ``remote``, the remote's room one block."""
+    return TieringManager(
+        HostPool(8, BB),
+        [fast, remote],
+        admission=policy(deferred=deferred),
+        close_timeout=close_timeout,
+    )
+
+
 def policy(*, deferred: bool) -> AdmissionPolicy:
     return AdmissionPolicy(
         max_in_flight_bytes={"remote": BB},
@@ -48,12 +71,9 @@ async def test_dropped_writes_reach_the_deferred_tier_once_it_has_room(
     keys: list[bytes],
 ) -> None:
     fast = MemoryTier("fast")
-    remote = StallingTier(MemoryTier("remote-inner"), name="remote")
-    remote.stall("store")
+    remote = stalled_remote()
     data = blocks(4)
-    async with TieringManager(
-        HostPool(8, BB), [fast, remote], admission=policy(deferred=True)
-    ) as manager:
+    async with over(fast, remote) as manager:
         await manager.store(keys[:4], data)
         await remote.wait_stalled("store")
         stats = manager.statistics()
@@ -70,11 +90,8 @@ async def test_dropped_writes_reach_the_deferred_tier_once_it_has_room(
 
 async def test_without_deferred_the_dropped_writes_are_lost(keys: list[bytes]) -> None:
     fast = MemoryTier("fast")
-    remote = StallingTier(MemoryTier("remote-inner"), name="remote")
-    remote.stall("store")
-    async with TieringManager(
-        HostPool(8, BB), [fast, remote], admission=policy(deferred=False)
-    ) as manager:
+    remote = stalled_remote()
+    async with over(fast, remote, deferred=False) as manager:
         await manager.store(keys[:4], blocks(4))
         await remote.wait_stalled("store")
         remote.release("store")
@@ -88,11 +105,8 @@ async def test_a_deferred_write_whose_block_left_the_faster_tiers_is_given_up(
     keys: list[bytes],
 ) -> None:
     fast = MemoryTier("fast")
-    remote = StallingTier(MemoryTier("remote-inner"), name="remote")
-    remote.stall("store")
-    async with TieringManager(
-        HostPool(8, BB), [fast, remote], admission=policy(deferred=True)
-    ) as manager:
+    remote = stalled_remote()
+    async with over(fast, remote) as manager:
         await manager.store(keys[:2], blocks(2))
         await remote.wait_stalled("store")
         await fast.delete(keys[1])  # evicted from the fast tier before its turn came
@@ -109,11 +123,8 @@ async def test_closing_gives_up_the_deferred_writes_and_leaves_nothing_behind(
     keys: list[bytes],
 ) -> None:
     fast = MemoryTier("fast")
-    remote = StallingTier(MemoryTier("remote-inner"), name="remote")
-    remote.stall("store")
-    async with TieringManager(
-        HostPool(8, BB), [fast, remote], admission=policy(deferred=True), close_timeout=0.1
-    ) as manager:
+    remote = stalled_remote()
+    async with over(fast, remote, close_timeout=0.1) as manager:
         await manager.store(keys[:3], blocks(3))
         await remote.wait_stalled("store")
     stats = manager.statistics()
@@ -244,12 +255,9 @@ async def test_a_deferred_write_waits_for_the_faster_tier_still_writing_the_bloc
     answers RETRY for them): they wait for its answer and copy the blocks once written,
     instead of giving them up as lost."""
     fast = AskedTier("fast", keys[1:4])
-    remote = StallingTier(MemoryTier("remote-inner"), name="remote")
-    remote.stall("store")
+    remote = stalled_remote()
     data = blocks(4)
-    async with TieringManager(
-        HostPool(8, BB), [fast, remote], admission=policy(deferred=True)
-    ) as manager:
+    async with over(fast, remote) as manager:
         await manager.store(keys[:1], data[:1])
         await remote.wait_stalled("store")  # keys[0] holds the remote's in-flight room
         fast.stall("store")
