@@ -128,6 +128,11 @@ class SecondaryTier(ABC):
     opened again (a ``TieringManager`` re-entered re-opens its tiers).
     """
 
+    #: How many blocks this tier would rather be given at once: a tier that packs stores
+    #: arriving together into one object (S3) sets it to its pack size, and the manager
+    #: then starts its deferred writes in groups of that many. 1: no preference.
+    write_batch: int = 1
+
     def __init__(self, name: str) -> None:
         self.name = name
         self._listeners: list[Listener] = []
