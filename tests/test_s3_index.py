@@ -1,4 +1,5 @@
-"""The S3 tier's existence index and journal format, without a server (pure state machines)."""
+"""The S3 tier's existence index, journal and pack formats, without a server (pure state
+machines)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,16 @@ from kvtier.tiers._s3_journal import (
     segment_writer,
     start_after,
 )
+from kvtier.tiers._s3_pack import (
+    Location,
+    PackTableError,
+    decode_table,
+    encode_table,
+    is_pack_name,
+    pack_name,
+    table_length,
+    table_size,
+)
 
 
 class Clock:
@@ -35,7 +46,7 @@ def test_unknown_key_is_a_miss_and_known_a_hit() -> None:
     assert index.lookup(key) is LookupResult.MISS
     index.wrote(key)
     assert index.lookup(key) is LookupResult.HIT
-    assert index.take_unpublished() == [key]
+    assert index.take_unpublished() == [(key, None)]
     assert index.take_unpublished() == []
     stats = index.statistics()
     assert (stats.hits, stats.misses, stats.misses_by_reason) == (1, 1, {"not_found": 1})
@@ -45,7 +56,7 @@ def test_failed_load_suppresses_for_the_ttl_and_gone_object_is_dropped() -> None
     clock = Clock()
     index = ExistenceIndex(miss_ttl=2.0, max_keys=10, clock=clock)
     a, b = os.urandom(16), os.urandom(16)
-    index.add_many([a, b])
+    index.add_many([(a, None), (b, None)])
     index.suppress(a, MissReason.TIMEOUT)
     assert index.lookup(a) is LookupResult.MISS  # no promotion loop on a flaky key
     clock.now += 2.5
@@ -58,7 +69,7 @@ def test_failed_load_suppresses_for_the_ttl_and_gone_object_is_dropped() -> None
 def test_max_keys_bounds_memory() -> None:
     index = ExistenceIndex(miss_ttl=1.0, max_keys=2)
     keys = [os.urandom(16) for _ in range(3)]
-    assert index.add_many(keys) == keys[:2]
+    assert index.add_many([(key, None) for key in keys]) == keys[:2]
     assert index.full and len(index) == 2
 
 
@@ -69,7 +80,7 @@ def test_requeue_after_a_failed_publish() -> None:
         index.wrote(key)
     taken = index.take_unpublished()
     index.requeue(taken)
-    assert index.take_unpublished() == keys
+    assert index.take_unpublished() == [(key, None) for key in keys]
 
 
 def test_seen_segments_are_forgotten_past_the_lookback() -> None:
@@ -82,10 +93,14 @@ def test_seen_segments_are_forgotten_past_the_lookback() -> None:
 
 
 def test_segment_round_trip_and_damage() -> None:
-    keys = [os.urandom(n) for n in (16, 32, 255)]
-    data = encode_segment(keys)
-    assert decode_segment(data) == keys
+    entries: list[tuple[bytes, Location | None]] = [(os.urandom(n), None) for n in (16, 32, 255)]
+    data = encode_segment(entries)
+    assert data[:4] == b"KVJ1"  # nothing packed: readable by kvtier before packs
+    assert decode_segment(data) == entries
     assert decode_segment(encode_segment([])) == []
+    packed = [*entries, (os.urandom(16), Location("p/_kvtier_packs/ab/x-y-1", 300, 262_200))]
+    assert encode_segment(packed)[:4] == b"KVJ2"
+    assert decode_segment(encode_segment(packed)) == packed
     flipped = bytearray(data)
     flipped[10] ^= 1
     for bad in (bytes(flipped), data[:-3], b"", b"XXXX" + data[4:]):
@@ -141,3 +156,44 @@ def test_index_settings_from_the_config_file() -> None:
     assert (tier.settings.lookup_mode, tier.settings.index_refresh) == ("ask", 1.0)
     with pytest.raises(InvalidArgumentError, match="index_lookback"):
         KVTierConfig.from_dict({"pool": pool, "s3": {"bucket": "abc", "index_refresh": 40.0}})
+
+
+def test_packed_keys_keep_their_location_until_dropped() -> None:
+    index = ExistenceIndex(miss_ttl=1.0, max_keys=10)
+    a, b = os.urandom(16), os.urandom(16)
+    where = Location("p/_kvtier_packs/ab/x-y-1", 100, 50)
+    index.wrote(a, where)
+    index.add(b)
+    assert (index.location(a), index.location(b)) == (where, None)
+    assert index.take_unpublished() == [(a, where)]
+    index.add(a)  # its own object listed too: reading it from the pack stays cheaper
+    assert index.location(a) == where
+    index.suppress(a, MissReason.NOT_FOUND)  # the pack is gone
+    assert a not in index and index.location(a) is None
+
+
+def test_pack_table_round_trip_and_damage() -> None:
+    keys = [os.urandom(16) for _ in range(3)]
+    lengths = [262_200, 262_200, 1000]
+    table = encode_table(keys, lengths)
+    assert len(table) == table_length(3, 16) and table_size(table[:12]) == len(table)
+    found = decode_table(table + b"sections", "p/pack")
+    assert [k for k, _ in found] == keys
+    assert [w.offset for _, w in found] == [len(table), len(table) + 262_200, len(table) + 524_400]
+    assert all(
+        w.pack == "p/pack" and w.length == n for (_, w), n in zip(found, lengths, strict=True)
+    )
+    flipped = bytearray(table)
+    flipped[20] ^= 1
+    for bad in (bytes(flipped), table[:-3], b"", b"XXXX" + table[4:]):
+        with pytest.raises(PackTableError):
+            decode_table(bad, "p/pack")
+
+
+def test_pack_names_are_unique_per_writer_and_apart_from_blocks() -> None:
+    key = bytes(range(16))
+    first = pack_name("p", key, "0123456789abcdef", 1)
+    assert first != pack_name("p", key, "0123456789abcdef", 2)
+    assert first.startswith("p/_kvtier_packs/0f/" + key.hex())
+    assert is_pack_name(first, "p") and not is_pack_name("p/01/" + key.hex(), "p")
+    assert key_from_object(first, "p") is None  # never listed as a block object

@@ -83,14 +83,21 @@ from kvtier._errors import (
     TierError,
     TierUnavailableError,
 )
-from kvtier._format import IntegrityKey
+from kvtier._format import FORMAT_VERSION, IntegrityKey
 from kvtier._keys import check_key
 from kvtier._logging import BurstLogger
 from kvtier._lookup import LookupResult, MissReason
 from kvtier.tiers._async_lookup import AsyncLookupManager
 from kvtier.tiers._base import SecondaryTier, TierMeter, TierStatistics
 from kvtier.tiers._s3_breaker import BreakerState, CircuitBreaker
-from kvtier.tiers._s3_codec import build_object, is_newer_format, is_signed, read_block
+from kvtier.tiers._s3_codec import (
+    META_FORMAT,
+    build_object,
+    is_newer_format,
+    is_signed,
+    read_block,
+    verify_into,
+)
 from kvtier.tiers._s3_config import (
     BYTES_BODY_LIMIT,
     S3Settings,
@@ -106,7 +113,9 @@ from kvtier.tiers._s3_index import ExistenceIndex
 from kvtier.tiers._s3_index_sync import IndexSync
 from kvtier.tiers._s3_integrity import check_marker
 from kvtier.tiers._s3_journal import writer_id
-from kvtier.tiers._s3_requests import Requests, acquire
+from kvtier.tiers._s3_pack import Location, encode_table, pack_body, pack_name
+from kvtier.tiers._s3_packs import PackReads, PackWriter, PendingStore
+from kvtier.tiers._s3_requests import Requests
 
 __all__ = ["S3Tier", "S3TierStatistics"]
 
@@ -140,6 +149,11 @@ class S3Tier(SecondaryTier):
     time and clock skew between nodes), ``index_list_timeout`` (bound on the listing at
     open), ``index_max_keys`` (bound on the index's memory).
 
+    ``pack_blocks``: at most this many blocks stored together go into one object, a *pack*
+    (``_s3_pack``): one PUT, and one ranged GET for a node that needs them again; 1 keeps one
+    object per block. Default 8 in the index mode; the ask mode needs 1 (a HEAD by key cannot
+    see a block inside a pack).
+
     ``integrity_key`` (a secret of at least 16 bytes, or an ``IntegrityKey``): sign every block
     and serve only blocks signed with it; every node sharing the prefix must set the same one.
     It is never shown (``repr`` says ``signed=True``).
@@ -171,6 +185,7 @@ class S3Tier(SecondaryTier):
         index_lookback: float = 60.0,
         index_list_timeout: float = 60.0,
         index_max_keys: int = 10_000_000,
+        pack_blocks: int | None = None,
         integrity_key: str | bytes | IntegrityKey | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -202,7 +217,9 @@ class S3Tier(SecondaryTier):
             index_lookback=index_lookback,
             index_list_timeout=index_list_timeout,
             index_max_keys=index_max_keys,
+            pack_blocks=pack_blocks,
         )
+        self.write_batch = self.settings.pack_blocks
         credentials = check_credentials(aws_access_key_id, aws_secret_access_key, aws_session_token)
         # Imported here, not at module level, so `import kvtier` works without the extra.
         try:
@@ -251,12 +268,21 @@ class S3Tier(SecondaryTier):
         self._index = ExistenceIndex(
             miss_ttl=cfg.miss_ttl, max_keys=cfg.index_max_keys, clock=clock
         )
+        self._writer = writer_id()
+        self._packs_sent = 0
+        self._packer = PackWriter(
+            max_blocks=cfg.pack_blocks,
+            limiter=self._store_limiter,
+            put_single=self._put_single,
+            put_pack=self._put_pack,
+        )
+        self._pack_reads = PackReads(self._fetch_pack)
         self._sync = IndexSync(
             self._index,
             name=name,
             bucket=cfg.bucket,
             prefix=cfg.prefix,
-            writer=writer_id(),
+            writer=self._writer,
             call=self._call,
             client=lambda: self._require_client("refresh"),
             notify=self.notify,
@@ -394,11 +420,13 @@ class S3Tier(SecondaryTier):
         errors: list[TierError] = []
 
         async def head(i: int, key: bytes, scope: anyio.CancelScope) -> None:
+            where = self._index.location(key)
+            name = self.object_key(key) if where is None else where.pack
             try:
                 result = await self._call(
                     "contains",
                     key,
-                    lambda: client.head_object(Bucket=self.bucket, Key=self.object_key(key)),
+                    lambda: client.head_object(Bucket=self.bucket, Key=name),
                     expected=frozenset({Fault.NOT_FOUND}),
                 )
             except TierError as exc:
@@ -422,13 +450,17 @@ class S3Tier(SecondaryTier):
             raise InvalidArgumentError("dst must be a writable, contiguous buffer")
         view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
         started = time.perf_counter()
+        where = self._index.location(key)
         try:
-            result = await self._call(
-                "load",
-                key,
-                lambda: self._get_into(client, key, view),
-                expected=frozenset({Fault.NOT_FOUND}),
-            )
+            if where is not None:
+                result = await self._load_section(client, key, where, view)
+            else:
+                result = await self._call(
+                    "load",
+                    key,
+                    lambda: self._get_into(client, key, view),
+                    expected=frozenset({Fault.NOT_FOUND}),
+                )
         except CorruptBlockError:
             self._meter.failed(MissReason.CORRUPT)
             self.record_miss(key, MissReason.CORRUPT)
@@ -460,8 +492,46 @@ class S3Tier(SecondaryTier):
         if problem is not None:
             await self._discard_corrupt(client, key, head, problem)
 
+    async def _load_section(
+        self, client: Any, key: bytes, where: Location, dst: memoryview
+    ) -> Fault | None:
+        """Load a packed block: its section comes with those of the same pack that other
+        loads want now (one ranged GET, ``PackReads``), then is checked into ``dst``."""
+        section = await self._pack_reads.read(where)
+        if section is None:
+            return Fault.NOT_FOUND
+        thread_bytes = _THREAD_VERIFY_BYTES if self.integrity_key is None else _THREAD_SIGNED_BYTES
+        verify = functools.partial(verify_into, section, key, dst, None, self.integrity_key)
+        if section.nbytes > thread_bytes:
+            problem, head = await anyio.to_thread.run_sync(verify)
+        else:
+            problem, head = verify()
+        if problem is not None:
+            await self._discard_corrupt(client, key, bytes(head), problem, where.pack)
+        return None
+
+    async def _fetch_pack(self, name: str, lo: int, hi: int) -> bytes | None:
+        """Bytes ``lo:hi`` of the pack ``name`` (fewer if it is shorter), None if it is gone."""
+        client = self._require_client("load")
+
+        async def get() -> bytes:
+            response = await client.get_object(
+                Bucket=self.bucket, Key=name, Range=f"bytes={lo}-{hi - 1}"
+            )
+            async with response["Body"] as body:
+                data: bytes = await body.read()
+            return data
+
+        # A range past the end (HTTP 416) means a pack shorter than its table: the short
+        # answer is then caught as corrupt by each section's header check.
+        expected = frozenset({Fault.NOT_FOUND, Fault.REJECTED})
+        result = await self._call("load", None, get, expected=expected)
+        if result is Fault.NOT_FOUND:
+            return None
+        return b"" if isinstance(result, Fault) else result
+
     async def _discard_corrupt(
-        self, client: Any, key: bytes, head: bytes, problem: str
+        self, client: Any, key: bytes, head: bytes, problem: str, pack: str | None = None
     ) -> NoReturn:
         """Delete a corrupt object (unless it may be valid to other nodes: a newer format, or
         signed while this tier has no key) and raise CorruptBlockError."""
@@ -470,10 +540,11 @@ class S3Tier(SecondaryTier):
             kept = "; newer format, left in place"
         elif self.integrity_key is None and is_signed(head):
             kept = "; signed, and this tier has no integrity key: left in place"
+        name = pack if pack is not None else self.object_key(key)
         if not kept:
             with anyio.move_on_after(self.settings.read_timeout, shield=True):
                 try:
-                    await client.delete_object(Bucket=self.bucket, Key=self.object_key(key))
+                    await client.delete_object(Bucket=self.bucket, Key=name)
                     self._corrupt_deleted += 1
                 except Exception as exc:
                     self._log.warning(
@@ -486,7 +557,7 @@ class S3Tier(SecondaryTier):
             "corrupt",
             "%s: corrupt object %s (%s)%s",
             self.name,
-            self.object_key(key),
+            name if pack is None else f"{name} (the section of {key.hex()})",
             problem,
             kept,
         )
@@ -494,7 +565,7 @@ class S3Tier(SecondaryTier):
 
     async def store(self, key: bytes, src: memoryview) -> None:
         check_key(key)
-        client = self._require_client("store")
+        self._require_client("store")
         if self.settings.lookup_mode == "index" and key in self._index:
             # Already in the bucket (written here, listed, or published by another node): a key
             # always names the same bytes, so there is nothing to send. If the object was
@@ -502,13 +573,20 @@ class S3Tier(SecondaryTier):
             self._skipped_existing += 1
             return
         payload = memoryview(src).cast("B") if memoryview(src).format != "B" else memoryview(src)
-        started = time.perf_counter()
         build = functools.partial(build_object, key, payload, integrity_key=self.integrity_key)
         limit = _THREAD_BUILD_BYTES if self.integrity_key is None else _THREAD_SIGNED_BYTES
         if payload.nbytes > limit:
             body, metadata, crc = await anyio.to_thread.run_sync(build)
         else:
             body, metadata, crc = build()
+        # Sent alone, or packed with the stores that arrive with it (``_s3_packs``).
+        await self._packer.store(PendingStore(key, body, metadata, crc))
+
+    async def _put_single(self, item: PendingStore) -> None:
+        """One block as its own object, with a conditional put; the caller holds a slot."""
+        client = self._require_client("store")
+        key, body = item.key, item.body
+        started = time.perf_counter()
         object_key = self.object_key(key)
 
         async def put() -> Any:
@@ -517,18 +595,14 @@ class S3Tier(SecondaryTier):
                 Bucket=self.bucket,
                 Key=object_key,
                 Body=body if len(body) <= BYTES_BODY_LIMIT else io.BytesIO(body),
-                Metadata=metadata,
-                ChecksumCRC32=crc,
+                Metadata=item.metadata,
+                ChecksumCRC32=item.crc,
                 **extra,
             )
 
         expected = frozenset({Fault.PRECONDITION, Fault.CONFLICT, Fault.UNSUPPORTED})
         try:
-            await acquire(self._store_limiter)
-            try:
-                result = await self._call("store", key, put, expected=expected)
-            finally:
-                self._store_limiter.release()
+            result = await self._call("store", key, put, expected=expected)
             if result is Fault.UNSUPPORTED and self._conditional_put:
                 logger.info("%s: the server rejects conditional puts; using plain puts", self.name)
                 self._conditional_put = False
@@ -551,16 +625,60 @@ class S3Tier(SecondaryTier):
         self._index.wrote(key)  # indexed now, published in the next journal segment
         self._lookups.record(key, True)
 
+    async def _put_pack(self, items: list[PendingStore]) -> None:
+        """Several blocks as one pack object (``_s3_pack``); the caller holds a slot. A pack's
+        name is unique to this writer, so it needs no conditional put."""
+        client = self._require_client("store")
+        started = time.perf_counter()
+        keys = [item.key for item in items]
+        lengths = [len(item.body) for item in items]
+        self._packs_sent += 1
+        name = pack_name(self.prefix, keys[0], self._writer, self._packs_sent)
+        table = encode_table(keys, lengths)
+        join = functools.partial(pack_body, table, [item.body for item in items])
+        if sum(lengths) > _THREAD_BUILD_BYTES:
+            body, crc = await anyio.to_thread.run_sync(join)
+        else:
+            body, crc = join()
+
+        async def put() -> Any:
+            return await client.put_object(
+                Bucket=self.bucket,
+                Key=name,
+                Body=body if len(body) <= BYTES_BODY_LIMIT else io.BytesIO(body),
+                Metadata={META_FORMAT: str(FORMAT_VERSION)},
+                ChecksumCRC32=crc,
+            )
+
+        try:
+            await self._call("store", None, put)
+        except TierError as exc:
+            self._meter.failed(exc.reason)
+            raise
+        seconds = (time.perf_counter() - started) / len(items)
+        offset = len(table)
+        for key, length in zip(keys, lengths, strict=True):
+            self._meter.wrote(length, seconds)
+            self._index.wrote(key, Location(name, offset, length))
+            self._lookups.record(key, True)
+            offset += length
+
     async def delete(self, key: bytes) -> None:
+        """Delete ``key``'s object, and the pack that holds it if any: S3 cannot delete part
+        of an object, so the pack's other blocks go too (misses from then on, on every node;
+        this is a cache, and no block is ever served from a pack that is gone)."""
         check_key(key)
         client = self._require_client("delete")
+        where = self._index.location(key)
+        names = [self.object_key(key)] + ([where.pack] if where is not None else [])
         try:
-            await self._call(
-                "delete",
-                key,
-                lambda: client.delete_object(Bucket=self.bucket, Key=self.object_key(key)),
-                expected=frozenset({Fault.NOT_FOUND}),
-            )
+            for name in names:
+                await self._call(
+                    "delete",
+                    key,
+                    functools.partial(client.delete_object, Bucket=self.bucket, Key=name),
+                    expected=frozenset({Fault.NOT_FOUND}),
+                )
         except TierError as exc:
             self._meter.failed(exc.reason)
             raise
@@ -620,6 +738,10 @@ class S3Tier(SecondaryTier):
             index_refreshes=self._sync.refreshes,
             journal_segments_published=self._sync.segments_published,
             journal_segments_read=self._sync.segments_read,
+            packs_written=self._packer.packs,
+            blocks_packed=self._packer.packed_blocks,
+            pack_gets=self._pack_reads.gets,
+            pack_sections_read=self._pack_reads.sections,
         )
 
     def __repr__(self) -> str:

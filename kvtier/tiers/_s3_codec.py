@@ -38,6 +38,7 @@ from kvtier._format import (
 
 __all__ = [
     "META_CHECKSUM",
+    "META_FORMAT",
     "build_object",
     "is_newer_format",
     "is_signed",
@@ -118,7 +119,7 @@ def _check_header(
 
 
 def verify_into(
-    data: bytes,
+    data: bytes | memoryview,
     key: bytes,
     dst: memoryview,
     meta_checksum: str | None,
@@ -128,7 +129,7 @@ def verify_into(
     header bytes). About 0.2 ms per MiB (a copy and an xxh3 pass; with ``integrity_key`` the
     MAC replaces the xxh3 pass): the tier runs it in a worker thread for large blocks."""
     size = header_size(len(key), integrity_key=integrity_key)
-    head = data[:size]
+    head = bytes(data[:size])
     if len(head) < size:
         return f"object is {len(data)} bytes, shorter than a header", head
     problem, header = _check_header(head, key, len(data), dst, meta_checksum, integrity_key)

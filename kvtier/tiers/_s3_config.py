@@ -34,6 +34,10 @@ __all__ = [
 _BUCKET_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{1,253}[A-Za-z0-9]$")
 ADDRESSING_STYLES = ("auto", "path", "virtual")
 LOOKUP_MODES = ("index", "ask")
+# A pack's blocks are fetched together; past 64 a GET of one block's neighbours would waste
+# more than packing saves, and the pack table grows past one probe (``_s3_pack``).
+MAX_PACK_BLOCKS = 64
+DEFAULT_PACK_BLOCKS = 8  # 2 MiB objects for 256 KiB blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +60,28 @@ class S3TierStatistics(TierStatistics):
     index_refreshes: int = 0
     journal_segments_published: int = 0
     journal_segments_read: int = 0
+    packs_written: int = 0  # PUTs that carried more than one block
+    blocks_packed: int = 0  # blocks those PUTs carried
+    pack_gets: int = 0  # ranged GETs of packs
+    pack_sections_read: int = 0  # blocks those GETs served
+
+
+def _pack_blocks(value: object, lookup_mode: str) -> int:
+    """Packs are found through the existence index (a HEAD by key cannot see a block inside
+    a pack), so the ``ask`` mode stores one object per block."""
+    if value is None:
+        return DEFAULT_PACK_BLOCKS if lookup_mode == "index" else 1
+    blocks = positive_int(value, "pack_blocks")
+    if blocks > 1 and lookup_mode != "index":
+        raise InvalidArgumentError(
+            f"pack_blocks={blocks} needs lookup_mode='index': blocks in a pack are found "
+            "through the existence index, not by asking the server; set pack_blocks=1"
+        )
+    if blocks > MAX_PACK_BLOCKS:
+        raise InvalidArgumentError(
+            f"pack_blocks must be 1 (one object per block) to {MAX_PACK_BLOCKS}, got {blocks}"
+        )
+    return blocks
 
 
 def _optional_str(value: object, name: str) -> str | None:
@@ -137,6 +163,7 @@ class S3Settings:
     index_lookback: float
     index_list_timeout: float
     index_max_keys: int
+    pack_blocks: int
 
     @classmethod
     def check(
@@ -161,6 +188,7 @@ class S3Settings:
         index_lookback: object = 60.0,
         index_list_timeout: object = 60.0,
         index_max_keys: object = 10_000_000,
+        pack_blocks: object = None,
     ) -> S3Settings:
         if not isinstance(bucket, str) or not bucket:
             raise InvalidArgumentError("bucket must be a non-empty bucket name")
@@ -212,6 +240,7 @@ class S3Settings:
                 index_list_timeout, "index_list_timeout", " of seconds"
             ),
             index_max_keys=positive_int(index_max_keys, "index_max_keys"),
+            pack_blocks=_pack_blocks(pack_blocks, str(lookup_mode)),
         )
 
     @property

@@ -11,9 +11,10 @@ the manager does not promote it again at every wake.
 The index also keeps the journal's bookkeeping: keys this node wrote that are not published
 yet, and which segments of other writers it has read (forgotten once older than the lookback).
 
-Memory: one Python ``bytes`` per key (about 70 bytes for a 32-byte key plus the set slot);
-``max_keys`` bounds it, past which new keys are not indexed (they answer MISS, as before a
-refresh) and a warning is logged by the tier.
+Memory: one Python ``bytes`` per key (about 70 bytes for a 32-byte key plus the set slot),
+and for a key in a pack its ``Location`` (about 80 bytes more; the pack's name is shared by
+its keys); ``max_keys`` bounds it, past which new keys are not indexed (they answer MISS,
+as before a refresh) and a warning is logged by the tier.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections.abc import Callable, Iterable
 
 from kvtier._lookup import LookupResult, MissReason
 from kvtier.tiers._base import LookupStatistics
+from kvtier.tiers._s3_pack import Location
 
 __all__ = ["ExistenceIndex", "key_from_object"]
 
@@ -57,8 +59,9 @@ class ExistenceIndex:
         self._max_keys = max_keys
         self._clock = clock
         self._keys: set[bytes] = set()
+        self._where: dict[bytes, Location] = {}  # keys held in a pack, not a block object
         self._suppressed: dict[bytes, tuple[float, MissReason]] = {}
-        self._unpublished: dict[bytes, None] = {}
+        self._unpublished: dict[bytes, Location | None] = {}
         self._seen: dict[str, int] = {}  # segment name -> its wall ms
         self.full = False  # max_keys reached at least once
         self.listed = 0  # keys found by the listing at open
@@ -72,6 +75,10 @@ class ExistenceIndex:
 
     def __contains__(self, key: object) -> bool:
         return key in self._keys
+
+    def location(self, key: bytes) -> Location | None:
+        """The pack section holding ``key``; None for a key stored as its own object."""
+        return self._where.get(key)
 
     # -- answers -------------------------------------------------------------------------------
 
@@ -94,28 +101,35 @@ class ExistenceIndex:
 
     # -- updates -------------------------------------------------------------------------------
 
-    def add(self, key: bytes) -> bool:
-        """Index ``key``; True if it was not known (and there was room)."""
+    def add(self, key: bytes, where: Location | None = None) -> bool:
+        """Index ``key`` (in the pack section ``where``, or as its own object); True if it
+        was not known (and there was room). A key known in a pack keeps its location when
+        its own object is found too: reading it with its pack's neighbours costs less."""
         if key in self._keys:
             self._suppressed.pop(key, None)
+            if where is not None:
+                self._where[key] = where
             return False
         if len(self._keys) >= self._max_keys:
             self.full = True
             return False
         self._keys.add(key)
+        if where is not None:
+            self._where[key] = where
         return True
 
-    def add_many(self, keys: Iterable[bytes]) -> list[bytes]:
-        return [key for key in keys if self.add(key)]
+    def add_many(self, entries: Iterable[tuple[bytes, Location | None]]) -> list[bytes]:
+        return [key for key, where in entries if self.add(key, where)]
 
-    def wrote(self, key: bytes) -> None:
+    def wrote(self, key: bytes, where: Location | None = None) -> None:
         """This node stored ``key``: index it and queue it for the next journal segment."""
-        self.add(key)
-        self._unpublished[key] = None
+        self.add(key, where)
+        self._unpublished[key] = where
 
     def discard(self, key: bytes) -> None:
         """The object is gone (a GET found nothing, it was corrupt, or deleted)."""
         self._keys.discard(key)
+        self._where.pop(key, None)
         self._suppressed.pop(key, None)
 
     def suppress(self, key: bytes, reason: MissReason) -> None:
@@ -127,15 +141,15 @@ class ExistenceIndex:
 
     # -- journal bookkeeping ---------------------------------------------------------------
 
-    def take_unpublished(self) -> list[bytes]:
-        keys = list(self._unpublished)
+    def take_unpublished(self) -> list[tuple[bytes, Location | None]]:
+        entries = list(self._unpublished.items())
         self._unpublished.clear()
-        return keys
+        return entries
 
-    def requeue(self, keys: list[bytes]) -> None:
+    def requeue(self, entries: list[tuple[bytes, Location | None]]) -> None:
         """A segment could not be published: send its keys with the next one."""
-        for key in keys:
-            self._unpublished[key] = None
+        for key, where in entries:
+            self._unpublished.setdefault(key, where)
 
     def unseen(self, names: Iterable[str]) -> list[str]:
         return [name for name in names if name not in self._seen]

@@ -36,6 +36,14 @@ from kvtier.tiers._s3_journal import (
     segment_writer,
     start_after,
 )
+from kvtier.tiers._s3_pack import (
+    TABLE_PROBE_BYTES,
+    Location,
+    PackTableError,
+    decode_table,
+    is_pack_name,
+    table_size,
+)
 
 __all__ = ["IndexSync"]
 
@@ -43,6 +51,7 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _PROGRESS_EVERY = 5.0  # seconds between progress lines of a long listing
+_TABLE_READS = 16  # pack tables read at once at open
 
 
 class Call(Protocol):
@@ -108,6 +117,7 @@ class IndexSync:
             kwargs["Prefix"] = self._prefix + "/"
         journal = journal_prefix(self._prefix)
         pages = found = 0
+        packs: list[str] = []
         last_report = started
         with anyio.move_on_after(self._list_timeout) as scope:
             while True:
@@ -119,6 +129,9 @@ class IndexSync:
                 for item in page.get("Contents", ()):
                     name = item["Key"]
                     if name.startswith(journal):
+                        continue
+                    if is_pack_name(name, self._prefix):
+                        packs.append(name)
                         continue
                     key = key_from_object(name, self._prefix)
                     if key is not None and self._index.add(key):
@@ -139,6 +152,7 @@ class IndexSync:
                 if not page.get("IsTruncated") or not token:
                     break
                 kwargs["ContinuationToken"] = token
+            found += await self._read_tables(client, packs, started)
         self._index.listed = found
         self.listing_complete = not scope.cancelled_caught
         if scope.cancelled_caught:
@@ -161,6 +175,71 @@ class IndexSync:
                 time.monotonic() - started,
                 pages,
             )
+
+    async def _read_tables(self, client: Any, packs: list[str], started: float) -> int:
+        """Index the keys of the listed ``packs`` from their tables: one small ranged GET
+        each (two for a table past ``TABLE_PROBE_BYTES``), ``_TABLE_READS`` at a time."""
+        found = 0
+        done = 0
+        last_report = time.monotonic()
+        pending = iter(packs)
+
+        async def reader() -> None:
+            nonlocal found, done, last_report
+            for name in pending:
+                entries = await self._read_table(client, name)
+                found += len(self._index.add_many(entries))
+                done += 1
+                now = time.monotonic()
+                if now - last_report >= _PROGRESS_EVERY:
+                    last_report = now
+                    logger.info(
+                        "%s: indexing s3://%s/%s: read %d of %d pack tables after %.0f s",
+                        self.name,
+                        self._bucket,
+                        self._prefix,
+                        done,
+                        len(packs),
+                        now - started,
+                    )
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(min(_TABLE_READS, len(packs))):
+                tg.start_soon(reader)
+        return found
+
+    async def _read_table(self, client: Any, name: str) -> list[tuple[bytes, Location | None]]:
+        async def get(lo: int, hi: int) -> bytes:
+            response = await client.get_object(
+                Bucket=self._bucket, Key=name, Range=f"bytes={lo}-{hi - 1}"
+            )
+            async with response["Body"] as body:
+                data: bytes = await body.read()
+            return data
+
+        expected = frozenset({Fault.NOT_FOUND})
+        try:
+            data = await self._call(
+                "list", None, lambda: get(0, TABLE_PROBE_BYTES), expected=expected
+            )
+            if isinstance(data, Fault):
+                return []  # deleted since the listing
+            size = table_size(data)
+            if size > len(data):
+                more = await self._call(
+                    "list", None, lambda: get(len(data), size), expected=expected
+                )
+                if isinstance(more, Fault):
+                    return []
+                data += more
+            return list(decode_table(data, name))
+        except PackTableError as exc:
+            self._log.warning("pack", "%s: ignoring pack %s: %s", self.name, name, exc)
+        except TierError as exc:  # its keys miss until a journal or a store names them
+            self._log.warning(
+                "pack-table", "%s: could not read pack %s (%s)", self.name, name, exc.reason
+            )
+        return []
 
     # -- the journal loop ------------------------------------------------------------------
 
@@ -185,14 +264,14 @@ class IndexSync:
         self.refreshes += 1
 
     async def publish(self) -> None:
-        keys = self._index.take_unpublished()
-        if not keys:
+        entries = self._index.take_unpublished()
+        if not entries:
             return
         client = self._client()
         now_ms = int(self._wall() * 1000)
         self._seq += 1
         name = segment_name(self._prefix, now_ms, self._writer, self._seq)
-        body = encode_segment(keys)
+        body = encode_segment(entries)
         try:
             await self._call(
                 "journal",
@@ -200,7 +279,7 @@ class IndexSync:
                 lambda: client.put_object(Bucket=self._bucket, Key=name, Body=body),
             )
         except BaseException:
-            self._index.requeue(keys)
+            self._index.requeue(entries)
             raise
         self.segments_published += 1
         self._own.append((now_ms, name))
@@ -264,10 +343,10 @@ class IndexSync:
             return []  # deleted by its writer meanwhile: older than the lookback anyway
         self.segments_read += 1
         try:
-            keys = decode_segment(data)
+            entries = decode_segment(data)
         except SegmentError as exc:
             self._log.warning(
                 "segment", "%s: ignoring journal segment %s: %s", self.name, name, exc
             )
             return []
-        return self._index.add_many(keys)
+        return self._index.add_many(entries)

@@ -7,8 +7,11 @@ seconds when there are any, publishes them as one small *segment* object:
 
 Names sort by time, so a reader lists only the recent ones (``StartAfter`` = the name of the
 time ``lookback`` seconds ago) and fetches those it has not read yet. A segment is
-``MAGIC, u32 count, count x (u16 length, key), xxh3-64 of all before``; a segment that does not
-parse is ignored (logged by the caller), never trusted.
+``MAGIC, u32 count, count x (u16 length, key), xxh3-64 of all before``; when any key was
+stored in a pack (``_s3_pack``), the magic is ``KVJ2`` and each key is followed by its pack's
+name (``u16 length, name``; empty for a key stored as its own object) and the section's
+``u64 offset, u64 length``. A segment that does not parse is ignored (logged by the caller),
+never trusted.
 
 Cost per refresh, per reader: one LIST request (one page while fewer than 1000 segments fall
 within ``lookback``) plus one small GET per segment another node published since the last
@@ -27,6 +30,8 @@ import struct
 
 import xxhash
 
+from kvtier.tiers._s3_pack import Location
+
 __all__ = [
     "JOURNAL_DIR",
     "SegmentError",
@@ -42,6 +47,8 @@ __all__ = [
 
 JOURNAL_DIR = "_kvtier_journal"
 MAGIC = b"KVJ1"
+MAGIC_PACKS = b"KVJ2"  # each key also names its pack section (or none: its own object)
+_WHERE = struct.Struct("<QQ")
 _NAME_RE = re.compile(r"(\d{15})-([0-9a-f]{16})-(\d+)$")
 
 
@@ -78,33 +85,52 @@ def segment_writer(name: str) -> str | None:
     return match.group(2) if match else None
 
 
-def encode_segment(keys: list[bytes]) -> bytes:
-    parts = [MAGIC, struct.pack("<I", len(keys))]
-    for key in keys:
+def encode_segment(entries: list[tuple[bytes, Location | None]]) -> bytes:
+    """A segment of ``(key, location)`` entries; version 1 (keys only) when no key is in a
+    pack, so a writer that packs nothing stays readable by kvtier before packs."""
+    packed = any(where is not None for _, where in entries)
+    parts = [MAGIC_PACKS if packed else MAGIC, struct.pack("<I", len(entries))]
+    for key, where in entries:
         parts.append(struct.pack("<H", len(key)))
         parts.append(key)
+        if packed:
+            name = where.pack.encode() if where is not None else b""
+            offset, length = (where.offset, where.length) if where is not None else (0, 0)
+            parts.append(struct.pack("<H", len(name)) + name + _WHERE.pack(offset, length))
     body = b"".join(parts)
     return body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
 
 
-def decode_segment(data: bytes) -> list[bytes]:
-    if len(data) < 16 or data[:4] != MAGIC:
+def decode_segment(data: bytes) -> list[tuple[bytes, Location | None]]:
+    if len(data) < 16 or data[:4] not in (MAGIC, MAGIC_PACKS):
         raise SegmentError("not a kvtier journal segment")
+    packed = data[:4] == MAGIC_PACKS
     body, (digest,) = data[:-8], struct.unpack("<Q", data[-8:])
     if xxhash.xxh3_64_intdigest(body) != digest:
         raise SegmentError("journal segment checksum mismatch")
     (count,) = struct.unpack_from("<I", body, 4)
-    keys: list[bytes] = []
+    entries: list[tuple[bytes, Location | None]] = []
     offset = 8
+
+    def take(n: int) -> bytes:
+        nonlocal offset
+        if offset + n > len(body):
+            raise SegmentError("journal segment truncated")
+        out = bytes(body[offset : offset + n])
+        offset += n
+        return out
+
     for _ in range(count):
-        if offset + 2 > len(body):
-            raise SegmentError("journal segment truncated")
-        (length,) = struct.unpack_from("<H", body, offset)
-        offset += 2
-        if offset + length > len(body):
-            raise SegmentError("journal segment truncated")
-        keys.append(bytes(body[offset : offset + length]))
-        offset += length
+        (length,) = struct.unpack("<H", take(2))
+        key = take(length)
+        where: Location | None = None
+        if packed:
+            (name_length,) = struct.unpack("<H", take(2))
+            name = take(name_length).decode("utf-8", "replace")
+            section_offset, section_length = _WHERE.unpack(take(_WHERE.size))
+            if name:
+                where = Location(name, section_offset, section_length)
+        entries.append((key, where))
     if offset != len(body):
         raise SegmentError("journal segment has trailing bytes")
-    return keys
+    return entries

@@ -1,0 +1,280 @@
+"""Pack objects of the S3 tier against a real SeaweedFS: stores that arrive together share one
+PUT, loads that start together share one ranged GET, and every way a pack can go wrong (gone,
+corrupt, its writer cancelled) is a miss, never wrong bytes."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import pytest
+from weed_proc import ACCESS_KEY, BUCKET, REGION, SECRET_KEY, WeedServer, raw_client, serve_session
+
+from kvtier._errors import (
+    BlockNotFoundError,
+    CorruptBlockError,
+    InvalidArgumentError,
+    TierUnavailableError,
+)
+from kvtier._keys import block_keys
+from kvtier._lookup import LookupResult
+from kvtier.tiers._s3 import S3Tier
+from kvtier.tiers._s3_pack import PACK_DIR, Location
+from kvtier.tiers._s3_packs import PackReads, PackWriter, PendingStore
+
+BLOCK = 4096
+
+
+@pytest.fixture(scope="module")
+def weed_server() -> Iterator[WeedServer]:
+    yield from serve_session()
+
+
+def _tier(server: WeedServer, prefix: str, **overrides: Any) -> S3Tier:
+    return S3Tier(
+        BUCKET,
+        prefix=prefix,
+        endpoint_url=server.endpoint_url,
+        region_name=REGION,
+        aws_access_key_id=ACCESS_KEY,
+        aws_secret_access_key=SECRET_KEY,
+        **overrides,
+    )
+
+
+def _keys_and_blocks(n: int) -> tuple[list[bytes], list[bytes]]:
+    keys = block_keys(list(range(4 * n)), 4, namespace=os.urandom(8))
+    return keys, [os.urandom(BLOCK) for _ in keys]
+
+
+async def _store_together(tier: S3Tier, keys: list[bytes], blocks: list[bytes]) -> None:
+    """Start every store in one event-loop tick, as the manager's write-through does."""
+    async with anyio.create_task_group() as tg:
+        for key, block in zip(keys, blocks, strict=True):
+            tg.start_soon(tier.store, key, memoryview(block))
+
+
+async def _load_together(tier: S3Tier, keys: list[bytes]) -> list[bytes]:
+    out = [bytearray(BLOCK) for _ in keys]
+    async with anyio.create_task_group() as tg:
+        for key, dst in zip(keys, out, strict=True):
+            tg.start_soon(tier.load, key, memoryview(dst))
+    return [bytes(b) for b in out]
+
+
+async def _objects(server: WeedServer, prefix: str) -> list[str]:
+    async with raw_client(server.endpoint_url) as client:
+        page = await client.list_objects_v2(Bucket=BUCKET, Prefix=prefix + "/")
+    return [item["Key"] for item in page.get("Contents", ())]
+
+
+async def test_stores_together_share_a_pack_and_another_node_loads_it_with_one_get(
+    weed_server: WeedServer,
+) -> None:
+    prefix = f"packs/{uuid.uuid4().hex}"
+    keys, blocks = _keys_and_blocks(11)
+    async with _tier(weed_server, prefix, pack_blocks=4) as writer:
+        assert writer.write_batch == 4
+        await _store_together(writer, keys, blocks)
+        stats = writer.statistics()
+        # 11 stores in one tick: the first to get a PUT slot sends 4, the next waiting one
+        # the next 4, then the last 3; one PUT each, no block object.
+        assert (stats.stores, stats.packs_written, stats.blocks_packed) == (11, 3, 11)
+        names = await _objects(weed_server, prefix)
+        assert len(names) == 3 and all(f"/{PACK_DIR}/" in n for n in names)
+        # The writer itself loads the packed blocks from the index's locations.
+        assert await _load_together(writer, keys) == blocks
+
+    # Another node: its listing at open reads the pack tables.
+    async with _tier(weed_server, prefix, pack_blocks=4) as reader:
+        assert reader.statistics().index_listed == 11
+        assert all(reader.lookup(k) is LookupResult.HIT for k in keys)
+        assert await _load_together(reader, keys) == blocks
+        stats = reader.statistics()
+        # The loads of each pack started together: one ranged GET per pack, not per block.
+        assert (stats.loads, stats.pack_gets, stats.pack_sections_read) == (11, 3, 11)
+
+
+async def test_a_pack_written_after_open_is_learnt_from_the_journal(
+    weed_server: WeedServer,
+) -> None:
+    prefix = f"packs/{uuid.uuid4().hex}"
+    keys, blocks = _keys_and_blocks(4)
+    async with (
+        _tier(weed_server, prefix, index_refresh=100.0, index_lookback=1000.0) as reader,
+        _tier(weed_server, prefix, index_refresh=100.0, index_lookback=1000.0) as writer,
+    ):
+        await _store_together(writer, keys, blocks)
+        assert writer.statistics().packs_written == 1
+        assert [reader.lookup(k) for k in keys] == [LookupResult.MISS] * 4
+        await writer.refresh_index()  # publishes a journal segment naming the pack sections
+        await reader.refresh_index()
+        assert [reader.lookup(k) for k in keys] == [LookupResult.HIT] * 4
+        assert await _load_together(reader, keys) == blocks
+        assert reader.statistics().pack_gets == 1
+
+
+async def test_a_deleted_pack_is_a_miss_that_fixes_the_index(weed_server: WeedServer) -> None:
+    prefix = f"packs/{uuid.uuid4().hex}"
+    keys, blocks = _keys_and_blocks(3)
+    async with _tier(weed_server, prefix) as tier:
+        await _store_together(tier, keys, blocks)
+        (pack,) = [n for n in await _objects(weed_server, prefix) if f"/{PACK_DIR}/" in n]
+        async with raw_client(weed_server.endpoint_url) as client:
+            await client.delete_object(Bucket=BUCKET, Key=pack)
+        for key in keys:
+            with pytest.raises(BlockNotFoundError):
+                await tier.load(key, memoryview(bytearray(BLOCK)))
+            assert tier.lookup(key) is LookupResult.MISS
+        assert tier.statistics().lookups.misses_by_reason == {"not_found": 3}
+
+
+async def test_delete_of_a_packed_key_deletes_its_pack(weed_server: WeedServer) -> None:
+    prefix = f"packs/{uuid.uuid4().hex}"
+    keys, blocks = _keys_and_blocks(2)
+    async with _tier(weed_server, prefix) as tier:
+        await _store_together(tier, keys, blocks)
+        await tier.delete(keys[0])
+        assert await _objects(weed_server, prefix) == []
+        assert tier.lookup(keys[0]) is LookupResult.MISS
+        with pytest.raises(BlockNotFoundError):  # its neighbour went with the pack
+            await tier.load(keys[1], memoryview(bytearray(BLOCK)))
+        assert tier.lookup(keys[1]) is LookupResult.MISS
+
+
+@pytest.mark.parametrize("damage", ["payload", "table offset", "truncated"])
+async def test_a_corrupt_pack_is_a_corrupt_miss_and_deleted(
+    weed_server: WeedServer, damage: str
+) -> None:
+    prefix = f"packs/{uuid.uuid4().hex}"
+    keys, blocks = _keys_and_blocks(3)
+    async with _tier(weed_server, prefix) as tier:
+        await _store_together(tier, keys, blocks)
+        (pack,) = [n for n in await _objects(weed_server, prefix) if f"/{PACK_DIR}/" in n]
+        async with raw_client(weed_server.endpoint_url) as client:
+            response = await client.get_object(Bucket=BUCKET, Key=pack)
+            data = bytearray(await response["Body"].read())
+            if damage == "payload":
+                data[-100] ^= 0xFF  # inside the last block's payload
+            elif damage == "table offset":
+                data = data[:200] + data[201:] + b"\0"  # every section shifted by one byte
+            else:
+                data = data[: len(data) - BLOCK // 2]
+            await client.put_object(Bucket=BUCKET, Key=pack, Body=bytes(data))
+        with pytest.raises(CorruptBlockError):
+            await tier.load(keys[-1], memoryview(bytearray(BLOCK)))
+        assert tier.lookup(keys[-1]) is LookupResult.MISS
+        stats = tier.statistics()
+        assert stats.corrupt_deleted == 1 and stats.failures_by_reason == {"corrupt": 1}
+        assert await _objects(weed_server, prefix) == []
+
+
+async def test_ask_mode_refuses_packs() -> None:
+    with pytest.raises(InvalidArgumentError, match="lookup_mode='index'"):
+        S3Tier(BUCKET, lookup_mode="ask", pack_blocks=4)
+    assert S3Tier(BUCKET, lookup_mode="ask").write_batch == 1
+    assert S3Tier(BUCKET).write_batch == 8
+    with pytest.raises(InvalidArgumentError, match="pack_blocks"):
+        S3Tier(BUCKET, pack_blocks=65)
+
+
+# -- the group commit and the coalesced reads, without a server ----------------------------
+
+
+async def test_a_cancelled_sender_hands_its_pack_to_the_others() -> None:
+    sent: list[list[bytes]] = []
+    entered = anyio.Event()
+
+    async def put_pack(items: list[PendingStore]) -> None:
+        sent.append([item.key for item in items])
+        if len(sent) == 1:
+            entered.set()
+            await anyio.sleep_forever()  # until its store is cancelled
+
+    async def put_single(item: PendingStore) -> None:
+        sent.append([item.key])
+
+    writer = PackWriter(
+        max_blocks=4,
+        limiter=anyio.CapacityLimiter(1),
+        put_single=put_single,
+        put_pack=put_pack,
+    )
+    items = [PendingStore(bytes([i]), b"", {}, "") for i in range(3)]
+    first = anyio.CancelScope()
+
+    async def store_first() -> None:
+        with first:
+            await writer.store(items[0])
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(store_first)
+        for item in items[1:]:
+            tg.start_soon(writer.store, item)
+        await entered.wait()
+        first.cancel()
+    # The first store took all three into its PUT; cancelled, it gave the other two back and
+    # the first of them sent them.
+    assert sent == [[b"\0", b"\1", b"\2"], [b"\1", b"\2"]]
+    assert writer.queued == 0 and all(item.error is None for item in items)
+
+
+async def test_a_failed_pack_fails_every_store_in_it() -> None:
+    async def put_pack(items: list[PendingStore]) -> None:
+        raise TierUnavailableError("down", tier="s3", operation="store")
+
+    async def put_single(item: PendingStore) -> None:
+        raise AssertionError("sent alone")
+
+    writer = PackWriter(
+        max_blocks=4, limiter=anyio.CapacityLimiter(2), put_single=put_single, put_pack=put_pack
+    )
+    failed: list[bytes] = []
+
+    async def store(item: PendingStore) -> None:
+        with pytest.raises(TierUnavailableError):
+            await writer.store(item)
+        failed.append(item.key)
+
+    async with anyio.create_task_group() as tg:
+        for i in range(3):
+            tg.start_soon(store, PendingStore(bytes([i]), b"", {}, ""))
+    assert sorted(failed) == [b"\0", b"\1", b"\2"] and writer.queued == 0
+
+
+async def test_a_cancelled_leader_hands_the_fetch_to_the_others() -> None:
+    calls: list[tuple[int, int]] = []
+    entered = anyio.Event()
+
+    async def fetch(name: str, lo: int, hi: int) -> bytes | None:
+        calls.append((lo, hi))
+        if len(calls) == 1:
+            entered.set()
+            await anyio.sleep_forever()  # until the leading load is cancelled
+        return bytes(range(lo, hi))
+
+    reads = PackReads(fetch)
+    a, b = Location("p", 10, 5), Location("p", 15, 5)
+    got: dict[str, bytes] = {}
+    leader = anyio.CancelScope()
+
+    async def lead() -> None:
+        with leader:
+            await reads.read(a)
+
+    async def follow() -> None:
+        section = await reads.read(b)
+        assert section is not None
+        got["b"] = bytes(section)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lead)
+        tg.start_soon(follow)
+        await entered.wait()
+        leader.cancel()
+    # Both loads joined one ranged GET; its leader cancelled, the other sent its own.
+    assert calls == [(10, 20), (15, 20)]
+    assert got == {"b": bytes(range(15, 20))}
