@@ -146,6 +146,9 @@ async def node(args: argparse.Namespace) -> dict[str, Any]:
         "deferred_lost": stats.deferred_lost,
         "written_to_s3": s3[0].stores if s3 else 0,
         "request_path_requests": s3[0].request_path_requests if s3 else 0,
+        "blocks_packed": s3[0].blocks_packed if s3 else 0,
+        "pack_gets": s3[0].pack_gets if s3 else 0,
+        "pack_sections_read": s3[0].pack_sections_read if s3 else 0,
         "logits": {
             str(r.rid): r.logits.tolist() for r in run.results.values() if r.logits is not None
         },
@@ -259,10 +262,12 @@ def report(rounds: list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]]) 
     written = sum(a["written_to_s3"] for a, _, _ in rounds)
     deferred = sum(a["deferred_written"] for a, _, _ in rounds)
     lost = sum(a["deferred_lost"] for a, _, _ in rounds)
+    packed = sum(a["blocks_packed"] for a, _, _ in rounds)
     print(
         f"node A   {sum(len(a['ttfts']) for a, _, _ in rounds):>3} requests{over}, wrote "
-        f"{written:,} blocks to S3 (deferred by the write rate or back-pressure and written "
-        f"later, at the latest when it stopped: {deferred:,}; deferred and lost: {lost:,})"
+        f"{written:,} blocks to S3, {packed:,} of them in packs (deferred by the write rate "
+        f"or back-pressure and written later, at the latest when it stopped: {deferred:,}; "
+        f"deferred and lost: {lost:,})"
     )
     labels = ("without the shared tier", "with the shared tier")
     first = {
@@ -298,6 +303,12 @@ def report(rounds: list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]]) 
         f"node B copied {b_total['written_up']:,} blocks it promoted from S3 to its file tier "
         f"(promote_write_up); it wrote {b_total['written_to_s3']:,} blocks to S3 (deferred and "
         f"written later: {b_total['deferred_written']:,}; lost: {b_total['deferred_lost']:,})"
+    )
+    sections = sum(r[2]["pack_sections_read"] for r in rounds)
+    gets = sum(r[2]["pack_gets"] for r in rounds)
+    print(
+        f"node B read {sections:,} of the blocks it loaded from S3 out of packs, with "
+        f"{gets:,} ranged GETs"
     )
     print(
         f"S3 requests on node B's request path for keys its index did not hold: "

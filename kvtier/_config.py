@@ -420,6 +420,9 @@ class S3Config(_Section):
     index_lookback: float = field(default=60.0, metadata=_spec(_seconds))
     index_list_timeout: float = field(default=60.0, metadata=_spec(_seconds))
     index_max_keys: int = field(default=10_000_000, metadata=_spec(_positive_int))
+    # Blocks stored together per object (see kvtier.tiers._s3_pack); None: 8 in the index
+    # mode, 1 in the ask mode (which cannot find blocks inside packs).
+    pack_blocks: int | None = field(default=None, metadata=_spec(_optional(_positive_int)))
 
     def __post_init__(self) -> None:
         _check_fields(self, lambda name: f"s3.{name}")
