@@ -12,7 +12,9 @@ the engine needs. This policy lets each tier yield instead:
   latency keeps it closed, one write is let through every ``probe_interval`` seconds to
   measure it again, so the tier is admitted again once it has recovered.
 - **Rate.** A tier with a ``max_write_rate`` is given at most that many bytes per second
-  (a token bucket holding one second's worth); a write past it is dropped (cause ``rate``).
+  (a token bucket holding one second's worth, or the most bytes ever asked for at once if
+  that is more: a group of deferred writes to a packing tier must fit in it); a write past
+  it is dropped (cause ``rate``).
 - **Write-back.** A tier named in ``write_back`` is not written on store: the manager keeps
   the block in the pool, not evictable, and writes it to that tier when it must make room
   (or at close). For tiers where every write costs money or bandwidth.
@@ -21,7 +23,11 @@ the engine needs. This policy lets each tier yield instead:
   room again the manager copies the block to it from a faster tier that holds it. A remote
   tier shared by several nodes then gets every block, at the pace it can take, without the
   pool pinning anything for it and without its writes crowding the request path. (The first
-  write-through tier has no faster tier to copy from: naming it here changes nothing.)
+  write-through tier has no faster tier to copy from: naming it here changes nothing.) A
+  tier that packs stores arriving together (``SecondaryTier.write_batch`` > 1) is given its
+  deferred writes in groups, each group admitted whole or not at all (``admit`` and
+  ``has_room`` with ``count``), so that a rate limit lets a group through when it has a
+  group's worth instead of one block each time it refills.
 
 The interface is synchronous (``admit`` / ``finished``), with times from ``clock``, so every
 rule is tested without an event loop and with a fake clock.
@@ -29,6 +35,7 @@ rule is tested without an event loop and with a fake clock.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections import deque
@@ -71,6 +78,7 @@ class _Gate:
         "admitted",
         "dropped",
         "in_flight",
+        "largest_ask",
         "last_cause",
         "last_probe",
         "latency",
@@ -91,6 +99,7 @@ class _Gate:
         self.last_probe = -math.inf
         self.tokens = math.inf  # bytes the rate limit lets through now (full at first)
         self.refilled_at = -math.inf
+        self.largest_ask = 0  # the most bytes asked at once: the bucket holds at least that
 
 
 class AdmissionPolicy:
@@ -176,7 +185,8 @@ class AdmissionPolicy:
         rate = self._rate_of(tier)
         if rate is None:
             return True
-        burst = max(rate, float(nbytes))
+        gate.largest_ask = max(gate.largest_ask, nbytes)
+        burst = max(rate, float(gate.largest_ask))
         gate.tokens = min(burst, gate.tokens + (now - gate.refilled_at) * rate)
         gate.refilled_at = now
         return gate.tokens >= nbytes
@@ -184,20 +194,29 @@ class AdmissionPolicy:
     def is_deferred(self, tier: str) -> bool:
         return tier in self.deferred_tiers
 
-    def has_room(self, tier: str, nbytes: int, *, ignore_latency: bool = False) -> bool:
-        """Whether ``admit`` would take a write of ``nbytes`` now (asking counts nothing);
-        with ``ignore_latency``, whether the tier's in-flight limit would."""
+    def has_room(
+        self, tier: str, nbytes: int, *, ignore_latency: bool = False, count: int = 1
+    ) -> bool:
+        """Whether ``admit`` would take ``count`` writes of ``nbytes`` now (asking counts
+        nothing); with ``ignore_latency``, whether the tier's in-flight limit would."""
         gate = self._gates.get(tier)
         if gate is None:
             return True
         cap = self._cap if self._caps is None else self._caps.get(tier)
-        if cap is not None and gate.in_flight + nbytes > cap:
+        total = nbytes * count
+        if cap is not None and gate.in_flight + total > cap:
             return False
-        if not ignore_latency and not self._rate_allows(gate, tier, nbytes, self.clock()):
+        if not ignore_latency and not self._rate_allows(gate, tier, total, self.clock()):
             return False
         if not ignore_latency and self.is_closed(tier):  # only the probe admit lets through
             return not gate.in_flight and self.clock() - gate.last_probe >= self._probe_interval
         return True
+
+    def capacity(self, tier: str, nbytes: int) -> int | None:
+        """How many writes of ``nbytes`` the tier's in-flight limit holds at once (None: no
+        limit of its own). A group larger than this would never be admitted whole."""
+        cap = self._cap if self._caps is None else self._caps.get(tier)
+        return None if cap is None else cap // nbytes
 
     def is_closed(self, tier: str) -> bool:
         """Whether the latency rule refuses new writes to ``tier`` right now: its writes
@@ -218,37 +237,41 @@ class AdmissionPolicy:
         gate = self._gates.get(tier)
         return None if gate is None else gate.latency
 
-    def admit(self, tier: str, nbytes: int) -> bool:
-        """Whether ``tier`` takes a write of ``nbytes`` now. True reserves the bytes (give
-        them back with ``finished``); False counts a dropped write."""
+    def admit(self, tier: str, nbytes: int, *, count: int = 1) -> bool:
+        """Whether ``tier`` takes ``count`` writes of ``nbytes`` now, all of them or none
+        (a group of deferred writes to a packing tier). True reserves the bytes (give each
+        write's back with ``finished`` or ``cancel``); False counts ``count`` dropped writes.
+        A tier the latency rule closed takes the group as its one probe."""
         gate = self._gate(tier)
         cap = self._cap if self._caps is None else self._caps.get(tier)
-        if cap is not None and gate.in_flight + nbytes > cap:
-            return self._drop(gate, CAUSE_IN_FLIGHT)
+        total = nbytes * count
+        if cap is not None and gate.in_flight + total > cap:
+            return self._drop(gate, CAUSE_IN_FLIGHT, count)
         now = self.clock()
-        if not self._rate_allows(gate, tier, nbytes, now):
-            return self._drop(gate, CAUSE_RATE)
+        if not self._rate_allows(gate, tier, total, now):
+            return self._drop(gate, CAUSE_RATE, count)
         if self.is_closed(tier):
             if gate.in_flight or now - gate.last_probe < self._probe_interval:
-                return self._drop(gate, CAUSE_LATENCY)
-            gate.last_probe = now  # one probe write, alone, to measure the tier again
+                return self._drop(gate, CAUSE_LATENCY, count)
+            gate.last_probe = now  # one probe, alone, to measure the tier again
             gate.probes += 1
-        gate.tokens -= nbytes
-        gate.admitted += 1
-        gate.in_flight += nbytes
-        gate.started.append(now)
+        self._reserve(gate, total, count, now)
         return True
 
-    def force(self, tier: str, nbytes: int) -> None:
-        """Reserve a write that must happen whatever the state (write-back at close)."""
-        gate = self._gate(tier)
-        gate.admitted += 1
-        gate.in_flight += nbytes
-        gate.tokens -= nbytes
-        gate.started.append(self.clock())
+    def force(self, tier: str, nbytes: int, *, count: int = 1) -> None:
+        """Reserve ``count`` writes that must happen whatever the state (write-back and
+        deferred writes at close)."""
+        self._reserve(self._gate(tier), nbytes * count, count, self.clock())
 
-    def _drop(self, gate: _Gate, cause: str) -> bool:
-        gate.dropped[cause] = gate.dropped.get(cause, 0) + 1
+    @staticmethod
+    def _reserve(gate: _Gate, total: int, count: int, now: float) -> None:
+        gate.tokens -= total
+        gate.admitted += count
+        gate.in_flight += total
+        gate.started.extend([now] * count)
+
+    def _drop(self, gate: _Gate, cause: str, count: int = 1) -> bool:
+        gate.dropped[cause] = gate.dropped.get(cause, 0) + count
         gate.last_cause = cause
         return False
 
@@ -393,6 +416,11 @@ class DeferredWrites:
             del queue[next(iter(queue))]
             self.lost += 1
 
+    def pending(self, tier: str) -> int:
+        """How many keys wait for ``tier``."""
+        queue = self._queues.get(tier)
+        return 0 if queue is None else len(queue)
+
     def due(
         self, admission: AdmissionPolicy, nbytes: int, room: int, *, closing: bool = False
     ) -> list[tuple[str, bytes]]:
@@ -400,20 +428,43 @@ class DeferredWrites:
         ``nbytes`` (each taken one is admitted: give it back with ``finished`` or ``cancel``)
         and at most ``room`` in all. ``closing``: the manager is closing and gives what is
         left its ``close_timeout``, so only each tier's in-flight limit applies."""
-        out: list[tuple[str, bytes]] = []
+        groups = self.due_groups(admission, nbytes, room, closing=closing)
+        return [(tier, key) for tier, keys in groups for key in keys]
+
+    def due_groups(
+        self,
+        admission: AdmissionPolicy,
+        nbytes: int,
+        room: int,
+        *,
+        sizes: Mapping[str, int] | None = None,
+        closing: bool = False,
+    ) -> list[tuple[str, list[bytes]]]:
+        """Like ``due``, but each tier's keys come in groups of ``sizes[tier]`` (1 for a
+        tier not named), oldest first, each group admitted whole or not at all: a tier that
+        packs the stores it is given together gets whole packs, and a rate limit lets a
+        group through once it has a group's worth instead of trickling one block each time
+        it refills. A queue holding fewer keys than a group gives what it holds. A group
+        larger than the tier's in-flight limit or than ``room`` could ever hold is never
+        admitted: the caller keeps ``sizes`` within them."""
+        out: list[tuple[str, list[bytes]]] = []
         for tier, queue in self._queues.items():
-            while (
-                queue
-                and len(out) < room
-                and admission.has_room(tier, nbytes, ignore_latency=closing)
-            ):
-                if closing:
-                    admission.force(tier, nbytes)
-                elif not admission.admit(tier, nbytes):
+            size = 1 if sizes is None else sizes.get(tier, 1)
+            while queue:
+                count = min(size, len(queue))
+                if count > room or not admission.has_room(
+                    tier, nbytes, ignore_latency=closing, count=count
+                ):
                     break
-                key = next(iter(queue))
-                del queue[key]
-                out.append((tier, key))
+                if closing:
+                    admission.force(tier, nbytes, count=count)
+                elif not admission.admit(tier, nbytes, count=count):
+                    break
+                keys = list(itertools.islice(queue, count))
+                for key in keys:
+                    del queue[key]
+                out.append((tier, keys))
+                room -= count
         return out
 
     def clear(self) -> int:

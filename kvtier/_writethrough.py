@@ -9,13 +9,21 @@ promoted from a slower tier is written up to the faster ones (``write_up``), and
 back-pressure dropped for a ``deferred`` tier are copied to it later from a faster tier
 (``drain_deferred``). Everything here runs in the manager's task group, under
 ``store_timeout``.
+
+A tier that packs the stores it is given together into one object (``write_batch`` > 1:
+one request per pack, and one request for a node that later reads them) gets its deferred
+writes in groups: each group is one task that loads every block of the group from the
+faster tiers, then starts all its stores at once, so that they reach the tier in the same
+event-loop tick. While such a tier has deferred writes waiting, new writes for it join the
+queue rather than going out one by one ahead of it.
 """
 
 from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
 
 import anyio
 import anyio.abc
@@ -36,6 +44,29 @@ DEFERRED_LIMIT = 65536
 
 def bump(counter: dict[str, int], reason: MissReason) -> None:
     counter[reason.value] = counter.get(reason.value, 0) + 1
+
+
+class _Down:
+    """One key of a group of deferred writes, settled (counted) exactly once."""
+
+    __slots__ = ("began", "buffer", "key", "settled", "written")
+
+    def __init__(self, key: bytes) -> None:
+        self.key = key
+        self.buffer: memoryview | None = None  # the block, once loaded from a faster tier
+        self.began: float | None = None  # when its store started (None: never started)
+        self.written = self.settled = False
+
+
+async def _each(items: Sequence[_Down], step: Callable[[_Down], Coroutine[Any, Any, None]]) -> None:
+    """Run ``step`` on every item at once: all the tasks are started back to back, so each
+    reaches its first wait in the same event-loop tick."""
+    if len(items) == 1:
+        await step(items[0])
+        return
+    async with anyio.create_task_group() as tg:
+        for item in items:
+            tg.start_soon(step, item)
 
 
 def reason_of(exc: BaseException) -> MissReason:
@@ -81,10 +112,11 @@ class WriteThrough:
         }
         self._sources = {tier.name: tuple(tiers[:i]) for i, tier in enumerate(tiers)}
         self._by_name = {tier.name: tier for tier in tiers}
-        self.deferred = DeferredWrites(
-            [t.name for t in self.through_tiers[1:] if admission.is_deferred(t.name)],
-            DEFERRED_LIMIT,
-        )
+        deferred = [t for t in self.through_tiers[1:] if admission.is_deferred(t.name)]
+        self.deferred = DeferredWrites([t.name for t in deferred], DEFERRED_LIMIT)
+        self._batch = {  # packing deferred tier -> group size (the groups always fit)
+            tier.name: size for tier in deferred if (size := self._group_size(tier)) > 1
+        }
         self._background = background
         self.cascades = InFlight()  # write-through only: what exit waits for
         self._callback = callback
@@ -95,6 +127,14 @@ class WriteThrough:
         self.started = self.succeeded = self.skipped = self.cancelled = 0
         self.written_up = 0  # promoted blocks whose write to the tiers above was started
         self.failures: dict[str, int] = {}
+
+    def _group_size(self, tier: SecondaryTier) -> int:
+        """The tier's ``write_batch``, cut to what the global and the tier's own in-flight
+        limits can hold at once: a group is admitted whole, so a larger one never would."""
+        nbytes = self.pool.block_bytes
+        size = min(int(tier.write_batch), self._max_in_flight_bytes // nbytes)
+        capacity = self.admission.capacity(tier.name, nbytes)
+        return max(1, size if capacity is None else min(size, capacity))
 
     def after_store(self, task_group: anyio.abc.TaskGroup, key: bytes, *, closing: bool) -> None:
         """Write a just-stored block through to the tiers that admit it now; hold it for the
@@ -132,7 +172,11 @@ class WriteThrough:
             return None
         targets: list[SecondaryTier] = []
         for tier in tiers:
-            if self.admission.admit(tier.name, nbytes):
+            if tier.name in self._batch and self.deferred.pending(tier.name):
+                # Its deferred writes wait for a group's worth of room: this one joins them
+                # (written in a group, in turn) rather than taking that room one block first.
+                self.deferred.add(tier.name, key)
+            elif self.admission.admit(tier.name, nbytes):
                 targets.append(tier)
             else:  # counted as dropped by the policy; said once per burst
                 cause = self.admission.last_refusal(tier.name)
@@ -234,24 +278,31 @@ class WriteThrough:
 
     def drain_deferred(self, task_group: anyio.abc.TaskGroup) -> None:
         """Start the deferred writes that the tiers' admission and the in-flight limit
-        take now; each copies its block from a faster tier that holds it."""
+        take now; each copies its block from a faster tier that holds it. A packing tier's
+        come in groups (see ``DeferredWrites.due_groups``), one task each."""
         nbytes = self.pool.block_bytes
         room = (self._max_in_flight_bytes - self.in_flight_bytes) // nbytes
         if room <= 0:
             return
-        for name, key in self.deferred.due(self.admission, nbytes, room, closing=self.closing):
+        due = self.deferred.due_groups(
+            self.admission, nbytes, room, sizes=self._batch, closing=self.closing
+        )
+        for name, keys in due:
             target = self._by_name[name]
-            self.in_flight_bytes += nbytes
-            self.started += 1
-            self.cascades.started()
-            undo = functools.partial(self._write_down_never_ran, target, nbytes)
-            self._background.start_soon(task_group, undo, self._write_down, key, target, nbytes)
+            self.in_flight_bytes += nbytes * len(keys)
+            self.started += len(keys)
+            for _ in keys:
+                self.cascades.started()
+            undo = functools.partial(self._write_down_never_ran, target, nbytes, len(keys))
+            self._background.start_soon(task_group, undo, self._write_down, keys, target, nbytes)
 
-    def _write_down_never_ran(self, target: SecondaryTier, nbytes: int) -> None:
-        self.admission.cancel(target.name, nbytes)
-        self.in_flight_bytes -= nbytes
-        self.deferred.lost += 1
-        self.cascades.finished()
+    def _write_down_never_ran(self, target: SecondaryTier, nbytes: int, count: int) -> None:
+        """Give back what ``drain_deferred`` took for a group whose task never ran."""
+        for _ in range(count):
+            self.admission.cancel(target.name, nbytes)
+            self.in_flight_bytes -= nbytes
+            self.deferred.lost += 1
+            self.cascades.finished()
 
     async def _source_of(self, key: bytes, target: SecondaryTier) -> SecondaryTier | None:
         """The first tier above ``target`` that holds ``key``. A tier still finding out
@@ -262,46 +313,91 @@ class WriteThrough:
                 return tier
         return None
 
-    async def _write_down(self, key: bytes, target: SecondaryTier, nbytes: int) -> None:
-        """Copy a deferred block from a faster tier that holds it to ``target``. One that
-        cannot be copied (no faster tier holds it any more, cancelled at close) is lost."""
-        began: float | None = None
-        written = False
-        failure: MissReason | None = None
+    async def _write_down(self, keys: list[bytes], target: SecondaryTier, nbytes: int) -> None:
+        """Copy a group of deferred blocks (one, for a tier that does not pack) from the
+        faster tiers that hold them to ``target``: load them all, then start every store at
+        once, so that a packing tier receives them together. A block that cannot be copied
+        (no faster tier holds it any more, its load failed, cancelled at close) is lost,
+        and the rest of its group is written all the same. ``store_timeout`` bounds the
+        whole group."""
+        downs = [_Down(key) for key in keys]
+        load = functools.partial(self._load_down, target, nbytes)
+        store = functools.partial(self._store_down, target, nbytes)
         try:
             with anyio.fail_after(self._store_timeout):
-                source = await self._source_of(key, target)
-                if source is not None:
-                    buffer = memoryview(bytearray(nbytes))
-                    await source.load(key, buffer)
-                    began = time.perf_counter()
-                    await target.store(key, buffer)
-                    written = True
+                await _each(downs, load)
+                await _each([d for d in downs if not d.settled], store)
+        except Exception as exc:  # the deadline: what has not ended has failed
+            failure = reason_of(exc)
+            self._failed(target, failure, exc)
+            for down in downs:
+                self._settle(down, target, nbytes, failure)
+        finally:  # cancelled (at close): what has not ended is lost
+            for down in downs:
+                self._settle(down, target, nbytes, None)
+
+    async def _load_down(self, target: SecondaryTier, nbytes: int, down: _Down) -> None:
+        """Read ``down``'s block from the first faster tier that holds it; a block none
+        holds, or whose load fails, is settled as lost here."""
+        try:
+            source = await self._source_of(down.key, target)
+            if source is not None:
+                buffer = memoryview(bytearray(nbytes))
+                await source.load(down.key, buffer)
+                down.buffer = buffer
         except Exception as exc:
             failure = reason_of(exc)
-            self._log.warning(
-                "store:" + target.name,
-                "deferred write to %s failed (%s): %r",
-                target.name,
-                failure.value,
-                exc,
-            )
-        finally:
-            if began is None:
-                self.admission.cancel(target.name, nbytes)
-            else:
-                self.admission.finished(target.name, nbytes, time.perf_counter() - began)
-            self.in_flight_bytes -= nbytes
-            if not written:
-                self.deferred.lost += 1
-            self._room_again()  # before this one stops counting: closing waits for the next
-            self.cascades.finished()
+            self._failed(target, failure, exc)
+            self._settle(down, target, nbytes, failure)
+        else:
+            if down.buffer is None:
+                self._settle(down, target, nbytes, None)
+
+    async def _store_down(self, target: SecondaryTier, nbytes: int, down: _Down) -> None:
+        assert down.buffer is not None
+        down.began = time.perf_counter()
+        try:
+            await target.store(down.key, down.buffer)
+        except Exception as exc:
+            failure = reason_of(exc)
+            self._failed(target, failure, exc)
+            self._settle(down, target, nbytes, failure)
+        else:
+            down.written = True
+            self._settle(down, target, nbytes, None)
+
+    def _failed(self, target: SecondaryTier, failure: MissReason, exc: BaseException) -> None:
+        self._log.warning(
+            "store:" + target.name,
+            "deferred write to %s failed (%s): %r",
+            target.name,
+            failure.value,
+            exc,
+        )
+
+    def _settle(
+        self, down: _Down, target: SecondaryTier, nbytes: int, failure: MissReason | None
+    ) -> None:
+        """Account for one deferred write that ended (written, failed, lost or cancelled),
+        once: give back its admission and bytes, count it, start what now fits."""
+        if down.settled:
+            return
+        down.settled = True
+        if down.began is None:
+            self.admission.cancel(target.name, nbytes)
+        else:
+            self.admission.finished(target.name, nbytes, time.perf_counter() - down.began)
+        self.in_flight_bytes -= nbytes
+        if not down.written:
+            self.deferred.lost += 1
+        self._room_again()  # before this one stops counting: closing waits for the next
+        self.cascades.finished()
         if failure is not None:
             bump(self.failures, failure)
-        elif written:
+        elif down.written:
             self.succeeded += 1
             self.deferred.written += 1
-            self._callback("notify", target.notify, [key])
+            self._callback("notify", target.notify, [down.key])
 
     async def _write_through(
         self,

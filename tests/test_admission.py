@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvtier import AdmissionPolicy, InvalidArgumentError
-from kvtier._admission import WriteBackQueue
+from kvtier._admission import DeferredWrites, WriteBackQueue
 
 
 class Clock:
@@ -142,3 +142,60 @@ def test_the_last_refusal_says_its_cause() -> None:
     clock.now += 1.0
     assert not policy.admit("s3", 100)
     assert policy.last_refusal("s3") == "in_flight"
+
+
+def test_a_group_is_admitted_whole_or_not_at_all() -> None:
+    """A group of deferred writes to a packing tier: all its writes reserved together, or
+    none. The rate bucket holds a whole group even when that is more than a second's worth,
+    or a group would never fit."""
+    clock = Clock()
+    policy = AdmissionPolicy(
+        max_in_flight_bytes=8 * 100, max_write_latency=None, max_write_rate=200.0, clock=clock
+    )
+    assert policy.capacity("s3", 100) == 8 and policy.capacity("fs", 1000) == 0
+    assert policy.has_room("s3", 100, count=4)  # four blocks: twice the second's worth
+    assert policy.admit("s3", 100, count=4)
+    clock.now = 1.0  # two blocks' worth: not a group, and the bucket gives no part of one
+    assert not policy.admit("s3", 100, count=4)
+    (s3,) = policy.statistics()
+    assert s3.admitted == 4 and s3.in_flight_bytes == 400 and s3.dropped_by_cause == {"rate": 4}
+    clock.now = 2.0
+    assert policy.admit("s3", 100, count=4)
+    clock.now = 4.0
+    assert not policy.has_room("s3", 100, count=4)  # the group fits the rate, not the room
+    for _ in range(3):
+        policy.finished("s3", 100, 0.01)  # each write of a group ends on its own
+    policy.cancel("s3", 100)  # one never started: its bytes and tokens come back
+    (s3,) = policy.statistics()
+    assert s3.in_flight_bytes == 400 and s3.admitted == 7
+    assert policy.admit("s3", 100, count=4)  # the bucket held a group, not a token more
+    policy.finished("s3", 100, 0.01)
+    assert not policy.admit("s3", 100)
+    assert policy.last_refusal("s3") == "rate"
+
+
+def test_a_closed_tier_takes_a_group_as_its_probe() -> None:
+    clock = Clock()
+    policy = AdmissionPolicy(max_write_latency=0.5, probe_interval=1.0, clock=clock)
+    policy.observe_write_latency("s3", 2.0)
+    assert policy.admit("s3", 100, count=4)  # one probe: one packed request
+    assert not policy.admit("s3", 100, count=4)  # nothing else while it runs
+    (s3,) = policy.statistics()
+    assert s3.probes == 1 and s3.in_flight_bytes == 400
+    assert s3.dropped_by_cause == {"latency": 4}
+
+
+def test_deferred_writes_come_in_groups_within_room() -> None:
+    queue = DeferredWrites(["s3", "fs"], limit=100)
+    for key in (b"a", b"b", b"c", b"d", b"e", b"f"):
+        queue.add("s3", key)
+    queue.add("fs", b"z")
+    policy = AdmissionPolicy(max_in_flight_bytes=5 * 10, max_write_latency=None)
+    groups = queue.due_groups(policy, 10, room=9, sizes={"s3": 4})
+    # a whole group, then the two left would pass the tier's room (4 + 2 > 5): they wait
+    assert groups == [("s3", [b"a", b"b", b"c", b"d"]), ("fs", [b"z"])]
+    assert queue.pending("s3") == 2 and queue.pending("fs") == 0
+    for _ in range(4):
+        policy.finished("s3", 10, 0.01)
+    assert queue.due_groups(policy, 10, room=1, sizes={"s3": 4}) == []  # room for one only
+    assert queue.due_groups(policy, 10, room=2, sizes={"s3": 4}) == [("s3", [b"e", b"f"])]

@@ -66,6 +66,8 @@ key_lists = st.lists(st.sampled_from(KEYS), min_size=1, max_size=6, unique=True)
 
 
 class ManagerMachine(RuleBasedStateMachine):
+    REMOTE_WRITE_BATCH = 1  # the remote's write_batch: > 1, its deferred writes go in groups
+
     def __init__(self) -> None:
         super().__init__()
         self.portal_cm = anyio.from_thread.start_blocking_portal("asyncio")
@@ -74,6 +76,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.stalling = StallingTier(MemoryTier("stall.inner"), name="stalling", lookup_timeout=0.5)
         self.failing = FailingTier(FSTier(self.folder, fsync="never"), name="failing")
         self.remote = FailingTier(MemoryTier("remote.inner"), name="remote")
+        self.remote.write_batch = self.REMOTE_WRITE_BATCH
         self.clock_offset = 0.0  # the admission clock runs ahead of real time by this much
         self.manager = TieringManager(
             HostPool(8, BB, policy="arc"),
@@ -323,3 +326,15 @@ class ManagerMachine(RuleBasedStateMachine):
 
 TestManagerMachine = ManagerMachine.TestCase
 TestManagerMachine.settings = settings(max_examples=EXAMPLES, stateful_step_count=25, deadline=None)
+
+
+class PackingRemoteMachine(ManagerMachine):
+    """The same, with a remote that packs what it is given together (the S3 tier): its
+    deferred writes go in groups of up to three (cut to its in-flight limit), each
+    admitted whole."""
+
+    REMOTE_WRITE_BATCH = 4
+
+
+TestPackingRemoteMachine = PackingRemoteMachine.TestCase
+TestPackingRemoteMachine.settings = TestManagerMachine.settings

@@ -17,7 +17,7 @@ from inspect import CORO_CREATED, getcoroutinestate
 
 import numpy as np
 
-from kvtier import HostPool, LookupResult, MemoryTier, TieringManager
+from kvtier import AdmissionPolicy, HostPool, LookupResult, MemoryTier, TieringManager
 
 BB = 4096
 
@@ -81,3 +81,39 @@ async def test_a_promotion_cancelled_before_it_starts_leaves_nothing_behind(
     await manager.aclose()
     assert_nothing_left(manager)
     assert manager.statistics().promotions_cancelled == 1
+
+
+class PackingTier(MemoryTier):
+    write_batch = 4
+
+
+async def test_a_group_of_deferred_writes_cancelled_before_it_starts_leaves_nothing_behind(
+    keys: list[bytes],
+) -> None:
+    now = [0.0]
+    admission = AdmissionPolicy(
+        max_write_rate={"remote": 5 * BB},  # a group of four and one more block a second
+        max_write_latency=None,
+        deferred=["remote"],
+        clock=lambda: now[0],
+    )
+    manager = TieringManager(
+        HostPool(16, BB),
+        [MemoryTier("fast"), PackingTier("remote")],
+        admission=admission,
+        close_timeout=0.2,
+    )
+    await manager.__aenter__()
+    await manager.store(keys[:9], np.ones((9, BB), np.uint8))
+    await manager.wait_idle()
+    assert manager.statistics().deferred_pending == 4
+    now[0] += 1.0
+    await manager.store(keys[9:10], np.ones((1, BB), np.uint8))  # the group comes due
+    stats = manager.statistics()
+    assert stats.deferred_pending == 0 and stats.in_flight_bytes == 5 * BB  # queued
+    assert cancel_unstarted_tasks() == 2  # the group's one task, and the new block's
+    await asyncio.sleep(0)
+    await manager.aclose()
+    assert_nothing_left(manager)
+    stats = manager.statistics()
+    assert stats.deferred_lost == 4 and stats.deferred_written == 0
