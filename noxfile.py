@@ -63,11 +63,11 @@ def demo(session: nox.Session) -> None:
 @nox.session
 def two_nodes(session: nox.Session) -> None:
     """Two engine processes sharing one SeaweedFS bucket (examples/two_nodes.py; pass
-    `-- --full` for the long run)."""
+    `-- --full` for the long run, with the ceiling: B with A's blocks already in memory)."""
     install(session, "test")
     args = session.posargs or ["--quick"]
     if args == ["--full"]:
-        args = []
+        args = ["--ceiling"]
     session.run("python", "examples/two_nodes.py", *args)
 
 

@@ -127,7 +127,7 @@ def test_two_nodes_share_blocks_through_one_bucket() -> None:
     except RuntimeError as exc:
         pytest.skip(str(exc))
     proc = subprocess.run(
-        [sys.executable, str(EXAMPLES / "two_nodes.py"), "--quick"],
+        [sys.executable, str(EXAMPLES / "two_nodes.py"), "--quick", "--ceiling"],
         capture_output=True,
         text=True,
         timeout=280,
@@ -156,6 +156,16 @@ def test_two_nodes_share_blocks_through_one_bucket() -> None:
     unindexed = re.search(r"request path for keys its index did not hold: (\d+)", proc.stdout)
     assert unindexed and unindexed[1] == "0", proc.stdout
     assert re.search(r"^correctness OK", proc.stdout, re.M), proc.stdout
+    # A's blocks reached S3 in packs, and B read them with fewer GETs than blocks.
+    packed = re.search(r"wrote [\d,]+ blocks to S3, ([\d,]+) of them in packs", proc.stdout)
+    assert packed and int(packed[1].replace(",", "")) > 0, proc.stdout
+    reads = re.search(
+        r"node B read ([\d,]+) .* out of packs, with ([\d,]+) ranged GETs", proc.stdout
+    )
+    assert reads and 0 < int(reads[2].replace(",", "")) < int(reads[1].replace(",", "")), (
+        proc.stdout
+    )
+    assert re.search(r"^ceiling: .* TTFT p50 \S+ s, \S+ x p50", proc.stdout, re.M), proc.stdout
 
 
 @asynccontextmanager
