@@ -247,22 +247,26 @@ async def test_another_key_or_no_key_refuses_the_prefix(
         assert out == block
 
 
+@pytest.mark.parametrize("packed", [False, True])
 async def test_a_signing_tier_refuses_a_prefix_of_unsigned_blocks(
-    make_tier: MakeTier, weed_server: WeedServer, prefix: str
+    make_tier: MakeTier, weed_server: WeedServer, prefix: str, packed: bool
 ) -> None:
-    (key,) = _keys(1)
-    block = os.urandom(BLOCK)
+    keys = _keys(2 if packed else 1)
+    blocks = [os.urandom(BLOCK) for _ in keys]
     async with make_tier() as plain:
-        await plain.store(key, memoryview(block))
-        assert plain.statistics().stores == 1
+        async with anyio.create_task_group() as tg:  # stored together: one pack
+            for key, block in zip(keys, blocks, strict=True):
+                tg.start_soon(plain.store, key, memoryview(block))
+        stats = plain.statistics()
+        assert (stats.stores, stats.packs_written) == (len(keys), int(packed))
     with pytest.raises(InvalidArgumentError, match="holds unsigned blocks"):
         await make_tier(integrity_key=SECRET).open()
     assert await _get(weed_server.endpoint_url, marker_key(prefix)) is None  # not claimed
-    assert await _get(weed_server.endpoint_url, plain.object_key(key)) is not None
     async with make_tier() as again:  # the unsigned nodes carry on as before
-        out = bytearray(BLOCK)
-        await again.load(key, memoryview(out))
-        assert out == block
+        for key, block in zip(keys, blocks, strict=True):
+            out = bytearray(BLOCK)
+            await again.load(key, memoryview(out))
+            assert out == block
 
 
 async def test_a_tier_without_a_key_leaves_signed_blocks_in_place(

@@ -42,6 +42,7 @@ from kvtier._errors import InvalidArgumentError, TierUnavailableError
 from kvtier._format import IntegrityKey
 from kvtier.tiers._s3_errors import Fault
 from kvtier.tiers._s3_index_sync import Call
+from kvtier.tiers._s3_pack import PACK_DIR
 
 __all__ = [
     "MAC_NAME",
@@ -105,10 +106,12 @@ def unsigned_blocks_problem(where: str) -> str:
 
 
 def holds_blocks(listing: dict[str, Any], prefix: str) -> bool:
-    """Whether a ``Delimiter="/"`` listing of the prefix shows a block shard folder."""
+    """Whether a ``Delimiter="/"`` listing of the prefix shows a block shard folder or the
+    folder of packs (``_s3_pack``)."""
     start = len(prefix) + 1 if prefix else 0
     return any(
-        _SHARD.fullmatch(item.get("Prefix", "")[start:]) is not None
+        _SHARD.fullmatch(folder := item.get("Prefix", "")[start:]) is not None
+        or folder == f"{PACK_DIR}/"
         for item in listing.get("CommonPrefixes", ())
     )
 
