@@ -75,7 +75,14 @@ def two_nodes(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Every benchmark in a short, bounded mode; each prints ratios against its baseline."""
     install(session, "test", "bench")
-    for script in ("bench_lookup.py", "bench_fs.py", "bench_s3.py", "bench_load.py"):
+    scripts = (
+        "bench_lookup.py",
+        "bench_fs.py",
+        "bench_s3.py",
+        "bench_s3_packs.py",
+        "bench_load.py",
+    )
+    for script in scripts:
         session.run("python", f"benchmarks/{script}", "--quick")
     session.run("python", "benchmarks/bench_demo_tiers.py", "--quick", "--rounds", "1")
     session.run(

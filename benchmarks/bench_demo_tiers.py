@@ -28,7 +28,7 @@ import os
 import statistics
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
 
 import kvtier
@@ -46,19 +46,12 @@ SETUPS: dict[str, list[str]] = {
 }
 
 
-def cpu_seconds(pid: int) -> float:
-    """User plus system CPU time of process ``pid`` so far (Linux /proc)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 async def measure(
     demo_args: argparse.Namespace,
     engine: demo.Engine,
     sessions: Sequence[Sequence[demo.Request]],
     label: str,
-    server_pid: int,
+    server_cpu: Callable[[], float],
 ) -> tuple[demo.RunResult, float]:
     """One run of the workload with kvtier set up as ``demo_args`` say, from empty tiers, and
     the CPU seconds SeaweedFS spent while it served (it runs on the engine's cores here)."""
@@ -70,9 +63,9 @@ async def measure(
             demo.make_manager(demo_args, pool, tiers, kvtier.LatencyHistograms())
         )
         tiering = demo.KVTier(manager, kvtier.OffloadScheduler(manager))
-        before = cpu_seconds(server_pid)
+        before = server_cpu()
         run = await demo.run_workload(label, engine, sessions, tiering, demo_args.decode_tokens)
-        return run, cpu_seconds(server_pid) - before
+        return run, server_cpu() - before
 
 
 def speedups(base: demo.RunResult, run: demo.RunResult) -> tuple[float, float]:
@@ -80,7 +73,7 @@ def speedups(base: demo.RunResult, run: demo.RunResult) -> tuple[float, float]:
     return demo._pct(b, 50) / demo._pct(t, 50), demo._pct(b, 95) / demo._pct(t, 95)
 
 
-async def amain(args: argparse.Namespace, endpoint: str, server_pid: int) -> None:
+async def amain(args: argparse.Namespace, endpoint: str, seaweed_cpu: Callable[[], float]) -> None:
     common = ["--quick"] if args.quick else []
     base_args = demo.parse_args(common)
     engine, sessions = await demo.start_engine(base_args)
@@ -96,7 +89,7 @@ async def amain(args: argparse.Namespace, endpoint: str, server_pid: int) -> Non
             flags = [*common, *SETUPS[name], "--s3-prefix", f"bench-demo/{round_}/{name}/"]
             demo_args = demo.parse_args(flags)
             demo_args.s3_endpoint, demo_args.s3_local = endpoint, True  # its "demo" key
-            run, cpu = await measure(demo_args, engine, sessions, name, server_pid)
+            run, cpu = await measure(demo_args, engine, sessions, name, seaweed_cpu)
             ratios[name].append(speedups(base, run))
             server_cpu[name].append(cpu / run.wall)
         line = ", ".join(f"{n} {ratios[n][-1][0]:.2f}x" for n in args.setups)
@@ -132,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("--rounds must be positive")
     demo_args = demo.parse_args(["--s3-local", "--s3-bucket", BUCKET])
     with demo.local_s3(demo_args) as server:
-        asyncio.run(amain(args, demo_args.s3_endpoint, server.pid))
+        asyncio.run(amain(args, demo_args.s3_endpoint, server.cpu_seconds))
     return 0
 
 

@@ -68,6 +68,14 @@ class ServerProcess:
         """The running process's id (a benchmark reads its CPU time), or None."""
         return self._process.pid if self.running and self._process is not None else None
 
+    def cpu_seconds(self) -> float:
+        """User plus system CPU time of the server so far (Linux /proc): what a benchmark
+        reports beside its own, since the server shares the machine's cores."""
+        assert self.pid is not None, "the server is not running"
+        with open(f"/proc/{self.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     @property
     def running(self) -> bool:
         return self._process is not None and self._process.poll() is None

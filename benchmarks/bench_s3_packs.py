@@ -1,0 +1,260 @@
+"""Packs against one object per block: what storing and loading a request's blocks costs.
+
+A serving engine stores a request's new blocks together and, on another node, loads a
+request's prefix together. This benchmark does exactly that with 256 KiB blocks, ``--group``
+blocks per request, ``--requests`` requests, ``--concurrency`` requests at a time, three ways
+on the same SeaweedFS in the same run:
+
+- ``raw``: plain aiobotocore (botocore's defaults), one PUT and one GET per block;
+- ``tier, 1 per object``: ``S3Tier(pack_blocks=1)``, one object per block;
+- ``tier, packs``: ``S3Tier`` with its default packs: a request's stores share one PUT, and its
+  loads, on a fresh tier that learnt the packs from its listing at open (another node), share
+  one ranged GET.
+
+Figures: MiB/s, requests sent, and CPU per block: this process's (``time.process_time``, all
+threads) and SeaweedFS's (when the benchmark starts its own server). Sides alternate
+and each figure is the median of ``--repeat`` rounds, so drift on a shared machine hits every
+side alike.
+
+    python benchmarks/bench_s3_packs.py
+    python benchmarks/bench_s3_packs.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.util
+import os
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from kvtier._keys import block_keys
+from kvtier.tiers._s3 import S3Tier
+
+ROOT = Path(__file__).resolve().parent.parent
+MiB = 1 << 20
+SIDES = ("raw", "tier, 1 per object", "tier, packs")
+
+
+def _weed_helper() -> Any:
+    spec = importlib.util.spec_from_file_location(
+        "kvtier_packs_weed", ROOT / "tests" / "weed_proc.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@contextmanager
+def _server(endpoint: str | None) -> Iterator[tuple[str, Callable[[], float] | None]]:
+    """The endpoint, and a reader of the server's CPU seconds when it was started here."""
+    if endpoint is not None:
+        yield endpoint, None
+        return
+    helper = _weed_helper()
+    with helper.WeedServer() as server:
+        anyio.run(helper.ensure_bucket, server.endpoint_url, "kvtier-bench")
+        yield server.endpoint_url, server.cpu_seconds
+
+
+class Meter:
+    """Wall, this process's CPU and the server's CPU over one phase."""
+
+    def __init__(self, server_cpu: Callable[[], float] | None) -> None:
+        self._server_cpu = server_cpu
+
+    async def run(self, phase: Callable[[], Awaitable[None]]) -> tuple[float, float, float]:
+        wall, cpu = time.perf_counter(), time.process_time()
+        server = self._server_cpu() if self._server_cpu else 0.0
+        await phase()
+        server = (self._server_cpu() - server) if self._server_cpu else float("nan")
+        return time.perf_counter() - wall, time.process_time() - cpu, server
+
+
+async def _in_groups(
+    args: argparse.Namespace,
+    groups: list[list[int]],
+    job: Callable[[int], Coroutine[Any, Any, None]],
+) -> None:
+    """``--concurrency`` requests at a time; each request's blocks all at once."""
+    limiter = anyio.CapacityLimiter(args.concurrency)
+
+    async def request(group: list[int]) -> None:
+        async with limiter, anyio.create_task_group() as tg:
+            for i in group:
+                tg.start_soon(job, i)
+
+    async with anyio.create_task_group() as tg:
+        for group in groups:
+            tg.start_soon(request, group)
+
+
+def _tier(args: argparse.Namespace, prefix: str, packs: bool) -> S3Tier:
+    return S3Tier(
+        args.bucket,
+        prefix=prefix,
+        endpoint_url=args.endpoint,
+        region_name="us-east-1",
+        aws_access_key_id="bench",
+        aws_secret_access_key="bench",
+        read_timeout=30.0,
+        pack_blocks=args.group if packs else 1,
+    )
+
+
+Phase = tuple[float, float, float]  # wall, client CPU, server CPU seconds
+
+
+async def _raw(
+    args: argparse.Namespace, meter: Meter, prefix: str, payloads: list[bytes], out: list[bytearray]
+) -> tuple[Phase, Phase, tuple[int, int]]:
+    import aiobotocore.session
+
+    groups = _groups(args)
+    async with aiobotocore.session.get_session().create_client(
+        "s3",
+        endpoint_url=args.endpoint,
+        region_name="us-east-1",
+        aws_access_key_id="bench",
+        aws_secret_access_key="bench",
+    ) as client:
+
+        async def put(i: int) -> None:
+            body = payloads[i % len(payloads)]
+            await client.put_object(Bucket=args.bucket, Key=f"{prefix}/{i}", Body=body)
+
+        async def get(i: int) -> None:
+            response = await client.get_object(Bucket=args.bucket, Key=f"{prefix}/{i}")
+            async with response["Body"] as body:
+                out[i][:] = await body.read()
+
+        store = await meter.run(lambda: _in_groups(args, groups, put))
+        load = await meter.run(lambda: _in_groups(args, groups, get))
+    return store, load, (len(out), len(out))
+
+
+async def _tiered(
+    args: argparse.Namespace,
+    meter: Meter,
+    prefix: str,
+    payloads: list[bytes],
+    out: list[bytearray],
+    packs: bool,
+) -> tuple[Phase, Phase, tuple[int, int]]:
+    groups = _groups(args)
+    keys = block_keys(list(range(len(out) * 4)), 4, namespace=os.urandom(8))
+    async with _tier(args, prefix, packs) as writer:
+
+        async def store_one(i: int) -> None:
+            await writer.store(keys[i], memoryview(payloads[i % len(payloads)]))
+
+        store = await meter.run(lambda: _in_groups(args, groups, store_one))
+        written = writer.statistics()
+    async with _tier(args, prefix, packs) as reader:  # another node: it lists at open
+
+        async def load_one(i: int) -> None:
+            await reader.load(keys[i], memoryview(out[i]))
+
+        load = await meter.run(lambda: _in_groups(args, groups, load_one))
+        read = reader.statistics()
+    puts = written.packs_written + written.stores - written.blocks_packed
+    gets = read.pack_gets + read.loads - read.pack_sections_read
+    return store, load, (puts, gets)
+
+
+def _groups(args: argparse.Namespace) -> list[list[int]]:
+    return [list(range(r * args.group, (r + 1) * args.group)) for r in range(args.requests)]
+
+
+async def _round(
+    args: argparse.Namespace,
+    meter: Meter,
+    payloads: list[bytes],
+    results: dict[str, list[tuple[Phase, Phase, tuple[int, int]]]],
+    number: int,
+) -> None:
+    n = args.requests * args.group
+    for side in SIDES if number % 2 == 0 else reversed(SIDES):
+        prefix = f"bench-packs/{uuid.uuid4().hex}"
+        out = [bytearray(len(payloads[0])) for _ in range(n)]
+        if side == "raw":
+            result = await _raw(args, meter, prefix, payloads, out)
+        else:
+            result = await _tiered(args, meter, prefix, payloads, out, side == "tier, packs")
+        assert all(out[i] == payloads[i % len(payloads)] for i in range(n)), side
+        results.setdefault(side, []).append(result)
+
+
+def _median(rounds: list[tuple[Phase, Phase, tuple[int, int]]], phase: int, what: int) -> float:
+    return statistics.median(r[phase][what] for r in rounds)
+
+
+def _report(
+    args: argparse.Namespace, results: dict[str, list[tuple[Phase, Phase, tuple[int, int]]]]
+) -> None:
+    n = args.requests * args.group
+    mib = n * args.block_kib / 1024
+    print(
+        f"S3 packs: {args.requests} requests x {args.group} blocks of {args.block_kib} KiB, "
+        f"{args.concurrency} requests at a time, median of {args.repeat} rounds"
+    )
+    print(
+        f"  {'side':<20}{'store MiB/s':>12}{'load MiB/s':>12}{'PUTs':>6}{'GETs':>6}"
+        f"{'client ms/block store, load':>30}{'server ms/block store, load':>30}"
+    )
+    base: dict[str, float] = {}
+    for side in SIDES:
+        rounds = results[side]
+        med = functools.partial(_median, rounds)
+        store_rate, load_rate = mib / med(0, 0), mib / med(1, 0)
+        puts, gets = rounds[-1][2]
+        print(
+            f"  {side:<20}{store_rate:>12.1f}{load_rate:>12.1f}{puts:>6}{gets:>6}"
+            f"{med(0, 1) * 1000 / n:>17.2f}, {med(1, 1) * 1000 / n:>5.2f}"
+            f"{med(0, 2) * 1000 / n:>24.2f}, {med(1, 2) * 1000 / n:>5.2f}"
+        )
+        if side == "raw":
+            base = {"store": store_rate, "load": load_rate}
+        else:
+            print(
+                f"  {'':<20}{store_rate / base['store']:>11.2f}x{load_rate / base['load']:>11.2f}x"
+                "  of raw"
+            )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("--endpoint", help="an S3 endpoint (default: start a SeaweedFS here)")
+    p.add_argument("--bucket", default="kvtier-bench")
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--group", type=int, default=8, help="blocks per request (and per pack)")
+    p.add_argument("--block-kib", type=int, default=256)
+    p.add_argument("--concurrency", type=int, default=4, help="requests at a time")
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--quick", action="store_true", help="a few requests, one round")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.requests, args.repeat = 4, 1
+    payloads = [os.urandom(args.block_kib << 10) for _ in range(args.group)]
+    with _server(args.endpoint) as (endpoint, server_cpu):
+        args.endpoint = endpoint
+        results: dict[str, list[tuple[Phase, Phase, tuple[int, int]]]] = {}
+        meter = Meter(server_cpu)
+        for number in range(args.repeat):
+            anyio.run(_round, args, meter, payloads, results, number)
+        _report(args, results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
