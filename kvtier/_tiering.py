@@ -98,6 +98,8 @@ class ManagerStatistics:
     """Deferred writes given up: the queue overflowed, no faster tier held the block any
     more, the write failed, or the manager closed first."""
     deferred_pending: int
+    write_ups_waiting: int = 0
+    """Promoted blocks in the pool to be copied to the faster tiers when they are evicted."""
 
 
 class TieringManager:
@@ -131,7 +133,11 @@ class TieringManager:
     the write-through tiers listed before it, under the same admission and in-flight limits
     as a store's write-through (counted in ``promotions_written_up``): a node that reads a
     block from a shared S3 tier keeps it on its own FS tier, and the next time the block
-    leaves the pool it comes back from there, not from S3.
+    leaves the pool it comes back from there, not from S3. With a pool in host memory the copy
+    is made when the block is evicted, not when it arrives: the requests that wait for
+    promoted blocks do not share the machine with their copies, and a block that stays in the
+    pool is never copied. Promoted blocks still in the pool when the manager closes are not
+    copied (they are still in the tier they came from). A GPU pool copies them at once.
     """
 
     def __init__(
@@ -190,6 +196,8 @@ class TieringManager:
             admission = AdmissionPolicy(max_in_flight_bytes=self.default_tier_in_flight_bytes())
         self.admission = admission
         self._promoting: dict[bytes, float] = {}  # key -> when its promotion should land
+        # Promoted blocks to copy up to the faster tiers when the pool evicts them.
+        self._up_when_evicted: dict[bytes, SecondaryTier] = {}
         self._after: dict[bytes, list[bytes]] = {}  # key -> keys deferred until it changes
         self._stack: AsyncExitStack | None = None
         self._task_group: anyio.abc.TaskGroup | None = None
@@ -242,6 +250,8 @@ class TieringManager:
             task_group = anyio.create_task_group()
             await task_group.__aenter__()
             self._task_group = self._writer.task_group = task_group
+            if self._promote_write_up and type(self.pool).copy_slot is not PrimaryPool.copy_slot:
+                self.pool.table.on_evict = self._evicting
             self._was_open = True
             self._stack = stack.pop_all()
         if opening is not None:  # its open ran past open_timeout (the scope caught that)
@@ -279,6 +289,8 @@ class TieringManager:
         writer.cancelled += writer.cascades.count
         task_group, self._task_group = self._task_group, None
         writer.task_group = None
+        self.pool.table.on_evict = None
+        self._up_when_evicted.clear()  # still in the pool: still in the tier they came from
         assert task_group is not None
         task_group.cancel_scope.cancel()
         await task_group.__aexit__(None, None, None)  # children are cancelled: returns promptly
@@ -469,7 +481,10 @@ class TieringManager:
                 self._promotions_ok += 1
                 task_group = self._task_group
                 if self._promote_write_up and task_group is not None and self._stack is not None:
-                    self._writer.write_up(task_group, key, tier)
+                    if self.pool.table.on_evict is None:
+                        self._writer.write_up(task_group, key, tier)
+                    elif self._writer.writes_up(tier):
+                        self._up_when_evicted[key] = tier  # copied up when evicted
             else:
                 self.pool.abort(slot)
                 self._promotions_cancelled += not failed
@@ -485,6 +500,16 @@ class TieringManager:
                 )
             self._promoting.pop(key, None)
             self._notify(key)
+
+    def _evicting(self, key: bytes, slot: int) -> None:
+        """The pool is about to reuse ``slot``: a promoted block not yet copied to the
+        faster tiers is copied now (its bytes taken at once; written in the background)."""
+        tier = self._up_when_evicted.pop(key, None)
+        task_group = self._task_group
+        if tier is None or task_group is None or self._stack is None:
+            return
+        copy = functools.partial(self.pool.copy_slot, slot)
+        self._writer.write_up(task_group, key, tier, copy=copy)
 
     def _promotion_never_ran(self, key: bytes, slot: int, tier: SecondaryTier) -> None:
         """Give back the slot ``lookup`` reserved for a promotion cancelled unstarted."""
@@ -677,6 +702,7 @@ class TieringManager:
             deferred_written=writer.deferred.written,
             deferred_lost=writer.deferred.lost,
             deferred_pending=len(writer.deferred),
+            write_ups_waiting=len(self._up_when_evicted),
         )
 
     def __repr__(self) -> str:

@@ -150,22 +150,37 @@ class WriteThrough:
         if self.write_back:  # while closing (a store that raced aclose), write back at once
             self.flush(task_group, everything=closing)
 
-    def write_up(self, task_group: anyio.abc.TaskGroup, key: bytes, source: SecondaryTier) -> None:
-        """Write a block just promoted from ``source`` to the write-through tiers above it,
-        so that the next time it leaves the pool it is found in a faster tier (a node that
-        promotes from a shared S3 tier keeps a copy on its own disk). Admitted, counted and
-        dropped under back-pressure exactly like a store's write-through; write-back tiers
-        are not given promoted blocks."""
+    def writes_up(self, source: SecondaryTier) -> bool:
+        """Whether blocks promoted from ``source`` have write-through tiers above it."""
+        return bool(self._above.get(id(source)))
+
+    def write_up(
+        self,
+        task_group: anyio.abc.TaskGroup,
+        key: bytes,
+        source: SecondaryTier,
+        copy: Callable[[], bytes | None] | None = None,
+    ) -> None:
+        """Write a block promoted from ``source`` to the write-through tiers above it, so
+        that the next time it is needed it is found in a faster tier (a node that promotes
+        from a shared S3 tier keeps a copy on its own disk). Admitted, counted and dropped
+        under back-pressure exactly like a store's write-through; write-back tiers are not
+        given promoted blocks. ``copy``: the block is leaving the pool (evicted), so it is
+        written from a copy taken now instead of its pinned slot."""
         targets = self._above.get(id(source))
-        if targets and self._write(task_group, key, targets):
+        if targets and self._write(task_group, key, targets, copy):
             self.written_up += 1
 
     def _write(
-        self, task_group: anyio.abc.TaskGroup, key: bytes, tiers: Sequence[SecondaryTier]
+        self,
+        task_group: anyio.abc.TaskGroup,
+        key: bytes,
+        tiers: Sequence[SecondaryTier],
+        copy: Callable[[], bytes | None] | None = None,
     ) -> bool | None:
-        """Start writing ``key``'s block to those of ``tiers`` that admit it now: True if
-        started, False if every tier dropped it, None if the global in-flight limit or an
-        eviction skipped it (counted in ``skipped``)."""
+        """Start writing ``key``'s block (its pinned slot, or what ``copy`` returns) to those
+        of ``tiers`` that admit it now: True if started, False if every tier dropped it, None
+        if the global in-flight limit or an eviction skipped it (counted in ``skipped``)."""
         nbytes = self.pool.block_bytes
         if self.in_flight_bytes + nbytes > self._max_in_flight_bytes:
             self.skipped += 1
@@ -199,7 +214,7 @@ class WriteThrough:
                     )
         if not targets:
             return False
-        slot = self.pool.pin(key)
+        slot: int | bytes | None = self.pool.pin(key) if copy is None else copy()
         if slot is None:  # already evicted by a later store in the same burst
             for tier in targets:
                 self.admission.cancel(tier.name, nbytes)
@@ -223,10 +238,11 @@ class WriteThrough:
         self,
         task_group: anyio.abc.TaskGroup,
         key: bytes,
-        slot: int,
+        slot: int | bytes,
         targets: Sequence[SecondaryTier],
     ) -> None:
-        """Start writing the pinned ``slot`` to ``targets``; the write gives the pin back."""
+        """Start writing the pinned ``slot`` (or a copy of the block) to ``targets``; the
+        write gives the pin back."""
         nbytes = self.pool.block_bytes
         self.in_flight_bytes += nbytes
         self.started += 1
@@ -235,30 +251,37 @@ class WriteThrough:
         undo = functools.partial(self._never_ran, slot, nbytes, targets)
         self._background.start_soon(task_group, undo, self._cascade, key, slot, nbytes, targets)
 
-    def _never_ran(self, slot: int, nbytes: int, targets: tuple[SecondaryTier, ...]) -> None:
+    def _never_ran(
+        self, slot: int | bytes, nbytes: int, targets: tuple[SecondaryTier, ...]
+    ) -> None:
         """Give back what ``_launch`` took for a write whose task was cancelled unstarted."""
         for tier in targets:
             self.admission.cancel(tier.name, nbytes)
-        self.pool.unpin(slot)
+        if isinstance(slot, int):
+            self.pool.unpin(slot)
         self.in_flight_bytes -= nbytes
         self.cascades.finished()
 
     async def _cascade(
-        self, key: bytes, slot: int, nbytes: int, targets: tuple[SecondaryTier, ...]
+        self, key: bytes, slot: int | bytes, nbytes: int, targets: tuple[SecondaryTier, ...]
     ) -> None:
         failures: list[MissReason] = []
         begun: list[SecondaryTier] = []  # the tiers whose write started (and reports itself)
         write = functools.partial(self._write_through, key, targets, failures, begun)
         try:
             with anyio.fail_after(self._store_timeout):
-                await self.pool.drain(slot, write)
+                if isinstance(slot, int):
+                    await self.pool.drain(slot, write)
+                else:
+                    await write(memoryview(slot))
         except Exception as exc:
             failures.append(reason_of(exc))
         finally:
             for tier in targets:
                 if tier not in begun:  # the drain failed first: give the admission back
                     self.admission.cancel(tier.name, nbytes)
-            self.pool.unpin(slot)
+            if isinstance(slot, int):
+                self.pool.unpin(slot)
             self.in_flight_bytes -= nbytes
             self._room_again()  # before this one stops counting: closing waits for the next
             self.cascades.finished()

@@ -202,8 +202,9 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @rule(start=st.integers(0, len(KEYS) - 1))
     def promotion_is_written_up(self, start: int) -> None:
-        """A block only a lower tier holds is promoted and written to the memory tier above
-        it, unless admission dropped or skipped that write (counted)."""
+        """A block only a lower tier holds is promoted; it waits in the pool and is written
+        to the memory tier above it when evicted, unless admission dropped or skipped that
+        write (counted)."""
         ready = self.manager.pool.table.ready
         key = next((k for k in KEYS[start:] + KEYS[:start] if k not in ready), None)
         if self.stalled() or key is None:
@@ -223,7 +224,10 @@ class ManagerMachine(RuleBasedStateMachine):
         after = self.manager.statistics()
         if not promoted or after.promotions_succeeded == before.promotions_succeeded:
             return  # declined as too slow, failed (an injected fault), or still pending
-        if after.promotions_written_up > before.promotions_written_up:
+        if key in self.manager._up_when_evicted:  # in the pool: copied when it is evicted
+            assert key in self.manager.pool.table.ready
+        elif after.promotions_written_up > before.promotions_written_up:
+            # Evicted at once (by a later promotion in the same scan) and written up.
             held = self.tier_contents(self.stalling.inner)
             assert held.get(key) == payload(key).tobytes(), "a written-up block is missing"
         else:
@@ -273,6 +277,10 @@ class ManagerMachine(RuleBasedStateMachine):
         pool = stats.pool
         assert pool.reservations == pool.commits + pool.aborts + pool.writing
         assert stats.dirty_blocks <= pool.pinned  # a block waiting for write-back is held
+        # A promoted block waiting to be copied up when evicted is still in the pool.
+        waiting = self.manager._up_when_evicted
+        assert stats.write_ups_waiting == len(waiting) <= pool.num_blocks
+        assert all(key in self.manager.pool.table.ready for key in waiting)
         for a in stats.admission:
             assert 0 <= a.in_flight_bytes <= 3 * BB or a.write_back
         self.check_deferred_accounting(settled=False)

@@ -356,7 +356,7 @@ async def test_deferred_writes_promotions_written_up_and_rate_drops_are_exported
     policy = AdmissionPolicy(
         deferred=["remote"], max_write_rate={"remote": BLOCK}, clock=lambda: now[0]
     )
-    manager = TieringManager(HostPool(8, BLOCK), [disk, remote], admission=policy)
+    manager = TieringManager(HostPool(4, BLOCK), [disk, remote], admission=policy)
     registry = CollectorRegistry()
     registry.register(KVTierCollector(manager))
     first, second, third, fourth = (key() for _ in range(4))
@@ -365,14 +365,15 @@ async def test_deferred_writes_promotions_written_up_and_rate_drops_are_exported
         for cause in ("in_flight", "latency", "rate"):  # every cause has a series from the start
             labels = (("cause", cause), ("tier", "disk"))
             assert got["kvtier_tier_writes_dropped_total", labels] == 0
+        assert manager.lookup(in_remote) is LookupResult.RETRY  # promoted into the pool
+        await manager.wait_idle()
         # One block fits the remote tier's budget; the other two wait for it.
         assert await manager.store([first, second, third], np.zeros((3, BLOCK), np.uint8)) == 3
         await manager.wait_idle()
         await disk.delete(second)  # no faster tier holds it any more: its deferred write is lost
         now[0] = 1.0  # one more block's worth of budget
+        # The pool is full: this store evicts the promoted block, which is written up then.
         assert await manager.store([fourth], np.zeros((1, BLOCK), np.uint8)) == 1
-        await manager.wait_idle()
-        assert manager.lookup(in_remote) is LookupResult.RETRY  # promoted, then written up
         await manager.wait_idle()
         got = samples(registry)
         assert disk.lookup(in_remote) is LookupResult.HIT

@@ -1,6 +1,7 @@
 """A block promoted from a lower tier is written to the faster tiers above it (issue 10's
 multi-node story: a node that reads a block from the shared S3 tier keeps it on its own FS
-tier), through the same admission and in-flight accounting as a store's write-through."""
+tier), through the same admission and in-flight accounting as a store's write-through; from a
+host pool, when the pool evicts it rather than when it arrives."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from kvtier import (
     MemoryTier,
     TieringManager,
 )
+from kvtier.pools._base import PrimaryPool
 from kvtier.testing import StallingTier
 
 BB = 4096
@@ -31,27 +33,68 @@ async def promote(manager: TieringManager, key: bytes) -> None:
             await manager.watch([key]).wait()  # set when its promotion lands
 
 
-async def test_a_block_promoted_from_a_lower_tier_lands_in_the_tiers_above(
+async def test_a_block_promoted_from_a_lower_tier_lands_in_the_tiers_above_when_evicted(
     keys: list[bytes],
 ) -> None:
     fast, middle, slow = MemoryTier("fast"), MemoryTier("middle"), MemoryTier("slow")
     await slow.store(keys[0], block(7))
     await middle.store(keys[1], block(8))
-    async with TieringManager(HostPool(8, BB), [fast, middle, slow]) as manager:
+    for i in (2, 3):  # blocks of the first tier: promoting them evicts the first two
+        await fast.store(keys[i], block(i))
+    async with TieringManager(HostPool(2, BB), [fast, middle, slow]) as manager:
         await promote(manager, keys[0])
         await promote(manager, keys[1])
         await manager.wait_idle()
         stats = manager.statistics()
-    assert stats.promotions_written_up == 2
+        # In the pool, they are not copied anywhere yet: the engine may need them right now.
+        assert (stats.promotions_written_up, stats.write_ups_waiting) == (0, 2)
+        assert fast.lookup(keys[0]) is LookupResult.MISS
+        await promote(manager, keys[2])  # evicts keys[0]: copied up now
+        await promote(manager, keys[3])  # evicts keys[1]
+        await manager.wait_idle()
+        stats = manager.statistics()
+    assert (stats.promotions_written_up, stats.write_ups_waiting) == (2, 0)
     out = bytearray(BB)
     for tier in (fast, middle):  # the block from the slowest tier reached both above it
         await tier.load(keys[0], memoryview(out))
         assert out == block(7)
     await fast.load(keys[1], memoryview(out))
-    assert out == block(8)
+    assert out == block(8)  # the bytes it had in the pool, copied before its slot was reused
     assert slow.lookup(keys[1]) is LookupResult.MISS  # never written down
     assert stats.cascades_started == 2 and stats.cascades_succeeded == 2
     assert stats.pool.pinned == 0 and stats.in_flight_bytes == 0
+
+
+async def test_a_promoted_block_still_in_the_pool_at_close_is_not_copied(
+    keys: list[bytes],
+) -> None:
+    fast, slow = MemoryTier("fast"), MemoryTier("slow")
+    await slow.store(keys[0], block(5))
+    async with TieringManager(HostPool(4, BB), [fast, slow]) as manager:
+        await promote(manager, keys[0])
+        assert manager.statistics().write_ups_waiting == 1
+    stats = manager.statistics()
+    assert (stats.promotions_written_up, stats.write_ups_waiting) == (0, 0)
+    assert fast.lookup(keys[0]) is LookupResult.MISS  # it is still in the slow tier
+
+
+class _DeviceLikePool(HostPool):
+    """A pool that cannot copy a slot at once on the loop (as a GPU pool cannot)."""
+
+    copy_slot = PrimaryPool.copy_slot
+
+
+async def test_a_pool_that_cannot_copy_at_eviction_writes_up_at_once(keys: list[bytes]) -> None:
+    fast, slow = MemoryTier("fast"), MemoryTier("slow")
+    await slow.store(keys[0], block(6))
+    async with TieringManager(_DeviceLikePool(4, BB), [fast, slow]) as manager:
+        await promote(manager, keys[0])
+        await manager.wait_idle()
+        stats = manager.statistics()
+    assert (stats.promotions_written_up, stats.write_ups_waiting) == (1, 0)
+    out = bytearray(BB)
+    await fast.load(keys[0], memoryview(out))
+    assert out == block(6)
 
 
 async def test_a_block_promoted_from_the_first_tier_is_not_written_anywhere(
@@ -81,21 +124,23 @@ async def test_no_write_up_when_it_is_off(keys: list[bytes]) -> None:
 async def test_write_up_yields_to_back_pressure_and_counts_the_drops(keys: list[bytes]) -> None:
     fast = StallingTier(MemoryTier("fast-inner"), name="fast")
     slow = MemoryTier("slow")
-    for i in range(3):
+    for i in range(4):
         await slow.store(keys[i], block(i))
     fast.stall("store")
     policy = AdmissionPolicy(max_in_flight_bytes={"fast": BB}, max_write_latency=None)
-    async with TieringManager(HostPool(8, BB), [fast, slow], admission=policy) as manager:
-        await promote(manager, keys[0])  # its write-up holds the fast tier's only room
+    async with TieringManager(HostPool(1, BB), [fast, slow], admission=policy) as manager:
+        await promote(manager, keys[0])
+        await promote(manager, keys[1])  # evicts keys[0]: its write-up holds fast's only room
         await fast.wait_stalled("store")
-        await promote(manager, keys[1])
-        await promote(manager, keys[2])
+        await promote(manager, keys[2])  # evicts keys[1]: no room, dropped
+        await promote(manager, keys[3])  # evicts keys[2]: dropped
         stats = manager.statistics()
         assert stats.promotions_written_up == 1
         assert stats.cascades_dropped == 2
         (fast_admission,) = [a for a in stats.admission if a.name == "fast"]
         assert fast_admission.dropped_by_cause == {"in_flight": 2}
-        assert stats.in_flight_bytes == BB and stats.pool.pinned == 1
+        # Written from a copy: the evicted slot went straight back to work, unpinned.
+        assert stats.in_flight_bytes == BB and stats.pool.pinned == 0
         fast.release("store")
         await manager.wait_idle()
         stats = manager.statistics()
@@ -107,13 +152,14 @@ async def test_write_up_yields_to_back_pressure_and_counts_the_drops(keys: list[
 async def test_write_up_respects_the_global_in_flight_limit(keys: list[bytes]) -> None:
     fast = StallingTier(MemoryTier("fast-inner"), name="fast")
     slow = MemoryTier("slow")
-    for i in range(2):
+    for i in range(3):
         await slow.store(keys[i], block(i))
     fast.stall("store")
-    async with TieringManager(HostPool(8, BB), [fast, slow], max_in_flight_bytes=BB) as manager:
+    async with TieringManager(HostPool(1, BB), [fast, slow], max_in_flight_bytes=BB) as manager:
         await promote(manager, keys[0])
+        await promote(manager, keys[1])  # evicts keys[0]: written up, stalled
         await fast.wait_stalled("store")
-        await promote(manager, keys[1])
+        await promote(manager, keys[2])  # evicts keys[1]: the in-flight limit skips it
         stats = manager.statistics()
         assert stats.promotions_written_up == 1 and stats.cascades_skipped == 1
         fast.release("store")

@@ -62,6 +62,11 @@ class PrimaryPool(ABC):
     def discard(self, key: bytes) -> bool:
         return self.table.discard(key)
 
+    def copy_slot(self, slot: int) -> bytes | None:
+        """The bytes of ``slot`` now, if the pool can copy them at once on the event loop
+        (host memory); None if that would mean waiting (device memory)."""
+        return None
+
     def statistics(self) -> PoolStatistics:
         return self.table.statistics(self.block_bytes)
 

@@ -53,6 +53,9 @@ class HostPool(PrimaryPool):
         start = slot * self.block_bytes
         return self._view[start : start + self.block_bytes]
 
+    def copy_slot(self, slot: int) -> bytes:
+        return bytes(self.slot_view(slot))  # a memcpy: ~20 us per 256 KiB
+
     async def fill(self, slot: int, sink: ByteSink) -> None:
         await sink(self.slot_view(slot))
 

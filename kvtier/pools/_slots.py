@@ -11,7 +11,7 @@ slots are evictable.
 
 from __future__ import annotations
 
-from collections.abc import Sequence, Sized
+from collections.abc import Callable, Sequence, Sized
 from dataclasses import dataclass
 from enum import IntEnum
 from itertools import takewhile
@@ -62,6 +62,9 @@ class SlotTable:
         self._commits = 0
         self._aborts = 0
         self._evictions = 0
+        # Called with (key, slot) when an eviction is about to reuse ``slot``: its bytes are
+        # still there (the manager copies a promoted block up to a faster tier then).
+        self.on_evict: Callable[[bytes, int], None] | None = None
 
     # -- queries -----------------------------------------------------------------------------
 
@@ -117,6 +120,8 @@ class SlotTable:
             del self._slot_of[victim]
             self.policy.remove(victim, evicted=True)
             self._evictions += 1
+            if self.on_evict is not None:
+                self.on_evict(victim, slot)
         self._state[slot] = SlotState.WRITING
         self._key[slot] = key
         self._slot_of[key] = slot
