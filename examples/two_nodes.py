@@ -341,8 +341,9 @@ def report(rounds: list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]]) 
     }
     print(
         f"node B copied {b_total['written_up']:,} blocks it promoted from S3 to its file tier "
-        f"(promote_write_up); it wrote {b_total['written_to_s3']:,} blocks to S3 (deferred and "
-        f"written later: {b_total['deferred_written']:,}; lost: {b_total['deferred_lost']:,})"
+        f"as its pool evicted them (promote_write_up); it wrote {b_total['written_to_s3']:,} "
+        f"blocks to S3 (deferred and written later: {b_total['deferred_written']:,}; lost: "
+        f"{b_total['deferred_lost']:,})"
     )
     sections = sum(r[2]["pack_sections_read"] for r in rounds)
     gets = sum(r[2]["pack_gets"] for r in rounds)

@@ -4,7 +4,10 @@ Several kvtier processes on several machines share one bucket: a prefix computed
 is a hit on every other. Objects live at ``<prefix>/<2 hex>/<hex key>`` (the two hex digits
 spread keys over many key-name prefixes, which S3 partitions on) and hold the block format
 of ``kvtier._format``: a header naming the key, with an xxh3 checksum of the payload that is
-verified on every load. The checksum is also written to the object metadata.
+verified on every load. The checksum is also written to the object metadata. Stores that
+reach the tier together share one *pack* object instead, and loads of blocks of one pack that
+start together share one ranged GET (``_s3_pack``, ``_s3_packs``): on a small machine the
+request, not the byte, is what an S3 block costs.
 
 Choices where the contract leaves room:
 
@@ -507,7 +510,7 @@ class S3Tier(SecondaryTier):
         else:
             problem, head = verify()
         if problem is not None:
-            await self._discard_corrupt(client, key, bytes(head), problem, where.pack)
+            await self._discard_corrupt(client, key, head, problem, where.pack)
         return None
 
     async def _fetch_pack(self, name: str, lo: int, hi: int) -> bytes | None:
