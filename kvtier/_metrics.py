@@ -466,6 +466,10 @@ class KVTierCollector:
         f.gauge(
             "deferred_writes_pending", "Deferred writes waiting for their tier to have room."
         ).add_metric([], s.deferred_pending)
+        f.gauge(
+            "write_ups_waiting",
+            "Promoted blocks in the pool to be copied to the faster tiers when evicted.",
+        ).add_metric([], s.write_ups_waiting)
         c = s.cost
         if c.recompute_seconds_per_block is not None:
             f.gauge(

@@ -503,7 +503,8 @@ class TieringManager:
 
     def _evicting(self, key: bytes, slot: int) -> None:
         """The pool is about to reuse ``slot``: a promoted block not yet copied to the
-        faster tiers is copied now (its bytes taken at once; written in the background)."""
+        faster tiers is copied now (its bytes taken at once, a memcpy inside the ``lookup``
+        or ``store`` that evicts it; written in the background)."""
         tier = self._up_when_evicted.pop(key, None)
         task_group = self._task_group
         if tier is None or task_group is None or self._stack is None:

@@ -385,4 +385,5 @@ async def test_deferred_writes_promotions_written_up_and_rate_drops_are_exported
     assert got["kvtier_deferred_writes_total", (("outcome", "written"),)] == 1  # third
     assert got["kvtier_deferred_writes_total", (("outcome", "lost"),)] == 1  # second
     assert got["kvtier_deferred_writes_pending", ()] == 1  # fourth
+    assert got["kvtier_write_ups_waiting", ()] == 0  # the promoted block was evicted, copied
     assert got["kvtier_promotions_written_up_total", ()] == 1
