@@ -549,9 +549,11 @@ async def test_server_killed_mid_run_and_restarted(own_weed: WeedServer) -> None
     assert tier.statistics().breaker_opened >= 1
 
 
-async def test_index_mode_server_killed_and_restarted(own_weed: WeedServer) -> None:
-    """Index mode: with the server gone, indexed blocks become misses within the promotion
-    deadline and unknown ones miss at once; once it is back they load again."""
+@pytest.mark.parametrize("packed", [False, True])
+async def test_index_mode_server_killed_and_restarted(own_weed: WeedServer, packed: bool) -> None:
+    """Index mode: with the server gone, indexed blocks (objects of their own, or sections of
+    one pack) become misses within the promotion deadline and unknown ones miss at once;
+    once it is back they load again."""
     clock = FakeClock()
     tier = _tier_factory(own_weed.endpoint_url, "kill-index")(
         connect_timeout=1.0,
@@ -566,9 +568,13 @@ async def test_index_mode_server_killed_and_restarted(own_weed: WeedServer) -> N
     )
     keys = _keys(8)
     blocks = np.frombuffer(os.urandom(len(keys) * BLOCK), dtype=np.uint8).reshape(len(keys), -1)
-    async with tier:
+    async with tier, anyio.create_task_group() as tg:
         for key, row in zip(keys[:4], blocks[:4], strict=True):
-            await tier.store(key, memoryview(row))
+            if packed:  # started together: one pack
+                tg.start_soon(tier.store, key, memoryview(row))
+            else:
+                await tier.store(key, memoryview(row))
+    assert tier.statistics().blocks_packed == (4 if packed else 0)
     async with TieringManager(HostPool(16, BLOCK), [tier], promotion_timeout=5) as manager:
         scheduler = OffloadScheduler(manager)
         await own_weed.akill()
