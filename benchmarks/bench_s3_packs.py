@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.util
 import os
 import statistics
 import sys
@@ -36,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+from bench_s3 import _weed_helper  # the script's folder is on sys.path
 
 from kvtier._keys import block_keys
 from kvtier.tiers._s3 import S3Tier
@@ -43,16 +43,6 @@ from kvtier.tiers._s3 import S3Tier
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
 SIDES = ("raw", "tier, 1 per object", "tier, packs")
-
-
-def _weed_helper() -> Any:
-    spec = importlib.util.spec_from_file_location(
-        "kvtier_packs_weed", ROOT / "tests" / "weed_proc.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @contextmanager

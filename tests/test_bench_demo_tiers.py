@@ -4,11 +4,10 @@ process, each against its own round's baseline (a short round here, on a real Se
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from weed_proc import run_script
 
 pytest.importorskip("torch", reason="the demo needs torch (the kvtier[torch] extra)")
 pytest.importorskip("aiobotocore", reason="the S3 tier needs the kvtier[s3] extra")
@@ -18,20 +17,7 @@ SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_demo_tie
 
 @pytest.mark.timeout(300)
 def test_one_quick_round_prints_each_setup_against_its_baseline() -> None:
-    from weed_proc import find_weed
-
-    try:
-        find_weed()
-    except RuntimeError as exc:
-        pytest.skip(str(exc))
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--rounds", "1", "--setups", "fs", "fs+s3"],
-        capture_output=True,
-        text=True,
-        timeout=280,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = run_script(SCRIPT, "--quick", "--rounds", "1", "--setups", "fs", "fs+s3")
     rows = {
         m[1]: (float(m[2]), float(m[3]), m[4], float(m[5]))
         for m in re.finditer(

@@ -4,11 +4,10 @@ block through the tier, and in packs, on a real SeaweedFS (a short round here)."
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from weed_proc import run_script
 
 pytest.importorskip("aiobotocore", reason="the S3 tier needs the kvtier[s3] extra")
 
@@ -17,20 +16,7 @@ SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_s3_packs
 
 @pytest.mark.timeout(300)
 def test_packs_send_one_request_per_group_of_blocks() -> None:
-    from weed_proc import find_weed
-
-    try:
-        find_weed()
-    except RuntimeError as exc:
-        pytest.skip(str(exc))
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick"],
-        capture_output=True,
-        text=True,
-        timeout=280,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = run_script(SCRIPT, "--quick")
     rows = {
         m[1]: (int(m[2]), int(m[3]))
         for m in re.finditer(

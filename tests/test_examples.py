@@ -15,6 +15,7 @@ from types import ModuleType
 import anyio
 import httpx
 import pytest
+from weed_proc import run_script
 
 pytest.importorskip("torch", reason="the examples need torch (the kvtier[torch] extra)")
 
@@ -82,20 +83,7 @@ def test_serve_demo_with_an_s3_tier() -> None:
     written to S3 (paced below the file tier, the rest deferred and each one accounted for),
     and no S3 request is made on the request path for keys the tier's index does not hold."""
     pytest.importorskip("aiobotocore", reason="the S3 tier needs the kvtier[s3] extra")
-    from weed_proc import find_weed
-
-    try:
-        find_weed()
-    except RuntimeError as exc:
-        pytest.skip(str(exc))
-    proc = subprocess.run(
-        [sys.executable, str(EXAMPLES / "serve_demo.py"), "--quick", "--s3-local"],
-        capture_output=True,
-        text=True,
-        timeout=280,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = run_script(EXAMPLES / "serve_demo.py", "--quick", "--s3-local")
     assert re.search(r"^s3: SeaweedFS on http://127\.0\.0\.1:\d+", proc.stdout, re.M)
     assert re.search(r"^tiers\s+host pool, fs, s3$", proc.stdout, re.M), proc.stdout
     written = re.search(r"^\s+s3\s+read [\d.]+ MiB.*written ([\d.]+) MiB", proc.stdout, re.M)
@@ -120,20 +108,7 @@ def test_two_nodes_share_blocks_through_one_bucket() -> None:
     nothing on its request path for keys its index does not hold; and its logits with those
     blocks match its own recompute."""
     pytest.importorskip("aiobotocore", reason="the S3 tier needs the kvtier[s3] extra")
-    from weed_proc import find_weed
-
-    try:
-        find_weed()
-    except RuntimeError as exc:
-        pytest.skip(str(exc))
-    proc = subprocess.run(
-        [sys.executable, str(EXAMPLES / "two_nodes.py"), "--quick", "--ceiling"],
-        capture_output=True,
-        text=True,
-        timeout=280,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = run_script(EXAMPLES / "two_nodes.py", "--quick", "--ceiling")
     written = re.search(r"^node A\s+\d+ requests, wrote ([\d,]+) blocks to S3", proc.stdout, re.M)
     assert written and int(written[1].replace(",", "")) > 0, proc.stdout
     with_s3 = re.search(

@@ -71,6 +71,15 @@ async def _objects(server: WeedServer, prefix: str) -> list[str]:
     return [item["Key"] for item in page.get("Contents", ())]
 
 
+async def _one_pack(
+    server: WeedServer, prefix: str, tier: S3Tier, keys: list[bytes], blocks: list[bytes]
+) -> str:
+    """Store ``blocks`` together, in one pack; its object name."""
+    await _store_together(tier, keys, blocks)
+    (pack,) = [n for n in await _objects(server, prefix) if f"/{PACK_DIR}/" in n]
+    return pack
+
+
 async def test_stores_together_share_a_pack_and_another_node_loads_it_with_one_get(
     weed_server: WeedServer,
 ) -> None:
@@ -121,8 +130,7 @@ async def test_a_deleted_pack_is_a_miss_that_fixes_the_index(weed_server: WeedSe
     prefix = f"packs/{uuid.uuid4().hex}"
     keys, blocks = _keys_and_blocks(3)
     async with _tier(weed_server, prefix) as tier:
-        await _store_together(tier, keys, blocks)
-        (pack,) = [n for n in await _objects(weed_server, prefix) if f"/{PACK_DIR}/" in n]
+        pack = await _one_pack(weed_server, prefix, tier, keys, blocks)
         async with raw_client(weed_server.endpoint_url) as client:
             await client.delete_object(Bucket=BUCKET, Key=pack)
         for key in keys:
@@ -152,8 +160,7 @@ async def test_a_corrupt_pack_is_a_corrupt_miss_and_deleted(
     prefix = f"packs/{uuid.uuid4().hex}"
     keys, blocks = _keys_and_blocks(3)
     async with _tier(weed_server, prefix) as tier:
-        await _store_together(tier, keys, blocks)
-        (pack,) = [n for n in await _objects(weed_server, prefix) if f"/{PACK_DIR}/" in n]
+        pack = await _one_pack(weed_server, prefix, tier, keys, blocks)
         async with raw_client(weed_server.endpoint_url) as client:
             response = await client.get_object(Bucket=BUCKET, Key=pack)
             data = bytearray(await response["Body"].read())

@@ -13,32 +13,18 @@ from collections import defaultdict
 
 import anyio
 import numpy as np
+from test_writethrough_deferred import BB, assert_holds, blocks  # the same blocks and check
 
 from kvtier import (
     AdmissionPolicy,
     HostPool,
     LookupResult,
     MemoryTier,
-    SecondaryTier,
     TieringManager,
     TierUnavailableError,
 )
 
-BB = 4096
 GROUP = 4
-
-
-def blocks(n: int) -> np.ndarray:
-    return (np.arange(n * BB) % 251).astype(np.uint8).reshape(n, BB) + np.arange(
-        n, dtype=np.uint8
-    ).reshape(n, 1)
-
-
-async def assert_holds(tier: SecondaryTier, keys: list[bytes], data: np.ndarray) -> None:
-    out = bytearray(BB)
-    for i, key in enumerate(keys):
-        await tier.load(key, memoryview(out))
-        assert out == data[i].tobytes()
 
 
 class PackingTier(MemoryTier):

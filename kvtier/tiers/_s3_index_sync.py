@@ -65,6 +65,24 @@ class Call(Protocol):
     ) -> T | Fault: ...
 
 
+class _Progress:
+    """When a long listing should log its progress again: every ``_PROGRESS_EVERY`` s."""
+
+    def __init__(self) -> None:
+        self._started = self._reported = time.monotonic()
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self._started
+
+    def due(self) -> float | None:
+        """Seconds since the start if a progress line is due now, else None."""
+        now = time.monotonic()
+        if now - self._reported < _PROGRESS_EVERY:
+            return None
+        self._reported = now
+        return now - self._started
+
+
 class IndexSync:
     """Fills and refreshes an ``ExistenceIndex`` from the bucket (owned by an ``S3Tier``)."""
 
@@ -110,7 +128,7 @@ class IndexSync:
 
     async def list_at_open(self) -> None:
         """Index every block object under the prefix, within ``list_timeout`` seconds."""
-        started = time.monotonic()
+        progress = _Progress()
         client = self._client()
         kwargs: dict[str, Any] = {"Bucket": self._bucket, "MaxKeys": 1000}
         if self._prefix:
@@ -118,7 +136,6 @@ class IndexSync:
         journal = journal_prefix(self._prefix)
         pages = found = 0
         packs: list[str] = []
-        last_report = started
         with anyio.move_on_after(self._list_timeout) as scope:
             while True:
                 page = await self._call(
@@ -136,23 +153,21 @@ class IndexSync:
                     key = key_from_object(name, self._prefix)
                     if key is not None and self._index.add(key):
                         found += 1
-                now = time.monotonic()
-                if now - last_report >= _PROGRESS_EVERY:
-                    last_report = now
+                if (elapsed := progress.due()) is not None:
                     logger.info(
                         "%s: indexing s3://%s/%s: %d blocks after %.0f s (%d pages)",
                         self.name,
                         self._bucket,
                         self._prefix,
                         found,
-                        now - started,
+                        elapsed,
                         pages,
                     )
                 token = page.get("NextContinuationToken")
                 if not page.get("IsTruncated") or not token:
                     break
                 kwargs["ContinuationToken"] = token
-            found += await self._read_tables(client, packs, started)
+            found += await self._read_tables(client, packs, progress)
         self._index.listed = found
         self.listing_complete = not scope.cancelled_caught
         if scope.cancelled_caught:
@@ -172,27 +187,24 @@ class IndexSync:
                 found,
                 self._bucket,
                 self._prefix,
-                time.monotonic() - started,
+                progress.elapsed(),
                 pages,
             )
 
-    async def _read_tables(self, client: Any, packs: list[str], started: float) -> int:
+    async def _read_tables(self, client: Any, packs: list[str], progress: _Progress) -> int:
         """Index the keys of the listed ``packs`` from their tables: one small ranged GET
         each (two for a table past ``TABLE_PROBE_BYTES``), ``_TABLE_READS`` at a time."""
         found = 0
         done = 0
-        last_report = time.monotonic()
         pending = iter(packs)
 
         async def reader() -> None:
-            nonlocal found, done, last_report
+            nonlocal found, done
             for name in pending:
                 entries = await self._read_table(client, name)
                 found += len(self._index.add_many(entries))
                 done += 1
-                now = time.monotonic()
-                if now - last_report >= _PROGRESS_EVERY:
-                    last_report = now
+                if (elapsed := progress.due()) is not None:
                     logger.info(
                         "%s: indexing s3://%s/%s: read %d of %d pack tables after %.0f s",
                         self.name,
@@ -200,7 +212,7 @@ class IndexSync:
                         self._prefix,
                         done,
                         len(packs),
-                        now - started,
+                        elapsed,
                     )
 
         async with anyio.create_task_group() as tg:
