@@ -66,25 +66,14 @@ def write_block(
     payload must sit side by side in one aligned buffer). ``started`` is called, under
     the call's lock, once the block may touch the file system."""
     hlen = header_size(len(key), integrity_key=tier.integrity_key)
-    if not (private or tier._direct):
-        with call.holding():
-            if started is not None:
-                started()
-        return io.write_block(
-            tier.root,
-            name,
-            key,
-            payload,
-            tier.fsync,
-            victims,
-            integrity_key=tier.integrity_key,
-        )
-    buf = tier._buffers.take(io.staging_size(hlen, payload.nbytes))
+    copied = private or tier._direct
+    buf = tier._buffers.take(io.staging_size(hlen, payload.nbytes)) if copied else None
     try:
-        staging = memoryview(buf)
-        body = staging[hlen : hlen + payload.nbytes]
-        with call.touching():
-            io.copy_bytes(body, payload)
+        staging = None if buf is None else memoryview(buf)
+        body = payload if staging is None else staging[hlen : hlen + payload.nbytes]
+        with call.touching() if copied else call.holding():
+            if staging is not None:
+                io.copy_bytes(body, payload)
             if started is not None:
                 started()
         return io.write_block(
@@ -98,4 +87,5 @@ def write_block(
             staging=staging if tier._direct else None,
         )
     finally:
-        tier._buffers.give(buf)
+        if buf is not None:
+            tier._buffers.give(buf)
