@@ -75,7 +75,12 @@ class _Progress:
         return result
 
     def _fired(self, changed: list[bytes]) -> list[int]:
-        """Positions of the keys that fired, each key's watch now spent."""
+        """Positions of the keys that fired, each key's watch now spent, in prefix order.
+
+        The order matters: the manager holds a tier hit back behind the first key before it
+        that was unknown when last asked (lazy promotion), and wakes it when that key changes.
+        If both fired at once and the later key were asked first, it would be held behind a
+        key whose change has already been delivered, and nothing would wake it again."""
         if self._positions is None:
             self._positions = {}
             for i, key in enumerate(self.keys):
@@ -85,6 +90,7 @@ class _Progress:
             if key in self.watched:
                 self.watched.discard(key)
                 positions += self._positions[key]
+        positions.sort()
         return positions
 
 

@@ -6,7 +6,14 @@ from __future__ import annotations
 import anyio
 from held_lookup import BB, blocks, fill, lookup_while_held
 
-from kvtier import HostPool, MemoryTier, OffloadScheduler, SlotState, TieringManager
+from kvtier import (
+    HostPool,
+    LookupResult,
+    MemoryTier,
+    OffloadScheduler,
+    SlotState,
+    TieringManager,
+)
 from kvtier.testing import StallingTier, resolve_lookup
 
 
@@ -83,3 +90,35 @@ async def test_a_request_that_stopped_waiting_cannot_evict_what_a_waiting_one_co
             )
         assert answer == 3
         assert manager.statistics().misses_by_reason.get("primary_full") == 1
+
+
+async def test_a_key_held_behind_an_unknown_one_wakes_when_both_change_at_once(
+    keys: list[bytes],
+) -> None:
+    # Key 1 is a tier hit held back (lazy promotion) until key 0's existence is known. A store
+    # of key 0 wakes key 1 and then key 0 in one batch: the resumed scan must ask key 0 first,
+    # or key 1 is held behind a key that will never change again and the request waits out
+    # its deadline (seen once in CI as a scheduler timeout under load).
+    k0, k1 = keys[:2]
+    checking = StallingTier(name="checking", lookup_timeout=60)  # no timeout verdict either
+    await fill(checking.inner, [k1])
+    async with TieringManager(HostPool(8, BB), [checking]) as manager:
+        assert await resolve_lookup(checking, k1) is LookupResult.HIT
+        # Key 0's existence check stays unanswered throughout, and its write-through too (a
+        # store landing in the tier would wake key 1 again and hide the bug).
+        checking.stall("contains", "store")
+        scheduler = OffloadScheduler(manager)
+        answer: list[int] = []
+
+        async def request() -> None:
+            answer.append(await scheduler.lookup([k0, k1], timeout=10))
+
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(request)
+                await checking.wait_stalled("contains")
+                await manager.store([k0], blocks(1))
+            checking.release("contains", "store")
+        assert answer == [2]
+        assert scheduler.statistics().timeouts == 0
+        assert manager.pool.state_of(k1) is SlotState.READY
