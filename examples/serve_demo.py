@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import importlib.util
 import math
@@ -52,7 +53,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -165,7 +166,7 @@ class Engine:
         self.model = model
         self.config = c
         self._compute = anyio.CapacityLimiter(1)
-        self._slots: asyncio.Queue[Slot] = asyncio.Queue()
+        self._slots = FirstComeFirstServed[Slot]()
         for _ in range(slots):
             self._slots.put_nowait(
                 Slot(KVCache(c, max_len), torch.empty(max_len // c.block_size, c.block_numel))
@@ -180,6 +181,41 @@ class Engine:
     def release(self, slot: Slot) -> None:
         slot.cache.length = 0
         self._slots.put_nowait(slot)
+
+
+class FirstComeFirstServed(Generic[T]):
+    """The engine's free slots, handed to waiting requests in the order they arrived.
+
+    Not an ``asyncio.Queue``: its ``get()`` lets a task that asks just as a slot is freed take
+    it ahead of the tasks already waiting (a woken waiter looks again only when it runs). Here
+    that task is the same session's next turn, so it jumped ahead of every queued request;
+    the queued requests (in two_nodes, the moved sessions' first turns) waited seconds longer
+    than a first-come-first-served engine would make them wait.
+    """
+
+    def __init__(self) -> None:
+        self._free: list[T] = []
+        self._waiters: collections.deque[asyncio.Future[T]] = collections.deque()
+
+    async def get(self) -> T:
+        if self._free and not self._waiters:
+            return self._free.pop()
+        waiter: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            return await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self.put_nowait(waiter.result())  # handed to us as we were cancelled: pass on
+            raise
+
+    def put_nowait(self, item: T) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():  # a cancelled waiter is skipped
+                waiter.set_result(item)
+                return
+        self._free.append(item)
 
 
 @dataclass(slots=True)

@@ -32,6 +32,40 @@ def _load(name: str) -> ModuleType:
     return module
 
 
+async def test_the_demo_engine_hands_out_slots_first_come_first_served() -> None:
+    slots = _load("serve_demo").FirstComeFirstServed()
+    order: list[tuple[str, str]] = []
+
+    async def request(name: str) -> None:
+        order.append((name, await slots.get()))
+
+    async def finish_and_send_the_next_turn() -> None:
+        # A request frees its slot and the same session asks again at once, with no await in
+        # between: it must queue behind the requests already waiting, not take the slot.
+        slots.put_nowait("a")
+        await request("next turn")
+
+    gave_up = anyio.CancelScope()
+
+    async def give_up() -> None:
+        with gave_up:
+            await request("gave up")
+
+    async with anyio.create_task_group() as tg:
+        for name in ("first", "second"):
+            tg.start_soon(request, name)
+            await anyio.wait_all_tasks_blocked()
+        tg.start_soon(give_up)
+        await anyio.wait_all_tasks_blocked()
+        gave_up.cancel()  # a waiter that gave up is skipped
+        await anyio.wait_all_tasks_blocked()
+        tg.start_soon(finish_and_send_the_next_turn)
+        await anyio.wait_all_tasks_blocked()
+        for slot in "bc":
+            slots.put_nowait(slot)
+    assert order == [("first", "a"), ("second", "b"), ("next turn", "c")]
+
+
 @pytest.mark.timeout(300)
 def test_serve_demo_quick(tmp_path: Path) -> None:
     fs_root = tmp_path / "fs"
