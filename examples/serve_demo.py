@@ -34,8 +34,9 @@ Two choices worth knowing when reading the numbers:
   request. The model still decodes ``--decode-tokens`` tokens per request.
 - The model runs in one worker thread (the "GPU"): one forward pass at a time, while the event
   loop keeps serving kvtier's lookups, promotions and write-through. TTFT is measured from the
-  moment a session sends its request, so it includes waiting for an engine slot; that is what a
-  user sees, and kvtier shortens the queue too.
+  moment a session sends its request, so it includes waiting for an engine slot (slots go to
+  waiting requests first come, first served); that is what a user sees, and kvtier shortens
+  the queue too.
 """
 
 from __future__ import annotations
