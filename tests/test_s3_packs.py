@@ -229,6 +229,39 @@ async def test_a_cancelled_sender_hands_its_pack_to_the_others() -> None:
     assert writer.queued == 0 and all(item.error is None for item in items)
 
 
+async def test_stores_cancelled_while_another_sends_them_are_not_queued_again() -> None:
+    sent: list[list[bytes]] = []
+    entered = anyio.Event()
+
+    async def put_pack(items: list[PendingStore]) -> None:
+        sent.append([item.key for item in items])
+        entered.set()
+        await anyio.sleep_forever()  # until its store is cancelled
+
+    async def put_single(item: PendingStore) -> None:
+        raise AssertionError("sent alone")
+
+    writer = PackWriter(
+        max_blocks=4, limiter=anyio.CapacityLimiter(1), put_single=put_single, put_pack=put_pack
+    )
+    scopes = [anyio.CancelScope() for _ in range(3)]
+
+    async def store(i: int) -> None:
+        with scopes[i]:
+            await writer.store(PendingStore(bytes([i]), b"", {}, ""))
+
+    async with anyio.create_task_group() as tg:
+        for i in range(3):
+            tg.start_soon(store, i)
+        await entered.wait()
+        for scope in scopes[1:]:  # the stores carried by store 0's PUT give up first
+            scope.cancel()
+        await anyio.wait_all_tasks_blocked()
+        scopes[0].cancel()
+    # Nobody is left to send blocks 1 and 2: they are dropped, not left queued forever.
+    assert sent == [[b"\0", b"\1", b"\2"]] and writer.queued == 0
+
+
 async def test_a_failed_pack_fails_every_store_in_it() -> None:
     async def put_pack(items: list[PendingStore]) -> None:
         raise TierUnavailableError("down", tier="s3", operation="store")

@@ -48,6 +48,7 @@ class PendingStore:
     crc: str
     state: _State = _State.QUEUED
     error: TierError | None = None
+    abandoned: bool = False  # its store was cancelled while another store's PUT carried it
     changed: anyio.Event = field(default_factory=anyio.Event)
 
     def move(self, state: _State) -> None:
@@ -100,6 +101,8 @@ class PackWriter:
         except BaseException:
             if item.state is _State.QUEUED:
                 self._queue.remove(item)
+            elif item.state is _State.TAKEN:
+                item.abandoned = True  # not queued again if that PUT is cancelled
             raise
         if item.error is not None:
             raise item.error
@@ -120,13 +123,13 @@ class PackWriter:
         except TierError as exc:
             error = exc
         except BaseException:
-            # Cancelled with the PUT in flight: the others go back to the front of the queue,
-            # in order, and the first of them to wake sends them.
-            others = [item for item in batch if item is not mine]
+            # Cancelled with the PUT in flight: the others still waiting go back to the front
+            # of the queue, in order, and the first of them to wake sends them. (A store
+            # whose own wait was cancelled is dropped: nobody would ever send it.)
+            others = [item for item in batch if item is not mine and not item.abandoned]
             self._queue.extendleft(reversed(others))
-            for item in others:
-                item.move(_State.QUEUED)
-            mine.move(_State.DONE)
+            for item in batch:
+                item.move(_State.QUEUED if item in others else _State.DONE)
             raise
         for item in batch:
             item.error = error
