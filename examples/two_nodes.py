@@ -12,9 +12,10 @@ once with it. The headline is TTFT over the requests that can use A's work: the 
 each session after it moved (B's later turns reuse what B computed itself, with or without
 S3). The script also prints B's TTFT over all its turns both ways, the blocks B loaded from
 S3, the S3 requests B made on its request path for keys its index did not hold (0: unknown
-keys miss at once), and a correctness line (B's next-token logits with loaded KV against B's
-full recompute). Figures pool the requests of every round; each round's ratios are printed
-too, since a shared machine drifts between runs.
+keys miss at once), the CPU node B and SeaweedFS spent while B served (here SeaweedFS shares
+the engine's cores, as a remote object store would not), and a correctness line (B's
+next-token logits with loaded KV against B's full recompute). Figures pool the requests of
+every round; each round's ratios are printed too, since a shared machine drifts between runs.
 
 The default workload: 16 sessions of 5 turns; node A serves the first 3 turns of each and node
 B the last 2, so half of B's requests are moved sessions' first turns. Both nodes give S3 at
@@ -41,6 +42,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -152,6 +154,10 @@ async def node(args: argparse.Namespace) -> dict[str, Any]:
         # before that returned: a node joining the fleet knows what is there before serving.
         index_at_open = sum(getattr(t, "index_keys", 0) for t in manager.statistics().tiers)
         tiering = demo.KVTier(manager, kvtier.OffloadScheduler(manager))
+        # The CPU this process and the object store spend while B serves (not while it opens
+        # or hands over): on a machine whose cores the object store shares with the engine,
+        # what moving blocks through S3 costs the engine.
+        cpu = time.process_time(), _cpu_of(args.server_pid), time.perf_counter()
         run = await demo.run_workload(
             f"node {args.node}{' +s3' if args.shared else ''}",
             engine,
@@ -159,6 +165,10 @@ async def node(args: argparse.Namespace) -> dict[str, Any]:
             tiering,
             args.decode_tokens,
         )
+        node_cpu = time.process_time() - cpu[0]
+        server_after = _cpu_of(args.server_pid)
+        server_cpu = None if cpu[1] is None or server_after is None else server_after - cpu[1]
+        serve_seconds = time.perf_counter() - cpu[2]
     stats = manager.statistics()
     s3 = [t for t in stats.tiers if isinstance(t, kvtier.S3TierStatistics)]
     first_turn = {chat[0].rid for chat in sessions}
@@ -168,6 +178,7 @@ async def node(args: argparse.Namespace) -> dict[str, Any]:
         "index_at_open": index_at_open,
         "loaded": sum(r.loaded_blocks for r in run.results.values()),
         "from_s3": s3[0].loads if s3 else 0,
+        "from_s3_bytes": s3[0].bytes_read if s3 else 0,
         "written_up": stats.promotions_written_up,
         "deferred": stats.writes_deferred,
         "deferred_written": stats.deferred_written,
@@ -177,15 +188,29 @@ async def node(args: argparse.Namespace) -> dict[str, Any]:
         "blocks_packed": s3[0].blocks_packed if s3 else 0,
         "pack_gets": s3[0].pack_gets if s3 else 0,
         "pack_sections_read": s3[0].pack_sections_read if s3 else 0,
+        "cpu": {"node": node_cpu, "server": server_cpu, "seconds": serve_seconds},
         "logits": {
             str(r.rid): r.logits.tolist() for r in run.results.values() if r.logits is not None
         },
     }
 
 
+def _cpu_of(pid: int | None) -> float | None:
+    """User plus system CPU seconds of process ``pid`` so far (Linux /proc), or None."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def run_node(args: argparse.Namespace, role: str, shared: int) -> dict[str, Any]:
     argv = [sys.executable, os.path.abspath(__file__), "--node", role, "--prefix", args.prefix]
     argv += ["--endpoint", args.endpoint, "--shared", str(shared)]
+    argv += ["--server-pid", str(args.server_pid)] if args.server_pid is not None else []
     for name in ("sessions", "turns", "a_turns", "system_tokens", "pool_blocks", "concurrency"):
         argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     argv += ["--seed", str(args.seed), "--fs-capacity-mb", str(args.fs_capacity_mb)]
@@ -257,6 +282,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--node", choices=["a", "b"], help=argparse.SUPPRESS)
     p.add_argument("--shared", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--prefix", default="", help=argparse.SUPPRESS)
+    p.add_argument("--server-pid", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     quick = args.quick
     for name, value in (
@@ -351,6 +377,12 @@ def report(rounds: list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]]) 
         f"node B read {sections:,} of the blocks it loaded from S3 out of packs, with "
         f"{gets:,} ranged GETs"
     )
+    without_cpu, shared_cpu = (_cpu_total(rounds, i) for i in (1, 2))
+    print(
+        f"CPU while node B served: without the shared tier {without_cpu.node:.2f} s; with it "
+        f"{shared_cpu.node:.2f} s in node B{_server_cpu(shared_cpu)}, over "
+        f"{shared_cpu.seconds:.1f} s on this machine's {os.cpu_count()} cores"
+    )
     print(
         f"S3 requests on node B's request path for keys its index did not hold: "
         f"{sum(r[2]['request_path_requests'] for r in rounds):,}"
@@ -370,6 +402,30 @@ def report(rounds: list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]]) 
     return ok
 
 
+@dataclass(frozen=True)
+class CpuSpent:
+    """CPU seconds spent while node B served, summed over runs."""
+
+    node: float  # node B's process, every thread
+    server: float | None  # SeaweedFS; None when it was not measured in every run
+    seconds: float  # wall time serving
+
+
+def _cpu_total(runs: Sequence[Any], index: int | None = None) -> CpuSpent:
+    """The CPU figures of ``runs`` (or of item ``index`` of each round), summed."""
+    cpus = [(r if index is None else r[index])["cpu"] for r in runs]
+    servers = [c["server"] for c in cpus]
+    return CpuSpent(
+        node=sum(c["node"] for c in cpus),
+        server=None if None in servers else sum(servers),
+        seconds=sum(c["seconds"] for c in cpus),
+    )
+
+
+def _server_cpu(cpu: CpuSpent) -> str:
+    return "" if cpu.server is None else f" + {cpu.server:.2f} s in SeaweedFS"
+
+
 def ceiling(
     rounds: list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]],
     ceilings: list[dict[str, Any]],
@@ -384,6 +440,19 @@ def ceiling(
         f"{_ratio(without, best, 50):.1f} x p50 / {_ratio(without, best, 95):.1f} x p95 against "
         f"without; S3 reaches {_ratio(best, shared, 50):.0%} of it at p50"
     )
+    # Both runs do the same engine work and load the same blocks: what the S3 run spends
+    # beyond the ceiling's CPU is the cost of moving those blocks through the object store
+    # and its client (and of B's own paced writes to S3), taken from the engine's cores.
+    at_best, with_s3 = _cpu_total(ceilings), _cpu_total(rounds, 2)
+    if with_s3.server is not None:
+        extra = with_s3.node + with_s3.server - at_best.node
+        mib = sum(r[2]["from_s3_bytes"] for r in rounds) / 2**20
+        print(
+            f"  CPU while node B served: {at_best.node:.2f} s with A's blocks in its memory; "
+            f"with S3 {with_s3.node:.2f} s{_server_cpu(with_s3)}: {extra:.2f} s more, "
+            f"{1000 * extra / mib if mib else 0.0:.1f} ms per MiB B loaded from S3 "
+            f"({with_s3.node - at_best.node:+.2f} s in node B)"
+        )
 
 
 def _weed() -> Any:
@@ -406,6 +475,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ceilings: list[dict[str, Any]] = []
     with weed.WeedServer() if args.endpoint is None else _Given(args.endpoint) as server:
         args.endpoint = server.endpoint_url
+        args.server_pid = server.pid
         anyio.run(weed.ensure_bucket, args.endpoint, BUCKET)
         print(f"s3: {args.endpoint}, bucket {BUCKET}", flush=True)
         for number in range(1, args.rounds + 1):
@@ -433,6 +503,7 @@ class _Given:
 
     def __init__(self, endpoint_url: str) -> None:
         self.endpoint_url = endpoint_url
+        self.pid: int | None = None  # not ours: its CPU is not measured
 
     def __enter__(self) -> _Given:
         return self

@@ -165,6 +165,20 @@ def test_two_nodes_share_blocks_through_one_bucket() -> None:
     unindexed = re.search(r"request path for keys its index did not hold: (\d+)", proc.stdout)
     assert unindexed and unindexed[1] == "0", proc.stdout
     assert re.search(r"^correctness OK", proc.stdout, re.M), proc.stdout
+    # The CPU B and the object store spent while B served, both ways and at the ceiling.
+    served = re.search(
+        r"^CPU while node B served: without the shared tier ([\d.]+) s; with it ([\d.]+) s in "
+        r"node B \+ ([\d.]+) s in SeaweedFS",
+        proc.stdout,
+        re.M,
+    )
+    assert served and float(served[1]) > 0 and float(served[2]) > 0, proc.stdout
+    assert re.search(
+        r"^  CPU while node B served: [\d.]+ s with A's blocks in its memory; with S3 "
+        r"[\d.]+ s \+ [\d.]+ s in SeaweedFS: -?[\d.]+ s more, -?[\d.]+ ms per MiB",
+        proc.stdout,
+        re.M,
+    ), proc.stdout
     # A's blocks reached S3 in packs, and B read them with fewer GETs than blocks.
     packed = re.search(r"wrote [\d,]+ blocks to S3, ([\d,]+) of them in packs", proc.stdout)
     assert packed and int(packed[1].replace(",", "")) > 0, proc.stdout
