@@ -311,8 +311,8 @@ def _table(title: str, runs: dict[str, list[float]], extra: dict[str, str] | Non
         print(line + (extra[label] if extra else ""))
     without, shared = runs["without the shared tier"], runs["with the shared tier"]
     print(
-        f"  {'speedup':<38}{_ratio(without, shared, 50):>8.1f} x"
-        f"{_ratio(without, shared, 95):>8.1f} x"
+        f"  {'speedup':<38}{_ratio(without, shared, 50):>8.2f} x"
+        f"{_ratio(without, shared, 95):>8.2f} x"
     )
 
 
@@ -354,8 +354,8 @@ def report(rounds: list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]]) 
         for number, (_, without, shared) in enumerate(rounds, 1):
             print(
                 f"  round {number}: first turn after the move "
-                f"{_ratio(without['first_turn_ttfts'], shared['first_turn_ttfts'], 50):.1f} x "
-                f"p50, all turns {_ratio(without['ttfts'], shared['ttfts'], 50):.1f} x p50"
+                f"{_ratio(without['first_turn_ttfts'], shared['first_turn_ttfts'], 50):.2f} x "
+                f"p50, all turns {_ratio(without['ttfts'], shared['ttfts'], 50):.2f} x p50"
             )
     print(
         f"node B's S3 index held {rounds[-1][2]['index_at_open']:,} keys before its first "
@@ -437,7 +437,7 @@ def ceiling(
     print(
         f"ceiling: node B's first turn after the move with A's blocks already in its memory "
         f"(no request, no CPU beside the engine): TTFT p50 {np.percentile(best, 50):.3f} s, "
-        f"{_ratio(without, best, 50):.1f} x p50 / {_ratio(without, best, 95):.1f} x p95 against "
+        f"{_ratio(without, best, 50):.2f} x p50 / {_ratio(without, best, 95):.2f} x p95 against "
         f"without; S3 reaches {_ratio(best, shared, 50):.0%} of it at p50"
     )
     # Both runs do the same engine work and load the same blocks: what the S3 run spends
