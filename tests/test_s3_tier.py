@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import threading
+import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -35,6 +36,7 @@ from weed_proc import (
     REGION,
     SECRET_KEY,
     WeedServer,
+    ensure_bucket,
     raw_client,
     serve_own,
     serve_session,
@@ -158,6 +160,42 @@ def _notified(tier: S3Tier, keys: list[bytes]) -> Callable[[], Awaitable[None]]:
             remove()
 
     return wait
+
+
+# -- the server the tests use ------------------------------------------------------------------
+
+
+def _collections(server: WeedServer) -> set[str]:
+    """The collections SeaweedFS's master holds volumes for (one per bucket written to)."""
+    url = f"http://127.0.0.1:{server.master_port}/vol/status"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        status = json.load(response)
+    found: set[str] = set()
+    stack: list[Any] = [status]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            if isinstance(item.get("Collection"), str):
+                found.add(item["Collection"])
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return found
+
+
+async def test_a_bucket_made_for_a_run_is_warmed_up_and_left_empty(
+    weed_server: WeedServer,
+) -> None:
+    """``ensure_bucket`` makes SeaweedFS grow the new bucket's volumes, which it otherwise
+    does on the bucket's first write (about a second, which stalled the first stores of the
+    demo and made back-pressure drop most of its S3-only writes), and leaves nothing in it."""
+    bucket = f"warm-{uuid.uuid4().hex[:12]}"
+    assert bucket not in await anyio.to_thread.run_sync(_collections, weed_server)
+    await ensure_bucket(weed_server.endpoint_url, bucket)
+    assert bucket in await anyio.to_thread.run_sync(_collections, weed_server)
+    async with raw_client(weed_server.endpoint_url) as client:
+        listed = await client.list_objects_v2(Bucket=bucket)
+    assert listed.get("KeyCount", 0) == 0, listed.get("Contents")
 
 
 # -- conformance -----------------------------------------------------------------------------
