@@ -187,6 +187,9 @@ class WeedServer(ServerProcess):
             shutil.rmtree(self.data_dir, ignore_errors=True)
 
 
+_WARM_UP_KEY = ".kvtier-warm-up"
+
+
 async def ensure_bucket(endpoint_url: str, bucket: str) -> None:
     """Create ``bucket`` (fine if it exists), then write and delete one object in it.
 
@@ -215,9 +218,6 @@ async def ensure_bucket(endpoint_url: str, bucket: str) -> None:
                     await anyio.sleep(0.2)  # gateway not ready yet; bounded by fail_after
             await client.put_object(Bucket=bucket, Key=_WARM_UP_KEY, Body=b"1")
             await client.delete_object(Bucket=bucket, Key=_WARM_UP_KEY)
-
-
-_WARM_UP_KEY = ".kvtier-warm-up"
 
 
 # -- for pytest fixtures (the test modules wrap these in fixtures) ----------------------------
