@@ -251,7 +251,7 @@ class TieringManager:
             await task_group.__aenter__()
             self._task_group = self._writer.task_group = task_group
             if self._promote_write_up and type(self.pool).copy_slot is not PrimaryPool.copy_slot:
-                self.pool.table.on_evict = self._evicting
+                self.pool.table.on_leave = self._leaving
             self._was_open = True
             self._stack = stack.pop_all()
         if opening is not None:  # its open ran past open_timeout (the scope caught that)
@@ -289,7 +289,7 @@ class TieringManager:
         writer.cancelled += writer.cascades.count
         task_group, self._task_group = self._task_group, None
         writer.task_group = None
-        self.pool.table.on_evict = None
+        self.pool.table.on_leave = None
         self._up_when_evicted.clear()  # still in the pool: still in the tier they came from
         assert task_group is not None
         task_group.cancel_scope.cancel()
@@ -481,7 +481,7 @@ class TieringManager:
                 self._promotions_ok += 1
                 task_group = self._task_group
                 if self._promote_write_up and task_group is not None and self._stack is not None:
-                    if self.pool.table.on_evict is None:
+                    if self.pool.table.on_leave is None:
                         self._writer.write_up(task_group, key, tier)
                     elif self._writer.writes_up(tier):
                         self._up_when_evicted[key] = tier  # copied up when evicted
@@ -501,13 +501,14 @@ class TieringManager:
             self._promoting.pop(key, None)
             self._notify(key)
 
-    def _evicting(self, key: bytes, slot: int) -> None:
-        """The pool is about to reuse ``slot``: a promoted block not yet copied to the
-        faster tiers is copied now (its bytes taken at once, a memcpy inside the ``lookup``
-        or ``store`` that evicts it; written in the background)."""
+    def _leaving(self, key: bytes, slot: int, evicted: bool) -> None:
+        """``key`` leaves the pool. Evicted (the pool is about to reuse ``slot``), a promoted
+        block not yet copied to the faster tiers is copied now (its bytes taken at once, a
+        memcpy inside the ``lookup`` or ``store`` that evicts it; written in the background).
+        Discarded (its bytes may be bad), it is only forgotten."""
         tier = self._up_when_evicted.pop(key, None)
         task_group = self._task_group
-        if tier is None or task_group is None or self._stack is None:
+        if tier is None or not evicted or task_group is None or self._stack is None:
             return
         copy = functools.partial(self.pool.copy_slot, slot)
         self._writer.write_up(task_group, key, tier, copy=copy)

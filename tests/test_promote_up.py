@@ -5,6 +5,8 @@ host pool, when the pool evicts it rather than when it arrives."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import anyio
 import pytest
 
@@ -16,6 +18,7 @@ from kvtier import (
     MemoryTier,
     TieringManager,
 )
+from kvtier._tiering import ManagerStatistics
 from kvtier.pools._base import PrimaryPool
 from kvtier.testing import StallingTier
 
@@ -31,6 +34,17 @@ async def promote(manager: TieringManager, key: bytes) -> None:
     with anyio.fail_after(30):
         while manager.lookup(key) is not LookupResult.HIT:
             await manager.watch([key]).wait()  # set when its promotion lands
+
+
+async def promoted_once(
+    pool: HostPool, tiers: list[MemoryTier], key: bytes, **options: Any
+) -> ManagerStatistics:
+    """The manager's statistics, before it closes, once ``key`` is promoted and every write
+    that started has finished."""
+    async with TieringManager(pool, tiers, **options) as manager:
+        await promote(manager, key)
+        await manager.wait_idle()
+        return manager.statistics()
 
 
 async def test_a_block_promoted_from_a_lower_tier_lands_in_the_tiers_above_when_evicted(
@@ -78,6 +92,22 @@ async def test_a_promoted_block_still_in_the_pool_at_close_is_not_copied(
     assert fast.lookup(keys[0]) is LookupResult.MISS  # it is still in the slow tier
 
 
+async def test_a_discarded_promoted_block_is_forgotten_not_copied(keys: list[bytes]) -> None:
+    fast, slow = MemoryTier("fast"), MemoryTier("slow")
+    await slow.store(keys[0], block(3))
+    await slow.store(keys[1], block(4))
+    async with TieringManager(HostPool(1, BB), [fast, slow]) as manager:
+        await promote(manager, keys[0])
+        assert manager.statistics().write_ups_waiting == 1
+        assert manager.pool.discard(keys[0])  # its bytes are known bad, say
+        assert manager.statistics().write_ups_waiting == 0
+        await promote(manager, keys[1])  # takes the slot keys[0] had: nothing to copy
+        await manager.wait_idle()
+        stats = manager.statistics()
+    assert (stats.promotions_written_up, stats.cascades_started) == (0, 0)
+    assert fast.lookup(keys[0]) is LookupResult.MISS
+
+
 class _DeviceLikePool(HostPool):
     """A pool that cannot copy a slot at once on the loop (as a GPU pool cannot)."""
 
@@ -87,10 +117,7 @@ class _DeviceLikePool(HostPool):
 async def test_a_pool_that_cannot_copy_at_eviction_writes_up_at_once(keys: list[bytes]) -> None:
     fast, slow = MemoryTier("fast"), MemoryTier("slow")
     await slow.store(keys[0], block(6))
-    async with TieringManager(_DeviceLikePool(4, BB), [fast, slow]) as manager:
-        await promote(manager, keys[0])
-        await manager.wait_idle()
-        stats = manager.statistics()
+    stats = await promoted_once(_DeviceLikePool(4, BB), [fast, slow], keys[0])
     assert (stats.promotions_written_up, stats.write_ups_waiting) == (1, 0)
     out = bytearray(BB)
     await fast.load(keys[0], memoryview(out))
@@ -102,10 +129,7 @@ async def test_a_block_promoted_from_the_first_tier_is_not_written_anywhere(
 ) -> None:
     fast, slow = MemoryTier("fast"), MemoryTier("slow")
     await fast.store(keys[0], block(1))
-    async with TieringManager(HostPool(8, BB), [fast, slow]) as manager:
-        await promote(manager, keys[0])
-        await manager.wait_idle()
-        stats = manager.statistics()
+    stats = await promoted_once(HostPool(8, BB), [fast, slow], keys[0])
     assert stats.promotions_written_up == 0 and stats.cascades_started == 0
     assert slow.lookup(keys[0]) is LookupResult.MISS
 
@@ -113,10 +137,7 @@ async def test_a_block_promoted_from_the_first_tier_is_not_written_anywhere(
 async def test_no_write_up_when_it_is_off(keys: list[bytes]) -> None:
     fast, slow = MemoryTier("fast"), MemoryTier("slow")
     await slow.store(keys[0], block(1))
-    async with TieringManager(HostPool(8, BB), [fast, slow], promote_write_up=False) as manager:
-        await promote(manager, keys[0])
-        await manager.wait_idle()
-        stats = manager.statistics()
+    stats = await promoted_once(HostPool(8, BB), [fast, slow], keys[0], promote_write_up=False)
     assert stats.promotions_written_up == 0 and stats.cascades_started == 0
     assert fast.lookup(keys[0]) is LookupResult.MISS
 

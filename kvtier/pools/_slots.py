@@ -62,9 +62,10 @@ class SlotTable:
         self._commits = 0
         self._aborts = 0
         self._evictions = 0
-        # Called with (key, slot) when an eviction is about to reuse ``slot``: its bytes are
-        # still there (the manager copies a promoted block up to a faster tier then).
-        self.on_evict: Callable[[bytes, int], None] | None = None
+        # Called with (key, slot, evicted) when ``key`` leaves the table: evicted True when an
+        # eviction is about to reuse ``slot`` (its bytes are still there: the manager copies a
+        # promoted block up to a faster tier then), False when it was discarded.
+        self.on_leave: Callable[[bytes, int, bool], None] | None = None
 
     # -- queries -----------------------------------------------------------------------------
 
@@ -120,8 +121,8 @@ class SlotTable:
             del self._slot_of[victim]
             self.policy.remove(victim, evicted=True)
             self._evictions += 1
-            if self.on_evict is not None:
-                self.on_evict(victim, slot)
+            if self.on_leave is not None:
+                self.on_leave(victim, slot, True)
         self._state[slot] = SlotState.WRITING
         self._key[slot] = key
         self._slot_of[key] = slot
@@ -168,6 +169,8 @@ class SlotTable:
         del self.ready[key]
         self.policy.remove(key, evicted=False)
         self._release(slot)
+        if self.on_leave is not None:
+            self.on_leave(key, slot, False)
         return True
 
     def _release(self, slot: int) -> None:
