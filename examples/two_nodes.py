@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import importlib.util
 import json
 import os
@@ -196,15 +197,13 @@ async def node(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _cpu_of(pid: int | None) -> float | None:
-    """User plus system CPU seconds of process ``pid`` so far (Linux /proc), or None."""
+    """CPU seconds of the object store's process so far, or None: not ours, or no /proc."""
     if pid is None:
         return None
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
+        return float(_weed().cpu_seconds_of(pid))
     except OSError:
         return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def run_node(args: argparse.Namespace, role: str, shared: int) -> dict[str, Any]:
@@ -455,7 +454,9 @@ def ceiling(
         )
 
 
+@functools.cache
 def _weed() -> Any:
+    """``tests/weed_proc.py``, loaded by path once (tests/ is not a package)."""
     path = os.path.join(HERE, "..", "tests", "weed_proc.py")
     spec = importlib.util.spec_from_file_location("kvtier_two_nodes_weed", path)
     assert spec is not None and spec.loader is not None

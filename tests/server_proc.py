@@ -18,13 +18,28 @@ from typing import IO, Any, Self
 
 import anyio.to_thread
 
-__all__ = ["ACCESS_KEY", "HOST", "REGION", "SECRET_KEY", "ServerProcess", "raw_client"]
+__all__ = [
+    "ACCESS_KEY",
+    "HOST",
+    "REGION",
+    "SECRET_KEY",
+    "ServerProcess",
+    "cpu_seconds_of",
+    "raw_client",
+]
 
 HOST = "127.0.0.1"
 # Both servers accept any credentials as configured here; these are obviously fake.
 ACCESS_KEY = "AKIDKVTIERTEST000000"
 SECRET_KEY = "kvtier-test-secret-never-log-me"
 REGION = "us-east-1"
+
+
+def cpu_seconds_of(pid: int) -> float:
+    """User plus system CPU time of process ``pid`` so far (Linux /proc; OSError elsewhere)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class ServerProcess:
@@ -72,9 +87,7 @@ class ServerProcess:
         """User plus system CPU time of the server so far (Linux /proc): what a benchmark
         reports beside its own, since the server shares the machine's cores."""
         assert self.pid is not None, "the server is not running"
-        with open(f"/proc/{self.pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return cpu_seconds_of(self.pid)
 
     @property
     def running(self) -> bool:

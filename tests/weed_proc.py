@@ -36,16 +36,33 @@ from pathlib import Path
 import anyio.to_thread
 
 try:
-    from server_proc import ACCESS_KEY, HOST, REGION, SECRET_KEY, ServerProcess, raw_client
+    from server_proc import (
+        ACCESS_KEY,
+        HOST,
+        REGION,
+        SECRET_KEY,
+        ServerProcess,
+        cpu_seconds_of,
+        raw_client,
+    )
 except ModuleNotFoundError:  # loaded by path (benchmarks, examples): tests/ is not on sys.path
     sys.path.append(str(Path(__file__).resolve().parent))
-    from server_proc import ACCESS_KEY, HOST, REGION, SECRET_KEY, ServerProcess, raw_client
+    from server_proc import (
+        ACCESS_KEY,
+        HOST,
+        REGION,
+        SECRET_KEY,
+        ServerProcess,
+        cpu_seconds_of,
+        raw_client,
+    )
 
 __all__ = [
     "ACCESS_KEY",
     "REGION",
     "SECRET_KEY",
     "WeedServer",
+    "cpu_seconds_of",
     "ensure_bucket",
     "find_weed",
     "free_port_pair",
