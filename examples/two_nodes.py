@@ -158,7 +158,8 @@ async def node(args: argparse.Namespace) -> dict[str, Any]:
         # The CPU this process and the object store spend while B serves (not while it opens
         # or hands over): on a machine whose cores the object store shares with the engine,
         # what moving blocks through S3 costs the engine.
-        cpu = time.process_time(), _cpu_of(args.server_pid), time.perf_counter()
+        node_before, server_before = time.process_time(), _cpu_of(args.server_pid)
+        serve_started = time.perf_counter()
         run = await demo.run_workload(
             f"node {args.node}{' +s3' if args.shared else ''}",
             engine,
@@ -166,10 +167,12 @@ async def node(args: argparse.Namespace) -> dict[str, Any]:
             tiering,
             args.decode_tokens,
         )
-        node_cpu = time.process_time() - cpu[0]
+        node_cpu = time.process_time() - node_before
         server_after = _cpu_of(args.server_pid)
-        server_cpu = None if cpu[1] is None or server_after is None else server_after - cpu[1]
-        serve_seconds = time.perf_counter() - cpu[2]
+        server_cpu = (
+            None if server_before is None or server_after is None else server_after - server_before
+        )
+        serve_seconds = time.perf_counter() - serve_started
     stats = manager.statistics()
     s3 = [t for t in stats.tiers if isinstance(t, kvtier.S3TierStatistics)]
     first_turn = {chat[0].rid for chat in sessions}
