@@ -21,6 +21,7 @@ that use SeaweedFS (one for the session, one for a test that kills the server).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
 import shutil
@@ -35,27 +36,18 @@ from pathlib import Path
 
 import anyio.to_thread
 
-try:
-    from server_proc import (
-        ACCESS_KEY,
-        HOST,
-        REGION,
-        SECRET_KEY,
-        ServerProcess,
-        cpu_seconds_of,
-        raw_client,
-    )
-except ModuleNotFoundError:  # loaded by path (benchmarks, examples): tests/ is not on sys.path
+if importlib.util.find_spec("server_proc") is None:
+    # Loaded by path (benchmarks, examples): tests/ is not on sys.path.
     sys.path.append(str(Path(__file__).resolve().parent))
-    from server_proc import (
-        ACCESS_KEY,
-        HOST,
-        REGION,
-        SECRET_KEY,
-        ServerProcess,
-        cpu_seconds_of,
-        raw_client,
-    )
+from server_proc import (
+    ACCESS_KEY,
+    HOST,
+    REGION,
+    SECRET_KEY,
+    ServerProcess,
+    cpu_seconds_of,
+    raw_client,
+)
 
 __all__ = [
     "ACCESS_KEY",
