@@ -267,6 +267,7 @@ class S3Tier(SecondaryTier):
         self._breaker_misses = 0
         self._skipped_existing = 0
         self._corrupt_deleted = 0
+        self._deleting: set[str] = set()  # corrupt objects being deleted in the background
         self._request_path_requests = 0
         self._index = ExistenceIndex(
             miss_ttl=cfg.miss_ttl, max_keys=cfg.index_max_keys, clock=clock
@@ -287,7 +288,7 @@ class S3Tier(SecondaryTier):
             prefix=cfg.prefix,
             writer=self._writer,
             call=self._call,
-            client=lambda: self._require_client("refresh"),
+            client=self._sync_client,
             notify=self.notify,
             refresh=cfg.index_refresh,
             lookback=cfg.index_lookback,
@@ -377,21 +378,37 @@ class S3Tier(SecondaryTier):
         self._client = None
 
     async def aclose(self) -> None:
-        """Stop the existence checks and close the client (shielded, time-bounded)."""
+        """Stop the background work, publish the last keys written here, close the client.
+
+        From the first line on, operations raise LifecycleError. The last publish and the
+        client's close each run shielded within a time bound of their own, and the close
+        runs whatever came before it: a publish hung on an endpoint that stopped answering
+        must not leave the client's session and sockets open."""
         stack, self._stack = self._stack, None
         if stack is None:
             return
-        tg, self._task_group = self._task_group, None
-        if tg is not None:  # entered after the lookups' task group: left before it
-            tg.cancel_scope.cancel()
-            await tg.__aexit__(None, None, None)
-        await self._lookups.aclose()  # cancels its checks: returns promptly
-        with anyio.move_on_after(_CLOSE_TIMEOUT, shield=True):
-            await self._sync.refresh_once(poll=False)  # publish the last keys written here
-            await stack.aclose()
+        try:
+            tg, self._task_group = self._task_group, None
+            if tg is not None:  # entered after the lookups' task group: left before it
+                tg.cancel_scope.cancel()
+                await tg.__aexit__(None, None, None)
+            await self._lookups.aclose()  # cancels its checks: returns promptly
+            with anyio.move_on_after(_CLOSE_TIMEOUT, shield=True):
+                await self._sync.refresh_once(poll=False)  # publish the last keys written here
+        finally:
+            with anyio.move_on_after(_CLOSE_TIMEOUT, shield=True):
+                await stack.aclose()
+            self._client = None  # even if closing it ran out of time
+
+    def _sync_client(self) -> Any:
+        """The client for the listing at open and the last publish at close, which run while
+        the tier is not open to other operations."""
+        if self._client is None:
+            raise LifecycleError(f"S3Tier {self.name!r} is not open")
+        return self._client
 
     def _require_client(self, operation: str) -> Any:
-        if self._client is None:
+        if self._stack is None or self._client is None:
             raise LifecycleError(
                 f"S3Tier {self.name!r} is not open: use `async with tier` or a TieringManager "
                 f"before {operation}"
@@ -456,7 +473,7 @@ class S3Tier(SecondaryTier):
         where = self._index.location(key)
         try:
             if where is not None:
-                result = await self._load_section(client, key, where, view)
+                result = await self._load_section(key, where, view)
             else:
                 result = await self._call(
                     "load",
@@ -493,24 +510,40 @@ class S3Tier(SecondaryTier):
         finally:
             response["Body"].close()
         if problem is not None:
-            await self._discard_corrupt(client, key, head, problem)
+            self._discard_corrupt(key, head, problem)
 
-    async def _load_section(
-        self, client: Any, key: bytes, where: Location, dst: memoryview
-    ) -> Fault | None:
+    async def _load_section(self, key: bytes, where: Location, dst: memoryview) -> Fault | None:
         """Load a packed block: its section comes with those of the same pack that other
-        loads want now (one ranged GET, ``PackReads``), then is checked into ``dst``."""
+        loads want now (one ranged GET, ``PackReads``), then is checked into ``dst``.
+
+        A section that fails the check is a corrupt miss, and the pack is kept. A header that
+        does not name ``key`` with the claimed length is evidence against the location (an
+        index entry from a wrong or hostile journal segment), not against the pack; and a
+        section that is ``key``'s but fails its checksum spoils only itself, since every other
+        section carries its own header and checksum and stays servable to every node. S3
+        cannot delete part of an object, deleting the pack would throw away its intact blocks
+        on every node, and it would save nobody a request (a node still holding the location
+        pays one GET either way, to find it damaged or gone). The caller drops the entry."""
         section = await self._pack_reads.read(where)
         if section is None:
             return Fault.NOT_FOUND
         thread_bytes = _THREAD_VERIFY_BYTES if self.integrity_key is None else _THREAD_SIGNED_BYTES
         verify = functools.partial(verify_into, section, key, dst, None, self.integrity_key)
         if section.nbytes > thread_bytes:
-            problem, head = await anyio.to_thread.run_sync(verify)
+            problem, _head = await anyio.to_thread.run_sync(verify)
         else:
-            problem, head = verify()
+            problem, _head = verify()
         if problem is not None:
-            await self._discard_corrupt(client, key, head, problem, where.pack)
+            self._log.warning(
+                "corrupt",
+                "%s: section of %s at %s+%d is not its block (%s); the pack is kept",
+                self.name,
+                key.hex(),
+                where.pack,
+                where.offset,
+                problem,
+            )
+            raise CorruptBlockError(problem, tier=self.name, operation="load", key=key)
         return None
 
     async def _fetch_pack(self, name: str, lo: int, hi: int) -> bytes | None:
@@ -533,38 +566,62 @@ class S3Tier(SecondaryTier):
             return None
         return b"" if isinstance(result, Fault) else result
 
-    async def _discard_corrupt(
-        self, client: Any, key: bytes, head: bytes, problem: str, pack: str | None = None
-    ) -> NoReturn:
-        """Delete a corrupt object (unless it may be valid to other nodes: a newer format, or
-        signed while this tier has no key) and raise CorruptBlockError."""
+    def _discard_corrupt(self, key: bytes, head: bytes, problem: str) -> NoReturn:
+        """Raise CorruptBlockError for ``key``'s corrupt object, after starting its delete in
+        the background (unless it may be valid to other nodes: a newer format, or signed
+        while this tier has no key)."""
         kept = ""
         if is_newer_format(head):
             kept = "; newer format, left in place"
         elif self.integrity_key is None and is_signed(head):
             kept = "; signed, and this tier has no integrity key: left in place"
-        name = pack if pack is not None else self.object_key(key)
+        name = self.object_key(key)
         if not kept:
-            with anyio.move_on_after(self.settings.read_timeout, shield=True):
-                try:
-                    await client.delete_object(Bucket=self.bucket, Key=name)
-                    self._corrupt_deleted += 1
-                except Exception as exc:
-                    self._log.warning(
-                        "corrupt-delete",
-                        "%s: could not delete a corrupt object: %s",
-                        self.name,
-                        type(exc).__name__,
-                    )
-        self._log.warning(
-            "corrupt",
-            "%s: corrupt object %s (%s)%s",
-            self.name,
-            name if pack is None else f"{name} (the section of {key.hex()})",
-            problem,
-            kept,
-        )
+            self._delete_corrupt_soon(name)
+        self._log.warning("corrupt", "%s: corrupt object %s (%s)%s", self.name, name, problem, kept)
         raise CorruptBlockError(problem, tier=self.name, operation="load", key=key)
+
+    def _delete_corrupt_soon(self, name: str) -> None:
+        """Start deleting the corrupt object ``name`` in the tier's task group. The load that
+        found it fails at once: clean-up never holds a promotion (its slot, the request that
+        waits on it) past its deadline. A closing tier starts none, and at most
+        ``max_concurrency`` run at once; an object left in place is deleted by the next load
+        that finds it."""
+        tg = self._task_group
+        busy = len(self._deleting) >= self.settings.max_concurrency
+        if tg is None or busy or name in self._deleting:
+            return
+        self._deleting.add(name)
+        tg.start_soon(self._delete_corrupt, name)
+
+    async def _delete_corrupt(self, name: str) -> None:
+        """One background delete of a corrupt object, bounded by ``read_timeout``."""
+        try:
+            client = self._require_client("delete")
+            with anyio.move_on_after(self.settings.read_timeout) as scope:
+                await self._call(
+                    "delete",
+                    None,
+                    functools.partial(client.delete_object, Bucket=self.bucket, Key=name),
+                    expected=frozenset({Fault.NOT_FOUND}),
+                )
+                self._corrupt_deleted += 1
+            if scope.cancelled_caught:
+                self._log.warning(
+                    "corrupt-delete",
+                    "%s: deleting a corrupt object took over %.1f s; left in place",
+                    self.name,
+                    self.settings.read_timeout,
+                )
+        except Exception as exc:
+            self._log.warning(
+                "corrupt-delete",
+                "%s: could not delete a corrupt object: %s",
+                self.name,
+                type(exc).__name__,
+            )
+        finally:
+            self._deleting.discard(name)
 
     async def store(self, key: bytes, src: memoryview) -> None:
         check_key(key)
