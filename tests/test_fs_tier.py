@@ -18,6 +18,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -41,7 +42,7 @@ from kvtier._scheduler import OffloadScheduler
 from kvtier._tiering import TieringManager
 from kvtier.pools._host import HostPool
 from kvtier.testing import CHECKS, resolve_lookup
-from kvtier.tiers import _fs_io
+from kvtier.tiers import _fs_block, _fs_io
 from kvtier.tiers._fs import FSTier
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -259,6 +260,88 @@ async def test_lookup_retries_then_caches_and_misses_expire(tmp_path: Path) -> N
         await anyio.sleep(0.1)  # let the miss expire: the TTL is the thing under test
         assert await resolve_lookup(reader, key(0)) is LookupResult.HIT
         assert reader.statistics().blocks == 1  # learnt about it from the existence check
+
+
+class HeldWrites:
+    """Holds every block write of the tier in its worker thread (wrapping ``_fs_block``'s
+    ``write_block``, which ``store`` and ``store_many`` both call) until released; ``fail``
+    makes the released writes fail as an I/O error would."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.held = threading.Event()
+        self.released = threading.Event()
+        self.fail = False
+        write_block = _fs_block.write_block
+
+        def held(*args: Any, **kwargs: Any) -> tuple[_fs_io.WriteOutcome, int]:
+            self.held.set()
+            self.released.wait(30)
+            if self.fail:
+                raise OSError(errno.EIO, "injected")
+            return write_block(*args, **kwargs)
+
+        monkeypatch.setattr(_fs_block, "write_block", held)
+
+    async def wait_held(self) -> None:
+        assert await anyio.to_thread.run_sync(self.held.wait, 10)
+
+
+@pytest.mark.parametrize("batch", [False, True], ids=["store", "store_many"])
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "exclusive"])
+async def test_a_key_being_written_answers_retry_until_its_write_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shared: bool, batch: bool
+) -> None:
+    """A block whose file is still being written is not a miss: a slower tier's deferred
+    write that copies it from here waits for it (woken when the write ends) instead of
+    giving the block up. In a shared folder this holds even after a check found no file."""
+    writes = HeldWrites(monkeypatch)
+    heard: list[bytes] = []
+    async with FSTier(tmp_path / "c", shared=shared) as tier:
+        if shared:  # a check before the store: "no such file", remembered for miss_ttl
+            assert await resolve_lookup(tier, key(0)) is LookupResult.MISS
+        tier.add_listener(heard.append)
+        try:
+            async with anyio.create_task_group() as tg:
+                if batch:
+                    tg.start_soon(tier.store_many, [key(0)], [memoryview(data(0))])
+                else:
+                    tg.start_soon(tier.store, key(0), memoryview(data(0)))
+                await writes.wait_held()
+                assert tier.lookup(key(0)) is LookupResult.RETRY
+                assert tier.lookup(key(1)) is not LookupResult.HIT  # only the key written
+                assert key(0) not in heard
+                writes.released.set()
+        finally:
+            writes.released.set()
+        assert key(0) in heard  # the write ended: whoever waits asks again
+        assert tier.lookup(key(0)) is LookupResult.HIT
+        assert tier.statistics().lookups.retries >= 1
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "exclusive"])
+async def test_a_failed_write_ends_the_retry_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shared: bool
+) -> None:
+    writes = HeldWrites(monkeypatch)
+    writes.fail = True
+    heard: list[bytes] = []
+    async with FSTier(tmp_path / "c", shared=shared) as tier:
+        tier.add_listener(heard.append)
+
+        async def store() -> None:
+            with pytest.raises(TierUnavailableError):
+                await tier.store(key(0), memoryview(data(0)))
+
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(store)
+                await writes.wait_held()
+                assert tier.lookup(key(0)) is LookupResult.RETRY
+                writes.released.set()
+        finally:
+            writes.released.set()
+        assert key(0) in heard
+        assert await resolve_lookup(tier, key(0)) is LookupResult.MISS
 
 
 # -- corruption ---------------------------------------------------------------------------------

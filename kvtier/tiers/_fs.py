@@ -51,8 +51,12 @@ What makes it trustworthy:
   Which buffer a block's bytes pass through, per block in a worker thread, is ``_fs_block``'s.
 - **Exclusive folders answer without a stat.** With ``shared=False`` (only this process writes
   the folder) ``lookup()`` answers from the index at once: a key it holds is a ``HIT``, any
-  other a ``MISS`` (``not_found``), never ``RETRY`` (see ``_fs_index``). The default,
-  ``shared=True``, checks the folder in batches, because another process may have written it.
+  other a ``MISS`` (``not_found``) (see ``_fs_index``). The default, ``shared=True``, checks
+  the folder in batches, because another process may have written it.
+- **A block being written is not a miss.** In either mode a key this tier is storing and
+  does not hold yet answers ``RETRY``, and its listeners hear the key when the store ends
+  (landed or failed). A deferred write to a slower tier that copies the block from here
+  then waits for it instead of giving the block up (``settled_lookup``).
 - **Signed blocks.** With ``integrity_key`` every block carries a keyed BLAKE2b MAC and only
   blocks that verify are served (anything else is a ``corrupt`` miss): someone who can write
   to a shared folder can no longer publish a block for a key. The folder marker names the key's
@@ -74,6 +78,7 @@ because the page cache survives it):
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import os
@@ -212,7 +217,10 @@ class FSTier(SecondaryTier):
         self._index: OrderedDict[str, int] = OrderedDict()
         self._used = 0  # bytes of the files in the index
         self._reserved = 0  # bytes of stores in flight, counted against the capacity
-        self._storing: dict[str, anyio.Event] = {}
+        # Keys being stored (set when their write ends): a second store of one waits for the
+        # first, and ``lookup`` answers RETRY for one the index does not hold yet.
+        self._storing: dict[bytes, anyio.Event] = {}
+        self._writing_retries = 0  # lookups answered RETRY because of that
         # A check (or load) that finds no file must not drop a name stored while it ran: the
         # names added since each watcher started are kept, by epoch, while any watcher runs.
         self._epoch = 0
@@ -267,6 +275,10 @@ class FSTier(SecondaryTier):
     # -- lookup --------------------------------------------------------------------------------
 
     def lookup(self, key: bytes) -> LookupResult:
+        if key in self._storing and not self._holds(key):
+            # Its file is not there yet: not a miss. ``store`` notifies when it ends.
+            self._writing_retries += 1
+            return LookupResult.RETRY
         return self._lookups.lookup(key)
 
     def _holds(self, key: bytes) -> bool:
@@ -344,14 +356,15 @@ class FSTier(SecondaryTier):
         check_key(key)
         payload = _readable_bytes(src)
         name = io.name_of(key)
-        while (busy := self._storing.get(name)) is not None:
+        while (busy := self._storing.get(key)) is not None:
             await busy.wait()  # the same key is being written: let that store decide
-        done = self._storing[name] = anyio.Event()
+        done = self._storing[key] = anyio.Event()
         try:
             await self._store(key, name, payload)
         finally:
-            del self._storing[name]
+            del self._storing[key]
             done.set()
+            self.notify([key])  # its lookup answers HIT or MISS now, no longer RETRY
 
     async def _store(self, key: bytes, name: str, payload: memoryview) -> None:
         started = time.perf_counter()
@@ -571,9 +584,12 @@ class FSTier(SecondaryTier):
 
     def statistics(self) -> TierStatistics:
         self._calls.drain_late()
+        lookups = self._lookups.statistics()
+        if self._writing_retries:
+            lookups = dataclasses.replace(lookups, retries=lookups.retries + self._writing_retries)
         return self._meter.snapshot(
             self.name,
-            self._lookups.statistics(),
+            lookups,
             blocks=len(self._index),
             bytes_stored=self._used,
         )

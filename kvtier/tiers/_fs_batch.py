@@ -152,17 +152,18 @@ async def store_many(
     results: BatchResults = [None] * len(keys)
     mine: list[int] = []
     later: list[int] = []  # keys being stored already (or twice here): store() waits
-    for i, name in enumerate(names):
-        if name in tier._storing:
+    for i, key in enumerate(keys):
+        if key in tier._storing:
             later.append(i)
         else:
-            tier._storing[name] = anyio.Event()
+            tier._storing[key] = anyio.Event()
             mine.append(i)
     try:
         await _store_mine(tier, mine, keys, names, payloads, results, deadline, pinned)
     finally:
         for i in mine:
-            tier._storing.pop(names[i]).set()
+            tier._storing.pop(keys[i]).set()
+        tier.notify([keys[i] for i in mine])  # their lookups answer HIT or MISS now
     if later:
         calls = [functools.partial(tier.store, keys[i], payloads[i]) for i in later]
         for i, error in zip(

@@ -3,7 +3,8 @@
 When only this process writes a folder, the tier's index (built from the files at open, then
 kept by every store, load, delete and eviction) is the truth, so an existence check needs no
 ``stat``: a key the index holds is a ``HIT`` and any other is a ``MISS`` (``not_found``) at
-once, never ``RETRY``. A shared folder cannot do this (another process may have written the
+once, never ``RETRY`` (``FSTier`` itself answers ``RETRY`` for a key it is still writing:
+that is not a miss). A shared folder cannot do this (another process may have written the
 key since) and keeps the batched checks of ``AsyncLookupManager``.
 
 Failures still count: a key whose load failed (timeout, unavailable, corrupt) is remembered as
