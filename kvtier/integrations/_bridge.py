@@ -31,6 +31,15 @@ once per scheduler step, and require every call to return at once. kvtier's tier
   when nothing of it touches the engine's memory any more (a pinned batch waits for I/O in
   flight), so a finished job leaves nothing writing into the engine's memory; a block that
   failed may be partly written, and is reported failed.
+- **Deadlines run from submission, opening included.** The tier opens in the background (an
+  FS tier on a hung mount may never finish): a job waits for it only until its own deadline,
+  and a lookup's existence check is a ``timeout`` miss ``check_timeout`` after it was asked,
+  so ``drain`` returns and lookups stop answering ``RETRY`` whether or not the tier opens.
+  ``close`` fails the jobs still waiting for the open (they never touched the engine's
+  memory) and cuts the open short.
+- **A tier's mistakes stay in its batch.** A batch call that raises, or returns a result that
+  does not match its keys (a third-party tier), fails that batch's blocks as ``tier_error``;
+  the loop thread and every later job go on.
 
 Everything here is free of engine imports; the engine modules translate keys, slots and
 results.
@@ -50,7 +59,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, TypeVar
+from typing import Literal, TypeVar, get_args
 
 import anyio
 import anyio.abc
@@ -59,13 +68,14 @@ from kvtier._errors import InvalidArgumentError
 from kvtier._logging import BurstLogger
 from kvtier._lookup import LookupResult, MissReason
 from kvtier._validate import positive_int, positive_number
-from kvtier.tiers._base import SecondaryTier, TierStatistics
+from kvtier.tiers._base import BatchResults, SecondaryTier, TierStatistics
 
 __all__ = ["BridgeStatistics", "JobOutcome", "TierBridge"]
 
 logger = logging.getLogger(__name__)
 
 Operation = Literal["load", "store"]
+OPERATIONS: tuple[Operation, ...] = get_args(Operation)
 T = TypeVar("T")
 
 # Reasons a lookup can be a miss besides the tier's own (``MissReason``).
@@ -118,6 +128,15 @@ class _Job:
     operation: Operation
     keys: list[bytes]
     views: list[memoryview]
+    deadline: float  # time.monotonic() at submission plus op_timeout
+
+
+def _reasons(errors: BatchResults, count: int) -> list[str | None]:
+    """Per key, None or the reason it failed, from a batch call's result; a result that does
+    not match its ``count`` keys (a third-party tier's bug) raises: no key's fate is known."""
+    if len(errors) != count:
+        raise TypeError(f"the tier returned {len(errors)} results for {count} keys")
+    return [None if error is None else error.reason.value for error in errors]
 
 
 # Bridges still open when the interpreter exits are closed before threads are joined, so an
@@ -142,7 +161,8 @@ class TierBridge:
 
     ``lookup``, ``submit``, ``take_finished`` and ``statistics`` return at once; ``drain``
     and ``close`` block, as engines allow for those. The tier is opened in the background:
-    until it is, lookups answer ``RETRY`` and jobs wait in the loop.
+    until it is, lookups answer ``RETRY`` and jobs wait in the loop, each only until its
+    deadline (``check_timeout``, ``op_timeout``), counted from when it was asked.
     """
 
     def __init__(
@@ -184,7 +204,8 @@ class TierBridge:
         self._generation = 0  # bumped whenever a verdict or a job lands
         self._state = "opening"  # opening -> open -> closing -> closed; or failed
         self._verdicts: OrderedDict[bytes, tuple[bool, float, str]] = OrderedDict()
-        self._asking: dict[bytes, None] = {}  # unknown keys the loop has yet to ask about
+        self._asking: dict[bytes, float] = {}  # unknown keys the loop has yet to ask about,
+        # with the time.monotonic() they were first asked (their check's deadline runs from it)
         self._checking: set[bytes] = set()  # keys the loop has asked the tier about
         self._flush_scheduled = False
         self._finished: list[JobOutcome] = []
@@ -197,7 +218,10 @@ class TierBridge:
         self._miss_reasons: dict[str, int] = {}
 
         # -- loop thread only -------------------------------------------------------------
-        self._waiting: set[bytes] = set()  # keys the tier answered RETRY for
+        # Keys checked but without a verdict yet (the tier answered RETRY, or it is still
+        # opening), each with the timer that ends its wait at its check deadline.
+        self._waiting: dict[bytes, asyncio.TimerHandle] = {}
+        self._opening = True  # tier.open() has not returned yet: close() cuts it short
         self._loop: asyncio.AbstractEventLoop | None = None
         self._context: contextvars.Context | None = None
         self._tg: anyio.abc.TaskGroup | None = None
@@ -240,8 +264,8 @@ class TierBridge:
                 if len(self._asking) + len(self._checking) >= self._max_checks:
                     self._log.warning("overload", "%s: too many existence checks", self.name)
                     return self._count_miss(OVERLOAD)
-                self._asking[key] = None
-                if self._state == "open" and not self._flush_scheduled:
+                self._asking[key] = now
+                if not self._flush_scheduled:
                     self._flush_scheduled = schedule = True
             self._counts["retries"] += 1
         if schedule and not self._call_soon(self._flush):
@@ -258,9 +282,13 @@ class TierBridge:
         The views must stay valid until the job's outcome is taken; the bridge drops its
         references to them before it publishes the outcome.
         """
+        if operation not in OPERATIONS:  # anything else would run as a store
+            raise InvalidArgumentError(
+                f"operation must be one of {', '.join(map(repr, OPERATIONS))}, got {operation!r}"
+            )
         if len(keys) != len(views):
             raise InvalidArgumentError(f"{len(keys)} keys but {len(views)} buffers")
-        job = _Job(job_id, operation, list(keys), list(views))
+        job = _Job(job_id, operation, list(keys), list(views), time.monotonic() + self._op_timeout)
         with self._lock:
             accepted = self._state in ("opening", "open")
             schedule = False
@@ -373,6 +401,7 @@ class TierBridge:
                 self._state = "closing"
                 self._asking.clear()
         if not closing_elsewhere:
+            self._call_soon(self._release_jobs)  # jobs still waiting for the open fail now
             self.drain()
             self._call_soon(self._request_stop)
         if threading.current_thread() is not self._thread:
@@ -409,14 +438,24 @@ class TierBridge:
             # The tier is opened and closed by this task at the same depth of cancel scopes:
             # a tier's own task group (entered by open, left by aclose) must not be wrapped
             # in another scope, so aclose is bounded by close()'s join, not by move_on_after.
-            await self._open()
-            remove_listener = self.tier.add_listener(self._on_tier_change)
+            opened = False
             try:
-                await self._stop.wait()
+                await self._open()  # cancelled (tg's scope) if close() comes first
+                opened = True
+                remove_listener = self.tier.add_listener(self._on_tier_change)
+                try:
+                    await self._stop.wait()
+                finally:
+                    remove_listener()
             finally:
-                remove_listener()
                 self._tg = None
-                await self.tier.aclose()
+                if opened:
+                    await self.tier.aclose()
+                else:
+                    # close() cut the open short: nothing of the tier's was entered at this
+                    # depth, so its clean-up may run shielded, and bounded (a hung mount).
+                    with anyio.move_on_after(self._close_timeout, shield=True):
+                        await self.tier.aclose()
             tg.cancel_scope.cancel()  # only timers are left: close() drained the jobs
 
     async def _open(self) -> None:
@@ -428,17 +467,33 @@ class TierBridge:
             state = "failed"
         else:
             state = "open"
+        finally:
+            self._opening = False
         with self._changed:
             if self._state == "opening":
                 self._state = state
             self._generation += 1
             self._changed.notify_all()
+            state = self._state
         self._ready.set()
+        for key in list(self._waiting):  # keys asked while the tier opened, deadlines kept
+            if state == "open":
+                self._ask(key)
+            else:
+                self._verdict(key, False, CLOSED)
         self._flush()
 
     def _request_stop(self) -> None:
         if self._stop is not None:
             self._stop.set()
+        if self._opening and self._tg is not None:  # the tier may never open (a hung mount)
+            self._tg.cancel_scope.cancel()
+
+    def _release_jobs(self) -> None:
+        """The bridge is closing: jobs still waiting for the tier to open fail as closed
+        (they have not touched the engine's memory), so ``drain`` need not wait for them."""
+        if self._ready is not None:
+            self._ready.set()
 
     def _call_soon(self, callback: Callable[..., object], *args: object) -> bool:
         loop = self._loop
@@ -451,20 +506,31 @@ class TierBridge:
         return True
 
     def _flush(self) -> None:
-        """Ask the tier about every queued key (runs on the loop thread)."""
+        """Ask the tier about every queued key (runs on the loop thread); while it opens,
+        start each key's check deadline and ask once it has opened (see ``_open``)."""
         with self._lock:
-            keys = list(self._asking)
+            asked = list(self._asking.items())
             self._asking.clear()
             self._flush_scheduled = False
-            self._checking.update(keys)
-            open_ = self._state == "open"
-        for key in keys:
-            if open_:
-                self._ask(key)
+            self._checking.update(key for key, _ in asked)
+            state = self._state
+        for key, since in asked:
+            if state == "open":
+                self._ask(key, since)
+            elif state == "opening":
+                self._wait(key, since)
             else:
                 self._verdict(key, False, CLOSED)
 
-    def _ask(self, key: bytes, *, final: bool = False) -> None:
+    def _wait(self, key: bytes, since: float) -> None:
+        """Wait for a verdict on ``key`` until ``check_timeout`` after ``since``; a tier that
+        forgets to notify is asked once more then, and after that the key is a miss."""
+        if key not in self._waiting:
+            assert self._loop is not None
+            delay = max(0.0, since + self._check_timeout - time.monotonic())
+            self._waiting[key] = self._loop.call_later(delay, self._check_expired, key)
+
+    def _ask(self, key: bytes, since: float | None = None, *, final: bool = False) -> None:
         before = self._tier_miss_reasons()
         try:
             result = self.tier.lookup(key)
@@ -475,27 +541,25 @@ class TierBridge:
         if result is LookupResult.RETRY and final:
             self._verdict(key, False, MissReason.TIMEOUT.value)
         elif result is LookupResult.RETRY:
-            # The tier notifies when its check lands; a tier that forgets to is asked once
-            # more after check_timeout, then the key is a miss: nothing waits forever.
-            if key not in self._waiting:
-                self._waiting.add(key)
-                assert self._loop is not None
-                self._loop.call_later(self._check_timeout, self._check_expired, key)
+            # The tier notifies when its check lands (see _on_tier_change).
+            self._wait(key, time.monotonic() if since is None else since)
         elif result is LookupResult.HIT:
             self._verdict(key, True, "")
         else:
             self._verdict(key, False, self._new_miss_reason(before))
 
     def _check_expired(self, key: bytes) -> None:
-        if key in self._waiting:
-            self._waiting.discard(key)
+        if self._waiting.pop(key, None) is None:
+            return
+        if self._state == "opening":  # the tier has not opened within the check's deadline
+            self._verdict(key, False, MissReason.TIMEOUT.value)
+        else:
             self._ask(key, final=True)
 
     def _on_tier_change(self, key: bytes) -> None:
         """The tier says ``key``'s answer may have changed (runs on the loop thread)."""
         if key in self._waiting:
-            self._waiting.discard(key)
-            self._ask(key)
+            self._ask(key)  # still RETRY: the wait goes on to its first deadline
             return
         with self._changed:
             if self._verdicts.pop(key, None) is not None:
@@ -516,6 +580,9 @@ class TierBridge:
         return MissReason.NOT_FOUND.value
 
     def _verdict(self, key: bytes, present: bool, reason: str) -> None:
+        timer = self._waiting.pop(key, None)
+        if timer is not None:
+            timer.cancel()
         expires = math.inf if present else time.monotonic() + self._miss_ttl
         with self._changed:
             self._checking.discard(key)
@@ -555,10 +622,15 @@ class TierBridge:
         started = time.perf_counter()
         keys = [k for job in jobs for k in job.keys]
         errors: list[str | None] = [CLOSED] * len(keys)
+        deadline = min(job.deadline for job in jobs)  # jobs that share a call, share the first
         try:
-            await self._ready.wait()
-            if self._state == "open":
-                errors = await self._run_batch(jobs[0].operation, keys, jobs)
+            if not self._ready.is_set():  # the tier is still opening (it may never open)
+                with anyio.move_on_after(deadline - time.monotonic()):
+                    await self._ready.wait()
+            if not self._ready.is_set():
+                errors = [MissReason.TIMEOUT.value] * len(keys)
+            elif self._state == "open":
+                errors = await self._run_batch(jobs[0].operation, keys, jobs, deadline)
         finally:
             seconds = time.perf_counter() - started
             first = 0
@@ -573,31 +645,30 @@ class TierBridge:
                 self._publish_outcome(job, done, reasons, seconds, counted=True)
 
     async def _run_batch(
-        self, operation: Operation, keys: list[bytes], jobs: list[_Job]
+        self, operation: Operation, keys: list[bytes], jobs: list[_Job], deadline: float
     ) -> list[str | None]:
-        """One batch call; per key, None or the reason it failed. ``pinned``: the engine
-        keeps the slots until the job's outcome is out and this bridge waits for every job
-        (``drain``), so the tier may read into and write from them directly."""
+        """One batch call, bounded by what is left of ``deadline``; per key, None or the
+        reason it failed. ``pinned``: the engine keeps the slots until the job's outcome is
+        out and this bridge waits for every job (``drain``), so the tier may read into and
+        write from them directly."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return [MissReason.TIMEOUT.value] * len(keys)
         views = [v for job in jobs for v in job.views]
         call = self.tier.load_many if operation == "load" else self.tier.store_many
         try:
-            errors = await call(keys, views, timeout=self._op_timeout, pinned=True)
+            reasons = _reasons(await call(keys, views, timeout=left, pinned=True), len(keys))
         except Exception as exc:  # a tier bug must not take the engine down
-            self._log.warning(operation, "%s: %s raised %r", self.name, operation, exc)
+            self._log.warning(operation, "%s: %s failed: %r", self.name, operation, exc)
             if operation == "load":
                 for key in keys:
                     self._verdict(key, False, TIER_ERROR)
             return [TIER_ERROR] * len(keys)
-        reasons: list[str | None] = []
-        for key, error in zip(keys, errors, strict=True):
-            if error is None:
-                reasons.append(None)
-                if operation == "store":
-                    self._verdict(key, True, "")
-                continue
-            reasons.append(error.reason.value)
-            if operation == "load":
-                self._verdict(key, False, error.reason.value)
+        for key, reason in zip(keys, reasons, strict=True):
+            if operation == "load" and reason is not None:
+                self._verdict(key, False, reason)
+            elif operation == "store" and reason is None:
+                self._verdict(key, True, "")
         return reasons
 
     def _publish_outcome(
