@@ -6,14 +6,18 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 import kvtier
 from kvtier.integrations._bridge import TierBridge
 from kvtier.testing import StallingTier
+from kvtier.tiers import _fs_io
 
 BLOCK = 4096
 WAIT = 30.0  # generous bound on a promised deadline, not a timing assertion
@@ -37,24 +41,27 @@ def bridges() -> Iterator[list[TierBridge]]:
 
 def resolve(bridge: TierBridge, key: bytes) -> kvtier.LookupResult:
     """Ask until the answer is not RETRY, waiting on the bridge's changes in between."""
-    for _ in range(100):
+    give_up = time.monotonic() + WAIT
+    while time.monotonic() < give_up:
         seen = bridge.generation
         result = bridge.lookup(key)
         if result is not kvtier.LookupResult.RETRY:
             return result
-        bridge.wait_for_change(seen, WAIT)
+        bridge.wait_for_change(seen, give_up - time.monotonic())
     raise AssertionError("the lookup never resolved")
 
 
 def finish(bridge: TierBridge, job_id: int) -> kvtier.integrations._bridge.JobOutcome:
-    taken: dict[int, kvtier.integrations._bridge.JobOutcome] = {}
-    for _ in range(100):
-        seen = bridge.generation
-        taken.update((o.job_id, o) for o in bridge.take_finished())
-        if job_id in taken:
-            return taken[job_id]
-        bridge.wait_for_change(seen, WAIT)
-    raise AssertionError("the job never finished")
+    return outcomes(bridge, {job_id})[job_id]
+
+
+def returns(call: Callable[[], object]) -> bool:
+    """Whether ``call()`` returns within ``WAIT``. It runs in a daemon thread, so a call that
+    blocks for good fails the test instead of hanging the run."""
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(WAIT)
+    return not thread.is_alive()
 
 
 def test_store_then_lookup_and_load_round_trip(bridges: list[TierBridge]) -> None:
@@ -175,12 +182,13 @@ class _CountingTier(kvtier.MemoryTier):
 
 def outcomes(bridge: TierBridge, ids: set[int]) -> dict[int, Any]:
     taken: dict[int, Any] = {}
-    for _ in range(100):
+    give_up = time.monotonic() + WAIT
+    while time.monotonic() < give_up:
         seen = bridge.generation
         taken.update((o.job_id, o) for o in bridge.take_finished())
         if ids <= set(taken):
             return taken
-        bridge.wait_for_change(seen, WAIT)
+        bridge.wait_for_change(seen, give_up - time.monotonic())
     raise AssertionError("the jobs never finished")
 
 
@@ -244,3 +252,154 @@ def test_a_batch_that_raises_fails_every_job_in_it(bridges: list[TierBridge]) ->
     got = outcomes(bridge, {2, 3})
     assert [got[i].failures_by_reason for i in (2, 3)] == [{"tier_error": 1}] * 2
     assert bridge.statistics().loads_failed == 2
+
+
+def test_an_unknown_operation_is_refused_and_nothing_is_stored(bridges: list[TierBridge]) -> None:
+    bridge = TierBridge(kvtier.MemoryTier())
+    bridges.append(bridge)
+    (key,) = kvtier.block_keys(list(range(4)), 4)
+    out = bytearray(b"x" * BLOCK)
+    with pytest.raises(ValueError, match=r"'load', 'store', got 'read'"):
+        bridge.submit(1, "read", [key], [memoryview(out)])  # type: ignore[arg-type]
+    assert not bridge.has_pending_work() and bridge.take_finished() == []
+    assert resolve(bridge, key) is kvtier.LookupResult.MISS, "the buffer was stored"
+
+
+class _MalformedTier(kvtier.MemoryTier):
+    """A third-party tier whose ``load_many`` returns ``extra`` results too many (or, when
+    negative, too few) while ``extra`` is not zero."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra = 0
+
+    async def load_many(self, keys: Any, dsts: Any, **kwargs: Any) -> Any:
+        results = await super().load_many(keys, dsts, **kwargs)
+        if self.extra < 0:
+            return results[: self.extra]
+        return results + [None] * self.extra
+
+
+@pytest.mark.parametrize("extra", [-1, 1], ids=["too_few", "too_many"])
+def test_a_malformed_batch_result_fails_only_its_batch(
+    bridges: list[TierBridge], extra: int
+) -> None:
+    tier = _MalformedTier()
+    bridge = TierBridge(tier)
+    bridges.append(bridge)
+    keys = kvtier.block_keys(list(range(8)), 4)
+    blocks = [bytes([i + 1]) * BLOCK for i in range(2)]
+    bridge.submit(1, "store", keys, [memoryview(b) for b in blocks])
+    assert finish(bridge, 1).success
+
+    tier.extra = extra
+    bridge.submit(2, "load", keys, [memoryview(bytearray(BLOCK)) for _ in keys])
+    failed = finish(bridge, 2)
+    assert failed.done == () and failed.failures_by_reason == {"tier_error": 2}
+
+    tier.extra = 0  # the bridge goes on: later jobs and lookups are served
+    out = [bytearray(BLOCK) for _ in keys]
+    bridge.submit(3, "load", keys, [memoryview(b) for b in out])
+    assert finish(bridge, 3).success and out == blocks
+    (other,) = kvtier.block_keys(list(range(50, 54)), 4)
+    bridge.submit(4, "store", [other], [memoryview(bytes(BLOCK))])
+    assert finish(bridge, 4).success
+    assert resolve(bridge, other) is kvtier.LookupResult.HIT
+    assert bridge.statistics().state == "open" and bridge._thread.is_alive()
+
+
+class _HungMount:
+    """Makes ``_fs_io.prepare_root`` (FSTier's open) block until ``release`` is set: a root
+    on a dead NFS server. A failsafe timer releases it, so a regression fails instead of
+    leaving a thread in the call."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def hung(*args: Any, **kwargs: Any) -> Any:
+            self.entered.set()
+            self.release.wait()
+            return fn(*args, **kwargs)
+
+        return hung
+
+
+@pytest.fixture
+def hung_mount(monkeypatch: pytest.MonkeyPatch) -> Iterator[_HungMount]:
+    hang = _HungMount()
+    monkeypatch.setattr(_fs_io, "prepare_root", hang.wrap(_fs_io.prepare_root))
+    failsafe = threading.Timer(3 * WAIT, hang.release.set)
+    failsafe.start()
+    yield hang
+    hang.release.set()
+    failsafe.cancel()
+
+
+def test_deadlines_hold_from_submission_while_the_tier_opens(
+    bridges: list[TierBridge], hung_mount: _HungMount, tmp_path: Path
+) -> None:
+    # op_timeout leaves a loaded machine time for the store once the tier is open
+    bridge = TierBridge(kvtier.FSTier(tmp_path / "fs"), op_timeout=2.0, check_timeout=0.2)
+    bridges.append(bridge)
+    assert hung_mount.entered.wait(WAIT)
+    (key,) = kvtier.block_keys(list(range(4)), 4)
+    assert resolve(bridge, key) is kvtier.LookupResult.MISS
+    assert bridge.statistics().misses_by_reason == {"timeout": 1}
+    bridge.submit(1, "store", [key], [memoryview(bytes(BLOCK))])
+    failed = finish(bridge, 1)
+    assert failed.done == () and failed.failures_by_reason == {"timeout": 1}
+    assert returns(bridge.drain)
+    assert not bridge.has_pending_work()
+    assert bridge.statistics().state == "opening"
+    assert not hung_mount.release.is_set(), "answered only because the mount came back"
+
+    hung_mount.release.set()  # the mount comes back: the tier opens and serves later jobs
+    give_up = time.monotonic() + WAIT
+    while True:
+        seen = bridge.generation
+        if bridge.statistics().state != "opening":
+            break
+        assert bridge.wait_for_change(seen, give_up - time.monotonic()), "it never opened"
+    assert bridge.statistics().state == "open"
+    bridge.submit(2, "store", [key], [memoryview(b"k" * BLOCK)])
+    assert finish(bridge, 2).success
+    assert resolve(bridge, key) is kvtier.LookupResult.HIT
+    out = bytearray(BLOCK)
+    bridge.submit(3, "load", [key], [memoryview(out)])
+    assert finish(bridge, 3).success and out == b"k" * BLOCK
+
+
+class _NeverOpens(kvtier.MemoryTier):
+    """A tier whose open waits for an event nothing sets; records how it ended."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.open_cancelled = False
+        self.closes = 0
+
+    async def open(self) -> None:
+        try:
+            await anyio.Event().wait()
+        except anyio.get_cancelled_exc_class():
+            self.open_cancelled = True
+            raise
+
+    async def aclose(self) -> None:
+        self.closes += 1
+        await super().aclose()
+
+
+def test_shutdown_returns_while_the_tier_never_opens() -> None:
+    tier = _NeverOpens()
+    bridge = TierBridge(tier, op_timeout=3600.0, check_timeout=3600.0)
+    (key,) = kvtier.block_keys(list(range(4)), 4)
+    assert bridge.lookup(key) is kvtier.LookupResult.RETRY
+    bridge.submit(1, "load", [key], [memoryview(bytearray(BLOCK))])
+    assert returns(bridge.close), "close waited for a tier that never opens"
+    (outcome,) = bridge.take_finished()
+    assert outcome.job_id == 1 and outcome.failures_by_reason == {"closed": 1}
+    assert tier.open_cancelled and tier.closes == 1
+    assert not bridge._thread.is_alive()
+    assert bridge.lookup(key) is kvtier.LookupResult.MISS
