@@ -212,6 +212,29 @@ class AdmissionPolicy:
             return not gate.in_flight and self.clock() - gate.last_probe >= self._probe_interval
         return True
 
+    def ready_in(self, tier: str, nbytes: int, *, count: int = 1) -> float | None:
+        """Seconds until the passing of time alone lets ``has_room`` take ``count`` writes
+        of ``nbytes`` (0: it does now): the rate budget refilling, a latency probe coming
+        due. None when only a write ending can make room (the tier's in-flight limit, or a
+        tier closed by latency with a write in flight); the caller hears of those anyway."""
+        gate = self._gates.get(tier)
+        if gate is None:
+            return 0.0
+        cap = self._cap if self._caps is None else self._caps.get(tier)
+        total = nbytes * count
+        if cap is not None and gate.in_flight + total > cap:
+            return None
+        now = self.clock()
+        wait = 0.0
+        rate = self._rate_of(tier)
+        if rate is not None and not self._rate_allows(gate, tier, total, now):
+            wait = (total - gate.tokens) / rate
+        if self.is_closed(tier):
+            if gate.in_flight:
+                return None
+            wait = max(wait, gate.last_probe + self._probe_interval - now)
+        return max(wait, 0.0)
+
     def capacity(self, tier: str, nbytes: int) -> int | None:
         """How many writes of ``nbytes`` the tier's in-flight limit holds at once (None: no
         limit of its own). A group larger than this would never be admitted whole."""

@@ -16,11 +16,20 @@ writes in groups: each group is one task that loads every block of the group fro
 faster tiers, then starts all its stores at once, so that they reach the tier in the same
 event-loop tick. While such a tier has deferred writes waiting, new writes for it join the
 queue rather than going out one by one ahead of it.
+
+A deferred write copies its block from a faster tier, so it waits for that tier to have it:
+first for the block's own write-through to reach the tiers (launched, its task may not have
+run yet), then for a tier that answers RETRY while it writes the block (``settled_lookup``).
+And the queue drains on its own: when the tiers' admission leaves work waiting for time
+alone (a rate budget that refills, a latency probe that comes due), one timer wakes the
+drain when the admission says there will be room; waits that a write ending resolves need
+none, since every write ending drains again.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
@@ -40,6 +49,10 @@ __all__ = ["WriteThrough", "bump", "reason_of"]
 
 DEFERRED_LIMIT = 65536
 """Keys waiting per deferred tier; past it the oldest is given up (see ``DeferredWrites``)."""
+
+WAKE_SLACK = 0.001
+"""Seconds added to the time the admission says a deferred tier has room again, so that the
+drain the timer starts is not refused by the rounding of a token bucket's refill."""
 
 
 def bump(counter: dict[str, int], reason: MissReason) -> None:
@@ -114,6 +127,15 @@ class WriteThrough:
         self._by_name = {tier.name: tier for tier in tiers}
         deferred = [t for t in self.through_tiers[1:] if admission.is_deferred(t.name)]
         self.deferred = DeferredWrites([t.name for t in deferred], DEFERRED_LIMIT)
+        self._deferred_names = tuple(t.name for t in deferred)
+        # With deferred tiers: key -> write-through tasks launched that have not yet begun
+        # their tiers' stores, and an event for each key a deferred write waits on (see
+        # ``_source_of``).
+        self._cascading: dict[bytes, int] | None = {} if deferred else None
+        self._cascade_ends: dict[bytes, anyio.Event] = {}
+        # The one pending wake-up of the deferred writes: the task group it runs in and the
+        # scope whose deadline it sleeps until (moved earlier when a sooner one is asked).
+        self._timer: tuple[anyio.abc.TaskGroup, anyio.CancelScope] | None = None
         self._batch = {  # packing deferred tier -> group size (the groups always fit)
             tier.name: size for tier in deferred if (size := self._group_size(tier)) > 1
         }
@@ -197,6 +219,7 @@ class WriteThrough:
                 cause = self.admission.last_refusal(tier.name)
                 if self.deferred.wants(tier.name):
                     self.deferred.add(tier.name, key)  # written later from a faster tier
+                    self._wake_later(task_group, (tier.name,))
                     self._log.warning(
                         "admission:" + tier.name,
                         "%s refuses writes for now (%s): they are deferred, to be copied "
@@ -247,12 +270,14 @@ class WriteThrough:
         self.in_flight_bytes += nbytes
         self.started += 1
         self.cascades.started()
+        if self._cascading is not None:
+            self._cascading[key] = self._cascading.get(key, 0) + 1
         targets = tuple(targets)
-        undo = functools.partial(self._never_ran, slot, nbytes, targets)
+        undo = functools.partial(self._never_ran, key, slot, nbytes, targets)
         self._background.start_soon(task_group, undo, self._cascade, key, slot, nbytes, targets)
 
     def _never_ran(
-        self, slot: int | bytes, nbytes: int, targets: tuple[SecondaryTier, ...]
+        self, key: bytes, slot: int | bytes, nbytes: int, targets: tuple[SecondaryTier, ...]
     ) -> None:
         """Give back what ``_launch`` took for a write whose task was cancelled unstarted."""
         for tier in targets:
@@ -260,13 +285,28 @@ class WriteThrough:
         if isinstance(slot, int):
             self.pool.unpin(slot)
         self.in_flight_bytes -= nbytes
+        self._cascade_reached(key)
         self.cascades.finished()
+
+    def _cascade_reached(self, key: bytes) -> None:
+        """A write-through of ``key`` has begun every tier's store (each tier knows it is
+        writing the block now), or ended first: wake the deferred writes waiting for it."""
+        cascading = self._cascading
+        if cascading is None:
+            return
+        left = cascading.pop(key, 1) - 1
+        if left:
+            cascading[key] = left
+        elif (ended := self._cascade_ends.pop(key, None)) is not None:
+            ended.set()
 
     async def _cascade(
         self, key: bytes, slot: int | bytes, nbytes: int, targets: tuple[SecondaryTier, ...]
     ) -> None:
         failures: list[MissReason] = []
-        begun: list[SecondaryTier] = []  # the tiers whose write started (and reports itself)
+        # The tiers whose write started (and reports itself); once all have, the deferred
+        # writes waiting for this one are told (``_cascade_reached``).
+        begun: list[SecondaryTier] = []
         write = functools.partial(self._write_through, key, targets, failures, begun)
         try:
             with anyio.fail_after(self._store_timeout):
@@ -283,6 +323,8 @@ class WriteThrough:
             if isinstance(slot, int):
                 self.pool.unpin(slot)
             self.in_flight_bytes -= nbytes
+            if len(begun) < len(targets):  # ended before reaching every tier
+                self._cascade_reached(key)
             self._room_again()  # before this one stops counting: closing waits for the next
             self.cascades.finished()
         for reason in failures:
@@ -302,7 +344,9 @@ class WriteThrough:
     def drain_deferred(self, task_group: anyio.abc.TaskGroup) -> None:
         """Start the deferred writes that the tiers' admission and the in-flight limit
         take now; each copies its block from a faster tier that holds it. A packing tier's
-        come in groups (see ``DeferredWrites.due_groups``), one task each."""
+        come in groups (see ``DeferredWrites.due_groups``), one task each. What is left for
+        want of time alone gets a wake-up (``_wake_later``); what waits for room in flight
+        is drained again when a write ends."""
         nbytes = self.pool.block_bytes
         room = (self._max_in_flight_bytes - self.in_flight_bytes) // nbytes
         if room <= 0:
@@ -318,6 +362,47 @@ class WriteThrough:
                 self.cascades.started()
             undo = functools.partial(self._write_down_never_ran, target, nbytes, len(keys))
             self._background.start_soon(task_group, undo, self._write_down, keys, target, nbytes)
+        if self.deferred:
+            self._wake_later(task_group, self._deferred_names)
+
+    def _wake_later(self, task_group: anyio.abc.TaskGroup, names: Sequence[str]) -> None:
+        """Make sure the deferred writes of ``names`` are drained again once the admission
+        says the passing of time alone gives one of them room (its rate budget refilled, its
+        latency probe due): one timer in the manager's task group, its deadline moved
+        earlier if a sooner wake-up is needed, cancelled with the group at close. Nothing
+        to do while closing (the rate and latency no longer apply) or when only a write
+        ending makes room (every write ending drains)."""
+        if self.closing:
+            return
+        nbytes = self.pool.block_bytes
+        soonest = math.inf
+        for name in names:
+            pending = self.deferred.pending(name)
+            if pending:
+                count = min(pending, self._batch.get(name, 1))
+                wait = self.admission.ready_in(name, nbytes, count=count)
+                if wait is not None and wait > 0:
+                    soonest = min(soonest, wait)
+        if soonest == math.inf:
+            return
+        deadline = anyio.current_time() + soonest + WAKE_SLACK
+        timer = self._timer
+        if timer is not None and timer[0] is task_group:  # one is pending already
+            if deadline < timer[1].deadline:
+                timer[1].deadline = deadline
+            return
+        scope = anyio.CancelScope(deadline=deadline)
+        self._timer = (task_group, scope)
+        task_group.start_soon(self._wake, task_group, scope)
+
+    async def _wake(self, task_group: anyio.abc.TaskGroup, scope: anyio.CancelScope) -> None:
+        """The timer of ``_wake_later``: sleep until ``scope``'s deadline, then drain."""
+        with scope:
+            await anyio.sleep_forever()
+        if self._timer is not None and self._timer[1] is scope:
+            self._timer = None
+        if self.task_group is task_group and self.deferred:
+            self.drain_deferred(task_group)
 
     def _write_down_never_ran(self, target: SecondaryTier, nbytes: int, count: int) -> None:
         """Give back what ``drain_deferred`` took for a group whose task never ran."""
@@ -328,9 +413,18 @@ class WriteThrough:
             self.cascades.finished()
 
     async def _source_of(self, key: bytes, target: SecondaryTier) -> SecondaryTier | None:
-        """The first tier above ``target`` that holds ``key``. A tier still finding out
-        (its own write of the block in flight, an existence check) is waited for: asked
-        at once, it would answer RETRY and the block would be lost for ``target``."""
+        """The first tier above ``target`` that holds ``key``. The block's write-through
+        still in flight, and a tier still finding out (its own write of the block in
+        flight, an existence check), are waited for: asked at once, the tier would answer
+        MISS or RETRY and the block would be lost for ``target``."""
+        cascading = self._cascading
+        while cascading is not None and key in cascading:
+            # Its write-through was launched and has not reached the faster tiers yet (they
+            # would not know they are writing it): wait until it has.
+            ended = self._cascade_ends.get(key)
+            if ended is None:
+                ended = self._cascade_ends[key] = anyio.Event()
+            await ended.wait()
         for tier in self._sources[target.name]:
             if await settled_lookup(tier, key) is LookupResult.HIT:
                 return tier
@@ -432,7 +526,7 @@ class WriteThrough:
     ) -> None:
         async with anyio.create_task_group() as tg:
             for tier in targets:
-                tg.start_soon(self._store_one, tier, key, view, failures, begun)
+                tg.start_soon(self._store_one, tier, key, view, failures, begun, len(targets))
 
     async def _store_one(
         self,
@@ -441,8 +535,13 @@ class WriteThrough:
         view: memoryview,
         failures: list[MissReason],
         begun: list[SecondaryTier],
+        targets: int,
     ) -> None:
         begun.append(tier)  # from here on this write reports to the admission policy itself
+        if len(begun) == targets:
+            # The last to begin: the others' stores took the key when they began, this one
+            # takes it in this same step, before a deferred write woken here can ask.
+            self._cascade_reached(key)
         started = time.perf_counter()
         try:
             await tier.store(key, view)

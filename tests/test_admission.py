@@ -199,3 +199,34 @@ def test_deferred_writes_come_in_groups_within_room() -> None:
         policy.finished("s3", 10, 0.01)
     assert queue.due_groups(policy, 10, room=1, sizes={"s3": 4}) == []  # room for one only
     assert queue.due_groups(policy, 10, room=2, sizes={"s3": 4}) == [("s3", [b"e", b"f"])]
+
+
+def test_ready_in_says_when_time_alone_gives_room() -> None:
+    """What the manager sleeps until before draining deferred writes again: the rate budget
+    refilled, a latency probe due; None where only a write ending makes room."""
+    clock = Clock()
+    policy = AdmissionPolicy(
+        max_in_flight_bytes={"capped": 200},
+        max_write_rate={"paced": 100.0},
+        max_write_latency=0.5,
+        probe_interval=2.0,
+        clock=clock,
+    )
+    assert policy.ready_in("unseen", 100) == 0.0
+    assert policy.admit("paced", 100)  # the whole budget: a second's worth
+    assert policy.ready_in("paced", 100) == pytest.approx(1.0)
+    assert policy.ready_in("paced", 50, count=2) == pytest.approx(1.0)
+    clock.now += 0.25
+    assert policy.ready_in("paced", 100) == pytest.approx(0.75)
+    clock.now += 0.75
+    assert policy.ready_in("paced", 100) == 0.0 and policy.admit("paced", 100)
+    assert policy.admit("capped", 200)
+    assert policy.ready_in("capped", 100) is None  # the write in flight must end
+    policy.finished("capped", 200, 1.0)  # slow: closed by latency, its probe due in 2 s
+    assert policy.is_closed("capped") and policy.admit("capped", 100)
+    assert policy.ready_in("capped", 100) is None  # the probe is in flight
+    clock.now += 0.5
+    policy.finished("capped", 100, 1.0)  # still slow: the next probe 2 s after this one
+    assert policy.ready_in("capped", 100) == pytest.approx(1.5)
+    clock.now += 1.5
+    assert policy.ready_in("capped", 100) == 0.0 and policy.has_room("capped", 100)

@@ -4,6 +4,8 @@ every block at the pace it can take, without pinning the pool."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import anyio
 import numpy as np
 import pytest
@@ -19,6 +21,7 @@ from kvtier import (
 )
 from kvtier._admission import DeferredWrites
 from kvtier.testing import StallingTier
+from kvtier.tiers._fs import FSTier
 
 BB = 4096
 
@@ -271,3 +274,141 @@ async def test_a_deferred_write_waits_for_the_faster_tier_still_writing_the_bloc
         stats = manager.statistics()
     assert stats.deferred_written == 3 and stats.deferred_lost == 0
     await assert_holds(remote.inner, keys[:4], data)
+
+
+class HeldFSTier(FSTier):
+    """An FSTier whose stores can be held in flight (the key taken, its file not written
+    yet), and that sets ``asked`` once ``lookup`` is called for one of ``watched``."""
+
+    def __init__(self, root: Path, *, shared: bool, watched: list[bytes]) -> None:
+        super().__init__(root, shared=shared)
+        self.watched = set(watched)
+        self.asked = anyio.Event()
+        self.gate: anyio.Event | None = None
+        self.holding = 0
+        self._more_held = anyio.Event()
+
+    def lookup(self, key: bytes) -> LookupResult:
+        result = super().lookup(key)
+        if key in self.watched:
+            self.asked.set()
+        return result
+
+    async def _store(self, key: bytes, name: str, payload: memoryview) -> None:
+        gate = self.gate
+        if gate is not None:
+            self.holding += 1
+            self._more_held.set()
+            await gate.wait()
+        await super()._store(key, name, payload)
+
+    async def wait_held(self, n: int) -> None:
+        while self.holding < n:
+            self._more_held = anyio.Event()
+            await self._more_held.wait()
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "exclusive"])
+async def test_a_deferred_write_waits_for_the_file_tier_still_writing_the_block(
+    keys: list[bytes], tmp_path: Path, shared: bool
+) -> None:
+    """The demo's layout, FS then a deferred slower tier: FS writes queue during a burst, the
+    deferred writes come due meanwhile and find the blocks still being written to FS. They
+    wait for those writes and copy the blocks, instead of counting them lost."""
+    fs = HeldFSTier(tmp_path / "fs", shared=shared, watched=keys[1:4])
+    remote = stalled_remote()
+    data = blocks(4)
+    async with over(fs, remote) as manager:
+        await manager.store(keys[:1], data[:1])
+        await remote.wait_stalled("store")  # keys[0] holds the remote's in-flight room
+        fs.gate = gate = anyio.Event()
+        await manager.store(keys[1:4], data[1:4])  # dropped for the remote: deferred
+        await fs.wait_held(3)
+        assert manager.statistics().writes_deferred == 3
+        remote.release("store")  # room again: the deferred writes start ...
+        await fs.asked.wait()  # ... and ask FS, which is still writing them
+        gate.set()
+        await manager.wait_idle()
+        stats = manager.statistics()
+    assert stats.deferred_written == 3 and stats.deferred_lost == 0
+    await assert_holds(remote.inner, keys[:4], data)
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "exclusive"])
+async def test_a_burst_stored_just_before_close_reaches_the_deferred_tier(
+    keys: list[bytes], tmp_path: Path, shared: bool
+) -> None:
+    """Closing right after a store hands the deferred writes out at once, before the
+    store's own writes to FS have started: they wait for those writes, not miss them."""
+    remote = MemoryTier("remote")
+    admission = AdmissionPolicy(
+        max_write_rate={"remote": BB}, max_write_latency=None, deferred=["remote"]
+    )
+    data = blocks(8)
+    async with TieringManager(
+        HostPool(8, BB), [FSTier(tmp_path / "fs", shared=shared), remote], admission=admission
+    ) as manager:
+        await manager.store(keys[:8], data)  # one block's worth of rate: 7 deferred
+    stats = manager.statistics()
+    assert stats.writes_deferred == 7
+    assert stats.deferred_written == 7 and stats.deferred_lost == 0
+    await assert_holds(remote, keys[:8], data)
+
+
+class Landed:
+    """An event set once every one of ``keys`` has been written to ``tier`` (told by its
+    notifications)."""
+
+    def __init__(self, tier: SecondaryTier, keys: list[bytes]) -> None:
+        self.waiting = set(keys)
+        self.all = anyio.Event()
+        tier.add_listener(self._heard)
+
+    def _heard(self, key: bytes) -> None:
+        self.waiting.discard(key)
+        if not self.waiting:
+            self.all.set()
+
+
+async def test_deferred_writes_drain_on_their_own_as_the_rate_budget_refills(
+    keys: list[bytes],
+) -> None:
+    """A node whose sessions moved away stores nothing more: its paced writes still reach
+    the slower tier as the rate allows, without waiting for another store or for close."""
+    fast, remote = MemoryTier("fast"), MemoryTier("remote")
+    admission = AdmissionPolicy(
+        max_write_rate={"remote": 8 * BB}, max_write_latency=None, deferred=["remote"]
+    )
+    data = blocks(16)
+    landed = Landed(remote, keys[:16])
+    async with TieringManager(HostPool(16, BB), [fast, remote], admission=admission) as manager:
+        await manager.store(keys[:16], data)  # a second's worth goes at once, the rest waits
+        assert manager.statistics().writes_deferred > 0
+        with anyio.fail_after(10):  # about a second at this pace
+            await landed.all.wait()
+        await manager.wait_idle()
+        stats = manager.statistics()
+        assert stats.deferred_pending == 0 and stats.deferred_lost == 0
+        assert stats.deferred_written == stats.writes_deferred
+    await assert_holds(remote, keys[:16], data)
+
+
+async def test_closing_with_a_wake_up_pending_writes_what_waits_at_once(
+    keys: list[bytes],
+) -> None:
+    """The wake-up of a slow pace (a block a hundred seconds) does not hold up closing,
+    which writes what waits within ``close_timeout`` as before."""
+    fast, remote = MemoryTier("fast"), MemoryTier("remote")
+    admission = AdmissionPolicy(
+        max_write_rate={"remote": BB / 100}, max_write_latency=None, deferred=["remote"]
+    )
+    data = blocks(4)
+    with anyio.fail_after(10):
+        async with TieringManager(HostPool(8, BB), [fast, remote], admission=admission) as manager:
+            await manager.store(keys[:4], data)
+            await manager.wait_idle()
+            assert manager.statistics().deferred_pending == 3
+    stats = manager.statistics()
+    assert stats.deferred_written == 3 and stats.deferred_lost == 0
+    assert stats.background_tasks == 0
+    await assert_holds(remote, keys[:4], data)
