@@ -69,8 +69,8 @@ def test_failed_load_suppresses_for_the_ttl_and_gone_object_is_dropped() -> None
 def test_max_keys_bounds_memory() -> None:
     index = ExistenceIndex(miss_ttl=1.0, max_keys=2)
     keys = [os.urandom(16) for _ in range(3)]
-    assert index.add_many([(key, None) for key in keys]) == keys[:2]
-    assert index.full and len(index) == 2
+    assert index.add_many([(key, None) for key in keys]) == keys
+    assert index.full and len(index) == 2 and index.evictions == 1
 
 
 def test_requeue_after_a_failed_publish() -> None:
@@ -94,18 +94,19 @@ def test_seen_segments_are_forgotten_past_the_lookback() -> None:
 
 def test_segment_round_trip_and_damage() -> None:
     entries: list[tuple[bytes, Location | None]] = [(os.urandom(n), None) for n in (16, 32, 255)]
-    data = encode_segment(entries)
+    data = encode_segment(entries, "p")
     assert data[:4] == b"KVJ1"  # nothing packed: readable by kvtier before packs
-    assert decode_segment(data) == entries
-    assert decode_segment(encode_segment([])) == []
-    packed = [*entries, (os.urandom(16), Location("p/_kvtier_packs/ab/x-y-1", 300, 262_200))]
-    assert encode_segment(packed)[:4] == b"KVJ2"
-    assert decode_segment(encode_segment(packed)) == packed
+    assert decode_segment(data, "p") == (entries, 0)
+    assert decode_segment(encode_segment([], "p"), "p") == ([], 0)
+    where = Location(pack_name("p", bytes(16), "0123456789abcdef", 1), 300, 262_200)
+    packed = [*entries, (os.urandom(16), where)]
+    assert encode_segment(packed, "p")[:4] == b"KVJ2"
+    assert decode_segment(encode_segment(packed, "p"), "p") == (packed, 0)
     flipped = bytearray(data)
     flipped[10] ^= 1
     for bad in (bytes(flipped), data[:-3], b"", b"XXXX" + data[4:]):
         with pytest.raises(SegmentError):
-            decode_segment(bad)
+            decode_segment(bad, "p")
 
 
 def test_segment_names_sort_by_time_and_parse() -> None:

@@ -86,7 +86,7 @@ from kvtier._errors import (
     TierError,
     TierUnavailableError,
 )
-from kvtier._format import FORMAT_VERSION, IntegrityKey
+from kvtier._format import FORMAT_VERSION, IntegrityKey, header_size
 from kvtier._keys import check_key
 from kvtier._logging import BurstLogger
 from kvtier._lookup import LookupResult, MissReason
@@ -267,10 +267,11 @@ class S3Tier(SecondaryTier):
         self._breaker_misses = 0
         self._skipped_existing = 0
         self._corrupt_deleted = 0
+        self._locations_rejected = 0
         self._deleting: set[str] = set()  # corrupt objects being deleted in the background
         self._request_path_requests = 0
         self._index = ExistenceIndex(
-            miss_ttl=cfg.miss_ttl, max_keys=cfg.index_max_keys, clock=clock
+            miss_ttl=cfg.miss_ttl, max_keys=cfg.index_max_keys, clock=clock, name=name
         )
         self._writer = writer_id()
         self._packs_sent = 0
@@ -294,6 +295,7 @@ class S3Tier(SecondaryTier):
             lookback=cfg.index_lookback,
             list_timeout=cfg.index_list_timeout,
             read_journal=cfg.lookup_mode == "index",  # ask mode only publishes, for the others
+            integrity_key=self.integrity_key,
         )
         self._task_group: anyio.abc.TaskGroup | None = None
 
@@ -473,6 +475,7 @@ class S3Tier(SecondaryTier):
         where = self._index.location(key)
         try:
             if where is not None:
+                self._check_location(key, where, view.nbytes)
                 result = await self._load_section(key, where, view)
             else:
                 result = await self._call(
@@ -511,6 +514,33 @@ class S3Tier(SecondaryTier):
             response["Body"].close()
         if problem is not None:
             self._discard_corrupt(key, head, problem)
+
+    def _check_location(self, key: bytes, where: Location, block_bytes: int) -> None:
+        """Refuse, before any GET, a location that is not exactly a header and a block of
+        ``block_bytes``: locations come from journal segments and pack tables, which anyone
+        who can write the bucket can forge, and one claiming 2**40 bytes would otherwise make
+        the load of one block download a whole object. A corrupt miss (the caller drops the
+        entry); the pack is not touched."""
+        expected = header_size(len(key), integrity_key=self.integrity_key) + block_bytes
+        if where.length == expected:
+            return
+        self._locations_rejected += 1
+        self._log.warning(
+            "location",
+            "%s: ignoring the index's location of %s: %d bytes at %s+%d, not a block's %d",
+            self.name,
+            key.hex(),
+            where.length,
+            where.pack,
+            where.offset,
+            expected,
+        )
+        raise CorruptBlockError(
+            f"the index locates this block in {where.length} bytes, not {expected}",
+            tier=self.name,
+            operation="load",
+            key=key,
+        )
 
     async def _load_section(self, key: bytes, where: Location, dst: memoryview) -> Fault | None:
         """Load a packed block: its section comes with those of the same pack that other
@@ -802,6 +832,12 @@ class S3Tier(SecondaryTier):
             blocks_packed=self._packer.packed_blocks,
             pack_gets=self._pack_reads.gets,
             pack_sections_read=self._pack_reads.sections,
+            index_evictions=self._index.evictions,
+            index_locations_rejected=self._locations_rejected,
+            index_refresh_failures=self._sync.refresh_failures,
+            journal_segments_rejected=self._sync.segments_rejected,
+            journal_entries_rejected=self._sync.entries_rejected,
+            journal_clock_skew=self._sync.clock_skew,
         )
 
     def __repr__(self) -> str:

@@ -64,6 +64,12 @@ class S3TierStatistics(TierStatistics):
     blocks_packed: int = 0  # blocks those PUTs carried
     pack_gets: int = 0  # ranged GETs of packs
     pack_sections_read: int = 0  # blocks those GETs served
+    index_evictions: int = 0  # keys evicted from a full index (index_max_keys), oldest first
+    index_locations_rejected: int = 0  # pack locations not a block's size: never fetched
+    index_refresh_failures: int = 0  # journal rounds that failed (retried at the next)
+    journal_segments_rejected: int = 0  # unparsable, unauthenticated or oversized segments
+    journal_entries_rejected: int = 0  # entries naming no pack of this prefix, or a bad key
+    journal_clock_skew: float = 0.0  # this node's wall clock minus the server's, seconds
 
 
 def _pack_blocks(value: object, lookup_mode: str) -> int:

@@ -11,22 +11,43 @@ the manager does not promote it again at every wake.
 The index also keeps the journal's bookkeeping: keys this node wrote that are not published
 yet, and which segments of other writers it has read (forgotten once older than the lookback).
 
-Memory: one Python ``bytes`` per key (about 70 bytes for a 32-byte key plus the set slot),
-and for a key in a pack its ``Location`` (about 80 bytes more; the pack's name is shared by
-its keys); ``max_keys`` bounds it, past which new keys are not indexed (they answer MISS,
-as before a refresh) and a warning is logged by the tier.
+Memory: one Python ``bytes`` per key (about 80 bytes for a 32-byte key), its dict slot and
+its place in the insertion order (about 50 bytes), and for a key in a pack its ``Location``
+(about 80 bytes more; the pack's name is shared by its keys). ``max_keys`` bounds it: a new
+key past the bound evicts the oldest one, a warning is logged once per burst and
+``evictions`` counts them. New keys, this node's own writes first, are always indexed: a full
+index that stopped learning would answer MISS for the blocks this node just wrote, and every
+repeated store would write another copy. An evicted key answers MISS, as before a refresh.
+Keys waiting to be published are bounded by ``max_keys`` too (more are counted in
+``unpublished_dropped``: other nodes then learn them at their next listing).
+
+The order is a deque of keys beside the dict (a plain dict cannot drop its oldest entry in
+constant time; an ``OrderedDict`` costs 60 bytes more per key). A key dropped from the index
+(a stale HIT, a corrupt object) stays in the deque until its turn comes, so the dict keeps,
+per key, how many places it holds in the deque and whether it is indexed now; only a key's
+last place evicts it.
 """
 
 from __future__ import annotations
 
+import collections
+import itertools
+import logging
 import time
 from collections.abc import Callable, Iterable
 
+from kvtier._logging import BurstLogger
 from kvtier._lookup import LookupResult, MissReason
 from kvtier.tiers._base import LookupStatistics
 from kvtier.tiers._s3_pack import Location
 
 __all__ = ["ExistenceIndex", "key_from_object"]
+
+logger = logging.getLogger(__name__)
+# A key's state in ``ExistenceIndex._keys``: its places in the order times _PLACE, plus
+# _INDEXED while it is indexed. A key with neither is not in the dict.
+_INDEXED = 1
+_PLACE = 2
 
 
 def key_from_object(name: str, prefix: str) -> bytes | None:
@@ -54,16 +75,23 @@ class ExistenceIndex:
         miss_ttl: float,
         max_keys: int,
         clock: Callable[[], float] = time.monotonic,
+        name: str = "s3",
     ) -> None:
         self._miss_ttl = miss_ttl
         self._max_keys = max_keys
         self._clock = clock
-        self._keys: set[bytes] = set()
+        self._name = name
+        self._log = BurstLogger(logger)
+        self._keys: dict[bytes, int] = {}  # key -> its state (see _INDEXED, _PLACE)
+        self._order: collections.deque[bytes] = collections.deque()  # the oldest first
+        self._count = 0  # indexed keys
         self._where: dict[bytes, Location] = {}  # keys held in a pack, not a block object
         self._suppressed: dict[bytes, tuple[float, MissReason]] = {}
         self._unpublished: dict[bytes, Location | None] = {}
         self._seen: dict[str, int] = {}  # segment name -> its wall ms
         self.full = False  # max_keys reached at least once
+        self.evictions = 0  # keys evicted to make room for newer ones
+        self.unpublished_dropped = 0  # written here, never published (backlog at max_keys)
         self.listed = 0  # keys found by the listing at open
         self.learnt = 0  # keys learnt from other writers' journals
         self._hits = 0
@@ -71,10 +99,10 @@ class ExistenceIndex:
         self._reasons: dict[str, int] = {}
 
     def __len__(self) -> int:
-        return len(self._keys)
+        return self._count
 
     def __contains__(self, key: object) -> bool:
-        return key in self._keys
+        return isinstance(key, bytes) and self._keys.get(key, 0) & _INDEXED != 0
 
     def location(self, key: bytes) -> Location | None:
         """The pack section holding ``key``; None for a key stored as its own object."""
@@ -83,7 +111,7 @@ class ExistenceIndex:
     # -- answers -------------------------------------------------------------------------------
 
     def lookup(self, key: bytes) -> LookupResult:
-        if key in self._keys:
+        if self._keys.get(key, 0) & _INDEXED:
             if self._suppressed:
                 held = self._suppressed.get(key)
                 if held is not None:
@@ -105,18 +133,64 @@ class ExistenceIndex:
         """Index ``key`` (in the pack section ``where``, or as its own object); True if it
         was not known (and there was room). A key known in a pack keeps its location when
         its own object is found too: reading it with its pack's neighbours costs less."""
-        if key in self._keys:
+        if self._keys.get(key, 0) & _INDEXED:
             self._suppressed.pop(key, None)
             if where is not None:
                 self._where[key] = where
             return False
-        if len(self._keys) >= self._max_keys:
-            self.full = True
-            return False
-        self._keys.add(key)
+        if self._count >= self._max_keys:
+            self._evict_oldest()
+        elif len(self._order) > 2 * self._max_keys:
+            self._tidy()
+        self._keys[key] = self._keys.get(key, 0) + _INDEXED + _PLACE
+        self._order.append(key)
+        self._count += 1
         if where is not None:
             self._where[key] = where
         return True
+
+    def _leave_order(self) -> tuple[bytes, int] | None:
+        """Take the oldest place from the order: the key and its state left; None if empty.
+        A key left with no place and not indexed is forgotten."""
+        if not self._order:
+            return None
+        key = self._order.popleft()
+        state = self._keys[key] - _PLACE
+        if state:
+            self._keys[key] = state
+        else:
+            del self._keys[key]
+        return key, state
+
+    def _evict_oldest(self) -> None:
+        """Make room for one key: drop the oldest indexed one, and say so once per burst."""
+        self.full = True
+        while (left := self._leave_order()) is not None:
+            key, state = left
+            if state == _INDEXED:  # its last place: evict it
+                del self._keys[key]
+                self._where.pop(key, None)
+                self._suppressed.pop(key, None)
+                self._count -= 1
+                self.evictions += 1
+                break
+        self._log.warning(
+            "evict",
+            "%s: existence index full (index_max_keys=%d): evicting the oldest keys, which "
+            "answer MISS until written or listed again; raise index_max_keys if memory allows",
+            self._name,
+            self._max_keys,
+        )
+
+    def _tidy(self) -> None:
+        """Below the bound, the order only grows with keys dropped and indexed again: take
+        two places from its front (about one per new key keeps it within twice the bound);
+        a key's last place while it is indexed goes to the back (it keeps its place there)."""
+        for _ in range(2):
+            left = self._leave_order()
+            if left is not None and left[1] == _INDEXED:
+                self._keys[left[0]] += _PLACE
+                self._order.append(left[0])
 
     def add_many(self, entries: Iterable[tuple[bytes, Location | None]]) -> list[bytes]:
         return [key for key, where in entries if self.add(key, where)]
@@ -124,11 +198,17 @@ class ExistenceIndex:
     def wrote(self, key: bytes, where: Location | None = None) -> None:
         """This node stored ``key``: index it and queue it for the next journal segment."""
         self.add(key, where)
-        self._unpublished[key] = where
+        if len(self._unpublished) < self._max_keys or key in self._unpublished:
+            self._unpublished[key] = where
+        else:
+            self.unpublished_dropped += 1
 
     def discard(self, key: bytes) -> None:
         """The object is gone (a GET found nothing, it was corrupt, or deleted)."""
-        self._keys.discard(key)
+        state = self._keys.get(key, 0)
+        if state & _INDEXED:
+            self._keys[key] = state - _INDEXED  # its places in the order go when reached
+            self._count -= 1
         self._where.pop(key, None)
         self._suppressed.pop(key, None)
 
@@ -136,19 +216,26 @@ class ExistenceIndex:
         """A load failed for ``reason``: answer MISS for ``key`` for ``miss_ttl`` seconds."""
         if reason in (MissReason.NOT_FOUND, MissReason.CORRUPT):
             self.discard(key)
-        elif key in self._keys:
+        elif key in self:
             self._suppressed[key] = (self._clock() + self._miss_ttl, reason)
 
     # -- journal bookkeeping ---------------------------------------------------------------
 
-    def take_unpublished(self) -> list[tuple[bytes, Location | None]]:
-        entries = list(self._unpublished.items())
-        self._unpublished.clear()
+    def take_unpublished(self, limit: int | None = None) -> list[tuple[bytes, Location | None]]:
+        """The oldest ``limit`` (default: all) keys written here and not published yet."""
+        if limit is None or limit >= len(self._unpublished):
+            entries = list(self._unpublished.items())
+            self._unpublished.clear()
+            return entries
+        entries = list(itertools.islice(self._unpublished.items(), limit))
+        self._unpublished = dict(itertools.islice(self._unpublished.items(), limit, None))
         return entries
 
     def requeue(self, entries: list[tuple[bytes, Location | None]]) -> None:
-        """A segment could not be published: send its keys with the next one."""
-        for key, where in entries:
+        """A segment could not be published: its keys go first in the next one."""
+        rest = self._unpublished
+        self._unpublished = dict(entries)
+        for key, where in rest.items():
             self._unpublished.setdefault(key, where)
 
     def unseen(self, names: Iterable[str]) -> list[str]:
@@ -167,5 +254,5 @@ class ExistenceIndex:
             hits=self._hits,
             misses=self._misses,
             misses_by_reason=dict(self._reasons),
-            cached_verdicts=len(self._keys),
+            cached_verdicts=self._count,
         )

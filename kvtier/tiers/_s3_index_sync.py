@@ -9,11 +9,29 @@ Staleness bound: a block another node stores becomes a HIT here at most about
 ``2 x refresh`` seconds later (it waits up to ``refresh`` in the writer's buffer, then up to
 ``refresh`` for this node's next poll), plus the two requests' latency. Faults are logged once
 per burst and retried at the next refresh: the index only ever lags, it is never wrong in the
-direction that matters (a stale HIT costs one GET and corrects itself).
+direction that matters (a stale HIT costs one GET and corrects itself). The loop catches every
+``Exception`` (a botocore error kvtier does not translate, such as a failing credential
+provider, included) and counts it: it runs in a task group entered in the engine's task, which
+an escaping error would cancel.
+
+What the bucket holds is untrusted (``_s3_journal``): a segment is read with one GET bounded
+by ``max_segment_bytes`` (one the listing shows as larger is not read at all), and segments
+and entries that are ignored are counted (``segments_rejected``, ``entries_rejected``).
+
+Clock skew: segment names carry the writer's wall time and a poll lists only the last
+``lookback`` seconds, so a node whose clock is more than ``lookback`` behind the others is never
+read and one ahead reads nobody. Every journal response's ``Date`` header gives the server's
+time; a skew of more than half the lookback (and more than the header's one-second resolution)
+is logged once until it recovers, and ``clock_skew`` keeps the last measure.
+
+A writer deletes its own segments once they are older than twice the lookback, at every
+refresh; one whose DELETE failed stays first in line and is tried again at the next refresh.
 """
 
 from __future__ import annotations
 
+import collections
+import email.utils
 import functools
 import logging
 import time
@@ -23,14 +41,17 @@ from typing import Any, Protocol, TypeVar
 import anyio
 
 from kvtier._errors import TierError
+from kvtier._format import IntegrityKey
 from kvtier._logging import BurstLogger
 from kvtier.tiers._s3_errors import Fault
 from kvtier.tiers._s3_index import ExistenceIndex, key_from_object
 from kvtier.tiers._s3_journal import (
+    MAX_SEGMENT_ENTRIES,
     SegmentError,
     decode_segment,
     encode_segment,
     journal_prefix,
+    max_segment_bytes,
     segment_name,
     segment_time_ms,
     segment_writer,
@@ -52,6 +73,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 _PROGRESS_EVERY = 5.0  # seconds between progress lines of a long listing
 _TABLE_READS = 16  # pack tables read at once at open
+_DATE_RESOLUTION = 1.0  # seconds: an HTTP Date header has whole seconds
 
 
 class Call(Protocol):
@@ -101,6 +123,7 @@ class IndexSync:
         lookback: float,
         list_timeout: float,
         read_journal: bool = True,
+        integrity_key: IntegrityKey | None = None,
         wall: Callable[[], float] = time.time,
     ) -> None:
         self._index = index
@@ -113,15 +136,25 @@ class IndexSync:
         self._notify = notify
         self.refresh = refresh
         self._lookback_ms = int(lookback * 1000)
+        self._skew_limit = max(lookback / 2, 2 * _DATE_RESOLUTION)
         self._list_timeout = list_timeout
         self._wall = wall
         self._read_journal = read_journal
+        self._integrity_key = integrity_key
+        self._journal = journal_prefix(prefix)
+        self._max_segment = max_segment_bytes(prefix)
         self._seq = 0
-        self._own: list[tuple[int, str]] = []  # (wall ms, name) of segments published here
+        # (wall ms, name) of segments published here and not deleted yet, the oldest first
+        self._own: collections.deque[tuple[int, str]] = collections.deque()
         self._log = BurstLogger(logger)
+        self._skew_warned = False
         self.refreshes = 0
+        self.refresh_failures = 0  # rounds that failed (logged once per burst)
         self.segments_published = 0
         self.segments_read = 0
+        self.segments_rejected = 0  # segments ignored: unparsable, unauthenticated, too large
+        self.entries_rejected = 0  # entries ignored: naming no pack of this prefix, bad key
+        self.clock_skew = 0.0  # this node's wall clock minus the server's, seconds
         self.listing_complete = False
 
     # -- the listing at open -------------------------------------------------------------------
@@ -262,30 +295,36 @@ class IndexSync:
             await self.refresh_once()
 
     async def refresh_once(self, *, poll: bool = True) -> None:
-        """One round: publish this node's new keys, read the others' (unless ``poll`` is
-        False or this tier does not read the journal). Never raises a tier fault (logged once
-        per burst; the next round tries again)."""
+        """One round: publish this node's new keys, delete its old segments, read the
+        others' (unless ``poll`` is False or this tier does not read the journal). Never
+        raises an ``Exception``: a failed round is logged once per burst and counted, and
+        the next round tries again."""
         try:
             await self.publish()
+            await self._delete_old_own()
             if poll and self._read_journal:
                 await self.poll()
-        except TierError as exc:
+        except Exception as exc:
+            self.refresh_failures += 1
+            reason = exc.reason if isinstance(exc, TierError) else type(exc).__name__
             self._log.warning(
-                "refresh", "%s: index refresh failed (%s); retrying", self.name, exc.reason
+                "refresh", "%s: index refresh failed (%s); retrying", self.name, reason
             )
         self.refreshes += 1
 
     async def publish(self) -> None:
-        entries = self._index.take_unpublished()
+        """Put this node's oldest unpublished keys (at most ``MAX_SEGMENT_ENTRIES``: a PUT
+        that keeps failing re-sends a bounded segment; the rest go in the next ones)."""
+        entries = self._index.take_unpublished(MAX_SEGMENT_ENTRIES)
         if not entries:
             return
         client = self._client()
         now_ms = int(self._wall() * 1000)
         self._seq += 1
         name = segment_name(self._prefix, now_ms, self._writer, self._seq)
-        body = encode_segment(entries)
+        body = encode_segment(entries, self._prefix, integrity_key=self._integrity_key)
         try:
-            await self._call(
+            response = await self._call(
                 "journal",
                 None,
                 lambda: client.put_object(Bucket=self._bucket, Key=name, Body=body),
@@ -295,17 +334,48 @@ class IndexSync:
             raise
         self.segments_published += 1
         self._own.append((now_ms, name))
-        await self._delete_old_own(now_ms - 2 * self._lookback_ms)
+        self._check_skew(response)
 
-    async def _delete_old_own(self, before_ms: int) -> None:
+    async def _delete_old_own(self) -> None:
+        """Delete the segments published here that no reader lists any more (older than
+        twice the lookback). A segment leaves the list only once its DELETE succeeded, so
+        one that failed is tried again at the next refresh."""
+        if not self._own:
+            return
+        before_ms = int(self._wall() * 1000) - 2 * self._lookback_ms
         client = self._client()
         while self._own and self._own[0][0] < before_ms:
-            _, name = self._own.pop(0)
+            _, name = self._own[0]
             await self._call(
                 "journal",
                 None,
                 functools.partial(client.delete_object, Bucket=self._bucket, Key=name),
                 expected=frozenset({Fault.NOT_FOUND}),
+            )
+            self._own.popleft()
+
+    def _check_skew(self, response: object) -> None:
+        """Compare this node's wall clock with the ``Date`` of a journal response; warn once
+        while the skew is large enough to hide this node's segments (or theirs from it)."""
+        try:
+            date = response["ResponseMetadata"]["HTTPHeaders"]["date"]  # type: ignore[index]
+            server = email.utils.parsedate_to_datetime(date).timestamp()
+        except (KeyError, TypeError, ValueError, IndexError):
+            return  # no usable Date header: nothing to compare
+        self.clock_skew = skew = self._wall() - server
+        if abs(skew) <= self._skew_limit:
+            self._skew_warned = False
+            return
+        if not self._skew_warned:
+            self._skew_warned = True
+            logger.warning(
+                "%s: this node's clock is %.1f s %s the object store's; with index_lookback="
+                "%.0f s, other nodes may %s through the journal: synchronise the clock (NTP)",
+                self.name,
+                abs(skew),
+                "behind" if skew < 0 else "ahead of",
+                self._lookback_ms / 1000,
+                "never see this node's writes" if skew < 0 else "stay unseen by this node",
             )
 
     async def poll(self) -> list[bytes]:
@@ -315,27 +385,41 @@ class IndexSync:
         oldest = now_ms - self._lookback_ms
         kwargs: dict[str, Any] = {
             "Bucket": self._bucket,
-            "Prefix": journal_prefix(self._prefix),
+            "Prefix": self._journal,
             "StartAfter": start_after(self._prefix, oldest),
         }
-        names: list[str] = []
+        sizes: dict[str, object] = {}
+        first = True
         while True:
             page = await self._call(
                 "journal", None, functools.partial(client.list_objects_v2, **kwargs)
             )
             assert not isinstance(page, Fault)
-            names.extend(item["Key"] for item in page.get("Contents", ()))
+            if first:
+                self._check_skew(page)
+                first = False
+            for item in page.get("Contents", ()):
+                sizes[item["Key"]] = item.get("Size")
             token = page.get("NextContinuationToken")
             if not page.get("IsTruncated") or not token:
                 break
             kwargs["ContinuationToken"] = token
         learnt: list[bytes] = []
-        for name in self._index.unseen(names):
+        for name in self._index.unseen(sizes):
             stamp = segment_time_ms(name)
-            if stamp is None or segment_writer(name) == self._writer:
+            if (
+                stamp is None  # not a segment's name
+                or not name.startswith(self._journal)
+                or "/" in name[len(self._journal) :]
+                or segment_writer(name) == self._writer  # our own
+            ):
                 self._index.seen(name, stamp or now_ms)
                 continue
-            learnt.extend(await self._read_segment(client, name))
+            size = sizes[name]
+            if not isinstance(size, int) or not 0 <= size <= self._max_segment:
+                self._reject_segment(name, f"{size} bytes")
+            else:
+                learnt.extend(await self._read_segment(client, name))
             self._index.seen(name, stamp)
         self._index.forget_seen_before(oldest)
         if learnt:
@@ -344,21 +428,45 @@ class IndexSync:
         return learnt
 
     async def _read_segment(self, client: Any, name: str) -> list[bytes]:
+        """The keys a segment teaches this index: one GET of at most ``max_segment_bytes``
+        (the object may have grown since the listing); a segment that does not parse or
+        verify teaches nothing and is counted."""
+
         async def get() -> bytes:
-            response = await client.get_object(Bucket=self._bucket, Key=name)
+            response = await client.get_object(
+                Bucket=self._bucket, Key=name, Range=f"bytes=0-{self._max_segment - 1}"
+            )
             async with response["Body"] as body:
                 data: bytes = await body.read()
             return data
 
-        data = await self._call("journal", None, get, expected=frozenset({Fault.NOT_FOUND}))
+        expected = frozenset({Fault.NOT_FOUND, Fault.REJECTED})
+        data = await self._call("journal", None, get, expected=expected)
         if isinstance(data, Fault):
-            return []  # deleted by its writer meanwhile: older than the lookback anyway
+            # Deleted by its writer meanwhile (older than the lookback anyway), or empty (a
+            # range past the end).
+            if data is Fault.REJECTED:
+                self._reject_segment(name, "empty")
+            return []
         self.segments_read += 1
         try:
-            entries = decode_segment(data)
-        except SegmentError as exc:
-            self._log.warning(
-                "segment", "%s: ignoring journal segment %s: %s", self.name, name, exc
+            entries, rejected = decode_segment(
+                data, self._prefix, integrity_key=self._integrity_key
             )
+        except SegmentError as exc:
+            self._reject_segment(name, str(exc))
             return []
+        if rejected:
+            self.entries_rejected += rejected
+            self._log.warning(
+                "journal-entry",
+                "%s: ignoring %d entries of journal segment %s that name no pack of this prefix",
+                self.name,
+                rejected,
+                name,
+            )
         return self._index.add_many(entries)
+
+    def _reject_segment(self, name: str, why: str) -> None:
+        self.segments_rejected += 1
+        self._log.warning("segment", "%s: ignoring journal segment %s: %s", self.name, name, why)

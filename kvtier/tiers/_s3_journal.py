@@ -10,8 +10,20 @@ time ``lookback`` seconds ago) and fetches those it has not read yet. A segment 
 ``MAGIC, u32 count, count x (u16 length, key), xxh3-64 of all before``; when any key was
 stored in a pack (``_s3_pack``), the magic is ``KVJ2`` and each key is followed by its pack's
 name (``u16 length, name``; empty for a key stored as its own object) and the section's
-``u64 offset, u64 length``. A segment that does not parse is ignored (logged by the caller),
-never trusted.
+``u64 offset, u64 length``. A tier with an integrity key writes ``KVJ3``: the ``KVJ2`` layout
+with a keyed BLAKE2b MAC (``IntegrityKey.mac`` over the segment and the journal folder's name,
+so a segment copied from another prefix does not verify) in place of the xxh3 digest.
+
+A segment is untrusted input, read from a bucket others can write:
+
+- its size is bounded (``max_segment_bytes``; a writer puts at most ``MAX_SEGMENT_ENTRIES``
+  keys in one), so reading one never costs more than that;
+- a segment that does not parse, or whose MAC does not verify under a signing tier (an
+  unsigned segment included), is ignored whole (``SegmentError``; the caller counts it);
+- an entry may only name a pack of this prefix, by the exact shape of a pack's name
+  (``is_pack_name``), and a key of 1 to 255 bytes; any other entry (another prefix's object,
+  the integrity marker, a name with ``..``) is ignored and counted, so nothing a reader
+  fetches or deletes because of the journal lies outside this prefix's blocks and packs.
 
 Cost per refresh, per reader: one LIST request (one page while fewer than 1000 segments fall
 within ``lookback``) plus one small GET per segment another node published since the last
@@ -24,20 +36,24 @@ becoming listable (its PUT) plus the clock skew between nodes; segments older th
 
 from __future__ import annotations
 
+import hmac
 import os
 import re
 import struct
 
 import xxhash
 
-from kvtier.tiers._s3_pack import Location
+from kvtier._format import MAC_BYTES, MAX_KEY_BYTES, IntegrityKey
+from kvtier.tiers._s3_pack import Location, is_pack_name, pack_name, table_length
 
 __all__ = [
     "JOURNAL_DIR",
+    "MAX_SEGMENT_ENTRIES",
     "SegmentError",
     "decode_segment",
     "encode_segment",
     "journal_prefix",
+    "max_segment_bytes",
     "segment_name",
     "segment_time_ms",
     "segment_writer",
@@ -48,12 +64,20 @@ __all__ = [
 JOURNAL_DIR = "_kvtier_journal"
 MAGIC = b"KVJ1"
 MAGIC_PACKS = b"KVJ2"  # each key also names its pack section (or none: its own object)
+MAGIC_SIGNED = b"KVJ3"  # the KVJ2 layout, authenticated with the integrity key
+# A writer puts at most this many keys in one segment (the rest wait for the next one), so a
+# segment a reader accepts is bounded, and a PUT that keeps failing re-sends a bounded one.
+MAX_SEGMENT_ENTRIES = 16384
+_COUNT = struct.Struct("<I")
 _WHERE = struct.Struct("<QQ")
-_NAME_RE = re.compile(r"(\d{15})-([0-9a-f]{16})-(\d+)$")
+_SUM = struct.Struct("<Q")
+_NAME_RE = re.compile(r"(\d{15})-([0-9a-f]{16})-(\d{1,20})")
+_MIN_SECTION_OFFSET = table_length(1, 1)  # no section starts before a table of one key
+_MAX_SECTION_END = 1 << 62
 
 
 class SegmentError(ValueError):
-    """A journal segment that does not parse."""
+    """A journal segment that does not parse or does not verify (ignored whole)."""
 
 
 def writer_id() -> str:
@@ -74,22 +98,47 @@ def start_after(prefix: str, wall_ms: int) -> str:
     return f"{journal_prefix(prefix)}{max(wall_ms, 0):015d}"
 
 
+def _parse_name(name: str) -> re.Match[str] | None:
+    return _NAME_RE.fullmatch(name.rpartition("/")[2])
+
+
 def segment_time_ms(name: str) -> int | None:
     """The wall time in a segment name, or None for a name that is not a segment."""
-    match = _NAME_RE.search(name)
+    match = _parse_name(name)
     return int(match.group(1)) if match else None
 
 
 def segment_writer(name: str) -> str | None:
-    match = _NAME_RE.search(name)
+    match = _parse_name(name)
     return match.group(2) if match else None
 
 
-def encode_segment(entries: list[tuple[bytes, Location | None]]) -> bytes:
-    """A segment of ``(key, location)`` entries; version 1 (keys only) when no key is in a
-    pack, so a writer that packs nothing stays readable by kvtier before packs."""
-    packed = any(where is not None for _, where in entries)
-    parts = [MAGIC_PACKS if packed else MAGIC, struct.pack("<I", len(entries))]
+def max_segment_bytes(prefix: str) -> int:
+    """The most bytes a valid segment of ``prefix`` can hold: a reader reads no more."""
+    longest_name = len(pack_name(prefix, b"\xff" * MAX_KEY_BYTES, "f" * 16, 10**20 - 1).encode())
+    entry = 2 + MAX_KEY_BYTES + 2 + longest_name + _WHERE.size
+    return len(MAGIC) + _COUNT.size + MAX_SEGMENT_ENTRIES * entry + MAC_BYTES
+
+
+def _mac(body: bytes, prefix: str, integrity_key: IntegrityKey) -> bytes:
+    return integrity_key.mac(body, journal_prefix(prefix).encode())
+
+
+def encode_segment(
+    entries: list[tuple[bytes, Location | None]],
+    prefix: str,
+    *,
+    integrity_key: IntegrityKey | None = None,
+) -> bytes:
+    """A segment of ``(key, location)`` entries (at most ``MAX_SEGMENT_ENTRIES``); version 1
+    (keys only) when no key is in a pack and nothing is signed, so a writer that packs
+    nothing stays readable by kvtier before packs; signed (``KVJ3``) with ``integrity_key``."""
+    if len(entries) > MAX_SEGMENT_ENTRIES:
+        raise ValueError(f"a segment holds at most {MAX_SEGMENT_ENTRIES} entries")
+    signed = integrity_key is not None
+    packed = signed or any(where is not None for _, where in entries)
+    magic = MAGIC_SIGNED if signed else MAGIC_PACKS if packed else MAGIC
+    parts = [magic, _COUNT.pack(len(entries))]
     for key, where in entries:
         parts.append(struct.pack("<H", len(key)))
         parts.append(key)
@@ -98,39 +147,91 @@ def encode_segment(entries: list[tuple[bytes, Location | None]]) -> bytes:
             offset, length = (where.offset, where.length) if where is not None else (0, 0)
             parts.append(struct.pack("<H", len(name)) + name + _WHERE.pack(offset, length))
     body = b"".join(parts)
-    return body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
+    if integrity_key is not None:
+        return body + _mac(body, prefix, integrity_key)
+    return body + _SUM.pack(xxhash.xxh3_64_intdigest(body))
 
 
-def decode_segment(data: bytes) -> list[tuple[bytes, Location | None]]:
-    if len(data) < 16 or data[:4] not in (MAGIC, MAGIC_PACKS):
+def _authentic_body(data: bytes, prefix: str, integrity_key: IntegrityKey | None) -> bytes:
+    """The segment without its digest or MAC, once that verifies; else SegmentError."""
+    magic = data[:4]
+    if magic not in (MAGIC, MAGIC_PACKS, MAGIC_SIGNED):
         raise SegmentError("not a kvtier journal segment")
-    packed = data[:4] == MAGIC_PACKS
-    body, (digest,) = data[:-8], struct.unpack("<Q", data[-8:])
-    if xxhash.xxh3_64_intdigest(body) != digest:
-        raise SegmentError("journal segment checksum mismatch")
-    (count,) = struct.unpack_from("<I", body, 4)
+    if integrity_key is None:
+        if magic == MAGIC_SIGNED:
+            raise SegmentError("signed journal segment, and this tier has no integrity key")
+        if len(data) < len(MAGIC) + _COUNT.size + _SUM.size:
+            raise SegmentError("journal segment truncated")
+        body, (digest,) = data[: -_SUM.size], _SUM.unpack(data[-_SUM.size :])
+        if xxhash.xxh3_64_intdigest(body) != digest:
+            raise SegmentError("journal segment checksum mismatch")
+        return body
+    if magic != MAGIC_SIGNED:
+        raise SegmentError("unsigned journal segment under a signing tier")
+    if len(data) < len(MAGIC) + _COUNT.size + MAC_BYTES:
+        raise SegmentError("journal segment truncated")
+    body, mac = data[:-MAC_BYTES], data[-MAC_BYTES:]
+    if not hmac.compare_digest(_mac(body, prefix, integrity_key), mac):
+        raise SegmentError("journal segment MAC does not verify under this tier's key")
+    return body
+
+
+def decode_segment(
+    data: bytes, prefix: str, *, integrity_key: IntegrityKey | None = None
+) -> tuple[list[tuple[bytes, Location | None]], int]:
+    """The entries of a segment of ``prefix`` that a reader may use, and how many it ignored
+    (see the module docstring). A segment that does not parse or verify raises
+    ``SegmentError``; nothing else is raised, whatever ``data`` holds."""
+    if len(data) > max_segment_bytes(prefix):
+        raise SegmentError(f"journal segment of {len(data)} bytes, more than any writer puts")
+    body = _authentic_body(bytes(data), prefix, integrity_key)
+    packed = body[:4] != MAGIC
+    (count,) = _COUNT.unpack_from(body, 4)
+    if count > MAX_SEGMENT_ENTRIES:
+        raise SegmentError(f"journal segment claims {count} entries")
     entries: list[tuple[bytes, Location | None]] = []
+    rejected = 0
     offset = 8
 
     def take(n: int) -> bytes:
         nonlocal offset
         if offset + n > len(body):
             raise SegmentError("journal segment truncated")
-        out = bytes(body[offset : offset + n])
+        out = body[offset : offset + n]
         offset += n
         return out
 
     for _ in range(count):
         (length,) = struct.unpack("<H", take(2))
         key = take(length)
+        usable = 1 <= length <= MAX_KEY_BYTES
         where: Location | None = None
         if packed:
             (name_length,) = struct.unpack("<H", take(2))
-            name = take(name_length).decode("utf-8", "replace")
+            raw_name = take(name_length)
             section_offset, section_length = _WHERE.unpack(take(_WHERE.size))
-            if name:
-                where = Location(name, section_offset, section_length)
-        entries.append((key, where))
+            if raw_name:
+                where = _location(raw_name, section_offset, section_length, prefix)
+                usable = usable and where is not None
+        if usable:
+            entries.append((key, where))
+        else:
+            rejected += 1
     if offset != len(body):
         raise SegmentError("journal segment has trailing bytes")
-    return entries
+    return entries, rejected
+
+
+def _location(raw_name: bytes, offset: int, length: int, prefix: str) -> Location | None:
+    """The location an entry names if a reader may use it (a pack of this prefix, and a
+    section that could exist: its exact length is checked before a load reads it), else
+    None."""
+    try:
+        name = raw_name.decode("ascii")
+    except UnicodeDecodeError:
+        return None
+    if not is_pack_name(name, prefix):
+        return None
+    if offset < _MIN_SECTION_OFFSET or length <= 0 or offset + length > _MAX_SECTION_END:
+        return None
+    return Location(name, offset, length)

@@ -24,13 +24,18 @@ plain block object (``<prefix>/<2 hex>/<hex key>``), which older kvtier versions
 from __future__ import annotations
 
 import base64
+import re
 import struct
 import zlib
 from dataclasses import dataclass
 
 import xxhash
 
+from kvtier._format import MAX_KEY_BYTES
+from kvtier.tiers._s3_config import MAX_PACK_BLOCKS
+
 __all__ = [
+    "MAX_TABLE_BYTES",
     "PACK_DIR",
     "TABLE_PROBE_BYTES",
     "Location",
@@ -52,6 +57,8 @@ _SUM = struct.Struct("<Q")
 # The first GET of a listed pack asks for this many bytes: a table of 16 entries with
 # 16-byte keys is 12 + 16 x 34 + 8 = 564 bytes; longer tables cost a second GET.
 TABLE_PROBE_BYTES = 4096
+# What follows the pack folder in a pack's name: shard, first key, writer id, sequence.
+_NAME_TAIL = re.compile(r"([0-9a-f]{2})/((?:[0-9a-f]{2}){1,255})-[0-9a-f]{16}-[0-9]{1,20}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,12 +84,27 @@ def pack_name(prefix: str, first_key: bytes, writer: str, seq: int) -> str:
 
 
 def is_pack_name(name: str, prefix: str) -> bool:
-    return name.startswith(_pack_dir(prefix))
+    """Whether ``name`` is exactly the name of a pack of ``prefix`` (``pack_name``'s shape).
+
+    A name read from the bucket (a journal entry) is untrusted: anything else (another
+    prefix's object, the integrity marker, a name with ``..`` that an HTTP client or server
+    may resolve elsewhere) is not one of this prefix's packs, so it is never read or deleted
+    as one."""
+    folder = _pack_dir(prefix)
+    if not name.startswith(folder):
+        return False
+    match = _NAME_TAIL.fullmatch(name, len(folder))
+    return match is not None and match.group(2).endswith(match.group(1))
 
 
 def table_length(count: int, key_bytes: int) -> int:
     """Bytes of the table of ``count`` keys of ``key_bytes`` bytes each."""
     return _HEAD.size + count * (2 + key_bytes + _ENTRY.size) + _SUM.size
+
+
+# No kvtier writes a longer table: a pack that claims one is not read (its table would be
+# a GET of up to 4 GiB).
+MAX_TABLE_BYTES = table_length(MAX_PACK_BLOCKS, MAX_KEY_BYTES)
 
 
 def encode_table(keys: list[bytes], lengths: list[int]) -> bytes:
@@ -101,9 +123,11 @@ def table_size(head: bytes) -> int:
     """The table's length, from the first 12 bytes of a pack."""
     if len(head) < _HEAD.size:
         raise PackTableError("pack shorter than its table header")
-    magic, _count, size = _HEAD.unpack_from(head)
+    magic, count, size = _HEAD.unpack_from(head)
     if magic != MAGIC:
         raise PackTableError("not a kvtier pack")
+    if not (1 <= count <= MAX_PACK_BLOCKS and _HEAD.size + _SUM.size <= size <= MAX_TABLE_BYTES):
+        raise PackTableError(f"pack table claims {count} sections in {size} bytes")
     return int(size)
 
 
@@ -111,7 +135,7 @@ def decode_table(data: bytes, name: str) -> list[tuple[bytes, Location]]:
     """Each key of the pack ``name`` with its location; ``data`` starts at the pack's first
     byte and holds at least the whole table."""
     size = table_size(data)
-    if len(data) < size or size < _HEAD.size + _SUM.size:
+    if len(data) < size:
         raise PackTableError("pack table truncated")
     body, (digest,) = data[: size - _SUM.size], _SUM.unpack_from(data, size - _SUM.size)
     if xxhash.xxh3_64_intdigest(body) != digest:
@@ -125,6 +149,8 @@ def decode_table(data: bytes, name: str) -> list[tuple[bytes, Location]]:
             raise PackTableError("pack table truncated")
         (klen,) = struct.unpack_from("<H", body, at)
         at += 2
+        if not 1 <= klen <= MAX_KEY_BYTES:
+            raise PackTableError(f"pack table names a key of {klen} bytes")
         if at + klen + _ENTRY.size > len(body):
             raise PackTableError("pack table truncated")
         key = bytes(body[at : at + klen])

@@ -11,7 +11,11 @@ tick join the queue.
 ``PackReads`` coalesces loads: the loads of several blocks of one pack that start in the same
 tick (the manager starts a request's promotions in one scan) share one ranged GET of the
 span they need. The first load leads the fetch; if it is cancelled, one of the others takes
-over, so a cancelled promotion never fails its neighbours.
+over, so a cancelled promotion never fails its neighbours. Locations come from the journal and
+from pack tables, which are untrusted: a load joins a fetch only with a section of the same
+length (the tier checks that length is a header and a block before any read) and only while
+the span stays within the bytes of the sections it serves, so a GET never reads more than a
+block's section per block it serves, however far apart the offsets claim the sections are.
 """
 
 from __future__ import annotations
@@ -142,14 +146,21 @@ class _Fetch:
 
     lo: int
     hi: int
+    length: int  # every section it serves has this length
+    sections: int = 1
     data: bytes | None = None
     error: TierError | None = None
     abandoned: bool = False  # its leader was cancelled: the others start another
     done: anyio.Event = field(default_factory=anyio.Event)
 
-    def want(self, where: Location) -> None:
-        self.lo = min(self.lo, where.offset)
-        self.hi = max(self.hi, where.offset + where.length)
+    def want(self, where: Location) -> bool:
+        """Join ``where`` to this fetch if the span stays within the sections it serves."""
+        lo, hi = min(self.lo, where.offset), max(self.hi, where.offset + where.length)
+        if where.length != self.length or hi - lo > (self.sections + 1) * self.length:
+            return False
+        self.lo, self.hi = lo, hi
+        self.sections += 1
+        return True
 
     def section(self, where: Location) -> memoryview | None:
         """The bytes of ``where`` (short if the pack was shorter), or None: no such pack."""
@@ -174,11 +185,12 @@ class PackReads:
     async def read(self, where: Location) -> memoryview | None:
         while True:
             fetch = self._open.get(where.pack)
-            if fetch is None:
-                fetch = _Fetch(where.offset, where.offset + where.length)
+            if fetch is None or not fetch.want(where):
+                # The first load of this pack now, or one too far from the others: its own
+                # GET (later loads join the newest fetch).
+                fetch = _Fetch(where.offset, where.offset + where.length, where.length)
                 self._open[where.pack] = fetch
                 return await self._lead(where, fetch)
-            fetch.want(where)
             await fetch.done.wait()
             if not fetch.abandoned:
                 self.sections += 1
