@@ -54,8 +54,8 @@ What makes it trustworthy:
   other a ``MISS`` (``not_found``) (see ``_fs_index``). The default, ``shared=True``, checks
   the folder in batches, because another process may have written it.
 - **A block being written is not a miss.** In either mode a key this tier is storing and
-  does not hold yet answers ``RETRY``, and its listeners hear the key when the store ends
-  (landed or failed). A deferred write to a slower tier that copies the block from here
+  does not hold yet answers ``RETRY``, and having answered so, its listeners hear the key
+  when the store ends (landed or failed). A deferred write to a slower tier that copies the block from here
   then waits for it instead of giving the block up (``settled_lookup``).
 - **Signed blocks.** With ``integrity_key`` every block carries a keyed BLAKE2b MAC and only
   blocks that verify are served (anything else is a ``corrupt`` miss): someone who can write
@@ -218,8 +218,10 @@ class FSTier(SecondaryTier):
         self._used = 0  # bytes of the files in the index
         self._reserved = 0  # bytes of stores in flight, counted against the capacity
         # Keys being stored (set when their write ends): a second store of one waits for the
-        # first, and ``lookup`` answers RETRY for one the index does not hold yet.
+        # first, and ``lookup`` answers RETRY for one the index does not hold yet; those it
+        # answered so are in ``_retried``, and listeners hear them when their write ends.
         self._storing: dict[bytes, anyio.Event] = {}
+        self._retried: set[bytes] = set()
         self._writing_retries = 0  # lookups answered RETRY because of that
         # A check (or load) that finds no file must not drop a name stored while it ran: the
         # names added since each watcher started are kept, by epoch, while any watcher runs.
@@ -276,8 +278,9 @@ class FSTier(SecondaryTier):
 
     def lookup(self, key: bytes) -> LookupResult:
         if key in self._storing and not self._holds(key):
-            # Its file is not there yet: not a miss. ``store`` notifies when it ends.
+            # Its file is not there yet: not a miss. ``_stored`` notifies when it ends.
             self._writing_retries += 1
+            self._retried.add(key)
             return LookupResult.RETRY
         return self._lookups.lookup(key)
 
@@ -364,7 +367,7 @@ class FSTier(SecondaryTier):
         finally:
             del self._storing[key]
             done.set()
-            self.notify([key])  # its lookup answers HIT or MISS now, no longer RETRY
+            self._stored([key])
 
     async def _store(self, key: bytes, name: str, payload: memoryview) -> None:
         started = time.perf_counter()
@@ -517,6 +520,16 @@ class FSTier(SecondaryTier):
         self._meter.deletes += removed
 
     # -- bookkeeping ---------------------------------------------------------------------------
+
+    def _stored(self, keys: list[bytes]) -> None:
+        """The stores of ``keys`` ended (``_storing`` no longer holds them): tell whoever
+        was answered RETRY for one that it answers HIT or MISS now."""
+        retried = self._retried
+        if retried:
+            told = [k for k in keys if k in retried]
+            if told:
+                retried.difference_update(told)
+                self.notify(told)
 
     def _add(self, name: str, size: int) -> None:
         self._drop(name)

@@ -163,7 +163,7 @@ async def store_many(
     finally:
         for i in mine:
             tier._storing.pop(keys[i]).set()
-        tier.notify([keys[i] for i in mine])  # their lookups answer HIT or MISS now
+        tier._stored([keys[i] for i in mine])
     if later:
         calls = [functools.partial(tier.store, keys[i], payloads[i]) for i in later]
         for i, error in zip(
