@@ -55,8 +55,9 @@ What makes it trustworthy:
   the folder in batches, because another process may have written it.
 - **A block being written is not a miss.** In either mode a key this tier is storing and
   does not hold yet answers ``RETRY``, and having answered so, its listeners hear the key
-  when the store ends (landed or failed). A deferred write to a slower tier that copies the block from here
-  then waits for it instead of giving the block up (``settled_lookup``).
+  when the store ends (landed or failed). A deferred write to a slower tier that copies
+  the block from here then waits for it instead of giving the block up
+  (``settled_lookup``).
 - **Signed blocks.** With ``integrity_key`` every block carries a keyed BLAKE2b MAC and only
   blocks that verify are served (anything else is a ``corrupt`` miss): someone who can write
   to a shared folder can no longer publish a block for a key. The folder marker names the key's
