@@ -1,24 +1,53 @@
-"""The S3 tier's existence index, journal and pack formats, without a server (pure state
-machines)."""
+"""The S3 tier's existence index, journal and pack formats: the pure state machines first,
+then the index against a real SeaweedFS (what the bucket may hold, a full index, a refresh
+loop whose credentials fail, clock skew) and moto_server (a DELETE the server refuses)."""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import struct
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
 
+import anyio
 import pytest
+from moto_proc import MotoServer, create_bucket
+from moto_proc import raw_client as moto_client
+from s3_forge import forged_segment, forged_segment_name
+from weed_proc import (
+    ACCESS_KEY,
+    BUCKET,
+    REGION,
+    SECRET_KEY,
+    WeedServer,
+    raw_client,
+    serve_session,
+)
 
-from kvtier._errors import InvalidArgumentError
+from kvtier._errors import BlockNotFoundError, InvalidArgumentError
+from kvtier._format import IntegrityKey, header_size
+from kvtier._keys import block_keys
 from kvtier._lookup import LookupResult, MissReason
 from kvtier.tiers._s3 import S3Tier
+from kvtier.tiers._s3_breaker import CircuitBreaker
 from kvtier.tiers._s3_index import ExistenceIndex, key_from_object
+from kvtier.tiers._s3_index_sync import IndexSync
 from kvtier.tiers._s3_journal import (
+    MAX_SEGMENT_ENTRIES,
     SegmentError,
     decode_segment,
     encode_segment,
+    journal_prefix,
     segment_name,
     segment_time_ms,
     segment_writer,
     start_after,
+    writer_id,
 )
 from kvtier.tiers._s3_pack import (
     Location,
@@ -30,6 +59,10 @@ from kvtier.tiers._s3_pack import (
     table_length,
     table_size,
 )
+from kvtier.tiers._s3_requests import Requests
+
+BLOCK = 4096
+SECRET = "correct horse battery staple 0123456789"
 
 
 class Clock:
@@ -198,3 +231,403 @@ def test_pack_names_are_unique_per_writer_and_apart_from_blocks() -> None:
     assert first.startswith("p/_kvtier_packs/0f/" + key.hex())
     assert is_pack_name(first, "p") and not is_pack_name("p/01/" + key.hex(), "p")
     assert key_from_object(first, "p") is None  # never listed as a block object
+
+
+# -- a full index ------------------------------------------------------------------------
+
+
+def test_a_full_index_evicts_the_oldest_and_keeps_what_this_node_wrote(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="kvtier")
+    index = ExistenceIndex(miss_ttl=1.0, max_keys=4)
+    listed = [os.urandom(16) for _ in range(4)]
+    index.add_many([(key, None) for key in listed])
+    written = [os.urandom(16) for _ in range(3)]
+    for key in written:
+        index.wrote(key)
+        assert index.lookup(key) is LookupResult.HIT  # just written: a HIT at once
+    assert [index.lookup(k) for k in listed] == [LookupResult.MISS] * 3 + [LookupResult.HIT]
+    assert (len(index), index.evictions, index.full) == (4, 3, True)
+    assert [k for k, _ in index.take_unpublished()] == written
+    full = [r for r in caplog.records if "existence index full" in r.getMessage()]
+    assert len(full) == 1  # once per burst, not per key
+
+
+def test_a_key_dropped_and_indexed_again_is_evicted_by_its_new_place() -> None:
+    index = ExistenceIndex(miss_ttl=1.0, max_keys=3)
+    a, b, c, d, e, f = (os.urandom(16) for _ in range(6))
+    index.add_many([(a, None), (b, None), (c, None)])
+    index.discard(a)  # a stale HIT: its GET found nothing
+    index.add(a)  # written again: now the newest
+    index.add(d)
+    assert (a in index, b in index) == (True, False)
+    index.add(e)
+    assert (a in index, c in index) == (True, False)
+    index.add(f)
+    assert a not in index and all(k in index for k in (d, e, f))
+    assert (len(index), index.evictions) == (3, 3)
+
+
+def test_an_index_dropping_keys_below_its_bound_keeps_them_all() -> None:
+    index = ExistenceIndex(miss_ttl=1.0, max_keys=8)
+    kept = [os.urandom(16) for _ in range(4)]
+    index.add_many([(key, None) for key in kept])
+    for _ in range(200):  # keys found gone and written again, many times over the bound
+        churn = os.urandom(16)
+        index.add(churn)
+        index.discard(churn)
+    assert all(key in index for key in kept) and len(index) == 4 and index.evictions == 0
+
+
+# -- what the bucket may hold --------------------------------------------------------------
+
+
+def test_journal_entry_outside_packs_folder_is_ignored() -> None:
+    pack = pack_name("p", bytes(16), "0123456789abcdef", 1)
+    hexkey = os.urandom(16).hex()
+    elsewhere = [
+        "p/_kvtier_integrity.json",  # the prefix's marker
+        pack_name("q", bytes(16), "0123456789abcdef", 1),  # another prefix's pack
+        f"q/{hexkey[:2]}/{hexkey}",  # another prefix's block
+        f"p/{hexkey[:2]}/{hexkey}",  # a block object is not a pack
+        "p/_kvtier_packs/../_kvtier_integrity.json",
+        "p/_kvtier_packs/0f/../../../models/llama.safetensors",
+        pack + "/../../_kvtier_integrity.json",
+        "p/_kvtier_packs/00/" + "0" * 30 + "0f-0123456789abcdef-1",  # shard is not the key's
+        "models/llama.safetensors",
+        "p/_kvtier_packs/0f/\u00e9\u00e9-0123456789abcdef-1",
+    ]
+    section = header_size(16) + BLOCK
+    good = (os.urandom(16), pack, 400, section)
+    own = (os.urandom(16), "", 0, 0)  # a key stored as its own object
+    bad_entries = [(os.urandom(16), name, 400, section) for name in elsewhere]
+    bad_entries += [
+        (b"", pack, 400, section),  # no key
+        (os.urandom(256), pack, 400, section),  # a key longer than any
+        (os.urandom(16), pack, 0, section),  # a section inside the table
+        (os.urandom(16), pack, 400, 0),
+        (os.urandom(16), pack, 400, 2**64 - 1),
+    ]
+    decoded, rejected = decode_segment(forged_segment([good, *bad_entries, own]), "p")
+    assert decoded == [(good[0], Location(pack, 400, section)), (own[0], None)]
+    assert rejected == len(bad_entries)
+    assert not any(is_pack_name(name, "p") for name in elsewhere)
+
+
+def test_signed_segments_verify_only_under_their_key_and_prefix() -> None:
+    key = IntegrityKey(SECRET)
+    pack = pack_name("p", bytes(16), "0123456789abcdef", 1)
+    entries: list[tuple[bytes, Location | None]] = [
+        (os.urandom(16), None),
+        (os.urandom(16), Location(pack, 400, 4200)),
+    ]
+    signed = encode_segment(entries, "p", integrity_key=key)
+    assert signed[:4] == b"KVJ3"
+    assert decode_segment(signed, "p", integrity_key=key) == (entries, 0)
+    flipped = bytearray(signed)
+    flipped[12] ^= 1
+    other = IntegrityKey(SECRET[::-1])
+    attempts = {
+        "another key": lambda: decode_segment(signed, "p", integrity_key=other),
+        "another prefix": lambda: decode_segment(signed, "q", integrity_key=key),
+        "no key": lambda: decode_segment(signed, "p"),
+        "unsigned": lambda: decode_segment(encode_segment(entries, "p"), "p", integrity_key=key),
+        "damaged": lambda: decode_segment(bytes(flipped), "p", integrity_key=key),
+        "truncated": lambda: decode_segment(signed[:20], "p", integrity_key=key),
+    }
+    for what, attempt in attempts.items():
+        with pytest.raises(SegmentError):  # noqa: PT012 - the message names the case
+            attempt()
+            pytest.fail(what)
+
+
+def test_a_pack_table_claiming_more_than_any_writer_puts_is_refused() -> None:
+    for count, size in ((3, 2**32 - 1), (10**6, 200), (0, 20)):
+        with pytest.raises(PackTableError):
+            table_size(struct.pack("<4sII", b"KVP1", count, size))
+
+
+def test_a_publish_takes_a_bounded_batch_and_a_failed_one_goes_first_again() -> None:
+    index = ExistenceIndex(miss_ttl=1.0, max_keys=100)
+    keys = [os.urandom(16) for _ in range(10)]
+    for key in keys:
+        index.wrote(key)
+    first = index.take_unpublished(4)
+    assert [k for k, _ in first] == keys[:4]
+    index.requeue(first)  # its PUT failed
+    late = os.urandom(16)
+    index.wrote(late)
+    assert [k for k, _ in index.take_unpublished()] == [*keys, late]
+    with pytest.raises(ValueError, match="at most"):
+        encode_segment([(os.urandom(16), None)] * (MAX_SEGMENT_ENTRIES + 1), "p")
+
+
+# -- against a server --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def weed_server() -> Iterator[WeedServer]:
+    yield from serve_session()
+
+
+def _tier(server: WeedServer, prefix: str, **overrides: Any) -> S3Tier:
+    kwargs: dict[str, Any] = {
+        "prefix": prefix,
+        "endpoint_url": server.endpoint_url,
+        "region_name": REGION,
+        "aws_access_key_id": ACCESS_KEY,
+        "aws_secret_access_key": SECRET_KEY,
+        "index_refresh": 100.0,  # refreshed by the tests, not by the loop
+        "index_lookback": 1000.0,
+    }
+    kwargs.update(overrides)
+    return S3Tier(BUCKET, **kwargs)
+
+
+def _keys(n: int) -> list[bytes]:
+    return block_keys(list(range(4 * n)), 4, namespace=os.urandom(8))
+
+
+async def _exists(server: WeedServer, name: str) -> bool:
+    async with raw_client(server.endpoint_url) as client:
+        page = await client.list_objects_v2(Bucket=BUCKET, Prefix=name)
+    return any(item["Key"] == name for item in page.get("Contents", ()))
+
+
+async def test_journal_entries_naming_objects_outside_the_packs_folder_are_ignored(
+    weed_server: WeedServer,
+) -> None:
+    """A segment pointing keys at objects outside this prefix's packs (another prefix's block
+    and pack, a file of the prefix, a model file, a '..' path) teaches the reader nothing: the
+    keys stay misses, their loads never touch those objects, and every object is still there."""
+    prefix, other = f"idx/{uuid.uuid4().hex}", f"idx/{uuid.uuid4().hex}"
+    theirs = _keys(3)
+    async with _tier(weed_server, other) as neighbour:
+        await neighbour.store(theirs[0], memoryview(os.urandom(BLOCK)))
+        async with anyio.create_task_group() as tg:  # stored together: one pack
+            for key in theirs[1:]:
+                tg.start_soon(neighbour.store, key, memoryview(os.urandom(BLOCK)))
+    async with raw_client(weed_server.endpoint_url) as client:
+        page = await client.list_objects_v2(Bucket=BUCKET, Prefix=f"{other}/_kvtier_packs/")
+        (their_pack,) = [item["Key"] for item in page["Contents"]]
+        for name in (f"{prefix}/notes.txt", f"models/{uuid.uuid4().hex}.bin"):
+            await client.put_object(Bucket=BUCKET, Key=name, Body=os.urandom(2 * BLOCK))
+    victims = [
+        neighbour.object_key(theirs[0]),
+        their_pack,
+        f"{prefix}/notes.txt",
+        f"{prefix}/_kvtier_packs/../notes.txt",
+        name,
+    ]
+    keys = _keys(len(victims))
+    section = header_size(len(keys[0])) + BLOCK
+    entries = [(key, victim, 100, section) for key, victim in zip(keys, victims, strict=True)]
+    async with _tier(weed_server, prefix) as reader:
+        async with raw_client(weed_server.endpoint_url) as client:
+            body = forged_segment(entries)
+            await client.put_object(Bucket=BUCKET, Key=forged_segment_name(prefix), Body=body)
+        await reader.refresh_index()
+        for key in keys:
+            assert reader.lookup(key) is LookupResult.MISS
+            with pytest.raises(BlockNotFoundError):
+                await reader.load(key, memoryview(bytearray(BLOCK)))
+        stats = reader.statistics()
+        assert (stats.journal_entries_rejected, stats.corrupt_deleted) == (len(victims), 0)
+    for victim in (*victims[:3], victims[4]):
+        assert await _exists(weed_server, victim), victim
+
+
+async def test_a_full_index_keeps_the_blocks_this_node_writes(
+    weed_server: WeedServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="kvtier")
+    keys = _keys(7)
+    async with _tier(weed_server, f"idx/{uuid.uuid4().hex}", index_max_keys=4) as tier:
+        for key in keys:
+            await tier.store(key, memoryview(os.urandom(BLOCK)))
+        assert [tier.lookup(k) for k in keys] == [LookupResult.MISS] * 3 + [LookupResult.HIT] * 4
+        await tier.store(keys[-1], memoryview(os.urandom(BLOCK)))  # indexed: nothing to send
+        stats = tier.statistics()
+        assert (stats.index_keys, stats.index_evictions, stats.stores_skipped_existing) == (4, 3, 1)
+    assert sum("existence index full" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.fixture
+def aws_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """An AWS environment whose only credentials come from a ``credential_process`` that
+    answers while ``tmp_path / "flag"`` exists and fails once it is gone; a fresh shared
+    session (it caches the credentials it resolved). Credentials that expire within ten
+    minutes are refreshed before every request, so each request runs the process."""
+    from kvtier.tiers import _s3_config
+
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(var, raising=False)
+    script = tmp_path / "creds.sh"
+    script.write_text(
+        '[ -f "$(dirname "$0")/flag" ] || { echo "credential source gone" >&2; exit 1; }\n'
+        'printf \'{"Version": 1, "AccessKeyId": "%s", "SecretAccessKey": "%s", '
+        '"Expiration": "%s"}\' '
+        f"{ACCESS_KEY} {SECRET_KEY} "
+        '"$(date -u -d "+5 minutes" +%Y-%m-%dT%H:%M:%SZ)"\n'
+    )
+    (tmp_path / "config").write_text(f"[default]\ncredential_process = /bin/sh {script}\n")
+    (tmp_path / "flag").touch()
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setattr(_s3_config, "_session", None)
+    return tmp_path / "flag"
+
+
+class _Heard(logging.Handler):
+    """Sets an event when a log record says ``words`` (the loop under test has no other
+    outward sign of a round that failed)."""
+
+    def __init__(self, words: str) -> None:
+        super().__init__()
+        self.words = words
+        self.event = anyio.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.words in record.getMessage():
+            self.event.set()
+
+
+async def test_a_failing_credential_provider_does_not_stop_the_refresh_loop(
+    aws_environment: Path, weed_server: WeedServer
+) -> None:
+    """botocore raises CredentialRetrievalError, which kvtier does not translate, from inside
+    the refresh loop's LIST; the loop logs and counts it and goes on, and the task that opened
+    the tier (the engine's) is not cancelled."""
+    heard = _Heard("index refresh failed")
+    sync_logger = logging.getLogger("kvtier.tiers._s3_index_sync")
+    sync_logger.addHandler(heard)
+    try:
+        tier = S3Tier(
+            BUCKET,
+            prefix=f"idx/{uuid.uuid4().hex}",
+            endpoint_url=weed_server.endpoint_url,
+            region_name=REGION,
+            index_refresh=0.05,
+        )
+        async with tier:
+            await anyio.Path(aws_environment).unlink()  # the credential source goes away
+            with anyio.fail_after(30):
+                await heard.event.wait()
+            assert tier.statistics().index_refresh_failures >= 1
+            await anyio.Path(aws_environment).touch()  # and comes back: the tier works on
+            (key,) = _keys(1)
+            block = os.urandom(BLOCK)
+            await tier.store(key, memoryview(block))
+            out = bytearray(BLOCK)
+            await tier.load(key, memoryview(out))
+            assert out == block
+    finally:
+        sync_logger.removeHandler(heard)
+
+
+def _sync(
+    client: Any, prefix: str, wall: Any, *, lookback: float = 60.0, index: ExistenceIndex
+) -> IndexSync:
+    """An IndexSync over ``client`` with the wall clock ``wall`` (the tier's, by hand)."""
+    requests = Requests(
+        name="s3",
+        bucket=BUCKET,
+        endpoint_label="test",
+        max_attempts=1,
+        max_concurrency=4,
+        breaker=CircuitBreaker(100, 1.0),
+    )
+    return IndexSync(
+        index,
+        name="s3",
+        bucket=BUCKET,
+        prefix=prefix,
+        writer=writer_id(),
+        call=requests.call,
+        client=lambda: client,
+        notify=lambda keys: None,
+        refresh=1.0,
+        lookback=lookback,
+        list_timeout=10.0,
+        wall=wall,
+    )
+
+
+async def test_a_clock_behind_the_server_is_warned_about_once(
+    weed_server: WeedServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A writer whose clock is past the lookback behind stamps segments no reader lists: the
+    server's Date header shows it, and it says so once."""
+    caplog.set_level(logging.WARNING, logger="kvtier")
+    index = ExistenceIndex(miss_ttl=1.0, max_keys=100)
+    async with raw_client(weed_server.endpoint_url) as client:
+        sync = _sync(client, f"idx/{uuid.uuid4().hex}", lambda: time.time() - 120, index=index)
+        for key in _keys(2):
+            index.wrote(key)
+            await sync.refresh_once()  # a PUT and a LIST, each with a Date header
+        warned = [r.getMessage() for r in caplog.records if "clock is" in r.getMessage()]
+        assert len(warned) == 1 and "behind" in warned[0]
+        assert sync.segments_published == 2 and sync.refresh_failures == 0
+        assert sync.clock_skew < -100
+
+
+@pytest.fixture
+async def deny_deletes() -> AsyncIterator[tuple[MotoServer, dict[str, str], Any]]:
+    """moto_server with IAM auth on, and a user who may do anything but DELETE until the
+    returned function allows it (the server refuses with AccessDenied: no fault injected
+    into the client)."""
+    server = MotoServer()
+    await server.astart()
+    try:
+        statements: list[dict[str, Any]] = [
+            {"Effect": "Allow", "Action": ["s3:*", "iam:*"], "Resource": "*"},
+            {"Effect": "Deny", "Action": "s3:DeleteObject", "Resource": "*"},
+        ]
+        async with moto_client(server.endpoint_url, "iam") as iam:
+            await iam.create_user(UserName="kvtier")
+            created = (await iam.create_access_key(UserName="kvtier"))["AccessKey"]
+            document = json.dumps({"Version": "2012-10-17", "Statement": statements})
+            await iam.put_user_policy(UserName="kvtier", PolicyName="s3", PolicyDocument=document)
+        await create_bucket(server.endpoint_url, BUCKET)
+        await anyio.to_thread.run_sync(server.set_auth, 0)
+        credentials = {
+            "aws_access_key_id": created["AccessKeyId"],
+            "aws_secret_access_key": created["SecretAccessKey"],
+        }
+
+        async def allow_deletes() -> None:
+            document = json.dumps({"Version": "2012-10-17", "Statement": statements[:1]})
+            async with moto_client(server.endpoint_url, "iam", **credentials) as iam:
+                await iam.put_user_policy(
+                    UserName="kvtier", PolicyName="s3", PolicyDocument=document
+                )
+
+        yield server, credentials, allow_deletes
+    finally:
+        await server.astop()
+
+
+async def test_an_old_segment_whose_delete_failed_is_deleted_later(
+    deny_deletes: tuple[MotoServer, dict[str, str], Any],
+) -> None:
+    server, credentials, allow_deletes = deny_deletes
+    now = [time.time()]
+    index = ExistenceIndex(miss_ttl=1.0, max_keys=100)
+    prefix = "journal"
+    async with moto_client(server.endpoint_url, **credentials) as client:
+        sync = _sync(client, prefix, lambda: now[0], lookback=10.0, index=index)
+        first, second = _keys(2)
+        index.wrote(first)
+        await sync.refresh_once(poll=False)
+        now[0] += 30  # the first segment is past twice the lookback
+        index.wrote(second)
+        await sync.refresh_once(poll=False)  # its DELETE is refused
+        page = await client.list_objects_v2(Bucket=BUCKET, Prefix=journal_prefix(prefix))
+        assert len(page["Contents"]) == 2
+        await allow_deletes()
+        await sync.refresh_once(poll=False)  # nothing new to publish: the old one goes now
+        page = await client.list_objects_v2(Bucket=BUCKET, Prefix=journal_prefix(prefix))
+        (left,) = [item["Key"] for item in page["Contents"]]
+        assert segment_time_ms(left) == int(now[0] * 1000)

@@ -832,6 +832,7 @@ class S3Tier(SecondaryTier):
             blocks_packed=self._packer.packed_blocks,
             pack_gets=self._pack_reads.gets,
             pack_sections_read=self._pack_reads.sections,
+            pack_bytes_read=self._pack_reads.bytes,
             index_evictions=self._index.evictions,
             index_locations_rejected=self._locations_rejected,
             index_refresh_failures=self._sync.refresh_failures,

@@ -64,6 +64,7 @@ class S3TierStatistics(TierStatistics):
     blocks_packed: int = 0  # blocks those PUTs carried
     pack_gets: int = 0  # ranged GETs of packs
     pack_sections_read: int = 0  # blocks those GETs served
+    pack_bytes_read: int = 0  # bytes those GETs fetched (never more than their sections)
     index_evictions: int = 0  # keys evicted from a full index (index_max_keys), oldest first
     index_locations_rejected: int = 0  # pack locations not a block's size: never fetched
     index_refresh_failures: int = 0  # journal rounds that failed (retried at the next)

@@ -339,19 +339,29 @@ class IndexSync:
     async def _delete_old_own(self) -> None:
         """Delete the segments published here that no reader lists any more (older than
         twice the lookback). A segment leaves the list only once its DELETE succeeded, so
-        one that failed is tried again at the next refresh."""
+        one that failed is tried again at the next refresh (and the poll still runs)."""
         if not self._own:
             return
         before_ms = int(self._wall() * 1000) - 2 * self._lookback_ms
         client = self._client()
         while self._own and self._own[0][0] < before_ms:
             _, name = self._own[0]
-            await self._call(
-                "journal",
-                None,
-                functools.partial(client.delete_object, Bucket=self._bucket, Key=name),
-                expected=frozenset({Fault.NOT_FOUND}),
-            )
+            try:
+                await self._call(
+                    "journal",
+                    None,
+                    functools.partial(client.delete_object, Bucket=self._bucket, Key=name),
+                    expected=frozenset({Fault.NOT_FOUND}),
+                )
+            except TierError as exc:  # kept: readers ignore it, the next refresh retries
+                self._log.warning(
+                    "journal-delete",
+                    "%s: could not delete old journal segment %s (%s); retrying later",
+                    self.name,
+                    name,
+                    exc.reason,
+                )
+                return
             self._own.popleft()
 
     def _check_skew(self, response: object) -> None:

@@ -181,6 +181,7 @@ class PackReads:
         self._open: dict[str, _Fetch] = {}
         self.gets = 0  # ranged GETs sent
         self.sections = 0  # sections they served
+        self.bytes = 0  # bytes they fetched
 
     async def read(self, where: Location) -> memoryview | None:
         while True:
@@ -206,6 +207,7 @@ class PackReads:
             self.gets += 1
             try:
                 fetch.data = await self._fetch(where.pack, fetch.lo, fetch.hi)
+                self.bytes += len(fetch.data or b"")
             except TierError as exc:
                 fetch.error = exc
         except BaseException:
