@@ -16,6 +16,7 @@ from typing import Any
 
 import anyio
 import pytest
+from s3_forge import forged_segment, forged_segment_name
 from weed_proc import (
     ACCESS_KEY,
     BUCKET,
@@ -27,7 +28,7 @@ from weed_proc import (
 )
 
 from kvtier._config import KVTierConfig
-from kvtier._errors import CorruptBlockError, InvalidArgumentError
+from kvtier._errors import BlockNotFoundError, CorruptBlockError, InvalidArgumentError
 from kvtier._format import FLAG_MAC, MAC_BYTES, IntegrityKey, decode_header, encode_header
 from kvtier._keys import block_keys
 from kvtier._lookup import LookupResult
@@ -346,3 +347,42 @@ async def test_config_from_the_environment_builds_a_signing_s3_tier(
     assert (
         raw is not None and decode_header(raw, integrity_key=IntegrityKey(SECRET)).flags & FLAG_MAC
     )
+
+
+# -- the journal under a signing tier ------------------------------------------------------
+
+
+async def test_a_signing_tier_ignores_unsigned_journal_segments(
+    make_tier: MakeTier, weed_server: WeedServer, prefix: str
+) -> None:
+    """Anyone who can write the prefix can publish a journal segment; under a signing tier
+    only segments with a MAC under its key count. The attack: point a key at the prefix's
+    marker, so that a node promoting it finds "not a block" and deletes the marker, after
+    which every signing node refuses the prefix."""
+    keys = _keys(3)
+    marker = marker_key(prefix)
+    settings: dict[str, Any] = {
+        "integrity_key": SECRET,
+        "index_refresh": 100.0,
+        "index_lookback": 1000.0,
+    }
+    async with make_tier(**settings) as reader:
+        forged = forged_segment([(keys[0], marker, 100, 4200), (keys[1], "", 0, 0)])
+        await _put(weed_server.endpoint_url, forged_segment_name(prefix), forged)
+        await reader.refresh_index()
+        for key in keys[:2]:
+            assert reader.lookup(key) is LookupResult.MISS
+            with pytest.raises(BlockNotFoundError):
+                await reader.load(key, memoryview(bytearray(BLOCK)))
+        assert reader.statistics().journal_segments_rejected == 1
+    assert await _get(weed_server.endpoint_url, marker) is not None
+    # A signing writer's segments still reach a signing reader.
+    async with make_tier(**settings) as reader, make_tier(**settings) as writer:
+        block = os.urandom(BLOCK)
+        await writer.store(keys[2], memoryview(block))
+        await writer.refresh_index()
+        await reader.refresh_index()
+        assert reader.lookup(keys[2]) is LookupResult.HIT
+        out = bytearray(BLOCK)
+        await reader.load(keys[2], memoryview(out))
+        assert out == block
