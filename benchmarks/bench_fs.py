@@ -50,7 +50,7 @@ from kvtier._keys import block_keys
 from kvtier._lookup import LookupResult
 from kvtier._tiering import TieringManager
 from kvtier.pools._host import HostPool
-from kvtier.tiers._fs import FSTier
+from kvtier.tiers.fs import FSTier
 
 MiB = 1 << 20
 

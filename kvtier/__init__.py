@@ -40,10 +40,10 @@ from kvtier.pools._policy import ARCPolicy, EvictionPolicy, LRUPolicy
 from kvtier.pools._slots import PoolStatistics, SlotState
 from kvtier.tiers._async_lookup import AsyncLookupManager
 from kvtier.tiers._base import LookupStatistics, SecondaryTier, TierStatistics
-from kvtier.tiers._fs import FSTier
 from kvtier.tiers._memory import MemoryTier
 from kvtier.tiers._s3 import S3Tier
 from kvtier.tiers._s3_config import S3TierStatistics
+from kvtier.tiers.fs import FSTier
 
 __version__ = "0.1.0"
 

@@ -67,8 +67,8 @@ EXIT_USAGE = 2
 # of record); the fallbacks keep the offline tools working on a folder even if that module
 # changes shape.
 try:
-    from kvtier.tiers._fs_io import LAYOUT_VERSION as _LAYOUT_VERSION
-    from kvtier.tiers._fs_io import MARKER_NAME as _MARKER_NAME
+    from kvtier.tiers.fs._io import LAYOUT_VERSION as _LAYOUT_VERSION
+    from kvtier.tiers.fs._io import MARKER_NAME as _MARKER_NAME
 except ImportError:  # pragma: no cover
     _MARKER_NAME, _LAYOUT_VERSION = "kvtier-fs.json", 1
 
@@ -424,7 +424,7 @@ def _problem(name: str, data: bytes, ikey: IntegrityKey | None = None) -> str | 
 
 
 def _fs_name_of(key: bytes) -> str:
-    from kvtier.tiers._fs_io import name_of
+    from kvtier.tiers.fs._io import name_of
 
     return name_of(key)
 

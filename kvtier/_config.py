@@ -363,7 +363,7 @@ class PoolConfig(_Section):
 
 @dataclass(frozen=True, slots=True)
 class FSConfig(_Section):
-    """An ``FSTier`` (see ``kvtier.tiers._fs`` for what each setting trades)."""
+    """An ``FSTier`` (see ``kvtier.tiers.fs`` for what each setting trades)."""
 
     SECTION: ClassVar[str] = "fs"
 
@@ -702,7 +702,7 @@ class KVTierConfig:
         """The secondary tiers, in the order the manager asks them: ``fs``, then ``s3``."""
         tiers: list[SecondaryTier] = []
         if self.fs is not None:
-            from kvtier.tiers._fs import FSTier
+            from kvtier.tiers.fs import FSTier
 
             kwargs = _kwargs(self.fs)
             root = kwargs.pop("root")

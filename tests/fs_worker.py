@@ -20,7 +20,7 @@ import sys
 import anyio
 
 from kvtier._errors import BlockNotFoundError, CorruptBlockError, TierError
-from kvtier.tiers._fs import FSTier
+from kvtier.tiers.fs import FSTier
 
 
 def key_of(ns: str, i: int) -> bytes:

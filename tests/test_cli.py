@@ -16,8 +16,8 @@ import pytest
 from kvtier._cli import main
 from kvtier._format import header_size
 from kvtier._keys import block_keys
-from kvtier.tiers._fs import FSTier
-from kvtier.tiers._fs_io import MARKER_NAME, name_of, path_of
+from kvtier.tiers.fs import FSTier
+from kvtier.tiers.fs._io import MARKER_NAME, name_of, path_of
 
 BLOCK = 4096
 FILE = header_size(16) + BLOCK

@@ -21,7 +21,7 @@ from kvtier._lookup import LookupResult
 from kvtier._tiering import TieringManager
 from kvtier.pools._host import HostPool
 from kvtier.testing import resolve_lookup
-from kvtier.tiers._fs import FSTier
+from kvtier.tiers.fs import FSTier
 
 POOL = {"num_blocks": 8, "block_bytes": 4096}
 

@@ -29,8 +29,8 @@ from kvtier._errors import (
 from kvtier._format import header_size
 from kvtier._lookup import LookupResult
 from kvtier.testing import CHECKS, resolve_lookup
-from kvtier.tiers import _fs_io
-from kvtier.tiers._fs import FSTier
+from kvtier.tiers.fs import FSTier
+from kvtier.tiers.fs import _io as _fs_io
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fs_worker import key_of, payload_of

@@ -28,8 +28,8 @@ from kvtier._scheduler import OffloadScheduler
 from kvtier._tiering import TieringManager
 from kvtier.pools._host import HostPool
 from kvtier.testing import resolve_lookup
-from kvtier.tiers import _fs_io
-from kvtier.tiers._fs import FSTier
+from kvtier.tiers.fs import FSTier
+from kvtier.tiers.fs import _io as _fs_io
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fs_worker import key_of, payload_of

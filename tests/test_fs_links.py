@@ -16,8 +16,8 @@ import pytest
 
 from kvtier._errors import TierUnavailableError
 from kvtier._format import header_size
-from kvtier.tiers import _fs_io
-from kvtier.tiers._fs import FSTier
+from kvtier.tiers.fs import FSTier
+from kvtier.tiers.fs import _io as _fs_io
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fs_worker import key_of, payload_of

@@ -17,7 +17,7 @@ import pytest
 import kvtier
 from kvtier.integrations._bridge import TierBridge
 from kvtier.testing import StallingTier
-from kvtier.tiers import _fs_io
+from kvtier.tiers.fs import _io as _fs_io
 
 BLOCK = 4096
 WAIT = 30.0  # generous bound on a promised deadline, not a timing assertion

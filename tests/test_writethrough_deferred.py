@@ -21,7 +21,7 @@ from kvtier import (
 )
 from kvtier._admission import DeferredWrites
 from kvtier.testing import StallingTier
-from kvtier.tiers._fs import FSTier
+from kvtier.tiers.fs import FSTier
 
 BB = 4096
 

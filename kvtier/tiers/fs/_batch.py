@@ -26,13 +26,13 @@ from kvtier._errors import (
 )
 from kvtier._format import header_size
 from kvtier._lookup import MissReason
-from kvtier.tiers import _fs_block
-from kvtier.tiers import _fs_io as io
 from kvtier.tiers._base import BatchResults, run_each
-from kvtier.tiers._fs_calls import Handoff, Stuck
+from kvtier.tiers.fs import _blocks
+from kvtier.tiers.fs import _io as io
+from kvtier.tiers.fs._calls import Handoff, Stuck
 
 if TYPE_CHECKING:
-    from kvtier.tiers._fs import FSTier
+    from kvtier.tiers.fs._tier import FSTier
 
 __all__ = ["load_many", "store_many"]
 
@@ -84,7 +84,7 @@ async def _load_run(
                 return
             outcome: object
             try:
-                outcome = _fs_block.read_block(
+                outcome = _blocks.read_block(
                     tier, call, keys[i], names[i], views[i], private=not pinned
                 )
             except (io.Corrupt, io.WrongSize, OSError) as exc:
@@ -253,7 +253,7 @@ async def _store_run(
                 return
             outcome: object
             try:
-                outcome = _fs_block.write_block(
+                outcome = _blocks.write_block(
                     tier,
                     call,
                     keys[i],

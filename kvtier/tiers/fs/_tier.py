@@ -105,8 +105,6 @@ from kvtier._keys import check_key
 from kvtier._logging import BurstLogger
 from kvtier._lookup import LookupResult, MissReason
 from kvtier._validate import positive_int, positive_number
-from kvtier.tiers import _fs_batch, _fs_block
-from kvtier.tiers import _fs_io as io
 from kvtier.tiers._async_lookup import AsyncLookupManager
 from kvtier.tiers._base import (
     BatchResults,
@@ -116,8 +114,10 @@ from kvtier.tiers._base import (
     batch_deadline,
     check_batch,
 )
-from kvtier.tiers._fs_calls import Abandoned, BufferPool, Handoff, Stuck, WorkerCalls
-from kvtier.tiers._fs_index import IndexLookups
+from kvtier.tiers.fs import _batch, _blocks
+from kvtier.tiers.fs import _io as io
+from kvtier.tiers.fs._calls import Abandoned, BufferPool, Handoff, Stuck, WorkerCalls
+from kvtier.tiers.fs._index import IndexLookups
 
 __all__ = ["FSYNC_POLICIES", "FSTier"]
 
@@ -327,7 +327,7 @@ class FSTier(SecondaryTier):
         def read(call: Handoff) -> io.ReadOutcome:
             # Through a private buffer: a thread abandoned mid-read must never write into a
             # pool slot that may already hold another block.
-            return _fs_block.read_block(self, call, key, name, view, private=True)
+            return _blocks.read_block(self, call, key, name, view, private=True)
 
         since = self._watch()
         try:
@@ -384,7 +384,7 @@ class FSTier(SecondaryTier):
         def write(call: Handoff) -> tuple[io.WriteOutcome, int]:
             # Copy out of the caller's memory (a pool slot) first: once the caller's deadline
             # fires it unpins the slot, and an abandoned write must not read it any more.
-            return _fs_block.write_block(self, call, key, name, payload, names, private=True)
+            return _blocks.write_block(self, call, key, name, payload, names, private=True)
 
         def late(result: tuple[io.WriteOutcome, int] | None, error: BaseException | None) -> None:
             """The write was abandoned at a deadline and has now finished: settle its account."""
@@ -427,7 +427,7 @@ class FSTier(SecondaryTier):
         keys = [check_key(k) for k in keys]
         views = [_writable_bytes(d) for d in dsts]
         deadline = batch_deadline(timeout)
-        return await _fs_batch.load_many(self, keys, views, deadline, pinned)
+        return await _batch.load_many(self, keys, views, deadline, pinned)
 
     async def store_many(
         self,
@@ -444,7 +444,7 @@ class FSTier(SecondaryTier):
         keys = [check_key(k) for k in keys]
         payloads = [_readable_bytes(s) for s in srcs]
         deadline = batch_deadline(timeout)
-        return await _fs_batch.store_many(self, keys, payloads, deadline, pinned)
+        return await _batch.store_many(self, keys, payloads, deadline, pinned)
 
     def _settle(
         self,

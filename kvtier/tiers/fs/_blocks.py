@@ -14,11 +14,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvtier._format import header_size
-from kvtier.tiers import _fs_io as io
-from kvtier.tiers._fs_calls import Handoff
+from kvtier.tiers.fs import _io as io
+from kvtier.tiers.fs._calls import Handoff
 
 if TYPE_CHECKING:
-    from kvtier.tiers._fs import FSTier
+    from kvtier.tiers.fs._tier import FSTier
 
 __all__ = ["read_block", "write_block"]
 
