@@ -5,6 +5,7 @@ corrupt, its writer cancelled) is a miss, never wrong bytes."""
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -22,7 +23,8 @@ from kvtier._errors import (
 from kvtier._keys import block_keys
 from kvtier._lookup import LookupResult
 from kvtier.tiers._s3 import S3Tier
-from kvtier.tiers._s3_pack import PACK_DIR, Location
+from kvtier.tiers._s3_journal import encode_segment, segment_name, writer_id
+from kvtier.tiers._s3_pack import PACK_DIR, Location, decode_table
 from kvtier.tiers._s3_packs import PackReads, PackWriter, PendingStore
 
 BLOCK = 4096
@@ -71,12 +73,16 @@ async def _objects(server: WeedServer, prefix: str) -> list[str]:
     return [item["Key"] for item in page.get("Contents", ())]
 
 
+async def _packs(server: WeedServer, prefix: str) -> list[str]:
+    return [name for name in await _objects(server, prefix) if f"/{PACK_DIR}/" in name]
+
+
 async def _one_pack(
     server: WeedServer, prefix: str, tier: S3Tier, keys: list[bytes], blocks: list[bytes]
 ) -> str:
     """Store ``blocks`` together, in one pack; its object name."""
     await _store_together(tier, keys, blocks)
-    (pack,) = [n for n in await _objects(server, prefix) if f"/{PACK_DIR}/" in n]
+    (pack,) = await _packs(server, prefix)
     return pack
 
 
@@ -154,9 +160,12 @@ async def test_delete_of_a_packed_key_deletes_its_pack(weed_server: WeedServer) 
 
 
 @pytest.mark.parametrize("damage", ["payload", "table offset", "truncated"])
-async def test_a_corrupt_pack_is_a_corrupt_miss_and_deleted(
+async def test_a_damaged_pack_is_a_corrupt_miss_and_is_kept(
     weed_server: WeedServer, damage: str
 ) -> None:
+    """A section that fails its check is a corrupt miss that drops the key from the index; the
+    pack stays: S3 cannot delete part of an object, and its other sections, each with its own
+    header and checksum, still serve every node."""
     prefix = f"packs/{uuid.uuid4().hex}"
     keys, blocks = _keys_and_blocks(3)
     async with _tier(weed_server, prefix) as tier:
@@ -175,8 +184,10 @@ async def test_a_corrupt_pack_is_a_corrupt_miss_and_deleted(
             await tier.load(keys[-1], memoryview(bytearray(BLOCK)))
         assert tier.lookup(keys[-1]) is LookupResult.MISS
         stats = tier.statistics()
-        assert stats.corrupt_deleted == 1 and stats.failures_by_reason == {"corrupt": 1}
-        assert await _objects(weed_server, prefix) == []
+        assert stats.corrupt_deleted == 0 and stats.failures_by_reason == {"corrupt": 1}
+        if damage != "table offset":  # there, every section is shifted: none is intact
+            assert await _load_together(tier, keys[:-1]) == blocks[:-1]
+        assert await _packs(weed_server, prefix) == [pack]
 
 
 async def test_ask_mode_refuses_packs() -> None:
@@ -318,3 +329,100 @@ async def test_a_cancelled_leader_hands_the_fetch_to_the_others() -> None:
     # Both loads joined one ranged GET; its leader cancelled, the other sent its own.
     assert calls == [(10, 20), (15, 20)]
     assert got == {"b": bytes(range(15, 20))}
+
+
+@pytest.mark.parametrize("claim", ["another key's section", "inside a section"])
+async def test_a_wrong_journal_location_is_a_corrupt_miss_and_keeps_the_pack(
+    weed_server: WeedServer, claim: str
+) -> None:
+    """A journal segment that puts a key at the wrong place of a good pack (another key's
+    section, or the middle of one) is evidence against that entry, not against the pack: the
+    load is a corrupt miss that drops the entry, and every block of the pack stays loadable,
+    here and on any other node."""
+    prefix = f"packs/{uuid.uuid4().hex}"
+    keys, blocks = _keys_and_blocks(3)
+    async with _tier(weed_server, prefix) as writer:
+        pack = await _one_pack(weed_server, prefix, writer, keys, blocks)
+    async with raw_client(weed_server.endpoint_url) as client:
+        response = await client.get_object(Bucket=BUCKET, Key=pack)
+        sections = dict(decode_table(await response["Body"].read(), pack))
+    right = sections[keys[1]]
+    shift = 0 if claim == "another key's section" else 100
+    wrong = Location(pack, right.offset + shift, right.length)
+    async with _tier(weed_server, prefix, index_refresh=100.0, index_lookback=1000.0) as reader:
+        assert reader.statistics().index_listed == 3
+        async with raw_client(weed_server.endpoint_url) as client:
+            name = segment_name(prefix, int(time.time() * 1000), writer_id(), 1)
+            body = encode_segment([(keys[0], wrong)], prefix)
+            await client.put_object(Bucket=BUCKET, Key=name, Body=body)
+        await reader.refresh_index()
+        with pytest.raises(CorruptBlockError):
+            await reader.load(keys[0], memoryview(bytearray(BLOCK)))
+        assert reader.lookup(keys[0]) is LookupResult.MISS  # the entry is gone
+        assert reader.statistics().corrupt_deleted == 0
+        assert await _load_together(reader, keys[1:]) == blocks[1:]
+    assert await _packs(weed_server, prefix) == [pack]
+    async with _tier(weed_server, prefix) as other:  # another node lists the pack again
+        assert await _load_together(other, keys) == blocks
+
+
+async def test_a_journal_location_longer_than_a_block_is_never_fetched(
+    weed_server: WeedServer,
+) -> None:
+    """A journal entry may claim any length; a load reads a section only if it is exactly a
+    header and a block, so an entry claiming 2**40 bytes costs no GET (it would otherwise
+    download the whole pack for one block) and leaves the pack alone."""
+    from s3_forge import forged_segment, forged_segment_name
+
+    from kvtier._format import header_size
+    from kvtier.tiers._s3_pack import table_length
+
+    prefix = f"packs/{uuid.uuid4().hex}"
+    keys, blocks = _keys_and_blocks(4)
+    async with _tier(weed_server, prefix) as writer:
+        pack = await _one_pack(weed_server, prefix, writer, keys[:3], blocks[:3])
+    first = table_length(3, len(keys[0]))
+    section = header_size(len(keys[0])) + BLOCK
+    lengths = {keys[3]: 2**40, keys[0]: section + 1}  # a stranger, and a known key re-pointed
+    async with _tier(weed_server, prefix, index_refresh=100.0, index_lookback=1000.0) as reader:
+        async with raw_client(weed_server.endpoint_url) as client:
+            body = forged_segment([(key, pack, first, n) for key, n in lengths.items()])
+            await client.put_object(Bucket=BUCKET, Key=forged_segment_name(prefix), Body=body)
+        await reader.refresh_index()
+        for key in lengths:
+            with pytest.raises(CorruptBlockError):
+                await reader.load(key, memoryview(bytearray(BLOCK)))
+            assert reader.lookup(key) is LookupResult.MISS  # the entry is dropped
+        stats = reader.statistics()
+        assert stats.pack_gets == 0 and stats.index_locations_rejected == 2
+        assert await _load_together(reader, keys[1:3]) == blocks[1:3]
+    left = [name for name in await _objects(weed_server, prefix) if "/_kvtier_journal/" not in name]
+    assert left == [pack]
+
+
+async def test_loads_of_sections_far_apart_never_share_a_get() -> None:
+    """Loads of one pack share a GET only while its span stays within the sections it
+    serves: locations from the bucket may claim sections anywhere in the pack."""
+    calls: list[tuple[int, int]] = []
+
+    async def fetch(name: str, lo: int, hi: int) -> bytes | None:
+        calls.append((lo, hi))
+        return bytes((lo + i) % 251 for i in range(min(hi - lo, 1 << 16)))
+
+    reads = PackReads(fetch)
+    near = [Location("p", 100 + 10 * i, 10) for i in range(3)]
+    far = Location("p", 10**12, 10)
+    other_length = Location("p", 130, 20)
+    got: dict[Location, bytes | None] = {}
+
+    async def load(where: Location) -> None:
+        section = await reads.read(where)
+        got[where] = None if section is None else bytes(section)
+
+    async with anyio.create_task_group() as tg:
+        for where in [*near, far, other_length]:
+            tg.start_soon(load, where)
+    assert sorted(calls) == [(100, 130), (130, 150), (10**12, 10**12 + 10)]
+    assert reads.bytes == 30 + 20 + 10
+    for where, section in got.items():
+        assert section == bytes((where.offset + i) % 251 for i in range(where.length))

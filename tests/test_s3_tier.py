@@ -9,11 +9,13 @@ which SeaweedFS without configured identities does not (it accepts any request).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.abc
 import anyio.lowlevel
 import numpy as np
 import pytest
@@ -137,6 +140,13 @@ async def _exists(endpoint_url: str, object_key: str, bucket: str = BUCKET) -> b
         except botocore.exceptions.ClientError:
             return False
     return True
+
+
+async def _corrupt_deleted(tier: S3Tier, count: int) -> None:
+    """Wait until the tier has deleted ``count`` corrupt objects (in its background)."""
+    with anyio.fail_after(20):
+        while tier.statistics().corrupt_deleted < count:
+            await anyio.lowlevel.checkpoint()
 
 
 def _notified(tier: S3Tier, keys: list[bytes]) -> Callable[[], Awaitable[None]]:
@@ -668,7 +678,7 @@ async def test_corrupt_object_is_a_corrupt_miss_and_deleted(
         stats = tier.statistics()
         assert stats.failures_by_reason == {"corrupt": 1}
         assert stats.index_keys == 0  # removed from the index with the object
-        assert stats.corrupt_deleted == 1
+        await _corrupt_deleted(tier, 1)  # in the background
         with pytest.raises(BlockNotFoundError):
             await tier.load(key, memoryview(bytearray(BLOCK)))
     assert not await _exists(weed_server.endpoint_url, tier.object_key(key))
@@ -704,7 +714,7 @@ async def test_large_objects_stream_into_the_block_and_damage_anywhere_is_caught
         for key in damaged:
             with pytest.raises(CorruptBlockError, match=r"checksum|integrity|header says"):
                 await tier.load(key, memoryview(bytearray(size)))
-        assert tier.statistics().corrupt_deleted == 3
+        await _corrupt_deleted(tier, 3)
     for key in damaged:
         assert not await _exists(weed_server.endpoint_url, tier.object_key(key))
 
@@ -726,6 +736,88 @@ async def test_newer_format_is_skipped_not_deleted(
             await tier.load(key, memoryview(bytearray(BLOCK)))
         assert tier.statistics().corrupt_deleted == 0
     assert await _exists(weed_server.endpoint_url, tier.object_key(key))
+
+
+class DeleteGate:
+    """A TCP proxy in front of the S3 server that passes every request through as it is,
+    except DELETE requests, which it holds until ``release`` is set: a real, slow DELETE on
+    the tier's one endpoint, with the rest of its traffic untouched."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self._upstream_port = upstream_port
+        self.endpoint_url = ""
+        self.held = anyio.Event()  # a DELETE arrived and is held
+        self.release = anyio.Event()
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
+        listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+        port = listener.extra(anyio.abc.SocketAttribute.local_port)
+        self.endpoint_url = f"http://127.0.0.1:{port}"
+        async with listener:
+            task_status.started()
+            await listener.serve(self._proxy)
+
+    async def _proxy(self, downstream: anyio.abc.SocketStream) -> None:
+        upstream = await anyio.connect_tcp("127.0.0.1", self._upstream_port)
+        async with downstream, upstream, anyio.create_task_group() as tg:
+
+            async def answers() -> None:
+                with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    async for chunk in upstream:
+                        await downstream.send(chunk)
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(answers)
+            with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError):
+                buffer = b""
+                while True:
+                    while b"\r\n\r\n" not in buffer:
+                        buffer += await downstream.receive()
+                    head, _, buffer = buffer.partition(b"\r\n\r\n")
+                    fields = [line.partition(b":") for line in head.split(b"\r\n")[1:]]
+                    sizes = [int(v) for n, _, v in fields if n.strip().lower() == b"content-length"]
+                    while len(buffer) < sum(sizes):
+                        buffer += await downstream.receive()
+                    body, buffer = buffer[: sum(sizes)], buffer[sum(sizes) :]
+                    if head.startswith(b"DELETE "):
+                        self.held.set()
+                        await self.release.wait()
+                    await upstream.send(head + b"\r\n\r\n" + body)
+            tg.cancel_scope.cancel()
+
+
+async def test_a_slow_delete_of_a_corrupt_object_never_holds_its_promotion(
+    make_tier: MakeTier, weed_server: WeedServer
+) -> None:
+    """The promotion of a corrupt object ends, as a corrupt miss, within its own deadline
+    while the object's DELETE hangs (held by a proxy in front of the server): the delete runs
+    in the tier's background, bounded, and still happens once the server answers it."""
+    (key,) = _keys(1)
+    async with anyio.create_task_group() as tg:
+        gate = DeleteGate(weed_server.s3_port)
+        await tg.start(gate.run)
+        tier = make_tier(endpoint_url=gate.endpoint_url, read_timeout=30.0)
+        async with raw_client(weed_server.endpoint_url) as client:
+            await client.put_object(
+                Bucket=BUCKET, Key=tier.object_key(key), Body=os.urandom(BLOCK + 64)
+            )
+        try:
+            manager = TieringManager(HostPool(4, BLOCK), [tier], promotion_timeout=0.5)
+            async with manager:
+                assert tier.lookup(key) is LookupResult.HIT  # listed at open
+                with anyio.fail_after(10):  # the promotion's deadline is 0.5 s, the DELETE's 30
+                    assert await OffloadScheduler(manager).lookup([key], timeout=20) == 0
+                assert manager.statistics().promotions_failed_by_reason == {"corrupt": 1}
+                with anyio.fail_after(20):
+                    await gate.held.wait()
+                assert await _exists(weed_server.endpoint_url, tier.object_key(key))
+                assert tier.statistics().corrupt_deleted == 0
+                gate.release.set()
+                await _corrupt_deleted(tier, 1)
+            assert not await _exists(weed_server.endpoint_url, tier.object_key(key))
+        finally:
+            gate.release.set()
+            tg.cancel_scope.cancel()
 
 
 async def test_missing_bucket_is_a_clear_error_on_open(make_tier: MakeTier) -> None:
@@ -838,6 +930,58 @@ async def test_use_before_open(make_tier: MakeTier) -> None:
     with pytest.raises(LifecycleError):
         await tier.store(key, memoryview(bytearray(BLOCK)))
     assert "open=False" in repr(tier)
+
+
+def _sockets_to(port: int) -> int:
+    """How many TCP sockets this process holds open to ``port`` (Linux /proc)."""
+    mine = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith("socket:["):
+                mine.add(target[len("socket:[") : -1])
+    count = 0
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        with open(table) as rows:
+            next(rows)
+            for row in rows:
+                fields = row.split()
+                remote_port = int(fields[2].rpartition(":")[2], 16)
+                count += remote_port == port and fields[9] in mine
+    return count
+
+
+async def test_closing_a_tier_whose_server_stopped_answering_closes_its_client(
+    own_weed: WeedServer,
+) -> None:
+    """aclose while the endpoint has stopped answering (SeaweedFS stopped with SIGSTOP): the
+    last journal publish hangs and is given up within its own bound, the client is closed all
+    the same (no socket to the server left open), and the closed tier refuses operations."""
+    tier = _tier_factory(own_weed.endpoint_url, "stopped")(
+        pack_blocks=1, index_refresh=100.0, index_lookback=1000.0, read_timeout=30.0
+    )
+    keys = _keys(4)
+    pid = own_weed.pid
+    assert pid is not None
+    try:
+        with anyio.fail_after(90):  # the last publish and the close are bounded (5 s each)
+            async with tier:
+                async with anyio.create_task_group() as tg:  # four PUTs at once: four
+                    for key in keys:  # pooled connections, and four keys to publish
+                        tg.start_soon(tier.store, key, memoryview(os.urandom(BLOCK)))
+                assert _sockets_to(own_weed.s3_port) >= 2
+                os.kill(pid, signal.SIGSTOP)
+        assert _sockets_to(own_weed.s3_port) == 0  # aiohttp's close waits for its sockets
+        assert not tier.is_open
+        with anyio.fail_after(10):
+            with pytest.raises(LifecycleError):
+                await tier.store(_keys(1)[0], memoryview(os.urandom(BLOCK)))
+            with pytest.raises(LifecycleError):
+                await tier.load(keys[0], memoryview(bytearray(BLOCK)))
+            with pytest.raises(LifecycleError):
+                await tier.refresh_index()
+    finally:
+        os.kill(pid, signal.SIGCONT)
 
 
 @pytest.mark.parametrize(
