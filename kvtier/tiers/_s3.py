@@ -24,10 +24,14 @@ Choices where the contract leaves room:
   ``lookup()`` was asked about a key the index did not hold (0 in index mode).
 - A corrupt object (bad header, wrong key, wrong length, checksum mismatch) is a miss with
   reason ``corrupt`` and is **deleted**, so no node keeps paying for it and the next store
-  of that key repairs it. Two exceptions, skipped rather than deleted: a header of a *newer*
+  of that key repairs it. The DELETE runs in the tier's background, bounded by
+  ``read_timeout``: it never holds the load (or the promotion waiting on it) past its
+  deadline. Two exceptions, skipped rather than deleted: a header of a *newer*
   format version, so a mixed-version fleet sharing a bucket never destroys the newer nodes'
   blocks; and, for a tier without an integrity key, a signed block, which it cannot check and
-  which may be a signing peer's (the prefix's marker normally keeps such a tier out).
+  which may be a signing peer's (the prefix's marker normally keeps such a tier out). A
+  pack section that fails its check is a corrupt miss that drops the key from the index, and
+  the pack is kept (``_load_section`` says why).
 - Stores send ``If-None-Match: *``: an object that exists is not rewritten (412 means
   "already there", a success). A server that rejects the header (501 / NotImplemented) is
   remembered and gets plain puts from then on: the idempotent overwrite is harmless because
