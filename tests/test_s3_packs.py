@@ -426,3 +426,65 @@ async def test_loads_of_sections_far_apart_never_share_a_get() -> None:
     assert reads.bytes == 30 + 20 + 10
     for where, section in got.items():
         assert section == bytes((where.offset + i) % 251 for i in range(where.length))
+
+
+async def test_a_journal_location_longer_than_a_block_is_never_fetched(
+    weed_server: WeedServer,
+) -> None:
+    """A journal entry may claim any length; a load reads a section only if it is exactly a
+    header and a block, so an entry claiming 2**40 bytes costs no GET (it would otherwise
+    download the whole pack for one block) and leaves the pack alone."""
+    from s3_forge import forged_segment, forged_segment_name
+
+    from kvtier._format import header_size
+    from kvtier.tiers._s3_pack import table_length
+
+    prefix = f"packs/{uuid.uuid4().hex}"
+    keys, blocks = _keys_and_blocks(4)
+    async with _tier(weed_server, prefix) as writer:
+        pack = await _one_pack(weed_server, prefix, writer, keys[:3], blocks[:3])
+    first = table_length(3, len(keys[0]))
+    section = header_size(len(keys[0])) + BLOCK
+    lengths = {keys[3]: 2**40, keys[0]: section + 1}  # a stranger, and a known key re-pointed
+    async with _tier(weed_server, prefix, index_refresh=100.0, index_lookback=1000.0) as reader:
+        async with raw_client(weed_server.endpoint_url) as client:
+            body = forged_segment([(key, pack, first, n) for key, n in lengths.items()])
+            await client.put_object(Bucket=BUCKET, Key=forged_segment_name(prefix), Body=body)
+        await reader.refresh_index()
+        for key in lengths:
+            with pytest.raises(CorruptBlockError):
+                await reader.load(key, memoryview(bytearray(BLOCK)))
+            assert reader.lookup(key) is LookupResult.MISS  # the entry is dropped
+        stats = reader.statistics()
+        assert stats.pack_gets == 0 and stats.index_locations_rejected == 2
+        assert await _load_together(reader, keys[1:3]) == blocks[1:3]
+    left = [name for name in await _objects(weed_server, prefix) if "/_kvtier_journal/" not in name]
+    assert left == [pack]
+
+
+async def test_loads_of_sections_far_apart_never_share_a_get() -> None:
+    """Loads of one pack share a GET only while its span stays within the sections it
+    serves: locations from the bucket may claim sections anywhere in the pack."""
+    calls: list[tuple[int, int]] = []
+
+    async def fetch(name: str, lo: int, hi: int) -> bytes | None:
+        calls.append((lo, hi))
+        return bytes((lo + i) % 251 for i in range(min(hi - lo, 1 << 16)))
+
+    reads = PackReads(fetch)
+    near = [Location("p", 100 + 10 * i, 10) for i in range(3)]
+    far = Location("p", 10**12, 10)
+    other_length = Location("p", 130, 20)
+    got: dict[Location, bytes | None] = {}
+
+    async def load(where: Location) -> None:
+        section = await reads.read(where)
+        got[where] = None if section is None else bytes(section)
+
+    async with anyio.create_task_group() as tg:
+        for where in [*near, far, other_length]:
+            tg.start_soon(load, where)
+    assert sorted(calls) == [(100, 130), (130, 150), (10**12, 10**12 + 10)]
+    assert reads.bytes == 30 + 20 + 10
+    for where, section in got.items():
+        assert section == bytes((where.offset + i) % 251 for i in range(where.length))
