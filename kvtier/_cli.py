@@ -16,8 +16,9 @@ block files, and only if the file is still the one it read (a running ``FSTier``
 republished a good block there meanwhile). Temporary files are reported, never removed: a live
 writer may own them, and the next ``FSTier.open()`` clears the dead ones.
 
-No command follows a link out of the root: the folder is walked through directory file
-descriptors opened with ``O_NOFOLLOW`` at every level, so a shard folder or block file that is
+No command follows a link out of the root: the folder is walked by the FS tier's own layout
+module (``kvtier.tiers.fs._layout``, the walk the tier opens a root with), through directory
+file descriptors opened with ``O_NOFOLLOW`` at every level, so a shard folder or block file that is
 a symbolic link (planted by anyone who can write to a shared folder) is reported as foreign,
 never read, and never deleted, even if it is swapped in while the command runs. Only ROOT
 itself may be a link: naming it is the operator's choice.
@@ -31,12 +32,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import errno
 import json
 import logging
 import math
 import os
-import stat
 import sys
 import tempfile
 import time
@@ -54,6 +53,17 @@ from kvtier._format import (
     verify_block,
 )
 from kvtier._logging import BurstLogger
+from kvtier.tiers.fs._layout import (
+    LAYOUT_VERSION,
+    MARKER_NAME,
+    READ_FLAGS,
+    Kind,
+    ShardFolders,
+    name_of,
+    read_marker,
+    remove_if_same,
+    walk,
+)
 
 __all__ = ["main"]
 
@@ -63,20 +73,6 @@ EXIT_OK = 0
 EXIT_BAD_DATA = 1
 EXIT_USAGE = 2
 
-# The FS tier's on-disk names. They are read from ``_fs_io`` when it imports (it is the writer
-# of record); the fallbacks keep the offline tools working on a folder even if that module
-# changes shape.
-try:
-    from kvtier.tiers.fs._io import LAYOUT_VERSION as _LAYOUT_VERSION
-    from kvtier.tiers.fs._io import MARKER_NAME as _MARKER_NAME
-except ImportError:  # pragma: no cover
-    _MARKER_NAME, _LAYOUT_VERSION = "kvtier-fs.json", 1
-
-_TMP_PREFIX = ".tmp-"
-_HEX = frozenset("0123456789abcdef")
-_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _O_NOFOLLOW | _O_CLOEXEC
 _INTEGRITY_ENV = "KVTIER_INTEGRITY_KEY"
 
 
@@ -105,26 +101,15 @@ class _Scan:
     shards: int = 0
 
 
-def _is_block_name(name: str) -> bool:
-    body = name[1:] if name.startswith("h") else name
-    return len(body) >= 2 and set(body) <= _HEX
-
-
-def _is_shard(name: str) -> bool:
-    return len(name) == 2 and set(name) <= _HEX
-
-
 def _read_marker(root: Path) -> dict[str, Any]:
     if not root.is_dir():
         raise _UsageError(f"{root} is not a folder")
-    marker = root / _MARKER_NAME
+    marker = root / MARKER_NAME
     try:
-        fd = os.open(marker, os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC)  # a link is not a marker
-        with os.fdopen(fd, "rb") as f:
-            found = json.loads(f.read())
+        found = json.loads(read_marker(root))
     except FileNotFoundError:
         raise _UsageError(
-            f"{root} is not a kvtier FS tier folder: it has no {_MARKER_NAME} marker"
+            f"{root} is not a kvtier FS tier folder: it has no {MARKER_NAME} marker"
         ) from None
     except (OSError, ValueError) as exc:
         raise _UsageError(f"cannot read {marker}: {exc}") from None
@@ -133,73 +118,21 @@ def _read_marker(root: Path) -> dict[str, Any]:
     return found
 
 
-def _open_dir(name: str, dir_fd: int) -> int | None:
-    """A shard folder's descriptor, or None if it is gone or is not a real folder (a link)."""
-    try:
-        return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:  # a symbolic link: never followed
-            return None
-        raise
-
-
-def _folders(dir_fd: int) -> list[tuple[str, bool]]:
-    """``(name, is a real folder)`` for each entry, links never followed, sorted."""
-    with os.scandir(dir_fd) as it:
-        return sorted((e.name, e.is_dir(follow_symlinks=False)) for e in it)
-
-
 def _scan(root: Path) -> _Scan:
-    """Every block file under ``root``, by the FS layout ``<2 hex>/<2 hex>/<name>``."""
+    """Every block file under ``root``, by the FS layout's own walk."""
     scan = _Scan(marker=_read_marker(root))
-    root_fd = os.open(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _O_CLOEXEC)
-    try:
-        for first, is_dir in _folders(root_fd):
-            if not (is_dir and _is_shard(first)):
-                if first != _MARKER_NAME and not first.startswith(".kvtier-fs"):
-                    scan.foreign.append(root / first)
-                continue
-            first_fd = _open_dir(first, root_fd)
-            if first_fd is None:
-                scan.foreign.append(root / first)
-                continue
-            try:
-                for second, second_is_dir in _folders(first_fd):
-                    second_fd = _open_dir(second, first_fd) if second_is_dir else None
-                    if second_fd is None or not _is_shard(second):
-                        if second_fd is not None:
-                            os.close(second_fd)
-                        scan.foreign.append(root / first / second)
-                        continue
-                    try:
-                        scan.shards += 1
-                        _scan_shard(scan, root, (first, second), second_fd)
-                    finally:
-                        os.close(second_fd)
-            finally:
-                os.close(first_fd)
-    finally:
-        os.close(root_fd)
+    for item in walk(root):
+        path = root.joinpath(*item.parts)
+        if item.kind is Kind.BLOCK:
+            first, second, name = item.parts
+            scan.blocks.append(_BlockFile(path, item.size, item.mtime, (first, second), name))
+        elif item.kind is Kind.SHARD:
+            scan.shards += 1
+        elif item.kind is Kind.TEMPORARY:
+            scan.temporary += 1
+        else:
+            scan.foreign.append(path)
     return scan
-
-
-def _scan_shard(scan: _Scan, root: Path, shard: tuple[str, str], fd: int) -> None:
-    with os.scandir(fd) as entries:
-        for entry in entries:
-            path = root / shard[0] / shard[1] / entry.name
-            if entry.name.startswith(_TMP_PREFIX):
-                scan.temporary += 1
-                continue
-            try:
-                st = entry.stat(follow_symlinks=False)
-            except FileNotFoundError:
-                continue  # evicted while we looked
-            if _is_block_name(entry.name) and stat.S_ISREG(st.st_mode):
-                scan.blocks.append(_BlockFile(path, st.st_size, st.st_mtime, shard, entry.name))
-            else:
-                scan.foreign.append(path)
 
 
 def _integrity_key(marker: dict[str, Any]) -> IntegrityKey | None:
@@ -229,10 +162,10 @@ def _integrity_key(marker: dict[str, Any]) -> IntegrityKey | None:
 
 def _check_compatible(marker: dict[str, Any]) -> None:
     layout, block_format = marker.get("layout"), marker.get("block_format")
-    if layout != _LAYOUT_VERSION or block_format != FORMAT_VERSION:
+    if layout != LAYOUT_VERSION or block_format != FORMAT_VERSION:
         raise _UsageError(
             f"this folder has layout {layout!r} and block format {block_format!r}; this kvtier "
-            f"reads layout {_LAYOUT_VERSION} and block format {FORMAT_VERSION}: use the kvtier "
+            f"reads layout {LAYOUT_VERSION} and block format {FORMAT_VERSION}: use the kvtier "
             "version that wrote it"
         )
 
@@ -303,7 +236,7 @@ def _inspect(args: argparse.Namespace, out: IO[str]) -> int:
         "root": str(root.resolve()),
         "layout": scan.marker.get("layout"),
         "block_format": scan.marker.get("block_format"),
-        "readable": scan.marker.get("layout") == _LAYOUT_VERSION
+        "readable": scan.marker.get("layout") == LAYOUT_VERSION
         and scan.marker.get("block_format") == FORMAT_VERSION,
         "signed": scan.marker.get("integrity") is not None,
         "blocks": len(scan.blocks),
@@ -349,60 +282,22 @@ def _inspect(args: argparse.Namespace, out: IO[str]) -> int:
 # -- verify ----------------------------------------------------------------------------------
 
 
-class _ShardDirs:
-    """Descriptors of the shard folder being verified, opened level by level without
-    following links from the root's descriptor (blocks come sorted, so one is kept open)."""
-
-    def __init__(self, root: Path) -> None:
-        self._root_fd = os.open(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _O_CLOEXEC)
-        self._shard: tuple[str, str] | None = None
-        self._fd: int | None = None
-
-    def fd(self, shard: tuple[str, str]) -> int | None:
-        if shard != self._shard:
-            self._close_shard()
-            self._shard = shard
-            first = _open_dir(shard[0], self._root_fd)
-            if first is not None:
-                try:
-                    self._fd = _open_dir(shard[1], first)
-                finally:
-                    os.close(first)
-        return self._fd
-
-    def _close_shard(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-        self._fd = None
-
-    def close(self) -> None:
-        self._close_shard()
-        os.close(self._root_fd)
-
-
 def _check_file(
-    block: _BlockFile, dirs: _ShardDirs, remove: bool, ikey: IntegrityKey | None
+    block: _BlockFile, dirs: ShardFolders, remove: bool, ikey: IntegrityKey | None
 ) -> tuple[str | None, bool]:
     """``(problem, removed)`` for one block file; ``problem`` is None when it is intact."""
     dir_fd = dirs.fd(block.shard)
     if dir_fd is None:
         return None, False  # the shard folder went away (or became a link): not followed
     try:
-        fd = os.open(block.name, os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC, dir_fd=dir_fd)
+        fd = os.open(block.name, READ_FLAGS, dir_fd=dir_fd)
     except FileNotFoundError:
         return None, False  # evicted by a running tier while we walked: not a fault
     try:
         with os.fdopen(os.dup(fd), "rb") as f:
             data = f.read()
         problem = _problem(block.name, data, ikey)
-        removed = False
-        if problem is not None and remove:
-            mine = os.fstat(fd)
-            with contextlib.suppress(FileNotFoundError):
-                now = os.stat(block.name, dir_fd=dir_fd, follow_symlinks=False)
-                if (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino):
-                    os.unlink(block.name, dir_fd=dir_fd)
-                    removed = True
+        removed = problem is not None and remove and remove_if_same(dir_fd, block.name, fd)
         return problem, removed
     finally:
         os.close(fd)
@@ -412,7 +307,7 @@ def _problem(name: str, data: bytes, ikey: IntegrityKey | None = None) -> str | 
     try:
         header = decode_header(data, integrity_key=ikey)
         if name.startswith("h"):  # a long key named by its hash: the name must be that hash
-            expected_key = header.key if _fs_name_of(header.key) == name else b""
+            expected_key = header.key if name_of(header.key) == name else b""
         else:
             expected_key = bytes.fromhex(name)
         verify_block(expected_key, header, memoryview(data)[header.size :], integrity_key=ikey)
@@ -421,12 +316,6 @@ def _problem(name: str, data: bytes, ikey: IntegrityKey | None = None) -> str | 
     except ValueError as exc:  # a block name that is not hex
         return f"bad file name: {exc}"
     return None
-
-
-def _fs_name_of(key: bytes) -> str:
-    from kvtier.tiers.fs._io import name_of
-
-    return name_of(key)
 
 
 def _verify(args: argparse.Namespace, out: IO[str], err: IO[str]) -> int:
@@ -439,7 +328,7 @@ def _verify(args: argparse.Namespace, out: IO[str], err: IO[str]) -> int:
     corrupt: list[tuple[Path, str, bool]] = []
     unreadable: list[tuple[Path, str]] = []
     checked = nbytes = 0
-    dirs = _ShardDirs(root)
+    dirs = ShardFolders(root)
     try:
         for i, block in enumerate(scan.blocks):
             try:

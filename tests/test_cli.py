@@ -17,7 +17,7 @@ from kvtier._cli import main
 from kvtier._format import header_size
 from kvtier._keys import block_keys
 from kvtier.tiers.fs import FSTier
-from kvtier.tiers.fs._io import MARKER_NAME, name_of, path_of
+from kvtier.tiers.fs._layout import MARKER_NAME, name_of, path_of
 
 BLOCK = 4096
 FILE = header_size(16) + BLOCK

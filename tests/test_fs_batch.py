@@ -31,6 +31,7 @@ from kvtier._lookup import LookupResult
 from kvtier.testing import CHECKS, resolve_lookup
 from kvtier.tiers.fs import FSTier
 from kvtier.tiers.fs import _io as _fs_io
+from kvtier.tiers.fs import _read as _fs_read
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fs_worker import key_of, payload_of
@@ -211,7 +212,7 @@ async def test_unpinned_load_deadline_walks_away_from_a_hung_read(
     root = tmp_path / "c"
     async with FSTier(root, max_concurrency=1) as tier:
         await tier.store_many([key(0), key(1)], [memoryview(data(0)), memoryview(data(1))])
-        monkeypatch.setattr(_fs_io, "_preadv", gate.wrap(os.preadv))
+        monkeypatch.setattr(_fs_read, "_preadv", gate.wrap(os.preadv))
         buf, dsts = views(2)
         with anyio.fail_after(FAILSAFE / 2):  # the 0.2 s timeout holds while the read hangs
             got = await tier.load_many([key(0), key(1)], dsts, timeout=0.2)
@@ -293,7 +294,7 @@ async def test_direct_and_buffered_write_the_same_files(
     """Files written with O_DIRECT are byte for byte those written through the page cache
     (the format is unchanged), whatever the size's alignment, and each mode reads the
     other's. Small direct pieces make a 20000-byte block take several reads."""
-    monkeypatch.setattr(_fs_io, "DIRECT_CHUNK", 8192)
+    monkeypatch.setattr(_fs_read, "DIRECT_CHUNK", 8192)
     blocks = {i: os.urandom(payload) for i in range(4)}
     direct, buffered = tmp_path / "direct", tmp_path / "buffered"
     async with FSTier(direct, direct_io=True) as tier:
@@ -325,7 +326,7 @@ async def test_direct_and_buffered_write_the_same_files(
 async def test_a_corrupt_block_is_caught_by_direct_reads(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_fs_io, "DIRECT_CHUNK", 8192)
+    monkeypatch.setattr(_fs_read, "DIRECT_CHUNK", 8192)
     root = tmp_path / "c"
     async with FSTier(root, direct_io=True) as tier:
         if not tier._direct:

@@ -1,11 +1,12 @@
 """FSTier on a hung mount: every deadline holds (issue 11, item 1), and stale checks (item 6).
 
 A real FSTier on real files; the one blocking OS call of the operation under test
-(``_fs_io._stat``, ``_preadv`` or ``_writev``) is replaced by a call that blocks until the test
-releases it, standing in for a syscall on a dead NFS server. The release happens at teardown
-(a failsafe timer releases it after ``FAILSAFE`` seconds, so a regression fails an assertion
-instead of hanging the run). Deadlines are asserted only with generous bounds: a 0.2 s deadline
-must answer within ``BOUND`` seconds, while the hang lasts until released.
+(``_fs_io._stat``, ``_fs_read._preadv`` or ``_fs_io._writev``) is replaced by a call that
+blocks until the test releases it, standing in for a syscall on a dead NFS server. The
+release happens at teardown (a failsafe timer releases it after ``FAILSAFE`` seconds, so a
+regression fails an assertion instead of hanging the run). Deadlines are asserted only with
+generous bounds: a 0.2 s deadline must answer within ``BOUND`` seconds, while the hang lasts
+until released.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from kvtier.pools._host import HostPool
 from kvtier.testing import resolve_lookup
 from kvtier.tiers.fs import FSTier
 from kvtier.tiers.fs import _io as _fs_io
+from kvtier.tiers.fs import _layout as _fs_layout
+from kvtier.tiers.fs import _read as _fs_read
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fs_worker import key_of, payload_of
@@ -137,7 +140,7 @@ async def test_promotion_fails_by_its_deadline(
     await stored(root, 1)
     pool = HostPool(4, BLOCK)
     async with TieringManager(pool, [FSTier(root)], promotion_timeout=DEADLINE) as manager:
-        monkeypatch.setattr(_fs_io, "_preadv", hang.wrap(os.preadv))
+        monkeypatch.setattr(_fs_read, "_preadv", hang.wrap(os.preadv))
         scheduler = OffloadScheduler(manager)
         started = time.perf_counter()
         with anyio.fail_after(BOUND):
@@ -155,7 +158,7 @@ async def test_an_abandoned_read_never_writes_into_the_callers_buffer(
     root = tmp_path / "c"
     await stored(root, 1)
     async with FSTier(root) as tier:
-        monkeypatch.setattr(_fs_io, "_preadv", hang.wrap(os.preadv))
+        monkeypatch.setattr(_fs_read, "_preadv", hang.wrap(os.preadv))
         dst = bytearray(BLOCK)
         with anyio.move_on_after(DEADLINE):
             await tier.load(key(1), memoryview(dst))
@@ -228,7 +231,7 @@ async def test_a_stale_check_does_not_drop_a_newer_store(
     tmp_path: Path, hang: Hang, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     root = tmp_path / "c"
-    target = str(_fs_io.path_of(root, _fs_io.name_of(key(1))))
+    target = str(_fs_layout.path_of(root, _fs_layout.name_of(key(1))))
 
     def stale_stat(path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
         """Look now, answer after the release: the answer is stale by then."""

@@ -17,7 +17,7 @@ import pytest
 from kvtier._errors import TierUnavailableError
 from kvtier._format import header_size
 from kvtier.tiers.fs import FSTier
-from kvtier.tiers.fs import _io as _fs_io
+from kvtier.tiers.fs import _layout as _fs_layout
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fs_worker import key_of, payload_of
@@ -49,7 +49,7 @@ async def test_evictions_and_deletes_never_follow_a_shard_link(tmp_path: Path) -
     async with FSTier(root, capacity_bytes=2 * FILE) as tier:
         await tier.store(key(1), memoryview(data(1)))
         await tier.store(key(2), memoryview(data(2)))
-        first = _fs_io.path_of(root, _fs_io.name_of(key(1)))
+        first = _fs_layout.path_of(root, _fs_layout.name_of(key(1)))
         swap_for_link(first.parent, outside)
         await tier.store(key(3), memoryview(data(3)))  # evicts key 1, the least recent
         await tier.delete(key(1))
@@ -62,7 +62,7 @@ async def test_a_store_into_a_linked_shard_writes_nothing_outside(tmp_path: Path
     root, outside = tmp_path / "c", tmp_path / "outside"
     async with FSTier(root) as tier:
         await tier.store(key(1), memoryview(data(1)))
-        path = _fs_io.path_of(root, _fs_io.name_of(key(1)))
+        path = _fs_layout.path_of(root, _fs_layout.name_of(key(1)))
         await tier.delete(key(1))
         swap_for_link(path.parent, outside)
         before = sorted(p.name for p in outside.iterdir())

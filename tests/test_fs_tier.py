@@ -45,6 +45,8 @@ from kvtier.testing import CHECKS, resolve_lookup
 from kvtier.tiers.fs import FSTier
 from kvtier.tiers.fs import _blocks as _fs_block
 from kvtier.tiers.fs import _io as _fs_io
+from kvtier.tiers.fs import _layout as _fs_layout
+from kvtier.tiers.fs import _read as _fs_read
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fs_worker import key_of, payload_of
@@ -88,7 +90,7 @@ def no_blocking(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[lis
     monkeypatch.setattr(builtins, "open", guard(builtins.open, "open"))
     monkeypatch.setattr(stdio, "open", guard(stdio.open, "io.open"))
     monkeypatch.setattr(_fs_io, "_writev", guard(_fs_io._writev, "os.writev"))
-    monkeypatch.setattr(_fs_io, "_preadv", guard(_fs_io._preadv, "os.preadv"))
+    monkeypatch.setattr(_fs_read, "_preadv", guard(_fs_read._preadv, "os.preadv"))
     monkeypatch.setattr(_fs_io, "_stat", guard(_fs_io._stat, "os.stat"))
     yield caught
     assert not caught, f"blocking calls on the event loop: {sorted(set(caught))}"
@@ -464,12 +466,12 @@ async def test_open_removes_only_dead_writers_temporary_files(tmp_path: Path) ->
     shard = block_files(root)[0].parent
     dead = await anyio.run_process([sys.executable, "-c", "import os; print(os.getpid())"])
     dead_pid = int(dead.stdout)
-    mine = shard / f".tmp-{_fs_io.HOST_TAG}-{dead_pid}-0000-{key(5).hex()}"
+    mine = shard / f".tmp-{_fs_layout.HOST_TAG}-{dead_pid}-0000-{key(5).hex()}"
     remote_fresh = shard / f".tmp-ffffffff-{os.getpid()}-0000-{key(6).hex()}"
     remote_old = shard / f".tmp-ffffffff-{os.getpid()}-0001-{key(7).hex()}"
     for p in (mine, remote_fresh, remote_old):
         p.write_bytes(b"half a block")
-    old = time.time() - 2 * _fs_io.STALE_TMP_SECONDS
+    old = time.time() - 2 * _fs_layout.STALE_TMP_SECONDS
     os.utime(remote_old, (old, old))
     async with FSTier(root) as tier:
         assert await load(tier, key(0)) == data(0)
@@ -621,7 +623,7 @@ async def test_io_error_on_load_is_a_counted_miss(
 
     async with FSTier(tmp_path / "c") as tier:
         await tier.store(key(0), memoryview(data(0)))
-        monkeypatch.setattr(_fs_io, "_preadv", broken)
+        monkeypatch.setattr(_fs_read, "_preadv", broken)
         with pytest.raises(TierUnavailableError, match="EIO"):
             await load(tier, key(0))
         assert tier.lookup(key(0)) is LookupResult.MISS

@@ -31,7 +31,7 @@ from kvtier._format import (
 from kvtier._lookup import LookupResult
 from kvtier.testing import CHECKS, resolve_lookup
 from kvtier.tiers.fs import FSTier
-from kvtier.tiers.fs import _io as _fs_io
+from kvtier.tiers.fs import _layout as _fs_layout
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fs_worker import key_of, payload_of
@@ -50,7 +50,7 @@ def data(i: int) -> bytes:
 
 
 def path(root: Path, k: bytes) -> Path:
-    return _fs_io.path_of(root, _fs_io.name_of(k))
+    return _fs_layout.path_of(root, _fs_layout.name_of(k))
 
 
 # -- the format ------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from kvtier._lookup import MissReason
 from kvtier.tiers._base import BatchResults, run_each
 from kvtier.tiers.fs import _blocks
 from kvtier.tiers.fs import _io as io
+from kvtier.tiers.fs import _layout as layout
 from kvtier.tiers.fs._calls import Handoff, Stuck
 
 if TYPE_CHECKING:
@@ -46,7 +47,7 @@ async def load_many(
 ) -> BatchResults:
     """``FSTier.load_many`` once its arguments are checked."""
     tier._calls.drain_late()
-    names = [io.name_of(k) for k in keys]
+    names = [layout.name_of(k) for k in keys]
     results: BatchResults = [None] * len(keys)
     wrong: list[str] = []
     since = tier._watch()
@@ -148,7 +149,7 @@ async def store_many(
     tier: FSTier, keys: list[bytes], payloads: list[memoryview], deadline: float, pinned: bool
 ) -> BatchResults:
     """``FSTier.store_many`` once its arguments are checked."""
-    names = [io.name_of(k) for k in keys]
+    names = [layout.name_of(k) for k in keys]
     results: BatchResults = [None] * len(keys)
     mine: list[int] = []
     later: list[int] = []  # keys being stored already (or twice here): store() waits

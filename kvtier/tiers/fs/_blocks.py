@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from kvtier._format import header_size
 from kvtier.tiers.fs import _io as io
+from kvtier.tiers.fs import _read
 from kvtier.tiers.fs._calls import Handoff
 
 if TYPE_CHECKING:
@@ -30,13 +31,13 @@ def read_block(
     the tier's, copied into ``view`` inside ``touching()``; else straight into ``view``,
     unless O_DIRECT needs an aligned buffer anyway."""
     if not (private or tier._direct):
-        return io.read_block(
+        return _read.read_block(
             tier.root, name, key, view, None, call.touching, integrity_key=tier.integrity_key
         )
     hlen = header_size(len(key), integrity_key=tier.integrity_key)
-    buf = tier._buffers.take(io.scratch_size(tier._direct, hlen, view.nbytes))
+    buf = tier._buffers.take(_read.scratch_size(tier._direct, hlen, view.nbytes))
     try:
-        return io.read_block(
+        return _read.read_block(
             tier.root,
             name,
             key,

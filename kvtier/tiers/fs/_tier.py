@@ -116,6 +116,7 @@ from kvtier.tiers._base import (
 )
 from kvtier.tiers.fs import _batch, _blocks
 from kvtier.tiers.fs import _io as io
+from kvtier.tiers.fs import _layout as layout
 from kvtier.tiers.fs._calls import Abandoned, BufferPool, Handoff, Stuck, WorkerCalls
 from kvtier.tiers.fs._index import IndexLookups
 
@@ -187,7 +188,7 @@ class FSTier(SecondaryTier):
         self.shared = shared
         self.direct_io = direct_io
         self._direct = False  # O_DIRECT asked for and taken by the file system (probed at open)
-        self._marker = io.marker_for(self.integrity_key)
+        self._marker = layout.marker_for(self.integrity_key)
         self._calls: WorkerCalls[Any] = WorkerCalls(max_stuck_threads)
         self._buffers = BufferPool(keep=max_concurrency + max_write_concurrency)
         self._limiter = anyio.CapacityLimiter(max_concurrency)
@@ -260,7 +261,7 @@ class FSTier(SecondaryTier):
                 lambda _: (io.prepare_root(root, marker), self.direct_io and io.probe_direct(root)),
                 limiter=self._limiter,
             )
-        except io.IncompatibleRoot as exc:
+        except layout.IncompatibleRoot as exc:
             raise InvalidArgumentError(str(exc)) from None
         except (OSError, Stuck) as exc:
             self._ready = False
@@ -286,7 +287,7 @@ class FSTier(SecondaryTier):
         return self._lookups.lookup(key)
 
     def _holds(self, key: bytes) -> bool:
-        return self._ready and io.name_of(key) in self._index
+        return self._ready and layout.name_of(key) in self._index
 
     def record_miss(self, key: bytes, reason: MissReason) -> None:
         self._lookups.record(key, False, reason)
@@ -295,7 +296,7 @@ class FSTier(SecondaryTier):
         self._lookups.record(key, True)
 
     async def contains_many(self, keys: list[bytes]) -> list[bool]:
-        names = [io.name_of(check_key(k)) for k in keys]
+        names = [layout.name_of(check_key(k)) for k in keys]
         self._calls.drain_late()
         root = self.root
         since = self._watch()
@@ -319,7 +320,7 @@ class FSTier(SecondaryTier):
     async def load(self, key: bytes, dst: memoryview) -> None:
         check_key(key)
         view = _writable_bytes(dst)
-        name = io.name_of(key)
+        name = layout.name_of(key)
         started = time.perf_counter()
         self._calls.drain_late()
         ikey = self.integrity_key
@@ -359,7 +360,7 @@ class FSTier(SecondaryTier):
     async def store(self, key: bytes, src: memoryview) -> None:
         check_key(key)
         payload = _readable_bytes(src)
-        name = io.name_of(key)
+        name = layout.name_of(key)
         while (busy := self._storing.get(key)) is not None:
             await busy.wait()  # the same key is being written: let that store decide
         done = self._storing[key] = anyio.Event()
@@ -500,7 +501,7 @@ class FSTier(SecondaryTier):
 
     def _evicted(self, victims: list[tuple[str, int]]) -> None:
         self._meter.evictions += len(victims)
-        keys = [k for v, _ in victims if (k := io.key_of(v)) is not None]
+        keys = [k for v, _ in victims if (k := layout.key_of(v)) is not None]
         for k in keys:
             self._lookups.record(k, False, MissReason.EVICTED)
         if keys:
@@ -508,7 +509,7 @@ class FSTier(SecondaryTier):
 
     async def delete(self, key: bytes) -> None:
         check_key(key)
-        name = io.name_of(key)
+        name = layout.name_of(key)
         root = self.root
         try:
             removed = await self._calls.run(

@@ -1,0 +1,410 @@
+"""The FS tier's folder layout: names, shard folders, the format marker, and the one walk.
+
+``<root>/<2 hex>/<2 hex>/<name>`` plus ``<root>/kvtier-fs.json``: a block's file name is its
+key in hex (or ``h`` + a hash of a key too long for one name), and its two shard folders are
+the name's *last* four hex digits (keys start with a version byte, so the first digits would
+put every block in one folder). Folders are 0700 and files 0600. A file being written is
+``.tmp-<host>-<pid>-<random>-<name>`` beside its final place.
+
+This module is the one place that knows that layout. ``FSTier`` (through ``_io`` and
+``_read``) and the ``kvtier`` command line both reach the folder through here, with one
+posture: below the root, folders and files are opened one level at a time from a directory
+descriptor with ``O_NOFOLLOW``, so a shard folder, block file or marker that is a symbolic
+link (planted by whoever can write to a shared folder) is never followed: not for a read, a
+write, a removal or a walk, even when it is swapped in while a walk runs. (The batched
+existence checks ``stat`` a block's ``path_of`` instead, one call per key: a link there can
+only make a key look present, and the load that follows refuses the link.) The root itself
+may be a link: naming it is the operator's choice. Plain functions; they block, so the tier
+calls them in worker threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import errno
+import hashlib
+import json
+import os
+import re
+import secrets
+import socket
+import stat
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvtier._format import FORMAT_VERSION, IntegrityKey
+
+__all__ = [
+    "HOST_TAG",
+    "LAYOUT_VERSION",
+    "MARKER",
+    "MARKER_NAME",
+    "READ_FLAGS",
+    "STALE_TMP_SECONDS",
+    "TMP_PREFIX",
+    "Entry",
+    "IncompatibleRoot",
+    "Item",
+    "Kind",
+    "ShardFolders",
+    "check_marker",
+    "fsync_folder",
+    "is_block_name",
+    "key_of",
+    "marker_for",
+    "name_of",
+    "open_folder",
+    "open_shard",
+    "path_of",
+    "read_marker",
+    "remove_if_same",
+    "tmp_name",
+    "walk",
+]
+
+LAYOUT_VERSION = 1
+MARKER_NAME = "kvtier-fs.json"
+MARKER = {"format": "kvtier-fs", "layout": LAYOUT_VERSION, "block_format": FORMAT_VERSION}
+# A temporary file from another host (or from before a reboot) whose writer we cannot ask about
+# is removed once it is this old: no store takes anywhere near an hour.
+STALE_TMP_SECONDS = 3600.0
+TMP_PREFIX = ".tmp-"
+_OWN_PREFIX = ".kvtier-fs"  # the marker's temporary file and the O_DIRECT probe
+_SHARD = re.compile(r"[0-9a-f]{2}")
+_NAME = re.compile(r"[0-9a-f]{2,200}|h[0-9a-f]{64}")
+_MAX_HEX_KEY = 100  # longer keys are named by a hash so a file name stays under NAME_MAX
+DIR_MODE = 0o700
+FILE_MODE = 0o600
+O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_ROOT_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | O_CLOEXEC
+_DIR_FLAGS = _ROOT_FLAGS | O_NOFOLLOW
+# How a block file (or the marker) is opened for reading: never through a link.
+READ_FLAGS = os.O_RDONLY | O_CLOEXEC | O_NOFOLLOW
+
+
+def _host_tag() -> str:
+    """Names this host and boot, so a new process can tell a dead local writer's temporary
+    file (pid gone) from one that another machine on a shared filesystem is still writing."""
+    boot = b""
+    with contextlib.suppress(OSError):
+        boot = Path("/proc/sys/kernel/random/boot_id").read_bytes().strip()
+    return hashlib.blake2b(socket.gethostname().encode() + b"/" + boot, digest_size=4).hexdigest()
+
+
+HOST_TAG = _host_tag()
+
+
+class IncompatibleRoot(Exception):
+    """The root was written by another format, or is not a kvtier folder; never touched."""
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """A block file found when a root is opened."""
+
+    name: str
+    size: int
+    mtime: float
+
+
+# -- names -------------------------------------------------------------------------------------
+
+
+def name_of(key: bytes) -> str:
+    """File name of ``key``: its hex (only ``[0-9a-f]``, so it can never name a path outside the
+    root), or ``h`` + a hash of it for keys too long for one file name."""
+    if len(key) <= _MAX_HEX_KEY:
+        return key.hex()
+    return "h" + hashlib.blake2b(key, digest_size=32).hexdigest()
+
+
+def key_of(name: str) -> bytes | None:
+    """The key a file name stands for, when the name says it (hashed names do not)."""
+    return None if name.startswith("h") else bytes.fromhex(name)
+
+
+def is_block_name(name: str) -> bool:
+    """Whether ``name`` is one that ``name_of`` gives."""
+    return _NAME.fullmatch(name) is not None
+
+
+def tmp_name(name: str) -> str:
+    """A unique temporary name for a block file being written: it says which host and process
+    writes it, so opening a root can tell when its writer is gone."""
+    return f"{TMP_PREFIX}{HOST_TAG}-{os.getpid()}-{secrets.token_hex(4)}-{name}"
+
+
+def _shard_of(name: str) -> tuple[str, str]:
+    if not is_block_name(name):  # belt and braces: names come from name_of only
+        raise AssertionError(f"refusing unsafe block file name {name!r}")
+    last = name.rjust(4, "0")[-4:]
+    return last[0:2], last[2:4]
+
+
+def path_of(root: Path, name: str) -> Path:
+    """Where the block file ``name`` lives (for reports and existence checks; the operations
+    that read, write or delete reach it through ``open_shard`` instead)."""
+    first, second = _shard_of(name)
+    return root / first / second / name
+
+
+# -- descriptors -------------------------------------------------------------------------------
+
+
+def open_shard(root: Path, name: str, *, create: bool = False) -> int:
+    """A descriptor of ``name``'s shard folder, reached from ``root`` one level at a time
+    without following a link. A link there raises ``OSError`` (ELOOP); a missing level
+    ``FileNotFoundError`` unless ``create``. The caller closes the descriptor."""
+    fd = os.open(root, _ROOT_FLAGS)
+    try:
+        for level in _shard_of(name):
+            if create:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(level, DIR_MODE, dir_fd=fd)
+            try:
+                inner = os.open(level, _DIR_FLAGS, dir_fd=fd)
+            except NotADirectoryError as exc:
+                raise OSError(errno.ELOOP, f"shard {level} is not a folder") from exc
+            os.close(fd)
+            fd = inner
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_folder(name: str, dir_fd: int) -> int | None:
+    """A descriptor of the folder ``name`` in ``dir_fd``, or None if it is gone or is not a
+    real folder (a link is never followed)."""
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return None
+        raise
+
+
+class ShardFolders:
+    """Descriptors of shard folders for a pass over many blocks, opened level by level from
+    the root's descriptor without following links; the last one is kept open, so blocks
+    taken shard by shard (as ``walk`` gives them) open each folder once."""
+
+    def __init__(self, root: Path) -> None:
+        self._root_fd = os.open(root, _ROOT_FLAGS)
+        self._shard: tuple[str, str] | None = None
+        self._fd: int | None = None
+
+    def fd(self, shard: tuple[str, str]) -> int | None:
+        """The descriptor of ``shard``, or None when it is gone or is a link."""
+        if shard != self._shard:
+            self._close_shard()
+            self._shard = shard
+            first = open_folder(shard[0], self._root_fd)
+            if first is not None:
+                try:
+                    self._fd = open_folder(shard[1], first)
+                finally:
+                    os.close(first)
+        return self._fd
+
+    def _close_shard(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+        self._fd = None
+
+    def close(self) -> None:
+        self._close_shard()
+        os.close(self._root_fd)
+
+
+def remove_if_same(dir_fd: int, name: str, fd: int) -> bool:
+    """Unlink ``name`` only if it is still the file open as ``fd``, so a good block another
+    process published there in the meantime survives. False when it was not (or was gone)."""
+    mine = os.fstat(fd)
+    try:
+        now = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        if (now.st_dev, now.st_ino) != (mine.st_dev, mine.st_ino):
+            return False
+        os.unlink(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def fsync_folder(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY | O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# -- the walk ----------------------------------------------------------------------------------
+
+
+class Kind(enum.Enum):
+    SHARD = "shard"  # a second-level shard folder, about to be walked
+    BLOCK = "block"  # a regular file named as ``name_of`` names blocks
+    TEMPORARY = "temporary"  # a block file being written, or left by a writer that died
+    FOREIGN = "foreign"  # anything else: not kvtier's, never followed, read or removed
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    """One thing the walk found. ``parts``: its path below the root, one part per level.
+    ``folder``: a descriptor of the folder that holds it, valid until the walk moves on."""
+
+    kind: Kind
+    parts: tuple[str, ...]
+    folder: int
+    size: int = 0
+    mtime: float = 0.0
+
+
+def walk(root: Path) -> Iterator[Item]:
+    """Everything under ``root`` by the layout, in name order, through descriptors opened
+    without following links (a link anywhere below the root is ``FOREIGN``). The marker and
+    kvtier's own dot files at the root are not reported."""
+    root_fd = os.open(root, _ROOT_FLAGS)
+    try:
+        for first, is_dir in _entries(root_fd):
+            first_fd = open_folder(first, root_fd) if is_dir and _is_shard(first) else None
+            if first_fd is None:
+                if first != MARKER_NAME and not first.startswith(_OWN_PREFIX):
+                    yield Item(Kind.FOREIGN, (first,), root_fd)
+                continue
+            try:
+                for second, second_is_dir in _entries(first_fd):
+                    ok = second_is_dir and _is_shard(second)
+                    second_fd = open_folder(second, first_fd) if ok else None
+                    if second_fd is None:
+                        yield Item(Kind.FOREIGN, (first, second), first_fd)
+                        continue
+                    try:
+                        yield Item(Kind.SHARD, (first, second), first_fd)
+                        yield from _walk_shard((first, second), second_fd)
+                    finally:
+                        os.close(second_fd)
+            finally:
+                os.close(first_fd)
+    finally:
+        os.close(root_fd)
+
+
+def _is_shard(name: str) -> bool:
+    return _SHARD.fullmatch(name) is not None
+
+
+def _entries(dir_fd: int) -> list[tuple[str, bool]]:
+    """``(name, is a real folder)`` for each entry, links never followed, sorted."""
+    with os.scandir(dir_fd) as it:
+        return sorted((e.name, e.is_dir(follow_symlinks=False)) for e in it)
+
+
+def _walk_shard(shard: tuple[str, str], fd: int) -> Iterator[Item]:
+    with os.scandir(fd) as entries:
+        for entry in entries:
+            parts = (*shard, entry.name)
+            if entry.name.startswith(TMP_PREFIX):
+                yield Item(Kind.TEMPORARY, parts, fd)
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue  # removed while we looked
+            if is_block_name(entry.name) and stat.S_ISREG(st.st_mode):
+                yield Item(Kind.BLOCK, parts, fd, st.st_size, st.st_mtime)
+            else:
+                yield Item(Kind.FOREIGN, parts, fd)
+
+
+# -- the format marker -------------------------------------------------------------------------
+
+
+def marker_for(integrity_key: IntegrityKey | None) -> dict[str, object]:
+    """The format marker a tier with (or without) an integrity key writes and expects. A
+    signed folder names its MAC and the key's public fingerprint, so a node with no key or
+    another key refuses the folder at open, instead of calling every block corrupt and
+    removing the blocks its peers wrote."""
+    if integrity_key is None:
+        return dict(MARKER)
+    return {**MARKER, "integrity": {"mac": "blake2b-256", "key_id": integrity_key.key_id}}
+
+
+def read_marker(root: Path) -> bytes:
+    """The marker file's bytes (``FileNotFoundError`` when there is none; a link is not a
+    marker: ``OSError``)."""
+    fd = os.open(root / MARKER_NAME, READ_FLAGS)
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
+
+
+def check_marker(root: Path, expected: dict[str, object]) -> None:
+    """Check the format marker of ``root``, or write it to an empty folder; raises
+    ``IncompatibleRoot`` for a folder kvtier did not create or wrote in another format."""
+    try:
+        raw = read_marker(root)
+    except FileNotFoundError:
+        foreign = [n for n in os.listdir(root) if not n.startswith(_OWN_PREFIX)]
+        if foreign:
+            raise IncompatibleRoot(
+                f"{root} is not empty and has no {MARKER_NAME} marker, so it is not a kvtier "
+                "folder; point FSTier at an empty folder or at one kvtier created"
+            ) from None
+        _write_marker(root, expected)
+        return
+    try:
+        found = json.loads(raw)
+    except ValueError:
+        found = None
+    if found != expected:
+        if isinstance(found, dict) and {**found, "integrity": None} == {
+            **expected,
+            "integrity": None,
+        }:
+            raise IncompatibleRoot(_integrity_mismatch(root, found, expected))
+        raise IncompatibleRoot(
+            f"{root} holds kvtier-fs data in another format ({MARKER_NAME} says {found!r}; this "
+            f"kvtier writes {expected!r}); point FSTier at another folder, or empty this one to "
+            "start a fresh cache"
+        )
+
+
+def _integrity_mismatch(root: Path, found: dict[str, object], expected: dict[str, object]) -> str:
+    have, want = found.get("integrity"), expected.get("integrity")
+    if want is None:
+        return (
+            f"{root} holds blocks signed with an integrity key; set integrity_key "
+            "(KVTIER_INTEGRITY_KEY) to the key every node sharing this folder uses"
+        )
+    if have is None:
+        return (
+            f"{root} holds unsigned blocks, and this tier has an integrity key: point it at an "
+            "empty folder, or empty this one, to start a signed cache"
+        )
+    return (
+        f"{root} is signed with another integrity key (key id {have!r}, this tier's "
+        f"{want!r}); every node sharing a folder must set the same key"
+    )
+
+
+def _write_marker(root: Path, marker: dict[str, object]) -> None:
+    tmp = root / f"{_OWN_PREFIX}.json.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC, FILE_MODE)
+    try:
+        os.write(fd, json.dumps(marker).encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        os.rename(tmp, root / MARKER_NAME)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    fsync_folder(root)
