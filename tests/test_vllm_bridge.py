@@ -403,3 +403,17 @@ def test_shutdown_returns_while_the_tier_never_opens() -> None:
     assert tier.open_cancelled and tier.closes == 1
     assert not bridge._thread.is_alive()
     assert bridge.lookup(key) is kvtier.LookupResult.MISS
+
+
+def test_shutdown_returns_while_an_fs_tier_hangs_in_its_open(
+    hung_mount: _HungMount, tmp_path: Path
+) -> None:
+    bridge = TierBridge(kvtier.FSTier(tmp_path / "fs"), op_timeout=3600.0)
+    assert hung_mount.entered.wait(WAIT)
+    (key,) = kvtier.block_keys(list(range(4)), 4)
+    bridge.submit(1, "store", [key], [memoryview(bytes(BLOCK))])
+    assert returns(bridge.close), "close waited for the hung mount"
+    (outcome,) = bridge.take_finished()
+    assert outcome.job_id == 1 and outcome.failures_by_reason == {"closed": 1}
+    assert not bridge._thread.is_alive()
+    assert not hung_mount.release.is_set(), "returned only because the mount came back"
