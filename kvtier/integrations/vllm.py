@@ -27,8 +27,9 @@ How vLLM's calls map onto kvtier (all of them return at once; see ``_bridge`` fo
   ``drain_jobs`` waits), so FSTier needs no private copy beyond what O_DIRECT asks for, and
   jobs submitted together share a call. kvtier's block format and checksum apply. A load
   where some keys fail reports ``successful_keys``; a failed key's verdict becomes a miss
-  so vLLM does not promote it again at once. ``op_timeout`` bounds each call: blocks not
-  started by then fail (``timeout``); a block under way is waited for.
+  so vLLM does not promote it again at once. ``op_timeout`` bounds each job from its
+  submission, a tier still opening included: blocks not started by then fail (``timeout``);
+  a block under way is waited for. ``check_timeout`` bounds a lookup's ``RETRY`` the same way.
 - ``drain_jobs`` blocks until no job touches the primary view (jobs are waited for, never
   cancelled); ``shutdown`` drains, closes the tier and joins the loop thread.
 
