@@ -163,11 +163,11 @@ async def test_capacity_is_kept_block_by_block(tmp_path: Path) -> None:
         s = tier.statistics()
         assert s.blocks == 4 and s.bytes_stored == 4 * FILE and s.evictions == 2
         assert len(block_files(tmp_path / "c")) == 4
-        assert tier._reserved == 0
+        assert tier._catalog.reserved == 0
     async with FSTier(tmp_path / "d", capacity_bytes=FILE - 1) as tier:
         got = await tier.store_many([key(0)], [memoryview(data(0))])
         assert isinstance(got[0], TierNoSpaceError)
-        assert tier._reserved == 0
+        assert tier._catalog.reserved == 0
 
 
 async def test_a_failing_write_fails_only_its_block(
@@ -191,7 +191,7 @@ async def test_a_failing_write_fails_only_its_block(
         assert not tmp_files(root)
         s = tier.statistics()
         assert s.blocks == 2 and s.failures_by_reason == {"unavailable": 1}
-        assert tier._reserved == 0
+        assert tier._catalog.reserved == 0
 
 
 async def test_the_same_key_twice_and_a_store_in_flight(tmp_path: Path) -> None:
@@ -203,7 +203,7 @@ async def test_the_same_key_twice_and_a_store_in_flight(tmp_path: Path) -> None:
                 [memoryview(data(0)), memoryview(data(1)), memoryview(data(1))],
             )
         assert got == [None, None, None]
-        assert tier.statistics().blocks == 2 and not tier._storing
+        assert tier.statistics().blocks == 2 and not tier._catalog.storing
 
 
 async def test_unpinned_load_deadline_walks_away_from_a_hung_read(
@@ -219,7 +219,7 @@ async def test_unpinned_load_deadline_walks_away_from_a_hung_read(
         assert all(isinstance(e, TierTimeoutError) for e in got)
         buf[:] = b"\xab" * len(buf)  # the slots are reused at once
         gate.release.set()
-        assert await anyio.to_thread.run_sync(tier._calls.wait_unstuck, FAILSAFE)
+        assert await anyio.to_thread.run_sync(tier._files.calls.wait_unstuck, FAILSAFE)
         assert buf == b"\xab" * len(buf), "an abandoned read wrote into the caller's memory"
         assert tier.statistics().failures_by_reason == {"timeout": 2}
 
@@ -253,8 +253,8 @@ async def test_pinned_store_deadline_waits_for_io_and_stops_the_rest(
         assert result[0] is None, "the block whose write was under way completes"
         assert isinstance(result[1], TierTimeoutError), "no block starts after the deadline"
         s = tier.statistics()
-        assert s.blocks == 1 and tier._reserved == 0 and not tier._storing
-        assert tier._calls.stuck == 0
+        assert s.blocks == 1 and tier._catalog.reserved == 0 and not tier._catalog.storing
+        assert tier._files.calls.stuck == 0
 
 
 async def test_unpinned_store_deadline_settles_the_write_it_left(
@@ -268,11 +268,11 @@ async def test_unpinned_store_deadline_settles_the_write_it_left(
                 [key(0), key(1)], [memoryview(data(0)), memoryview(data(1))], timeout=0.2
             )
         assert all(isinstance(e, TierTimeoutError) for e in got)
-        assert tier._reserved == FILE, "the write left running still holds its room"
+        assert tier._catalog.reserved == FILE, "the write left running still holds its room"
         gate.release.set()
-        assert await anyio.to_thread.run_sync(tier._calls.wait_unstuck, FAILSAFE)
+        assert await anyio.to_thread.run_sync(tier._files.calls.wait_unstuck, FAILSAFE)
         s = tier.statistics()  # runs the late settlement
-        assert tier._reserved == 0
+        assert tier._catalog.reserved == 0
         assert s.blocks == 1 and len(block_files(root)) == 1 and not tmp_files(root)
         out = bytearray(BLOCK)
         await tier.load(key(0), memoryview(out))
@@ -298,12 +298,12 @@ async def test_direct_and_buffered_write_the_same_files(
     blocks = {i: os.urandom(payload) for i in range(4)}
     direct, buffered = tmp_path / "direct", tmp_path / "buffered"
     async with FSTier(direct, direct_io=True) as tier:
-        if not tier._direct:
+        if not tier._files.direct:
             pytest.skip("this file system refuses O_DIRECT")
         await tier.store_many([key(0), key(1)], [memoryview(blocks[0]), memoryview(blocks[1])])
         await tier.store(key(2), memoryview(blocks[2]))
     async with FSTier(buffered) as tier:
-        assert not tier._direct, "direct I/O is opt-in"
+        assert not tier._files.direct, "direct I/O is opt-in"
         for i in range(3):
             await tier.store(key(i), memoryview(blocks[i]))
     for name in (key(i).hex() for i in range(3)):
@@ -329,7 +329,7 @@ async def test_a_corrupt_block_is_caught_by_direct_reads(
     monkeypatch.setattr(_fs_read, "DIRECT_CHUNK", 8192)
     root = tmp_path / "c"
     async with FSTier(root, direct_io=True) as tier:
-        if not tier._direct:
+        if not tier._files.direct:
             pytest.skip("this file system refuses O_DIRECT")
         payload = os.urandom(20_000)
         await tier.store(key(0), memoryview(payload))

@@ -124,7 +124,7 @@ async def test_stuck_threads_are_bounded_then_checks_fail_at_once(
         assert reasons.get("timeout") == 2 and reasons.get("unavailable") == 1
         assert "stuck_threads=2" in repr(tier)
         hang.release.set()  # the mount comes back: the tier recovers by itself
-        assert await anyio.to_thread.run_sync(tier._calls.wait_unstuck, FAILSAFE)
+        assert await anyio.to_thread.run_sync(tier._files.calls.wait_unstuck, FAILSAFE)
         await tier.store(key(20), memoryview(data(20)))
         assert await resolve_lookup(tier, key(21), timeout=BOUND) is LookupResult.MISS
         assert tier.statistics().lookups.misses_by_reason.get("not_found") == 1
@@ -164,7 +164,7 @@ async def test_an_abandoned_read_never_writes_into_the_callers_buffer(
             await tier.load(key(1), memoryview(dst))
         dst[:] = b"\xab" * BLOCK  # the slot now holds another block
         hang.release.set()
-        assert await anyio.to_thread.run_sync(tier._calls.wait_unstuck, FAILSAFE)
+        assert await anyio.to_thread.run_sync(tier._files.calls.wait_unstuck, FAILSAFE)
         assert dst == b"\xab" * BLOCK
         assert tier.statistics().blocks == 1  # the block itself is fine
         out = bytearray(BLOCK)
@@ -200,11 +200,11 @@ async def test_store_deadline_unpins_and_frees_in_flight_bytes(
         assert s.cascades_started == 4 and s.cascades_skipped == 0
         # The mount comes back: the abandoned write lands and is accounted for, once.
         hang.release.set()
-        assert await anyio.to_thread.run_sync(tier._calls.wait_unstuck, FAILSAFE)
+        assert await anyio.to_thread.run_sync(tier._files.calls.wait_unstuck, FAILSAFE)
         t = tier.statistics()
         on_disk = sorted(p for p in (tmp_path / "c").glob("??/??/*") if p.name[0] != ".")
         assert t.blocks == len(on_disk) == 4 and t.bytes_stored == 4 * FILE
-        assert tier._reserved == 0
+        assert tier._catalog.reserved == 0
 
 
 async def test_close_honours_close_timeout(

@@ -1,4 +1,96 @@
-"""The file-system tier: one verified file per block under a local or shared folder."""
+"""A secondary tier in a local or shared folder: one verified file per block (design §3-4).
+
+Layout: ``<root>/<2 hex>/<2 hex>/<hex key>`` plus ``<root>/kvtier-fs.json``, the format marker.
+The two shard folders are the key's *last* four hex digits (keys start with a version byte).
+Folders are 0700 and files 0600: KV blocks are as private as the prompts they came from.
+``_layout`` owns all of it, for the tier and for the ``kvtier`` command line.
+
+What makes it trustworthy:
+
+- **Never a torn or wrong block.** A block is written to a uniquely named temporary file beside
+  its final place and renamed into place, so a reader sees the whole file or none. Every load
+  checks the header (magic, version, key, length) and the payload's xxh3-64 before the bytes
+  count as loaded; a bad file is removed, counted as ``corrupt`` and becomes a miss.
+- **Survives kill -9 and restarts.** A process killed mid-store leaves at most a temporary file,
+  which the next ``open()`` removes once its writer is gone; a new ``FSTier`` on the same folder
+  rebuilds its index (and its usage) from the files, oldest first.
+- **Bounded.** With ``capacity_bytes`` the least recently used blocks are removed before a store
+  would pass the limit.
+- **Shares a folder.** Several processes may use one folder: publishing is a rename, removal is
+  an unlink, and a reader holding a file open keeps reading it even if another process evicts
+  it, so the worst another process can do is turn a hit into a miss. Files are reached from
+  the root one folder at a time without following links, so a shard folder replaced by a link
+  cannot make the tier write, read or delete outside its root.
+- **Never blocks the loop.** Each operation is one call in a worker thread (``anyio.to_thread``,
+  bounded by ``max_concurrency`` for reads and ``max_write_concurrency`` for write-through);
+  see ``_io`` and ``_read``. aiofiles would cost one thread hop per OS call
+  (open, write, fsync, close, rename: five per store) and could be abandoned between them by a
+  cancellation, leaving a temporary file behind; one hop per operation is faster and atomic.
+- **Deadlines hold on a hung mount.** A caller whose deadline fires leaves the thread behind
+  (a syscall on a dead NFS server cannot be interrupted); reads land in a private buffer and
+  writes copy the pool slot out first, so an abandoned thread never touches pool memory (see
+  ``_calls``). At most ``max_stuck_threads`` abandoned threads may still be running; past
+  that, operations fail at once (``unavailable``) instead of piling threads onto the mount.
+- **Batches cost a few thread hops.** ``load_many``/``store_many`` cut a batch into at most
+  ``max_concurrency`` (``max_write_concurrency``) runs, each one worker-thread call that
+  handles its blocks in turn, with ``load``'s and ``store``'s bookkeeping block by block
+  (a bad block fails alone; capacity is kept in waves, so a block only evicts what is
+  published). A *pinned* batch (the caller waits for it whatever happens, as the vLLM
+  adapter does) reads into and writes from the caller's memory directly and is never
+  walked away from; its deadline only stops blocks that have not started. Batches that
+  are not pinned keep every deadline promise above. The batch machinery is its own job,
+  so it lives in ``_batch``; ``FSTier`` checks a batch's arguments and hands it over.
+- **O_DIRECT on request** (``direct_io=True``; used where the file system takes it, probed
+  at open): blocks are written and read past the page cache, through an aligned private
+  buffer that holds header and payload side by side (the header is why: the payload sits at
+  an unaligned offset, so the engine's memory cannot be the buffer). The files are the same
+  bytes either way, so folders written with and without it read alike. It is off by default
+  because it did not pay behind vLLM, where the buffered tier matched or beat it both ways
+  (``benchmarks/bench_vllm_fs.py`` runs both). Turn it on to keep KV blocks out of the page
+  cache and leave no write-back behind. Which buffer a block's bytes pass through, per block
+  in a worker thread, is ``_blocks``'s.
+- **Exclusive folders answer without a stat.** With ``shared=False`` (only this process writes
+  the folder) ``lookup()`` answers from the index at once: a key it holds is a ``HIT``, any
+  other a ``MISS`` (``not_found``) (see ``_index``). The default, ``shared=True``, checks
+  the folder in batches, because another process may have written it.
+- **A block being written is not a miss.** In either mode a key this tier is storing and
+  does not hold yet answers ``RETRY``, and having answered so, its listeners hear the key
+  when the store ends (landed or failed). A deferred write to a slower tier that copies
+  the block from here then waits for it instead of giving the block up
+  (``settled_lookup``).
+- **Signed blocks.** With ``integrity_key`` every block carries a keyed BLAKE2b MAC and only
+  blocks that verify are served (anything else is a ``corrupt`` miss): someone who can write
+  to a shared folder can no longer publish a block for a key. The folder marker names the key's
+  public fingerprint, so a node without the key, or with another, refuses the folder at open
+  rather than calling its peers' blocks corrupt. See ``kvtier._format``.
+
+The ``fsync`` policy (what a store costs against what a crash of the *machine* can lose; a
+crash of the process, kill -9 included, loses nothing that ``store`` returned under any policy,
+because the page cache survives it):
+
+- ``never``: fastest. After a power loss a recently stored block may be missing or, on some
+  filesystems, present with zeroed or stale contents; the checksum catches that, so it is a
+  miss (``corrupt``), never wrong bytes.
+- ``data`` (default): ``fdatasync`` before the rename, so after a power loss a published block
+  is whole; the newest blocks may be missing (their rename was not yet durable).
+- ``always``: also ``fsync`` the folder after the rename, so a block is durable when ``store``
+  returns. The slowest; for a cache it rarely pays.
+
+How the package is built: ``FSTier`` (``_tier``) is an async shell that awaits the file work
+around a synchronous core, the way httpcore's pool is a state machine with I/O outside it.
+
+- ``_tier``: ``FSTier``: settings, open and close, lookup, load, store, delete, statistics.
+- ``_catalog``: the bookkeeping as a state machine: index and LRU order, used and reserved
+  bytes against the capacity, eviction victims, keys being stored, watcher epochs.
+- ``_ledger``: books each outcome (catalog, counters, verdicts, notices) and maps ``OSError``
+  to kvtier errors, once, for single blocks and batches alike.
+- ``_batch``: ``load_many``/``store_many`` in a few thread hops.
+- ``_blocks``: the worker threads, buffers and limits; whose memory a block passes through.
+- ``_io`` (open a root, write, check, remove) and ``_read`` (read and verify): the blocking
+  file work, one function per operation.
+- ``_layout``: names, shard folders, the marker and the descriptor-based walk.
+- ``_calls``: worker calls a deadline can walk away from; ``_index``: exclusive-mode lookups.
+"""
 
 from __future__ import annotations
 

@@ -5,79 +5,79 @@ It cuts a batch into at most ``max_concurrency`` (``max_write_concurrency``) run
 worker-thread call that handles its blocks in turn, keeps capacity in waves (a block only
 evicts what is already published), and settles each block's bookkeeping as ``load`` and
 ``store`` do for one, including what an abandoned run leaves behind. ``FSTier`` checks the
-arguments and owns the state; these functions work on that state through the tier.
+arguments; these functions run the file work through its ``BlockFiles`` and book every
+outcome through its ``Ledger`` (and so its ``Catalog``), as ``load`` and ``store`` do.
 """
 
 from __future__ import annotations
 
 import functools
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import anyio
 
-from kvtier._errors import (
-    BlockNotFoundError,
-    CorruptBlockError,
-    InvalidArgumentError,
-    TierError,
-    TierNoSpaceError,
-    TierTimeoutError,
-)
-from kvtier._format import header_size
-from kvtier._lookup import MissReason
+from kvtier._errors import InvalidArgumentError, TierError, TierNoSpaceError
 from kvtier.tiers._base import BatchResults, run_each
 from kvtier.tiers.fs import _blocks
 from kvtier.tiers.fs import _io as io
-from kvtier.tiers.fs import _layout as layout
+from kvtier.tiers.fs._blocks import BlockFiles
 from kvtier.tiers.fs._calls import Handoff, Stuck
+from kvtier.tiers.fs._catalog import Reservation
+from kvtier.tiers.fs._layout import name_of
+from kvtier.tiers.fs._ledger import Ledger
 
-if TYPE_CHECKING:
-    from kvtier.tiers.fs._tier import FSTier
-
-__all__ = ["load_many", "store_many"]
+__all__ = ["Batch", "load_many", "store_many"]
 
 # What a worker thread leaves for an item of a batch it did not finish (see ``load_many``).
 _NOT_STARTED = "not-started"  # never touched the file system
 _RUNNING = "running"  # may have touched it: a store's victims may be gone
 
 
-async def load_many(
-    tier: FSTier, keys: list[bytes], views: list[memoryview], deadline: float, pinned: bool
-) -> BatchResults:
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """One batch: its keys, their file names, their buffers, and how it runs."""
+
+    files: BlockFiles
+    ledger: Ledger
+    keys: list[bytes]
+    names: list[str]
+    views: list[memoryview]
+    results: BatchResults
+    pinned: bool
+
+    @classmethod
+    def of(
+        cls,
+        files: BlockFiles,
+        ledger: Ledger,
+        keys: list[bytes],
+        views: list[memoryview],
+        pinned: bool,
+    ) -> Batch:
+        names = [name_of(k) for k in keys]
+        return cls(files, ledger, keys, names, views, [None] * len(keys), pinned)
+
+
+async def load_many(batch: Batch, deadline: float) -> BatchResults:
     """``FSTier.load_many`` once its arguments are checked."""
-    tier._calls.drain_late()
-    names = [layout.name_of(k) for k in keys]
-    results: BatchResults = [None] * len(keys)
+    batch.files.calls.drain_late()
     wrong: list[str] = []
-    since = tier._watch()
-    try:
+    with batch.ledger.catalog.watching() as since:
         with anyio.CancelScope(deadline=deadline):
             async with anyio.create_task_group() as tg:
-                for run in _runs(len(keys), tier.max_concurrency):
-                    tg.start_soon(
-                        _load_run, tier, run, keys, names, views, results, wrong, since, pinned
-                    )
-    finally:
-        tier._unwatch()
+                for run in _runs(len(batch.keys), batch.files.max_concurrency):
+                    tg.start_soon(_load_run, batch, run, wrong, since)
     if wrong:
         raise InvalidArgumentError(wrong[0])
-    return results
+    return batch.results
 
 
-async def _load_run(
-    tier: FSTier,
-    run: range,
-    keys: list[bytes],
-    names: list[str],
-    views: list[memoryview],
-    results: BatchResults,
-    wrong: list[str],
-    since: int,
-    pinned: bool,
-) -> None:
+async def _load_run(batch: Batch, run: range, wrong: list[str], since: int) -> None:
     stop_at = _stop_at()
     local: list[object] = [_NOT_STARTED] * len(run)
+    files, keys, names, views = batch.files, batch.keys, batch.names, batch.views
 
     def read(call: Handoff) -> None:
         for j, i in enumerate(run):
@@ -86,7 +86,7 @@ async def _load_run(
             outcome: object
             try:
                 outcome = _blocks.read_block(
-                    tier, call, keys[i], names[i], views[i], private=not pinned
+                    files, call, keys[i], names[i], views[i], private=not batch.pinned
                 )
             except (io.Corrupt, io.WrongSize, OSError) as exc:
                 outcome = exc
@@ -96,7 +96,7 @@ async def _load_run(
     call = Handoff()
     started = time.perf_counter()
     try:
-        await tier._calls.run(read, limiter=tier._limiter, handoff=call, abandon=not pinned)
+        await files.calls.run(read, limiter=files.reads, handoff=call, abandon=not batch.pinned)
     except Stuck as exc:
         local = [exc] * len(run)
     finally:
@@ -104,164 +104,126 @@ async def _load_run(
             got = list(local)
         each = (time.perf_counter() - started) / len(run)
         for j, i in enumerate(run):
-            results[i] = _loaded(tier, keys[i], names[i], views[i], got[j], since, wrong, each)
+            batch.results[i] = _loaded(batch, i, got[j], since, wrong, each)
 
 
 def _loaded(
-    tier: FSTier,
-    key: bytes,
-    name: str,
-    view: memoryview,
-    outcome: object,
-    since: int,
-    wrong: list[str],
-    seconds: float,
+    batch: Batch, i: int, outcome: object, since: int, wrong: list[str], seconds: float
 ) -> TierError | None:
     """The bookkeeping of one block of a batch load, as ``load`` does it for one."""
+    ledger, key, name, view = batch.ledger, batch.keys[i], batch.names[i], batch.views[i]
     if outcome is io.ReadOutcome.LOADED:
-        if name in tier._index:
-            tier._index.move_to_end(name)
-        else:
-            tier._add(name, header_size(len(key), integrity_key=tier.integrity_key) + view.nbytes)
-        tier._meter.read(view.nbytes, seconds)
+        ledger.loaded(key, name, view.nbytes, seconds)
         return None
     if outcome is io.ReadOutcome.MISSING:
-        tier._drop_unless_newer(name, since)
-        tier._fail(key, MissReason.NOT_FOUND, "load", None)
-        return BlockNotFoundError("no such block", tier=tier.name, operation="load", key=key)
+        return ledger.missing(key, name, since)
     if isinstance(outcome, io.Corrupt):
-        tier._drop_unless_newer(name, since)
-        tier._fail(key, MissReason.CORRUPT, "load", str(outcome))
-        return CorruptBlockError(str(outcome), tier=tier.name, operation="load", key=key)
+        return ledger.corrupt(key, name, since, str(outcome))
     if isinstance(outcome, io.WrongSize):
         wrong.append(
             f"dst holds {view.nbytes} bytes but block {key.hex()} is {outcome.stored} bytes"
         )
         return None
     if isinstance(outcome, OSError | Stuck):
-        error = tier._error(outcome, "load", key)
-        tier._lookups.record(key, False, error.reason)
-        return error
-    return _timed_out(tier, key, "load")  # not started (or abandoned) by the deadline
+        return ledger.load_failed(outcome, key)
+    return ledger.timed_out(key, "load")  # not started (or abandoned) by the deadline
 
 
 async def store_many(
-    tier: FSTier, keys: list[bytes], payloads: list[memoryview], deadline: float, pinned: bool
+    batch: Batch,
+    deadline: float,
+    prepare: Callable[[], Awaitable[None]],
+    store: Callable[[bytes, memoryview], Awaitable[None]],
 ) -> BatchResults:
-    """``FSTier.store_many`` once its arguments are checked."""
-    names = [layout.name_of(k) for k in keys]
-    results: BatchResults = [None] * len(keys)
+    """``FSTier.store_many`` once its arguments are checked. ``prepare`` readies a root that
+    is not (raising the error to report); ``store`` is the tier's own, for keys that are
+    being stored already: it waits for that store."""
+    catalog, keys = batch.ledger.catalog, batch.keys
     mine: list[int] = []
     later: list[int] = []  # keys being stored already (or twice here): store() waits
     for i, key in enumerate(keys):
-        if key in tier._storing:
+        if key in catalog.storing:
             later.append(i)
         else:
-            tier._storing[key] = anyio.Event()
+            catalog.begin_store(key, anyio.Event())
             mine.append(i)
     try:
-        await _store_mine(tier, mine, keys, names, payloads, results, deadline, pinned)
+        await _store_mine(batch, mine, deadline, prepare)
     finally:
         for i in mine:
-            tier._storing.pop(keys[i]).set()
-        tier._stored([keys[i] for i in mine])
+            catalog.end_store(keys[i]).set()
+        batch.ledger.stores_ended([keys[i] for i in mine])
     if later:
-        calls = [functools.partial(tier.store, keys[i], payloads[i]) for i in later]
-        for i, error in zip(
-            later,
-            await run_each([keys[i] for i in later], calls, deadline, tier.name, "store"),
-            strict=True,
-        ):
-            results[i] = error
-    return results
+        calls = [functools.partial(store, keys[i], batch.views[i]) for i in later]
+        errors = await run_each(
+            [keys[i] for i in later], calls, deadline, batch.ledger.name, "store"
+        )
+        for i, error in zip(later, errors, strict=True):
+            batch.results[i] = error
+    return batch.results
 
 
 async def _store_mine(
-    tier: FSTier,
-    mine: list[int],
-    keys: list[bytes],
-    names: list[str],
-    payloads: list[memoryview],
-    results: BatchResults,
-    deadline: float,
-    pinned: bool,
+    batch: Batch, mine: list[int], deadline: float, prepare: Callable[[], Awaitable[None]]
 ) -> None:
-    tier._calls.drain_late()
-    if not tier._ready:
+    batch.files.calls.drain_late()
+    if not batch.ledger.catalog.ready:
         try:
-            await tier._prepare(raise_unavailable=True)
+            await prepare()
         except TierError as exc:
             for i in mine:
-                results[i] = exc
+                batch.results[i] = exc
             return
     todo = list(mine)
     with anyio.CancelScope(deadline=deadline):
         while todo:  # in waves: a block can only evict blocks already published
-            plan = _plan_wave(tier, todo, keys, names, payloads, results)
+            plan = _plan_wave(batch, todo)
             async with anyio.create_task_group() as tg:
-                for run in _runs(len(plan), tier.max_write_concurrency):
-                    part = [plan[j] for j in run]
-                    tg.start_soon(_store_run, tier, part, keys, names, payloads, results, pinned)
+                for run in _runs(len(plan), batch.files.max_write_concurrency):
+                    tg.start_soon(_store_run, batch, [plan[j] for j in run])
     for i in todo:  # the deadline passed before their wave
-        results[i] = _timed_out(tier, keys[i], "store")
+        batch.results[i] = batch.ledger.timed_out(batch.keys[i], "store")
 
 
-def _plan_wave(
-    tier: FSTier,
-    todo: list[int],
-    keys: list[bytes],
-    names: list[str],
-    payloads: list[memoryview],
-    results: BatchResults,
-) -> list[tuple[int, list[tuple[str, int]], int]]:
+def _plan_wave(batch: Batch, todo: list[int]) -> list[tuple[int, Reservation]]:
     """Take from ``todo`` the blocks that fit now, choosing their victims and reserving
     their room; a block that needs room only earlier blocks of the batch can give (once
     they are published and evictable) waits for the next wave, as it would in a loop of
     ``store`` calls."""
-    plan: list[tuple[int, list[tuple[str, int]], int]] = []
+    ledger = batch.ledger
+    plan: list[tuple[int, Reservation]] = []
     while todo:
         i = todo[0]
-        size = header_size(len(keys[i]), integrity_key=tier.integrity_key) + payloads[i].nbytes
-        cap = tier.capacity_bytes
-        if plan and cap is not None and tier._reserved + size > cap:
+        key, nbytes = batch.keys[i], batch.views[i].nbytes
+        if plan and not ledger.catalog.fits(ledger.file_size(key, nbytes)):
             break
         del todo[0]
         try:
-            victims = tier._choose_victims(keys[i], names[i], size)
+            plan.append((i, ledger.reserve(key, batch.names[i], nbytes)))
         except TierNoSpaceError as exc:
-            results[i] = exc
-            continue
-        tier._reserved += size
-        plan.append((i, victims, size))
+            batch.results[i] = exc
     return plan
 
 
-async def _store_run(
-    tier: FSTier,
-    part: list[tuple[int, list[tuple[str, int]], int]],
-    keys: list[bytes],
-    names: list[str],
-    payloads: list[memoryview],
-    results: BatchResults,
-    pinned: bool,
-) -> None:
+async def _store_run(batch: Batch, part: list[tuple[int, Reservation]]) -> None:
     stop_at = _stop_at()
     local: list[object] = [_NOT_STARTED] * len(part)
+    files, views = batch.files, batch.views
 
     def write(call: Handoff) -> None:
-        for j, (i, victims, _) in enumerate(part):
+        for j, (i, res) in enumerate(part):
             if time.monotonic() > stop_at:
                 return
             outcome: object
             try:
                 outcome = _blocks.write_block(
-                    tier,
+                    files,
                     call,
-                    keys[i],
-                    names[i],
-                    payloads[i],
-                    [v for v, _ in victims],
-                    private=not pinned,
+                    res.key,
+                    res.name,
+                    views[i],
+                    res.victim_names,
+                    private=not batch.pinned,
                     started=functools.partial(local.__setitem__, j, _RUNNING),
                 )
             except OSError as exc:
@@ -273,14 +235,14 @@ async def _store_run(
         """The run was abandoned and has now finished: settle what it left running."""
         for j, was in enumerate(got):
             if was is _RUNNING:
-                _stored(tier, part[j], keys, names, payloads, local[j], 0.0)
+                _stored(batch, part[j], local[j], 0.0)
 
     call = Handoff()
     started = time.perf_counter()
     got: list[object] = local
     try:
-        await tier._calls.run(
-            write, limiter=tier._write_limiter, on_late=late, handoff=call, abandon=not pinned
+        await files.calls.run(
+            write, limiter=files.writes, on_late=late, handoff=call, abandon=not batch.pinned
         )
     except Stuck as exc:
         local[:] = [exc] * len(part)
@@ -288,45 +250,27 @@ async def _store_run(
         with call.holding():
             got = list(local)
         each = (time.perf_counter() - started) / len(part)
-        for j, item in enumerate(part):
+        for j, (i, res) in enumerate(part):
             if got[j] is _RUNNING and call.left_running:
                 # ``late`` settles its account when the thread returns.
-                results[item[0]] = _timed_out(tier, keys[item[0]], "store")
+                batch.results[i] = batch.ledger.timed_out(res.key, "store")
                 continue
-            results[item[0]] = _stored(tier, item, keys, names, payloads, got[j], each)
+            batch.results[i] = _stored(batch, part[j], got[j], each)
 
 
 def _stored(
-    tier: FSTier,
-    item: tuple[int, list[tuple[str, int]], int],
-    keys: list[bytes],
-    names: list[str],
-    payloads: list[memoryview],
-    outcome: object,
-    seconds: float,
+    batch: Batch, item: tuple[int, Reservation], outcome: object, seconds: float
 ) -> TierError | None:
-    """The bookkeeping of one block of a batch store, as ``_store`` does it for one."""
-    i, victims, size = item
-    key, name = keys[i], names[i]
-    tier._reserved -= size
+    """The bookkeeping of one block of a batch store, as ``store`` does it for one."""
+    i, res = item
+    ledger = batch.ledger
     if isinstance(outcome, tuple):
-        tier._settle(key, name, victims, outcome, touched=True)
-        if outcome[0] is io.WriteOutcome.WRITTEN:
-            tier._meter.wrote(payloads[i].nbytes, seconds)
+        ledger.stored(res, outcome, batch.views[i].nbytes, seconds)
         return None
-    tier._settle(key, name, victims, None, touched=outcome is not _NOT_STARTED)
+    ledger.settle(res, None, touched=outcome is not _NOT_STARTED)
     if isinstance(outcome, OSError | Stuck):
-        return tier._error(outcome, "store", key)
-    return _timed_out(tier, key, "store")
-
-
-def _timed_out(tier: FSTier, key: bytes, operation: str) -> TierError:
-    tier._meter.failed(MissReason.TIMEOUT)
-    if operation == "load":
-        tier._lookups.record(key, False, MissReason.TIMEOUT)
-    return TierTimeoutError(
-        "the batch's timeout passed first", tier=tier.name, operation=operation, key=key
-    )
+        return ledger.error(outcome, "store", res.key)
+    return ledger.timed_out(res.key, "store")
 
 
 def _runs(n: int, most: int) -> list[range]:

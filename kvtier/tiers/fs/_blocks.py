@@ -1,58 +1,99 @@
-"""One block across the worker-thread boundary: whose memory the bytes pass through.
+"""Block files across the worker-thread boundary: the threads, and whose memory bytes pass through.
 
-Why its own module: this is the part of ``FSTier`` that decides, for one block in a worker
-thread, whether the bytes go straight between the file and the caller's memory or through
-a private buffer of the tier's (always for a call that may be abandoned at a deadline, so an
-abandoned thread never touches pool memory, and always with O_DIRECT, whose header and
-payload must sit side by side in one aligned buffer). ``load``, ``store`` and the batch runs
-in ``_fs_batch`` all call it; the file format itself is ``_fs_io``'s.
+``BlockFiles`` is what every FS tier operation needs to run its file work in a worker thread:
+the root and file settings, the abandonable worker calls (``_calls``), the private buffers,
+and one thread limiter per kind of work. Reads (promotions) and writes (write-through) have
+threads of their own, so a burst of stores never queues the loads a request waits on, and
+existence checks have their own few, so they are never queued behind write-through either.
+
+``read_block`` and ``write_block`` decide, for one block in a worker thread, whether the bytes
+go straight between the file and the caller's memory or through a private buffer of the
+tier's: always for a call that may be abandoned at a deadline (so an abandoned thread never
+touches pool memory), and always with O_DIRECT, whose header and payload must sit side by
+side in one aligned buffer. ``FSTier``'s ``load`` and ``store`` and the batch runs in
+``_batch`` all call them; the file format itself is ``_io``'s and ``_read``'s.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Any
 
-from kvtier._format import header_size
+import anyio
+
+from kvtier._format import IntegrityKey, header_size
 from kvtier.tiers.fs import _io as io
 from kvtier.tiers.fs import _read
-from kvtier.tiers.fs._calls import Handoff
+from kvtier.tiers.fs._calls import BufferPool, Handoff, WorkerCalls
 
-if TYPE_CHECKING:
-    from kvtier.tiers.fs._tier import FSTier
+__all__ = ["BlockFiles", "read_block", "write_block"]
 
-__all__ = ["read_block", "write_block"]
+
+class BlockFiles:
+    """The file side of one FS tier: settings, worker calls, buffers and thread limits."""
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        fsync: str,
+        integrity_key: IntegrityKey | None,
+        max_concurrency: int,
+        max_write_concurrency: int,
+        max_stuck_threads: int,
+    ) -> None:
+        self.root = root
+        self.fsync = fsync
+        self.integrity_key = integrity_key
+        self.direct = False  # O_DIRECT asked for and taken by the file system (probed at open)
+        self.calls: WorkerCalls[Any] = WorkerCalls(max_stuck_threads)
+        self.buffers = BufferPool(keep=max_concurrency + max_write_concurrency)
+        # A batch is cut into at most this many runs, one thread each.
+        self.max_concurrency = max_concurrency
+        self.max_write_concurrency = max_write_concurrency
+        self.reads = anyio.CapacityLimiter(max_concurrency)
+        # Fewer writer threads leave more of the GIL to reads and checks, but too few let
+        # write-through fall behind a busy engine (the trace replay lost hits at 4): measure
+        # before lowering it.
+        self.writes = anyio.CapacityLimiter(max_write_concurrency)
+        # Queued behind write-through, checks would hold lookups in RETRY for as long as a
+        # burst of stores takes.
+        self.checks = anyio.CapacityLimiter(max(1, min(4, max_concurrency)))
+
+    def header_size(self, key: bytes) -> int:
+        return header_size(len(key), integrity_key=self.integrity_key)
 
 
 def read_block(
-    tier: FSTier, call: Handoff, key: bytes, name: str, view: memoryview, *, private: bool
+    files: BlockFiles, call: Handoff, key: bytes, name: str, view: memoryview, *, private: bool
 ) -> io.ReadOutcome:
     """Read and verify one block (in a worker thread). ``private``: through a buffer of
     the tier's, copied into ``view`` inside ``touching()``; else straight into ``view``,
     unless O_DIRECT needs an aligned buffer anyway."""
-    if not (private or tier._direct):
+    if not (private or files.direct):
         return _read.read_block(
-            tier.root, name, key, view, None, call.touching, integrity_key=tier.integrity_key
+            files.root, name, key, view, None, call.touching, integrity_key=files.integrity_key
         )
-    hlen = header_size(len(key), integrity_key=tier.integrity_key)
-    buf = tier._buffers.take(_read.scratch_size(tier._direct, hlen, view.nbytes))
+    hlen = files.header_size(key)
+    buf = files.buffers.take(_read.scratch_size(files.direct, hlen, view.nbytes))
     try:
         return _read.read_block(
-            tier.root,
+            files.root,
             name,
             key,
             view,
             memoryview(buf),
             call.touching,
-            integrity_key=tier.integrity_key,
-            direct=tier._direct,
+            integrity_key=files.integrity_key,
+            direct=files.direct,
         )
     finally:
-        tier._buffers.give(buf)
+        files.buffers.give(buf)
 
 
 def write_block(
-    tier: FSTier,
+    files: BlockFiles,
     call: Handoff,
     key: bytes,
     name: str,
@@ -66,9 +107,9 @@ def write_block(
     caller's memory first, inside ``touching()`` (always with O_DIRECT, whose header and
     payload must sit side by side in one aligned buffer). ``started`` is called, under
     the call's lock, once the block may touch the file system."""
-    hlen = header_size(len(key), integrity_key=tier.integrity_key)
-    copied = private or tier._direct
-    buf = tier._buffers.take(io.staging_size(hlen, payload.nbytes)) if copied else None
+    hlen = files.header_size(key)
+    copied = private or files.direct
+    buf = files.buffers.take(io.staging_size(hlen, payload.nbytes)) if copied else None
     try:
         staging = None if buf is None else memoryview(buf)
         body = payload if staging is None else staging[hlen : hlen + payload.nbytes]
@@ -78,15 +119,15 @@ def write_block(
             if started is not None:
                 started()
         return io.write_block(
-            tier.root,
+            files.root,
             name,
             key,
             body,
-            tier.fsync,
+            files.fsync,
             victims,
-            integrity_key=tier.integrity_key,
-            staging=staging if tier._direct else None,
+            integrity_key=files.integrity_key,
+            staging=staging if files.direct else None,
         )
     finally:
         if buf is not None:
-            tier._buffers.give(buf)
+            files.buffers.give(buf)

@@ -36,7 +36,7 @@ from typing import Generic, TypeVar
 import anyio
 import anyio.to_thread
 
-__all__ = ["Abandoned", "BufferPool", "Handoff", "Stuck", "WorkerCalls"]
+__all__ = ["Abandoned", "BufferPool", "Handoff", "OnLate", "Stuck", "WorkerCalls"]
 
 T = TypeVar("T")
 OnLate = Callable[[T | None, BaseException | None], None]

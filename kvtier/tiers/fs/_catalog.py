@@ -1,0 +1,247 @@
+"""What an ``FSTier`` knows about its folder, as a synchronous state machine.
+
+The catalog holds the tier's bookkeeping and nothing else: which block files it knows (name
+and size, least recently used first), the bytes they use and the bytes that stores in flight
+have reserved against the capacity, which victims a store evicts, the keys being stored (and
+which of them ``lookup`` answered ``RETRY`` for), and the epochs that keep a stale "no such
+file" from dropping a block stored while the check ran. It never awaits and never touches the
+file system: ``FSTier`` does the I/O around it and tells it what happened, so a cancellation
+cannot leave it half updated, and it is tested without an event loop (``tests/
+test_fs_catalog.py``). No rule here depends on time, so it needs no clock; the failures that
+expire are remembered by the lookup helpers (``_index``), which take one.
+
+Generic in ``W``, what a store in flight is waited on with (``anyio.Event`` in the tier), so
+a second store of a key can wait for the first without the catalog knowing about the loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from kvtier.tiers.fs._layout import name_of
+
+__all__ = ["Catalog", "NoRoom", "Reservation"]
+
+W = TypeVar("W")
+
+
+class NoRoom(Exception):
+    """A block larger than the whole capacity: no eviction can make room for it."""
+
+    def __init__(self, size: int, capacity: int) -> None:
+        super().__init__(f"a block of {size} bytes is larger than capacity_bytes={capacity}")
+        self.size = size
+        self.capacity = capacity
+
+
+@dataclass(slots=True)
+class Reservation:
+    """Room held for one store: its file's size, and the files chosen to make room for it
+    (taken out of the index, not yet removed from the folder)."""
+
+    key: bytes
+    name: str
+    size: int
+    victims: list[tuple[str, int]]
+
+    @property
+    def victim_names(self) -> list[str]:
+        return [v for v, _ in self.victims]
+
+
+class Catalog(Generic[W]):
+    """Index, LRU order, capacity, stores in flight and watcher epochs of one FS tier."""
+
+    def __init__(self, capacity_bytes: int | None) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.ready = False  # the root is usable and the index was read from it
+        # File name -> size, least recently used first.
+        self._index: OrderedDict[str, int] = OrderedDict()
+        self.used = 0  # bytes of the files in the index
+        self.reserved = 0  # bytes of stores in flight, counted against the capacity
+        # Keys being stored (a second store of one waits for the first), the ones among them
+        # ``lookup`` answered RETRY for (they are told when their store ends), and how many
+        # lookups were answered so.
+        self.storing: dict[bytes, W] = {}
+        self._retried: set[bytes] = set()
+        self.writing_retries = 0
+        # A check (or load) that finds no file must not drop a name stored while it ran: the
+        # names added since each watcher started are kept, by epoch, while any watcher runs.
+        self._epoch = 0
+        self._watchers = 0
+        self._added: dict[str, int] = {}
+
+    # -- contents ------------------------------------------------------------------------------
+
+    @property
+    def blocks(self) -> int:
+        return len(self._index)
+
+    def reset(self, entries: Iterable[tuple[str, int]]) -> None:
+        """The folder was (re)read: ``entries`` are its files, oldest first."""
+        self._index = OrderedDict(entries)
+        self.used = sum(self._index.values())
+        self.ready = True
+
+    def holds(self, key: bytes) -> bool:
+        """Whether the root is usable and the index has ``key``'s file."""
+        return self.ready and name_of(key) in self._index
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._index
+
+    def names(self) -> list[str]:
+        """File names, least recently used first."""
+        return list(self._index)
+
+    def add(self, name: str, size: int) -> None:
+        """A file is there (stored, loaded, or found): it becomes the most recently used."""
+        self.drop(name)
+        self._index[name] = size
+        self.used += size
+        self._epoch += 1
+        if self._watchers:
+            self._added[name] = self._epoch
+
+    def drop(self, name: str) -> None:
+        size = self._index.pop(name, None)
+        if size is not None:
+            self.used -= size
+
+    def loaded(self, name: str, size: int) -> None:
+        """A load read the file: it is the most recently used (and known, if it was not)."""
+        if name in self._index:
+            self._index.move_to_end(name)
+        else:
+            self.add(name, size)
+
+    def checked(self, name: str, size: int | None, since: int) -> None:
+        """An existence check that began at epoch ``since`` found the file (``size``) or
+        found none (``None``). A file another process wrote is counted from now on."""
+        if size is None:
+            self.drop_unless_newer(name, since)
+        elif name not in self._index:
+            self.add(name, size)
+
+    # -- watchers ------------------------------------------------------------------------------
+
+    def watch(self) -> int:
+        """Start a check whose "no such file" may be stale by the time it returns; the epoch
+        it began at."""
+        self._watchers += 1
+        return self._epoch
+
+    def unwatch(self) -> None:
+        self._watchers -= 1
+        if not self._watchers:
+            self._added.clear()
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[int]:
+        """``watch`` for the length of a ``with`` block."""
+        since = self.watch()
+        try:
+            yield since
+        finally:
+            self.unwatch()
+
+    def drop_unless_newer(self, name: str, since: int) -> None:
+        """Drop ``name`` unless a store (or a load) added it after epoch ``since``."""
+        if self._added.get(name, -1) <= since:
+            self.drop(name)
+
+    # -- capacity ------------------------------------------------------------------------------
+
+    def fits(self, size: int) -> bool:
+        """Whether room for ``size`` more bytes can be made now: beside the bytes that stores
+        in flight hold, evicting published blocks if need be. A batch plans another block
+        into its current wave only then: room that only that wave's own blocks could give
+        waits until they are published."""
+        cap = self.capacity_bytes
+        return cap is None or self.reserved + size <= cap
+
+    def reserve(self, key: bytes, name: str, size: int) -> Reservation:
+        """Hold ``size`` bytes for storing ``key`` as ``name``, taking least recently used
+        files out of the index until they fit; raises ``NoRoom`` when they never can."""
+        victims: list[tuple[str, int]] = []
+        cap = self.capacity_bytes
+        if cap is not None:
+            if size > cap:
+                raise NoRoom(size, cap)
+            budget = cap - self.reserved - size
+            while self.used > budget and self._index:
+                victim, victim_size = self._index.popitem(last=False)
+                if victim == name:  # it is there already: it needs no room
+                    self._index[victim] = victim_size
+                    if len(self._index) == 1:
+                        break
+                    continue
+                self.used -= victim_size
+                victims.append((victim, victim_size))
+        self.reserved += size
+        return Reservation(key, name, size, victims)
+
+    def settle(
+        self, res: Reservation, landed: int | None, *, written: bool, touched: bool
+    ) -> list[tuple[str, int]]:
+        """A store ended: release its room and account for its victims and its file.
+
+        ``landed``: the size of the file now in place (written, or there already), None when
+        none is. ``written``: this store wrote it. ``touched``: the store may have reached the
+        file system. Returns the victims that are gone (they were removed, or may have been:
+        never count them again); the others go back where they were in the LRU order.
+        """
+        self.reserved -= res.size
+        if written or (landed is None and touched):
+            gone = res.victims
+        else:  # nothing happened on disk, or the file was there and needed no room
+            gone = []
+            for victim, victim_size in reversed(res.victims):
+                if victim not in self._index:
+                    self._index[victim] = victim_size
+                    self._index.move_to_end(victim, last=False)
+                    self.used += victim_size
+        if landed is not None:
+            self.add(res.name, landed)
+        return gone
+
+    # -- stores in flight ----------------------------------------------------------------------
+
+    def begin_store(self, key: bytes, waiter: W) -> None:
+        """``key`` is being stored; a second store of it waits on ``waiter``."""
+        assert key not in self.storing, "one store per key at a time"
+        self.storing[key] = waiter
+
+    def end_store(self, key: bytes) -> W:
+        """``key``'s store ended; its waiter, for the caller to wake."""
+        return self.storing.pop(key)
+
+    def retry_while_writing(self, key: bytes) -> bool:
+        """``lookup``'s question: is ``key`` being stored and not in the index yet? Then its
+        answer is RETRY (not a miss), and ``told_after`` names it when its store ends."""
+        if key in self.storing and not self.holds(key):
+            self.writing_retries += 1
+            self._retried.add(key)
+            return True
+        return False
+
+    def told_after(self, keys: Iterable[bytes]) -> list[bytes]:
+        """The stores of ``keys`` ended: those that ``lookup`` answered RETRY for while they
+        were written, which must be told that the answer changed."""
+        retried = self._retried
+        if not retried:
+            return []
+        told = [k for k in keys if k in retried]
+        retried.difference_update(told)
+        return told
+
+    def __repr__(self) -> str:
+        return (
+            f"<Catalog ready={self.ready} blocks={len(self._index)} used={self.used} "
+            f"reserved={self.reserved} capacity={self.capacity_bytes} "
+            f"storing={len(self.storing)} watchers={self._watchers}>"
+        )

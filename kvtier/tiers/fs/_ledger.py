@@ -1,0 +1,196 @@
+"""What an FS tier operation's outcome means: state, counters, verdicts, notices and errors.
+
+``FSTier``'s single-block operations and the batch runs in ``_batch`` end the same way: a
+block loaded, missing, corrupt or failed; a store landed, found its block there already, or
+failed (perhaps after its victims were removed). The ``Ledger`` books each outcome once, the
+same way for both: it updates the ``Catalog``, counts it in the tier's meter, records the
+verdict ``lookup`` answers from, tells listeners which keys changed, and turns an ``OSError``
+(or a hung file system) into the kvtier error the caller raises, logging once per burst. It
+is the one place where native errors become kvtier errors. Synchronous: it runs on the event
+loop after the worker thread has returned.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+from collections.abc import Callable, Iterable
+from typing import Protocol
+
+import anyio
+
+from kvtier._errors import (
+    BlockNotFoundError,
+    CorruptBlockError,
+    TierError,
+    TierNoSpaceError,
+    TierTimeoutError,
+    TierUnavailableError,
+)
+from kvtier._format import IntegrityKey, header_size
+from kvtier._logging import BurstLogger
+from kvtier._lookup import MissReason
+from kvtier.tiers._base import TierMeter
+from kvtier.tiers.fs._calls import Stuck
+from kvtier.tiers.fs._catalog import Catalog, NoRoom, Reservation
+from kvtier.tiers.fs._io import WriteOutcome
+from kvtier.tiers.fs._layout import key_of
+
+__all__ = ["Ledger", "Verdicts"]
+
+logger = logging.getLogger("kvtier.tiers.fs")
+
+_NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+
+
+class Verdicts(Protocol):
+    """What the ledger tells the lookup helper (``AsyncLookupManager`` or ``IndexLookups``)."""
+
+    def record(self, key: bytes, present: bool, reason: MissReason = ...) -> None: ...
+
+
+class Ledger:
+    """Books the outcomes of one FS tier's operations; see the module docstring."""
+
+    def __init__(
+        self,
+        name: str,
+        catalog: Catalog[anyio.Event],
+        verdicts: Verdicts,
+        notify: Callable[[Iterable[bytes]], None],
+        integrity_key: IntegrityKey | None,
+    ) -> None:
+        self.name = name
+        self.catalog = catalog
+        self.verdicts = verdicts
+        self.notify = notify
+        self.integrity_key = integrity_key
+        self.meter = TierMeter()
+        self._log = BurstLogger(logger)
+
+    def file_size(self, key: bytes, nbytes: int) -> int:
+        """The size of the file that holds ``key``'s block of ``nbytes``."""
+        return header_size(len(key), integrity_key=self.integrity_key) + nbytes
+
+    # -- loads ---------------------------------------------------------------------------------
+
+    def loaded(self, key: bytes, name: str, nbytes: int, seconds: float) -> None:
+        self.catalog.loaded(name, self.file_size(key, nbytes))
+        self.meter.read(nbytes, seconds)
+
+    def missing(self, key: bytes, name: str, since: int) -> BlockNotFoundError:
+        """A load found no file (a check that began at epoch ``since`` may be stale)."""
+        self.catalog.drop_unless_newer(name, since)
+        self.fail(key, MissReason.NOT_FOUND, "load", None)
+        return BlockNotFoundError("no such block", tier=self.name, operation="load", key=key)
+
+    def corrupt(self, key: bytes, name: str, since: int, detail: str) -> CorruptBlockError:
+        """A load found a file that failed verification (it has been removed)."""
+        self.catalog.drop_unless_newer(name, since)
+        self.fail(key, MissReason.CORRUPT, "load", detail)
+        return CorruptBlockError(detail, tier=self.name, operation="load", key=key)
+
+    def load_failed(self, exc: OSError | Stuck, key: bytes) -> TierError:
+        error = self.error(exc, "load", key)
+        self.verdicts.record(key, False, error.reason)
+        return error
+
+    # -- stores --------------------------------------------------------------------------------
+
+    def reserve(self, key: bytes, name: str, nbytes: int) -> Reservation:
+        """Room for storing ``key``'s block of ``nbytes``; ``TierNoSpaceError`` (counted) for
+        a block larger than the whole capacity."""
+        try:
+            return self.catalog.reserve(key, name, self.file_size(key, nbytes))
+        except NoRoom as exc:
+            self.meter.failed(MissReason.NO_SPACE)
+            raise TierNoSpaceError(str(exc), tier=self.name, operation="store", key=key) from None
+
+    def settle(
+        self, res: Reservation, result: tuple[WriteOutcome, int] | None, *, touched: bool
+    ) -> None:
+        """Account for a store that ended: its room, its victims and, when it landed, its
+        file. ``result``: what the write returned, None when it did not return one;
+        ``touched``: it may have reached the file system."""
+        written = result is not None and result[0] is WriteOutcome.WRITTEN
+        landed = None if result is None else result[1]
+        gone = self.catalog.settle(res, landed, written=written, touched=touched)
+        if gone:
+            self.meter.evictions += len(gone)
+            keys = [k for v, _ in gone if (k := key_of(v)) is not None]
+            for k in keys:
+                self.verdicts.record(k, False, MissReason.EVICTED)
+            if keys:
+                self.notify(keys)
+        if landed is not None:
+            self.verdicts.record(res.key, True)
+
+    def stored(
+        self,
+        res: Reservation,
+        result: tuple[WriteOutcome, int],
+        nbytes: int,
+        seconds: float,
+    ) -> None:
+        """A write returned: settle it, and count it when it wrote the file."""
+        self.settle(res, result, touched=True)
+        if result[0] is WriteOutcome.WRITTEN:
+            self.meter.wrote(nbytes, seconds)
+
+    def stores_ended(self, keys: Iterable[bytes]) -> None:
+        """The stores of ``keys`` ended (the catalog no longer holds them as being stored):
+        tell whoever was answered RETRY for one that it answers HIT or MISS now."""
+        told = self.catalog.told_after(keys)
+        if told:
+            self.notify(told)
+
+    # -- failures ------------------------------------------------------------------------------
+
+    def timed_out(self, key: bytes, operation: str) -> TierTimeoutError:
+        """A block of a batch that its deadline stopped (before it started, or abandoned)."""
+        self.meter.failed(MissReason.TIMEOUT)
+        if operation == "load":
+            self.verdicts.record(key, False, MissReason.TIMEOUT)
+        return TierTimeoutError(
+            "the batch's timeout passed first", tier=self.name, operation=operation, key=key
+        )
+
+    def fail(self, key: bytes, reason: MissReason, operation: str, detail: str | None) -> None:
+        self.meter.failed(reason)
+        self.verdicts.record(key, False, reason)
+        if detail is not None:
+            self._log.warning(
+                f"{operation}:{reason.value}",
+                "%s: %s of %s failed (%s): %s; file removed",
+                self.name,
+                operation,
+                key.hex(),
+                reason.value,
+                detail,
+            )
+
+    def warn(self, kind: str, message: str, *args: object) -> None:
+        """Log once per burst of ``kind``."""
+        self._log.warning(kind, message, *args)
+
+    def error(self, exc: OSError | Stuck, operation: str, key: bytes | None = None) -> TierError:
+        """The one place an ``OSError`` becomes a kvtier error; counts and logs it."""
+        if isinstance(exc, Stuck):
+            self.meter.failed(MissReason.UNAVAILABLE)
+            self._log.warning(
+                f"{operation}:stuck",
+                "%s: %s refused: %s (hung file system?)",
+                self.name,
+                operation,
+                exc,
+            )
+            return TierUnavailableError(
+                f"file system not answering: {exc}", tier=self.name, operation=operation, key=key
+            )
+        cls: type[TierError] = TierNoSpaceError if exc.errno in _NO_SPACE else TierUnavailableError
+        self.meter.failed(cls.reason)
+        code = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+        self._log.warning(
+            f"{operation}:{code}", "%s: %s failed: %s (%s)", self.name, operation, code, exc
+        )
+        return cls(f"{code}: {exc.strerror or exc}", tier=self.name, operation=operation, key=key)
