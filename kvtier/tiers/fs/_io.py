@@ -205,17 +205,7 @@ def write_block(
         try:
             try:
                 if direct and staging is not None:
-                    # Header and payload side by side in one aligned buffer: the aligned
-                    # bulk goes past the page cache, the last partial page (O_DIRECT cannot
-                    # write it) through it, so the file is exactly ``total`` bytes with no
-                    # truncate (measured: a truncate costs more than the short write).
-                    staging[: len(header)] = header
-                    bulk = total - total % ALIGN
-                    if bulk:
-                        _write_all(fd, [staging[:bulk]])
-                    if bulk < total:
-                        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
-                        _write_all(fd, [staging[bulk:total]])
+                    _write_direct(fd, header, staging, total)
                 else:
                     _write_all(fd, [header, payload])
                 if fsync != "never":
@@ -232,6 +222,19 @@ def write_block(
     finally:
         os.close(dir_fd)
     return WriteOutcome.WRITTEN, total
+
+
+def _write_direct(fd: int, header: bytes, staging: memoryview, total: int) -> None:
+    """Header and payload side by side in one aligned buffer: the aligned bulk goes past the
+    page cache, the last partial page (O_DIRECT cannot write it) through it, so the file is
+    exactly ``total`` bytes with no truncate (a truncate costs more than the short write)."""
+    staging[: len(header)] = header
+    bulk = total - total % ALIGN
+    if bulk:
+        _write_all(fd, [staging[:bulk]])
+    if bulk < total:
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
+        _write_all(fd, [staging[bulk:total]])
 
 
 def staging_size(header_bytes: int, payload_bytes: int) -> int:
