@@ -369,7 +369,7 @@ def test_verify_remove_survives_a_shard_swapped_for_a_link_mid_run(
 ) -> None:
     """The folder is scanned, then a shard folder is replaced by a link to a folder holding a
     corrupt file of the same name: the check must not read or delete through the link."""
-    import kvtier._cli as cli
+    import kvtier._cli._folder as cli
 
     victim = file_of(root, next(iter(blocks)))
     outside = plant_outside(tmp_path, victim.name)
