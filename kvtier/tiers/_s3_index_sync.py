@@ -39,6 +39,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
 import anyio
+import anyio.to_thread
 
 from kvtier._errors import TierError
 from kvtier._format import IntegrityKey
@@ -74,6 +75,9 @@ T = TypeVar("T")
 _PROGRESS_EVERY = 5.0  # seconds between progress lines of a long listing
 _TABLE_READS = 16  # pack tables read at once at open
 _DATE_RESOLUTION = 1.0  # seconds: an HTTP Date header has whole seconds
+# Decoding a segment is a Python loop over its entries: segments above this size are decoded
+# in a worker thread, so the event loop never spends more than about a millisecond on one.
+_THREAD_DECODE_BYTES = 64 << 10
 
 
 class Call(Protocol):
@@ -459,10 +463,14 @@ class IndexSync:
                 self._reject_segment(name, "empty")
             return []
         self.segments_read += 1
+        decode = functools.partial(
+            decode_segment, data, self._prefix, integrity_key=self._integrity_key
+        )
         try:
-            entries, rejected = decode_segment(
-                data, self._prefix, integrity_key=self._integrity_key
-            )
+            if len(data) > _THREAD_DECODE_BYTES:
+                entries, rejected = await anyio.to_thread.run_sync(decode)
+            else:
+                entries, rejected = decode()
         except SegmentError as exc:
             self._reject_segment(name, str(exc))
             return []

@@ -69,6 +69,7 @@ MAGIC_SIGNED = b"KVJ3"  # the KVJ2 layout, authenticated with the integrity key
 # segment a reader accepts is bounded, and a PUT that keeps failing re-sends a bounded one.
 MAX_SEGMENT_ENTRIES = 16384
 _COUNT = struct.Struct("<I")
+_U16 = struct.Struct("<H")
 _WHERE = struct.Struct("<QQ")
 _SUM = struct.Struct("<Q")
 _NAME_RE = re.compile(r"(\d{15})-([0-9a-f]{16})-(\d{1,20})")
@@ -191,47 +192,58 @@ def decode_segment(
         raise SegmentError(f"journal segment claims {count} entries")
     entries: list[tuple[bytes, Location | None]] = []
     rejected = 0
-    offset = 8
-
-    def take(n: int) -> bytes:
-        nonlocal offset
-        if offset + n > len(body):
-            raise SegmentError("journal segment truncated")
-        out = body[offset : offset + n]
-        offset += n
-        return out
-
+    at = 8
+    end = len(body)
+    names: dict[bytes, str | None] = {}  # each pack's name is checked once per segment
     for _ in range(count):
-        (length,) = struct.unpack("<H", take(2))
-        key = take(length)
+        if at + 2 > end:
+            raise SegmentError("journal segment truncated")
+        (length,) = _U16.unpack_from(body, at)
+        key = body[at + 2 : at + 2 + length]
+        at += 2 + length
         usable = 1 <= length <= MAX_KEY_BYTES
         where: Location | None = None
         if packed:
-            (name_length,) = struct.unpack("<H", take(2))
-            raw_name = take(name_length)
-            section_offset, section_length = _WHERE.unpack(take(_WHERE.size))
+            if at + 2 > end:
+                raise SegmentError("journal segment truncated")
+            (name_length,) = _U16.unpack_from(body, at)
+            raw_name = body[at + 2 : at + 2 + name_length]
+            at += 2 + name_length
+            if at + _WHERE.size > end:
+                raise SegmentError("journal segment truncated")
+            section_offset, section_length = _WHERE.unpack_from(body, at)
+            at += _WHERE.size
             if raw_name:
-                where = _location(raw_name, section_offset, section_length, prefix)
-                usable = usable and where is not None
+                name = names[raw_name] if raw_name in names else _pack_of(raw_name, prefix)
+                names[raw_name] = name
+                usable = (
+                    usable
+                    and name is not None
+                    and _section_may_exist(section_offset, section_length)
+                )
+                if name is not None:
+                    where = Location(name, section_offset, section_length)
+        if at > end:
+            raise SegmentError("journal segment truncated")
         if usable:
             entries.append((key, where))
         else:
             rejected += 1
-    if offset != len(body):
+    if at != end:
         raise SegmentError("journal segment has trailing bytes")
     return entries, rejected
 
 
-def _location(raw_name: bytes, offset: int, length: int, prefix: str) -> Location | None:
-    """The location an entry names if a reader may use it (a pack of this prefix, and a
-    section that could exist: its exact length is checked before a load reads it), else
-    None."""
+def _pack_of(raw_name: bytes, prefix: str) -> str | None:
+    """The pack an entry names if it is one of this prefix's, else None."""
     try:
         name = raw_name.decode("ascii")
     except UnicodeDecodeError:
         return None
-    if not is_pack_name(name, prefix):
-        return None
-    if offset < _MIN_SECTION_OFFSET or length <= 0 or offset + length > _MAX_SECTION_END:
-        return None
-    return Location(name, offset, length)
+    return name if is_pack_name(name, prefix) else None
+
+
+def _section_may_exist(offset: int, length: int) -> bool:
+    """A section after a table and of some length (its exact length is checked before a
+    load reads it)."""
+    return offset >= _MIN_SECTION_OFFSET and length > 0 and offset + length <= _MAX_SECTION_END
