@@ -368,11 +368,11 @@ class IndexSync:
                 return
             self._own.popleft()
 
-    def _check_skew(self, response: object) -> None:
+    def _check_skew(self, response: Any) -> None:
         """Compare this node's wall clock with the ``Date`` of a journal response; warn once
         while the skew is large enough to hide this node's segments (or theirs from it)."""
         try:
-            date = response["ResponseMetadata"]["HTTPHeaders"]["date"]  # type: ignore[index]
+            date = response["ResponseMetadata"]["HTTPHeaders"]["date"]
             server = email.utils.parsedate_to_datetime(date).timestamp()
         except (KeyError, TypeError, ValueError, IndexError):
             return  # no usable Date header: nothing to compare
