@@ -37,10 +37,14 @@ from pathlib import Path
 from kvtier._format import FORMAT_VERSION, IntegrityKey
 
 __all__ = [
+    "DIR_MODE",
+    "FILE_MODE",
     "HOST_TAG",
     "LAYOUT_VERSION",
     "MARKER",
     "MARKER_NAME",
+    "O_CLOEXEC",
+    "O_NOFOLLOW",
     "READ_FLAGS",
     "STALE_TMP_SECONDS",
     "TMP_PREFIX",
