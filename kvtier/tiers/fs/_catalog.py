@@ -6,9 +6,9 @@ have reserved against the capacity, which victims a store evicts, the keys being
 which of them ``lookup`` answered ``RETRY`` for), and the epochs that keep a stale "no such
 file" from dropping a block stored while the check ran. It never awaits and never touches the
 file system: ``FSTier`` does the I/O around it and tells it what happened, so a cancellation
-cannot leave it half updated, and it is tested without an event loop (``tests/
-test_fs_catalog.py``). No rule here depends on time, so it needs no clock; the failures that
-expire are remembered by the lookup helpers (``_index``), which take one.
+cannot leave it half updated, and it is tested without an event loop. No rule here depends on
+time, so it needs no clock; the failures that expire are remembered by the lookup helpers
+(``_index``), which take one.
 
 Generic in ``W``, what a store in flight is waited on with (``anyio.Event`` in the tier), so
 a second store of a key can wait for the first without the catalog knowing about the loop.
