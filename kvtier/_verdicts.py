@@ -1,0 +1,121 @@
+"""Verdicts that expire: the one bounded map behind every "answer we remember for a while".
+
+The async lookup helper caches existence answers, both indexes remember failed loads, the
+manager remembers failed promotions and the engine bridge keeps a snapshot of answers; all of
+them are this map. It is a synchronous structure with an injected clock, so it is tested
+without an event loop.
+
+An entry is one plain ``int``: (expiry in whole microseconds of the clock) << ``CODE_BITS`` |
+code. Code ``PRESENT`` (0) means the key is there; any other code means it is absent, and
+says why: ``code_of(reason)`` numbers ``MissReason`` from 1 in declaration order and
+``reason_of`` reads it back; a user with reasons of its own numbers them after those, up to
+``MAX_CODE``. An ``int`` is never tracked by the garbage collector, so a full map adds no work
+to its passes; a tuple or an object per key did, and full passes over a hundred thousand of
+them stalled the event loop for tens of milliseconds.
+
+The map keeps the order in which entries were set: setting a key again moves it to the end,
+and past ``max_entries`` the oldest entry goes. Expiry is lazy: ``get`` drops an expired entry
+it meets, and ``expire`` drops expired entries from the front (all of them when every entry has
+the same TTL, since then the order of setting is the order of expiry). An expiry is kept
+rounded down to the microsecond: an entry may end up to a microsecond early, never late, and a
+clock read at exactly the expiry sees it gone. Every operation is O(1) (``expire``: amortized).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Final
+
+from kvtier._lookup import MissReason
+
+__all__ = ["CODE_BITS", "MAX_CODE", "PRESENT", "VerdictStore", "code_of", "reason_of"]
+
+CODE_BITS: Final = 8
+MAX_CODE: Final = (1 << CODE_BITS) - 1
+PRESENT: Final = 0
+
+_MASK: Final = MAX_CODE
+_FOREVER_US: Final = 1 << 62  # a TTL of math.inf: far beyond any clock's microseconds
+_REASONS: Final[tuple[MissReason, ...]] = tuple(MissReason)
+_CODE_OF: Final[dict[str, int]] = {reason: i + 1 for i, reason in enumerate(_REASONS)}
+assert len(_REASONS) < MAX_CODE
+
+
+def code_of(reason: MissReason | str) -> int:
+    """The code of an absent verdict for ``reason`` (a ``MissReason`` or its value)."""
+    code = _CODE_OF.get(reason)
+    if code is None:
+        raise ValueError(f"not a miss reason: {reason!r}; use one of {[r.value for r in _REASONS]}")
+    return code
+
+
+def reason_of(code: int) -> MissReason:
+    """The ``MissReason`` of an absent verdict's ``code`` (one made by ``code_of``)."""
+    return _REASONS[code - 1]
+
+
+class VerdictStore:
+    """Key -> (code, expiry): bounded, oldest first out, expired lazily (see the module doc)."""
+
+    __slots__ = ("_clock", "_entries", "max_entries")
+
+    def __init__(self, max_entries: int, *, clock: Callable[[], float] = time.monotonic) -> None:
+        if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
+            raise ValueError(f"max_entries must be a positive int, got {max_entries!r}")
+        self.max_entries = max_entries
+        self._clock = clock
+        self._entries: OrderedDict[bytes, int] = OrderedDict()
+
+    def __len__(self) -> int:
+        """Entries held, expired ones not dropped yet included."""
+        return len(self._entries)
+
+    def get(self, key: bytes) -> int | None:
+        """The code of ``key``'s verdict, or None if there is none or it has expired."""
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        if entry >> CODE_BITS > self._clock() * 1e6:
+            return entry & _MASK
+        del self._entries[key]
+        return None
+
+    def set(self, key: bytes, code: int, ttl: float) -> None:
+        """Hold ``code`` for ``key`` for ``ttl`` seconds (``math.inf``: until pushed out or
+        forgotten), as the newest entry; the oldest goes past ``max_entries``."""
+        if not 0 <= code <= MAX_CODE:
+            raise ValueError(f"a verdict code is 0..{MAX_CODE}, got {code!r}")
+        expires = self._clock() + ttl
+        micros = _FOREVER_US if expires == math.inf else math.floor(expires * 1e6)
+        entries = self._entries
+        entries[key] = micros << CODE_BITS | code
+        entries.move_to_end(key)
+        while len(entries) > self.max_entries:
+            entries.popitem(last=False)
+
+    def forget(self, key: bytes) -> bool:
+        """Drop ``key``'s verdict; True if it had one (expired or not)."""
+        return self._entries.pop(key, None) is not None
+
+    def expire(self) -> int:
+        """Drop expired entries from the front (the oldest set) up to the first live one;
+        how many went."""
+        entries = self._entries
+        now = self._clock() * 1e6
+        dropped = 0
+        for entry in entries.values():
+            if entry >> CODE_BITS > now:
+                break
+            dropped += 1
+        for _ in range(dropped):
+            entries.popitem(last=False)
+        return dropped
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def __repr__(self) -> str:
+        return f"<VerdictStore {len(self._entries)}/{self.max_entries}>"
