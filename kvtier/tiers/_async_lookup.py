@@ -12,10 +12,8 @@ Two details matter at scale:
   check of that key is in flight is newer than the check's answer, so the check's answer for
   that key is dropped instead of overwriting it (a stale MISS over a fresh HIT would hide the
   block for ``miss_ttl``).
-- The cache holds one plain ``int`` per key (expiry in microseconds and a reason code packed
-  together), never a tuple or an enum member: ints are not tracked by the garbage collector, so
-  100,000 cached verdicts add no work to its passes (a tuple per key did, and full passes over
-  them stalled the event loop for tens of milliseconds).
+- The cache is a ``VerdictStore``: one plain ``int`` per key, never a tuple or an enum member,
+  so 100,000 cached verdicts add no work to the garbage collector's passes.
 """
 
 from __future__ import annotations
@@ -24,7 +22,6 @@ import logging
 import math
 import time
 import types
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Self
 
@@ -35,6 +32,7 @@ from kvtier._errors import TierError
 from kvtier._logging import BurstLogger
 from kvtier._lookup import LookupResult, MissReason
 from kvtier._validate import positive_int, positive_number
+from kvtier._verdicts import PRESENT, VerdictStore, code_of, reason_of
 from kvtier.tiers._base import LookupStatistics
 
 __all__ = ["AsyncLookupManager"]
@@ -42,19 +40,9 @@ __all__ = ["AsyncLookupManager"]
 logger = logging.getLogger(__name__)
 
 ContainsMany = Callable[[list[bytes]], Awaitable[list[bool]]]
-
-# A cached verdict is one int: (expiry in whole microseconds) << _CODE_BITS | code, where code
-# 0 means present and code i > 0 means absent for _REASONS[i - 1].
-_REASONS: tuple[MissReason, ...] = tuple(MissReason)
-_CODE_OF: dict[MissReason, int] = {reason: i + 1 for i, reason in enumerate(_REASONS)}
-_CODE_BITS = 5
-_CODE_MASK = (1 << _CODE_BITS) - 1
-_FOREVER_US = 1 << 62  # "never expires" (hit_ttl=None), far beyond any monotonic clock
-assert len(_REASONS) < _CODE_MASK
-
-
-def _micros(seconds: float) -> int:
-    return _FOREVER_US if seconds == math.inf else math.ceil(seconds * 1e6)
+# Bound once: an enum member read through its class costs more than the rest of a cached
+# answer in ``lookup``.
+HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
 
 
 class AsyncLookupManager:
@@ -96,8 +84,7 @@ class AsyncLookupManager:
         self._max_entries = int(max_entries)
         self._max_pending = int(max_pending)
         self._on_verdict = on_verdict
-        self._clock = clock
-        self._verdicts: OrderedDict[bytes, int] = OrderedDict()
+        self._verdicts = VerdictStore(self._max_entries, clock=clock)
         self._pending: dict[bytes, None] = {}
         self._in_flight: set[bytes] = set()
         # Keys recorded or forgotten from outside while their check was in flight: that
@@ -152,18 +139,15 @@ class AsyncLookupManager:
     # -- synchronous answers ---------------------------------------------------------------
 
     def lookup(self, key: bytes) -> LookupResult:
-        verdict = self._verdicts.get(key)
-        if verdict is not None:
-            if (verdict >> _CODE_BITS) > self._clock() * 1e6:
-                code = verdict & _CODE_MASK
-                if not code:
-                    self._hits += 1
-                    return LookupResult.HIT
-                return self._miss(_REASONS[code - 1])
-            del self._verdicts[key]
+        code = self._verdicts.get(key)
+        if code is not None:
+            if code == PRESENT:
+                self._hits += 1
+                return HIT
+            return self._miss(reason_of(code))
         if key in self._pending or key in self._in_flight:
             self._retries += 1
-            return LookupResult.RETRY
+            return RETRY
         if self._task_group is None:
             return self._miss(MissReason.UNAVAILABLE)
         if len(self._pending) + len(self._in_flight) >= self._max_pending:
@@ -172,12 +156,12 @@ class AsyncLookupManager:
         self._pending[key] = None
         self._wake.set()
         self._retries += 1
-        return LookupResult.RETRY
+        return RETRY
 
     def _miss(self, reason: MissReason) -> LookupResult:
         self._misses += 1
         self._miss_reasons[reason.value] = self._miss_reasons.get(reason.value, 0) + 1
-        return LookupResult.MISS
+        return MISS
 
     def record(self, key: bytes, present: bool, reason: MissReason = MissReason.NOT_FOUND) -> None:
         """Set the verdict for ``key`` from outside (a store landed, a load found it bad).
@@ -190,17 +174,15 @@ class AsyncLookupManager:
         self._set(key, present, reason)
 
     def _set(self, key: bytes, present: bool, reason: MissReason) -> None:
-        expires = self._clock() + (self._hit_ttl if present else self._miss_ttl)
-        code = 0 if present else _CODE_OF[MissReason(reason)]
-        self._verdicts[key] = _micros(expires) << _CODE_BITS | code
-        self._verdicts.move_to_end(key)
-        while len(self._verdicts) > self._max_entries:
-            self._verdicts.popitem(last=False)
+        if present:
+            self._verdicts.set(key, PRESENT, self._hit_ttl)
+        else:
+            self._verdicts.set(key, code_of(reason), self._miss_ttl)
 
     def forget(self, key: bytes) -> None:
         """Drop what is known about ``key`` (it was deleted); a check in flight for it is
         ignored too, since it may have looked before the delete."""
-        self._verdicts.pop(key, None)
+        self._verdicts.forget(key)
         if key in self._in_flight:
             self._superseded.add(key)
 
