@@ -2,17 +2,17 @@
 
 A tier may keep answering HIT for a block it cannot serve (its checksum fails, or it keeps the
 default ``record_miss``); promoting that block again at every wake of a waiting scan is a
-livelock (issue 11: 7,542 promotions in one second). The manager asks this memory before it
+livelock (thousands of failed promotions a second). The manager asks this memory before it
 promotes, and the failure's reason becomes the miss's reason until the entry expires.
 """
 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Hashable
 
 from kvtier._lookup import MissReason
+from kvtier._verdicts import VerdictStore, code_of, reason_of
 
 __all__ = ["RecentFailures"]
 
@@ -20,8 +20,10 @@ __all__ = ["RecentFailures"]
 class RecentFailures:
     """(tier, key) -> reason, each for ``ttl`` seconds, at most ``max_entries`` at once.
 
-    One TTL for all entries makes insertion order expiry order, so expired entries are
-    dropped from the front in O(1) amortized and the oldest goes first when full.
+    One ``VerdictStore`` for all tiers, so the bound and the oldest-first order span them: an
+    entry's key is the tier's tag (four bytes, given at its first failure) and the block key.
+    One TTL for all entries makes the order of setting the order of expiry, so each
+    ``remember`` drops every expired entry from the front (amortized O(1)).
     """
 
     def __init__(
@@ -32,28 +34,23 @@ class RecentFailures:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._ttl = ttl
-        self._max = max_entries
-        self._clock = clock
-        self._entries: OrderedDict[tuple[Hashable, bytes], tuple[MissReason, float]] = OrderedDict()
+        self._store = VerdictStore(max_entries, clock=clock)
+        self._tags: dict[Hashable, bytes] = {}
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._store)
 
     def get(self, tier: Hashable, key: bytes) -> MissReason | None:
         """Why promoting ``key`` from ``tier`` failed, if that was less than ``ttl`` ago."""
-        entry = self._entries.get((tier, key))
-        if entry is None:
+        tag = self._tags.get(tier)
+        if tag is None:
             return None
-        reason, expires = entry
-        if self._clock() < expires:
-            return reason
-        del self._entries[tier, key]
-        return None
+        code = self._store.get(tag + key)
+        return None if code is None else reason_of(code)
 
     def remember(self, tier: Hashable, key: bytes, reason: MissReason) -> None:
-        entries = self._entries
-        now = self._clock()
-        entries.pop((tier, key), None)
-        entries[tier, key] = (reason, now + self._ttl)
-        while len(entries) > self._max or next(iter(entries.values()))[1] <= now:
-            entries.popitem(last=False)
+        tag = self._tags.get(tier)
+        if tag is None:
+            tag = self._tags[tier] = len(self._tags).to_bytes(4, "big")
+        self._store.set(tag + key, code_of(reason), self._ttl)
+        self._store.expire()
