@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterable
 
 from kvtier._logging import BurstLogger
 from kvtier._lookup import LookupResult, MissReason
+from kvtier._verdicts import VerdictStore, code_of, reason_of
 from kvtier.tiers._base import LookupStatistics
 from kvtier.tiers._s3_pack import Location
 
@@ -48,6 +49,8 @@ logger = logging.getLogger(__name__)
 # _INDEXED while it is indexed. A key with neither is not in the dict.
 _INDEXED = 1
 _PLACE = 2
+# Bound once: an enum member read through its class costs as much as the rest of a lookup.
+HIT, MISS = LookupResult.HIT, LookupResult.MISS
 
 
 def key_from_object(name: str, prefix: str) -> bytes | None:
@@ -79,14 +82,15 @@ class ExistenceIndex:
     ) -> None:
         self._miss_ttl = miss_ttl
         self._max_keys = max_keys
-        self._clock = clock
         self._name = name
         self._log = BurstLogger(logger)
         self._keys: dict[bytes, int] = {}  # key -> its state (see _INDEXED, _PLACE)
         self._order: collections.deque[bytes] = collections.deque()  # the oldest first
         self._count = 0  # indexed keys
         self._where: dict[bytes, Location] = {}  # keys held in a pack, not a block object
-        self._suppressed: dict[bytes, tuple[float, MissReason]] = {}
+        # Indexed keys whose load failed lately (bounded by max_keys: only indexed keys are
+        # suppressed, and a key leaving the index is forgotten here too).
+        self._suppressed = VerdictStore(max_keys, clock=clock)
         self._unpublished: dict[bytes, Location | None] = {}
         self._seen: dict[str, int] = {}  # segment name -> its wall ms
         self.full = False  # max_keys reached at least once
@@ -112,20 +116,17 @@ class ExistenceIndex:
 
     def lookup(self, key: bytes) -> LookupResult:
         if self._keys.get(key, 0) & _INDEXED:
-            if self._suppressed:
-                held = self._suppressed.get(key)
-                if held is not None:
-                    if held[0] > self._clock():
-                        return self.miss(held[1])
-                    del self._suppressed[key]
+            code = self._suppressed.get(key)
+            if code is not None:
+                return self.miss(reason_of(code))
             self._hits += 1
-            return LookupResult.HIT
+            return HIT
         return self.miss(MissReason.NOT_FOUND)
 
     def miss(self, reason: MissReason) -> LookupResult:
         self._misses += 1
         self._reasons[reason.value] = self._reasons.get(reason.value, 0) + 1
-        return LookupResult.MISS
+        return MISS
 
     # -- updates -------------------------------------------------------------------------------
 
@@ -134,7 +135,7 @@ class ExistenceIndex:
         was not known (and there was room). A key known in a pack keeps its location when
         its own object is found too: reading it with its pack's neighbours costs less."""
         if self._keys.get(key, 0) & _INDEXED:
-            self._suppressed.pop(key, None)
+            self._suppressed.forget(key)
             if where is not None:
                 self._where[key] = where
             return False
@@ -170,7 +171,7 @@ class ExistenceIndex:
             if state == _INDEXED:  # its last place: evict it
                 del self._keys[key]
                 self._where.pop(key, None)
-                self._suppressed.pop(key, None)
+                self._suppressed.forget(key)
                 self._count -= 1
                 self.evictions += 1
                 break
@@ -210,14 +211,14 @@ class ExistenceIndex:
             self._keys[key] = state - _INDEXED  # its places in the order go when reached
             self._count -= 1
         self._where.pop(key, None)
-        self._suppressed.pop(key, None)
+        self._suppressed.forget(key)
 
     def suppress(self, key: bytes, reason: MissReason) -> None:
         """A load failed for ``reason``: answer MISS for ``key`` for ``miss_ttl`` seconds."""
         if reason in (MissReason.NOT_FOUND, MissReason.CORRUPT):
             self.discard(key)
         elif key in self:
-            self._suppressed[key] = (self._clock() + self._miss_ttl, reason)
+            self._suppressed.set(key, code_of(reason), self._miss_ttl)
 
     # -- journal bookkeeping ---------------------------------------------------------------
 
