@@ -7,8 +7,10 @@ import math
 
 import pytest
 
+import kvtier
 from kvtier._lookup import MissReason
 from kvtier._verdicts import MAX_CODE, PRESENT, VerdictStore, code_of, reason_of
+from kvtier.integrations._bridge import CLOSED, TierBridge
 
 
 class Clock:
@@ -135,3 +137,25 @@ def test_repr_shows_fill_and_bound(clock: Clock) -> None:
     store = VerdictStore(5, clock=clock)
     store.set(b"a", PRESENT, 1.0)
     assert repr(store) == "<VerdictStore 1/5>"
+
+
+def test_the_bridge_keeps_each_miss_verdicts_reason_by_name() -> None:
+    """The bridge's verdicts are codes too: its own reasons and a tier's other names come
+    back as they went in, and past the codes there are, a name counts as ``not_found``."""
+    bridge = TierBridge(kvtier.MemoryTier())
+    try:
+        names = [MissReason.TIMEOUT.value, CLOSED, "a_tier_of_its_own"]
+        names += [f"reason_{i}" for i in range(MAX_CODE)]
+        for i, name in enumerate(names):
+            bridge._verdict(i.to_bytes(4, "big"), False, name)
+        bridge._verdict(b"hit", True, "")
+        assert bridge.lookup(b"hit") is kvtier.LookupResult.HIT
+        for i in range(len(names)):
+            assert bridge.lookup(i.to_bytes(4, "big")) is kvtier.LookupResult.MISS
+        counted = bridge.statistics().misses_by_reason
+        assert counted[MissReason.TIMEOUT.value] == 1 and counted[CLOSED] == 1
+        assert counted["a_tier_of_its_own"] == 1
+        numbered = [name for name in counted if name.startswith("reason_")]
+        assert numbered and counted["not_found"] == MAX_CODE - len(numbered)
+    finally:
+        bridge.close()

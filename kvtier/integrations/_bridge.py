@@ -56,7 +56,6 @@ import math
 import threading
 import time
 import weakref
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, TypeVar, get_args
@@ -68,6 +67,7 @@ from kvtier._errors import InvalidArgumentError
 from kvtier._logging import BurstLogger
 from kvtier._lookup import LookupResult, MissReason
 from kvtier._validate import positive_int, positive_number
+from kvtier._verdicts import MAX_CODE, PRESENT, VerdictStore
 from kvtier.tiers._base import BatchResults, SecondaryTier, TierStatistics
 
 __all__ = ["BridgeStatistics", "JobOutcome", "TierBridge"]
@@ -82,6 +82,8 @@ T = TypeVar("T")
 CLOSED = "closed"  # the bridge was shut down, or its tier failed to open
 OVERLOAD = "overload"  # too many existence checks waiting
 TIER_ERROR = "tier_error"  # the tier's lookup() raised: a tier bug, counted and contained
+# Bound once: an enum member read through its class costs more than a snapshot's answer.
+HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
 # Jobs submitted together run as one batch call, up to this many blocks (a job is never split;
 # a bigger batch would make the first job wait for the others).
 COALESCE_BLOCKS = 64
@@ -203,7 +205,7 @@ class TierBridge:
         self._changed = threading.Condition(self._lock)
         self._generation = 0  # bumped whenever a verdict or a job lands
         self._state = "opening"  # opening -> open -> closing -> closed; or failed
-        self._verdicts: OrderedDict[bytes, tuple[bool, float, str]] = OrderedDict()
+        self._verdicts = VerdictStore(self._max_verdicts)  # under _lock; codes: _reason_names
         self._asking: dict[bytes, float] = {}  # unknown keys the loop has yet to ask about,
         # with the time.monotonic() they were first asked (their check's deadline runs from it)
         self._checking: set[bytes] = set()  # keys the loop has asked the tier about
@@ -216,6 +218,13 @@ class TierBridge:
         self._counts = {"hits": 0, "misses": 0, "retries": 0, "jobs_finished": 0}
         self._failed = {"load": 0, "store": 0}
         self._miss_reasons: dict[str, int] = {}
+        # A miss verdict's code names its reason: MissReason's codes first (as ``code_of``
+        # numbers them), then the bridge's own, then any other a tier counts, numbered when
+        # first seen (see _code).
+        self._reason_names: list[str] = ["", *(reason.value for reason in MissReason)]
+        self._reason_codes = {name: code for code, name in enumerate(self._reason_names) if code}
+        for name in (CLOSED, OVERLOAD, TIER_ERROR):
+            self._code(name)
 
         # -- loop thread only -------------------------------------------------------------
         # Keys checked but without a verdict yet (the tier answered RETRY, or it is still
@@ -246,25 +255,21 @@ class TierBridge:
 
     def lookup(self, key: bytes) -> LookupResult:
         """``HIT``, ``MISS`` or ``RETRY`` from the snapshot, without waiting."""
-        now = time.monotonic()
         schedule = False
         with self._lock:
             if self._state not in ("opening", "open"):
                 return self._count_miss(CLOSED)  # a closed tier can no longer load a hit
-            verdict = self._verdicts.get(key)
-            if verdict is not None:
-                present, expires, reason = verdict
-                if expires > now:
-                    if present:
-                        self._counts["hits"] += 1
-                        return LookupResult.HIT
-                    return self._count_miss(reason)
-                del self._verdicts[key]
+            code = self._verdicts.get(key)
+            if code is not None:
+                if code == PRESENT:
+                    self._counts["hits"] += 1
+                    return HIT
+                return self._count_miss(self._reason_names[code])
             if key not in self._asking and key not in self._checking:
                 if len(self._asking) + len(self._checking) >= self._max_checks:
                     self._log.warning("overload", "%s: too many existence checks", self.name)
                     return self._count_miss(OVERLOAD)
-                self._asking[key] = now
+                self._asking[key] = time.monotonic()
                 if not self._flush_scheduled:
                     self._flush_scheduled = schedule = True
             self._counts["retries"] += 1
@@ -272,7 +277,7 @@ class TierBridge:
             with self._lock:
                 self._asking.pop(key, None)
                 return self._count_miss(CLOSED)
-        return LookupResult.RETRY
+        return RETRY
 
     def submit(
         self, job_id: int, operation: Operation, keys: Sequence[bytes], views: Sequence[memoryview]
@@ -562,7 +567,7 @@ class TierBridge:
             self._ask(key)  # still RETRY: the wait goes on to its first deadline
             return
         with self._changed:
-            if self._verdicts.pop(key, None) is not None:
+            if self._verdicts.forget(key):
                 self._generation += 1
                 self._changed.notify_all()
 
@@ -583,13 +588,12 @@ class TierBridge:
         timer = self._waiting.pop(key, None)
         if timer is not None:
             timer.cancel()
-        expires = math.inf if present else time.monotonic() + self._miss_ttl
         with self._changed:
             self._checking.discard(key)
-            self._verdicts[key] = (present, expires, reason)
-            self._verdicts.move_to_end(key)
-            while len(self._verdicts) > self._max_verdicts:
-                self._verdicts.popitem(last=False)
+            if present:
+                self._verdicts.set(key, PRESENT, math.inf)
+            else:
+                self._verdicts.set(key, self._code(reason), self._miss_ttl)
             self._generation += 1
             self._changed.notify_all()
 
@@ -700,10 +704,22 @@ class TierBridge:
 
     # -- helpers ------------------------------------------------------------------------------
 
+    def _code(self, reason: str) -> int:
+        """The verdict code of a miss for ``reason`` (under the lock); a new name gets the next
+        code while there is one, then counts as ``not_found`` (codes are a few bits of an int)."""
+        code = self._reason_codes.get(reason)
+        if code is None:
+            if len(self._reason_names) > MAX_CODE:
+                self._log.warning("reasons", "%s: too many miss reasons: %r", self.name, reason)
+                return self._reason_codes[MissReason.NOT_FOUND.value]
+            code = self._reason_codes[reason] = len(self._reason_names)
+            self._reason_names.append(reason)
+        return code
+
     def _count_miss(self, reason: str) -> LookupResult:
         self._counts["misses"] += 1
         self._miss_reasons[reason] = self._miss_reasons.get(reason, 0) + 1
-        return LookupResult.MISS
+        return MISS
 
     def __repr__(self) -> str:
         with self._lock:
