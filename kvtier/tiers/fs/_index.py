@@ -16,14 +16,17 @@ from __future__ import annotations
 
 import time
 import types
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Self
 
 from kvtier._lookup import LookupResult, MissReason
+from kvtier._verdicts import VerdictStore, code_of, reason_of
 from kvtier.tiers._base import LookupStatistics
 
 __all__ = ["IndexLookups"]
+
+# Bound once: an enum member read through its class costs as much as the rest of a lookup.
+HIT, MISS = LookupResult.HIT, LookupResult.MISS
 
 
 class IndexLookups:
@@ -39,9 +42,7 @@ class IndexLookups:
     ) -> None:
         self._holds = holds
         self._miss_ttl = miss_ttl
-        self._max_entries = max_entries
-        self._clock = clock
-        self._failed: OrderedDict[bytes, tuple[float, MissReason]] = OrderedDict()
+        self._failed = VerdictStore(max_entries, clock=clock)  # held keys whose load failed
         self._open = False
         self._hits = self._misses = 0
         self._miss_reasons: dict[str, int] = {}
@@ -66,33 +67,28 @@ class IndexLookups:
         self._open = False
 
     def lookup(self, key: bytes) -> LookupResult:
-        failed = self._failed.get(key)
-        if failed is not None:
-            if failed[0] > self._clock():
-                return self._miss(failed[1])
-            del self._failed[key]
+        code = self._failed.get(key)
+        if code is not None:
+            return self._miss(reason_of(code))
         if not self._open:
             return self._miss(MissReason.UNAVAILABLE)
         if self._holds(key):
             self._hits += 1
-            return LookupResult.HIT
+            return HIT
         return self._miss(MissReason.NOT_FOUND)
 
     def _miss(self, reason: MissReason) -> LookupResult:
         self._misses += 1
         self._miss_reasons[reason.value] = self._miss_reasons.get(reason.value, 0) + 1
-        return LookupResult.MISS
+        return MISS
 
     def record(self, key: bytes, present: bool, reason: MissReason = MissReason.NOT_FOUND) -> None:
         """A store landed (``present``), or an operation on ``key`` failed with ``reason``.
         Absence itself needs no memory (the index says it), only failures of a held key."""
         if present or reason in (MissReason.NOT_FOUND, MissReason.EVICTED):
-            self._failed.pop(key, None)
+            self._failed.forget(key)
             return
-        self._failed[key] = (self._clock() + self._miss_ttl, reason)
-        self._failed.move_to_end(key)
-        while len(self._failed) > self._max_entries:
-            self._failed.popitem(last=False)
+        self._failed.set(key, code_of(reason), self._miss_ttl)
 
     def statistics(self) -> LookupStatistics:
         return LookupStatistics(
