@@ -79,16 +79,37 @@ Choices where the issue was silent:
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import math
 import os
-import re
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 from kvtier._errors import InvalidArgumentError
+from kvtier._settings import (
+    BadValue,
+    Section,
+    check_fields,
+    choice,
+    did_you_mean,
+    message,
+    optional,
+    parse_any_text,
+    parse_bool,
+    parse_names,
+    parse_non_negative_int,
+    parse_non_negative_seconds,
+    parse_path,
+    parse_positive_int,
+    parse_positive_size,
+    parse_rate,
+    parse_seconds,
+    parse_secret,
+    parse_size,
+    parse_text,
+    parse_url,
+    spec,
+)
 
 if TYPE_CHECKING:
     from kvtier._tiering import TieringManager
@@ -110,239 +131,30 @@ ENV_PREFIX = "KVTIER_"
 ENV_CONFIG_FILE = "KVTIER_CONFIG"
 
 
-# -- value parsers ---------------------------------------------------------------------------
+# -- value parsers: one set for every component (kvtier._settings) ------------------------
 #
-# A parser takes a raw value and whether it came as text (an environment variable), and
-# returns the normalised value or raises ``_Bad`` saying what it expected.
+# The short names below are the ones the sections in this module were written with.
 
-
-class _Bad(Exception):
-    def __init__(self, expected: str) -> None:
-        super().__init__(expected)
-        self.expected = expected
-
-
-_Parser = Callable[[object, bool], object]
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "t": 1000**4,
-    "tb": 1000**4,
-    "kib": 1 << 10,
-    "mib": 1 << 20,
-    "gib": 1 << 30,
-    "tib": 1 << 40,
-}
-_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*")
-
-
-def parse_size(value: object) -> int:
-    """Bytes from an int or a string such as ``"64MiB"``, ``"1.5GB"`` or ``"4096"``.
-
-    Raises ``InvalidArgumentError`` (a ``ValueError``) for anything else: a negative, a
-    fraction of a byte, an unknown unit.
-    """
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    match = _SIZE.fullmatch(value.replace("_", "")) if isinstance(value, str) else None
-    if match is None or match.group(2).lower() not in _UNITS:
-        raise InvalidArgumentError(f"not a size in bytes: {value!r}")
-    amount = float(match.group(1)) * _UNITS[match.group(2).lower()]
-    if amount != int(amount):
-        raise InvalidArgumentError(f"not a whole number of bytes: {value!r}")
-    return int(amount)
-
-
-def _positive_int(value: object, text: bool) -> int:
-    if text and isinstance(value, str):
-        try:
-            value = int(value.strip())
-        except ValueError:
-            raise _Bad("a positive integer") from None
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise _Bad("a positive integer")
-    return value
-
-
-def _non_negative_int(value: object, text: bool) -> int:
-    if text and isinstance(value, str):
-        try:
-            value = int(value.strip())
-        except ValueError:
-            raise _Bad("an integer >= 0") from None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise _Bad("an integer >= 0")
-    return value
-
-
-def _size(value: object, text: bool) -> int:
-    expected = "a positive size in bytes: an integer or a string such as '64MiB' or '2GB'"
-    try:
-        size = parse_size(value)
-    except ValueError:
-        raise _Bad(expected) from None
-    if size <= 0:
-        raise _Bad(expected)
-    return size
-
-
-def _number_of_seconds(value: object, text: bool, *, zero_ok: bool) -> float:
-    expected = "a number of seconds >= 0" if zero_ok else "a positive number of seconds"
-    if text and isinstance(value, str):
-        try:
-            value = float(value.strip())
-        except ValueError:
-            raise _Bad(expected) from None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise _Bad(expected)
-    if not (math.isfinite(value) and (value >= 0 if zero_ok else value > 0)):
-        raise _Bad(expected)
-    return float(value)
-
-
-def _seconds(value: object, text: bool) -> float:
-    return _number_of_seconds(value, text, zero_ok=False)
-
-
-def _non_negative_seconds(value: object, text: bool) -> float:
-    return _number_of_seconds(value, text, zero_ok=True)
-
-
-def _rate(value: object, text: bool) -> float:
-    """Bytes per second: a positive number, or a size string (``"64MiB"``, ``"64MiB/s"``)."""
-    expected = "a positive rate in bytes per second: a number or a size such as '64MiB' (/s)"
-    if isinstance(value, str):
-        stripped = value.strip()
-        if stripped.lower().endswith("/s"):
-            stripped = stripped[:-2]
-        try:
-            value = float(stripped)  # a plain number may have a fraction of a byte
-        except ValueError:
-            try:
-                value = parse_size(stripped)
-            except ValueError:
-                raise _Bad(expected) from None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise _Bad(expected)
-    if not (math.isfinite(value) and value > 0):
-        raise _Bad(expected)
-    return float(value)
-
-
-def _names(value: object, text: bool) -> tuple[str, ...]:
-    """Tier names: a list (dict, TOML) or, as text, comma-separated (``"fs,s3"``)."""
-    expected = "a list of tier names such as ['s3'] (in the environment: 's3' or 'fs,s3')"
-    if text and isinstance(value, str):
-        value = [part.strip() for part in value.split(",") if part.strip()]
-    if isinstance(value, str) or not isinstance(value, list | tuple):
-        raise _Bad(expected)
-    if not all(isinstance(name, str) and name.strip() for name in value):
-        raise _Bad(expected)
-    return tuple(dict.fromkeys(value))
-
-
-def _text(value: object, text: bool) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise _Bad("a non-empty string")
-    return value
-
-
-def _secret(value: object, text: bool) -> str:
-    if not isinstance(value, str) or len(value.encode()) < 16:
-        raise _Bad("a secret of at least 16 bytes (for example 64 random hex digits)")
-    return value
-
-
-def _any_text(value: object, text: bool) -> str:
-    if not isinstance(value, str):
-        raise _Bad("a string (it may be empty)")
-    return value
-
-
-def _path(value: object, text: bool) -> str:
-    if isinstance(value, os.PathLike):
-        value = os.fspath(value)
-    if not isinstance(value, str) or not value.strip():
-        raise _Bad("a folder path (a non-empty string)")
-    return value
-
-
-def _url(value: object, text: bool) -> str:
-    if not isinstance(value, str) or not re.match(r"https?://[^/\s]+", value):
-        raise _Bad("an http:// or https:// URL such as 'http://127.0.0.1:9000'")
-    return value
-
-
-def _bool(value: object, text: bool) -> bool:
-    if isinstance(value, bool):
-        return value
-    if text and isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0"):
-        return value.strip().lower() in ("true", "1")
-    raise _Bad("true or false")
-
-
-def _choice(*options: str) -> _Parser:
-    def parse(value: object, text: bool) -> str:
-        if isinstance(value, str) and value.strip().lower() in options:
-            return value.strip().lower()
-        raise _Bad("one of " + ", ".join(repr(o) for o in options))
-
-    return parse
-
-
-def _optional(parse: _Parser) -> _Parser:
-    """``None`` is allowed; as text, an empty string or ``none`` means ``None``."""
-
-    def parse_optional(value: object, text: bool) -> object:
-        if value is None or (
-            text and isinstance(value, str) and value.strip().lower() in ("", "none")
-        ):
-            return None
-        try:
-            return parse(value, text)
-        except _Bad as exc:
-            raise _Bad(exc.expected + ", or nothing") from None
-
-    return parse_optional
-
-
-def _spec(parse: _Parser, *, secret: bool = False) -> dict[str, Any]:
-    return {"parse": parse, "secret": secret}
-
-
-def _check_fields(section: object, label: Callable[[str], str]) -> None:
-    """Parse every field of a section dataclass in place; raise naming the first bad one."""
-    for f in dataclasses.fields(section):  # type: ignore[arg-type]
-        value = getattr(section, f.name)
-        try:
-            parsed = f.metadata["parse"](value, False)
-        except _Bad as exc:
-            raise InvalidArgumentError(
-                _message(label(f.name), exc.expected, value, f.metadata["secret"])
-            ) from None
-        object.__setattr__(section, f.name, parsed)
-
-
-def _message(where: str, expected: str, value: object, secret: bool) -> str:
-    shown = "another value (hidden: it is a secret)" if secret else repr(value)
-    return f"{where} must be {expected}; got {shown}"
-
-
-class _Section:
-    """What each section dataclass shares: its name in files and in the environment."""
-
-    __slots__ = ()
-    SECTION: ClassVar[str]
-
-    def __post_init__(self) -> None:
-        _check_fields(self, lambda name: f"{self.SECTION}.{name}")
+_Bad = BadValue
+_positive_int = parse_positive_int
+_non_negative_int = parse_non_negative_int
+_size = parse_positive_size
+_seconds = parse_seconds
+_non_negative_seconds = parse_non_negative_seconds
+_rate = parse_rate
+_names = parse_names
+_text = parse_text
+_secret = parse_secret
+_any_text = parse_any_text
+_path = parse_path
+_url = parse_url
+_bool = parse_bool
+_choice = choice
+_optional = optional
+_spec = spec
+_message = message
+_check_fields = check_fields
+_Section = Section
 
 
 # -- sections --------------------------------------------------------------------------------
@@ -413,14 +225,14 @@ class S3Config(_Section):
     breaker_threshold: int = field(default=5, metadata=_spec(_positive_int))
     breaker_reset: float = field(default=5.0, metadata=_spec(_seconds))
     lookup_timeout: float = field(default=5.0, metadata=_spec(_seconds))
-    # The existence index (see kvtier.tiers._s3_index): "index" answers lookup() without a
+    # The existence index (see kvtier.tiers.s3._index): "index" answers lookup() without a
     # request (unknown keys miss at once); "ask" sends HEADs for unknown keys.
     lookup_mode: str = field(default="index", metadata=_spec(_choice("index", "ask")))
     index_refresh: float = field(default=2.0, metadata=_spec(_seconds))
     index_lookback: float = field(default=60.0, metadata=_spec(_seconds))
     index_list_timeout: float = field(default=60.0, metadata=_spec(_seconds))
     index_max_keys: int = field(default=10_000_000, metadata=_spec(_positive_int))
-    # Blocks stored together per object (see kvtier.tiers._s3_pack); None: 8 in the index
+    # Blocks stored together per object (see kvtier.tiers.s3._pack); None: 8 in the index
     # mode, 1 in the ask mode (which cannot find blocks inside packs).
     pack_blocks: int | None = field(default=None, metadata=_spec(_optional(_positive_int)))
 
@@ -519,10 +331,7 @@ _OPTIONAL = ("fs", "s3", "integrity")
 # -- the whole configuration ----------------------------------------------------------------
 
 
-def _did_you_mean(name: str, options: list[str]) -> str:
-    close = difflib.get_close_matches(name, options, n=1)
-    hint = f"did you mean {close[0]!r}? " if close else ""
-    return f"{hint}expected one of: {', '.join(options)}"
+_did_you_mean = did_you_mean
 
 
 @dataclass(frozen=True, slots=True)
@@ -712,7 +521,7 @@ class KVTierConfig:
             except InvalidArgumentError as exc:
                 raise InvalidArgumentError(f"fs: {exc}") from exc
         if self.s3 is not None:
-            from kvtier.tiers._s3 import S3Tier
+            from kvtier.tiers.s3 import S3Tier
 
             kwargs = _kwargs(self.s3)
             bucket = kwargs.pop("bucket")
