@@ -110,6 +110,7 @@ from kvtier._settings import (
     parse_url,
     spec,
 )
+from kvtier.tiers.fs._config import FSConfig
 
 if TYPE_CHECKING:
     from kvtier._tiering import TieringManager
@@ -171,26 +172,6 @@ class PoolConfig(_Section):
     kind: str = field(default="host", metadata=_spec(_choice("host", "cuda")))
     policy: str = field(default="lru", metadata=_spec(_choice("lru", "arc")))
     device: int = field(default=0, metadata=_spec(_non_negative_int))
-
-
-@dataclass(frozen=True, slots=True)
-class FSConfig(_Section):
-    """An ``FSTier`` (see ``kvtier.tiers.fs`` for what each setting trades)."""
-
-    SECTION: ClassVar[str] = "fs"
-
-    root: str = field(metadata=_spec(_path))
-    name: str = field(default="fs", metadata=_spec(_text))
-    capacity_bytes: int | None = field(default=None, metadata=_spec(_optional(_size)))
-    fsync: str = field(default="data", metadata=_spec(_choice("never", "data", "always")))
-    miss_ttl: float = field(default=2.0, metadata=_spec(_seconds))
-    lookup_batch_size: int = field(default=256, metadata=_spec(_positive_int))
-    lookup_timeout: float = field(default=5.0, metadata=_spec(_seconds))
-    max_concurrency: int = field(default=16, metadata=_spec(_positive_int))
-    max_write_concurrency: int = field(default=16, metadata=_spec(_positive_int))
-    shared: bool = field(default=True, metadata=_spec(_bool))
-    max_stuck_threads: int = field(default=32, metadata=_spec(_positive_int))
-    direct_io: bool = field(default=False, metadata=_spec(_bool))
 
 
 @dataclass(frozen=True, slots=True)
@@ -513,11 +494,9 @@ class KVTierConfig:
         if self.fs is not None:
             from kvtier.tiers.fs import FSTier
 
-            kwargs = _kwargs(self.fs)
-            root = kwargs.pop("root")
-            kwargs["integrity_key"] = None if self.integrity is None else self.integrity.key
+            key = None if self.integrity is None else self.integrity.key
             try:
-                tiers.append(FSTier(root, **kwargs))
+                tiers.append(FSTier(self.fs.root, config=self.fs, integrity_key=key))
             except InvalidArgumentError as exc:
                 raise InvalidArgumentError(f"fs: {exc}") from exc
         if self.s3 is not None:

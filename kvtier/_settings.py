@@ -154,12 +154,13 @@ def parse_non_negative_int(value: object, text: bool) -> int:
 def parse_positive_size(value: object, text: bool) -> int:
     """A positive number of bytes: an int or a size string (``parse_size``)."""
     expected = "a positive size in bytes: an integer or a string such as '64MiB' or '2GB'"
+    python = "a positive int (bytes) or a size string such as '64MiB' or '2GB'"
     try:
         size = parse_size(value)
     except ValueError:
-        raise BadValue(expected) from None
+        raise BadValue(expected, python) from None
     if size <= 0:
-        raise BadValue(expected)
+        raise BadValue(expected, python)
     return size
 
 

@@ -79,7 +79,8 @@ because the page cache survives it):
 How the package is built: ``FSTier`` (``_tier``) is an async shell that awaits the file work
 around a synchronous core, the way httpcore's pool is a state machine with I/O outside it.
 
-- ``_tier``: ``FSTier``: settings, open and close, lookup, load, store, delete, statistics.
+- ``_config``: ``FSConfig``, every setting of the tier (name, default, check) defined once.
+- ``_tier``: ``FSTier``: open and close, lookup, load, store, delete, statistics.
 - ``_catalog``: the bookkeeping as a state machine: index and LRU order, used and reserved
   bytes against the capacity, eviction victims, keys being stored, watcher epochs.
 - ``_ledger``: books each outcome (catalog, counters, verdicts, notices) and maps ``OSError``
@@ -94,6 +95,7 @@ around a synchronous core, the way httpcore's pool is a state machine with I/O o
 
 from __future__ import annotations
 
-from kvtier.tiers.fs._tier import FSYNC_POLICIES, FSTier
+from kvtier.tiers.fs._config import FSYNC_POLICIES, FSConfig
+from kvtier.tiers.fs._tier import FSTier
 
-__all__ = ["FSYNC_POLICIES", "FSTier"]
+__all__ = ["FSYNC_POLICIES", "FSConfig", "FSTier"]

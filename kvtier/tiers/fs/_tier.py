@@ -1,6 +1,7 @@
 """``FSTier``, the async shell of the file-system tier (what it promises: ``kvtier.tiers.fs``).
 
-The shell checks arguments, opens and closes, and for each operation awaits the file work in
+The shell takes its settings from one ``FSConfig`` (``_config``: names, defaults and checks),
+opens and closes, and for each operation awaits the file work in
 a worker thread (``_blocks``, ``_io``, ``_read``) between two synchronous steps: before, the
 ``Catalog`` reserves room and marks the key being stored; after, the ``Ledger`` books the
 outcome (catalog, counters, verdicts, notices, errors). ``lookup`` is synchronous: a key
@@ -15,7 +16,7 @@ import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import cast
+from typing import Unpack, cast
 
 import anyio
 
@@ -23,7 +24,6 @@ from kvtier._errors import InvalidArgumentError
 from kvtier._format import IntegrityKey
 from kvtier._keys import check_key
 from kvtier._lookup import LookupResult, MissReason
-from kvtier._validate import positive_int, positive_number
 from kvtier.tiers._async_lookup import AsyncLookupManager
 from kvtier.tiers._base import (
     BatchResults,
@@ -37,13 +37,12 @@ from kvtier.tiers.fs import _io as io
 from kvtier.tiers.fs._blocks import BlockFiles
 from kvtier.tiers.fs._calls import Abandoned, Handoff, OnLate, Stuck
 from kvtier.tiers.fs._catalog import Catalog, Reservation
+from kvtier.tiers.fs._config import FSConfig, FSOverrides
 from kvtier.tiers.fs._index import IndexLookups
 from kvtier.tiers.fs._layout import IncompatibleRoot, marker_for, name_of
 from kvtier.tiers.fs._ledger import Ledger
 
-__all__ = ["FSYNC_POLICIES", "FSTier"]
-
-FSYNC_POLICIES = ("never", "data", "always")
+__all__ = ["FSTier"]
 
 
 class FSTier(SecondaryTier):
@@ -53,66 +52,53 @@ class FSTier(SecondaryTier):
         self,
         root: str | os.PathLike[str],
         *,
-        name: str = "fs",
-        capacity_bytes: int | None = None,
-        fsync: str = "data",
-        miss_ttl: float = 2.0,
-        lookup_batch_size: int = 256,
-        lookup_timeout: float = 5.0,
-        max_concurrency: int = 16,
-        max_write_concurrency: int = 16,
-        shared: bool = True,
+        config: FSConfig | None = None,
         integrity_key: str | bytes | IntegrityKey | None = None,
-        max_stuck_threads: int = 32,
-        direct_io: bool = False,
+        **overrides: Unpack[FSOverrides],
     ) -> None:
-        _check_settings(
-            root, name, capacity_bytes, fsync, miss_ttl, lookup_batch_size, lookup_timeout
-        )
-        for value, what in (
-            (max_concurrency, "max_concurrency"),
-            (max_write_concurrency, "max_write_concurrency"),
-            (max_stuck_threads, "max_stuck_threads"),
-        ):
-            positive_int(value, what)
-        _check_flags(direct_io=direct_io, shared=shared)
+        """A tier in ``root``, with ``config``'s settings (else the defaults) and any
+        keyword overrides (``fsync="never"``, ...); ``FSConfig`` names and checks each one."""
+        if config is not None and not isinstance(config, FSConfig):
+            raise InvalidArgumentError(f"config must be an FSConfig, got {type(config).__name__}")
+        self.config = settings = FSConfig.from_keywords(config, root=root, **overrides)
         self.integrity_key = (
             integrity_key
             if integrity_key is None or isinstance(integrity_key, IntegrityKey)
             else IntegrityKey(integrity_key)
         )
-        super().__init__(name)
-        self.root = Path(os.path.abspath(os.path.expanduser(os.fspath(root))))
-        self.capacity_bytes, self.fsync = capacity_bytes, fsync
-        self.shared, self.direct_io = shared, direct_io
-        self.max_concurrency, self.max_write_concurrency = max_concurrency, max_write_concurrency
+        super().__init__(settings.name)
+        self.root = Path(os.path.abspath(os.path.expanduser(settings.root)))
+        self.capacity_bytes, self.fsync = settings.capacity_bytes, settings.fsync
+        self.shared, self.direct_io = settings.shared, settings.direct_io
+        self.max_concurrency = settings.max_concurrency
+        self.max_write_concurrency = settings.max_write_concurrency
         self._marker = marker_for(self.integrity_key)
         self._files = BlockFiles(
             self.root,
-            fsync=fsync,
+            fsync=settings.fsync,
             integrity_key=self.integrity_key,
-            max_concurrency=max_concurrency,
-            max_write_concurrency=max_write_concurrency,
-            max_stuck_threads=max_stuck_threads,
+            max_concurrency=settings.max_concurrency,
+            max_write_concurrency=settings.max_write_concurrency,
+            max_stuck_threads=settings.max_stuck_threads,
         )
-        self._catalog: Catalog[anyio.Event] = Catalog(capacity_bytes)
-        self._lookups = self._new_lookups(miss_ttl, lookup_batch_size, lookup_timeout)
-        self._ledger = Ledger(name, self._catalog, self._lookups, self.notify, self.integrity_key)
+        self._catalog: Catalog[anyio.Event] = Catalog(settings.capacity_bytes)
+        self._lookups = self._new_lookups(settings)
+        self._ledger = Ledger(
+            self.name, self._catalog, self._lookups, self.notify, self.integrity_key
+        )
 
-    def _new_lookups(
-        self, miss_ttl: float, batch_size: int, timeout: float
-    ) -> AsyncLookupManager | IndexLookups:
+    def _new_lookups(self, settings: FSConfig) -> AsyncLookupManager | IndexLookups:
         """A shared folder checks unknown keys in batches (another process may have written
         them); an exclusive one answers from the catalog at once."""
-        if not self.shared:
-            return IndexLookups(self._catalog.holds, miss_ttl=miss_ttl)
+        if not settings.shared:
+            return IndexLookups(self._catalog.holds, miss_ttl=settings.miss_ttl)
         return AsyncLookupManager(
             self.contains_many,
             name=self.name,
-            batch_size=batch_size,
-            max_concurrency=max(1, min(4, self.max_concurrency)),
-            timeout=timeout,
-            miss_ttl=miss_ttl,
+            batch_size=settings.lookup_batch_size,
+            max_concurrency=max(1, min(4, settings.max_concurrency)),
+            timeout=settings.lookup_timeout,
+            miss_ttl=settings.miss_ttl,
             on_verdict=self.notify,
         )
 
@@ -168,6 +154,12 @@ class FSTier(SecondaryTier):
             # Its file is not there yet: not a miss. Listeners hear the key when it lands.
             return LookupResult.RETRY
         return self._lookups.lookup(key)
+
+    def lookup_with_reason(self, key: bytes) -> tuple[LookupResult, MissReason | None]:
+        catalog = self._catalog
+        if key in catalog.storing and catalog.retry_while_writing(key):
+            return LookupResult.RETRY, None
+        return self._lookups.lookup_with_reason(key)
 
     def record_miss(self, key: bytes, reason: MissReason) -> None:
         self._lookups.record(key, False, reason)
@@ -348,43 +340,6 @@ class FSTier(SecondaryTier):
             f"signed={self.integrity_key is not None} "
             f"storing={len(self._catalog.storing)} pending={s.lookups.pending} "
             f"stuck_threads={self._files.calls.stuck}>"
-        )
-
-
-def _check_settings(
-    root: object,
-    name: object,
-    capacity_bytes: int | None,
-    fsync: str,
-    miss_ttl: float,
-    lookup_batch_size: int,
-    lookup_timeout: float,
-) -> None:
-    if not isinstance(root, str | os.PathLike) or not os.fspath(root):
-        raise InvalidArgumentError(f"root must be a folder path (str or os.PathLike), got {root!r}")
-    if not isinstance(os.fspath(root), str):
-        raise InvalidArgumentError("root must be a str path, not bytes; decode it first")
-    if not isinstance(name, str) or not name:
-        raise InvalidArgumentError(f"name must be a non-empty str, got {name!r}")
-    if capacity_bytes is not None:
-        positive_int(capacity_bytes, "capacity_bytes", " (bytes) or None")
-    if fsync not in FSYNC_POLICIES:
-        raise InvalidArgumentError(f"fsync must be one of {FSYNC_POLICIES}, got {fsync!r}")
-    positive_number(miss_ttl, "miss_ttl", " of seconds")
-    positive_int(lookup_batch_size, "lookup_batch_size")
-    positive_number(lookup_timeout, "lookup_timeout", " of seconds")
-
-
-def _check_flags(*, direct_io: object, shared: object) -> None:
-    if not isinstance(direct_io, bool):
-        raise InvalidArgumentError(
-            f"direct_io must be True (O_DIRECT where the file system takes it) or False, "
-            f"got {direct_io!r}"
-        )
-    if not isinstance(shared, bool):
-        raise InvalidArgumentError(
-            f"shared must be True (other processes may write the folder) or False (only "
-            f"this process writes it), got {shared!r}"
         )
 
 

@@ -1,0 +1,88 @@
+"""``FSConfig``: every setting of an ``FSTier``, defined once.
+
+The ``[fs]`` section of a config file, the ``KVTIER_FS_*`` variables and ``FSTier``'s keyword
+arguments all land here, under the same names: each field holds its default and its parser
+(``kvtier._settings``), so a setting is named, defaulted and checked in this one place. What
+each setting trades is described in ``kvtier.tiers.fs``.
+
+The integrity key is not here: it is one secret for the whole stack (``[integrity] key``),
+which ``KVTierConfig`` hands to every tier; ``FSTier`` takes it as ``integrity_key``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar, TypedDict
+
+from kvtier._settings import (
+    Section,
+    choice,
+    described,
+    optional,
+    parse_bool,
+    parse_path,
+    parse_positive_int,
+    parse_positive_size,
+    parse_seconds,
+    parse_text,
+    spec,
+)
+
+__all__ = ["FSYNC_POLICIES", "FSConfig", "FSOverrides"]
+
+FSYNC_POLICIES = ("never", "data", "always")
+"""What a store costs against what a crash of the machine can lose (see ``kvtier.tiers.fs``)."""
+
+_SHARED = described(
+    parse_bool,
+    "true or false",
+    "True (other processes may write the folder) or False (only this process writes it)",
+)
+_DIRECT_IO = described(
+    parse_bool, "true or false", "True (O_DIRECT where the file system takes it) or False"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class FSConfig(Section):
+    """An ``FSTier``: ``FSTier(root, config=FSConfig(...), **overrides)``, or the ``[fs]``
+    section of ``KVTierConfig``."""
+
+    SECTION: ClassVar[str] = "fs"
+
+    # The folder; made (0700) when the tier opens. ``FSTier`` resolves it to an absolute path.
+    root: str = field(metadata=spec(parse_path))
+    name: str = field(default="fs", metadata=spec(parse_text))
+    # None: unbounded; else the least recently used blocks go before a store passes it.
+    capacity_bytes: int | None = field(default=None, metadata=spec(optional(parse_positive_size)))
+    fsync: str = field(default="data", metadata=spec(choice(*FSYNC_POLICIES)))
+    # How long a miss is remembered (another process may write the key meanwhile).
+    miss_ttl: float = field(default=2.0, metadata=spec(parse_seconds))
+    # Existence checks of a shared folder: keys per batch, and the bound on one batch.
+    lookup_batch_size: int = field(default=256, metadata=spec(parse_positive_int))
+    lookup_timeout: float = field(default=5.0, metadata=spec(parse_seconds))
+    # Worker threads reading (and checking) blocks, and writing them.
+    max_concurrency: int = field(default=16, metadata=spec(parse_positive_int))
+    max_write_concurrency: int = field(default=16, metadata=spec(parse_positive_int))
+    # False: only this process writes root, so lookups answer from the index without a stat.
+    shared: bool = field(default=True, metadata=spec(_SHARED))
+    # Threads a deadline walked away from (a hung mount) that may still run; past it, fail fast.
+    max_stuck_threads: int = field(default=32, metadata=spec(parse_positive_int))
+    direct_io: bool = field(default=False, metadata=spec(_DIRECT_IO))
+
+
+class FSOverrides(TypedDict, total=False):
+    """``FSTier``'s keyword arguments: the fields of ``FSConfig`` but ``root`` (which is
+    positional), for type checkers; the values are checked by ``FSConfig``."""
+
+    name: str
+    capacity_bytes: int | None
+    fsync: str
+    miss_ttl: float
+    lookup_batch_size: int
+    lookup_timeout: float
+    max_concurrency: int
+    max_write_concurrency: int
+    shared: bool
+    max_stuck_threads: int
+    direct_io: bool
