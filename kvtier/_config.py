@@ -86,6 +86,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 from kvtier._errors import InvalidArgumentError
+from kvtier._format import IntegrityConfig
 from kvtier._settings import (
     BadValue,
     Section,
@@ -110,6 +111,7 @@ from kvtier._settings import (
     parse_url,
     spec,
 )
+from kvtier.pools._config import PoolConfig, build_pool
 from kvtier.tiers.fs._config import FSConfig
 
 if TYPE_CHECKING:
@@ -159,19 +161,6 @@ _Section = Section
 
 
 # -- sections --------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class PoolConfig(_Section):
-    """The primary pool: ``HostPool`` (``kind="host"``) or ``CudaPool`` (``kind="cuda"``)."""
-
-    SECTION: ClassVar[str] = "pool"
-
-    num_blocks: int = field(metadata=_spec(_positive_int))
-    block_bytes: int = field(metadata=_spec(_size))
-    kind: str = field(default="host", metadata=_spec(_choice("host", "cuda")))
-    policy: str = field(default="lru", metadata=_spec(_choice("lru", "arc")))
-    device: int = field(default=0, metadata=_spec(_non_negative_int))
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,19 +273,6 @@ class ManagerConfig(_Section):
     # the write-through tiers before it (a node keeps on its disk what it read from S3).
     open_timeout: float | None = field(default=120.0, metadata=_spec(_optional(_seconds)))
     promote_write_up: bool = field(default=True, metadata=_spec(_bool))
-
-
-@dataclass(frozen=True, slots=True)
-class IntegrityConfig(_Section):
-    """The secret every node sharing a tier sets, so only blocks signed with it are served
-    (see ``kvtier._format``). Set it with ``KVTIER_INTEGRITY_KEY``; never shown."""
-
-    SECTION: ClassVar[str] = "integrity"
-
-    key: str = field(repr=False, metadata=_spec(_secret, secret=True))
-
-    def __repr__(self) -> str:
-        return "IntegrityConfig(key=<hidden>)"
 
 
 _SECTIONS: dict[str, type[Any]] = {
@@ -476,15 +452,8 @@ class KVTierConfig:
 
     def build_pool(self) -> PrimaryPool:
         """The primary pool this config describes (a CudaPool needs the ``cuda`` extra)."""
-        p = self.pool
         try:
-            if p.kind == "cuda":
-                from kvtier.pools._cuda import CudaPool
-
-                return CudaPool(p.num_blocks, p.block_bytes, p.device, policy=p.policy)
-            from kvtier.pools._host import HostPool
-
-            return HostPool(p.num_blocks, p.block_bytes, policy=p.policy)
+            return build_pool(self.pool)
         except InvalidArgumentError as exc:
             raise InvalidArgumentError(f"pool: {exc}") from exc
 

@@ -41,9 +41,11 @@ import hashlib
 import hmac
 import struct
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import xxhash
+
+from kvtier._settings import Section, parse_secret, spec
 
 __all__ = [
     "FLAG_MAC",
@@ -52,6 +54,7 @@ __all__ = [
     "MAGIC",
     "BlockHeader",
     "HeaderError",
+    "IntegrityConfig",
     "IntegrityKey",
     "PayloadCheck",
     "checksum",
@@ -123,6 +126,18 @@ class IntegrityKey:
 
     def __reduce__(self) -> str | tuple[object, ...]:
         raise TypeError("an IntegrityKey is not picklable: pass the secret explicitly")
+
+
+@dataclass(frozen=True, slots=True, repr=False)
+class IntegrityConfig(Section):
+    """The secret every node sharing a tier sets, so only blocks signed with it are served:
+    the ``[integrity]`` section, best set with ``KVTIER_INTEGRITY_KEY``; never shown. One
+    key for the whole stack, not per tier: every tier that shares blocks with other nodes
+    signs them with the same secret. It becomes each tier's ``IntegrityKey``."""
+
+    SECTION: ClassVar[str] = "integrity"
+
+    key: str = field(repr=False, metadata=spec(parse_secret, secret=True))
 
 
 def _invalid(message: str) -> ValueError:

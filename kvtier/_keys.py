@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from kvtier._errors import InvalidArgumentError
-from kvtier._validate import positive_int
+from kvtier._settings import positive_int
 
 __all__ = ["KEY_SCHEME_VERSION", "KEY_SIZE", "block_keys", "check_key"]
 

@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from kvtier._buffers import BlockBuffer
 from kvtier._lookup import LookupResult
-from kvtier._validate import positive_int
+from kvtier._settings import positive_int
 from kvtier.pools._policy import EvictionPolicy, make_policy
 from kvtier.pools._slots import PoolStatistics, SlotState, SlotTable
 

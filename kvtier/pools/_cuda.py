@@ -39,7 +39,7 @@ import numpy as np
 
 from kvtier._buffers import BlockBuffer
 from kvtier._errors import ExtraNotInstalledError, InvalidArgumentError, KVTierError, LifecycleError
-from kvtier._validate import positive_number
+from kvtier._settings import positive_number
 from kvtier.pools._base import ByteSink, ByteSource, PrimaryPool
 from kvtier.pools._cuda_stream import COMPLETIONS, Completion, Lane, StagingBuffer, StagingPool
 from kvtier.pools._device import DeviceArray, current_stream, device_array, stream_handle

@@ -12,7 +12,7 @@ from typing import Protocol, runtime_checkable
 
 from kvtier._errors import InvalidArgumentError
 
-__all__ = ["ARCPolicy", "EvictionPolicy", "LRUPolicy", "make_policy"]
+__all__ = ["POLICY_NAMES", "ARCPolicy", "EvictionPolicy", "LRUPolicy", "make_policy"]
 
 
 @runtime_checkable
@@ -162,6 +162,8 @@ class ARCPolicy:
 
 
 _POLICIES: dict[str, type[LRUPolicy] | type[ARCPolicy]] = {"lru": LRUPolicy, "arc": ARCPolicy}
+POLICY_NAMES = tuple(_POLICIES)
+"""The policies a pool builds by name (a pool's ``policy`` setting)."""
 
 
 def make_policy(policy: str | EvictionPolicy, capacity: int) -> EvictionPolicy:

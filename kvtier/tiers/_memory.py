@@ -9,7 +9,7 @@ import anyio.lowlevel
 
 from kvtier._errors import BlockNotFoundError, InvalidArgumentError, TierNoSpaceError
 from kvtier._lookup import LookupResult, MissReason
-from kvtier._validate import positive_int
+from kvtier._settings import positive_int
 from kvtier.tiers._base import LookupStatistics, SecondaryTier, TierMeter, TierStatistics
 
 __all__ = ["MemoryTier"]
