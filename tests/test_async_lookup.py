@@ -8,6 +8,7 @@ import anyio
 import pytest
 
 from kvtier import AsyncLookupManager, LookupResult, MissReason, TierUnavailableError
+from kvtier.tiers.fs._index import IndexLookups
 
 
 def k(i: int) -> bytes:
@@ -260,3 +261,46 @@ async def test_closing_resolves_pending_keys_and_wakes_listeners() -> None:
 def test_bad_arguments_say_what_to_fix(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         AsyncLookupManager(Storage(set()).contains_many, **kwargs)  # type: ignore[arg-type]
+
+
+async def test_lookup_with_reason_says_why_each_miss_is_one() -> None:
+    """The reason comes with the answer, the same one the miss is counted under, and the
+    call counts as one lookup."""
+    storage = Storage({k(1)})
+    async with manager_for(storage) as manager:
+        assert manager.lookup_with_reason(k(1)) == (LookupResult.RETRY, None)
+        await settle(manager, [k(1), k(2)])
+        before = manager.statistics()
+        assert manager.lookup_with_reason(k(1)) == (LookupResult.HIT, None)
+        assert manager.lookup_with_reason(k(2)) == (LookupResult.MISS, MissReason.NOT_FOUND)
+        manager.record(k(3), False, MissReason.CORRUPT)
+        assert manager.lookup_with_reason(k(3)) == (LookupResult.MISS, MissReason.CORRUPT)
+        assert manager.lookup_with_reason(k(1)) == (LookupResult.HIT, None)  # no stale reason
+        after = manager.statistics()
+        assert (after.hits - before.hits, after.misses - before.misses) == (2, 2)
+        assert after.misses_by_reason == {
+            "not_found": before.misses_by_reason["not_found"] + 1,
+            "corrupt": 1,
+        }
+    assert manager.lookup_with_reason(k(4)) == (LookupResult.MISS, MissReason.UNAVAILABLE)
+
+
+def test_index_lookups_say_why_each_miss_is_one() -> None:
+    """The FS index's answers carry the reason too: absent keys are not_found, a held key
+    whose load failed keeps that failure's reason until it expires."""
+    clock = Clock()
+    held = {k(1), k(2)}
+    index = IndexLookups(held.__contains__, miss_ttl=1.0, clock=clock)
+    assert index.lookup_with_reason(k(1)) == (LookupResult.MISS, MissReason.UNAVAILABLE)
+    anyio.run(index.__aenter__)
+    assert index.lookup_with_reason(k(1)) == (LookupResult.HIT, None)
+    assert index.lookup_with_reason(k(3)) == (LookupResult.MISS, MissReason.NOT_FOUND)
+    index.record(k(2), False, MissReason.TIMEOUT)
+    assert index.lookup_with_reason(k(2)) == (LookupResult.MISS, MissReason.TIMEOUT)
+    clock.now = 2.0
+    assert index.lookup_with_reason(k(2)) == (LookupResult.HIT, None)
+    assert index.statistics().misses_by_reason == {
+        "unavailable": 1,
+        "not_found": 1,
+        "timeout": 1,
+    }

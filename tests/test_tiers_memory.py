@@ -76,3 +76,35 @@ async def test_failing_tier_fails_until_recovered(keys: list[bytes]) -> None:
 def test_testing_tiers_reject_unknown_operations() -> None:
     with pytest.raises(ValueError, match="unknown operation"):
         StallingTier().stall("read")
+
+
+async def test_lookup_with_reason_defaults_to_not_found_from_lookup(keys: list[bytes]) -> None:
+    """The base answers from ``lookup`` (one lookup, counted once): a miss is not_found,
+    any other answer has no reason."""
+    tier = MemoryTier()
+    await tier.store(keys[0], memoryview(bytes(8)))
+    assert tier.lookup_with_reason(keys[0]) == (LookupResult.HIT, None)
+    assert tier.lookup_with_reason(keys[1]) == (LookupResult.MISS, kvtier.MissReason.NOT_FOUND)
+    lookups = tier.statistics().lookups
+    assert (lookups.hits, lookups.misses) == (1, 1)
+
+
+async def test_a_tier_that_overrides_lookup_alone_answers_for_its_own_lookup(
+    keys: list[bytes],
+) -> None:
+    """A subclass that overrides ``lookup`` but not ``lookup_with_reason`` gets the default
+    built from its own ``lookup``, never the parent's answer with a reason."""
+
+    class Knowing(MemoryTier):
+        def lookup_with_reason(self, key: bytes) -> tuple[LookupResult, kvtier.MissReason | None]:
+            return LookupResult.MISS, kvtier.MissReason.CORRUPT
+
+    class Busy(Knowing):
+        def lookup(self, key: bytes) -> LookupResult:
+            return LookupResult.RETRY
+
+    assert Knowing().lookup_with_reason(keys[0]) == (LookupResult.MISS, kvtier.MissReason.CORRUPT)
+    assert Busy().lookup_with_reason(keys[0]) == (LookupResult.RETRY, None)
+    retrying = StallingTier()
+    async with retrying:
+        assert retrying.lookup_with_reason(keys[0]) == (LookupResult.RETRY, None)

@@ -15,6 +15,7 @@ import anyio
 import pytest
 
 import kvtier
+from kvtier import MissReason
 from kvtier.integrations._bridge import TierBridge
 from kvtier.testing import StallingTier
 from kvtier.tiers.fs import _io as _fs_io
@@ -120,6 +121,34 @@ class _SilentTier(kvtier.MemoryTier):
 
     def lookup(self, key: bytes) -> kvtier.LookupResult:
         return kvtier.LookupResult.RETRY
+
+
+class _ReasoningTier(kvtier.MemoryTier):
+    """Says why each miss is one, and counts who reads its statistics."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.statistics_read = 0
+
+    def lookup_with_reason(self, key: bytes) -> tuple[kvtier.LookupResult, MissReason | None]:
+        return kvtier.LookupResult.MISS, MissReason.CORRUPT
+
+    def statistics(self) -> kvtier.TierStatistics:
+        self.statistics_read += 1
+        return super().statistics()
+
+
+def test_a_miss_verdict_keeps_the_reason_the_tier_gave_with_it(
+    bridges: list[TierBridge],
+) -> None:
+    """The reason comes from the tier's answer itself, not from its statistics."""
+    tier = _ReasoningTier()
+    bridge = TierBridge(tier)
+    bridges.append(bridge)
+    (key,) = kvtier.block_keys(list(range(4)), 4)
+    assert resolve(bridge, key) is kvtier.LookupResult.MISS
+    assert tier.statistics_read == 0
+    assert bridge.statistics().misses_by_reason == {"corrupt": 1}
 
 
 def test_a_raising_tier_is_a_counted_miss(bridges: list[TierBridge]) -> None:

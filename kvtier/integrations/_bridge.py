@@ -14,8 +14,8 @@ once per scheduler step, and require every call to return at once. kvtier's tier
   not, with the reason) and finished jobs into plain containers guarded by one
   ``threading.Lock``, held only for dict and list operations. ``lookup`` reads the snapshot:
   a verdict gives ``HIT`` or ``MISS``; an unknown key is queued for the loop, which asks the
-  tier's own ``lookup()`` (where the tier's batched, coalesced existence checks live) and
-  answers ``RETRY`` until the verdict lands. So the tier's state machine is only ever touched
+  tier's own ``lookup_with_reason()`` (where the tier's batched, coalesced existence checks
+  live; a miss comes with its reason) and answers ``RETRY`` until the verdict lands. So the tier's state machine is only ever touched
   from its own loop thread, as kvtier's tiers expect.
 - **Staleness.** A miss verdict expires after ``miss_ttl`` (another node may write the key to
   a shared tier); a hit stays until the tier says the key changed (its change notification
@@ -536,10 +536,9 @@ class TierBridge:
             self._waiting[key] = self._loop.call_later(delay, self._check_expired, key)
 
     def _ask(self, key: bytes, since: float | None = None, *, final: bool = False) -> None:
-        before = self._tier_miss_reasons()
         try:
-            result = self.tier.lookup(key)
-        except Exception as exc:
+            result, reason = self.tier.lookup_with_reason(key)
+        except Exception as exc:  # a malformed answer too: a tier bug, contained
             self._log.warning("lookup", "%s: tier lookup raised: %r", self.name, exc)
             self._verdict(key, False, TIER_ERROR)
             return
@@ -551,7 +550,7 @@ class TierBridge:
         elif result is LookupResult.HIT:
             self._verdict(key, True, "")
         else:
-            self._verdict(key, False, self._new_miss_reason(before))
+            self._verdict(key, False, str(reason or MissReason.NOT_FOUND))
 
     def _check_expired(self, key: bytes) -> None:
         if self._waiting.pop(key, None) is None:
@@ -570,19 +569,6 @@ class TierBridge:
             if self._verdicts.forget(key):
                 self._generation += 1
                 self._changed.notify_all()
-
-    def _tier_miss_reasons(self) -> dict[str, int]:
-        try:
-            return dict(self.tier.statistics().lookups.misses_by_reason)
-        except Exception:
-            return {}
-
-    def _new_miss_reason(self, before: dict[str, int]) -> str:
-        """The reason the tier counted for the miss it just answered."""
-        for reason, count in self._tier_miss_reasons().items():
-            if count > before.get(reason, 0):
-                return reason
-        return MissReason.NOT_FOUND.value
 
     def _verdict(self, key: bytes, present: bool, reason: str) -> None:
         timer = self._waiting.pop(key, None)

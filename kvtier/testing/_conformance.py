@@ -14,7 +14,7 @@ import anyio
 
 from kvtier._errors import BlockNotFoundError, CorruptBlockError, KVTierError, TierError
 from kvtier._keys import block_keys
-from kvtier._lookup import LookupResult
+from kvtier._lookup import LookupResult, MissReason
 from kvtier._tiering import TieringManager
 from kvtier.pools._base import ByteSink
 from kvtier.pools._host import HostPool
@@ -70,6 +70,30 @@ async def check_unknown_keys(make_tier: MakeTier, block_bytes: int) -> None:
         else:
             raise AssertionError("load of an unknown key must raise BlockNotFoundError")
         await tier.delete(key)  # deleting what is not there is not an error
+
+
+async def check_lookup_reason(make_tier: MakeTier, block_bytes: int) -> None:
+    """``lookup_with_reason`` answers what ``lookup`` answers, with a ``MissReason`` for a
+    miss and None otherwise; a key never stored is ``not_found``, counted under that reason."""
+    stored, unknown = _keys(2, "reason")
+    async with make_tier() as tier:
+        await tier.store(stored, memoryview(os.urandom(block_bytes)))
+        for key, expected in ((stored, LookupResult.HIT), (unknown, LookupResult.MISS)):
+            assert await resolve_lookup(tier, key) is expected
+            before = tier.statistics().lookups.misses_by_reason
+            result, reason = tier.lookup_with_reason(key)
+            after = tier.statistics().lookups.misses_by_reason
+            assert result is expected, (
+                f"lookup_with_reason said {result.name}, lookup {expected.name}"
+            )
+            if expected is LookupResult.HIT:
+                assert reason is None, f"a hit came with a miss reason: {reason!r}"
+                continue
+            assert reason is MissReason.NOT_FOUND, f"an unknown key's reason was {reason!r}"
+            assert after.get(reason, 0) == before.get(reason, 0) + 1, (
+                f"the miss was not counted under its reason: {dict(before)} -> {dict(after)}"
+            )
+            assert tier.lookup(key) is result
 
 
 async def check_survives_reopen(make_tier: MakeTier, block_bytes: int) -> None:
@@ -272,6 +296,7 @@ async def check_batch_bad_arguments(make_tier: MakeTier, block_bytes: int) -> No
 CHECKS: dict[str, Check] = {
     "round_trip": check_round_trip,
     "unknown_keys": check_unknown_keys,
+    "lookup_reason": check_lookup_reason,
     "survives_reopen": check_survives_reopen,
     "overwrite": check_overwrite,
     "concurrent_stores": check_concurrent_stores,

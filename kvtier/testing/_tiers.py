@@ -58,6 +58,9 @@ class _WrappingTier(SecondaryTier):
     def lookup(self, key: bytes) -> LookupResult:
         return self._lookups.lookup(key)
 
+    def lookup_with_reason(self, key: bytes) -> tuple[LookupResult, MissReason | None]:
+        return self._lookups.lookup_with_reason(key)
+
     async def contains_many(self, keys: list[bytes]) -> list[bool]:
         await self._before("contains")
         return await self.inner.contains_many(keys)

@@ -97,6 +97,7 @@ class AsyncLookupManager:
         self._misses = 0
         self._retries = 0
         self._miss_reasons: dict[str, int] = {}
+        self._last_miss = MissReason.NOT_FOUND  # the reason of the latest MISS answered
         self._batches = 0
         self._keys_checked = 0
 
@@ -158,9 +159,16 @@ class AsyncLookupManager:
         self._retries += 1
         return RETRY
 
+    def lookup_with_reason(self, key: bytes) -> tuple[LookupResult, MissReason | None]:
+        """``lookup(key)`` and, for a ``MISS``, the reason it was counted under (every miss
+        is answered through ``_miss``, which notes it): no second lookup, no statistics."""
+        result = self.lookup(key)
+        return result, (self._last_miss if result is MISS else None)
+
     def _miss(self, reason: MissReason) -> LookupResult:
         self._misses += 1
         self._miss_reasons[reason.value] = self._miss_reasons.get(reason.value, 0) + 1
+        self._last_miss = reason
         return MISS
 
     def record(self, key: bytes, present: bool, reason: MissReason = MissReason.NOT_FOUND) -> None:

@@ -124,6 +124,13 @@ class SecondaryTier(ABC):
     then calls ``notify`` so waiting schedulers wake. The async methods raise ``TierError``
     subclasses; the manager turns those into misses with the error's reason.
 
+    ``lookup_with_reason`` is ``lookup`` that also says why a ``MISS`` is one (the
+    ``MissReason`` it is counted under; None with any other answer), for callers that report
+    reasons (the engine bridge) without reading the statistics around each call. The default
+    asks ``lookup`` and says ``not_found`` for a miss; a tier that knows more overrides it,
+    answering and counting exactly as ``lookup`` would. A subclass that overrides ``lookup``
+    alone gets that default again, so the two never disagree.
+
     A tier is an async context manager; ``aclose`` is idempotent and a closed tier can be
     opened again (a ``TieringManager`` re-entered re-opens its tiers).
     """
@@ -161,9 +168,21 @@ class SecondaryTier(ABC):
 
     # -- the contract ------------------------------------------------------------------------
 
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if "lookup" in vars(cls) and "lookup_with_reason" not in vars(cls):
+            # An inherited lookup_with_reason answers for the parent's lookup, not this one.
+            cls.lookup_with_reason = SecondaryTier.lookup_with_reason  # type: ignore[method-assign]
+
     @abstractmethod
     def lookup(self, key: bytes) -> LookupResult:
         """HIT, MISS or RETRY, without waiting."""
+
+    def lookup_with_reason(self, key: bytes) -> tuple[LookupResult, MissReason | None]:
+        """``lookup(key)`` and, for a ``MISS``, its reason (None for any other answer); one
+        lookup, counted once. The default cannot tell more than ``not_found``."""
+        result = self.lookup(key)
+        return result, (MissReason.NOT_FOUND if result is LookupResult.MISS else None)
 
     @abstractmethod
     async def contains_many(self, keys: list[bytes]) -> list[bool]:

@@ -46,6 +46,7 @@ class IndexLookups:
         self._open = False
         self._hits = self._misses = 0
         self._miss_reasons: dict[str, int] = {}
+        self._last_miss = MissReason.NOT_FOUND  # the reason of the latest MISS answered
 
     @property
     def is_open(self) -> bool:
@@ -77,9 +78,15 @@ class IndexLookups:
             return HIT
         return self._miss(MissReason.NOT_FOUND)
 
+    def lookup_with_reason(self, key: bytes) -> tuple[LookupResult, MissReason | None]:
+        """``lookup(key)`` and, for a ``MISS``, the reason it was counted under."""
+        result = self.lookup(key)
+        return result, (self._last_miss if result is MISS else None)
+
     def _miss(self, reason: MissReason) -> LookupResult:
         self._misses += 1
         self._miss_reasons[reason.value] = self._miss_reasons.get(reason.value, 0) + 1
+        self._last_miss = reason
         return MISS
 
     def record(self, key: bytes, present: bool, reason: MissReason = MissReason.NOT_FOUND) -> None:
