@@ -42,7 +42,7 @@ from typing import Any
 import anyio
 
 from kvtier._keys import block_keys
-from kvtier.tiers._s3 import S3Tier
+from kvtier.tiers.s3 import S3Tier
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20

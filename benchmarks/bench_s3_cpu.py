@@ -45,8 +45,8 @@ import anyio
 from bench_s3 import _Loader, _raw_get, s3_endpoint  # the script's folder is on sys.path
 
 from kvtier._keys import block_keys
-from kvtier.tiers._s3 import S3Tier
-from kvtier.tiers._s3_config import (
+from kvtier.tiers.s3 import S3Tier
+from kvtier.tiers.s3._config import (
     S3Settings,
     client_config,
     send_bodies_as_given,

@@ -38,7 +38,7 @@ import anyio
 from bench_s3 import _weed_helper  # the script's folder is on sys.path
 
 from kvtier._keys import block_keys
-from kvtier.tiers._s3 import S3Tier
+from kvtier.tiers.s3 import S3Tier
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20

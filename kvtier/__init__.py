@@ -5,6 +5,7 @@ Everything public is imported from here; the modules behind it are private.
 
 from __future__ import annotations
 
+from kvtier import _version
 from kvtier._admission import AdmissionPolicy, AdmissionStatistics
 from kvtier._config import (
     FSConfig,
@@ -41,11 +42,16 @@ from kvtier.pools._slots import PoolStatistics, SlotState
 from kvtier.tiers._async_lookup import AsyncLookupManager
 from kvtier.tiers._base import LookupStatistics, SecondaryTier, TierStatistics
 from kvtier.tiers._memory import MemoryTier
-from kvtier.tiers._s3 import S3Tier
-from kvtier.tiers._s3_config import S3TierStatistics
 from kvtier.tiers.fs import FSTier
+from kvtier.tiers.s3 import S3Tier, S3TierStatistics
 
-__version__ = "0.1.0"
+
+def __getattr__(name: str) -> str:
+    """``kvtier.__version__``, read from the package metadata on first use (``_version``)."""
+    if name == "__version__":
+        return _version.version()
+    raise AttributeError(f"module 'kvtier' has no attribute {name!r}")
+
 
 __all__ = [
     "ARCPolicy",

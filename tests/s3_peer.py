@@ -29,7 +29,7 @@ from kvtier._keys import block_keys
 from kvtier._scheduler import OffloadScheduler
 from kvtier._tiering import TieringManager
 from kvtier.pools._host import HostPool
-from kvtier.tiers._s3 import S3Tier
+from kvtier.tiers.s3 import S3Tier
 
 
 def make_blocks(seed: int, count: int, block_bytes: int) -> list[bytes]:

@@ -33,11 +33,10 @@ from kvtier._errors import BlockNotFoundError, InvalidArgumentError
 from kvtier._format import IntegrityKey, header_size
 from kvtier._keys import block_keys
 from kvtier._lookup import LookupResult, MissReason
-from kvtier.tiers._s3 import S3Tier
-from kvtier.tiers._s3_breaker import CircuitBreaker
-from kvtier.tiers._s3_index import ExistenceIndex, key_from_object
-from kvtier.tiers._s3_index_sync import IndexSync
-from kvtier.tiers._s3_journal import (
+from kvtier._resilience import CircuitBreaker
+from kvtier.tiers.s3 import S3Tier
+from kvtier.tiers.s3._index import ExistenceIndex, key_from_object
+from kvtier.tiers.s3._journal import (
     MAX_SEGMENT_ENTRIES,
     SegmentError,
     decode_segment,
@@ -49,7 +48,7 @@ from kvtier.tiers._s3_journal import (
     start_after,
     writer_id,
 )
-from kvtier.tiers._s3_pack import (
+from kvtier.tiers.s3._pack import (
     Location,
     PackTableError,
     decode_table,
@@ -59,7 +58,8 @@ from kvtier.tiers._s3_pack import (
     table_length,
     table_size,
 )
-from kvtier.tiers._s3_requests import Requests
+from kvtier.tiers.s3._requests import Requests
+from kvtier.tiers.s3._sync import IndexSync
 
 BLOCK = 4096
 SECRET = "correct horse battery staple 0123456789"
@@ -459,7 +459,7 @@ def aws_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     answers while ``tmp_path / "flag"`` exists and fails once it is gone; a fresh shared
     session (it caches the credentials it resolved). Credentials that expire within ten
     minutes are refreshed before every request, so each request runs the process."""
-    from kvtier.tiers import _s3_config
+    from kvtier.tiers.s3 import _config as _s3_config
 
     for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
         monkeypatch.delenv(var, raising=False)
@@ -501,7 +501,7 @@ async def test_a_failing_credential_provider_does_not_stop_the_refresh_loop(
     the refresh loop's LIST; the loop logs and counts it and goes on, and the task that opened
     the tier (the engine's) is not cancelled."""
     heard = _Heard("index refresh failed")
-    sync_logger = logging.getLogger("kvtier.tiers._s3_index_sync")
+    sync_logger = logging.getLogger("kvtier.tiers.s3._sync")
     sync_logger.addHandler(heard)
     try:
         tier = S3Tier(

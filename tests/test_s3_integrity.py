@@ -37,10 +37,10 @@ from kvtier._scheduler import OffloadScheduler
 from kvtier._tiering import TieringManager
 from kvtier.pools._host import HostPool
 from kvtier.testing import CHECKS
-from kvtier.tiers._s3 import S3Tier
-from kvtier.tiers._s3_codec import build_object, verify_into
-from kvtier.tiers._s3_index import key_from_object
-from kvtier.tiers._s3_integrity import MARKER_NAME, marker_key
+from kvtier.tiers.s3 import S3Tier
+from kvtier.tiers.s3._codec import build_object, verify_into
+from kvtier.tiers.s3._index import key_from_object
+from kvtier.tiers.s3._integrity import MARKER_NAME, marker_key
 
 BLOCK = 4096
 SECRET = "correct horse battery staple 0123456789"

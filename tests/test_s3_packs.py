@@ -22,10 +22,10 @@ from kvtier._errors import (
 )
 from kvtier._keys import block_keys
 from kvtier._lookup import LookupResult
-from kvtier.tiers._s3 import S3Tier
-from kvtier.tiers._s3_journal import encode_segment, segment_name, writer_id
-from kvtier.tiers._s3_pack import PACK_DIR, Location, decode_table
-from kvtier.tiers._s3_packs import PackReads, PackWriter, PendingStore
+from kvtier.tiers.s3 import S3Tier
+from kvtier.tiers.s3._journal import encode_segment, segment_name, writer_id
+from kvtier.tiers.s3._pack import PACK_DIR, Location, decode_table
+from kvtier.tiers.s3._packs import PackReads, PackWriter, PendingStore
 
 BLOCK = 4096
 
@@ -375,7 +375,7 @@ async def test_a_journal_location_longer_than_a_block_is_never_fetched(
     from s3_forge import forged_segment, forged_segment_name
 
     from kvtier._format import header_size
-    from kvtier.tiers._s3_pack import table_length
+    from kvtier.tiers.s3._pack import table_length
 
     prefix = f"packs/{uuid.uuid4().hex}"
     keys, blocks = _keys_and_blocks(4)

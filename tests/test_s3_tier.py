@@ -56,13 +56,13 @@ from kvtier._errors import (
 from kvtier._format import FORMAT_VERSION, MAGIC, encode_header
 from kvtier._keys import block_keys
 from kvtier._lookup import LookupResult, MissReason
+from kvtier._resilience import BreakerState, CircuitBreaker, Permit, backoff_delay
 from kvtier._scheduler import OffloadScheduler
 from kvtier._tiering import TieringManager
 from kvtier.pools._host import HostPool
 from kvtier.testing import CHECKS, resolve_lookup
-from kvtier.tiers._s3 import S3Tier
-from kvtier.tiers._s3_breaker import BreakerState, CircuitBreaker, Permit, backoff_delay
-from kvtier.tiers._s3_errors import Fault, translate
+from kvtier.tiers.s3 import S3Tier
+from kvtier.tiers.s3._errors import Fault, translate
 
 BLOCK = 4096
 HERE = Path(__file__).parent
@@ -266,7 +266,7 @@ async def test_store_of_a_large_block_keeps_work_off_the_loop(
     10 ms per 2 MiB), and botocore SHA-256-signed the payload there too. Now the object is
     built in a worker thread and the payload is not signed (the block
     carries its own checksum)."""
-    import kvtier.tiers._s3 as s3_module
+    import kvtier.tiers.s3._tier as s3_module
 
     threads: list[threading.Thread] = []
     real_build = s3_module.build_object
@@ -887,7 +887,7 @@ async def test_bad_credentials_are_a_clear_error_and_never_leak(
 def aws_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> pytest.MonkeyPatch:
     """An AWS environment with nothing in it, and a fresh shared session (it caches the
     credentials it resolved from the chain)."""
-    from kvtier.tiers import _s3_config
+    from kvtier.tiers.s3 import _config as _s3_config
 
     for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
         monkeypatch.delenv(var, raising=False)
@@ -1032,7 +1032,7 @@ def test_import_without_aiobotocore() -> None:
         "import sys\n"
         "sys.modules['aiobotocore'] = None\n"
         "import kvtier\n"
-        "from kvtier.tiers._s3 import S3Tier\n"
+        "from kvtier.tiers.s3 import S3Tier\n"
         "try:\n"
         "    S3Tier('bucket')\n"
         "except kvtier.ExtraNotInstalledError as exc:\n"
@@ -1156,7 +1156,7 @@ def test_timestamp_parser_agrees_with_botocore(value: object) -> None:
     GET, benchmarks/bench_s3_cpu.py); what it returns must not change."""
     from botocore.utils import parse_timestamp as botocore_parse
 
-    from kvtier.tiers._s3_config import parse_timestamp
+    from kvtier.tiers.s3._config import parse_timestamp
 
     got = parse_timestamp(value)
     assert got == botocore_parse(value)

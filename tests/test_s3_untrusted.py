@@ -23,15 +23,15 @@ from kvtier._errors import KVTierError
 from kvtier._format import MAX_KEY_BYTES, IntegrityKey, header_size
 from kvtier._keys import block_keys
 from kvtier._lookup import LookupResult
-from kvtier.tiers._s3 import S3Tier
-from kvtier.tiers._s3_config import MAX_PACK_BLOCKS
-from kvtier.tiers._s3_journal import (
+from kvtier.tiers.s3 import S3Tier
+from kvtier.tiers.s3._config import MAX_PACK_BLOCKS
+from kvtier.tiers.s3._journal import (
     MAX_SEGMENT_ENTRIES,
     SegmentError,
     decode_segment,
     encode_segment,
 )
-from kvtier.tiers._s3_pack import (
+from kvtier.tiers.s3._pack import (
     MAX_TABLE_BYTES,
     Location,
     PackTableError,
@@ -41,7 +41,7 @@ from kvtier.tiers._s3_pack import (
     pack_name,
     table_size,
 )
-from kvtier.tiers._s3_packs import PackReads
+from kvtier.tiers.s3._packs import PackReads
 
 BLOCK = 4096
 PREFIX = "u/p"

@@ -17,6 +17,7 @@ from typing import Any
 
 from kvtier._errors import InvalidArgumentError
 from kvtier._validate import positive_int, positive_number
+from kvtier._version import version
 from kvtier.tiers._base import TierStatistics
 
 __all__ = [
@@ -35,7 +36,7 @@ _BUCKET_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{1,253}[A-Za-z0-9]$")
 ADDRESSING_STYLES = ("auto", "path", "virtual")
 LOOKUP_MODES = ("index", "ask")
 # A pack's blocks are fetched together; past 64 a GET of one block's neighbours would waste
-# more than packing saves, and the pack table grows past one probe (``_s3_pack``).
+# more than packing saves, and the pack table grows past one probe (``_pack``).
 MAX_PACK_BLOCKS = 64
 DEFAULT_PACK_BLOCKS = 8  # 2 MiB objects for 256 KiB blocks
 
@@ -340,8 +341,6 @@ def client_config(settings: S3Settings) -> Any:
     import aiobotocore
     import aiobotocore.config
 
-    from kvtier import __version__
-
     return aiobotocore.config.AioConfig(
         connect_timeout=settings.connect_timeout,
         read_timeout=settings.read_timeout,
@@ -350,7 +349,7 @@ def client_config(settings: S3Settings) -> Any:
         s3={"addressing_style": settings.addressing_style, "payload_signing_enabled": False},
         request_checksum_calculation="when_required",
         response_checksum_validation="when_required",
-        user_agent=f"kvtier/{__version__} aiobotocore/{aiobotocore.__version__}",
+        user_agent=f"kvtier/{version()} aiobotocore/{aiobotocore.__version__}",
         parameter_validation=False,
     )
 

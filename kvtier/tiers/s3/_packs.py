@@ -1,4 +1,4 @@
-"""Packing the S3 tier's stores and coalescing its loads (the I/O rules around ``_s3_pack``).
+"""Packing the S3 tier's stores and coalescing its loads (the I/O rules around ``_pack``).
 
 ``PackWriter`` is a group commit. Each ``store`` queues its block and then takes a PUT slot;
 whoever gets a slot sends everything queued by then (up to ``max_blocks``) as one request. A
@@ -29,8 +29,8 @@ import anyio
 import anyio.lowlevel
 
 from kvtier._errors import TierError
-from kvtier.tiers._s3_pack import Location
-from kvtier.tiers._s3_requests import acquire
+from kvtier.tiers.s3._pack import Location
+from kvtier.tiers.s3._requests import acquire
 
 __all__ = ["PackReads", "PackWriter", "PendingStore"]
 

@@ -3,7 +3,7 @@
 The I/O around ``ExistenceIndex`` (a synchronous state machine): list the prefix once when the
 tier opens (bounded by ``list_timeout``, progress in the log every few seconds), then every
 ``refresh`` seconds publish this node's new keys as one journal segment and read the segments
-other nodes published (``_s3_journal`` documents the names, the format and the cost).
+other nodes published (``_journal`` documents the names, the format and the cost).
 
 Staleness bound: a block another node stores becomes a HIT here at most about
 ``2 x refresh`` seconds later (it waits up to ``refresh`` in the writer's buffer, then up to
@@ -14,7 +14,7 @@ direction that matters (a stale HIT costs one GET and corrects itself). The loop
 provider, included) and counts it: it runs in a task group entered in the engine's task, which
 an escaping error would cancel.
 
-What the bucket holds is untrusted (``_s3_journal``): a segment is read with one GET bounded
+What the bucket holds is untrusted (``_journal``): a segment is read with one GET bounded
 by ``max_segment_bytes`` (one the listing shows as larger is not read at all), and segments
 and entries that are ignored are counted (``segments_rejected``, ``entries_rejected``).
 
@@ -44,9 +44,9 @@ import anyio.to_thread
 from kvtier._errors import TierError
 from kvtier._format import IntegrityKey
 from kvtier._logging import BurstLogger
-from kvtier.tiers._s3_errors import Fault
-from kvtier.tiers._s3_index import ExistenceIndex, key_from_object
-from kvtier.tiers._s3_journal import (
+from kvtier.tiers.s3._errors import Fault
+from kvtier.tiers.s3._index import ExistenceIndex, key_from_object
+from kvtier.tiers.s3._journal import (
     MAX_SEGMENT_ENTRIES,
     SegmentError,
     decode_segment,
@@ -58,7 +58,7 @@ from kvtier.tiers._s3_journal import (
     segment_writer,
     start_after,
 )
-from kvtier.tiers._s3_pack import (
+from kvtier.tiers.s3._pack import (
     TABLE_PROBE_BYTES,
     Location,
     PackTableError,

@@ -40,9 +40,9 @@ from typing import Any
 
 from kvtier._errors import InvalidArgumentError, TierUnavailableError
 from kvtier._format import IntegrityKey
-from kvtier.tiers._s3_errors import Fault
-from kvtier.tiers._s3_index_sync import Call
-from kvtier.tiers._s3_pack import PACK_DIR
+from kvtier.tiers.s3._errors import Fault
+from kvtier.tiers.s3._pack import PACK_DIR
+from kvtier.tiers.s3._sync import Call
 
 __all__ = [
     "MAC_NAME",
@@ -107,7 +107,7 @@ def unsigned_blocks_problem(where: str) -> str:
 
 def holds_blocks(listing: dict[str, Any], prefix: str) -> bool:
     """Whether a ``Delimiter="/"`` listing of the prefix shows a block shard folder or the
-    folder of packs (``_s3_pack``)."""
+    folder of packs (``_pack``)."""
     start = len(prefix) + 1 if prefix else 0
     return any(
         _SHARD.fullmatch(folder := item.get("Prefix", "")[start:]) is not None

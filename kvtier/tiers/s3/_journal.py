@@ -8,7 +8,7 @@ seconds when there are any, publishes them as one small *segment* object:
 Names sort by time, so a reader lists only the recent ones (``StartAfter`` = the name of the
 time ``lookback`` seconds ago) and fetches those it has not read yet. A segment is
 ``MAGIC, u32 count, count x (u16 length, key), xxh3-64 of all before``; when any key was
-stored in a pack (``_s3_pack``), the magic is ``KVJ2`` and each key is followed by its pack's
+stored in a pack (``_pack``), the magic is ``KVJ2`` and each key is followed by its pack's
 name (``u16 length, name``; empty for a key stored as its own object) and the section's
 ``u64 offset, u64 length``. A tier with an integrity key writes ``KVJ3``: the ``KVJ2`` layout
 with a keyed BLAKE2b MAC (``IntegrityKey.mac`` over the segment and the journal folder's name,
@@ -44,7 +44,7 @@ import struct
 import xxhash
 
 from kvtier._format import MAC_BYTES, MAX_KEY_BYTES, IntegrityKey
-from kvtier.tiers._s3_pack import Location, is_pack_name, pack_name, table_length
+from kvtier.tiers.s3._pack import Location, is_pack_name, pack_name, table_length
 
 __all__ = [
     "JOURNAL_DIR",

@@ -2,7 +2,7 @@
 
 A synchronous state machine, no I/O: which keys the bucket is known to hold, learnt from this
 node's own writes, the listing made at open and the journal segments other nodes publish
-(``_s3_journal``). A key it holds answers HIT; a key it does not hold answers MISS
+(``_journal``). A key it holds answers HIT; a key it does not hold answers MISS
 (``not_found``) at once, so the request path never waits on the object store for a block that
 cannot be there. A load that finds an indexed object gone or corrupt removes it; a load that
 fails for another reason (timeout, unavailable) suppresses the key for ``miss_ttl`` seconds so
@@ -40,7 +40,7 @@ from kvtier._logging import BurstLogger
 from kvtier._lookup import LookupResult, MissReason
 from kvtier._verdicts import VerdictStore, code_of, reason_of
 from kvtier.tiers._base import LookupStatistics
-from kvtier.tiers._s3_pack import Location
+from kvtier.tiers.s3._pack import Location
 
 __all__ = ["ExistenceIndex", "key_from_object"]
 

@@ -6,15 +6,15 @@ spread keys over many key-name prefixes, which S3 partitions on) and hold the bl
 of ``kvtier._format``: a header naming the key, with an xxh3 checksum of the payload that is
 verified on every load. The checksum is also written to the object metadata. Stores that
 reach the tier together share one *pack* object instead, and loads of blocks of one pack that
-start together share one ranged GET (``_s3_pack``, ``_s3_packs``): on a small machine the
+start together share one ranged GET (``_pack``, ``_packs``): on a small machine the
 request, not the byte, is what an S3 block costs.
 
 Choices where the contract leaves room:
 
 - ``lookup`` answers from an existence index (``lookup_mode="index"``, the default;
-  ``_s3_index``): this node's own writes, a listing made at open, and the keys other nodes
+  ``_index``): this node's own writes, a listing made at open, and the keys other nodes
   publish in a small per-writer journal that this tier polls every ``index_refresh`` seconds
-  (``_s3_journal``, ``_s3_index_sync``). A key the index does not hold is a MISS at once
+  (``_journal``, ``_sync``). A key the index does not hold is a MISS at once
   (reason ``not_found``): the request path never waits on the object store for a block that
   cannot be there. Another node's write becomes a HIT here within about ``2 x
   index_refresh`` seconds. An indexed key whose GET finds nothing is a miss that removes it.
@@ -37,31 +37,31 @@ Choices where the contract leaves room:
   remembered and gets plain puts from then on: the idempotent overwrite is harmless because
   a key always names the same bytes and S3 puts are atomic.
 - Loads copy each socket chunk of the body straight into ``dst`` and check the xxh3
-  checksum over what was written there, chunk by chunk (``_s3_codec.read_block``): one copy
+  checksum over what was written there, chunk by chunk (``_codec.read_block``): one copy
   of the block and no worker-thread hop, so a load costs less client CPU than a raw GET and
   ``read()``. Stores build one ``bytes`` of
   header + payload (one copy of the block, one xxh3 pass, one CRC32 pass), sent as it is up
-  to 1 MiB and through a ``BytesIO`` above (``_s3_config.send_bodies_as_given``); the payload
+  to 1 MiB and through a ``BytesIO`` above (``_config.send_bodies_as_given``); the payload
   is not SHA-256 signed (the block carries its own checksum) and botocore adds checksums
   only where the operation requires them. Building runs on the event loop for blocks up to
   1 MiB (64 KiB when signed) and in a worker thread above, as does a signed load's MAC
   check: the hop costs as much CPU as the work on a 256 KiB block.
 - Client CPU per request is what decides whether an S3 load beats recomputing the block on a
-  machine with few cores: the client's configuration (``_s3_config.client_config``) and the
-  retry wrapper (``_s3_requests``) are trimmed for it; ``benchmarks/bench_s3_cpu.py``
+  machine with few cores: the client's configuration (``_config.client_config``) and the
+  retry wrapper (``_requests``) are trimmed for it; ``benchmarks/bench_s3_cpu.py``
   measures it beside raw aiobotocore.
 - Signed blocks: with ``integrity_key`` every object carries a keyed BLAKE2b MAC (see
   ``kvtier._format``) and only objects that verify are served; anything else (unsigned, or
   signed with another key) is a ``corrupt`` miss and is deleted. The prefix's marker
-  (``_s3_integrity``) names the key's public fingerprint, so a node with no key or another key
+  (``_integrity``) names the key's public fingerprint, so a node with no key or another key
   refuses the prefix at open instead of deleting its peers' blocks; a signing tier refuses a
   prefix that already holds unsigned blocks.
 - Faults: botocore's own retries are off; kvtier retries transient faults (unreachable,
   timeouts, 5xx, throttling) ``max_attempts`` times with full-jitter backoff, and every
-  attempt feeds a circuit breaker (``kvtier.tiers._s3_breaker``). While it is open, requests
+  attempt feeds a circuit breaker (``kvtier._resilience``). While it is open, requests
   fail at once and ``lookup`` answers MISS (reason ``unavailable``) without queueing.
 - Credentials given as arguments live in a closure handed to ``create_client``, not in
-  attributes; error messages are built from error codes only (``_s3_errors``), so they
+  attributes; error messages are built from error codes only (``_errors``), so they
   appear in no repr, log or message. One botocore session serves every tier of a process
   (like boto3's default session): its model files are parsed once, in a worker thread.
 """
@@ -94,10 +94,10 @@ from kvtier._format import FORMAT_VERSION, IntegrityKey, header_size
 from kvtier._keys import check_key
 from kvtier._logging import BurstLogger
 from kvtier._lookup import LookupResult, MissReason
+from kvtier._resilience import BreakerState, CircuitBreaker
 from kvtier.tiers._async_lookup import AsyncLookupManager
 from kvtier.tiers._base import SecondaryTier, TierMeter, TierStatistics
-from kvtier.tiers._s3_breaker import BreakerState, CircuitBreaker
-from kvtier.tiers._s3_codec import (
+from kvtier.tiers.s3._codec import (
     META_FORMAT,
     build_object,
     is_newer_format,
@@ -105,7 +105,7 @@ from kvtier.tiers._s3_codec import (
     read_block,
     verify_into,
 )
-from kvtier.tiers._s3_config import (
+from kvtier.tiers.s3._config import (
     BYTES_BODY_LIMIT,
     S3Settings,
     S3TierStatistics,
@@ -115,14 +115,14 @@ from kvtier.tiers._s3_config import (
     shared_session,
     warm_session,
 )
-from kvtier.tiers._s3_errors import Fault
-from kvtier.tiers._s3_index import ExistenceIndex
-from kvtier.tiers._s3_index_sync import IndexSync
-from kvtier.tiers._s3_integrity import check_marker
-from kvtier.tiers._s3_journal import writer_id
-from kvtier.tiers._s3_pack import Location, encode_table, pack_body, pack_name
-from kvtier.tiers._s3_packs import PackReads, PackWriter, PendingStore
-from kvtier.tiers._s3_requests import Requests
+from kvtier.tiers.s3._errors import Fault
+from kvtier.tiers.s3._index import ExistenceIndex
+from kvtier.tiers.s3._integrity import check_marker
+from kvtier.tiers.s3._journal import writer_id
+from kvtier.tiers.s3._pack import Location, encode_table, pack_body, pack_name
+from kvtier.tiers.s3._packs import PackReads, PackWriter, PendingStore
+from kvtier.tiers.s3._requests import Requests
+from kvtier.tiers.s3._sync import IndexSync
 
 __all__ = ["S3Tier", "S3TierStatistics"]
 
@@ -134,7 +134,7 @@ _CLOSE_TIMEOUT = 5.0
 # object (0.07 ms; verifying it: 0.015 ms), so blocks up to 1 MiB stay on the loop (unsigned
 # build 0.29 ms per MiB, verify 0.1 ms per MiB); signed blocks (BLAKE2b: build 1.3 ms,
 # verify 1.0 ms per MiB) above 64 KiB go to the thread (2-core machine, loaded). An unsigned
-# load streamed from aiohttp checks each chunk as it lands and never hops (_s3_codec); the
+# load streamed from aiohttp checks each chunk as it lands and never hops (_codec); the
 # verify threshold applies to a body read whole (another HTTP backend).
 _THREAD_BUILD_BYTES = 1 << 20
 _THREAD_VERIFY_BYTES = (1 << 20) + 4096  # a 1 MiB payload and its header
@@ -157,7 +157,7 @@ class S3Tier(SecondaryTier):
     open), ``index_max_keys`` (bound on the index's memory).
 
     ``pack_blocks``: at most this many blocks stored together go into one object, a *pack*
-    (``_s3_pack``): one PUT, and one ranged GET for a node that needs them again; 1 keeps one
+    (``_pack``): one PUT, and one ranged GET for a node that needs them again; 1 keeps one
     object per block. Default 8 in the index mode; the ask mode needs 1 (a HEAD by key cannot
     see a block inside a pack).
 
@@ -673,7 +673,7 @@ class S3Tier(SecondaryTier):
             body, metadata, crc = await anyio.to_thread.run_sync(build)
         else:
             body, metadata, crc = build()
-        # Sent alone, or packed with the stores that arrive with it (``_s3_packs``).
+        # Sent alone, or packed with the stores that arrive with it (``_packs``).
         await self._packer.store(PendingStore(key, body, metadata, crc))
 
     async def _put_single(self, item: PendingStore) -> None:
@@ -720,7 +720,7 @@ class S3Tier(SecondaryTier):
         self._lookups.record(key, True)
 
     async def _put_pack(self, items: list[PendingStore]) -> None:
-        """Several blocks as one pack object (``_s3_pack``); the caller holds a slot. A pack's
+        """Several blocks as one pack object (``_pack``); the caller holds a slot. A pack's
         name is unique to this writer, so it needs no conditional put."""
         client = self._require_client("store")
         started = time.perf_counter()

@@ -13,7 +13,7 @@ the first key's last byte, which spreads packs over S3's key-name partitions) an
 
     table:    MAGIC, u32 count, u32 table bytes,
               count x (u16 key length, key, u64 offset, u64 length), xxh3-64 of all before
-    sections: count x one block object of ``_s3_codec`` (header naming its key, payload)
+    sections: count x one block object of ``_codec`` (header naming its key, payload)
 
 Offsets count from the start of the object. The table comes first, so the listing at open
 learns a pack's keys with one small ranged GET; each section carries its own header, so a
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import xxhash
 
 from kvtier._format import MAX_KEY_BYTES
-from kvtier.tiers._s3_config import MAX_PACK_BLOCKS
+from kvtier.tiers.s3._config import MAX_PACK_BLOCKS
 
 __all__ = [
     "MAX_TABLE_BYTES",

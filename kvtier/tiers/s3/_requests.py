@@ -4,7 +4,7 @@
 tier's connection limit, retries transient faults (unreachable, timeouts, 5xx, throttling)
 ``max_attempts`` times with full-jitter backoff, and reports every attempt to the breaker.
 Faults the caller expects (a 404 for a HEAD) come back as the ``Fault``; others raise the
-translated ``TierError`` from the native error (``_s3_errors``). While the half-open breaker's
+translated ``TierError`` from the native error (``_errors``). While the half-open breaker's
 one trial request is out, other requests wait for its outcome instead of being rejected.
 """
 
@@ -16,8 +16,8 @@ from typing import TypeVar
 import anyio
 
 from kvtier._errors import KVTierError, TierError, TierUnavailableError
-from kvtier.tiers._s3_breaker import CircuitBreaker, Permit, backoff_delay
-from kvtier.tiers._s3_errors import Fault, translate
+from kvtier._resilience import CircuitBreaker, Permit, backoff_delay
+from kvtier.tiers.s3._errors import Fault, translate
 
 __all__ = ["Requests", "acquire"]
 
