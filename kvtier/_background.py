@@ -16,7 +16,9 @@ from collections.abc import Awaitable, Callable
 import anyio
 import anyio.abc
 
-__all__ = ["Background", "InFlight"]
+from kvtier._logging import BurstLogger
+
+__all__ = ["Background", "Callbacks", "InFlight"]
 
 
 class InFlight:
@@ -83,3 +85,24 @@ class Background:
             undo()
             self.tasks.finished()
         return len(unstarted)
+
+
+class Callbacks:
+    """Calls a tier's or an observer's hook from background work. The manager's task group
+    lives in the engine's task, so an exception there would stop the engine: it is logged
+    once per burst and counted in ``failures`` instead."""
+
+    __slots__ = ("_log", "failures")
+
+    def __init__(self, log: BurstLogger) -> None:
+        self._log = log
+        self.failures = 0
+
+    def __call__(self, what: str, function: Callable[..., object], *args: object) -> None:
+        try:
+            function(*args)
+        except Exception as exc:
+            self.failures += 1
+            self._log.warning(
+                "callback:" + what, "%s raised in kvtier background work: %r", what, exc
+            )

@@ -134,7 +134,6 @@ class ScanBudget:
 
     The manager answers back through ``unknown`` (this key's existence is still being
     checked) and ``expect`` (when the blocks the scan waits for should land).
-    A manager that does not know this class ignores it.
     """
 
     __slots__ = (
@@ -156,7 +155,7 @@ class ScanBudget:
 
     def __init__(
         self,
-        lookup: Callable[[bytes, object], LookupResult],
+        lookup: Callable[[bytes, ScanBudget | None], LookupResult],
         keys: Sequence[bytes],
         started: float,
         per_block: float | None,
@@ -178,7 +177,7 @@ class ScanBudget:
         self._unknown: set[int] = set()  # positions whose existence was unknown when asked
         self._heap: list[int] = []  # the same positions (and stale ones), smallest first
 
-    def ask(self, key: bytes, ctx: object = None) -> LookupResult:
+    def ask(self, key: bytes, ctx: ScanBudget | None = None) -> LookupResult:
         """``manager.lookup(key, self)``, with this key's blocker set and its answer noted."""
         positions = self._positions
         if positions is None:  # not for requests answered by the pool alone

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from kvtier._cost import ScanBudget
 from kvtier._lookup import LookupResult
 
 __all__ = ["PrefixProgress", "WindowProgress"]
@@ -31,7 +32,7 @@ HIT_PENDING = LookupResult.HIT_PENDING
 RETRY = LookupResult.RETRY
 MISS = LookupResult.MISS
 
-Lookup = Callable[[bytes, object], LookupResult]
+Lookup = Callable[[bytes, ScanBudget | None], LookupResult]
 Pin = Callable[[Sequence[bytes]], list[int]]
 
 

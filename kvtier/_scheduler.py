@@ -22,7 +22,7 @@ from kvtier._progress import PrefixProgress, WindowProgress
 from kvtier._validate import positive_int, positive_number
 from kvtier._watch import KeyWatch
 
-__all__ = ["OffloadScheduler", "SchedulerStatistics", "SupportsLookup"]
+__all__ = ["OffloadScheduler", "SchedulerStatistics", "SupportsLookup", "SupportsScheduling"]
 
 HIT = LookupResult.HIT
 HIT_PENDING = LookupResult.HIT_PENDING
@@ -33,7 +33,38 @@ _log = BurstLogger(logging.getLogger(__name__))
 
 @runtime_checkable
 class SupportsLookup(Protocol):
-    def lookup(self, key: bytes, ctx: object = None) -> LookupResult: ...
+    """What every scan needs of a manager (design §2.2): ``lookup(key, ctx=None)``."""
+
+    def lookup(self, key: bytes, ctx: ScanBudget | None = None) -> LookupResult: ...
+
+
+@runtime_checkable
+class SupportsScheduling(SupportsLookup, Protocol):
+    """What the async lookup needs beyond ``lookup`` (``TieringManager`` has it all):
+
+    - ``watch``/``unwatch``: sleep until a key the scan waits on changes state;
+    - ``primary_hit_prefix``: count the leading primary hits in one call;
+    - ``pin_ready``/``unpin_slots``: hold the hits a waiting scan has counted, so that its
+      own promotions, or another request's, never evict them (without that a prefix larger
+      than the free pool evicts itself and promotes the same blocks again);
+    - ``cost``: each scan of the async lookup asks through a ``ScanBudget`` (lazy
+      promotion, and the "never slower than recompute" rule).
+
+    A manager without them still gets the synchronous scans, key by key.
+    """
+
+    @property
+    def cost(self) -> CostModel: ...
+
+    def primary_hit_prefix(self, keys: Sequence[bytes]) -> int: ...
+
+    def pin_ready(self, keys: Sequence[bytes]) -> list[int]: ...
+
+    def unpin_slots(self, slots: Sequence[int]) -> None: ...
+
+    def watch(self, keys: Iterable[bytes], watch: KeyWatch | None = None) -> KeyWatch: ...
+
+    def unwatch(self, keys: Iterable[bytes], watch: KeyWatch) -> None: ...
 
 
 class LookupObserver(Protocol):
@@ -61,11 +92,11 @@ def _check_window(size: object) -> int:
 class OffloadScheduler:
     """Decides how many prefix blocks of a request kvtier can serve.
 
-    Works with any object that has ``lookup(key, ctx=None)``. When the manager also offers
-    ``primary_hit_prefix(keys)`` (TieringManager does), the prefix scan counts the leading
-    primary hits in one call and only walks the rest key by key. The async ``lookup`` needs a
-    manager with ``watch``/``unwatch`` (TieringManager) so it can sleep until a key it waits on
-    changes state.
+    Works with any object that has ``lookup(key, ctx=None)`` (``SupportsLookup``). When the
+    manager offers the rest of ``SupportsScheduling`` (TieringManager does), the prefix scan
+    counts the leading primary hits in one call and only walks the rest key by key, scans
+    pin the hits they count, and the async ``lookup`` sleeps until a key it waits on changes
+    state; it needs such a manager.
     """
 
     def __init__(
@@ -75,7 +106,7 @@ class OffloadScheduler:
         max_wait: float = 30.0,
         latency: LookupObserver | None = None,
     ) -> None:
-        if not callable(getattr(manager, "lookup", None)):
+        if not isinstance(manager, SupportsLookup):
             raise InvalidArgumentError(
                 f"manager must have a lookup(key, ctx=None) method, got {type(manager).__name__}"
             )
@@ -83,27 +114,28 @@ class OffloadScheduler:
         self.manager = manager
         self._latency = latency
         self._max_wait = float(max_wait)
-        self._fast_prefix: Callable[[Sequence[bytes]], int] | None = getattr(
-            manager, "primary_hit_prefix", None
+        self._full: SupportsScheduling | None = (
+            manager if isinstance(manager, SupportsScheduling) else None
         )
-        # Managers that can pin (TieringManager) let a scan hold the hits it has counted, so
-        # that its own promotions, or another request's, never evict them; without that a
-        # prefix larger than the free pool evicts itself and promotes the same blocks again.
-        pin = getattr(manager, "pin_ready", None)
-        unpin = getattr(manager, "unpin_slots", None)
-        self._pin: Callable[[Sequence[bytes]], list[int]] | None = pin if unpin else None
-        self._unpin: Callable[[Sequence[int]], None] | None = unpin if pin else None
+        full = self._full
+        self._fast_prefix: Callable[[Sequence[bytes]], int] | None = (
+            None if full is None else full.primary_hit_prefix
+        )
+        self._pin: Callable[[Sequence[bytes]], list[int]] | None = (
+            None if full is None else full.pin_ready
+        )
+        self._unpin: Callable[[Sequence[int]], None] | None = (
+            None if full is None else full.unpin_slots
+        )
         self._scans = self._deferred = self._async_lookups = self._waits = self._timeouts = 0
         self._callback_failures = 0
         self._cut = 0
-        # A manager with a cost model (TieringManager) gets a ScanBudget as the ctx of the
-        # async lookup's scans: lazy promotion, and the "never slower than recompute" rule.
-        cost = getattr(manager, "cost", None)
-        self._cost: CostModel | None = cost if isinstance(cost, CostModel) else None
 
     # -- synchronous scans (design §2.2) -------------------------------------------------------
 
-    def maximal_prefix_lookup(self, keys: Sequence[bytes], ctx: object = None) -> int | None:
+    def maximal_prefix_lookup(
+        self, keys: Sequence[bytes], ctx: ScanBudget | None = None
+    ) -> int | None:
         """Leading blocks that are hits, or None to defer (something is pending or unknown)."""
         lease: list[int] = []
         try:
@@ -112,7 +144,7 @@ class OffloadScheduler:
             self._release(lease)
 
     def sliding_window_lookup(
-        self, keys: Sequence[bytes], sliding_window_size: int, ctx: object = None
+        self, keys: Sequence[bytes], sliding_window_size: int, ctx: ScanBudget | None = None
     ) -> int | None:
         """End of the rightmost full window of hits, the hit prefix if none, or None to defer."""
         size = _check_window(sliding_window_size)
@@ -126,7 +158,9 @@ class OffloadScheduler:
         if lease and self._unpin is not None:
             self._unpin(lease)
 
-    def _prefix(self, keys: Sequence[bytes], ctx: object, lease: list[int]) -> int | None:
+    def _prefix(
+        self, keys: Sequence[bytes], ctx: ScanBudget | None, lease: list[int]
+    ) -> int | None:
         """The prefix scan; pins each hit it counts into ``lease`` (the caller releases)."""
         self._scans += 1
         start = 0
@@ -162,7 +196,7 @@ class OffloadScheduler:
         self,
         keys: Sequence[bytes],
         size: int,
-        ctx: object,
+        ctx: ScanBudget | None,
         lease: list[int],
     ) -> int | None:
         """The window scan; pins each hit it sees into ``lease`` (the caller releases)."""
@@ -215,18 +249,18 @@ class OffloadScheduler:
             isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout < 0
         ):
             raise InvalidArgumentError(f"timeout must be a non-negative number, got {timeout!r}")
-        watch_each = getattr(self.manager, "watch_each", None)
-        unwatch_each = getattr(self.manager, "unwatch_each", None)
-        if watch_each is None or unwatch_each is None:
+        manager = self._full
+        if manager is None:
             raise InvalidArgumentError(
-                "the async lookup needs a manager with watch_each()/unwatch_each() "
-                "(TieringManager); use the synchronous scans with other managers"
+                "the async lookup needs a manager with watch()/unwatch(), pins and a cost "
+                "model (kvtier.SupportsScheduling, as TieringManager has); use the "
+                "synchronous scans with other managers"
             )
         self._async_lookups += 1
         limit = self._max_wait if timeout is None else float(timeout)
         started = time.perf_counter()
         try:
-            return await self._wait_for_answer(keys, window, limit, watch_each, unwatch_each)
+            return await self._wait_for_answer(manager, keys, window, limit)
         finally:
             if self._latency is not None:
                 try:
@@ -237,30 +271,25 @@ class OffloadScheduler:
 
     async def _wait_for_answer(
         self,
+        manager: SupportsScheduling,
         keys: list[bytes],
         window: int | None,
         limit: float,
-        watch_each: Callable[[list[bytes], KeyWatch], None],
-        unwatch_each: Callable[[Iterable[bytes], KeyWatch], None],
     ) -> int:
         # The scan resumes after each wake: it asks again only the keys that changed, and the
         # hits it has counted stay pinned (its lease) until the answer is returned. With a
         # cost model, every ask goes through the request's ScanBudget (lazy promotion, and
         # no promotion from a tier slower than recompute).
         changes = KeyWatch()
-        cost = self._cost
-        budget = (
-            None
-            if cost is None
-            else ScanBudget(
-                self.manager.lookup,
-                keys,
-                cost.clock(),
-                cost.recompute_seconds_per_block,
-                lazy=window is None,
-            )
+        cost = manager.cost
+        budget = ScanBudget(
+            manager.lookup,
+            keys,
+            cost.clock(),
+            cost.recompute_seconds_per_block,
+            lazy=window is None,
         )
-        lookup = self.manager.lookup if budget is None else budget.ask
+        lookup = budget.ask
         scan: PrefixProgress | WindowProgress
         if window is None:
             scan = PrefixProgress(keys, lookup, self._pin, self._fast_prefix)
@@ -272,11 +301,11 @@ class OffloadScheduler:
                 result = scan.start()
                 while result is None:
                     self._deferred += 1
-                    patience = self._patience(budget)
+                    patience = self._patience(budget, cost)
                     if patience is not None and patience <= 0:
                         self._cut += 1  # recomputing is expected to be cheaper: stop here
                         return self._hits_now(keys, window, scan.lease, budget)
-                    watch_each(scan.take_watches(), changes)
+                    manager.watch(scan.take_watches(), changes)
                     self._waits += 1
                     with anyio.move_on_after(math.inf if patience is None else patience):
                         await changes.wait()
@@ -287,18 +316,18 @@ class OffloadScheduler:
             self._timeouts += 1
             return self._hits_now(keys, window, scan.lease)  # as ever (design §2.3)
         finally:
-            unwatch_each(scan.watched, changes)
+            manager.unwatch(scan.watched, changes)
             self._release(scan.lease)
 
-    def _patience(self, budget: ScanBudget | None) -> float | None:
+    def _patience(self, budget: ScanBudget, cost: CostModel) -> float | None:
         """How much longer waiting can pay off (<= 0: stop now), or None without a recompute
         estimate (wait up to the caller's deadline, as always). A request never waits longer
         in all than recomputing its blocks would take, and stops at once when the blocks it
         waits for are expected later than that."""
-        if budget is None or budget.deadline is None or self._cost is None:
+        if budget.deadline is None:
             return None
-        now = self._cost.clock()
-        if not self._cost.keep_waiting(
+        now = cost.clock()
+        if not cost.keep_waiting(
             budget.started, now, budget.expected_ready, budget.deadline - budget.started
         ):
             return 0.0

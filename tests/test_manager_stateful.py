@@ -224,7 +224,7 @@ class ManagerMachine(RuleBasedStateMachine):
         after = self.manager.statistics()
         if not promoted or after.promotions_succeeded == before.promotions_succeeded:
             return  # declined as too slow, failed (an injected fault), or still pending
-        if key in self.manager._up_when_evicted:  # in the pool: copied when it is evicted
+        if key in self.manager._promotions.up_when_evicted:  # in the pool: copied when it is evicted
             assert key in self.manager.pool.table.ready
         elif after.promotions_written_up > before.promotions_written_up:
             # Evicted at once (by a later promotion in the same scan) and written up.
@@ -278,7 +278,7 @@ class ManagerMachine(RuleBasedStateMachine):
         assert pool.reservations == pool.commits + pool.aborts + pool.writing
         assert stats.dirty_blocks <= pool.pinned  # a block waiting for write-back is held
         # A promoted block waiting to be copied up when evicted is still in the pool.
-        waiting = self.manager._up_when_evicted
+        waiting = self.manager._promotions.up_when_evicted
         assert stats.write_ups_waiting == len(waiting) <= pool.num_blocks
         assert all(key in self.manager.pool.table.ready for key in waiting)
         for a in stats.admission:

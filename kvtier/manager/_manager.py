@@ -1,0 +1,494 @@
+"""The TieringManager: one primary pool over ordered secondary tiers (design §2.1, §3).
+
+This is the async shell. Its ``lookup`` answers a primary hit itself (one dict lookup) and
+hands every other key to the synchronous ``LookupDecision``; everything slow (promotions,
+write-through) runs as tasks in the manager's own task group, each under a deadline, so
+nothing stays pending forever and leaving ``async with`` joins them all. The jobs behind it:
+
+- ``_decision``: the lookup past a primary hit (pool state, failures, cost and budget);
+- ``_promotions``: promotion tasks and the copy up of promoted blocks;
+- ``kvtier._writethrough``: write-through, write-back and deferred writes after a store;
+- ``kvtier._watch``: who waits for which key (``watch``, ``wait_settled``);
+- ``_statistics``: the nested snapshot ``statistics()`` returns;
+- ``_config``: ``ManagerConfig``, every setting defined once.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Sequence
+from contextlib import AsyncExitStack
+from typing import Any, Self, Unpack
+
+import anyio
+import anyio.abc
+
+from kvtier._admission import AdmissionPolicy
+from kvtier._background import Background, Callbacks
+from kvtier._buffers import BlockBuffer, check_keys, dtype_name, split_blocks
+from kvtier._cost import CostModel, ScanBudget
+from kvtier._errors import InvalidArgumentError, LifecycleError, TierTimeoutError
+from kvtier._failures import RecentFailures
+from kvtier._logging import BurstLogger
+from kvtier._lookup import LookupResult
+from kvtier._resource import AsyncResource
+from kvtier._watch import KeyWatch, Watchers
+from kvtier._writethrough import WriteThrough
+from kvtier.manager._config import ManagerConfig, ManagerOverrides
+from kvtier.manager._decision import LookupDecision, not_open
+from kvtier.manager._promotions import PromotionObserver, Promotions
+from kvtier.manager._statistics import (
+    BackgroundCounts,
+    ManagerStatistics,
+    StoreCounts,
+    WriteCounts,
+)
+from kvtier.pools._base import PrimaryPool
+from kvtier.pools._slots import SlotState
+from kvtier.tiers._base import SecondaryTier
+
+__all__ = ["TieringManager"]
+
+logger = logging.getLogger("kvtier.manager")
+
+HIT = LookupResult.HIT
+HIT_PENDING = LookupResult.HIT_PENDING
+RETRY = LookupResult.RETRY
+
+
+def _check_tiers(pool: PrimaryPool, tiers: Sequence[SecondaryTier]) -> tuple[SecondaryTier, ...]:
+    if not isinstance(pool, PrimaryPool):
+        raise InvalidArgumentError(
+            f"pool must be a kvtier pool (HostPool or CudaPool), got {type(pool).__name__}"
+        )
+    if isinstance(tiers, SecondaryTier):
+        raise InvalidArgumentError("tiers must be a list of tiers; wrap the tier in [...]")
+    checked = tuple(tiers)
+    for i, tier in enumerate(checked):
+        if not isinstance(tier, SecondaryTier):
+            raise InvalidArgumentError(
+                f"tiers[{i}] must be a kvtier.SecondaryTier, got {type(tier).__name__}"
+            )
+    if len({id(t) for t in checked}) != len(checked):
+        raise InvalidArgumentError("the same tier object is listed twice in tiers")
+    return checked
+
+
+class TieringManager(AsyncResource):
+    """The primary pool plus secondary tiers, used from one event loop.
+
+    ``async with TieringManager(pool, tiers) as manager`` opens the tiers (the manager owns
+    them) and a task group for background work; leaving the block lets in-flight write-through
+    finish for up to ``close_timeout`` seconds, cancels the rest (counted in
+    ``cascades_cancelled``) and closes the tiers.
+
+    Settings come from ``config`` (a ``kvtier.ManagerConfig``; the defaults without one) and
+    keyword overrides of its fields (``promotion_timeout=5.0``, ...), each checked by it:
+
+    A promotion that fails is remembered for ``failure_ttl`` seconds: meanwhile that tier's
+    HIT for the key counts as a miss with the failure's reason, so a tier that cannot serve a
+    block it still reports (for example one that keeps the default ``record_miss``) is not
+    asked to promote it again at every lookup.
+
+    ``cost`` (a ``kvtier.CostModel``, made from the settings if not given) learns each tier's
+    promotion latency; give it the engine's recompute cost and the scheduler never waits
+    longer than recomputing would take. ``admission`` (a ``kvtier.AdmissionPolicy``, made from
+    the settings if not given) decides which tiers take each stored block: a tier that falls
+    behind is skipped (counted) until it recovers, and tiers it names as write-back get a
+    block only when it must leave the pool; up to ``write_back_limit`` blocks wait in the
+    pool, pinned, for that. Tiers it names as deferred get the blocks their back-pressure
+    dropped later, copied from a faster tier, when they have room again (counted in
+    ``writes_deferred`` and ``deferred_written``); closing gives the ones still waiting
+    ``close_timeout``, whatever the tier's latency.
+
+    Entering opens each tier within ``open_timeout`` seconds (None: no bound); a tier that
+    takes longer fails it with ``TierTimeoutError`` naming that tier, and every tier opened
+    before it is closed again. Keep it above an S3 tier's ``index_list_timeout``.
+
+    With ``promote_write_up`` (the default), a block promoted from a tier is also written to
+    the write-through tiers listed before it, under the same admission and in-flight limits
+    as a store's write-through (counted in ``promotions_written_up``): a node that reads a
+    block from a shared S3 tier keeps it on its own FS tier, and the next time the block
+    leaves the pool it comes back from there, not from S3. With a pool in host memory the copy
+    is made when the block is evicted, not when it arrives: the requests that wait for
+    promoted blocks do not share the machine with their copies, and a block that stays in the
+    pool is never copied. Promoted blocks still in the pool when the manager closes are not
+    copied (they are still in the tier they came from). A GPU pool copies them at once.
+    """
+
+    def __init__(
+        self,
+        pool: PrimaryPool,
+        tiers: Sequence[SecondaryTier] = (),
+        *,
+        config: ManagerConfig | None = None,
+        dtype: Any = None,
+        latency: PromotionObserver | None = None,
+        cost: CostModel | None = None,
+        admission: AdmissionPolicy | None = None,
+        **overrides: Unpack[ManagerOverrides],
+    ) -> None:
+        self.tiers = _check_tiers(pool, tiers)
+        if config is not None and not isinstance(config, ManagerConfig):
+            raise InvalidArgumentError(
+                f"config must be a ManagerConfig, got {type(config).__name__}"
+            )
+        self.config = settings = ManagerConfig.from_keywords(config, **overrides)
+        self.pool = pool
+        self._ready = pool.table.ready  # the hit path: one dict lookup, no pool call
+        self._touch = pool.table.policy.touch
+        self._hits = 0  # primary hits; the decision counts every other answer
+        self._dtype = None if dtype is None else dtype_name(dtype)
+        self.cost = settings.cost_model(cost)
+        self.admission = settings.admission_policy(admission, self.tiers, pool.block_bytes)
+        self._stack: AsyncExitStack | None = None
+        self._task_group: anyio.abc.TaskGroup | None = None
+        self._watchers = Watchers()
+        self._background = Background()  # promotions and write-through
+        self._tasks = self._background.tasks
+        self._log = BurstLogger(logger)
+        self._callback = Callbacks(self._log)
+        # what the manager remembers itself, whatever each tier's record_miss does
+        self._failed = RecentFailures(settings.failure_ttl)
+        self._writer = WriteThrough(
+            pool,
+            self.tiers,
+            self.admission,
+            max_in_flight_bytes=settings.max_in_flight_bytes,
+            store_timeout=settings.store_timeout,
+            write_back_limit=(
+                max(pool.num_blocks // 4, 1)
+                if settings.write_back_limit is None
+                else settings.write_back_limit
+            ),
+            background=self._background,
+            callback=self._callback,
+            log=self._log,
+        )
+        self._promotions = Promotions(
+            pool,
+            timeout=settings.promotion_timeout,
+            cost=self.cost,
+            failed=self._failed,
+            writer=self._writer,
+            watchers=self._watchers,
+            background=self._background,
+            callbacks=self._callback,
+            log=self._log,
+            latency=latency,
+            write_up=settings.promote_write_up,
+        )
+        self._decision = LookupDecision(
+            pool,
+            self.tiers,
+            failed=self._failed,
+            cost=self.cost,
+            admission=self.admission,
+            watchers=self._watchers,
+            landing=self._promotions.landing,
+            start=self._promotions.start,
+        )
+        self._decide = self._decision.decide
+        self._stored = self._skipped_present = self._skipped_full = self._loaded = 0
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Self:
+        if self._stack is not None:
+            raise LifecycleError("this TieringManager is already entered")
+        opening: SecondaryTier | None = None
+        open_timeout = self.config.open_timeout
+        async with AsyncExitStack() as stack:
+            # Entered first, so left last: it bounds each tier's open, then stays entered
+            # (with no deadline) until aclose, because task groups a tier enters while
+            # opening must be left before the scope they were entered in.
+            bound = stack.enter_context(anyio.CancelScope())
+            for tier in self.tiers:
+                opening = tier
+                if open_timeout is not None:
+                    bound.deadline = anyio.current_time() + open_timeout
+                await stack.enter_async_context(tier)
+                stack.callback(tier.add_listener(self._watchers.notify))
+            opening = None
+            bound.deadline = math.inf
+            task_group = anyio.create_task_group()
+            await task_group.__aenter__()
+            self._opened(task_group)
+            self._stack = stack.pop_all()
+        if opening is not None:  # its open ran past open_timeout (the scope caught that)
+            with anyio.move_on_after(self.config.close_timeout, shield=True):
+                await opening.aclose()  # whatever its open had set up before it was cut
+            raise TierTimeoutError(
+                f"did not open within open_timeout={open_timeout:g} s; check that the "
+                "tier is reachable (a hung mount, an endpoint that does not answer) or raise "
+                "open_timeout",
+                tier=opening.name,
+                operation="open",
+            )
+        return self
+
+    def _opened(self, task_group: anyio.abc.TaskGroup) -> None:
+        self._task_group = self._writer.task_group = task_group
+        promotions = self._promotions
+        promotions.task_group, promotions.closing = task_group, False
+        if promotions.copies_on_evict():
+            self.pool.table.on_leave = promotions.leaving
+        self._decision.open = self._decision.was_open = True
+
+    async def aclose(self) -> None:
+        """Finish write-through for up to ``close_timeout``, cancel the rest, close the tiers."""
+        stack, self._stack = self._stack, None
+        if stack is None:
+            return
+        writer = self._writer
+        writer.closing = self._promotions.closing = True
+        if self._task_group is not None:
+            writer.flush(self._task_group, everything=True)
+            writer.drain_deferred(self._task_group)
+        with anyio.move_on_after(self.config.close_timeout, shield=True):
+            await writer.cascades.wait_zero()  # promotions are only reads: cancel them at once
+        writer.cancelled += writer.cascades.count
+        task_group, self._task_group = self._task_group, None
+        self._decision.open = False
+        writer.task_group = self._promotions.task_group = None
+        self.pool.table.on_leave = None
+        self._promotions.up_when_evicted.clear()  # still in the pool: still in their tier
+        assert task_group is not None
+        task_group.cancel_scope.cancel()
+        await task_group.__aexit__(None, None, None)  # children are cancelled: returns promptly
+        self._background.undo_unstarted()
+        writer.deferred.clear()  # what the deferred tiers had not taken in time: given up
+        writer.closing = False
+        # Not shielded here: each tier shields and bounds its own awaiting cleanup, and a
+        # shield around a task group's exit is not allowed.
+        await stack.aclose()
+        self._promotions.landing.clear()
+        self._watchers.fire_all()  # wake schedulers: nothing will change any more
+
+    async def wait_idle(self) -> None:
+        """Return once no promotion or write-through is in flight (for a flush, or tests)."""
+        await self._tasks.wait_zero()
+
+    def _check_open(self) -> anyio.abc.TaskGroup:
+        if self._task_group is None:
+            raise not_open()
+        return self._task_group
+
+    # -- lookup (design §2.1) ------------------------------------------------------------------
+
+    def lookup(self, key: bytes, ctx: ScanBudget | None = None) -> LookupResult:
+        """MISS, HIT, HIT_PENDING or RETRY for ``key``, without waiting (design §2.1).
+        ``ctx`` is the scheduler's budget for the scan that asks (lazy promotion, and no
+        promotion from a tier expected later than recompute)."""
+        if key in self._ready:
+            self._touch(key)
+            self._hits += 1
+            return HIT
+        return self._decide(key, ctx)
+
+    def primary_hit_prefix(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` are primary hits; the scheduler's fast path. Counts and
+        touches them exactly as ``lookup`` would."""
+        n = self.pool.ready_prefix(keys)
+        self._hits += n
+        return n
+
+    def pin_ready(self, keys: Sequence[bytes]) -> list[int]:
+        """Pin the READY blocks among ``keys`` and return their slots: the lease a scheduler
+        holds on a request's hits while it waits for the rest, so that promotions for other
+        requests (or for this one) cannot evict them and thrash a small pool."""
+        pin = self.pool.pin
+        return [slot for slot in map(pin, keys) if slot is not None]
+
+    def unpin_slots(self, slots: Sequence[int]) -> None:
+        for slot in slots:
+            self.pool.unpin(slot)
+
+    def default_tier_in_flight_bytes(self) -> int:
+        """Each tier's default limit on bytes being written: its share of
+        ``max_in_flight_bytes``, so one tier that falls behind cannot hold it all."""
+        share = self.config.max_in_flight_bytes // max(len(self.tiers), 1)
+        return max(share, self.pool.block_bytes)
+
+    # -- store and load ------------------------------------------------------------------------
+
+    async def store(self, keys: Sequence[bytes], blocks: Any) -> int:
+        """Copy ``blocks`` into the pool under ``keys`` and write them through to every tier
+        in the background. Returns how many blocks were newly placed in the pool; keys already
+        present are skipped, and so are keys for which no slot is free or evictable."""
+        task_group = self._check_open()
+        keys = check_keys(keys)
+        buffers = split_blocks(
+            blocks,
+            len(keys),
+            self.pool.block_bytes,
+            name="blocks",
+            writable=False,
+            dtype=self._dtype,
+        )
+        slots: list[int] = []
+        chosen_keys: list[bytes] = []
+        chosen = []
+        for key, buffer in zip(keys, buffers, strict=True):
+            if self.pool.state_of(key) is not SlotState.FREE:
+                self._skipped_present += 1
+                continue
+            slot = self.pool.try_reserve(key)
+            if slot is None:
+                self._skipped_full += 1
+                continue
+            slots.append(slot)
+            chosen_keys.append(key)
+            chosen.append(buffer)
+        if not slots:
+            return 0
+        await self._copy_in(task_group, slots, chosen_keys, chosen)
+        self._stored += len(slots)
+        closing = self._stack is None
+        for key in chosen_keys:
+            self._writer.after_store(task_group, key, closing=closing)
+        return len(slots)
+
+    async def _copy_in(
+        self,
+        task_group: anyio.abc.TaskGroup,
+        slots: list[int],
+        keys: list[bytes],
+        buffers: list[BlockBuffer],
+    ) -> None:
+        """Fill the reserved ``slots`` and commit them; abort them all if anything fails."""
+        committed = False
+        try:
+            with anyio.fail_after(self.config.store_timeout):
+                await self.pool.copy_in(slots, buffers)
+            if self._task_group is not task_group:  # closed while we copied
+                raise LifecycleError(
+                    "TieringManager is not open any more: it was closed while this store "
+                    "copied its blocks, and nothing was stored"
+                )
+            for slot in slots:
+                self.pool.commit(slot)
+            committed = True
+        finally:
+            if not committed:
+                for slot in slots:
+                    self.pool.abort(slot)
+            for key in keys:
+                self._watchers.notify(key)
+
+    async def load(self, keys: Sequence[bytes], out: Any) -> int:
+        """Copy the blocks of ``keys`` from the pool into ``out`` (one array with a leading
+        block axis, or a list of per-block arrays). Stops at the first key that is not a
+        primary hit (it may have been evicted since the lookup) and returns how many leading
+        blocks were copied; the engine recomputes the rest."""
+        self._check_open()
+        keys = check_keys(keys)
+        buffers = split_blocks(
+            out, len(keys), self.pool.block_bytes, name="out", writable=True, dtype=self._dtype
+        )
+        pinned: list[int] = []
+        try:
+            for key in keys:
+                slot = self.pool.pin(key)
+                if slot is None:
+                    break
+                pinned.append(slot)
+            if pinned:
+                await self.pool.copy_out(pinned, buffers[: len(pinned)])
+        finally:
+            for slot in pinned:
+                self.pool.unpin(slot)
+        self._loaded += len(pinned)
+        return len(pinned)
+
+    # -- change notification -----------------------------------------------------------------
+
+    def watch(self, keys: Iterable[bytes], watch: KeyWatch | None = None) -> KeyWatch:
+        """Fire ``watch`` (a new one if not given) with each of ``keys`` once, when that
+        key's lookup answer may have changed; returns it (``await watch.wait()``, then
+        ``watch.take()`` says which keys fired). Closed, the manager answers every key at
+        once except blocks a store is still copying, so those are registered (they fire
+        when the store ends) and the others fire now."""
+        watch = KeyWatch() if watch is None else watch
+        if self._task_group is not None:
+            self._watchers.add(keys, watch)
+            return watch
+        for key in keys:
+            if self.pool.lookup(key) is HIT_PENDING:
+                self._watchers.add((key,), watch)
+            else:
+                watch.fire(key)
+        return watch
+
+    def unwatch(self, keys: Iterable[bytes], watch: KeyWatch) -> None:
+        """Drop the registrations of ``watch`` on ``keys`` that have not fired."""
+        self._watchers.remove(keys, watch)
+
+    async def wait_settled(
+        self,
+        key: bytes,
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109 - a bound on this wait alone
+    ) -> LookupResult:
+        """Ask ``key`` again at each change until it is neither HIT_PENDING nor RETRY, and
+        return that answer (each ask is a ``lookup``: it may start a promotion). Raises
+        ``TimeoutError`` after ``timeout`` seconds (None: every check, promotion and store
+        has its own deadline, so the answer comes)."""
+        with anyio.fail_after(timeout):
+            while True:
+                watch = self.watch((key,))
+                try:
+                    result = self.lookup(key)
+                    if result is not HIT_PENDING and result is not RETRY:
+                        return result
+                    await watch.wait()
+                finally:
+                    self.unwatch((key,), watch)
+
+    # -- observation -------------------------------------------------------------------------
+
+    def statistics(self) -> ManagerStatistics:
+        writer, decision = self._writer, self._decision
+        deferred = writer.deferred
+        return ManagerStatistics(
+            lookups=decision.counts(self._hits),
+            promotions=self._promotions.counts(
+                decision.started, decision.deferred, decision.declined
+            ),
+            stores=StoreCounts(
+                stored=self._stored,
+                skipped_present=self._skipped_present,
+                skipped_full=self._skipped_full,
+                loaded=self._loaded,
+            ),
+            writes=WriteCounts(
+                started=writer.started,
+                succeeded=writer.succeeded,
+                failures_by_reason=dict(writer.failures),
+                skipped=writer.skipped,
+                cancelled=writer.cancelled,
+                dropped=self.admission.dropped(),
+                in_flight_bytes=writer.in_flight_bytes,
+                written_back=writer.write_back.written_back,
+                dirty_blocks=len(writer.write_back),
+                deferred=deferred.deferred,
+                deferred_written=deferred.written,
+                deferred_lost=deferred.lost,
+                deferred_pending=len(deferred),
+            ),
+            background=BackgroundCounts(
+                tasks=self._tasks.count, callback_failures=self._callback.failures
+            ),
+            pool=self.pool.statistics(),
+            tiers=tuple(t.statistics() for t in self.tiers),
+            cost=self.cost.statistics(),
+            admission=self.admission.statistics([t.name for t in self.tiers]),
+        )
+
+    def __repr__(self) -> str:
+        state = "open" if self._task_group is not None else "closed"
+        return (
+            f"<TieringManager {state} pool={self.pool!r} tiers={[t.name for t in self.tiers]} "
+            f"background={self._tasks.count} in_flight_bytes={self._writer.in_flight_bytes}>"
+        )
