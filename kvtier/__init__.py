@@ -11,7 +11,6 @@ from kvtier._config import (
     FSConfig,
     IntegrityConfig,
     KVTierConfig,
-    ManagerConfig,
     PoolConfig,
     S3Config,
 )
@@ -33,7 +32,7 @@ from kvtier._keys import block_keys
 from kvtier._lookup import LookupResult, MissReason
 from kvtier._metrics import KVTierCollector, LatencyHistograms, MetricsServer, serve_metrics
 from kvtier._scheduler import OffloadScheduler, SchedulerStatistics
-from kvtier._tiering import ManagerStatistics, TieringManager
+from kvtier.manager import ManagerConfig, ManagerStatistics, TieringManager
 from kvtier.pools._base import PrimaryPool
 from kvtier.pools._cuda import CudaPool, CudaUnavailableError, cuda_available
 from kvtier.pools._host import HostPool

@@ -98,24 +98,22 @@ from kvtier._settings import (
     parse_any_text,
     parse_bool,
     parse_names,
-    parse_non_negative_int,
     parse_non_negative_seconds,
-    parse_path,
     parse_positive_int,
     parse_positive_size,
     parse_rate,
     parse_seconds,
-    parse_secret,
     parse_size,
     parse_text,
     parse_url,
     spec,
 )
+from kvtier.manager._config import ManagerConfig
 from kvtier.pools._config import PoolConfig, build_pool
 from kvtier.tiers.fs._config import FSConfig
 
 if TYPE_CHECKING:
-    from kvtier._tiering import TieringManager
+    from kvtier.manager import TieringManager
     from kvtier.pools._base import PrimaryPool
     from kvtier.tiers._base import SecondaryTier
 
@@ -136,26 +134,21 @@ ENV_CONFIG_FILE = "KVTIER_CONFIG"
 
 # -- value parsers: one set for every component (kvtier._settings) ------------------------
 #
-# The short names below are the ones the sections in this module were written with.
+# The short names below are the ones the sections still defined here were written with.
 
-_Bad = BadValue
 _positive_int = parse_positive_int
-_non_negative_int = parse_non_negative_int
 _size = parse_positive_size
 _seconds = parse_seconds
 _non_negative_seconds = parse_non_negative_seconds
 _rate = parse_rate
 _names = parse_names
 _text = parse_text
-_secret = parse_secret
 _any_text = parse_any_text
-_path = parse_path
 _url = parse_url
 _bool = parse_bool
 _choice = choice
 _optional = optional
 _spec = spec
-_message = message
 _check_fields = check_fields
 _Section = Section
 
@@ -232,49 +225,6 @@ class S3Config(_Section):
         return f"S3Config({shown}, credentials={'set' if self.has_credentials else 'unset'})"
 
 
-@dataclass(frozen=True, slots=True)
-class ManagerConfig(_Section):
-    """The ``TieringManager``'s deadlines and limits, its cost model (``kvtier.CostModel``)
-    and its write-through admission (``kvtier.AdmissionPolicy``); ``build()`` makes both
-    from these settings. The defaults are those of the classes themselves."""
-
-    SECTION: ClassVar[str] = "manager"
-
-    promotion_timeout: float = field(default=10.0, metadata=_spec(_seconds))
-    store_timeout: float = field(default=30.0, metadata=_spec(_seconds))
-    max_in_flight_bytes: int = field(default=256 << 20, metadata=_spec(_size))
-    close_timeout: float = field(default=5.0, metadata=_spec(_seconds))
-    # How long a failed promotion keeps that tier's HIT for the key counting as a miss.
-    failure_ttl: float = field(default=2.0, metadata=_spec(_seconds))
-    # The cost model: what prefilling one block costs the engine (None: unknown, and the
-    # scheduler waits up to the caller's timeout), and how often a tier judged slower than
-    # recompute still gets a promotion, to measure it again.
-    recompute_seconds_per_block: float | None = field(
-        default=None, metadata=_spec(_optional(_non_negative_seconds))
-    )
-    promotion_probe_interval: float = field(default=5.0, metadata=_spec(_seconds))
-    # Admission: a tier whose writes average longer than max_write_latency (None: never for
-    # latency) gets no new blocks, but one probe write every write_probe_interval; a tier
-    # with tier_max_in_flight_bytes being written gets none either (None: each tier's share
-    # of max_in_flight_bytes). Tiers named in write_back get a block only when it leaves
-    # the pool; at most write_back_limit blocks wait for that (None: a quarter of the pool).
-    max_write_latency: float | None = field(default=0.25, metadata=_spec(_optional(_seconds)))
-    write_probe_interval: float = field(default=1.0, metadata=_spec(_seconds))
-    tier_max_in_flight_bytes: int | None = field(default=None, metadata=_spec(_optional(_size)))
-    write_back: tuple[str, ...] = field(default=(), metadata=_spec(_names))
-    write_back_limit: int | None = field(default=None, metadata=_spec(_optional(_positive_int)))
-    # Tiers named in deferred keep the writes back-pressure drops and get them later, copied
-    # from a faster tier; max_write_rate caps what every tier is given, in bytes per second
-    # (None: no cap; a write past it is dropped, or deferred for a deferred tier).
-    deferred: tuple[str, ...] = field(default=(), metadata=_spec(_names))
-    max_write_rate: float | None = field(default=None, metadata=_spec(_optional(_rate)))
-    # Each tier must open within open_timeout (None: no bound; keep it above an S3 tier's
-    # index_list_timeout). promote_write_up: a block promoted from a tier is also written to
-    # the write-through tiers before it (a node keeps on its disk what it read from S3).
-    open_timeout: float | None = field(default=120.0, metadata=_spec(_optional(_seconds)))
-    promote_write_up: bool = field(default=True, metadata=_spec(_bool))
-
-
 _SECTIONS: dict[str, type[Any]] = {
     "pool": PoolConfig,
     "fs": FSConfig,
@@ -286,9 +236,6 @@ _OPTIONAL = ("fs", "s3", "integrity")
 
 
 # -- the whole configuration ----------------------------------------------------------------
-
-
-_did_you_mean = did_you_mean
 
 
 @dataclass(frozen=True, slots=True)
@@ -406,13 +353,13 @@ class KVTierConfig:
         if cls is None or not key:
             options = [f"{ENV_PREFIX}{s.upper()}_*" for s in _SECTIONS] + [ENV_CONFIG_FILE]
             raise InvalidArgumentError(
-                f"unknown environment variable {var}: {_did_you_mean(var, options)}"
+                f"unknown environment variable {var}: {did_you_mean(var, options)}"
             )
         names = [f.name for f in dataclasses.fields(cls)]
         if key.lower() not in names:
             options = [f"{ENV_PREFIX}{section.upper()}_{n.upper()}" for n in names]
             raise InvalidArgumentError(
-                f"unknown environment variable {var}: {_did_you_mean(var, options)}"
+                f"unknown environment variable {var}: {did_you_mean(var, options)}"
             )
         return section.lower(), key.lower()
 
@@ -432,7 +379,7 @@ class KVTierConfig:
         for name in data:
             if name not in _SECTIONS:
                 raise InvalidArgumentError(
-                    f"unknown config section {name!r}: {_did_you_mean(str(name), list(_SECTIONS))}"
+                    f"unknown config section {name!r}: {did_you_mean(str(name), list(_SECTIONS))}"
                 )
         if "pool" not in data:
             raise InvalidArgumentError(
@@ -483,9 +430,7 @@ class KVTierConfig:
     def build(self) -> TieringManager:
         """A ``TieringManager`` over the configured pool and tiers, not yet entered: use it
         as ``async with config.build() as manager``."""
-        from kvtier._admission import AdmissionPolicy
-        from kvtier._cost import CostModel
-        from kvtier._tiering import TieringManager
+        from kvtier.manager import TieringManager
 
         # Checked here, not with the other rules: a config used only for build_tiers (the
         # vLLM adapter) opens its tier without the manager and this bound.
@@ -499,36 +444,8 @@ class KVTierConfig:
             )
         tiers = self.build_tiers()  # tiers first: they hold nothing until opened
         pool = self.build_pool()
-        m = self.manager
-        cost = CostModel(
-            recompute_seconds_per_block=m.recompute_seconds_per_block,
-            probe_interval=m.promotion_probe_interval,
-        )
-        tier_limit = m.tier_max_in_flight_bytes
-        if tier_limit is None:  # the manager's own default (default_tier_in_flight_bytes)
-            tier_limit = max(m.max_in_flight_bytes // max(len(tiers), 1), pool.block_bytes)
-        admission = AdmissionPolicy(
-            max_in_flight_bytes=tier_limit,
-            max_write_latency=m.max_write_latency,
-            probe_interval=m.write_probe_interval,
-            write_back=m.write_back,
-            deferred=m.deferred,
-            max_write_rate=m.max_write_rate,
-        )
-        return TieringManager(
-            pool,
-            tiers,
-            promotion_timeout=m.promotion_timeout,
-            store_timeout=m.store_timeout,
-            max_in_flight_bytes=m.max_in_flight_bytes,
-            close_timeout=m.close_timeout,
-            failure_ttl=m.failure_ttl,
-            cost=cost,
-            admission=admission,
-            write_back_limit=m.write_back_limit,
-            open_timeout=m.open_timeout,
-            promote_write_up=m.promote_write_up,
-        )
+        # The manager makes its cost model and admission from its section's settings.
+        return TieringManager(pool, tiers, config=self.manager)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """The configuration as plain data, for printing; secrets are replaced by ``"***"``."""
@@ -537,14 +454,7 @@ class KVTierConfig:
             section = getattr(self, name)
             if section is None:
                 continue
-            out[name] = {
-                f.name: (
-                    "***"
-                    if f.metadata["secret"] and getattr(section, f.name)
-                    else getattr(section, f.name)
-                )
-                for f in dataclasses.fields(section)
-            }
+            out[name] = section.as_dict()
         return out
 
 
@@ -577,13 +487,13 @@ def _parse_section(
         f = fields.get(key)
         if f is None:
             raise InvalidArgumentError(
-                f"unknown key {label(section, str(key))}: {_did_you_mean(str(key), list(fields))}"
+                f"unknown key {label(section, str(key))}: {did_you_mean(str(key), list(fields))}"
             )
         try:
             values[key] = f.metadata["parse"](value, key in as_text)
-        except _Bad as exc:
+        except BadValue as exc:
             raise InvalidArgumentError(
-                _message(label(section, key), exc.expected, value, f.metadata["secret"])
+                message(label(section, key), exc.expected, value, f.metadata["secret"])
             ) from None
     for name, f in fields.items():
         if name not in values and f.default is dataclasses.MISSING:

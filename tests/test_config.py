@@ -18,7 +18,7 @@ from kvtier._config import FSConfig, KVTierConfig, ManagerConfig, PoolConfig, S3
 from kvtier._cost import CostModel
 from kvtier._errors import InvalidArgumentError
 from kvtier._lookup import LookupResult
-from kvtier._tiering import TieringManager
+from kvtier.manager import TieringManager
 from kvtier.pools._host import HostPool
 from kvtier.testing import resolve_lookup
 from kvtier.tiers.fs import FSTier
@@ -570,7 +570,9 @@ def test_manager_defaults_are_the_classes_defaults() -> None:
             if p.default is not inspect.Parameter.empty
         }
 
-    manager = defaults(TieringManager.__init__)
+    # the manager's own defaults are its ManagerConfig's: what one made without settings holds
+    made = TieringManager(HostPool(4, 4096)).config
+    manager = {f.name: getattr(made, f.name) for f in dataclasses.fields(made)}
     cost = defaults(CostModel.__init__)
     admission = defaults(AdmissionPolicy.__init__)
     for name in ("promotion_timeout", "store_timeout", "max_in_flight_bytes", "close_timeout"):
@@ -618,7 +620,7 @@ def test_build_hands_the_manager_its_cost_model_and_admission(tmp_path: Path) ->
     assert manager._writer.write_back.limit == 3
     assert policy.admit("fs", 8192) and not policy.admit("fs", 1)  # the per-tier limit
     assert policy.statistics(["fs"])[0].dropped_by_cause == {"in_flight": 1}
-    assert manager._open_timeout == 90.0 and manager._promote_write_up is False
+    assert manager.config.open_timeout == 90.0 and manager.config.promote_write_up is False
     assert policy.deferred_tiers == {"fs"} and policy._rate == 2 << 20
     # The rate applies to every tier: with the clock stopped, s3 takes one second's worth.
     policy.clock = lambda: 0.0
@@ -661,7 +663,7 @@ def test_build_without_policy_settings_matches_a_default_manager(tmp_path: Path)
         assert policy.admit("s3", limit) and not policy.admit("s3", 1)
         assert policy.max_write_latency == 0.25 and policy.write_back_tiers == frozenset()
         assert policy.deferred_tiers == frozenset() and policy._rate is None
-        assert manager._open_timeout == 120.0 and manager._promote_write_up is True
+        assert manager.config.open_timeout == 120.0 and manager.config.promote_write_up is True
         assert manager.cost.recompute_seconds_per_block is None
         assert manager._writer.write_back.limit == POOL["num_blocks"] // 4
 
