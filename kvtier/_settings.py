@@ -27,7 +27,7 @@ import difflib
 import math
 import os
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable, Mapping
 from typing import Any, ClassVar, Self
 
 from kvtier._errors import InvalidArgumentError
@@ -44,6 +44,7 @@ __all__ = [
     "optional",
     "parse_any_text",
     "parse_bool",
+    "parse_fields",
     "parse_names",
     "parse_non_negative_int",
     "parse_non_negative_seconds",
@@ -342,6 +343,38 @@ def check_fields(section: Section, label: Callable[[str], str], *, python: bool 
         object.__setattr__(section, f.name, parsed)
 
 
+def parse_fields(
+    cls: type[Section],
+    raw: Mapping[str, object],
+    label: Callable[[str], str],
+    *,
+    as_text: Container[str] = (),
+    python: bool = False,
+    unknown: Callable[[str, list[str]], Exception],
+) -> dict[str, Any]:
+    """Each of ``raw``'s values through its field's parser (as text for keys in ``as_text``),
+    raising for the first bad one with its ``label``; ``unknown(key, names)`` is raised for
+    a key that is no field of ``cls``."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    parsed: dict[str, Any] = {}
+    for key, value in raw.items():
+        f = fields.get(key)
+        if f is None:
+            raise unknown(str(key), list(fields))
+        try:
+            parsed[key] = f.metadata["parse"](value, key in as_text)
+        except BadValue as exc:
+            expected = exc.python if python else exc.expected
+            raise InvalidArgumentError(
+                message(label(key), expected, value, f.metadata["secret"])
+            ) from None
+    return parsed
+
+
+def _unexpected_keyword(name: str, names: list[str]) -> TypeError:
+    return TypeError(f"unexpected keyword argument {name!r}: {did_you_mean(name, names)}")
+
+
 class Section:
     """What every settings dataclass shares: its name in files and in the environment
     (``SECTION``), validation when built, cross-field rules, and secrets kept hidden.
@@ -367,23 +400,11 @@ class Section:
         """``base`` (or the defaults) with a Python caller's keyword arguments, each checked
         and named the way the caller wrote it: ``miss_ttl must be ...``, not ``fs.miss_ttl``.
         An unknown keyword is a ``TypeError``, as for any function."""
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        parsed: dict[str, Any] = {}
-        for name, value in values.items():
-            f = fields.get(name)
-            if f is None:
-                raise TypeError(
-                    f"unexpected keyword argument {name!r}: {did_you_mean(name, fields)}"
-                )
-            try:
-                parsed[name] = f.metadata["parse"](value, False)
-            except BadValue as exc:
-                raise InvalidArgumentError(
-                    message(name, exc.python, value, f.metadata["secret"])
-                ) from None
+        parsed = parse_fields(cls, values, str, python=True, unknown=_unexpected_keyword)
         if base is not None:
             return dataclasses.replace(base, **parsed)
-        missing = [n for n, f in fields.items() if n not in parsed and _required(f)]
+        fields = dataclasses.fields(cls)
+        missing = [f.name for f in fields if f.name not in parsed and _required(f)]
         if missing:
             raise TypeError(f"missing keyword argument {missing[0]!r}")
         return cls(**parsed)
