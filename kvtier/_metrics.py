@@ -41,6 +41,7 @@ import anyio.abc
 
 from kvtier._admission import CAUSE_IN_FLIGHT, CAUSE_LATENCY, CAUSE_RATE
 from kvtier._errors import ExtraNotInstalledError, InvalidArgumentError
+from kvtier.manager._statistics import COUNTER, METRICS
 from kvtier.tiers._base import TierStatistics
 
 if TYPE_CHECKING:
@@ -48,7 +49,7 @@ if TYPE_CHECKING:
     from prometheus_client.registry import CollectorRegistry
 
     from kvtier._scheduler import OffloadScheduler
-    from kvtier._tiering import ManagerStatistics, TieringManager
+    from kvtier.manager import ManagerStatistics, TieringManager
 
 __all__ = [
     "DEFAULT_BUCKETS",
@@ -204,6 +205,29 @@ _BASE_TIER_FIELDS = frozenset(f.name for f in dataclasses.fields(TierStatistics)
 _DROP_CAUSES = (CAUSE_IN_FLIGHT, CAUSE_LATENCY, CAUSE_RATE)
 
 
+def _collect_manager(f: _Families, s: ManagerStatistics) -> None:
+    """The manager's own counters: each field of its statistics groups names the family it
+    is exported under (``METRICS``), so the walk adds a counter with nothing written here."""
+    values: dict[str, dict[str, float]] = {}
+    for group in s.groups():
+        for field in dataclasses.fields(group):
+            exported = field.metadata.get("metric")
+            if exported is None:
+                continue
+            family, label = exported
+            value = getattr(group, field.name)
+            if isinstance(value, dict):  # by reason: one label value per key
+                values.setdefault(family, {}).update(value)
+            else:
+                values.setdefault(family, {})[label or ""] = value
+    for name, (kind, doc, label) in METRICS.items():
+        make = f.counter if kind == COUNTER else f.gauge
+        if label is None:
+            make(name, doc).add_metric([], values[name][""])
+        else:
+            _by(make(name, doc, [label]), values.get(name, {}))
+
+
 class KVTierCollector:
     """A prometheus_client collector over a ``TieringManager`` (and optionally its scheduler
     and a ``LatencyHistograms``). Register it in a registry::
@@ -241,63 +265,7 @@ class KVTierCollector:
         f = _Families(self._prometheus, self.namespace)
         s = self.manager.statistics()
 
-        # -- manager
-        lookups = f.counter("lookups", "Manager lookups by result.", ["result"])
-        _by(
-            lookups,
-            {
-                "hit": s.lookups_hit,
-                "hit_pending": s.lookups_hit_pending,
-                "retry": s.lookups_retry,
-                "miss": s.lookups_miss,
-            },
-        )
-        _by(f.counter("misses", "Manager lookup misses by reason.", ["reason"]), s.misses_by_reason)
-        failed = sum(s.promotions_failed_by_reason.values())
-        _by(
-            f.counter("promotions", "Promotions from a tier into the pool.", ["outcome"]),
-            {
-                "started": s.promotions_started,
-                "succeeded": s.promotions_succeeded,
-                "failed": failed,
-                "cancelled": s.promotions_cancelled,
-            },
-        )
-        _by(
-            f.counter("promotion_failures", "Failed promotions by reason.", ["reason"]),
-            s.promotions_failed_by_reason,
-        )
-        f.counter("blocks_stored", "Blocks placed in the pool by store().").add_metric(
-            [], s.blocks_stored
-        )
-        _by(
-            f.counter("stores_skipped", "Blocks store() did not place, by why.", ["why"]),
-            {"present": s.stores_skipped_present, "full": s.stores_skipped_full},
-        )
-        f.counter("blocks_loaded", "Blocks copied out by load().").add_metric([], s.blocks_loaded)
-        _by(
-            f.counter("write_through", "Write-through of stored blocks to the tiers.", ["outcome"]),
-            {
-                "started": s.cascades_started,
-                "succeeded": s.cascades_succeeded,
-                "skipped": s.cascades_skipped,
-                "cancelled": s.cascades_cancelled,
-            },
-        )
-        _by(
-            f.counter("write_through_failures", "Write-through failures by reason.", ["reason"]),
-            s.cascade_failures_by_reason,
-        )
-        f.gauge("in_flight_bytes", "Bytes being written through now.").add_metric(
-            [], s.in_flight_bytes
-        )
-        f.gauge("background_tasks", "Promotions and write-through running now.").add_metric(
-            [], s.background_tasks
-        )
-        f.counter(
-            "callback_failures",
-            "Tier hooks and observers that raised in background work (contained and logged).",
-        ).add_metric([], s.callback_failures)
+        _collect_manager(f, s)
 
         # -- pool
         p = s.pool
@@ -432,44 +400,6 @@ class KVTierCollector:
 
     def _collect_policies(self, f: _Families, s: ManagerStatistics) -> None:
         """The cost model (promotion estimates, recompute) and write-through admission."""
-        _by(
-            f.counter(
-                "promotions_not_started",
-                "Tier hits not promoted: deferred (lazy) or declined (slower than recompute).",
-                ["why"],
-            ),
-            {"deferred": s.promotions_deferred, "declined": s.promotions_declined},
-        )
-        f.counter("write_back_blocks", "Blocks written back on leaving the pool.").add_metric(
-            [], s.written_back
-        )
-        f.gauge("write_back_dirty_blocks", "Blocks waiting in the pool for write-back.").add_metric(
-            [], s.dirty_blocks
-        )
-        f.counter(
-            "promotions_written_up",
-            "Promoted blocks whose write to the faster tiers above their source was started.",
-        ).add_metric([], s.promotions_written_up)
-        _by(
-            f.counter(
-                "deferred_writes",
-                "Writes to a deferred tier that back-pressure dropped: queued, then written "
-                "(copied from a faster tier) or lost.",
-                ["outcome"],
-            ),
-            {
-                "queued": s.writes_deferred,
-                "written": s.deferred_written,
-                "lost": s.deferred_lost,
-            },
-        )
-        f.gauge(
-            "deferred_writes_pending", "Deferred writes waiting for their tier to have room."
-        ).add_metric([], s.deferred_pending)
-        f.gauge(
-            "write_ups_waiting",
-            "Promoted blocks in the pool to be copied to the faster tiers when evicted.",
-        ).add_metric([], s.write_ups_waiting)
         c = s.cost
         if c.recompute_seconds_per_block is not None:
             f.gauge(

@@ -21,6 +21,8 @@ from kvtier.pools._slots import PoolStatistics
 from kvtier.tiers._base import TierStatistics
 
 __all__ = [
+    "COUNTER",
+    "GAUGE",
     "METRICS",
     "BackgroundCounts",
     "LookupCounts",
