@@ -88,15 +88,14 @@ from typing import TYPE_CHECKING, Any, ClassVar, Self
 from kvtier._errors import InvalidArgumentError
 from kvtier._format import IntegrityConfig
 from kvtier._settings import (
-    BadValue,
     Section,
     check_fields,
     choice,
     did_you_mean,
-    message,
     optional,
     parse_any_text,
     parse_bool,
+    parse_fields,
     parse_names,
     parse_non_negative_seconds,
     parse_positive_int,
@@ -481,23 +480,17 @@ def _parse_section(
     label: Callable[[str, str | None], str],
     as_text: set[str],
 ) -> Any:
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    values: dict[str, Any] = {}
-    for key, value in raw.items():
-        f = fields.get(key)
-        if f is None:
-            raise InvalidArgumentError(
-                f"unknown key {label(section, str(key))}: {did_you_mean(str(key), list(fields))}"
-            )
-        try:
-            values[key] = f.metadata["parse"](value, key in as_text)
-        except BadValue as exc:
-            raise InvalidArgumentError(
-                message(label(section, key), exc.expected, value, f.metadata["secret"])
-            ) from None
-    for name, f in fields.items():
-        if name not in values and f.default is dataclasses.MISSING:
-            raise InvalidArgumentError(f"{label(section, name)} is required")
+    def unknown(key: str, names: list[str]) -> Exception:
+        return InvalidArgumentError(
+            f"unknown key {label(section, key)}: {did_you_mean(key, names)}"
+        )
+
+    values = parse_fields(
+        cls, raw, lambda key: label(section, key), as_text=as_text, unknown=unknown
+    )
+    for f in dataclasses.fields(cls):
+        if f.name not in values and f.default is dataclasses.MISSING:
+            raise InvalidArgumentError(f"{label(section, f.name)} is required")
     try:
         return cls(**values)
     except InvalidArgumentError as exc:  # a rule across keys, such as paired credentials
