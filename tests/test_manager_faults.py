@@ -176,29 +176,13 @@ class CorruptTier(MemoryTier):
         raise CorruptBlockError("checksum mismatch", tier=self.name, operation="load", key=key)
 
 
-async def settle(manager: TieringManager, key: bytes, rounds: int = 10) -> LookupResult:
-    """Ask until the answer is neither RETRY nor HIT_PENDING, waking on the manager's
-    notifications, for at most ``rounds`` changes (a livelock fails the test, not a timer)."""
-    with anyio.fail_after(10):
-        for _ in range(rounds):
-            event = manager.watch([key])
-            try:
-                result = manager.lookup(key)
-                if result not in (R, P):
-                    return result
-                await event.wait()
-            finally:
-                manager.unwatch([key], event)
-    raise AssertionError(f"{key.hex()} still pending after {rounds} changes: a livelock")
-
-
 async def test_a_failed_promotion_is_not_retried_at_every_wake(keys: list[bytes]) -> None:
     tier, good = CorruptTier("corrupt"), MemoryTier("good")
     await tier.store(keys[0], memoryview(bytes(BB)))
     await tier.store(keys[1], memoryview(bytes(BB)))
     await good.store(keys[1], memoryview(bytes(BB)))
     async with TieringManager(HostPool(4, BB), [tier, good], failure_ttl=60) as manager:
-        assert await settle(manager, keys[0]) is M
+        assert await manager.wait_settled(keys[0], timeout=10) is M
         stats = manager.statistics()
         assert stats.promotions_started == 1
         assert stats.promotions_failed_by_reason == {"corrupt": 1}
@@ -211,7 +195,7 @@ async def test_a_failed_promotion_is_not_retried_at_every_wake(keys: list[bytes]
             assert await scheduler.lookup(keys[:1]) == 0
         assert manager.statistics().promotions_started == 1
         # the next tier down is still asked for a key that failed in the one above
-        assert await settle(manager, keys[1]) is H
+        assert await manager.wait_settled(keys[1], timeout=10) is H
         stats = manager.statistics()
         assert stats.promotions_started == 3  # keys[1]: from "corrupt" (failed), from "good"
         assert stats.promotions_failed_by_reason == {"corrupt": 2}
@@ -267,7 +251,9 @@ async def test_a_raising_callback_never_stops_the_engine(
                     await manager.store(keys[8 + i : 9 + i], np.zeros((1, BB), np.uint8))
                     await manager.wait_idle()
                 else:  # a promotion that fails (record_miss) or lands (observer)
-                    assert await settle(manager, keys[i]) is (M if callback == "record_miss" else H)
+                    assert await manager.wait_settled(keys[i], timeout=10) is (
+                        M if callback == "record_miss" else H
+                    )
                     await manager.wait_idle()
                 iterations += 1
             stats = manager.statistics()

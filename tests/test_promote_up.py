@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import anyio
 import pytest
 
 from kvtier import (
@@ -18,7 +17,7 @@ from kvtier import (
     MemoryTier,
     TieringManager,
 )
-from kvtier._tiering import ManagerStatistics
+from kvtier.manager import ManagerStatistics
 from kvtier.pools._base import PrimaryPool
 from kvtier.testing import StallingTier
 
@@ -31,9 +30,7 @@ def block(i: int) -> memoryview:
 
 async def promote(manager: TieringManager, key: bytes) -> None:
     """Look ``key`` up until its promotion has landed in the pool."""
-    with anyio.fail_after(30):
-        while manager.lookup(key) is not LookupResult.HIT:
-            await manager.watch([key]).wait()  # set when its promotion lands
+    assert await manager.wait_settled(key, timeout=30) is LookupResult.HIT
 
 
 async def promoted_once(

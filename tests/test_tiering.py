@@ -29,20 +29,6 @@ async def fill(tier: kvtier.SecondaryTier, keys: list[bytes], data: np.ndarray) 
         await tier.store(key, memoryview(block.tobytes()))
 
 
-async def until_not_retry(manager: TieringManager, key: bytes) -> LookupResult:
-    """Ask again each time the manager says something about ``key`` changed."""
-    with anyio.fail_after(5):
-        while True:
-            event = manager.watch([key])
-            try:
-                result = manager.lookup(key)
-                if result not in (R, P):
-                    return result
-                await event.wait()
-            finally:
-                manager.unwatch([key], event)
-
-
 async def test_primary_hit_and_miss(keys: list[bytes]) -> None:
     async with TieringManager(HostPool(8, BB)) as manager:
         assert manager.lookup(keys[0]) is M
@@ -62,7 +48,7 @@ async def test_secondary_hit_promotes_and_second_lookup_is_pending(keys: list[by
         assert manager.statistics().promotions_started == 1
         await slow.wait_stalled("load")
         slow.release("load")
-        assert await until_not_retry(manager, keys[0]) is H
+        assert await manager.wait_settled(keys[0], timeout=5) is H
         out = np.zeros((1, BB), np.uint8)
         assert await manager.load(keys[:1], out) == 1
         assert (out == blocks(1)).all()
@@ -75,8 +61,8 @@ async def test_tiers_are_asked_in_order_and_the_first_hit_wins(keys: list[bytes]
     async with TieringManager(HostPool(4, BB), [first, second]) as manager:
         assert manager.lookup(keys[0]) is R
         assert manager.lookup(keys[1]) is R
-        assert await until_not_retry(manager, keys[0]) is H
-        assert await until_not_retry(manager, keys[1]) is H
+        assert await manager.wait_settled(keys[0], timeout=5) is H
+        assert await manager.wait_settled(keys[1], timeout=5) is H
         out = np.zeros((2, BB), np.uint8)
         await manager.load(keys[:2], out)
     assert (out[0] == blocks(1, seed=1)[0]).all()
@@ -91,7 +77,7 @@ async def test_retry_from_any_tier_makes_a_retry(keys: list[bytes]) -> None:
         assert manager.lookup(keys[0]) is R
         await slow.wait_stalled("contains")
         slow.release("contains")
-        assert await until_not_retry(manager, keys[0]) is M
+        assert await manager.wait_settled(keys[0], timeout=5) is M
 
 
 async def test_primary_full_answers_miss(keys: list[bytes]) -> None:
@@ -128,7 +114,7 @@ async def test_failed_promotion_frees_the_slot_and_marks_a_miss(
     async with TieringManager(pool, [tier]) as manager:
         assert await resolve_lookup(tier, keys[0]) is H
         assert manager.lookup(keys[0]) is R
-        assert await until_not_retry(manager, keys[0]) is M  # not a loop of retries
+        assert await manager.wait_settled(keys[0], timeout=5) is M  # not a loop of retries
         stats = manager.statistics()
         assert stats.promotions_failed_by_reason == {reason: 1}
         assert stats.pool.free == 4 and stats.pool.writing == 0
@@ -143,7 +129,7 @@ async def test_promotion_timeout_frees_the_slot(keys: list[bytes]) -> None:
     async with TieringManager(pool, [slow], promotion_timeout=0.05) as manager:
         assert await resolve_lookup(slow, keys[0]) is H
         assert manager.lookup(keys[0]) is R
-        assert await until_not_retry(manager, keys[0]) is M
+        assert await manager.wait_settled(keys[0], timeout=5) is M
         assert manager.statistics().promotions_failed_by_reason == {"timeout": 1}
         assert pool.statistics().writing == 0
         slow.release("load")
@@ -330,7 +316,7 @@ async def test_manager_can_be_reentered_and_tiers_keep_their_blocks(keys: list[b
         assert manager.lookup(keys[0]) is H
     manager2 = TieringManager(HostPool(4, BB), [tier])
     async with manager2:
-        assert await until_not_retry(manager2, keys[1]) is H
+        assert await manager2.wait_settled(keys[1], timeout=5) is H
     assert "closed" in repr(manager2)
 
 
@@ -341,8 +327,8 @@ async def test_statistics_add_up(keys: list[bytes]) -> None:
         await manager.store(keys[:3], blocks(3))
         for key in keys[:3] + keys[10:12] + keys[15:16]:
             manager.lookup(key)
-        await until_not_retry(manager, keys[10])
-        await until_not_retry(manager, keys[11])
+        await manager.wait_settled(keys[10], timeout=5)
+        await manager.wait_settled(keys[11], timeout=5)
         stats = manager.statistics()
     total = stats.lookups_hit + stats.lookups_hit_pending + stats.lookups_retry + stats.lookups_miss
     assert total >= 6
