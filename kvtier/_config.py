@@ -7,6 +7,13 @@ the way the operator wrote it (``pool.num_blocks`` in a dict or file, ``KVTIER_P
 in the environment) and say what is expected. ``build()`` then makes the pool, the tiers and the
 ``TieringManager`` in one call.
 
+Each section is its component's own settings object, defined beside it with its names,
+defaults and checks (``kvtier._settings.Section``): ``PoolConfig`` in ``kvtier.pools._config``,
+``FSConfig`` in ``kvtier.tiers.fs``, ``S3Config`` with the S3 tier, ``ManagerConfig`` in
+``kvtier.manager._config`` and ``IntegrityConfig`` in ``kvtier._format``. A key of a file is
+the name of its field and of the component's keyword argument. This module only reads the
+sources into those objects, applies the rules that span sections and builds.
+
 A file looks like this (every section but ``pool`` is optional)::
 
     [pool]
@@ -43,25 +50,20 @@ A file looks like this (every section but ``pool`` is optional)::
 
 Choices where the issue was silent:
 
-- ``pool.num_blocks`` and ``pool.block_bytes`` have no defaults: both follow from the model and
-  the memory the operator gives kvtier, and a guessed default would be wrong for everyone.
 - The tiers are asked in a fixed order, ``fs`` then ``s3``: a local disk answers faster than
   the network, so a block present in both is promoted from the disk.
 - S3 credentials are optional (without them botocore reads the usual AWS environment and
   files). When given, they are kept out of ``repr`` and out of every error message.
 - The integrity key (``[integrity] key``, or ``KVTIER_INTEGRITY_KEY``) is one setting for the
-  whole stack, not per tier: every tier that shares blocks with other nodes must sign them
-  with the same secret, and a per-tier key would only add ways to get it wrong. It is a
+  whole stack, not per tier (a per-tier key would only add ways to get it wrong), and a
   secret: hidden from ``repr``, ``to_dict`` and every error message. ``build_tiers`` hands it
   to the FS tier and the S3 tier as ``integrity_key``; both sign with it.
-- The manager section also configures the ``CostModel`` and ``AdmissionPolicy`` that
-  ``build()`` hands the manager, with the same defaults as those classes; an application
-  that wants more (a per-tier mapping of in-flight limits, its own clock) builds the manager
-  itself. The recompute cost given here is a starting point: ``manager.cost.
-  observe_recompute`` refines it as the engine runs. ``write_back`` and ``deferred`` must
-  name configured tiers (``fs.name``, ``s3.name``): a typo would otherwise write that tier
-  through, or forget its dropped writes; a tier named in both is refused (a write-back tier
-  is never written on store, so it has no dropped writes to defer).
+- The manager section also configures the ``CostModel`` and ``AdmissionPolicy`` the manager
+  makes; an application that wants more (a per-tier mapping of in-flight limits, its own
+  clock) builds the manager itself. ``write_back`` and ``deferred`` must name configured
+  tiers (``fs.name``, ``s3.name``): a typo would otherwise write that tier through, or forget
+  its dropped writes; a tier named in both is refused (a write-back tier is never written on
+  store, so it has no dropped writes to defer).
 - ``manager.max_write_rate`` is one rate for every tier, in bytes per second: a number or a
   size string read per second (``"64MiB"``, also ``"64MiB/s"``). A per-tier mapping, as
   ``AdmissionPolicy`` takes, is left to applications that build the policy themselves: the
