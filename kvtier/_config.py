@@ -96,13 +96,8 @@ from kvtier._settings import (
     did_you_mean,
     optional,
     parse_any_text,
-    parse_bool,
     parse_fields,
-    parse_names,
-    parse_non_negative_seconds,
     parse_positive_int,
-    parse_positive_size,
-    parse_rate,
     parse_seconds,
     parse_size,
     parse_text,
@@ -138,15 +133,10 @@ ENV_CONFIG_FILE = "KVTIER_CONFIG"
 # The short names below are the ones the sections still defined here were written with.
 
 _positive_int = parse_positive_int
-_size = parse_positive_size
 _seconds = parse_seconds
-_non_negative_seconds = parse_non_negative_seconds
-_rate = parse_rate
-_names = parse_names
 _text = parse_text
 _any_text = parse_any_text
 _url = parse_url
-_bool = parse_bool
 _choice = choice
 _optional = optional
 _spec = spec
