@@ -9,6 +9,7 @@ import pytest
 
 import kvtier
 from kvtier import LookupResult, OffloadScheduler
+from kvtier._watch import KeyWatch
 from kvtier.testing import StallingTier
 
 H, P, R, M = (
@@ -116,7 +117,13 @@ def test_fast_path_matches_the_per_key_scan() -> None:
     """A manager offering primary_hit_prefix gives the same answers as per-key lookups."""
 
     class FastManager(ScriptedManager):
+        """The rest of what the scheduler uses when a manager offers it (SupportsScheduling)."""
+
+        cost = kvtier.CostModel()
+        prefixes = 0
+
         def primary_hit_prefix(self, keys: list[bytes]) -> int:
+            self.prefixes += 1
             n = 0
             for key in keys:
                 if self.results[key] is not H:
@@ -124,12 +131,25 @@ def test_fast_path_matches_the_per_key_scan() -> None:
                 n += 1
             return n
 
+        def pin_ready(self, keys: list[bytes]) -> list[int]:
+            return [0] * len(keys)
+
+        def unpin_slots(self, slots: list[int]) -> None:
+            pass
+
+        def watch(self, keys: object, watch: KeyWatch | None = None) -> KeyWatch:
+            return KeyWatch() if watch is None else watch
+
+        def unwatch(self, keys: object, watch: KeyWatch) -> None:
+            pass
+
     for results in ([H, H, H], [H, P, M], [H, R, H, M], [M], [H, H, M, H], []):
         fast = FastManager(results)
         slow = ScriptedManager(results)
         assert OffloadScheduler(fast).maximal_prefix_lookup(fast.keys) == OffloadScheduler(
             slow
         ).maximal_prefix_lookup(slow.keys)
+        assert fast.prefixes == 1  # the fast path ran
 
 
 def test_scheduler_rejects_objects_without_lookup() -> None:
