@@ -10,7 +10,8 @@ import pytest
 import kvtier
 from kvtier._lookup import MissReason
 from kvtier._verdicts import MAX_CODE, PRESENT, VerdictStore, code_of, reason_of
-from kvtier.integrations._bridge import CLOSED, TierBridge
+from kvtier.integrations._bridge import TierBridge
+from kvtier.integrations._shared import CLOSED
 
 
 class Clock:
@@ -147,8 +148,8 @@ def test_the_bridge_keeps_each_miss_verdicts_reason_by_name() -> None:
         names = [MissReason.TIMEOUT.value, CLOSED, "a_tier_of_its_own"]
         names += [f"reason_{i}" for i in range(MAX_CODE)]
         for i, name in enumerate(names):
-            bridge._verdict(i.to_bytes(4, "big"), False, name)
-        bridge._verdict(b"hit", True, "")
+            bridge._snapshot.verdict(i.to_bytes(4, "big"), False, name)
+        bridge._snapshot.verdict(b"hit", True, "")
         assert bridge.lookup(b"hit") is kvtier.LookupResult.HIT
         for i in range(len(names)):
             assert bridge.lookup(i.to_bytes(4, "big")) is kvtier.LookupResult.MISS

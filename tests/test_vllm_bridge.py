@@ -16,7 +16,7 @@ import pytest
 
 import kvtier
 from kvtier import MissReason
-from kvtier.integrations._bridge import TierBridge
+from kvtier.integrations._bridge import JobOutcome, TierBridge
 from kvtier.testing import StallingTier
 from kvtier.tiers.fs import _io as _fs_io
 
@@ -52,7 +52,7 @@ def resolve(bridge: TierBridge, key: bytes) -> kvtier.LookupResult:
     raise AssertionError("the lookup never resolved")
 
 
-def finish(bridge: TierBridge, job_id: int) -> kvtier.integrations._bridge.JobOutcome:
+def finish(bridge: TierBridge, job_id: int) -> JobOutcome:
     return outcomes(bridge, {job_id})[job_id]
 
 
@@ -229,7 +229,7 @@ def _submit_together(bridge: TierBridge, jobs: list[tuple[int, list[bytes], list
         held.set()
         release.wait(WAIT)
 
-    assert bridge._call_soon(hold)
+    assert bridge._thread.call_soon(hold)
     assert held.wait(WAIT)
     for job_id, keys, views in jobs:
         bridge.submit(job_id, "load", keys, views)
