@@ -4,6 +4,7 @@
   watching, statistics);
 - ``_decision``: the synchronous lookup decision past a primary hit;
 - ``_promotions``: promotion tasks and the copy up of promoted blocks;
+- ``_transfers``: ``store`` and ``load``, the copies into the pool and out of it;
 - ``_statistics``: the nested statistics snapshot;
 - ``_config``: ``ManagerConfig``, the manager's settings.
 """

@@ -7,6 +7,7 @@ nothing stays pending forever and leaving ``async with`` joins them all. The job
 
 - ``_decision``: the lookup past a primary hit (pool state, failures, cost and budget);
 - ``_promotions``: promotion tasks and the copy up of promoted blocks;
+- ``_transfers``: ``store`` and ``load``, the copies into the pool and out of it;
 - ``kvtier._writethrough``: write-through, write-back and deferred writes after a store;
 - ``kvtier._watch``: who waits for which key (``watch``, ``wait_settled``);
 - ``_statistics``: the nested snapshot ``statistics()`` returns;
@@ -26,7 +27,7 @@ import anyio.abc
 
 from kvtier._admission import AdmissionPolicy
 from kvtier._background import Background, Callbacks
-from kvtier._buffers import BlockBuffer, check_keys, dtype_name, split_blocks
+from kvtier._buffers import dtype_name
 from kvtier._cost import CostModel, ScanBudget
 from kvtier._errors import InvalidArgumentError, LifecycleError, TierTimeoutError
 from kvtier._failures import RecentFailures
@@ -38,14 +39,9 @@ from kvtier._writethrough import WriteThrough
 from kvtier.manager._config import ManagerConfig, ManagerOverrides
 from kvtier.manager._decision import LookupDecision, not_open
 from kvtier.manager._promotions import PromotionObserver, Promotions
-from kvtier.manager._statistics import (
-    BackgroundCounts,
-    ManagerStatistics,
-    StoreCounts,
-    WriteCounts,
-)
+from kvtier.manager._statistics import BackgroundCounts, ManagerStatistics, WriteCounts
+from kvtier.manager._transfers import Transfers
 from kvtier.pools._base import PrimaryPool
-from kvtier.pools._slots import SlotState
 from kvtier.tiers._base import SecondaryTier
 
 __all__ = ["TieringManager"]
@@ -139,7 +135,6 @@ class TieringManager(AsyncResource):
         self._ready = pool.table.ready  # the hit path: one dict lookup, no pool call
         self._touch = pool.table.policy.touch
         self._hits = 0  # primary hits; the decision counts every other answer
-        self._dtype = None if dtype is None else dtype_name(dtype)
         self.cost = settings.cost_model(cost)
         self.admission = settings.admission_policy(admission, self.tiers, pool.block_bytes)
         self._stack: AsyncExitStack | None = None
@@ -151,34 +146,8 @@ class TieringManager(AsyncResource):
         self._callback = Callbacks(self._log)
         # what the manager remembers itself, whatever each tier's record_miss does
         self._failed = RecentFailures(settings.failure_ttl)
-        self._writer = WriteThrough(
-            pool,
-            self.tiers,
-            self.admission,
-            max_in_flight_bytes=settings.max_in_flight_bytes,
-            store_timeout=settings.store_timeout,
-            write_back_limit=(
-                max(pool.num_blocks // 4, 1)
-                if settings.write_back_limit is None
-                else settings.write_back_limit
-            ),
-            background=self._background,
-            callback=self._callback,
-            log=self._log,
-        )
-        self._promotions = Promotions(
-            pool,
-            timeout=settings.promotion_timeout,
-            cost=self.cost,
-            failed=self._failed,
-            writer=self._writer,
-            watchers=self._watchers,
-            background=self._background,
-            callbacks=self._callback,
-            log=self._log,
-            latency=latency,
-            write_up=settings.promote_write_up,
-        )
+        self._writer = self._write_through(settings)
+        self._promotions = self._promoter(settings, latency)
         self._decision = LookupDecision(
             pool,
             self.tiers,
@@ -190,7 +159,43 @@ class TieringManager(AsyncResource):
             start=self._promotions.start,
         )
         self._decide = self._decision.decide
-        self._stored = self._skipped_present = self._skipped_full = self._loaded = 0
+        self._transfers = Transfers(
+            pool,
+            self._watchers,
+            timeout=settings.store_timeout,
+            dtype=None if dtype is None else dtype_name(dtype),
+        )
+
+    def _promoter(self, settings: ManagerConfig, latency: PromotionObserver | None) -> Promotions:
+        """Promotions from the tiers, and the copy up of promoted blocks."""
+        return Promotions(
+            self.pool,
+            timeout=settings.promotion_timeout,
+            cost=self.cost,
+            failed=self._failed,
+            writer=self._writer,
+            watchers=self._watchers,
+            background=self._background,
+            callbacks=self._callback,
+            log=self._log,
+            latency=latency,
+            write_up=settings.promote_write_up,
+        )
+
+    def _write_through(self, settings: ManagerConfig) -> WriteThrough:
+        """Write-through, write-back and deferred writes after each store."""
+        limit = settings.write_back_limit
+        return WriteThrough(
+            self.pool,
+            self.tiers,
+            self.admission,
+            max_in_flight_bytes=settings.max_in_flight_bytes,
+            store_timeout=settings.store_timeout,
+            write_back_limit=max(self.pool.num_blocks // 4, 1) if limit is None else limit,
+            background=self._background,
+            callback=self._callback,
+            log=self._log,
+        )
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -318,64 +323,11 @@ class TieringManager(AsyncResource):
         in the background. Returns how many blocks were newly placed in the pool; keys already
         present are skipped, and so are keys for which no slot is free or evictable."""
         task_group = self._check_open()
-        keys = check_keys(keys)
-        buffers = split_blocks(
-            blocks,
-            len(keys),
-            self.pool.block_bytes,
-            name="blocks",
-            writable=False,
-            dtype=self._dtype,
-        )
-        slots: list[int] = []
-        chosen_keys: list[bytes] = []
-        chosen = []
-        for key, buffer in zip(keys, buffers, strict=True):
-            if self.pool.state_of(key) is not SlotState.FREE:
-                self._skipped_present += 1
-                continue
-            slot = self.pool.try_reserve(key)
-            if slot is None:
-                self._skipped_full += 1
-                continue
-            slots.append(slot)
-            chosen_keys.append(key)
-            chosen.append(buffer)
-        if not slots:
-            return 0
-        await self._copy_in(task_group, slots, chosen_keys, chosen)
-        self._stored += len(slots)
+        placed = await self._transfers.store(keys, blocks, lambda: self._task_group is task_group)
         closing = self._stack is None
-        for key in chosen_keys:
+        for key in placed:
             self._writer.after_store(task_group, key, closing=closing)
-        return len(slots)
-
-    async def _copy_in(
-        self,
-        task_group: anyio.abc.TaskGroup,
-        slots: list[int],
-        keys: list[bytes],
-        buffers: list[BlockBuffer],
-    ) -> None:
-        """Fill the reserved ``slots`` and commit them; abort them all if anything fails."""
-        committed = False
-        try:
-            with anyio.fail_after(self.config.store_timeout):
-                await self.pool.copy_in(slots, buffers)
-            if self._task_group is not task_group:  # closed while we copied
-                raise LifecycleError(
-                    "TieringManager is not open any more: it was closed while this store "
-                    "copied its blocks, and nothing was stored"
-                )
-            for slot in slots:
-                self.pool.commit(slot)
-            committed = True
-        finally:
-            if not committed:
-                for slot in slots:
-                    self.pool.abort(slot)
-            for key in keys:
-                self._watchers.notify(key)
+        return len(placed)
 
     async def load(self, keys: Sequence[bytes], out: Any) -> int:
         """Copy the blocks of ``keys`` from the pool into ``out`` (one array with a leading
@@ -383,24 +335,7 @@ class TieringManager(AsyncResource):
         primary hit (it may have been evicted since the lookup) and returns how many leading
         blocks were copied; the engine recomputes the rest."""
         self._check_open()
-        keys = check_keys(keys)
-        buffers = split_blocks(
-            out, len(keys), self.pool.block_bytes, name="out", writable=True, dtype=self._dtype
-        )
-        pinned: list[int] = []
-        try:
-            for key in keys:
-                slot = self.pool.pin(key)
-                if slot is None:
-                    break
-                pinned.append(slot)
-            if pinned:
-                await self.pool.copy_out(pinned, buffers[: len(pinned)])
-        finally:
-            for slot in pinned:
-                self.pool.unpin(slot)
-        self._loaded += len(pinned)
-        return len(pinned)
+        return await self._transfers.load(keys, out)
 
     # -- change notification -----------------------------------------------------------------
 
@@ -456,12 +391,7 @@ class TieringManager(AsyncResource):
             promotions=self._promotions.counts(
                 decision.started, decision.deferred, decision.declined
             ),
-            stores=StoreCounts(
-                stored=self._stored,
-                skipped_present=self._skipped_present,
-                skipped_full=self._skipped_full,
-                loaded=self._loaded,
-            ),
+            stores=self._transfers.counts(),
             writes=WriteCounts(
                 started=writer.started,
                 succeeded=writer.succeeded,
