@@ -17,35 +17,44 @@ the engine needs. This policy lets each tier yield instead:
   it is dropped (cause ``rate``).
 - **Write-back.** A tier named in ``write_back`` is not written on store: the manager keeps
   the block in the pool, not evictable, and writes it to that tier when it must make room
-  (or at close). For tiers where every write costs money or bandwidth.
+  (or at close). For tiers where every write costs money or bandwidth. The blocks wait in
+  a ``WriteBackQueue`` (``kvtier._writeback``).
 - **Deferred writes.** For a tier named in ``deferred``, a write that back-pressure drops is
-  not forgotten: its key waits in a bounded queue (``DeferredWrites``), and once the tier has
-  room again the manager copies the block to it from a faster tier that holds it. A remote
-  tier shared by several nodes then gets every block, at the pace it can take, without the
-  pool pinning anything for it and without its writes crowding the request path. (The first
-  write-through tier has no faster tier to copy from: naming it here changes nothing.) A
-  tier that packs stores arriving together (``SecondaryTier.write_batch`` > 1) is given its
-  deferred writes in groups, each group admitted whole or not at all (``admit`` and
-  ``has_room`` with ``count``), so that a rate limit lets a group through when it has a
-  group's worth instead of one block each time it refills.
+  not forgotten: its key waits in a bounded queue (``DeferredWrites``, in
+  ``kvtier._deferred``), and once the tier has room again the manager copies the block to
+  it from a faster tier that holds it. A remote tier shared by several nodes then gets every
+  block, at the pace it can take, without the pool pinning anything for it and without its
+  writes crowding the request path. (The first write-through tier has no faster tier to
+  copy from: naming it here changes nothing.) A tier that packs stores arriving together
+  (``SecondaryTier.write_batch`` > 1) is given its deferred writes in groups, each group
+  admitted whole or not at all (``admit`` and ``has_room`` with ``count``), so that a rate
+  limit lets a group through when it has a group's worth instead of one block each time it
+  refills.
 
-The interface is synchronous (``admit`` / ``finished``), with times from ``clock``, so every
-rule is tested without an event loop and with a fake clock.
+This module is the per-tier gates: the latency rule, the in-flight limit and the rate
+bucket of each tier. The interface is synchronous (``admit`` / ``finished``), with times from
+``clock``, so every rule is tested without an event loop and with a fake clock; the queues
+ask it whether their writes may go.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
 from kvtier._errors import InvalidArgumentError
-from kvtier._validate import positive_int, positive_number
+from kvtier._settings import positive_int, positive_number
 
-__all__ = ["AdmissionPolicy", "AdmissionStatistics", "DeferredWrites", "WriteBackQueue"]
+__all__ = [
+    "CAUSE_IN_FLIGHT",
+    "CAUSE_LATENCY",
+    "CAUSE_RATE",
+    "AdmissionPolicy",
+    "AdmissionStatistics",
+]
 
 CAUSE_LATENCY = "latency"
 STUCK_FACTOR = 4.0
@@ -177,6 +186,9 @@ class AdmissionPolicy:
     def is_write_back(self, tier: str) -> bool:
         return tier in self.write_back_tiers
 
+    def _cap_of(self, tier: str) -> int | None:
+        return self._cap if self._caps is None else self._caps.get(tier)
+
     def _rate_of(self, tier: str) -> float | None:
         return self._rate if self._rates is None else self._rates.get(tier)
 
@@ -202,7 +214,7 @@ class AdmissionPolicy:
         gate = self._gates.get(tier)
         if gate is None:
             return True
-        cap = self._cap if self._caps is None else self._caps.get(tier)
+        cap = self._cap_of(tier)
         total = nbytes * count
         if cap is not None and gate.in_flight + total > cap:
             return False
@@ -220,7 +232,7 @@ class AdmissionPolicy:
         gate = self._gates.get(tier)
         if gate is None:
             return 0.0
-        cap = self._cap if self._caps is None else self._caps.get(tier)
+        cap = self._cap_of(tier)
         total = nbytes * count
         if cap is not None and gate.in_flight + total > cap:
             return None
@@ -238,7 +250,7 @@ class AdmissionPolicy:
     def capacity(self, tier: str, nbytes: int) -> int | None:
         """How many writes of ``nbytes`` the tier's in-flight limit holds at once (None: no
         limit of its own). A group larger than this would never be admitted whole."""
-        cap = self._cap if self._caps is None else self._caps.get(tier)
+        cap = self._cap_of(tier)
         return None if cap is None else cap // nbytes
 
     def is_closed(self, tier: str) -> bool:
@@ -266,7 +278,7 @@ class AdmissionPolicy:
         write's back with ``finished`` or ``cancel``); False counts ``count`` dropped writes.
         A tier the latency rule closed takes the group as its one probe."""
         gate = self._gate(tier)
-        cap = self._cap if self._caps is None else self._caps.get(tier)
+        cap = self._cap_of(tier)
         total = nbytes * count
         if cap is not None and gate.in_flight + total > cap:
             return self._drop(gate, CAUSE_IN_FLIGHT, count)
@@ -355,148 +367,6 @@ class AdmissionPolicy:
             f"<AdmissionPolicy write_back={sorted(self.write_back_tiers)} closed={closed} "
             f"dropped={self.dropped()}>"
         )
-
-
-class WriteBackQueue:
-    """The dirty blocks of write-back tiers: stored in the pool, pinned there (so they cannot
-    be evicted unwritten), oldest first. The manager writes back the oldest once more than
-    ``limit`` are dirty, and all of them at close."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = positive_int(limit, "write_back_limit")
-        self._dirty: dict[bytes, int] = {}  # key -> pinned slot, in the order stored
-        self.written_back = 0
-
-    def __len__(self) -> int:
-        return len(self._dirty)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._dirty
-
-    def add(self, key: bytes, slot: int) -> None:
-        self._dirty[key] = slot
-
-    def due(
-        self, admission: AdmissionPolicy, tiers: Sequence[str], nbytes: int, *, everything: bool
-    ) -> tuple[list[tuple[bytes, int, list[str]]], list[int]]:
-        """What to write back now: (key, pinned slot, tiers to write) for each block taken
-        off the queue, and the slots of blocks every tier dropped (to unpin).
-
-        Oldest first, while more than ``limit`` wait (all of them when ``everything``: at
-        close, admission or not). A tier short of in-flight room stops the pass (the block
-        stays dirty, tried again when a write ends); a tier the latency rule closed drops
-        the block for that tier (counted by the policy)."""
-        writes: list[tuple[bytes, int, list[str]]] = []
-        unpin: list[int] = []
-        while self._dirty and (everything or len(self._dirty) > self.limit):
-            key, slot = next(iter(self._dirty.items()))
-            targets: list[str] = []
-            for tier in tiers:
-                if everything:
-                    admission.force(tier, nbytes)
-                    targets.append(tier)
-                elif admission.admit(tier, nbytes):
-                    targets.append(tier)
-                elif not admission.is_closed(tier):  # full for now: retry later
-                    for admitted in targets:
-                        admission.cancel(admitted, nbytes)
-                    return writes, unpin
-            del self._dirty[key]
-            if targets:
-                writes.append((key, slot, targets))
-                self.written_back += 1
-            else:
-                unpin.append(slot)
-        return writes, unpin
-
-
-class DeferredWrites:
-    """Keys whose write to a ``deferred`` tier back-pressure dropped, oldest first, per tier.
-
-    At most ``limit`` keys wait per tier; past it the oldest is given up (counted in
-    ``lost``). Only keys are held: the block is read again, when its turn comes, from a
-    faster tier that holds it.
-    """
-
-    def __init__(self, tiers: Collection[str], limit: int) -> None:
-        self.limit = positive_int(limit, "deferred_limit")
-        self._queues: dict[str, dict[bytes, None]] = {tier: {} for tier in tiers}
-        self.deferred = self.written = self.lost = 0
-
-    def __len__(self) -> int:
-        return sum(len(q) for q in self._queues.values())
-
-    def wants(self, tier: str) -> bool:
-        return tier in self._queues
-
-    def add(self, tier: str, key: bytes) -> None:
-        queue = self._queues[tier]
-        if key in queue:
-            return
-        queue[key] = None
-        self.deferred += 1
-        if len(queue) > self.limit:
-            del queue[next(iter(queue))]
-            self.lost += 1
-
-    def pending(self, tier: str) -> int:
-        """How many keys wait for ``tier``."""
-        queue = self._queues.get(tier)
-        return 0 if queue is None else len(queue)
-
-    def due(
-        self, admission: AdmissionPolicy, nbytes: int, room: int, *, closing: bool = False
-    ) -> list[tuple[str, bytes]]:
-        """Take (tier, key) off the queues, oldest first, while the tier admits a write of
-        ``nbytes`` (each taken one is admitted: give it back with ``finished`` or ``cancel``)
-        and at most ``room`` in all. ``closing``: the manager is closing and gives what is
-        left its ``close_timeout``, so only each tier's in-flight limit applies."""
-        groups = self.due_groups(admission, nbytes, room, closing=closing)
-        return [(tier, key) for tier, keys in groups for key in keys]
-
-    def due_groups(
-        self,
-        admission: AdmissionPolicy,
-        nbytes: int,
-        room: int,
-        *,
-        sizes: Mapping[str, int] | None = None,
-        closing: bool = False,
-    ) -> list[tuple[str, list[bytes]]]:
-        """Like ``due``, but each tier's keys come in groups of ``sizes[tier]`` (1 for a
-        tier not named), oldest first, each group admitted whole or not at all: a tier that
-        packs the stores it is given together gets whole packs, and a rate limit lets a
-        group through once it has a group's worth instead of trickling one block each time
-        it refills. A queue holding fewer keys than a group gives what it holds. A group
-        larger than the tier's in-flight limit or than ``room`` could ever hold is never
-        admitted: the caller keeps ``sizes`` within them."""
-        out: list[tuple[str, list[bytes]]] = []
-        for tier, queue in self._queues.items():
-            size = 1 if sizes is None else sizes.get(tier, 1)
-            while queue:
-                count = min(size, len(queue))
-                if count > room or not admission.has_room(
-                    tier, nbytes, ignore_latency=closing, count=count
-                ):
-                    break
-                if closing:
-                    admission.force(tier, nbytes, count=count)
-                elif not admission.admit(tier, nbytes, count=count):
-                    break
-                keys = list(itertools.islice(queue, count))
-                for key in keys:
-                    del queue[key]
-                out.append((tier, keys))
-                room -= count
-        return out
-
-    def clear(self) -> int:
-        """Give up every waiting key (at close); returns how many."""
-        n = len(self)
-        for queue in self._queues.values():
-            queue.clear()
-        self.lost += n
-        return n
 
 
 def _ewma(old: float | None, sample: float, alpha: float) -> float:

@@ -37,11 +37,13 @@ from typing import Any
 import anyio
 import anyio.abc
 
-from kvtier._admission import AdmissionPolicy, DeferredWrites, WriteBackQueue
+from kvtier._admission import AdmissionPolicy
 from kvtier._background import Background, InFlight
+from kvtier._deferred import DeferredWrites
 from kvtier._errors import TierError
 from kvtier._logging import BurstLogger
 from kvtier._lookup import LookupResult, MissReason
+from kvtier._writeback import WriteBackQueue
 from kvtier.pools._base import PrimaryPool
 from kvtier.tiers._base import SecondaryTier, settled_lookup
 

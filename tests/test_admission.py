@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from kvtier import AdmissionPolicy, InvalidArgumentError
-from kvtier._admission import DeferredWrites, WriteBackQueue
+from kvtier._deferred import DeferredWrites
+from kvtier._writeback import WriteBackQueue
 
 
 class Clock:

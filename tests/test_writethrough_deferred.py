@@ -19,7 +19,7 @@ from kvtier import (
     SecondaryTier,
     TieringManager,
 )
-from kvtier._admission import DeferredWrites
+from kvtier._deferred import DeferredWrites
 from kvtier.testing import StallingTier
 from kvtier.tiers.fs import FSTier
 
