@@ -48,7 +48,7 @@ import anyio
 from kvtier._format import IntegrityKey, checksum
 from kvtier._keys import block_keys
 from kvtier._lookup import LookupResult
-from kvtier._tiering import TieringManager
+from kvtier.manager import TieringManager
 from kvtier.pools._host import HostPool
 from kvtier.tiers.fs import FSTier
 

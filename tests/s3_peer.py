@@ -27,7 +27,7 @@ import numpy as np
 
 from kvtier._keys import block_keys
 from kvtier._scheduler import OffloadScheduler
-from kvtier._tiering import TieringManager
+from kvtier.manager import TieringManager
 from kvtier.pools._host import HostPool
 from kvtier.tiers.s3 import S3Tier
 

@@ -16,7 +16,7 @@ import pytest
 from kvtier._errors import InvalidArgumentError
 from kvtier._lookup import LookupResult, MissReason
 from kvtier._scheduler import OffloadScheduler
-from kvtier._tiering import TieringManager
+from kvtier.manager import TieringManager
 from kvtier.pools._host import HostPool
 from kvtier.testing import CHECKS
 from kvtier.tiers.fs import FSTier

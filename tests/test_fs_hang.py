@@ -26,7 +26,7 @@ import pytest
 from kvtier._format import header_size
 from kvtier._lookup import LookupResult
 from kvtier._scheduler import OffloadScheduler
-from kvtier._tiering import TieringManager
+from kvtier.manager import TieringManager
 from kvtier.pools._host import HostPool
 from kvtier.testing import resolve_lookup
 from kvtier.tiers.fs import FSTier

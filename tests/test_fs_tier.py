@@ -39,7 +39,7 @@ from kvtier._errors import (
 from kvtier._format import header_size
 from kvtier._lookup import LookupResult
 from kvtier._scheduler import OffloadScheduler
-from kvtier._tiering import TieringManager
+from kvtier.manager import TieringManager
 from kvtier.pools._host import HostPool
 from kvtier.testing import CHECKS, resolve_lookup
 from kvtier.tiers.fs import FSTier

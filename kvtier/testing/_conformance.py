@@ -15,7 +15,7 @@ import anyio
 from kvtier._errors import BlockNotFoundError, CorruptBlockError, KVTierError, TierError
 from kvtier._keys import block_keys
 from kvtier._lookup import LookupResult, MissReason
-from kvtier._tiering import TieringManager
+from kvtier.manager import TieringManager
 from kvtier.pools._base import ByteSink
 from kvtier.pools._host import HostPool
 from kvtier.tiers._base import SecondaryTier, TierStatistics, settled_lookup
