@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-import types
 from collections.abc import Awaitable, Callable
 from typing import Self
 
@@ -31,6 +30,7 @@ import anyio.abc
 from kvtier._errors import TierError
 from kvtier._logging import BurstLogger
 from kvtier._lookup import LookupResult, MissReason
+from kvtier._resource import AsyncResource
 from kvtier._validate import positive_int, positive_number
 from kvtier._verdicts import PRESENT, VerdictStore, code_of, reason_of
 from kvtier.tiers._base import LookupStatistics
@@ -45,7 +45,7 @@ ContainsMany = Callable[[list[bytes]], Awaitable[list[bool]]]
 HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
 
 
-class AsyncLookupManager:
+class AsyncLookupManager(AsyncResource):
     """Batched, coalesced, cached existence checks behind a synchronous ``lookup()``."""
 
     def __init__(
@@ -115,14 +115,6 @@ class AsyncLookupManager:
         self._task_group = tg
         tg.start_soon(self._run, tg)
         return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: types.TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     async def aclose(self) -> None:
         """Cancel the checks in flight; keys that were waiting become misses (unavailable)."""

@@ -5,8 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import types
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Self
@@ -16,6 +15,7 @@ import anyio
 from kvtier._errors import InvalidArgumentError, TierError, TierTimeoutError
 from kvtier._logging import BurstLogger
 from kvtier._lookup import LookupResult, MissReason
+from kvtier._resource import AsyncResource
 
 __all__ = [
     "BatchResults",
@@ -116,7 +116,7 @@ class TierMeter:
         )
 
 
-class SecondaryTier(ABC):
+class SecondaryTier(AsyncResource):
     """A store of whole blocks by key, below the primary pool.
 
     ``lookup`` is synchronous and must not do I/O: a tier whose existence checks are slow
@@ -157,14 +157,6 @@ class SecondaryTier(ABC):
     async def __aenter__(self) -> Self:
         await self.open()
         return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: types.TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     # -- the contract ------------------------------------------------------------------------
 
