@@ -252,9 +252,9 @@ class OffloadScheduler:
         manager = self._full
         if manager is None:
             raise InvalidArgumentError(
-                "the async lookup needs a manager with watch()/unwatch(), pins and a cost "
-                "model (kvtier.SupportsScheduling, as TieringManager has); use the "
-                "synchronous scans with other managers"
+                "the async lookup needs a manager with all TieringManager offers a scan: "
+                "watch()/unwatch(), primary_hit_prefix(), pin_ready()/unpin_slots() and a "
+                "cost model; use the synchronous scans with other managers"
             )
         self._async_lookups += 1
         limit = self._max_wait if timeout is None else float(timeout)
