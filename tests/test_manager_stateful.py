@@ -224,7 +224,7 @@ class ManagerMachine(RuleBasedStateMachine):
         after = self.manager.statistics()
         if not promoted or after.promotions_succeeded == before.promotions_succeeded:
             return  # declined as too slow, failed (an injected fault), or still pending
-        if key in self.manager._promotions.up_when_evicted:  # in the pool: copied when it is evicted
+        if key in self.manager._promotions.up_when_evicted:  # in the pool: copied when evicted
             assert key in self.manager.pool.table.ready
         elif after.promotions_written_up > before.promotions_written_up:
             # Evicted at once (by a later promotion in the same scan) and written up.
