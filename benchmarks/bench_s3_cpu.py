@@ -46,12 +46,8 @@ from bench_s3 import _Loader, _raw_get, s3_endpoint  # the script's folder is on
 
 from kvtier._keys import block_keys
 from kvtier.tiers.s3 import S3Tier
-from kvtier.tiers.s3._config import (
-    S3Settings,
-    client_config,
-    send_bodies_as_given,
-    shared_session,
-)
+from kvtier.tiers.s3._client import client_config, send_bodies_as_given, shared_session
+from kvtier.tiers.s3._config import S3Config
 
 ROOT = Path(__file__).resolve().parent.parent
 KiB = 1 << 10
@@ -95,21 +91,12 @@ def _raw_client(session: Any, args: argparse.Namespace) -> Any:
 @contextlib.asynccontextmanager
 async def _tuned_client(args: argparse.Namespace) -> AsyncIterator[Any]:
     """A client built as ``S3Tier.open`` builds its own: same session, same ``AioConfig``."""
-    settings = S3Settings.check(
-        args.bucket,
-        prefix="",
+    config = S3Config(
+        bucket=args.bucket,
         endpoint_url=args.endpoint,
         region_name=args.region,
-        addressing_style="auto",
-        connect_timeout=2.0,
         read_timeout=30.0,
         max_attempts=1,
-        max_concurrency=32,
-        miss_ttl=2.0,
-        lookup_batch_size=64,
-        breaker_threshold=5,
-        breaker_reset=5.0,
-        lookup_timeout=5.0,
     )
     async with shared_session().create_client(
         "s3",
@@ -117,7 +104,7 @@ async def _tuned_client(args: argparse.Namespace) -> AsyncIterator[Any]:
         region_name=args.region,
         aws_access_key_id=args.access_key,
         aws_secret_access_key=args.secret_key,
-        config=client_config(settings),
+        config=client_config(config),
     ) as client:
         send_bodies_as_given(client)
         yield client

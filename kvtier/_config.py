@@ -85,7 +85,7 @@ import os
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Self
+from typing import TYPE_CHECKING, Any, Self
 
 from kvtier._errors import InvalidArgumentError
 from kvtier._format import IntegrityConfig
@@ -107,6 +107,7 @@ from kvtier._settings import (
 from kvtier.manager._config import ManagerConfig
 from kvtier.pools._config import PoolConfig, build_pool
 from kvtier.tiers.fs._config import FSConfig
+from kvtier.tiers.s3._config import S3Config
 
 if TYPE_CHECKING:
     from kvtier.manager import TieringManager
@@ -145,75 +146,6 @@ _Section = Section
 
 
 # -- sections --------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class S3Config(_Section):
-    """An ``S3Tier``. Credentials are optional and never shown by ``repr``."""
-
-    SECTION: ClassVar[str] = "s3"
-
-    bucket: str = field(metadata=_spec(_text))
-    prefix: str = field(default="", metadata=_spec(_any_text))
-    endpoint_url: str | None = field(default=None, metadata=_spec(_optional(_url)))
-    region_name: str | None = field(default=None, metadata=_spec(_optional(_text)))
-    aws_access_key_id: str | None = field(
-        default=None, repr=False, metadata=_spec(_optional(_text), secret=True)
-    )
-    aws_secret_access_key: str | None = field(
-        default=None, repr=False, metadata=_spec(_optional(_text), secret=True)
-    )
-    aws_session_token: str | None = field(
-        default=None, repr=False, metadata=_spec(_optional(_text), secret=True)
-    )
-    addressing_style: str = field(
-        default="auto", metadata=_spec(_choice("auto", "path", "virtual"))
-    )
-    name: str = field(default="s3", metadata=_spec(_text))
-    connect_timeout: float = field(default=2.0, metadata=_spec(_seconds))
-    read_timeout: float = field(default=10.0, metadata=_spec(_seconds))
-    max_attempts: int = field(default=3, metadata=_spec(_positive_int))
-    max_concurrency: int = field(default=32, metadata=_spec(_positive_int))
-    miss_ttl: float = field(default=2.0, metadata=_spec(_seconds))
-    lookup_batch_size: int = field(default=64, metadata=_spec(_positive_int))
-    breaker_threshold: int = field(default=5, metadata=_spec(_positive_int))
-    breaker_reset: float = field(default=5.0, metadata=_spec(_seconds))
-    lookup_timeout: float = field(default=5.0, metadata=_spec(_seconds))
-    # The existence index (see kvtier.tiers.s3._index): "index" answers lookup() without a
-    # request (unknown keys miss at once); "ask" sends HEADs for unknown keys.
-    lookup_mode: str = field(default="index", metadata=_spec(_choice("index", "ask")))
-    index_refresh: float = field(default=2.0, metadata=_spec(_seconds))
-    index_lookback: float = field(default=60.0, metadata=_spec(_seconds))
-    index_list_timeout: float = field(default=60.0, metadata=_spec(_seconds))
-    index_max_keys: int = field(default=10_000_000, metadata=_spec(_positive_int))
-    # Blocks stored together per object (see kvtier.tiers.s3._pack); None: 8 in the index
-    # mode, 1 in the ask mode (which cannot find blocks inside packs).
-    pack_blocks: int | None = field(default=None, metadata=_spec(_optional(_positive_int)))
-
-    def __post_init__(self) -> None:
-        _check_fields(self, lambda name: f"s3.{name}")
-        if self.index_lookback < 2 * self.index_refresh:
-            raise InvalidArgumentError(
-                f"s3.index_lookback ({self.index_lookback} s) must be at least 2 x "
-                f"s3.index_refresh ({self.index_refresh} s)"
-            )
-        if (self.aws_access_key_id is None) != (self.aws_secret_access_key is None):
-            raise InvalidArgumentError(
-                "aws_access_key_id and aws_secret_access_key go together: set both, or "
-                "neither to use the AWS environment and config files"
-            )
-        if self.aws_session_token is not None and self.aws_access_key_id is None:
-            raise InvalidArgumentError("aws_session_token needs aws_access_key_id too")
-
-    @property
-    def has_credentials(self) -> bool:
-        return self.aws_access_key_id is not None
-
-    def __repr__(self) -> str:
-        shown = ", ".join(
-            f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self) if f.repr
-        )
-        return f"S3Config({shown}, credentials={'set' if self.has_credentials else 'unset'})"
 
 
 _SECTIONS: dict[str, type[Any]] = {
@@ -409,11 +341,9 @@ class KVTierConfig:
         if self.s3 is not None:
             from kvtier.tiers.s3 import S3Tier
 
-            kwargs = _kwargs(self.s3)
-            bucket = kwargs.pop("bucket")
-            kwargs["integrity_key"] = None if self.integrity is None else self.integrity.key
+            key = None if self.integrity is None else self.integrity.key
             try:
-                tiers.append(S3Tier(bucket, **kwargs))
+                tiers.append(S3Tier(self.s3.bucket, config=self.s3, integrity_key=key))
             except InvalidArgumentError as exc:
                 raise InvalidArgumentError(f"s3: {exc}") from exc
         return tiers
@@ -459,10 +389,6 @@ def _load_toml(where: str) -> dict[str, Any]:
         raise InvalidArgumentError(f"cannot read config file {where}: {exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise InvalidArgumentError(f"{where} is not valid TOML: {exc}") from None
-
-
-def _kwargs(section: object) -> dict[str, Any]:
-    return {f.name: getattr(section, f.name) for f in dataclasses.fields(section)}  # type: ignore[arg-type]
 
 
 def _parse_section(

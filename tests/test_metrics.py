@@ -24,7 +24,7 @@ from kvtier.pools._host import HostPool
 from kvtier.testing import FailingTier
 from kvtier.tiers._base import TierStatistics
 from kvtier.tiers._memory import MemoryTier
-from kvtier.tiers.s3._config import S3TierStatistics
+from kvtier.tiers.s3 import S3TierStatistics
 
 BLOCK = 4096
 

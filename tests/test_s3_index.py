@@ -187,7 +187,7 @@ def test_index_settings_from_the_config_file() -> None:
     )
     (tier,) = config.build_tiers()
     assert isinstance(tier, S3Tier)
-    assert (tier.settings.lookup_mode, tier.settings.index_refresh) == ("ask", 1.0)
+    assert (tier.config.lookup_mode, tier.config.index_refresh) == ("ask", 1.0)
     with pytest.raises(InvalidArgumentError, match="index_lookback"):
         KVTierConfig.from_dict({"pool": pool, "s3": {"bucket": "abc", "index_refresh": 40.0}})
 
@@ -459,7 +459,7 @@ def aws_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     answers while ``tmp_path / "flag"`` exists and fails once it is gone; a fresh shared
     session (it caches the credentials it resolved). Credentials that expire within ten
     minutes are refreshed before every request, so each request runs the process."""
-    from kvtier.tiers.s3 import _config as _s3_config
+    from kvtier.tiers.s3 import _client as _s3_client
 
     for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
         monkeypatch.delenv(var, raising=False)
@@ -476,7 +476,7 @@ def aws_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials"))
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    monkeypatch.setattr(_s3_config, "_session", None)
+    monkeypatch.setattr(_s3_client, "_session", None)
     return tmp_path / "flag"
 
 
@@ -548,9 +548,9 @@ def _sync(
         call=requests.call,
         client=lambda: client,
         notify=lambda keys: None,
-        refresh=1.0,
-        lookback=lookback,
-        list_timeout=10.0,
+        index_refresh=1.0,
+        index_lookback=lookback,
+        index_list_timeout=10.0,
         wall=wall,
     )
 

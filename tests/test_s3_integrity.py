@@ -147,7 +147,7 @@ async def test_signed_round_trip_and_two_tiers_share(
         out = bytearray(BLOCK)
         await a.load(keys[0], memoryview(out))
         assert out == blocks[0]
-        texts = [repr(a), repr(a.statistics()), repr(a.integrity_key), repr(a.settings)]
+        texts = [repr(a), repr(a.statistics()), repr(a.integrity_key), repr(a.config)]
     marker = await _get(weed_server.endpoint_url, marker_key(prefix))
     assert marker is not None
     assert json.loads(marker) == {"mac": "blake2b-256", "key_id": IntegrityKey(SECRET).key_id}

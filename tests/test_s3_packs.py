@@ -216,7 +216,7 @@ async def test_a_cancelled_sender_hands_its_pack_to_the_others() -> None:
         sent.append([item.key])
 
     writer = PackWriter(
-        max_blocks=4,
+        pack_blocks=4,
         limiter=anyio.CapacityLimiter(1),
         put_single=put_single,
         put_pack=put_pack,
@@ -253,7 +253,7 @@ async def test_stores_cancelled_while_another_sends_them_are_not_queued_again() 
         raise AssertionError("sent alone")
 
     writer = PackWriter(
-        max_blocks=4, limiter=anyio.CapacityLimiter(1), put_single=put_single, put_pack=put_pack
+        pack_blocks=4, limiter=anyio.CapacityLimiter(1), put_single=put_single, put_pack=put_pack
     )
     scopes = [anyio.CancelScope() for _ in range(3)]
 
@@ -281,7 +281,7 @@ async def test_a_failed_pack_fails_every_store_in_it() -> None:
         raise AssertionError("sent alone")
 
     writer = PackWriter(
-        max_blocks=4, limiter=anyio.CapacityLimiter(2), put_single=put_single, put_pack=put_pack
+        pack_blocks=4, limiter=anyio.CapacityLimiter(2), put_single=put_single, put_pack=put_pack
     )
     failed: list[bytes] = []
 

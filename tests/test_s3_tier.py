@@ -266,7 +266,7 @@ async def test_store_of_a_large_block_keeps_work_off_the_loop(
     10 ms per 2 MiB), and botocore SHA-256-signed the payload there too. Now the object is
     built in a worker thread and the payload is not signed (the block
     carries its own checksum)."""
-    import kvtier.tiers.s3._tier as s3_module
+    import kvtier.tiers.s3._blocks as s3_module
 
     threads: list[threading.Thread] = []
     real_build = s3_module.build_object
@@ -887,14 +887,14 @@ async def test_bad_credentials_are_a_clear_error_and_never_leak(
 def aws_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> pytest.MonkeyPatch:
     """An AWS environment with nothing in it, and a fresh shared session (it caches the
     credentials it resolved from the chain)."""
-    from kvtier.tiers.s3 import _config as _s3_config
+    from kvtier.tiers.s3 import _client as _s3_client
 
     for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials"))
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    monkeypatch.setattr(_s3_config, "_session", None)
+    monkeypatch.setattr(_s3_client, "_session", None)
     return monkeypatch
 
 
@@ -1156,7 +1156,7 @@ def test_timestamp_parser_agrees_with_botocore(value: object) -> None:
     GET, benchmarks/bench_s3_cpu.py); what it returns must not change."""
     from botocore.utils import parse_timestamp as botocore_parse
 
-    from kvtier.tiers.s3._config import parse_timestamp
+    from kvtier.tiers.s3._client import parse_timestamp
 
     got = parse_timestamp(value)
     assert got == botocore_parse(value)

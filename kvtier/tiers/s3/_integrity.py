@@ -42,7 +42,7 @@ from kvtier._errors import InvalidArgumentError, TierUnavailableError
 from kvtier._format import IntegrityKey
 from kvtier.tiers.s3._errors import Fault
 from kvtier.tiers.s3._pack import PACK_DIR
-from kvtier.tiers.s3._sync import Call
+from kvtier.tiers.s3._requests import Call, get_bytes
 
 __all__ = [
     "MAC_NAME",
@@ -138,12 +138,7 @@ async def check_marker(
     name = marker_key(prefix)
 
     async def get() -> bytes | None:
-        async def attempt() -> bytes:
-            response = await client.get_object(Bucket=bucket, Key=name)
-            async with response["Body"] as body:
-                data: bytes = await body.read()
-            return data
-
+        attempt = functools.partial(get_bytes, client, bucket, name)
         found = await call("open", None, attempt, expected=frozenset({Fault.NOT_FOUND}))
         return None if isinstance(found, Fault) else found
 

@@ -1,7 +1,7 @@
 """Packing the S3 tier's stores and coalescing its loads (the I/O rules around ``_pack``).
 
 ``PackWriter`` is a group commit. Each ``store`` queues its block and then takes a PUT slot;
-whoever gets a slot sends everything queued by then (up to ``max_blocks``) as one request. A
+whoever gets a slot sends everything queued by then (up to ``pack_blocks``) as one request. A
 store that arrives alone while slots are free goes out at once as a plain block object, so
 packing never adds latency; stores that arrive together (one request's new blocks, stored in
 one event-loop tick) or while every slot is busy (a burst) share a pack. No timer is involved:
@@ -71,12 +71,12 @@ class PackWriter:
     def __init__(
         self,
         *,
-        max_blocks: int,
+        pack_blocks: int,
         limiter: anyio.CapacityLimiter,
         put_single: Callable[[PendingStore], Awaitable[None]],
         put_pack: Callable[[list[PendingStore]], Awaitable[None]],
     ) -> None:
-        self._max = max_blocks
+        self._pack_blocks = pack_blocks
         self._limiter = limiter
         self._put_single = put_single
         self._put_pack = put_pack
@@ -113,7 +113,7 @@ class PackWriter:
 
     async def _flush(self, mine: PendingStore) -> None:
         """Send the oldest queued stores (``mine`` among them, or ahead of it) in one PUT."""
-        batch = [self._queue.popleft() for _ in range(min(self._max, len(self._queue)))]
+        batch = [self._queue.popleft() for _ in range(min(self._pack_blocks, len(self._queue)))]
         for item in batch:
             item.state = _State.TAKEN
         error: TierError | None = None

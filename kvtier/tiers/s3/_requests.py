@@ -10,8 +10,9 @@ one trial request is out, other requests wait for its outcome instead of being r
 
 from __future__ import annotations
 
+import io
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, Protocol, TypeVar
 
 import anyio
 
@@ -19,9 +20,45 @@ from kvtier._errors import KVTierError, TierError, TierUnavailableError
 from kvtier._resilience import CircuitBreaker, Permit, backoff_delay
 from kvtier.tiers.s3._errors import Fault, translate
 
-__all__ = ["Requests", "acquire"]
+__all__ = ["BYTES_BODY_LIMIT", "Call", "Requests", "acquire", "body_of", "get_bytes"]
 
 T = TypeVar("T")
+
+# Bodies up to this size go to aiohttp as ``bytes`` (one write); larger ones as a ``BytesIO``,
+# which aiohttp sends chunk by chunk: it warns that one write of a larger ``bytes`` body may
+# hold the event loop while the unsent part is copied (``_client.send_bodies_as_given``).
+BYTES_BODY_LIMIT = 1 << 20
+
+
+class Call(Protocol):
+    """``Requests.call``'s signature, for the helpers that send requests through it."""
+
+    async def __call__(
+        self,
+        operation: str,
+        key: bytes | None,
+        attempt: Callable[[], Awaitable[T]],
+        *,
+        expected: frozenset[Fault] = ...,
+    ) -> T | Fault: ...
+
+
+def body_of(data: bytes) -> bytes | io.BytesIO:
+    """A PutObject ``Body`` for ``data``: itself up to ``BYTES_BODY_LIMIT``, a fresh
+    ``BytesIO`` above (a new one per attempt: a retry re-reads it from the start)."""
+    return data if len(data) <= BYTES_BODY_LIMIT else io.BytesIO(data)
+
+
+async def get_bytes(
+    client: Any, bucket: str, name: str, lo: int | None = None, hi: int | None = None
+) -> bytes:
+    """One GET of object ``name``, read whole: bytes ``lo:hi`` (``hi`` exclusive, fewer if
+    the object is shorter) when given, else all of it."""
+    extra = {} if lo is None or hi is None else {"Range": f"bytes={lo}-{hi - 1}"}
+    response = await client.get_object(Bucket=bucket, Key=name, **extra)
+    async with response["Body"] as body:
+        data: bytes = await body.read()
+    return data
 
 
 async def acquire(limiter: anyio.CapacityLimiter) -> None:

@@ -1,25 +1,25 @@
 """Keeping the S3 tier's existence index current: the listing at open and the journal loop.
 
-The I/O around ``ExistenceIndex`` (a synchronous state machine): list the prefix once when the
-tier opens (bounded by ``list_timeout``, progress in the log every few seconds), then every
-``refresh`` seconds publish this node's new keys as one journal segment and read the segments
-other nodes published (``_journal`` documents the names, the format and the cost).
+The I/O around ``ExistenceIndex`` (a synchronous state machine): list the prefix once when
+the tier opens (``_listing``, bounded by ``index_list_timeout``), then every ``index_refresh``
+seconds publish this node's new keys as one journal segment and read the segments other nodes
+published (``_journal`` documents the names, the format and the cost).
 
 Staleness bound: a block another node stores becomes a HIT here at most about
-``2 x refresh`` seconds later (it waits up to ``refresh`` in the writer's buffer, then up to
-``refresh`` for this node's next poll), plus the two requests' latency. Faults are logged once
-per burst and retried at the next refresh: the index only ever lags, it is never wrong in the
-direction that matters (a stale HIT costs one GET and corrects itself). The loop catches every
-``Exception`` (a botocore error kvtier does not translate, such as a failing credential
-provider, included) and counts it: it runs in a task group entered in the engine's task, which
-an escaping error would cancel.
+``2 x index_refresh`` seconds later (it waits up to ``index_refresh`` in the writer's buffer,
+then up to ``index_refresh`` for this node's next poll), plus the two requests' latency.
+Faults are logged once per burst and retried at the next refresh: the index only ever lags,
+it is never wrong in the direction that matters (a stale HIT costs one GET and corrects
+itself). The loop catches every ``Exception`` (a botocore error kvtier does not translate, such
+as a failing credential provider, included) and counts it: it runs in a task group entered in
+the engine's task, which an escaping error would cancel.
 
 What the bucket holds is untrusted (``_journal``): a segment is read with one GET bounded
 by ``max_segment_bytes`` (one the listing shows as larger is not read at all), and segments
 and entries that are ignored are counted (``segments_rejected``, ``entries_rejected``).
 
 Clock skew: segment names carry the writer's wall time and a poll lists only the last
-``lookback`` seconds, so a node whose clock is more than ``lookback`` behind the others is never
+``index_lookback`` seconds, so a node whose clock is more than that behind the others is never
 read and one ahead reads nobody. Every journal response's ``Date`` header gives the server's
 time; a skew of more than half the lookback (and more than the header's one-second resolution)
 is logged once until it recovers, and ``clock_skew`` keeps the last measure.
@@ -35,8 +35,8 @@ import email.utils
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any, Protocol, TypeVar
+from collections.abc import Callable
+from typing import Any
 
 import anyio
 import anyio.to_thread
@@ -45,7 +45,7 @@ from kvtier._errors import TierError
 from kvtier._format import IntegrityKey
 from kvtier._logging import BurstLogger
 from kvtier.tiers.s3._errors import Fault
-from kvtier.tiers.s3._index import ExistenceIndex, key_from_object
+from kvtier.tiers.s3._index import ExistenceIndex
 from kvtier.tiers.s3._journal import (
     MAX_SEGMENT_ENTRIES,
     SegmentError,
@@ -58,55 +58,17 @@ from kvtier.tiers.s3._journal import (
     segment_writer,
     start_after,
 )
-from kvtier.tiers.s3._pack import (
-    TABLE_PROBE_BYTES,
-    Location,
-    PackTableError,
-    decode_table,
-    is_pack_name,
-    table_size,
-)
+from kvtier.tiers.s3._listing import list_prefix
+from kvtier.tiers.s3._requests import Call, get_bytes
 
 __all__ = ["IndexSync"]
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
-_PROGRESS_EVERY = 5.0  # seconds between progress lines of a long listing
-_TABLE_READS = 16  # pack tables read at once at open
 _DATE_RESOLUTION = 1.0  # seconds: an HTTP Date header has whole seconds
 # Decoding a segment is a Python loop over its entries: segments above this size are decoded
 # in a worker thread, so the event loop never spends more than about a millisecond on one.
 _THREAD_DECODE_BYTES = 64 << 10
-
-
-class Call(Protocol):
-    async def __call__(
-        self,
-        operation: str,
-        key: bytes | None,
-        attempt: Callable[[], Awaitable[T]],
-        *,
-        expected: frozenset[Fault] = ...,
-    ) -> T | Fault: ...
-
-
-class _Progress:
-    """When a long listing should log its progress again: every ``_PROGRESS_EVERY`` s."""
-
-    def __init__(self) -> None:
-        self._started = self._reported = time.monotonic()
-
-    def elapsed(self) -> float:
-        return time.monotonic() - self._started
-
-    def due(self) -> float | None:
-        """Seconds since the start if a progress line is due now, else None."""
-        now = time.monotonic()
-        if now - self._reported < _PROGRESS_EVERY:
-            return None
-        self._reported = now
-        return now - self._started
 
 
 class IndexSync:
@@ -123,9 +85,9 @@ class IndexSync:
         call: Call,
         client: Callable[[], Any],
         notify: Callable[[list[bytes]], None],
-        refresh: float,
-        lookback: float,
-        list_timeout: float,
+        index_refresh: float,
+        index_lookback: float,
+        index_list_timeout: float,
         read_journal: bool = True,
         integrity_key: IntegrityKey | None = None,
         wall: Callable[[], float] = time.time,
@@ -138,10 +100,10 @@ class IndexSync:
         self._call = call
         self._client = client
         self._notify = notify
-        self.refresh = refresh
-        self._lookback_ms = int(lookback * 1000)
-        self._skew_limit = max(lookback / 2, 2 * _DATE_RESOLUTION)
-        self._list_timeout = list_timeout
+        self.index_refresh = index_refresh
+        self._lookback_ms = int(index_lookback * 1000)
+        self._skew_limit = max(index_lookback / 2, 2 * _DATE_RESOLUTION)
+        self._list_timeout = index_list_timeout
         self._wall = wall
         self._read_journal = read_journal
         self._integrity_key = integrity_key
@@ -164,138 +126,24 @@ class IndexSync:
     # -- the listing at open -------------------------------------------------------------------
 
     async def list_at_open(self) -> None:
-        """Index every block object under the prefix, within ``list_timeout`` seconds."""
-        progress = _Progress()
-        client = self._client()
-        kwargs: dict[str, Any] = {"Bucket": self._bucket, "MaxKeys": 1000}
-        if self._prefix:
-            kwargs["Prefix"] = self._prefix + "/"
-        journal = journal_prefix(self._prefix)
-        pages = found = 0
-        packs: list[str] = []
-        with anyio.move_on_after(self._list_timeout) as scope:
-            while True:
-                page = await self._call(
-                    "list", None, functools.partial(client.list_objects_v2, **kwargs)
-                )
-                assert not isinstance(page, Fault)
-                pages += 1
-                for item in page.get("Contents", ()):
-                    name = item["Key"]
-                    if name.startswith(journal):
-                        continue
-                    if is_pack_name(name, self._prefix):
-                        packs.append(name)
-                        continue
-                    key = key_from_object(name, self._prefix)
-                    if key is not None and self._index.add(key):
-                        found += 1
-                if (elapsed := progress.due()) is not None:
-                    logger.info(
-                        "%s: indexing s3://%s/%s: %d blocks after %.0f s (%d pages)",
-                        self.name,
-                        self._bucket,
-                        self._prefix,
-                        found,
-                        elapsed,
-                        pages,
-                    )
-                token = page.get("NextContinuationToken")
-                if not page.get("IsTruncated") or not token:
-                    break
-                kwargs["ContinuationToken"] = token
-            found += await self._read_tables(client, packs, progress)
-        self._index.listed = found
-        self.listing_complete = not scope.cancelled_caught
-        if scope.cancelled_caught:
-            logger.warning(
-                "%s: listing s3://%s/%s stopped after %.0f s (index_list_timeout) with %d "
-                "blocks indexed; blocks not listed answer MISS until written again",
-                self.name,
-                self._bucket,
-                self._prefix,
-                self._list_timeout,
-                found,
-            )
-        else:
-            logger.info(
-                "%s: indexed %d blocks of s3://%s/%s in %.2f s (%d pages)",
-                self.name,
-                found,
-                self._bucket,
-                self._prefix,
-                progress.elapsed(),
-                pages,
-            )
-
-    async def _read_tables(self, client: Any, packs: list[str], progress: _Progress) -> int:
-        """Index the keys of the listed ``packs`` from their tables: one small ranged GET
-        each (two for a table past ``TABLE_PROBE_BYTES``), ``_TABLE_READS`` at a time."""
-        found = 0
-        done = 0
-        pending = iter(packs)
-
-        async def reader() -> None:
-            nonlocal found, done
-            for name in pending:
-                entries = await self._read_table(client, name)
-                found += len(self._index.add_many(entries))
-                done += 1
-                if (elapsed := progress.due()) is not None:
-                    logger.info(
-                        "%s: indexing s3://%s/%s: read %d of %d pack tables after %.0f s",
-                        self.name,
-                        self._bucket,
-                        self._prefix,
-                        done,
-                        len(packs),
-                        elapsed,
-                    )
-
-        async with anyio.create_task_group() as tg:
-            for _ in range(min(_TABLE_READS, len(packs))):
-                tg.start_soon(reader)
-        return found
-
-    async def _read_table(self, client: Any, name: str) -> list[tuple[bytes, Location | None]]:
-        async def get(lo: int, hi: int) -> bytes:
-            response = await client.get_object(
-                Bucket=self._bucket, Key=name, Range=f"bytes={lo}-{hi - 1}"
-            )
-            async with response["Body"] as body:
-                data: bytes = await body.read()
-            return data
-
-        expected = frozenset({Fault.NOT_FOUND})
-        try:
-            data = await self._call(
-                "list", None, lambda: get(0, TABLE_PROBE_BYTES), expected=expected
-            )
-            if isinstance(data, Fault):
-                return []  # deleted since the listing
-            size = table_size(data)
-            if size > len(data):
-                more = await self._call(
-                    "list", None, lambda: get(len(data), size), expected=expected
-                )
-                if isinstance(more, Fault):
-                    return []
-                data += more
-            return list(decode_table(data, name))
-        except PackTableError as exc:
-            self._log.warning("pack", "%s: ignoring pack %s: %s", self.name, name, exc)
-        except TierError as exc:  # its keys miss until a journal or a store names them
-            self._log.warning(
-                "pack-table", "%s: could not read pack %s (%s)", self.name, name, exc.reason
-            )
-        return []
+        """Index every block object under the prefix, within ``index_list_timeout`` seconds
+        (``_listing``)."""
+        self.listing_complete = await list_prefix(
+            self._index,
+            self._call,
+            self._client(),
+            name=self.name,
+            bucket=self._bucket,
+            prefix=self._prefix,
+            index_list_timeout=self._list_timeout,
+        )
 
     # -- the journal loop ------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Publish and poll every ``refresh`` seconds until cancelled."""
+        """Publish and poll every ``index_refresh`` seconds until cancelled."""
         while True:
-            await anyio.sleep(self.refresh)
+            await anyio.sleep(self.index_refresh)
             await self.refresh_once()
 
     async def refresh_once(self, *, poll: bool = True) -> None:
@@ -446,15 +294,8 @@ class IndexSync:
         (the object may have grown since the listing); a segment that does not parse or
         verify teaches nothing and is counted."""
 
-        async def get() -> bytes:
-            response = await client.get_object(
-                Bucket=self._bucket, Key=name, Range=f"bytes=0-{self._max_segment - 1}"
-            )
-            async with response["Body"] as body:
-                data: bytes = await body.read()
-            return data
-
         expected = frozenset({Fault.NOT_FOUND, Fault.REJECTED})
+        get = functools.partial(get_bytes, client, self._bucket, name, 0, self._max_segment)
         data = await self._call("journal", None, get, expected=expected)
         if isinstance(data, Fault):
             # Deleted by its writer meanwhile (older than the lookback anyway), or empty (a
