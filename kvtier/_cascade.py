@@ -16,48 +16,26 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import anyio
 import anyio.abc
 
-from kvtier._admission import AdmissionPolicy
-from kvtier._background import Background
-from kvtier._logging import BurstLogger
 from kvtier._lookup import MissReason
 from kvtier._write_account import WriteAccount, bump, reason_of
-from kvtier.pools._base import PrimaryPool
 from kvtier.tiers._base import SecondaryTier
 
 __all__ = ["Cascades"]
 
 
 class Cascades:
-    """Launches and runs the cascades; ``room_again`` is called as each one ends, before it
-    stops counting (closing waits for what that starts). ``track``: keep what ``wait_begun``
-    needs (only when some tier takes deferred copies)."""
+    """Launches and runs the cascades, counted in ``account``. ``track``: keep what
+    ``wait_begun`` needs (only when some tier takes deferred copies)."""
 
-    def __init__(
-        self,
-        pool: PrimaryPool,
-        admission: AdmissionPolicy,
-        account: WriteAccount,
-        *,
-        store_timeout: float,
-        background: Background,
-        callback: Callable[..., None],
-        log: BurstLogger,
-        room_again: Callable[[], None],
-        track: bool,
-    ) -> None:
-        self.pool = pool
-        self.admission = admission
+    def __init__(self, account: WriteAccount, *, track: bool) -> None:
         self.account = account
-        self._store_timeout = store_timeout
-        self._background = background
-        self._callback = callback
-        self._log = log
-        self._room_again = room_again
+        self.pool = account.pool
+        self.admission = account.admission
         # With ``track``: key -> cascades launched that have not yet begun every store, and
         # an event for each key a deferred copy waits on (see ``wait_begun``).
         self._cascading: dict[bytes, int] | None = {} if track else None
@@ -78,7 +56,9 @@ class Cascades:
             self._cascading[key] = self._cascading.get(key, 0) + 1
         targets = tuple(targets)
         undo = functools.partial(self._never_ran, key, slot, nbytes, targets)
-        self._background.start_soon(task_group, undo, self._cascade, key, slot, nbytes, targets)
+        self.account.background.start_soon(
+            task_group, undo, self._cascade, key, slot, nbytes, targets
+        )
 
     async def wait_begun(self, key: bytes) -> None:
         """Return once no cascade of ``key`` is launched without having begun its stores."""
@@ -123,7 +103,7 @@ class Cascades:
         write = functools.partial(self._write_through, key, targets, failures, begun)
         account = self.account
         try:
-            with anyio.fail_after(self._store_timeout):
+            with anyio.fail_after(self.account.store_timeout):
                 if isinstance(slot, int):
                     await self.pool.drain(slot, write)
                 else:
@@ -139,7 +119,7 @@ class Cascades:
             account.in_flight_bytes -= nbytes
             if len(begun) < len(targets):  # ended before reaching every tier
                 self._reached(key)
-            self._room_again()  # before this one stops counting: closing waits for the next
+            account.room_again()  # before this one stops counting: closing waits for the next
             account.cascades.finished()
         for reason in failures:
             bump(account.failures, reason)
@@ -177,7 +157,7 @@ class Cascades:
         except Exception as exc:
             reason = reason_of(exc)
             failures.append(reason)
-            self._log.warning(
+            self.account.burst_log.warning(
                 "store:" + tier.name,
                 "write-through to %s failed (%s): %r",
                 tier.name,
@@ -185,6 +165,6 @@ class Cascades:
                 exc,
             )
         else:
-            self._callback("notify", tier.notify, [key])
+            self.account.callback("notify", tier.notify, [key])
         finally:
             self.admission.finished(tier.name, view.nbytes, time.perf_counter() - started)

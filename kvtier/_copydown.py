@@ -29,10 +29,7 @@ from typing import Any
 import anyio
 import anyio.abc
 
-from kvtier._admission import AdmissionPolicy
-from kvtier._background import Background
 from kvtier._deferred import DeferredWrites
-from kvtier._logging import BurstLogger
 from kvtier._lookup import LookupResult, MissReason
 from kvtier._write_account import WriteAccount, bump, reason_of
 from kvtier.tiers._base import SecondaryTier, settled_lookup
@@ -75,34 +72,24 @@ class DeferredCopies:
     queue (``queue``) and the copies that drain it.
 
     ``wait_begun(key)`` returns once the block's write-through in flight has reached the
-    faster tiers; ``room_again`` is called as each copy ends, before it stops counting.
+    faster tiers. Each copy is counted in ``account`` and calls its ``room_again`` as it
+    ends, before it stops counting.
     """
 
     def __init__(
         self,
         tiers: Sequence[SecondaryTier],
         deferred: Sequence[SecondaryTier],
-        admission: AdmissionPolicy,
         account: WriteAccount,
         *,
-        store_timeout: float,
-        background: Background,
-        callback: Callable[..., None],
-        log: BurstLogger,
-        room_again: Callable[[], None],
         wait_begun: Callable[[bytes], Awaitable[None]],
     ) -> None:
-        self.admission = admission
         self.account = account
+        self.admission = account.admission
         self.queue = DeferredWrites([t.name for t in deferred], DEFERRED_LIMIT)
         self._names = tuple(t.name for t in deferred)
         self._sources = {tier.name: tuple(tiers[:i]) for i, tier in enumerate(tiers)}
         self._by_name = {tier.name: tier for tier in tiers}
-        self._store_timeout = store_timeout
-        self._background = background
-        self._callback = callback
-        self._log = log
-        self._room_again = room_again
         self._wait_begun = wait_begun
         # The one pending wake-up of the drain: the task group it runs in and the scope
         # whose deadline it sleeps until (moved earlier when a sooner one is asked).
@@ -149,7 +136,9 @@ class DeferredCopies:
             target = self._by_name[name]
             account.take(len(keys))
             undo = functools.partial(self._never_ran, target, nbytes, len(keys))
-            self._background.start_soon(task_group, undo, self._write_down, keys, target, nbytes)
+            self.account.background.start_soon(
+                task_group, undo, self._write_down, keys, target, nbytes
+            )
         if self.queue:
             self.wake_later(task_group, self._names)
 
@@ -222,7 +211,7 @@ class DeferredCopies:
         load = functools.partial(self._load_down, target, nbytes)
         store = functools.partial(self._store_down, target, nbytes)
         try:
-            with anyio.fail_after(self._store_timeout):
+            with anyio.fail_after(self.account.store_timeout):
                 await _each(downs, load)
                 await _each([d for d in downs if not d.settled], store)
         except Exception as exc:  # the deadline: what has not ended has failed
@@ -265,7 +254,7 @@ class DeferredCopies:
             self._settle(down, target, nbytes, None)
 
     def _failed(self, target: SecondaryTier, failure: MissReason, exc: BaseException) -> None:
-        self._log.warning(
+        self.account.burst_log.warning(
             "store:" + target.name,
             "deferred write to %s failed (%s): %r",
             target.name,
@@ -289,11 +278,11 @@ class DeferredCopies:
         account.in_flight_bytes -= nbytes
         if not down.written:
             self.queue.lost += 1
-        self._room_again()  # before this one stops counting: closing waits for the next
+        account.room_again()  # before this one stops counting: closing waits for the next
         account.cascades.finished()
         if failure is not None:
             bump(account.failures, failure)
         elif down.written:
             account.succeeded += 1
             self.queue.written += 1
-            self._callback("notify", target.notify, [down.key])
+            self.account.callback("notify", target.notify, [down.key])

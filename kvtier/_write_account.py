@@ -5,16 +5,22 @@ Three kinds of writes share one account: the write-through of a stored or promot
 takes its bytes in flight against one global ``max_in_flight_bytes`` before its task starts
 and gives them back when it ends, counts itself in the counters the manager's statistics
 show, and runs in the manager's task group (``task_group``, None while closed) as one of the
-``cascades`` that closing waits for.
+``cascades`` that closing waits for. ``WriteThrough`` is this account, with the routing of
+each block on top.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import anyio.abc
 
-from kvtier._background import InFlight
+from kvtier._admission import AdmissionPolicy
+from kvtier._background import Background, InFlight
 from kvtier._errors import TierError
+from kvtier._logging import BurstLogger
 from kvtier._lookup import MissReason
+from kvtier.pools._base import PrimaryPool
 
 __all__ = ["WriteAccount", "bump", "reason_of"]
 
@@ -33,11 +39,32 @@ def reason_of(exc: BaseException) -> MissReason:
 
 
 class WriteAccount:
-    """The bytes in flight, the writes running and their counts (see the module doc)."""
+    """What the writes share: the pool they read, the admission they report to, their
+    deadline, the bytes in flight and the counters (see the module doc).
 
-    def __init__(self, block_bytes: int, max_in_flight_bytes: int) -> None:
-        self.block_bytes = block_bytes
+    ``background`` starts and counts every background task of the manager; ``callback``
+    calls a tier's hook with its exceptions contained (the manager's ``_callback``).
+    """
+
+    def __init__(
+        self,
+        pool: PrimaryPool,
+        admission: AdmissionPolicy,
+        *,
+        max_in_flight_bytes: int,
+        store_timeout: float,
+        background: Background,
+        callback: Callable[..., None],
+        log: BurstLogger,
+    ) -> None:
+        self.pool = pool
+        self.admission = admission
+        self.block_bytes = pool.block_bytes
         self.max_in_flight_bytes = max_in_flight_bytes
+        self.store_timeout = store_timeout
+        self.background = background
+        self.callback = callback
+        self.burst_log = log
         self.in_flight_bytes = 0
         self.cascades = InFlight()  # the writes running: what closing waits for
         self.started = self.succeeded = self.skipped = self.cancelled = 0
@@ -50,8 +77,13 @@ class WriteAccount:
         return (self.max_in_flight_bytes - self.in_flight_bytes) // self.block_bytes
 
     def take(self, count: int = 1) -> None:
-        """``count`` writes start: their bytes are in flight, they run until ``finished``."""
+        """``count`` writes start: their bytes are in flight, they run until they end."""
         self.in_flight_bytes += self.block_bytes * count
         self.started += count
         for _ in range(count):
             self.cascades.started()
+
+    def room_again(self) -> None:
+        """A write ended (called before it stops counting, so that closing waits for what
+        this starts): start what now fits. ``WriteThrough`` starts the write-backs and
+        deferred copies; the bare account has nothing to start."""

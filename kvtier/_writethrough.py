@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 import anyio.abc
 
 from kvtier._admission import AdmissionPolicy
-from kvtier._background import Background, InFlight
+from kvtier._background import Background
 from kvtier._cascade import Cascades
 from kvtier._copydown import DeferredCopies
 from kvtier._deferred import DeferredWrites
@@ -33,13 +33,12 @@ from kvtier.tiers._base import SecondaryTier
 __all__ = ["WriteThrough", "bump", "reason_of"]
 
 
-class WriteThrough:
+class WriteThrough(WriteAccount):
     """Writes stored blocks to the tiers, each tier as its admission allows.
 
-    ``background`` starts and counts every background task of the manager (promotions
-    too); ``cascades`` counts only the writes, which is what closing waits for. ``callback``
-    calls a tier's hook with its exceptions contained (the manager's ``_callback``). The
-    counters, ``closing`` and ``task_group`` are the shared ``account``'s.
+    It is the account of every write it starts (``WriteAccount``: the counters the manager
+    reads, ``cascades`` that closing waits for, ``closing`` and ``task_group`` that the
+    manager sets), and decides where each block goes.
     """
 
     def __init__(
@@ -55,9 +54,15 @@ class WriteThrough:
         callback: Callable[..., None],
         log: BurstLogger,
     ) -> None:
-        self.pool = pool
-        self.admission = admission
-        self.account = WriteAccount(pool.block_bytes, max_in_flight_bytes)
+        super().__init__(
+            pool,
+            admission,
+            max_in_flight_bytes=max_in_flight_bytes,
+            store_timeout=store_timeout,
+            background=background,
+            callback=callback,
+            log=log,
+        )
         self.write_back = WriteBackQueue(write_back_limit)
         self.write_back_tiers = tuple(t for t in tiers if admission.is_write_back(t.name))
         self.through_tiers = tuple(t for t in tiers if not admission.is_write_back(t.name))
@@ -66,31 +71,9 @@ class WriteThrough:
             for i, tier in enumerate(tiers)
         }
         deferred = [t for t in self.through_tiers[1:] if admission.is_deferred(t.name)]
-        self._cascades = Cascades(
-            pool,
-            admission,
-            self.account,
-            store_timeout=store_timeout,
-            background=background,
-            callback=callback,
-            log=log,
-            room_again=self._room_again,
-            track=bool(deferred),
-        )
-        self._copies = DeferredCopies(
-            tiers,
-            deferred,
-            admission,
-            self.account,
-            store_timeout=store_timeout,
-            background=background,
-            callback=callback,
-            log=log,
-            room_again=self._room_again,
-            wait_begun=self._cascades.wait_begun,
-        )
+        self._cascades = Cascades(self, track=bool(deferred))
+        self._copies = DeferredCopies(tiers, deferred, self, wait_begun=self._cascades.wait_begun)
         self.deferred: DeferredWrites = self._copies.queue
-        self._log = log
         self.written_up = 0  # promoted blocks whose write to the tiers above was started
 
     # -- what the manager calls ---------------------------------------------------------------
@@ -158,9 +141,8 @@ class WriteThrough:
         of ``tiers`` that admit it now: True if started, False if every tier dropped it, None
         if the global in-flight limit or an eviction skipped it (counted in ``skipped``)."""
         nbytes = self.pool.block_bytes
-        account = self.account
-        if account.in_flight_bytes + nbytes > account.max_in_flight_bytes:
-            account.skipped += 1
+        if self.in_flight_bytes + nbytes > self.max_in_flight_bytes:
+            self.skipped += 1
             return None
         targets: list[SecondaryTier] = []
         for tier in tiers:
@@ -176,7 +158,7 @@ class WriteThrough:
         if slot is None:  # already evicted by a later store in the same burst
             for tier in targets:
                 self.admission.cancel(tier.name, nbytes)
-            account.skipped += 1
+            self.skipped += 1
             return None
         self._cascades.launch(task_group, key, slot, targets)
         return True
@@ -186,7 +168,7 @@ class WriteThrough:
         cause = self.admission.last_refusal(tier)
         if self.deferred.wants(tier):
             self._copies.defer(task_group, tier, key)  # written later from a faster tier
-            self._log.warning(
+            self.burst_log.warning(
                 "admission:" + tier,
                 "%s refuses writes for now (%s): they are deferred, to be copied "
                 "from a faster tier when it has room",
@@ -194,75 +176,22 @@ class WriteThrough:
                 cause,
             )
         else:
-            self._log.warning(
+            self.burst_log.warning(
                 "admission:" + tier,
                 "%s refuses writes for now (%s): write-through to it is dropped until it has room",
                 tier,
                 cause,
             )
 
-    def _room_again(self) -> None:
+    def room_again(self) -> None:
         """A write ended: start the write-backs and deferred writes that now fit."""
-        task_group = self.account.task_group
+        task_group = self.task_group
         if task_group is None:
             return
         if self.write_back:
             self.flush(task_group)
         if self.deferred:
             self.drain_deferred(task_group)
-
-    # -- the account, as the manager reads and sets it ------------------------------------
-
-    @property
-    def task_group(self) -> anyio.abc.TaskGroup | None:
-        """The manager's task group while it is open; the writes run in it."""
-        return self.account.task_group
-
-    @task_group.setter
-    def task_group(self, task_group: anyio.abc.TaskGroup | None) -> None:
-        self.account.task_group = task_group
-
-    @property
-    def closing(self) -> bool:
-        """Set while the manager closes: deferred writes then ignore rate and latency."""
-        return self.account.closing
-
-    @closing.setter
-    def closing(self, closing: bool) -> None:
-        self.account.closing = closing
-
-    @property
-    def cancelled(self) -> int:
-        """Writes still running when closing gave up on them (the manager counts them)."""
-        return self.account.cancelled
-
-    @cancelled.setter
-    def cancelled(self, count: int) -> None:
-        self.account.cancelled = count
-
-    @property
-    def cascades(self) -> InFlight:
-        return self.account.cascades
-
-    @property
-    def in_flight_bytes(self) -> int:
-        return self.account.in_flight_bytes
-
-    @property
-    def started(self) -> int:
-        return self.account.started
-
-    @property
-    def succeeded(self) -> int:
-        return self.account.succeeded
-
-    @property
-    def skipped(self) -> int:
-        return self.account.skipped
-
-    @property
-    def failures(self) -> dict[str, int]:
-        return self.account.failures
 
     def __repr__(self) -> str:
         return (
