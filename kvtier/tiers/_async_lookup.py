@@ -33,7 +33,7 @@ from kvtier._lookup import LookupResult, MissReason
 from kvtier._resource import AsyncResource
 from kvtier._validate import positive_int, positive_number
 from kvtier._verdicts import PRESENT, VerdictStore, code_of, reason_of
-from kvtier.tiers._base import LookupStatistics
+from kvtier.tiers._base import LookupCounts, LookupStatistics
 
 __all__ = ["AsyncLookupManager"]
 
@@ -42,10 +42,10 @@ logger = logging.getLogger(__name__)
 ContainsMany = Callable[[list[bytes]], Awaitable[list[bool]]]
 # Bound once: an enum member read through its class costs more than the rest of a cached
 # answer in ``lookup``.
-HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
+HIT, RETRY = LookupResult.HIT, LookupResult.RETRY
 
 
-class AsyncLookupManager(AsyncResource):
+class AsyncLookupManager(LookupCounts, AsyncResource):
     """Batched, coalesced, cached existence checks behind a synchronous ``lookup()``."""
 
     def __init__(
@@ -74,6 +74,7 @@ class AsyncLookupManager(AsyncResource):
             positive_number(seconds, label)
         if hit_ttl is not None:
             positive_number(hit_ttl, "hit_ttl")
+        super().__init__()
         self._contains_many = contains_many
         self.name = name
         self._batch_size = int(batch_size)
@@ -93,11 +94,7 @@ class AsyncLookupManager(AsyncResource):
         self._wake = anyio.Event()
         self._task_group: anyio.abc.TaskGroup | None = None
         self._log = BurstLogger(logger)
-        self._hits = 0
-        self._misses = 0
         self._retries = 0
-        self._miss_reasons: dict[str, int] = {}
-        self._last_miss = MissReason.NOT_FOUND  # the reason of the latest MISS answered
         self._batches = 0
         self._keys_checked = 0
 
@@ -150,18 +147,6 @@ class AsyncLookupManager(AsyncResource):
         self._wake.set()
         self._retries += 1
         return RETRY
-
-    def lookup_with_reason(self, key: bytes) -> tuple[LookupResult, MissReason | None]:
-        """``lookup(key)`` and, for a ``MISS``, the reason it was counted under (every miss
-        is answered through ``_miss``, which notes it): no second lookup, no statistics."""
-        result = self.lookup(key)
-        return result, (self._last_miss if result is MISS else None)
-
-    def _miss(self, reason: MissReason) -> LookupResult:
-        self._misses += 1
-        self._miss_reasons[reason.value] = self._miss_reasons.get(reason.value, 0) + 1
-        self._last_miss = reason
-        return MISS
 
     def record(self, key: bytes, present: bool, reason: MissReason = MissReason.NOT_FOUND) -> None:
         """Set the verdict for ``key`` from outside (a store landed, a load found it bad).

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from abc import abstractmethod
+from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Self
@@ -19,6 +19,7 @@ from kvtier._resource import AsyncResource
 
 __all__ = [
     "BatchResults",
+    "LookupCounts",
     "LookupStatistics",
     "SecondaryTier",
     "TierMeter",
@@ -31,6 +32,7 @@ Listener = Callable[[bytes], None]
 BatchResults = list[TierError | None]
 
 _log = BurstLogger(logging.getLogger(__name__))
+_MISS = LookupResult.MISS  # bound once: read through the enum it costs more than a miss
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +68,33 @@ class TierStatistics:
     # Requests sent to the storage because ``lookup()`` was asked about a key the tier's own
     # index does not hold (a remote tier answering from an existence index keeps this at 0).
     request_path_requests: int = 0
+
+
+class LookupCounts(ABC):
+    """The answers of a lookup helper (``AsyncLookupManager``, the FS index), counted, and
+    the reason of its latest miss: a helper answers every ``MISS`` through ``_miss``, so
+    ``lookup_with_reason`` has the reason at hand with the answer, at no cost to a hit."""
+
+    def __init__(self) -> None:
+        self._hits = 0
+        self._misses = 0
+        self._miss_reasons: dict[str, int] = {}
+        self._last_miss = MissReason.NOT_FOUND
+
+    @abstractmethod
+    def lookup(self, key: bytes) -> LookupResult:
+        """HIT, MISS or RETRY, without waiting; every MISS through ``_miss``."""
+
+    def lookup_with_reason(self, key: bytes) -> tuple[LookupResult, MissReason | None]:
+        """``lookup(key)`` and, for a ``MISS``, the reason it was counted under."""
+        result = self.lookup(key)
+        return result, (self._last_miss if result is _MISS else None)
+
+    def _miss(self, reason: MissReason) -> LookupResult:
+        self._misses += 1
+        self._miss_reasons[reason.value] = self._miss_reasons.get(reason.value, 0) + 1
+        self._last_miss = reason
+        return _MISS
 
 
 class TierMeter:

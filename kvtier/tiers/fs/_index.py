@@ -21,15 +21,15 @@ from typing import Self
 
 from kvtier._lookup import LookupResult, MissReason
 from kvtier._verdicts import VerdictStore, code_of, reason_of
-from kvtier.tiers._base import LookupStatistics
+from kvtier.tiers._base import LookupCounts, LookupStatistics
 
 __all__ = ["IndexLookups"]
 
 # Bound once: an enum member read through its class costs as much as the rest of a lookup.
-HIT, MISS = LookupResult.HIT, LookupResult.MISS
+HIT = LookupResult.HIT
 
 
-class IndexLookups:
+class IndexLookups(LookupCounts):
     """Synchronous existence answers from ``holds(key)``, plus remembered failures."""
 
     def __init__(
@@ -40,13 +40,11 @@ class IndexLookups:
         max_entries: int = 100_000,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        super().__init__()
         self._holds = holds
         self._miss_ttl = miss_ttl
         self._failed = VerdictStore(max_entries, clock=clock)  # held keys whose load failed
         self._open = False
-        self._hits = self._misses = 0
-        self._miss_reasons: dict[str, int] = {}
-        self._last_miss = MissReason.NOT_FOUND  # the reason of the latest MISS answered
 
     @property
     def is_open(self) -> bool:
@@ -77,17 +75,6 @@ class IndexLookups:
             self._hits += 1
             return HIT
         return self._miss(MissReason.NOT_FOUND)
-
-    def lookup_with_reason(self, key: bytes) -> tuple[LookupResult, MissReason | None]:
-        """``lookup(key)`` and, for a ``MISS``, the reason it was counted under."""
-        result = self.lookup(key)
-        return result, (self._last_miss if result is MISS else None)
-
-    def _miss(self, reason: MissReason) -> LookupResult:
-        self._misses += 1
-        self._miss_reasons[reason.value] = self._miss_reasons.get(reason.value, 0) + 1
-        self._last_miss = reason
-        return MISS
 
     def record(self, key: bytes, present: bool, reason: MissReason = MissReason.NOT_FOUND) -> None:
         """A store landed (``present``), or an operation on ``key`` failed with ``reason``.
