@@ -43,6 +43,14 @@ async def resolve_lookup(
         return await settled_lookup(tier, key)
 
 
+async def _assert_not_found(tier: SecondaryTier, key: bytes, block_bytes: int, what: str) -> None:
+    try:
+        await tier.load(key, memoryview(bytearray(block_bytes)))
+    except BlockNotFoundError:
+        return
+    raise AssertionError(f"{what} must raise BlockNotFoundError")
+
+
 async def check_round_trip(make_tier: MakeTier, block_bytes: int) -> None:
     keys = _keys(3, "round-trip")
     blocks = [os.urandom(block_bytes) for _ in keys]
@@ -63,12 +71,7 @@ async def check_unknown_keys(make_tier: MakeTier, block_bytes: int) -> None:
     async with make_tier() as tier:
         assert await tier.contains_many([key]) == [False]
         assert await resolve_lookup(tier, key) is LookupResult.MISS
-        try:
-            await tier.load(key, memoryview(bytearray(block_bytes)))
-        except BlockNotFoundError:
-            pass
-        else:
-            raise AssertionError("load of an unknown key must raise BlockNotFoundError")
+        await _assert_not_found(tier, key, block_bytes, "load of an unknown key")
         await tier.delete(key)  # deleting what is not there is not an error
 
 
@@ -137,12 +140,7 @@ async def check_delete(make_tier: MakeTier, block_bytes: int) -> None:
         await tier.store(key, memoryview(os.urandom(block_bytes)))
         await tier.delete(key)
         assert await tier.contains_many([key]) == [False]
-        try:
-            await tier.load(key, memoryview(bytearray(block_bytes)))
-        except BlockNotFoundError:
-            pass
-        else:
-            raise AssertionError("load after delete must raise BlockNotFoundError")
+        await _assert_not_found(tier, key, block_bytes, "load after delete")
 
 
 async def check_cancellation(make_tier: MakeTier, block_bytes: int) -> None:
