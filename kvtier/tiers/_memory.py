@@ -19,7 +19,9 @@ class MemoryTier(SecondaryTier):
     """Blocks in a dict. It needs no opening, so a test can fill it before a manager owns it.
 
     ``lookup`` answers at once (HIT or MISS): an in-memory check is as cheap as a dict lookup.
-    With ``capacity_bytes`` the least recently used blocks are dropped to make room.
+    Its every miss is ``not_found``, which is what the default ``lookup_with_reason`` says,
+    so it keeps that default. With ``capacity_bytes`` the least recently used blocks are
+    dropped to make room.
     """
 
     def __init__(self, name: str = "memory", *, capacity_bytes: int | None = None) -> None:
