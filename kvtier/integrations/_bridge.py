@@ -129,22 +129,16 @@ class TierBridge:
         self.tier = tier
         self.name = name
         self._close_timeout = float(close_timeout)
-        log = BurstLogger(logger)
-        self._shared = Shared()
         self._thread = LoopThread(name, self._serve, self._thread_ended)
+        self._shared = Shared(tier, self._thread, BurstLogger(logger))
         self._snapshot = LookupSnapshot(
-            tier,
             self._shared,
-            self._thread,
             miss_ttl=float(miss_ttl),
             check_timeout=float(check_timeout),
             max_verdicts=positive_int(max_verdicts, "max_verdicts"),
             max_checks=positive_int(max_checks, "max_checks"),
-            log=log,
         )
-        self._jobs = Jobs(
-            tier, self._shared, self._thread, self._snapshot, op_timeout=float(op_timeout), log=log
-        )
+        self._jobs = Jobs(self._shared, self._snapshot, op_timeout=float(op_timeout))
         # -- loop thread only -------------------------------------------------------------
         self._opening = True  # tier.open() has not returned yet: close() cuts it short
         self._stop: anyio.Event | None = None

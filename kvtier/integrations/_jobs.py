@@ -30,12 +30,10 @@ from typing import Literal, get_args
 import anyio
 
 from kvtier._errors import InvalidArgumentError
-from kvtier._logging import BurstLogger
 from kvtier._lookup import MissReason
-from kvtier.integrations._loop import LoopThread
 from kvtier.integrations._shared import ACCEPTING, CLOSED, TIER_ERROR, Shared
 from kvtier.integrations._snapshot import LookupSnapshot
-from kvtier.tiers._base import BatchResults, SecondaryTier
+from kvtier.tiers._base import BatchResults
 
 __all__ = ["OPERATIONS", "JobOutcome", "Jobs", "Operation"]
 
@@ -91,22 +89,10 @@ class Jobs:
     sets it (the open ended, or the bridge is closing).
     """
 
-    def __init__(
-        self,
-        tier: SecondaryTier,
-        shared: Shared,
-        thread: LoopThread,
-        snapshot: LookupSnapshot,
-        *,
-        op_timeout: float,
-        log: BurstLogger,
-    ) -> None:
-        self.tier = tier
+    def __init__(self, shared: Shared, snapshot: LookupSnapshot, *, op_timeout: float) -> None:
         self._shared = shared
-        self._thread = thread
         self._snapshot = snapshot
         self._op_timeout = op_timeout
-        self._log = log
         # -- under shared.lock ----------------------------------------------------------------
         self._incoming: list[_Job] = []  # submitted jobs the loop has yet to start
         self._scheduled = False  # a _start_incoming is on its way to the loop
@@ -141,7 +127,7 @@ class Jobs:
                 schedule, self._scheduled = not self._scheduled, True
         if not accepted:
             self._publish(job, (), {CLOSED: len(job.keys)}, 0.0, counted=False)
-        elif schedule and not self._thread.call_soon(self._start_incoming):
+        elif schedule and not self._shared.thread.call_soon(self._start_incoming):
             self._start_incoming()  # the loop is gone: every queued job fails as closed
 
     def take_finished(self) -> list[JobOutcome]:
@@ -163,7 +149,7 @@ class Jobs:
                 if not shared.changed.wait(warn_after):
                     logger.warning(
                         "%s: drain waits for %d job(s) after %.0f s",
-                        self._thread.name,
+                        self._shared.name,
                         self.active,
                         time.monotonic() - started,
                     )
@@ -188,8 +174,8 @@ class Jobs:
         with self._shared.lock:
             queued, self._incoming = self._incoming, []
             self._scheduled = False
-        tg = self._thread.task_group
-        if tg is None or not self._thread.on_thread():
+        tg = self._shared.thread.task_group
+        if tg is None or not self._shared.thread.on_thread():
             for job in queued:  # the loop is stopping: nothing can run the jobs
                 self._publish(job, (), {CLOSED: len(job.keys)}, 0.0, counted=True)
             return
@@ -244,11 +230,13 @@ class Jobs:
         if left <= 0:
             return [TIMEOUT] * len(keys)
         views = [v for job in jobs for v in job.views]
-        call = self.tier.load_many if operation == "load" else self.tier.store_many
+        call = self._shared.tier.load_many if operation == "load" else self._shared.tier.store_many
         try:
             reasons = _reasons(await call(keys, views, timeout=left, pinned=True), len(keys))
         except Exception as exc:  # a tier bug must not take the engine down
-            self._log.warning(operation, "%s: %s failed: %r", self._thread.name, operation, exc)
+            self._shared.log.warning(
+                operation, "%s: %s failed: %r", self._shared.name, operation, exc
+            )
             if operation == "load":
                 for key in keys:
                     self._snapshot.verdict(key, False, TIER_ERROR)

@@ -23,12 +23,9 @@ import asyncio
 import math
 import time
 
-from kvtier._logging import BurstLogger
 from kvtier._lookup import LookupResult, MissReason
 from kvtier._verdicts import MAX_CODE, PRESENT, VerdictStore
-from kvtier.integrations._loop import LoopThread
 from kvtier.integrations._shared import ACCEPTING, CLOSED, OVERLOAD, TIER_ERROR, Shared
-from kvtier.tiers._base import SecondaryTier
 
 __all__ = ["LookupSnapshot"]
 
@@ -43,23 +40,17 @@ class LookupSnapshot:
 
     def __init__(
         self,
-        tier: SecondaryTier,
         shared: Shared,
-        thread: LoopThread,
         *,
         miss_ttl: float,
         check_timeout: float,
         max_verdicts: int,
         max_checks: int,
-        log: BurstLogger,
     ) -> None:
-        self.tier = tier
         self._shared = shared
-        self._thread = thread
         self._miss_ttl = miss_ttl
         self._check_timeout = check_timeout
         self._max_checks = max_checks
-        self._log = log
         # -- under shared.lock ----------------------------------------------------------------
         self._verdicts = VerdictStore(max_verdicts)  # codes: _reason_names
         # Unknown keys the loop has yet to ask about, with the time.monotonic() they were
@@ -103,15 +94,15 @@ class LookupSnapshot:
                 return self._count_miss(self._reason_names[code])
             if key not in self._asking and key not in self._checking:
                 if len(self._asking) + len(self._checking) >= self._max_checks:
-                    self._log.warning(
-                        "overload", "%s: too many existence checks", self._thread.name
+                    self._shared.log.warning(
+                        "overload", "%s: too many existence checks", self._shared.name
                     )
                     return self._count_miss(OVERLOAD)
                 self._asking[key] = time.monotonic()
                 if not self._flush_scheduled:
                     self._flush_scheduled = schedule = True
             self.retries += 1
-        if schedule and not self._thread.call_soon(self.flush):
+        if schedule and not self._shared.thread.call_soon(self.flush):
             with self._shared.lock:
                 self._asking.pop(key, None)
                 return self._count_miss(CLOSED)
@@ -177,13 +168,13 @@ class LookupSnapshot:
         forgets to notify is asked once more then, and after that the key is a miss."""
         if key not in self._waiting:
             delay = max(0.0, since + self._check_timeout - time.monotonic())
-            self._waiting[key] = self._thread.call_later(delay, self._check_expired, key)
+            self._waiting[key] = self._shared.thread.call_later(delay, self._check_expired, key)
 
     def _ask(self, key: bytes, since: float | None = None, *, final: bool = False) -> None:
         try:
-            result, reason = self.tier.lookup_with_reason(key)
+            result, reason = self._shared.tier.lookup_with_reason(key)
         except Exception as exc:  # a malformed answer too: a tier bug, contained
-            self._log.warning("lookup", "%s: tier lookup raised: %r", self._thread.name, exc)
+            self._shared.log.warning("lookup", "%s: tier lookup raised: %r", self._shared.name, exc)
             self.verdict(key, False, TIER_ERROR)
             return
         if result is RETRY and final:
@@ -212,8 +203,8 @@ class LookupSnapshot:
         code = self._reason_codes.get(reason)
         if code is None:
             if len(self._reason_names) > MAX_CODE:
-                self._log.warning(
-                    "reasons", "%s: too many miss reasons: %r", self._thread.name, reason
+                self._shared.log.warning(
+                    "reasons", "%s: too many miss reasons: %r", self._shared.name, reason
                 )
                 return self._reason_codes[MissReason.NOT_FOUND.value]
             code = self._reason_codes[reason] = len(self._reason_names)
