@@ -89,21 +89,7 @@ from typing import TYPE_CHECKING, Any, Self
 
 from kvtier._errors import InvalidArgumentError
 from kvtier._format import IntegrityConfig
-from kvtier._settings import (
-    Section,
-    check_fields,
-    choice,
-    did_you_mean,
-    optional,
-    parse_any_text,
-    parse_fields,
-    parse_positive_int,
-    parse_seconds,
-    parse_size,
-    parse_text,
-    parse_url,
-    spec,
-)
+from kvtier._settings import did_you_mean, parse_fields, parse_size
 from kvtier.manager._config import ManagerConfig
 from kvtier.pools._config import PoolConfig, build_pool
 from kvtier.tiers.fs._config import FSConfig
@@ -129,24 +115,7 @@ ENV_PREFIX = "KVTIER_"
 ENV_CONFIG_FILE = "KVTIER_CONFIG"
 
 
-# -- value parsers: one set for every component (kvtier._settings) ------------------------
-#
-# The short names below are the ones the sections still defined here were written with.
-
-_positive_int = parse_positive_int
-_seconds = parse_seconds
-_text = parse_text
-_any_text = parse_any_text
-_url = parse_url
-_choice = choice
-_optional = optional
-_spec = spec
-_check_fields = check_fields
-_Section = Section
-
-
-# -- sections --------------------------------------------------------------------------------
-
+# -- sections: each a component's settings object, defined beside the component --------------
 
 _SECTIONS: dict[str, type[Any]] = {
     "pool": PoolConfig,

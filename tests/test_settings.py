@@ -103,6 +103,11 @@ EFFECTIVE: dict[tuple[str, str], tuple[Callable[[Any], Any], Callable[[Any], Any
     ("fs", "max_stuck_threads"): (lambda t: t._files.calls.max_abandoned, _same),
     ("fs", "direct_io"): (lambda t: t.direct_io, _same),
     ("integrity", "key"): (_key_ids, lambda v: {IntegrityKey(v).key_id}),
+    # S3Tier keeps its credentials out of its config (and of every repr) in a closure.
+    **{
+        ("s3", key): (lambda t, key=key: t._credentials().get(key), _same)
+        for key in ("aws_access_key_id", "aws_secret_access_key", "aws_session_token")
+    },
 }
 
 # Keys that cannot be checked here, and why.
@@ -114,17 +119,15 @@ UNCHECKED_VALUE: dict[tuple[str, str], str] = {
     ("pool", "kind"): "a cuda pool needs a GPU and the cuda extra (cupy)",
 }
 
-# Sections whose component does not hold its settings object yet; covered once it does.
-PENDING: dict[str, str] = {
-    "s3": "S3Tier holds S3Config once the S3 wing takes its settings from it",
-    "manager": "TieringManager holds ManagerConfig once the manager takes its settings from it",
-}
+# Sections whose component does not hold its settings object yet, and why (none now: every
+# component takes its section's object as ``config``).
+PENDING: dict[str, str] = {}
 
 # Values to try first for a key where the generic candidates do not fit.
 VALUES: dict[tuple[str, str], list[Any]] = {
     ("manager", "write_back"): [["s3"]],
     ("manager", "deferred"): [["s3"]],
-    ("s3", "aws_access_key_id"): [],  # set in pairs: see COMPANIONS
+    ("s3", "lookup_mode"): ["ask"],
 }
 # Keys that only validate together with others (a rule across keys).
 COMPANIONS: dict[tuple[str, str], dict[str, Any]] = {
