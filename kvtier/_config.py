@@ -85,7 +85,7 @@ import os
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 from kvtier._errors import InvalidArgumentError
 from kvtier._format import IntegrityConfig
@@ -113,6 +113,7 @@ __all__ = [
 
 ENV_PREFIX = "KVTIER_"
 ENV_CONFIG_FILE = "KVTIER_CONFIG"
+_T = TypeVar("_T")
 
 
 # -- sections: each a component's settings object, defined beside the component --------------
@@ -291,30 +292,20 @@ class KVTierConfig:
 
     def build_pool(self) -> PrimaryPool:
         """The primary pool this config describes (a CudaPool needs the ``cuda`` extra)."""
-        try:
-            return build_pool(self.pool)
-        except InvalidArgumentError as exc:
-            raise InvalidArgumentError(f"pool: {exc}") from exc
+        return _built("pool", build_pool, self.pool)
 
     def build_tiers(self) -> list[SecondaryTier]:
         """The secondary tiers, in the order the manager asks them: ``fs``, then ``s3``."""
+        key = None if self.integrity is None else self.integrity.key
         tiers: list[SecondaryTier] = []
-        if self.fs is not None:
+        if (fs := self.fs) is not None:
             from kvtier.tiers.fs import FSTier
 
-            key = None if self.integrity is None else self.integrity.key
-            try:
-                tiers.append(FSTier(self.fs.root, config=self.fs, integrity_key=key))
-            except InvalidArgumentError as exc:
-                raise InvalidArgumentError(f"fs: {exc}") from exc
-        if self.s3 is not None:
+            tiers.append(_built("fs", FSTier, fs.root, config=fs, integrity_key=key))
+        if (s3 := self.s3) is not None:
             from kvtier.tiers.s3 import S3Tier
 
-            key = None if self.integrity is None else self.integrity.key
-            try:
-                tiers.append(S3Tier(self.s3.bucket, config=self.s3, integrity_key=key))
-            except InvalidArgumentError as exc:
-                raise InvalidArgumentError(f"s3: {exc}") from exc
+            tiers.append(_built("s3", S3Tier, s3.bucket, config=s3, integrity_key=key))
         return tiers
 
     def build(self) -> TieringManager:
@@ -346,6 +337,14 @@ class KVTierConfig:
                 continue
             out[name] = section.as_dict()
         return out
+
+
+def _built(section: str, make: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+    """``make(*args, **kwargs)``, its argument errors prefixed with the section's name."""
+    try:
+        return make(*args, **kwargs)
+    except InvalidArgumentError as exc:
+        raise InvalidArgumentError(f"{section}: {exc}") from exc
 
 
 def _load_toml(where: str) -> dict[str, Any]:
