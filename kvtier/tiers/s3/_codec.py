@@ -183,14 +183,11 @@ async def _stream_into(
     """Copy the chunks of an aiohttp body (``content``, of ``length`` bytes by its
     Content-Length) into ``dst``, after checking the header in the first bytes.
 
-    Measured on SeaweedFS (2 MiB blocks, ``bench_s3.py``): a raw ``read()`` awaits each
-    socket chunk and then joins them (one copy); the whole-body path added a second copy and
-    a worker-thread hop for the check, 0.89-0.92x raw GETs. Here each chunk is copied once,
-    into ``dst``, and the xxh3 check runs over the piece of ``dst`` just written (what is
-    checked is what the caller gets), a few microseconds per chunk on the loop. A keyed MAC
-    (BLAKE2b, about 1 ms per MiB) runs over ``dst`` once it is full, in a worker thread above
-    ``thread_bytes``. A body that ends early, runs past the header's length or disagrees with
-    it is a problem, like any corruption."""
+    Each chunk is copied once, into ``dst``, and the xxh3 check runs over the piece of ``dst``
+    just written (what is checked is what the caller gets), on the loop: no second copy and
+    no worker-thread hop, so a load keeps up with a raw GET (``bench_s3.py``). A keyed MAC
+    runs over ``dst`` once it is full, in a worker thread above ``thread_bytes``. A body
+    that ends early, runs past the header's length or disagrees with it is a problem."""
     size = header_size(len(key), integrity_key=integrity_key)
     first = b""
     while len(first) < size:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kvtier._errors import InvalidArgumentError, TierUnavailableError
@@ -153,6 +154,32 @@ async def check_marker(
         return conditional_put
     if integrity_key is None:
         return conditional_put
+    if await _lists_blocks(call, client, bucket, prefix):
+        # A signing node may have claimed the prefix and stored blocks since the GET above
+        # (it writes the marker before its first block): read the marker once more.
+        found = await get()
+        if found is None:
+            raise InvalidArgumentError(unsigned_blocks_problem(where))
+        settle(found)
+        return conditional_put
+    put = functools.partial(client.put_object, Bucket=bucket, Key=name)
+    result, conditional_put = await _put_marker(
+        call, put, marker_body(integrity_key), conditional_put, tier=tier, where=where
+    )
+    if result in (Fault.PRECONDITION, Fault.CONFLICT) or not conditional_put:
+        found = await get()  # another node claimed it first (or no conditional put): whose?
+        if found is None:
+            raise TierUnavailableError(
+                f"{where}: the integrity marker vanished right after it was written; retry",
+                tier=tier,
+                operation="open",
+            )
+        settle(found)
+    return conditional_put
+
+
+async def _lists_blocks(call: Call, client: Any, bucket: str, prefix: str) -> bool:
+    """Whether one ``Delimiter="/"`` page of the prefix shows blocks (``holds_blocks``)."""
     listing = await call(
         "open",
         None,
@@ -165,44 +192,31 @@ async def check_marker(
         ),
     )
     assert not isinstance(listing, Fault)
-    if holds_blocks(listing, prefix):
-        # A signing node may have claimed the prefix and stored blocks since the GET above
-        # (it writes the marker before its first block): read the marker once more.
-        found = await get()
-        if found is None:
-            raise InvalidArgumentError(unsigned_blocks_problem(where))
-        settle(found)
-        return conditional_put
-    body = marker_body(integrity_key)
+    return holds_blocks(listing, prefix)
+
+
+async def _put_marker(
+    call: Call,
+    put: Callable[..., Awaitable[Any]],
+    body: bytes,
+    conditional_put: bool,
+    *,
+    tier: str,
+    where: str,
+) -> tuple[object, bool]:
+    """Put the marker, conditionally while the server takes it; (the answer: a response, or
+    PRECONDITION / CONFLICT when another node's marker is there; whether conditional puts
+    still look supported)."""
     extra = {"IfNoneMatch": "*"} if conditional_put else {}
     expected = frozenset({Fault.PRECONDITION, Fault.CONFLICT, Fault.UNSUPPORTED})
-    result = await call(
-        "open",
-        None,
-        functools.partial(client.put_object, Bucket=bucket, Key=name, Body=body, **extra),
-        expected=expected,
-    )
+    result = await call("open", None, functools.partial(put, Body=body, **extra), expected=expected)
     if result is Fault.UNSUPPORTED and conditional_put:
         conditional_put = False
-        result = await call(
-            "open",
-            None,
-            functools.partial(client.put_object, Bucket=bucket, Key=name, Body=body),
-            expected=expected,
-        )
+        result = await call("open", None, functools.partial(put, Body=body), expected=expected)
     if result is Fault.UNSUPPORTED:
         raise TierUnavailableError(
             f"{where}: the server rejected the integrity marker's put as not implemented",
             tier=tier,
             operation="open",
         )
-    if result in (Fault.PRECONDITION, Fault.CONFLICT) or not conditional_put:
-        found = await get()  # another node claimed it first (or no conditional put): whose?
-        if found is None:
-            raise TierUnavailableError(
-                f"{where}: the integrity marker vanished right after it was written; retry",
-                tier=tier,
-                operation="open",
-            )
-        settle(found)
-    return conditional_put
+    return result, conditional_put

@@ -32,7 +32,7 @@ from kvtier.tiers.s3._pack import (
 )
 from kvtier.tiers.s3._requests import Call, get_bytes
 
-__all__ = ["list_prefix"]
+__all__ = ["Listing"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,28 +40,7 @@ _PROGRESS_EVERY = 5.0  # seconds between progress lines of a long listing
 _TABLE_READS = 16  # pack tables read at once
 
 
-async def list_prefix(
-    index: ExistenceIndex,
-    call: Call,
-    client: Any,
-    *,
-    name: str,
-    bucket: str,
-    prefix: str,
-    index_list_timeout: float,
-) -> bool:
-    """Index every block object and packed block under ``prefix`` within
-    ``index_list_timeout`` seconds; whether the listing completed. Sets ``index.listed``."""
-    listing = _Listing(index, call, client, name=name, bucket=bucket, prefix=prefix)
-    with anyio.move_on_after(index_list_timeout) as scope:
-        packs = await listing.list_pages()
-        await listing.read_tables(packs)
-    index.listed = listing.found
-    listing.report(complete=not scope.cancelled_caught, timeout=index_list_timeout)
-    return not scope.cancelled_caught
-
-
-class _Listing:
+class Listing:
     """One listing at open: what it found so far, and when to say so in the log."""
 
     def __init__(
@@ -85,6 +64,17 @@ class _Listing:
         self.found = 0
         self.pages = 0
         self._started = self._reported = time.monotonic()
+
+    async def run(self, index_list_timeout: float) -> bool:
+        """Index every block object and packed block under the prefix within
+        ``index_list_timeout`` seconds; whether the listing completed. Sets
+        ``ExistenceIndex.listed``."""
+        with anyio.move_on_after(index_list_timeout) as scope:
+            packs = await self.list_pages()
+            await self.read_tables(packs)
+        self._index.listed = self.found
+        self.report(complete=not scope.cancelled_caught, timeout=index_list_timeout)
+        return not scope.cancelled_caught
 
     def _progress_due(self) -> float | None:
         """Seconds since the start if a progress line is due now, else None."""

@@ -18,7 +18,7 @@ import anyio
 
 from kvtier._errors import KVTierError, TierError, TierUnavailableError
 from kvtier._resilience import CircuitBreaker, Permit, backoff_delay
-from kvtier.tiers.s3._errors import Fault, translate
+from kvtier.tiers.s3._errors import Fault, Translated, translate
 
 __all__ = ["BYTES_BODY_LIMIT", "Call", "Requests", "acquire", "body_of", "get_bytes"]
 
@@ -97,8 +97,10 @@ class Requests:
         self._trial_done = anyio.Event()
         self.retries = 0
 
-    def translate(self, exc: BaseException, operation: str, key: bytes | None) -> TierError:
-        translated = translate(
+    def _translated(
+        self, exc: BaseException, operation: str, key: bytes | None
+    ) -> Translated | None:
+        return translate(
             exc,
             tier=self.name,
             operation=operation,
@@ -106,6 +108,19 @@ class Requests:
             bucket=self.bucket,
             endpoint=self._endpoint_label,
         )
+
+    def _rejected(self, operation: str, key: bytes | None) -> TierUnavailableError:
+        """The error of a request the open breaker refused."""
+        return TierUnavailableError(
+            f"circuit breaker open: {self._endpoint_label} failed {self._breaker.threshold} "
+            f"times in a row; retrying after {self._breaker.reset_after} s",
+            tier=self.name,
+            operation=operation,
+            key=key,
+        )
+
+    def translate(self, exc: BaseException, operation: str, key: bytes | None) -> TierError:
+        translated = self._translated(exc, operation, key)
         if translated is None:
             return TierUnavailableError(
                 f"unexpected {type(exc).__name__}", tier=self.name, operation=operation, key=key
@@ -129,14 +144,7 @@ class Requests:
         for n in range(attempts):
             permit = await self.permit()
             if permit is Permit.REJECTED:
-                raise TierUnavailableError(
-                    f"circuit breaker open: {self._endpoint_label} failed "
-                    f"{self._breaker.threshold} times in a row; retrying after "
-                    f"{self._breaker.reset_after} s",
-                    tier=self.name,
-                    operation=operation,
-                    key=key,
-                )
+                raise self._rejected(operation, key)
             settled = False
             try:
                 await acquire(self._limiter)
@@ -148,14 +156,7 @@ class Requests:
                 settled = True
                 return result
             except Exception as exc:
-                translated = translate(
-                    exc,
-                    tier=self.name,
-                    operation=operation,
-                    key=key,
-                    bucket=self.bucket,
-                    endpoint=self._endpoint_label,
-                )
+                translated = self._translated(exc, operation, key)
                 settled = True
                 if translated is None:
                     if isinstance(exc, KVTierError):  # ours (corrupt, bad dst): it answered

@@ -58,7 +58,7 @@ from kvtier.tiers.s3._journal import (
     segment_writer,
     start_after,
 )
-from kvtier.tiers.s3._listing import list_prefix
+from kvtier.tiers.s3._listing import Listing
 from kvtier.tiers.s3._requests import Call, get_bytes
 
 __all__ = ["IndexSync"]
@@ -128,15 +128,15 @@ class IndexSync:
     async def list_at_open(self) -> None:
         """Index every block object under the prefix, within ``index_list_timeout`` seconds
         (``_listing``)."""
-        self.listing_complete = await list_prefix(
+        listing = Listing(
             self._index,
             self._call,
             self._client(),
             name=self.name,
             bucket=self._bucket,
             prefix=self._prefix,
-            index_list_timeout=self._list_timeout,
         )
+        self.listing_complete = await listing.run(self._list_timeout)
 
     # -- the journal loop ------------------------------------------------------------------
 

@@ -98,16 +98,7 @@ class S3Tier(SecondaryTier):
             settings, aws_access_key_id=None, aws_secret_access_key=None, aws_session_token=None
         )
         self.bucket, self.prefix = config.bucket, config.prefix
-        self._lookups = AsyncLookupManager(
-            self._check_unindexed,
-            name=self.name,
-            batch_size=config.lookup_batch_size,
-            max_concurrency=max(1, min(8, config.max_concurrency)),
-            timeout=config.lookup_timeout,
-            miss_ttl=config.miss_ttl,
-            on_verdict=self.notify,
-            clock=clock,
-        )
+        self._lookups = self._new_lookups(config, clock)
         self._core = core = S3Core(
             config, integrity_key=self.integrity_key, lookups=self._lookups, clock=clock
         )
@@ -125,7 +116,28 @@ class S3Tier(SecondaryTier):
         self._blocks = BlockObjects(
             core, self._requests, client=self._require_client, task_group=self._background
         )
-        self._sync = IndexSync(
+        self._sync = self._new_sync(core)
+        self._stack: AsyncExitStack | None = None
+        self._client: Any = None
+        self._task_group: anyio.abc.TaskGroup | None = None
+
+    def _new_lookups(self, config: S3Config, clock: Callable[[], float]) -> AsyncLookupManager:
+        """The ask mode's existence checks: batched HEADs for keys asked about."""
+        return AsyncLookupManager(
+            self._check_unindexed,
+            name=self.name,
+            batch_size=config.lookup_batch_size,
+            max_concurrency=max(1, min(8, config.max_concurrency)),
+            timeout=config.lookup_timeout,
+            miss_ttl=config.miss_ttl,
+            on_verdict=self.notify,
+            clock=clock,
+        )
+
+    def _new_sync(self, core: S3Core) -> IndexSync:
+        """The listing at open and the journal loop that keep ``core.index`` current."""
+        config = core.config
+        return IndexSync(
             core.index,
             name=self.name,
             bucket=config.bucket,
@@ -140,9 +152,6 @@ class S3Tier(SecondaryTier):
             read_journal=core.index_mode,  # ask mode only publishes, for the others
             integrity_key=self.integrity_key,
         )
-        self._stack: AsyncExitStack | None = None
-        self._client: Any = None
-        self._task_group: anyio.abc.TaskGroup | None = None
 
     def object_key(self, key: bytes) -> str:
         """The object name of ``key``: ``<prefix>/<2 hex>/<hex key>``."""
