@@ -400,6 +400,10 @@ class Section:
         """``base`` (or the defaults) with a Python caller's keyword arguments, each checked
         and named the way the caller wrote it: ``miss_ttl must be ...``, not ``fs.miss_ttl``.
         An unknown keyword is a ``TypeError``, as for any function."""
+        if base is not None and not isinstance(base, cls):
+            raise InvalidArgumentError(
+                f"config must be an instance of {cls.__name__}, got {type(base).__name__}"
+            )
         parsed = parse_fields(cls, values, str, python=True, unknown=_unexpected_keyword)
         if base is not None:
             return dataclasses.replace(base, **parsed)

@@ -298,7 +298,7 @@ def test_fstier_checks_keywords_in_a_callers_words(
 def test_fstier_refuses_unknown_keywords_and_configs(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match="did you mean 'fsync'"):
         FSTier(tmp_path, fsnyc="never")  # type: ignore[call-arg]
-    with pytest.raises(InvalidArgumentError, match="config must be an FSConfig"):
+    with pytest.raises(InvalidArgumentError, match="config must be an instance of FSConfig"):
         FSTier(tmp_path, config={"fsync": "never"})  # type: ignore[arg-type]
 
 

@@ -58,8 +58,6 @@ class FSTier(SecondaryTier):
     ) -> None:
         """A tier in ``root``, with ``config``'s settings (else the defaults) and any
         keyword overrides (``fsync="never"``, ...); ``FSConfig`` names and checks each one."""
-        if config is not None and not isinstance(config, FSConfig):
-            raise InvalidArgumentError(f"config must be an FSConfig, got {type(config).__name__}")
         self.config = settings = FSConfig.from_keywords(config, root=root, **overrides)
         self.integrity_key = (
             integrity_key
