@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterable
 from kvtier._logging import BurstLogger
 from kvtier._lookup import LookupResult, MissReason
 from kvtier._verdicts import VerdictStore, code_of, reason_of
-from kvtier.tiers._base import LookupStatistics
+from kvtier.tiers._base import LookupCounts, LookupStatistics
 from kvtier.tiers.s3._pack import Location
 
 __all__ = ["ExistenceIndex", "key_from_object"]
@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 _INDEXED = 1
 _PLACE = 2
 # Bound once: an enum member read through its class costs as much as the rest of a lookup.
-HIT, MISS = LookupResult.HIT, LookupResult.MISS
+HIT = LookupResult.HIT
 
 
 def key_from_object(name: str, prefix: str) -> bytes | None:
@@ -69,8 +69,9 @@ def key_from_object(name: str, prefix: str) -> bytes | None:
         return None
 
 
-class ExistenceIndex:
-    """Known keys, short suppressions and the journal's bookkeeping."""
+class ExistenceIndex(LookupCounts):
+    """Known keys, short suppressions and the journal's bookkeeping; its answers are counted
+    (``LookupCounts``), so ``lookup_with_reason`` says why a miss is one."""
 
     def __init__(
         self,
@@ -80,6 +81,7 @@ class ExistenceIndex:
         clock: Callable[[], float] = time.monotonic,
         name: str = "s3",
     ) -> None:
+        super().__init__()
         self._miss_ttl = miss_ttl
         self._max_keys = max_keys
         self._name = name
@@ -98,9 +100,6 @@ class ExistenceIndex:
         self.unpublished_dropped = 0  # written here, never published (backlog at max_keys)
         self.listed = 0  # keys found by the listing at open
         self.learnt = 0  # keys learnt from other writers' journals
-        self._hits = 0
-        self._misses = 0
-        self._reasons: dict[str, int] = {}
 
     def __len__(self) -> int:
         return self._count
@@ -118,15 +117,14 @@ class ExistenceIndex:
         if self._keys.get(key, 0) & _INDEXED:
             code = self._suppressed.get(key)
             if code is not None:
-                return self.miss(reason_of(code))
+                return self._miss(reason_of(code))
             self._hits += 1
             return HIT
-        return self.miss(MissReason.NOT_FOUND)
+        return self._miss(MissReason.NOT_FOUND)
 
     def miss(self, reason: MissReason) -> LookupResult:
-        self._misses += 1
-        self._reasons[reason.value] = self._reasons.get(reason.value, 0) + 1
-        return MISS
+        """Count a miss the tier answers without asking the index (it is not open)."""
+        return self._miss(reason)
 
     # -- updates -------------------------------------------------------------------------------
 
@@ -254,6 +252,6 @@ class ExistenceIndex:
         return LookupStatistics(
             hits=self._hits,
             misses=self._misses,
-            misses_by_reason=dict(self._reasons),
+            misses_by_reason=dict(self._miss_reasons),
             cached_verdicts=self._count,
         )

@@ -282,6 +282,16 @@ class S3Tier(SecondaryTier):
             return self._index.lookup(key)
         return self._lookups.lookup(key)
 
+    def lookup_with_reason(self, key: bytes) -> tuple[LookupResult, MissReason | None]:
+        if self._breaker.rejecting():
+            self._core.breaker_misses += 1
+            return LookupResult.MISS, MissReason.UNAVAILABLE
+        if self._index_mode:
+            if self._task_group is None:
+                return self._index.miss(MissReason.UNAVAILABLE), MissReason.UNAVAILABLE
+            return self._index.lookup_with_reason(key)
+        return self._lookups.lookup_with_reason(key)
+
     async def _check_unindexed(self, keys: list[bytes]) -> list[bool]:
         """The ``ask`` mode's existence checks: each is a request on the request path."""
         self._core.request_path_requests += len(keys)
