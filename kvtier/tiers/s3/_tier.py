@@ -75,8 +75,6 @@ class S3Tier(SecondaryTier):
         clock: Callable[[], float] = time.monotonic,
         **overrides: Unpack[S3Overrides],
     ) -> None:
-        if config is not None and not isinstance(config, S3Config):
-            raise InvalidArgumentError(f"config must be an S3Config, got {type(config).__name__}")
         settings = S3Config.from_keywords(config, bucket=bucket, **overrides)
         check_bucket_name(settings.bucket)
         self.integrity_key = (
