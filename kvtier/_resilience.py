@@ -1,6 +1,6 @@
 """Fault handling for anything remote: a circuit breaker and retry backoff with full jitter.
 
-Not tied to one store: a tier that talks to a server (the S3 tier today) composes them. When
+Not tied to one store: any component that talks to a server composes them. When
 the server is down, every request costs a connect timeout or a refused
 connection, and an engine doing thousands of lookups per second would pile them up. The
 breaker counts consecutive availability failures (unreachable, timeouts, 5xx, throttling);
