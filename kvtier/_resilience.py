@@ -1,15 +1,15 @@
 """Fault handling for anything remote: a circuit breaker and retry backoff with full jitter.
 
-Not tied to one store: any component that talks to a server composes them. When
-the server is down, every request costs a connect timeout or a refused
-connection, and an engine doing thousands of lookups per second would pile them up. The
-breaker counts consecutive availability failures (unreachable, timeouts, 5xx, throttling);
-after ``threshold`` of them it *opens*: requests fail at once and ``lookup()`` answers MISS
-(reason ``unavailable``) without queueing anything. After ``reset_after`` seconds it lets one
-trial request through (*half-open*); success closes it, failure opens it for another period.
-The breaker is a synchronous state machine: callers ask ``allow()`` before a request and
-report ``success()`` or ``failure()`` after, so cancellation can never leave it half-updated
-(an abandoned trial is handed back with ``abandon()``).
+Not tied to one store: any component that talks to a server composes them. When the server is
+down, every request costs a connect timeout or a refused connection, and an engine doing
+thousands of lookups per second would pile them up. The breaker counts consecutive availability
+failures (unreachable, timeouts, 5xx, throttling); after ``threshold`` of them it *opens*:
+requests fail at once and ``lookup()`` answers MISS (reason ``unavailable``) without queueing
+anything. After ``reset_after`` seconds it lets one trial request through (*half-open*);
+success closes it, failure opens it for another period. The breaker is a synchronous state
+machine: callers ask ``allow()`` before a request and report ``success()`` or ``failure()``
+after, so cancellation can never leave it half-updated (an abandoned trial is handed back with
+``abandon()``).
 """
 
 from __future__ import annotations
