@@ -108,3 +108,12 @@ async def test_a_tier_that_overrides_lookup_alone_answers_for_its_own_lookup(
     retrying = StallingTier()
     async with retrying:
         assert retrying.lookup_with_reason(keys[0]) == (LookupResult.RETRY, None)
+
+
+async def test_check_tier_catches_a_reason_that_disagrees_with_lookup() -> None:
+    class Contrary(MemoryTier):
+        def lookup_with_reason(self, key: bytes) -> tuple[LookupResult, kvtier.MissReason | None]:
+            return LookupResult.MISS, kvtier.MissReason.CORRUPT
+
+    with pytest.raises(AssertionError, match="lookup_reason"):
+        await check_tier(Contrary, block_bytes=256)
