@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TypedDict, Unpack
 
 import anyio
 
@@ -25,22 +26,32 @@ def _check_ops(operations: Iterable[str]) -> tuple[str, ...]:
     return ops
 
 
+class _Bounds(TypedDict, total=False):
+    """The lookup helper's bounds a testing tier passes on (``AsyncLookupManager``'s)."""
+
+    max_pending: int
+    max_entries: int
+
+
 class _WrappingTier(SecondaryTier):
     """Delegates to ``inner`` (a MemoryTier by default) and answers lookups asynchronously,
     through an AsyncLookupManager, like a real remote tier."""
 
-    def __init__(self, inner: SecondaryTier | None, name: str, lookup_timeout: float) -> None:
+    def __init__(
+        self,
+        inner: SecondaryTier | None,
+        name: str,
+        lookup_timeout: float,
+        **bounds: Unpack[_Bounds],
+    ) -> None:
         super().__init__(name)
         self.inner = inner if inner is not None else MemoryTier(f"{name}.inner")
-        self._lookup_timeout = lookup_timeout
-        self._lookups = self._new_lookups()
-
-    def _new_lookups(self) -> AsyncLookupManager:
-        return AsyncLookupManager(
+        self._lookups = AsyncLookupManager(
             self.contains_many,
-            name=self.name,
-            timeout=self._lookup_timeout,
+            name=name,
+            timeout=lookup_timeout,
             on_verdict=self.notify,
+            **bounds,
         )
 
     async def _before(self, operation: str) -> None:
@@ -201,18 +212,8 @@ class SlowTier(_WrappingTier):
         max_entries: int = 100_000,
     ) -> None:
         self._delay = delay
-        self._max_pending = max_pending
-        self._max_entries = max_entries
-        super().__init__(inner, name, lookup_timeout)
-
-    def _new_lookups(self) -> AsyncLookupManager:
-        return AsyncLookupManager(
-            self.contains_many,
-            name=self.name,
-            timeout=self._lookup_timeout,
-            max_pending=self._max_pending,
-            max_entries=self._max_entries,
-            on_verdict=self.notify,
+        super().__init__(
+            inner, name, lookup_timeout, max_pending=max_pending, max_entries=max_entries
         )
 
     @property
