@@ -19,7 +19,7 @@ from kvtier._errors import CorruptBlockError, ExtraNotInstalledError, InvalidArg
 from kvtier._lookup import LookupResult
 from kvtier._metrics import KVTierCollector, LatencyHistograms, serve_metrics
 from kvtier._scheduler import OffloadScheduler
-from kvtier._tiering import TieringManager
+from kvtier.manager import TieringManager
 from kvtier.pools._host import HostPool
 from kvtier.testing import FailingTier
 from kvtier.tiers._base import TierStatistics

@@ -34,7 +34,7 @@ from kvtier._format import FLAG_MAC, MAC_BYTES, IntegrityKey, decode_header, enc
 from kvtier._keys import block_keys
 from kvtier._lookup import LookupResult
 from kvtier._scheduler import OffloadScheduler
-from kvtier._tiering import TieringManager
+from kvtier.manager import TieringManager
 from kvtier.pools._host import HostPool
 from kvtier.testing import CHECKS
 from kvtier.tiers.s3 import S3Tier

@@ -58,7 +58,7 @@ from kvtier._keys import block_keys
 from kvtier._lookup import LookupResult, MissReason
 from kvtier._resilience import BreakerState, CircuitBreaker, Permit, backoff_delay
 from kvtier._scheduler import OffloadScheduler
-from kvtier._tiering import TieringManager
+from kvtier.manager import TieringManager
 from kvtier.pools._host import HostPool
 from kvtier.testing import CHECKS, resolve_lookup
 from kvtier.tiers.s3 import S3Tier

@@ -126,10 +126,6 @@ class TieringManager(AsyncResource):
         **overrides: Unpack[ManagerOverrides],
     ) -> None:
         self.tiers = _check_tiers(pool, tiers)
-        if config is not None and not isinstance(config, ManagerConfig):
-            raise InvalidArgumentError(
-                f"config must be a ManagerConfig, got {type(config).__name__}"
-            )
         self.config = settings = ManagerConfig.from_keywords(config, **overrides)
         self.pool = pool
         self._ready = pool.table.ready  # the hit path: one dict lookup, no pool call
