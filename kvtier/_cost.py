@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from kvtier._errors import InvalidArgumentError
 from kvtier._lookup import LookupResult
-from kvtier._validate import positive_number
+from kvtier._settings import positive_number
 
 __all__ = ["CostModel", "CostStatistics", "ScanBudget", "TierCost"]
 

@@ -19,7 +19,7 @@ from kvtier._errors import InvalidArgumentError
 from kvtier._logging import BurstLogger
 from kvtier._lookup import LookupResult
 from kvtier._progress import PrefixProgress, WindowProgress
-from kvtier._validate import positive_int, positive_number
+from kvtier._settings import positive_int, positive_number
 from kvtier._watch import KeyWatch
 
 __all__ = ["OffloadScheduler", "SchedulerStatistics", "SupportsLookup", "SupportsScheduling"]

@@ -31,7 +31,7 @@ from kvtier._errors import TierError
 from kvtier._logging import BurstLogger
 from kvtier._lookup import LookupResult, MissReason
 from kvtier._resource import AsyncResource
-from kvtier._validate import positive_int, positive_number
+from kvtier._settings import positive_int, positive_number
 from kvtier._verdicts import PRESENT, VerdictStore, code_of, reason_of
 from kvtier.tiers._base import LookupCounts, LookupStatistics
 
