@@ -15,11 +15,11 @@ every lookup. The interface is ``AsyncLookupManager``'s, so the tier composes ei
 from __future__ import annotations
 
 import time
-import types
 from collections.abc import Callable
 from typing import Self
 
 from kvtier._lookup import LookupResult, MissReason
+from kvtier._resource import AsyncResource
 from kvtier._verdicts import VerdictStore, code_of, reason_of
 from kvtier.tiers._base import LookupCounts, LookupStatistics
 
@@ -29,7 +29,7 @@ __all__ = ["IndexLookups"]
 HIT = LookupResult.HIT
 
 
-class IndexLookups(LookupCounts):
+class IndexLookups(LookupCounts, AsyncResource):
     """Synchronous existence answers from ``holds(key)``, plus remembered failures."""
 
     def __init__(
@@ -54,15 +54,9 @@ class IndexLookups(LookupCounts):
         self._open = True
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: types.TracebackType | None,
-    ) -> None:
-        await self.aclose()
-
     async def aclose(self) -> None:
+        """Later lookups answer ``MISS`` (``unavailable``, or a remembered failure's reason);
+        a second call does nothing."""
         self._open = False
 
     def lookup(self, key: bytes) -> LookupResult:
