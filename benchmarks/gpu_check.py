@@ -311,7 +311,7 @@ def main() -> int:
     import anyio
     import cupy
 
-    from kvtier.pools._cuda import cuda_available
+    from kvtier.pools._cupy import cuda_available
 
     ok, reason = cuda_available()
     if not ok:

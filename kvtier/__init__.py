@@ -34,7 +34,8 @@ from kvtier._metrics import KVTierCollector, LatencyHistograms, MetricsServer, s
 from kvtier._scheduler import OffloadScheduler, SchedulerStatistics
 from kvtier.manager import ManagerConfig, ManagerStatistics, TieringManager
 from kvtier.pools._base import PrimaryPool
-from kvtier.pools._cuda import CudaPool, CudaUnavailableError, cuda_available
+from kvtier.pools._cuda import CudaPool
+from kvtier.pools._cupy import CudaUnavailableError, cuda_available
 from kvtier.pools._host import HostPool
 from kvtier.pools._policy import ARCPolicy, EvictionPolicy, LRUPolicy
 from kvtier.pools._slots import PoolStatistics, SlotState

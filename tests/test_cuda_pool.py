@@ -27,7 +27,8 @@ from kvtier import (
 )
 from kvtier._buffers import BlockBuffer
 from kvtier.pools._base import PrimaryPool
-from kvtier.pools._cuda import CudaPool, CudaUnavailableError, cuda_available
+from kvtier.pools._cuda import CudaPool
+from kvtier.pools._cupy import CudaUnavailableError, cuda_available
 from kvtier.pools._host import HostPool
 from kvtier.tiers._memory import MemoryTier
 
