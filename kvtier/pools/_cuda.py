@@ -76,23 +76,7 @@ class CudaPool(PrimaryPool):
         cupy = import_cupy()
         count = device_count(cupy)
         super().__init__(num_blocks, block_bytes, policy=policy)
-        if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < count:
-            raise InvalidArgumentError(
-                f"device must be a CUDA device index in [0, {count}), got {device!r}"
-            )
-        if (
-            isinstance(staging_buffers, bool)
-            or not isinstance(staging_buffers, int)
-            or staging_buffers <= 0
-        ):
-            raise InvalidArgumentError(
-                f"staging_buffers must be a positive int, got {staging_buffers!r}"
-            )
-        if completion not in COMPLETIONS:
-            raise InvalidArgumentError(
-                f"completion must be one of {COMPLETIONS}, got {completion!r}"
-            )
-        positive_number(settle_timeout, "settle_timeout")
+        _check_options(count, device, staging_buffers, completion, settle_timeout)
         self._cupy = cupy
         self.device = device
         self.completion = completion
@@ -181,3 +165,25 @@ class CudaPool(PrimaryPool):
             f"staging_free={t.upload_staging_free}+{t.download_staging_free}/"
             f"{self.staging_buffers}x2{' closed' if self._closed else ''}>"
         )
+
+
+def _check_options(
+    count: int, device: int, staging_buffers: int, completion: str, settle_timeout: float
+) -> None:
+    """CudaPool's own arguments, checked before anything is allocated (``count``: devices
+    visible)."""
+    if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < count:
+        raise InvalidArgumentError(
+            f"device must be a CUDA device index in [0, {count}), got {device!r}"
+        )
+    if (
+        isinstance(staging_buffers, bool)
+        or not isinstance(staging_buffers, int)
+        or staging_buffers <= 0
+    ):
+        raise InvalidArgumentError(
+            f"staging_buffers must be a positive int, got {staging_buffers!r}"
+        )
+    if completion not in COMPLETIONS:
+        raise InvalidArgumentError(f"completion must be one of {COMPLETIONS}, got {completion!r}")
+    positive_number(settle_timeout, "settle_timeout")
