@@ -173,7 +173,7 @@ class TieringManager(AsyncResource):
             watchers=self._watchers,
             background=self._background,
             callbacks=self._callback,
-            log=self._log,
+            burst_log=self._log,
             latency=latency,
             write_up=settings.promote_write_up,
         )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import time
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Protocol
 
 import anyio
@@ -37,6 +38,7 @@ class PromotionObserver(Protocol):
     def observe_promotion(self, tier: str, seconds: float, ok: bool) -> None: ...
 
 
+@dataclass(eq=False, repr=False)
 class Promotions:
     """Runs the promotions ``lookup`` starts and the copies up they lead to.
 
@@ -44,44 +46,32 @@ class Promotions:
     close (no new copy up starts then: a block still in the pool is still in its tier).
     """
 
-    def __init__(
-        self,
-        pool: PrimaryPool,
-        *,
-        timeout: float,
-        cost: CostModel,
-        failed: RecentFailures,
-        writer: WriteThrough,
-        watchers: Watchers,
-        background: Background,
-        callbacks: Callbacks,
-        log: BurstLogger,
-        latency: PromotionObserver | None,
-        write_up: bool,
-    ) -> None:
-        self._pool = pool
-        self._timeout = timeout
-        self._cost = cost
-        self._failed = failed
-        self._writer = writer
-        self._watchers = watchers
-        self._background = background
-        self._callback = callbacks
-        self._log = log
-        self._latency = latency
-        self.write_up = write_up
-        self.task_group: anyio.abc.TaskGroup | None = None
-        self.closing = False
-        self.landing: dict[bytes, float] = {}  # key -> when its promotion should land
-        # Promoted blocks to copy up to the faster tiers when the pool evicts them.
-        self.up_when_evicted: dict[bytes, SecondaryTier] = {}
-        self.succeeded = self.cancelled = 0
-        self.failures: dict[str, int] = {}
+    pool: PrimaryPool
+    _: KW_ONLY
+    timeout: float
+    cost: CostModel
+    failed: RecentFailures
+    writer: WriteThrough
+    watchers: Watchers
+    background: Background
+    callbacks: Callbacks
+    burst_log: BurstLogger
+    latency: PromotionObserver | None
+    write_up: bool
+    task_group: anyio.abc.TaskGroup | None = field(default=None, init=False)
+    closing: bool = field(default=False, init=False)
+    # key -> when its promotion should land
+    landing: dict[bytes, float] = field(default_factory=dict, init=False)
+    # Promoted blocks to copy up to the faster tiers when the pool evicts them.
+    up_when_evicted: dict[bytes, SecondaryTier] = field(default_factory=dict, init=False)
+    succeeded: int = field(default=0, init=False)
+    cancelled: int = field(default=0, init=False)
+    failures: dict[str, int] = field(default_factory=dict, init=False)
 
     def copies_on_evict(self) -> bool:
         """Whether promoted blocks are copied up when evicted (a pool that can copy a slot
         out at once, such as the host pool) rather than as soon as they land."""
-        return self.write_up and type(self._pool).copy_slot is not PrimaryPool.copy_slot
+        return self.write_up and type(self.pool).copy_slot is not PrimaryPool.copy_slot
 
     def start(self, key: bytes, tier: SecondaryTier, slot: int, ready_at: float) -> None:
         """Promote ``key`` from ``tier`` into the reserved ``slot`` in the background."""
@@ -90,10 +80,10 @@ class Promotions:
         self.landing[key] = ready_at
         # Counted in flight from now, so the next key of this scan expects its promotion
         # behind this one (and a start that raises gives it all back).
-        queued = self._cost.promotion_started(tier.name)
+        queued = self.cost.promotion_started(tier.name)
         undo = functools.partial(self._never_ran, key, slot, tier)
         try:
-            self._background.start_soon(task_group, undo, self._promote, key, tier, slot, queued)
+            self.background.start_soon(task_group, undo, self._promote, key, tier, slot, queued)
         except BaseException:
             undo()
             raise
@@ -102,8 +92,8 @@ class Promotions:
         started = time.perf_counter()
         ok = failed = False
         try:
-            with anyio.fail_after(self._timeout):
-                await self._pool.fill(slot, functools.partial(tier.load, key))
+            with anyio.fail_after(self.timeout):
+                await self.pool.fill(slot, functools.partial(tier.load, key))
             ok = True
         except Exception as exc:
             failed = True
@@ -112,27 +102,27 @@ class Promotions:
             if ok:
                 self._landed(key, tier, slot)
             else:
-                self._pool.abort(slot)
+                self.pool.abort(slot)
                 self.cancelled += not failed
             seconds = time.perf_counter() - started
-            self._cost.promotion_finished(tier.name)
+            self.cost.promotion_finished(tier.name)
             if ok or failed:  # a cancelled promotion says nothing about the tier
-                self._cost.observe_promotion(
-                    tier.name, seconds, self._pool.block_bytes, ok, queued=queued
+                self.cost.observe_promotion(
+                    tier.name, seconds, self.pool.block_bytes, ok, queued=queued
                 )
-            if self._latency is not None:
-                self._callback(
-                    "latency observer", self._latency.observe_promotion, tier.name, seconds, ok
+            if self.latency is not None:
+                self.callbacks(
+                    "latency observer", self.latency.observe_promotion, tier.name, seconds, ok
                 )
             self.landing.pop(key, None)
-            self._watchers.notify(key)
+            self.watchers.notify(key)
 
     def _failed_with(self, key: bytes, tier: SecondaryTier, exc: Exception) -> None:
         reason = reason_of(exc)
         bump(self.failures, reason)
-        self._failed.remember(tier, key, reason)
-        self._callback("record_miss", tier.record_miss, key, reason)
-        self._log.warning(
+        self.failed.remember(tier, key, reason)
+        self.callbacks("record_miss", tier.record_miss, key, reason)
+        self.burst_log.warning(
             "promote:" + reason.value,
             "promotion from %s failed (%s): %r",
             tier.name,
@@ -141,13 +131,13 @@ class Promotions:
         )
 
     def _landed(self, key: bytes, tier: SecondaryTier, slot: int) -> None:
-        self._pool.commit(slot)
+        self.pool.commit(slot)
         self.succeeded += 1
         task_group = self.task_group
         if self.write_up and task_group is not None and not self.closing:
-            if self._pool.table.on_leave is None:
-                self._writer.write_up(task_group, key, tier)
-            elif self._writer.writes_up(tier):
+            if self.pool.table.on_leave is None:
+                self.writer.write_up(task_group, key, tier)
+            elif self.writer.writes_up(tier):
                 self.up_when_evicted[key] = tier  # copied up when evicted
 
     def leaving(self, key: bytes, slot: int, evicted: bool) -> None:
@@ -159,16 +149,16 @@ class Promotions:
         task_group = self.task_group
         if tier is None or not evicted or task_group is None or self.closing:
             return
-        copy = functools.partial(self._pool.copy_slot, slot)
-        self._writer.write_up(task_group, key, tier, copy=copy)
+        copy = functools.partial(self.pool.copy_slot, slot)
+        self.writer.write_up(task_group, key, tier, copy=copy)
 
     def _never_ran(self, key: bytes, slot: int, tier: SecondaryTier) -> None:
         """Give back the slot ``lookup`` reserved for a promotion cancelled unstarted."""
-        self._cost.promotion_finished(tier.name)
-        self._pool.abort(slot)
+        self.cost.promotion_finished(tier.name)
+        self.pool.abort(slot)
         self.cancelled += 1
         self.landing.pop(key, None)
-        self._watchers.notify(key)
+        self.watchers.notify(key)
 
     def counts(self, started: int, deferred: int, declined: int) -> PromotionCounts:
         """The promotion counters, with those the lookup decision keeps."""
@@ -180,6 +170,6 @@ class Promotions:
             cancelled=self.cancelled,
             deferred=deferred,
             declined=declined,
-            written_up=self._writer.written_up,
+            written_up=self.writer.written_up,
             write_ups_waiting=len(self.up_when_evicted),
         )

@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import logging
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import anyio
@@ -49,24 +50,17 @@ class Verdicts(Protocol):
     def record(self, key: bytes, present: bool, reason: MissReason = ...) -> None: ...
 
 
+@dataclass(eq=False, repr=False, slots=True)
 class Ledger:
     """Books the outcomes of one FS tier's operations; see the module docstring."""
 
-    def __init__(
-        self,
-        name: str,
-        catalog: Catalog[anyio.Event],
-        verdicts: Verdicts,
-        notify: Callable[[Iterable[bytes]], None],
-        integrity_key: IntegrityKey | None,
-    ) -> None:
-        self.name = name
-        self.catalog = catalog
-        self.verdicts = verdicts
-        self.notify = notify
-        self.integrity_key = integrity_key
-        self.meter = TierMeter()
-        self._log = BurstLogger(logger)
+    name: str
+    catalog: Catalog[anyio.Event]
+    verdicts: Verdicts
+    notify: Callable[[Iterable[bytes]], None]
+    integrity_key: IntegrityKey | None
+    meter: TierMeter = field(default_factory=TierMeter, init=False)
+    _log: BurstLogger = field(default_factory=lambda: BurstLogger(logger), init=False)
 
     def file_size(self, key: bytes, nbytes: int) -> int:
         """The size of the file that holds ``key``'s block of ``nbytes``."""
