@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import anyio
@@ -40,30 +41,27 @@ _PROGRESS_EVERY = 5.0  # seconds between progress lines of a long listing
 _TABLE_READS = 16  # pack tables read at once
 
 
+@dataclass(eq=False, repr=False)
 class Listing:
     """One listing at open: what it found so far, and when to say so in the log."""
 
-    def __init__(
-        self,
-        index: ExistenceIndex,
-        call: Call,
-        client: Any,
-        *,
-        name: str,
-        bucket: str,
-        prefix: str,
-    ) -> None:
-        self._index = index
-        self._call = call
-        self._client = client
-        self.name = name
-        self._bucket = bucket
-        self._prefix = prefix
-        self._where = f"s3://{bucket}/{prefix}"
-        self._log = BurstLogger(logger)
-        self.found = 0
-        self.pages = 0
-        self._started = self._reported = time.monotonic()
+    index: ExistenceIndex
+    call: Call
+    client: Any
+    _: KW_ONLY
+    name: str
+    bucket: str
+    prefix: str
+    found: int = field(default=0, init=False)
+    pages: int = field(default=0, init=False)
+    _log: BurstLogger = field(default_factory=lambda: BurstLogger(logger), init=False)
+    _started: float = field(default_factory=lambda: time.monotonic(), init=False)
+    _reported: float = field(init=False)
+    _where: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._where = f"s3://{self.bucket}/{self.prefix}"
+        self._reported = self._started
 
     async def run(self, index_list_timeout: float) -> bool:
         """Index every block object and packed block under the prefix within
@@ -72,7 +70,7 @@ class Listing:
         with anyio.move_on_after(index_list_timeout) as scope:
             packs = await self.list_pages()
             await self.read_tables(packs)
-        self._index.listed = self.found
+        self.index.listed = self.found
         self.report(complete=not scope.cancelled_caught, timeout=index_list_timeout)
         return not scope.cancelled_caught
 
@@ -86,14 +84,14 @@ class Listing:
 
     async def list_pages(self) -> list[str]:
         """List every page, indexing block objects as they come; the packs' names."""
-        kwargs: dict[str, Any] = {"Bucket": self._bucket, "MaxKeys": 1000}
-        if self._prefix:
-            kwargs["Prefix"] = self._prefix + "/"
-        journal = journal_prefix(self._prefix)
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "MaxKeys": 1000}
+        if self.prefix:
+            kwargs["Prefix"] = self.prefix + "/"
+        journal = journal_prefix(self.prefix)
         packs: list[str] = []
         while True:
-            page = await self._call(
-                "list", None, functools.partial(self._client.list_objects_v2, **kwargs)
+            page = await self.call(
+                "list", None, functools.partial(self.client.list_objects_v2, **kwargs)
             )
             assert not isinstance(page, Fault)
             self.pages += 1
@@ -101,11 +99,11 @@ class Listing:
                 name = item["Key"]
                 if name.startswith(journal):
                     continue
-                if is_pack_name(name, self._prefix):
+                if is_pack_name(name, self.prefix):
                     packs.append(name)
                     continue
-                key = key_from_object(name, self._prefix)
-                if key is not None and self._index.add(key):
+                key = key_from_object(name, self.prefix)
+                if key is not None and self.index.add(key):
                     self.found += 1
             if (elapsed := self._progress_due()) is not None:
                 logger.info(
@@ -131,7 +129,7 @@ class Listing:
             nonlocal done
             for name in pending:
                 entries = await self._read_table(name)
-                self.found += len(self._index.add_many(entries))
+                self.found += len(self.index.add_many(entries))
                 done += 1
                 if (elapsed := self._progress_due()) is not None:
                     logger.info(
@@ -148,10 +146,10 @@ class Listing:
                 tg.start_soon(reader)
 
     async def _read_table(self, name: str) -> list[tuple[bytes, Location | None]]:
-        client, bucket = self._client, self._bucket
+        client, bucket = self.client, self.bucket
         expected = frozenset({Fault.NOT_FOUND})
         try:
-            data = await self._call(
+            data = await self.call(
                 "list",
                 None,
                 lambda: get_bytes(client, bucket, name, 0, TABLE_PROBE_BYTES),
@@ -161,7 +159,7 @@ class Listing:
                 return []  # deleted since the listing
             size = table_size(data)
             if size > len(data):
-                more = await self._call(
+                more = await self.call(
                     "list",
                     None,
                     lambda: get_bytes(client, bucket, name, len(data), size),
