@@ -246,11 +246,10 @@ class SecondaryTier(AsyncResource):
         hung file system the call then returns when the I/O does). Engines that wait for
         their transfers (vLLM's ``drain_jobs``) can promise it; ``TieringManager``, whose
         deadlines must hold, does not. The default runs ``load`` for every key concurrently;
-        a tier overrides it to save per-block overhead.
+        a tier overrides it (or ``_load_batch``) to save per-block overhead.
         """
         check_batch(keys, dsts, "dsts")
-        calls = [functools.partial(self.load, k, d) for k, d in zip(keys, dsts, strict=True)]
-        return await run_each(keys, calls, batch_deadline(timeout), self.name, "load")
+        return await self._load_batch(keys, dsts, batch_deadline(timeout), pinned)
 
     async def store_many(
         self,
@@ -266,8 +265,23 @@ class SecondaryTier(AsyncResource):
         straight from the caller's buffers instead of copying them first.
         """
         check_batch(keys, srcs, "srcs")
+        return await self._store_batch(keys, srcs, batch_deadline(timeout), pinned)
+
+    async def _load_batch(
+        self, keys: Sequence[bytes], dsts: Sequence[memoryview], deadline: float, pinned: bool
+    ) -> BatchResults:
+        """``load_many`` once its arguments pair up and its deadline is known: ``load`` for
+        every key concurrently."""
+        calls = [functools.partial(self.load, k, d) for k, d in zip(keys, dsts, strict=True)]
+        return await run_each(keys, calls, deadline, self.name, "load")
+
+    async def _store_batch(
+        self, keys: Sequence[bytes], srcs: Sequence[memoryview], deadline: float, pinned: bool
+    ) -> BatchResults:
+        """``store_many`` once its arguments pair up and its deadline is known: ``store`` for
+        every key concurrently."""
         calls = [functools.partial(self.store, k, v) for k, v in zip(keys, srcs, strict=True)]
-        return await run_each(keys, calls, batch_deadline(timeout), self.name, "store")
+        return await run_each(keys, calls, deadline, self.name, "store")
 
     # -- feedback from the manager -----------------------------------------------------------
 

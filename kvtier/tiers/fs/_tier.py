@@ -29,8 +29,6 @@ from kvtier.tiers._base import (
     BatchResults,
     SecondaryTier,
     TierStatistics,
-    batch_deadline,
-    check_batch,
 )
 from kvtier.tiers.fs import _batch, _blocks
 from kvtier.tiers.fs import _io as io
@@ -267,40 +265,26 @@ class FSTier(SecondaryTier):
 
     # -- batches -------------------------------------------------------------------------------
 
-    async def load_many(
-        self,
-        keys: Sequence[bytes],
-        dsts: Sequence[memoryview],
-        *,
-        timeout: float | None = None,  # noqa: ASYNC109 - a per-batch bound with partial results
-        pinned: bool = False,
+    async def _load_batch(
+        self, keys: Sequence[bytes], dsts: Sequence[memoryview], deadline: float, pinned: bool
     ) -> BatchResults:
         """``load`` for many blocks in a few thread hops: the batch is split into at most
         ``max_concurrency`` runs, each read in turn by one worker thread. Pinned, a run
         reads straight into ``dsts`` (buffered I/O) and a cancellation waits for it; else
         through private buffers, as ``load`` does."""
-        check_batch(keys, dsts, "dsts")
         keys = [check_key(k) for k in keys]
         views = [_writable_bytes(d) for d in dsts]
-        deadline = batch_deadline(timeout)
         batch = _batch.Batch.of(self._files, self._ledger, keys, views, pinned)
         return await _batch.load_many(batch, deadline)
 
-    async def store_many(
-        self,
-        keys: Sequence[bytes],
-        srcs: Sequence[memoryview],
-        *,
-        timeout: float | None = None,  # noqa: ASYNC109 - a per-batch bound with partial results
-        pinned: bool = False,
+    async def _store_batch(
+        self, keys: Sequence[bytes], srcs: Sequence[memoryview], deadline: float, pinned: bool
     ) -> BatchResults:
-        """``store`` for many blocks in a few thread hops (see ``load_many``). Pinned, a run
+        """``store`` for many blocks in a few thread hops (see ``_load_batch``). Pinned, a run
         writes straight from ``srcs``; else it copies each block out first, as ``store``
         does. Capacity, victims and publishing are ``store``'s, block by block."""
-        check_batch(keys, srcs, "srcs")
         keys = [check_key(k) for k in keys]
         payloads = [_readable_bytes(s) for s in srcs]
-        deadline = batch_deadline(timeout)
         batch = _batch.Batch.of(self._files, self._ledger, keys, payloads, pinned)
         return await _batch.store_many(batch, deadline, self._prepare_for_store, self.store)
 
