@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections import deque
+from collections import defaultdict, deque
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
@@ -175,13 +175,8 @@ class AdmissionPolicy:
         self.write_back_tiers = frozenset(write_back)
         self.deferred_tiers = frozenset(deferred)
         self.clock = clock
-        self._gates: dict[str, _Gate] = {}
-
-    def _gate(self, tier: str) -> _Gate:
-        gate = self._gates.get(tier)
-        if gate is None:
-            gate = self._gates[tier] = _Gate()
-        return gate
+        # A tier's gate is made at its first write; ``get`` reads without making one.
+        self._gates: defaultdict[str, _Gate] = defaultdict(_Gate)
 
     def is_write_back(self, tier: str) -> bool:
         return tier in self.write_back_tiers
@@ -277,7 +272,7 @@ class AdmissionPolicy:
         (a group of deferred writes to a packing tier). True reserves the bytes (give each
         write's back with ``finished`` or ``cancel``); False counts ``count`` dropped writes.
         A tier the latency rule closed takes the group as its one probe."""
-        gate = self._gate(tier)
+        gate = self._gates[tier]
         cap = self._cap_of(tier)
         total = nbytes * count
         if cap is not None and gate.in_flight + total > cap:
@@ -296,7 +291,7 @@ class AdmissionPolicy:
     def force(self, tier: str, nbytes: int, *, count: int = 1) -> None:
         """Reserve ``count`` writes that must happen whatever the state (write-back and
         deferred writes at close)."""
-        self._reserve(self._gate(tier), nbytes * count, count, self.clock())
+        self._reserve(self._gates[tier], nbytes * count, count, self.clock())
 
     @staticmethod
     def _reserve(gate: _Gate, total: int, count: int, now: float) -> None:
@@ -317,7 +312,7 @@ class AdmissionPolicy:
 
     def cancel(self, tier: str, nbytes: int) -> None:
         """Give back an admission that was not used (no write happened: no latency sample)."""
-        gate = self._gate(tier)
+        gate = self._gates[tier]
         gate.in_flight = max(gate.in_flight - nbytes, 0)
         gate.tokens += nbytes
         gate.admitted -= 1
@@ -327,7 +322,7 @@ class AdmissionPolicy:
     def finished(self, tier: str, nbytes: int, seconds: float) -> None:
         """An admitted write of ``nbytes`` ended after ``seconds`` (failed, timed out or
         cancelled writes too: each says how long the tier held the bytes)."""
-        gate = self._gate(tier)
+        gate = self._gates[tier]
         gate.in_flight = max(gate.in_flight - nbytes, 0)
         if gate.started:
             gate.started.popleft()
@@ -335,7 +330,7 @@ class AdmissionPolicy:
 
     def observe_write_latency(self, tier: str, seconds: float) -> None:
         """A write latency measured elsewhere (a tier's own client, an earlier run)."""
-        gate = self._gate(tier)
+        gate = self._gates[tier]
         gate.latency = _ewma(gate.latency, max(float(seconds), 0.0), self._alpha)
 
     def dropped(self) -> int:
@@ -346,7 +341,7 @@ class AdmissionPolicy:
         names = list(tiers) + [name for name in self._gates if name not in tiers]
         out = []
         for name in names:
-            gate = self._gate(name)
+            gate = self._gates[name]
             out.append(
                 AdmissionStatistics(
                     name=name,
