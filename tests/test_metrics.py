@@ -244,6 +244,17 @@ async def test_serve_metrics_into_a_given_registry() -> None:
         assert samples(registry)["kvtier_pool_blocks", (("state", "free"),)] == 2
 
 
+async def test_metrics_server_aclose_is_idempotent() -> None:
+    manager = TieringManager(HostPool(2, BLOCK))
+    async with serve_metrics(manager, 0) as server:
+        await server.aclose()  # stops serving before the block ends
+        assert "closed" in repr(server)
+        with pytest.raises(OSError):
+            await anyio.connect_tcp("127.0.0.1", server.port)
+        await server.aclose()  # a second close, then leaving the block, do nothing
+    assert "closed" in repr(server)
+
+
 async def test_cost_model_and_admission_are_exported() -> None:
     inner = MemoryTier("remote")
     k = key()
