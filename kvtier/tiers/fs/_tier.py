@@ -30,6 +30,7 @@ from kvtier.tiers._base import (
     SecondaryTier,
     TierStatistics,
 )
+from kvtier.tiers._checks import existence_checks
 from kvtier.tiers.fs import _batch, _blocks
 from kvtier.tiers.fs import _io as io
 from kvtier.tiers.fs._blocks import BlockFiles
@@ -88,15 +89,7 @@ class FSTier(SecondaryTier):
         them); an exclusive one answers from the catalog at once."""
         if not settings.shared:
             return IndexLookups(self._catalog.holds, miss_ttl=settings.miss_ttl)
-        return AsyncLookupManager(
-            self.contains_many,
-            name=self.name,
-            batch_size=settings.lookup_batch_size,
-            max_concurrency=max(1, min(4, settings.max_concurrency)),
-            timeout=settings.lookup_timeout,
-            miss_ttl=settings.miss_ttl,
-            on_verdict=self.notify,
-        )
+        return existence_checks(self, self.contains_many, settings, most=4)
 
     # -- lifecycle -----------------------------------------------------------------------------
 

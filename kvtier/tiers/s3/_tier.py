@@ -27,6 +27,7 @@ from kvtier._lookup import LookupResult, MissReason
 from kvtier._resilience import BreakerState
 from kvtier.tiers._async_lookup import AsyncLookupManager
 from kvtier.tiers._base import SecondaryTier
+from kvtier.tiers._checks import existence_checks
 from kvtier.tiers.s3._blocks import BlockObjects
 from kvtier.tiers.s3._client import (
     client_config,
@@ -121,16 +122,7 @@ class S3Tier(SecondaryTier):
 
     def _new_lookups(self, config: S3Config, clock: Callable[[], float]) -> AsyncLookupManager:
         """The ask mode's existence checks: batched HEADs for keys asked about."""
-        return AsyncLookupManager(
-            self._check_unindexed,
-            name=self.name,
-            batch_size=config.lookup_batch_size,
-            max_concurrency=max(1, min(8, config.max_concurrency)),
-            timeout=config.lookup_timeout,
-            miss_ttl=config.miss_ttl,
-            on_verdict=self.notify,
-            clock=clock,
-        )
+        return existence_checks(self, self._check_unindexed, config, most=8, clock=clock)
 
     def _new_sync(self, core: S3Core) -> IndexSync:
         """The listing at open and the journal loop that keep ``core.index`` current."""
