@@ -85,12 +85,7 @@ def bench(session: nox.Session) -> None:
     for script in scripts:
         session.run("python", f"benchmarks/{script}", "--quick")
     session.run("python", "benchmarks/bench_demo_tiers.py", "--quick", "--rounds", "1")
-    session.run(
-        "python",
-        "benchmarks/replay_trace.py",
-        "../shared/traces/mooncake_synthetic_trace.jsonl",
-        "--quick",
-    )
+    session.run("python", "benchmarks/replay_trace.py", "--quick")
 
 
 @nox.session

@@ -13,7 +13,8 @@ requests: the infinite-cache bound (every block ever seen is still cached) and a
 cache with the primary pool's capacity. It also replays the pool alone (no tiers) under each
 eviction policy, which isolates the policy from the tiers.
 
-    python benchmarks/replay_trace.py                      # the whole trace, default sizes
+    python benchmarks/replay_trace.py                      # the shipped first 1,000 requests
+    python benchmarks/replay_trace.py ../shared/traces/mooncake_synthetic_trace.jsonl  # all
     python benchmarks/replay_trace.py --limit 500          # the first 500 requests
     python benchmarks/replay_trace.py --plot hit_ratio.png # also sweep the primary's size
 
@@ -43,7 +44,7 @@ import kvtier
 from kvtier._format import header_size
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+DEFAULT_TRACE = REPO / "benchmarks" / "data" / "mooncake_trace_first1000.jsonl"
 BLOCK_TOKENS = 512  # the Mooncake trace's block size
 LOOKUP_TIMEOUT = 5.0
 KEY_PERSON = b"kvtier.trace"

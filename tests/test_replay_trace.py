@@ -15,13 +15,9 @@ import pytest
 import kvtier
 
 REPO = Path(__file__).resolve().parent.parent
-TRACE = REPO.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+TRACE = REPO / "benchmarks" / "data" / "mooncake_trace_first1000.jsonl"
 SCRIPT = REPO / "benchmarks" / "replay_trace.py"
 LIMIT = 200
-
-pytestmark = pytest.mark.skipif(
-    not TRACE.is_file(), reason=f"the Mooncake trace is not at {TRACE} (../shared/traces/)"
-)
 
 
 @pytest.fixture(scope="module")
