@@ -15,9 +15,11 @@ Measures, for blocks of ``--block-mib`` MiB:
 
 Raw and tier rounds alternate and each figure is the median of ``--repeat`` rounds, so drift on a
 shared machine hits both sides alike. Without ``--endpoint`` the benchmark starts its own
-SeaweedFS (``weed server`` with its S3 gateway, ``tests/weed_proc.py``) on 127.0.0.1; the
-ratios are the point. The raw client uses botocore's defaults (payload signed, CRC32), as a
-user's plain client would. Aim: tier >= 0.95x raw throughput, existence within 1.2x of raw.
+SeaweedFS (``weed server`` with its S3 gateway) on 127.0.0.1 through ``devtools/weed_server.py``
+of this checkout (run the script by path from a checkout; with ``--endpoint`` it needs only
+kvtier); the ratios are the point. The raw client uses botocore's defaults (payload signed,
+CRC32), as a user's plain client would. Aim: tier >= 0.95x raw throughput, existence within
+1.2x of raw.
 
     python benchmarks/bench_s3.py --quick
     python benchmarks/bench_s3.py --endpoint http://127.0.0.1:9000 --bucket kv --blocks 64
@@ -28,7 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import importlib.util
+import importlib
 import json
 import os
 import statistics
@@ -49,14 +51,11 @@ MiB = 1 << 20
 
 
 def _weed_helper() -> Any:
-    """tests/weed_proc.py, loaded by path (tests/ is not a package)."""
-    spec = importlib.util.spec_from_file_location(
-        "kvtier_bench_weed", ROOT / "tests" / "weed_proc.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """``devtools.weed_server`` from this checkout (devtools is not installed with kvtier): the
+    repository root goes on ``sys.path`` here, only when a benchmark starts its own SeaweedFS."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    return importlib.import_module("devtools.weed_server")
 
 
 @contextlib.contextmanager

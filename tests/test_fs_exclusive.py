@@ -7,11 +7,11 @@ Issue 10, point 1: no stat on the request path; a key the index does not hold is
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from fs_worker import key_of, payload_of
 
 from kvtier._errors import InvalidArgumentError
 from kvtier._lookup import LookupResult, MissReason
@@ -21,9 +21,6 @@ from kvtier.pools._host import HostPool
 from kvtier.testing import CHECKS
 from kvtier.tiers.fs import FSTier
 from kvtier.tiers.fs import _io as _fs_io
-
-sys.path.insert(0, str(Path(__file__).parent))
-from fs_worker import key_of, payload_of
 
 BLOCK = 4096
 

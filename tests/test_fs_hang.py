@@ -12,7 +12,6 @@ until released.
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -22,6 +21,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 import pytest
+from fs_worker import key_of, payload_of
 
 from kvtier._format import header_size
 from kvtier._lookup import LookupResult
@@ -33,9 +33,6 @@ from kvtier.tiers.fs import FSTier
 from kvtier.tiers.fs import _io as _fs_io
 from kvtier.tiers.fs import _layout as _fs_layout
 from kvtier.tiers.fs import _read as _fs_read
-
-sys.path.insert(0, str(Path(__file__).parent))
-from fs_worker import key_of, payload_of
 
 BLOCK = 4096
 FILE = header_size(16) + BLOCK

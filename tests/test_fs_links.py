@@ -9,18 +9,15 @@ became a link leave the link's target alone, and a store into such a shard fails
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
+from fs_worker import key_of, payload_of
 
 from kvtier._errors import TierUnavailableError
 from kvtier._format import header_size
 from kvtier.tiers.fs import FSTier
 from kvtier.tiers.fs import _layout as _fs_layout
-
-sys.path.insert(0, str(Path(__file__).parent))
-from fs_worker import key_of, payload_of
 
 BLOCK = 4096
 FILE = header_size(16) + BLOCK

@@ -10,11 +10,11 @@ import io
 import json
 import logging
 import pickle
-import sys
 from pathlib import Path
 
 import pytest
 import xxhash
+from fs_worker import key_of, payload_of
 
 from kvtier._config import KVTierConfig
 from kvtier._errors import CorruptBlockError, InvalidArgumentError
@@ -32,9 +32,6 @@ from kvtier._lookup import LookupResult
 from kvtier.testing import CHECKS, resolve_lookup
 from kvtier.tiers.fs import FSTier
 from kvtier.tiers.fs import _layout as _fs_layout
-
-sys.path.insert(0, str(Path(__file__).parent))
-from fs_worker import key_of, payload_of
 
 BLOCK = 4096
 SECRET = "correct horse battery staple 0123456789"

@@ -16,10 +16,11 @@ from typing import Any
 
 import anyio
 import pytest
-from moto_proc import MotoServer, create_bucket
-from moto_proc import raw_client as moto_client
 from s3_forge import forged_segment, forged_segment_name
-from weed_proc import (
+
+from devtools.moto_server import MotoServer, create_bucket
+from devtools.moto_server import raw_client as moto_client
+from devtools.weed_server import (
     ACCESS_KEY,
     BUCKET,
     REGION,
@@ -28,7 +29,6 @@ from weed_proc import (
     raw_client,
     serve_session,
 )
-
 from kvtier._errors import BlockNotFoundError, InvalidArgumentError
 from kvtier._format import IntegrityKey, header_size
 from kvtier._keys import block_keys

@@ -18,7 +18,8 @@ import anyio
 import anyio.lowlevel
 import pytest
 from s3_forge import forged_segment, forged_segment_name
-from weed_proc import (
+
+from devtools.weed_server import (
     ACCESS_KEY,
     BUCKET,
     REGION,
@@ -27,7 +28,6 @@ from weed_proc import (
     raw_client,
     serve_session,
 )
-
 from kvtier._config import KVTierConfig
 from kvtier._errors import BlockNotFoundError, CorruptBlockError, InvalidArgumentError
 from kvtier._format import FLAG_MAC, MAC_BYTES, IntegrityKey, decode_header, encode_header

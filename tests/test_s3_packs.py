@@ -12,8 +12,16 @@ from typing import Any
 
 import anyio
 import pytest
-from weed_proc import ACCESS_KEY, BUCKET, REGION, SECRET_KEY, WeedServer, raw_client, serve_session
 
+from devtools.weed_server import (
+    ACCESS_KEY,
+    BUCKET,
+    REGION,
+    SECRET_KEY,
+    WeedServer,
+    raw_client,
+    serve_session,
+)
 from kvtier._errors import (
     BlockNotFoundError,
     CorruptBlockError,

@@ -30,10 +30,11 @@ import anyio.abc
 import anyio.lowlevel
 import numpy as np
 import pytest
-from moto_proc import MotoServer, create_bucket, free_port
-from moto_proc import raw_client as moto_client
 from s3_peer import make_blocks
-from weed_proc import (
+
+from devtools.moto_server import MotoServer, create_bucket, free_port
+from devtools.moto_server import raw_client as moto_client
+from devtools.weed_server import (
     ACCESS_KEY,
     BUCKET,
     REGION,
@@ -44,7 +45,6 @@ from weed_proc import (
     serve_own,
     serve_session,
 )
-
 from kvtier._errors import (
     BlockNotFoundError,
     CorruptBlockError,

@@ -17,8 +17,16 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from s3_forge import forged_segment, forged_segment_name
-from weed_proc import ACCESS_KEY, BUCKET, REGION, SECRET_KEY, WeedServer, raw_client, serve_session
 
+from devtools.weed_server import (
+    ACCESS_KEY,
+    BUCKET,
+    REGION,
+    SECRET_KEY,
+    WeedServer,
+    raw_client,
+    serve_session,
+)
 from kvtier._errors import KVTierError
 from kvtier._format import MAX_KEY_BYTES, IntegrityKey, header_size
 from kvtier._keys import block_keys

