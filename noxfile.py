@@ -34,7 +34,8 @@ def stress(session: nox.Session) -> None:
     """The randomized manager state machine with many more examples than CI runs."""
     install(session, "test")
     session.env["KVTIER_STATEFUL_EXAMPLES"] = session.posargs[0] if session.posargs else "400"
-    session.run("python", "-m", "pytest", "tests/test_manager_stateful.py", "--timeout", "0")
+    stateful = "tests/manager/test_manager_stateful.py"
+    session.run("python", "-m", "pytest", stateful, "--timeout", "0")
 
 
 @nox.session
@@ -101,7 +102,7 @@ def vllm(session: nox.Session) -> None:
     groups = nox.project.dependency_groups(PYPROJECT, "test", "vllm")
     session.install(*constraints, "-e", ".[s3]", *groups)
     session.install(*constraints, "--no-deps", "vllm==0.33.0", "xgrammar==0.2.8")
-    tests = ["tests/test_vllm_bridge.py", "tests/test_vllm_tier.py"]
+    tests = ["tests/integrations/test_vllm_bridge.py", "tests/integrations/test_vllm_tier.py"]
     session.env["KVTIER_VLLM_REQUIRED"] = "1"  # here a missing import fails, never skips
     session.run("python", "-m", "pytest", *tests, *session.posargs)
 

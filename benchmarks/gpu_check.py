@@ -73,7 +73,7 @@ def run_tests() -> tuple[bool, str]:
         sys.executable,
         "-m",
         "pytest",
-        "tests/test_cuda_pool.py",
+        "tests/pools/test_cuda_pool.py",
         "-q",
         "-p",
         "no:cacheprovider",

@@ -380,10 +380,9 @@ async def test_a_journal_location_longer_than_a_block_is_never_fetched(
     """A journal entry may claim any length; a load reads a section only if it is exactly a
     header and a block, so an entry claiming 2**40 bytes costs no GET (it would otherwise
     download the whole pack for one block) and leaves the pack alone."""
-    from s3_forge import forged_segment, forged_segment_name
-
     from kvtier._format import header_size
     from kvtier.tiers.s3._pack import table_length
+    from tests.tiers.s3.s3_forge import forged_segment, forged_segment_name
 
     prefix = f"packs/{uuid.uuid4().hex}"
     keys, blocks = _keys_and_blocks(4)

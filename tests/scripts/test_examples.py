@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("torch", reason="the examples need torch (the kvtier[torch] extra)")
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def _load(name: str) -> ModuleType:

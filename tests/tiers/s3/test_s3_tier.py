@@ -30,7 +30,6 @@ import anyio.abc
 import anyio.lowlevel
 import numpy as np
 import pytest
-from s3_peer import make_blocks
 
 from devtools.moto_server import MotoServer, create_bucket, free_port
 from devtools.moto_server import raw_client as moto_client
@@ -63,6 +62,7 @@ from kvtier.pools._host import HostPool
 from kvtier.testing import CHECKS, resolve_lookup
 from kvtier.tiers.s3 import S3Tier
 from kvtier.tiers.s3._errors import Fault, translate
+from tests.tiers.s3.s3_peer import make_blocks
 
 BLOCK = 4096
 HERE = Path(__file__).parent

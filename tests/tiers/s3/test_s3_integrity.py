@@ -17,7 +17,6 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 import pytest
-from s3_forge import forged_segment, forged_segment_name
 
 from devtools.weed_server import (
     ACCESS_KEY,
@@ -41,6 +40,7 @@ from kvtier.tiers.s3 import S3Tier
 from kvtier.tiers.s3._codec import build_object, verify_into
 from kvtier.tiers.s3._index import key_from_object
 from kvtier.tiers.s3._integrity import MARKER_NAME, marker_key
+from tests.tiers.s3.s3_forge import forged_segment, forged_segment_name
 
 BLOCK = 4096
 SECRET = "correct horse battery staple 0123456789"

@@ -6,7 +6,6 @@ generous bound)."""
 from __future__ import annotations
 
 import anyio
-from held_lookup import BB, blocks, fill, lookup_while_held
 
 from kvtier import (
     AdmissionPolicy,
@@ -17,6 +16,7 @@ from kvtier import (
     TieringManager,
 )
 from kvtier.testing import StallingTier, resolve_lookup
+from tests.scheduler.held_lookup import BB, blocks, fill, lookup_while_held
 
 
 async def tier_holding(keys: list[bytes]) -> StallingTier:

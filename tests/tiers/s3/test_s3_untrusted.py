@@ -16,7 +16,6 @@ import anyio
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from s3_forge import forged_segment, forged_segment_name
 
 from devtools.weed_server import (
     ACCESS_KEY,
@@ -50,6 +49,7 @@ from kvtier.tiers.s3._pack import (
     table_size,
 )
 from kvtier.tiers.s3._packs import PackReads
+from tests.tiers.s3.s3_forge import forged_segment, forged_segment_name
 
 BLOCK = 4096
 PREFIX = "u/p"

@@ -55,7 +55,7 @@ with warnings.catch_warnings():
     from kvtier.integrations.vllm import KVTierSecondaryTier
 
 BLOCK = 64 << 10  # a chunk of the primary tier, page aligned as vLLM requires
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MODULE = "kvtier.integrations.vllm"
 WAIT = 30.0  # generous bound on a promised deadline, not a timing assertion
 

@@ -21,7 +21,6 @@ from typing import Any
 import anyio
 import anyio.to_thread
 import pytest
-from fs_worker import key_of, payload_of
 
 from kvtier._format import header_size
 from kvtier._lookup import LookupResult
@@ -33,6 +32,7 @@ from kvtier.tiers.fs import FSTier
 from kvtier.tiers.fs import _io as _fs_io
 from kvtier.tiers.fs import _layout as _fs_layout
 from kvtier.tiers.fs import _read as _fs_read
+from tests.tiers.fs.fs_worker import key_of, payload_of
 
 BLOCK = 4096
 FILE = header_size(16) + BLOCK

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fs_worker import key_of, payload_of
 
 from kvtier._errors import InvalidArgumentError
 from kvtier._lookup import LookupResult, MissReason
@@ -21,6 +20,7 @@ from kvtier.pools._host import HostPool
 from kvtier.testing import CHECKS
 from kvtier.tiers.fs import FSTier
 from kvtier.tiers.fs import _io as _fs_io
+from tests.tiers.fs.fs_worker import key_of, payload_of
 
 BLOCK = 4096
 

@@ -13,7 +13,6 @@ from collections import defaultdict
 
 import anyio
 import numpy as np
-from test_writethrough_deferred import BB, assert_holds, blocks  # the same blocks and check
 
 from kvtier import (
     AdmissionPolicy,
@@ -22,6 +21,11 @@ from kvtier import (
     MemoryTier,
     TieringManager,
     TierUnavailableError,
+)
+from tests.manager.test_manager_deferred_writes import (  # the same blocks and check
+    BB,
+    assert_holds,
+    blocks,
 )
 
 GROUP = 4

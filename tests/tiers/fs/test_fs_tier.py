@@ -28,7 +28,6 @@ import anyio
 import anyio.streams.buffered
 import numpy as np
 import pytest
-from fs_worker import key_of, payload_of
 
 from kvtier._errors import (
     BlockNotFoundError,
@@ -48,6 +47,7 @@ from kvtier.tiers.fs import _blocks as _fs_block
 from kvtier.tiers.fs import _io as _fs_io
 from kvtier.tiers.fs import _layout as _fs_layout
 from kvtier.tiers.fs import _read as _fs_read
+from tests.tiers.fs.fs_worker import key_of, payload_of
 
 WORKER = str(Path(__file__).parent / "fs_worker.py")
 BLOCK = 4096

@@ -4,7 +4,6 @@ it will count; the lookup results keep design §2's semantics."""
 from __future__ import annotations
 
 import anyio
-from held_lookup import BB, blocks, fill, lookup_while_held
 
 from kvtier import (
     HostPool,
@@ -15,6 +14,7 @@ from kvtier import (
     TieringManager,
 )
 from kvtier.testing import StallingTier, resolve_lookup
+from tests.scheduler.held_lookup import BB, blocks, fill, lookup_while_held
 
 
 async def test_no_promotion_starts_beyond_the_first_miss_of_a_prefix(keys: list[bytes]) -> None:

@@ -12,12 +12,12 @@ import os
 from pathlib import Path
 
 import pytest
-from fs_worker import key_of, payload_of
 
 from kvtier._errors import TierUnavailableError
 from kvtier._format import header_size
 from kvtier.tiers.fs import FSTier
 from kvtier.tiers.fs import _layout as _fs_layout
+from tests.tiers.fs.fs_worker import key_of, payload_of
 
 BLOCK = 4096
 FILE = header_size(16) + BLOCK

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import xxhash
-from fs_worker import key_of, payload_of
 
 from kvtier._config import KVTierConfig
 from kvtier._errors import CorruptBlockError, InvalidArgumentError
@@ -32,6 +31,7 @@ from kvtier._lookup import LookupResult
 from kvtier.testing import CHECKS, resolve_lookup
 from kvtier.tiers.fs import FSTier
 from kvtier.tiers.fs import _layout as _fs_layout
+from tests.tiers.fs.fs_worker import key_of, payload_of
 
 BLOCK = 4096
 SECRET = "correct horse battery staple 0123456789"

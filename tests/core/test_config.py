@@ -690,7 +690,7 @@ async def test_write_back_from_config_writes_the_tier_on_close(tmp_path: Path) -
 
 
 def test_the_readme_manager_example_is_valid() -> None:
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     section = readme.split("## Operating it", 1)[1]
     block = re.search(r"```toml\n(.*?)```", section, re.S)
     assert block, "no TOML example in the README's Operating it section"

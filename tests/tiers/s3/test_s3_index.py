@@ -16,7 +16,6 @@ from typing import Any
 
 import anyio
 import pytest
-from s3_forge import forged_segment, forged_segment_name
 
 from devtools.moto_server import MotoServer, create_bucket
 from devtools.moto_server import raw_client as moto_client
@@ -60,6 +59,7 @@ from kvtier.tiers.s3._pack import (
 )
 from kvtier.tiers.s3._requests import Requests
 from kvtier.tiers.s3._sync import IndexSync
+from tests.tiers.s3.s3_forge import forged_segment, forged_segment_name
 
 BLOCK = 4096
 SECRET = "correct horse battery staple 0123456789"

@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("aiobotocore", reason="the S3 tier needs the kvtier[s3] extra")
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_s3_packs.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_s3_packs.py"
 
 
 @pytest.mark.timeout(300)

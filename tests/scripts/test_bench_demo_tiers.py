@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("torch", reason="the demo needs torch (the kvtier[torch] extra)")
 pytest.importorskip("aiobotocore", reason="the S3 tier needs the kvtier[s3] extra")
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_demo_tiers.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_demo_tiers.py"
 
 
 @pytest.mark.timeout(300)

@@ -14,7 +14,7 @@ import pytest
 
 import kvtier
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TRACE = REPO / "benchmarks" / "data" / "mooncake_trace_first1000.jsonl"
 SCRIPT = REPO / "benchmarks" / "replay_trace.py"
 LIMIT = 200

@@ -16,7 +16,6 @@ from typing import Any
 import anyio
 import anyio.to_thread
 import pytest
-from fs_worker import key_of, payload_of
 
 from kvtier._errors import (
     BlockNotFoundError,
@@ -32,6 +31,7 @@ from kvtier.testing import CHECKS, resolve_lookup
 from kvtier.tiers.fs import FSTier
 from kvtier.tiers.fs import _io as _fs_io
 from kvtier.tiers.fs import _read as _fs_read
+from tests.tiers.fs.fs_worker import key_of, payload_of
 
 BLOCK = 4096
 FILE = header_size(16) + BLOCK
