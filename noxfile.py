@@ -1,5 +1,5 @@
-"""Developer sessions: `nox -s tests`, `lint`, `typecheck`, `demo`, `two_nodes`, `bench`, `gpu`,
-`vllm`.
+"""Developer sessions: `nox -s tests`, `lint`, `typecheck`, `docs`, `demo`, `two_nodes`, `bench`,
+`gpu`, `vllm`.
 
 torch is pinned to 2.13.0 here because on our machines that is a CPU build from local disk
 (an unpinned torch pulls a multi-GB CUDA build); the project itself accepts a range.
@@ -43,6 +43,20 @@ def lint(session: nox.Session) -> None:
     session.install(*nox.project.dependency_groups(PYPROJECT, "lint"))
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """The docs site (mkdocs.yml, docs/), API reference from the docstrings, warnings as errors.
+
+    The settings tables are generated from the settings classes at build time, so kvtier is
+    installed (no extras: the reference is read from the source). The site goes to a temporary
+    folder unless a path is given: `nox -s docs -- site`.
+    """
+    session.install("-e", ".", *nox.project.dependency_groups(PYPROJECT, "docs"))
+    session.env["NO_MKDOCS_2_WARNING"] = "1"
+    site = session.posargs[0] if session.posargs else session.create_tmp() + "/site"
+    session.run("mkdocs", "build", "--strict", "--site-dir", site)
 
 
 @nox.session
