@@ -1,17 +1,20 @@
-"""Shared fixtures. Tier-specific fixtures live in the test modules that use them."""
+"""Fixtures shared by every test folder: keys, a manual clock, the run's one SeaweedFS (and a
+server of its own for a test that kills it), and a runner for the example and benchmark
+scripts. Classes the tests also name in annotations live in ``tests/support.py``."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 import kvtier
-from devtools.weed_server import find_weed
+from devtools.weed_server import WeedServer, find_weed, serve_own, serve_session
+from tests.support import ManualClock
 
 RunScript = Callable[..., subprocess.CompletedProcess[str]]
 
@@ -20,6 +23,27 @@ RunScript = Callable[..., subprocess.CompletedProcess[str]]
 def keys() -> list[bytes]:
     """Sixteen chained keys in a namespace of their own, so tests never share blocks."""
     return kvtier.block_keys(list(range(64)), 4, namespace=os.urandom(8))
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    """A clock at 0.0 that the test moves by hand."""
+    return ManualClock()
+
+
+@pytest.fixture(scope="session")
+def weed_server() -> Iterator[WeedServer]:
+    """The run's one SeaweedFS (``weed server`` with its S3 gateway) on 127.0.0.1, with the
+    bucket ``devtools.weed_server.BUCKET``; started when a test first asks for it. Tests keep
+    apart by prefix."""
+    yield from serve_session()
+
+
+@pytest.fixture
+async def own_weed() -> AsyncIterator[WeedServer]:
+    """A SeaweedFS of the test's own, which it may kill and restart (same ports, same data)."""
+    async for server in serve_own():
+        yield server
 
 
 @pytest.fixture

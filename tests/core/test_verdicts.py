@@ -12,22 +12,10 @@ from kvtier._lookup import MissReason
 from kvtier._verdicts import MAX_CODE, PRESENT, VerdictStore, code_of, reason_of
 from kvtier.integrations._bridge import TierBridge
 from kvtier.integrations._shared import CLOSED
+from tests.support import ManualClock
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture
-def clock() -> Clock:
-    return Clock()
-
-
-def test_a_verdict_holds_until_its_ttl_and_then_is_gone(clock: Clock) -> None:
+def test_a_verdict_holds_until_its_ttl_and_then_is_gone(clock: ManualClock) -> None:
     store = VerdictStore(10, clock=clock)
     store.set(b"a", PRESENT, 2.0)
     store.set(b"b", code_of(MissReason.TIMEOUT), 1.0)
@@ -43,14 +31,14 @@ def test_a_verdict_holds_until_its_ttl_and_then_is_gone(clock: Clock) -> None:
     assert store.get(b"never") is None
 
 
-def test_an_infinite_ttl_never_expires(clock: Clock) -> None:
+def test_an_infinite_ttl_never_expires(clock: ManualClock) -> None:
     store = VerdictStore(4, clock=clock)
     store.set(b"a", PRESENT, math.inf)
     clock.now = 1e12
     assert store.get(b"a") == PRESENT
 
 
-def test_the_oldest_goes_first_past_the_bound(clock: Clock) -> None:
+def test_the_oldest_goes_first_past_the_bound(clock: ManualClock) -> None:
     store = VerdictStore(3, clock=clock)
     for key in (b"a", b"b", b"c", b"d"):
         store.set(key, PRESENT, 10.0)
@@ -59,7 +47,7 @@ def test_the_oldest_goes_first_past_the_bound(clock: Clock) -> None:
     assert [store.get(k) for k in (b"b", b"c", b"d")] == [PRESENT] * 3
 
 
-def test_setting_again_moves_the_key_to_the_end_with_its_new_verdict(clock: Clock) -> None:
+def test_setting_again_moves_the_key_to_the_end_with_its_new_verdict(clock: ManualClock) -> None:
     store = VerdictStore(3, clock=clock)
     for key in (b"a", b"b", b"c"):
         store.set(key, PRESENT, 10.0)
@@ -70,7 +58,7 @@ def test_setting_again_moves_the_key_to_the_end_with_its_new_verdict(clock: Cloc
     assert len(store) == 3
 
 
-def test_a_reading_does_not_change_the_order(clock: Clock) -> None:
+def test_a_reading_does_not_change_the_order(clock: ManualClock) -> None:
     store = VerdictStore(2, clock=clock)
     store.set(b"a", PRESENT, 10.0)
     store.set(b"b", PRESENT, 10.0)
@@ -79,7 +67,7 @@ def test_a_reading_does_not_change_the_order(clock: Clock) -> None:
     assert store.get(b"a") is None and store.get(b"b") == PRESENT
 
 
-def test_forget_drops_a_verdict_and_says_whether_there_was_one(clock: Clock) -> None:
+def test_forget_drops_a_verdict_and_says_whether_there_was_one(clock: ManualClock) -> None:
     store = VerdictStore(4, clock=clock)
     store.set(b"a", PRESENT, 1.0)
     store.set(b"b", PRESENT, 5.0)
@@ -90,7 +78,7 @@ def test_forget_drops_a_verdict_and_says_whether_there_was_one(clock: Clock) -> 
     assert store.get(b"b") is None and len(store) == 0
 
 
-def test_expire_drops_expired_entries_from_the_front_up_to_a_live_one(clock: Clock) -> None:
+def test_expire_drops_expired_entries_from_the_front_up_to_a_live_one(clock: ManualClock) -> None:
     store = VerdictStore(10, clock=clock)
     store.set(b"a", PRESENT, 1.0)
     store.set(b"b", PRESENT, 1.0)
@@ -103,7 +91,7 @@ def test_expire_drops_expired_entries_from_the_front_up_to_a_live_one(clock: Clo
     assert VerdictStore(1, clock=clock).expire() == 0  # empty
 
 
-def test_codes_name_every_miss_reason_and_reject_anything_else(clock: Clock) -> None:
+def test_codes_name_every_miss_reason_and_reject_anything_else(clock: ManualClock) -> None:
     codes = {code_of(reason) for reason in MissReason}
     assert len(codes) == len(MissReason) and PRESENT not in codes
     for reason in MissReason:
@@ -125,7 +113,7 @@ def test_the_bound_must_be_a_positive_int(bad: object) -> None:
         VerdictStore(bad)  # type: ignore[arg-type]
 
 
-def test_entries_add_nothing_for_the_garbage_collector(clock: Clock) -> None:
+def test_entries_add_nothing_for_the_garbage_collector(clock: ManualClock) -> None:
     store = VerdictStore(10_000, clock=clock)
     gc.collect()
     before = len(gc.get_objects())
@@ -134,7 +122,7 @@ def test_entries_add_nothing_for_the_garbage_collector(clock: Clock) -> None:
     assert len(gc.get_objects()) - before < 10  # the map itself, not one object per key
 
 
-def test_repr_shows_fill_and_bound(clock: Clock) -> None:
+def test_repr_shows_fill_and_bound(clock: ManualClock) -> None:
     store = VerdictStore(5, clock=clock)
     store.set(b"a", PRESENT, 1.0)
     assert repr(store) == "<VerdictStore 1/5>"

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 import kvtier
-from devtools.weed_server import ACCESS_KEY, BUCKET, REGION, SECRET_KEY, serve_session
+from devtools.weed_server import ACCESS_KEY, BUCKET, REGION, SECRET_KEY, WeedServer
 from kvtier.testing import FailingTier, StallingTier
 
 with warnings.catch_warnings():
@@ -449,11 +449,10 @@ def test_shutdown_waits_for_jobs_then_closes_the_tier_and_its_thread(
 # -- the S3 tier ----------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def s3_endpoint() -> Iterator[str]:
-    """The one place the S3 server starts: SeaweedFS on 127.0.0.1 (devtools/weed_server.py)."""
-    for server in serve_session():
-        yield server.endpoint_url
+@pytest.fixture
+def s3_endpoint(weed_server: WeedServer) -> str:
+    """The run's SeaweedFS on 127.0.0.1 (``weed_server`` in tests/conftest.py)."""
+    return weed_server.endpoint_url
 
 
 def test_store_cascades_to_s3_and_a_restart_promotes_it(

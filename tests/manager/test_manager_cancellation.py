@@ -4,47 +4,16 @@ WRITING or pinned, no task running, and the pool's statistics add up."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
 
 import anyio
 import numpy as np
 import pytest
 
 from kvtier import HostPool, LookupResult, TieringManager
-from kvtier._buffers import BlockBuffer
 from kvtier.testing import StallingTier, resolve_lookup
+from tests.support import GatedPool, assert_idle
 
 BB = 4096
-
-
-class GatedPool(HostPool):
-    """A HostPool whose copies wait at a gate, so a test can cancel them mid-copy."""
-
-    def __init__(self, num_blocks: int) -> None:
-        super().__init__(num_blocks, BB)
-        self.gate = anyio.Event()
-        self.entered = anyio.Event()
-
-    async def copy_in(self, slots: Sequence[int], blocks: Sequence[BlockBuffer]) -> None:
-        self.entered.set()
-        await self.gate.wait()
-        await super().copy_in(slots, blocks)
-
-    async def copy_out(self, slots: Sequence[int], out: Sequence[BlockBuffer]) -> None:
-        self.entered.set()
-        await self.gate.wait()
-        await super().copy_out(slots, out)
-
-
-def assert_clean(manager: TieringManager) -> None:
-    stats = manager.statistics()
-    pool = stats.pool
-    assert pool.writing == 0, "a slot was left WRITING"
-    assert pool.pinned == 0 and pool.pins == 0, "a slot was left pinned"
-    assert pool.free + pool.ready == pool.num_blocks
-    assert pool.reservations == pool.commits + pool.aborts
-    assert stats.background_tasks == 0 and stats.in_flight_bytes == 0
-    manager.pool.table.check_invariants()
 
 
 def assert_no_stray_tasks() -> None:
@@ -53,7 +22,7 @@ def assert_no_stray_tasks() -> None:
 
 
 async def test_cancelled_store_leaves_nothing_reserved(keys: list[bytes]) -> None:
-    pool = GatedPool(8)
+    pool = GatedPool(8, BB)
     async with TieringManager(pool, [StallingTier()]) as manager:
         async with anyio.create_task_group() as tg:
             tg.start_soon(manager.store, keys[:4], np.ones((4, BB), np.uint8))
@@ -62,12 +31,12 @@ async def test_cancelled_store_leaves_nothing_reserved(keys: list[bytes]) -> Non
             tg.cancel_scope.cancel()
         assert all(manager.lookup(key) is LookupResult.RETRY for key in keys[:1])
         assert pool.statistics().aborts == 4
-    assert_clean(manager)
+    assert_idle(manager)
     assert_no_stray_tasks()
 
 
 async def test_cancelled_load_leaves_nothing_pinned(keys: list[bytes]) -> None:
-    pool = GatedPool(8)
+    pool = GatedPool(8, BB)
     pool.gate.set()
     async with TieringManager(pool) as manager:
         await manager.store(keys[:4], np.ones((4, BB), np.uint8))
@@ -78,7 +47,7 @@ async def test_cancelled_load_leaves_nothing_pinned(keys: list[bytes]) -> None:
             await pool.entered.wait()
             assert pool.statistics().pinned == 4
             tg.cancel_scope.cancel()
-        assert_clean(manager)
+        assert_idle(manager)
         pool.gate.set()
         out = np.zeros((4, BB), np.uint8)
         assert await manager.load(keys[:4], out) == 4  # still all there
@@ -100,7 +69,7 @@ async def test_promotion_cancelled_by_exit_frees_its_slot(keys: list[bytes]) -> 
     stats = manager.statistics()
     assert stats.promotions_cancelled == 3
     assert slow.stalled["load"] == 0
-    assert_clean(manager)
+    assert_idle(manager)
     assert_no_stray_tasks()
 
 
@@ -117,7 +86,7 @@ async def test_cancelled_scheduler_lookup_leaves_no_watchers(keys: list[bytes]) 
             tg.cancel_scope.cancel()
         assert len(manager._watchers) == 0
         slow.release("contains")
-    assert_clean(manager)
+    assert_idle(manager)
     assert_no_stray_tasks()
 
 
@@ -137,5 +106,5 @@ async def test_manager_body_cancelled_at_any_point(keys: list[bytes], cancel_aft
                 await anyio.lowlevel.checkpoint()
             scope.cancel()
             await anyio.sleep_forever()
-    assert_clean(manager)
+    assert_idle(manager)
     assert_no_stray_tasks()

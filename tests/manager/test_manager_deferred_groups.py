@@ -27,6 +27,7 @@ from tests.manager.test_manager_deferred_writes import (  # the same blocks and 
     assert_holds,
     blocks,
 )
+from tests.support import ManualClock
 
 GROUP = 4
 
@@ -102,18 +103,10 @@ class SourceTier(MemoryTier):
         self.loaded[key].set()
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def paced(
     fast: MemoryTier,
     remote: MemoryTier,
-    clock: Clock,
+    clock: ManualClock,
     *,
     rate: int = GROUP + 1,
     close_timeout: float = 5.0,
@@ -148,7 +141,7 @@ async def defer_a_group(
 async def test_a_group_is_loaded_whole_then_stored_all_at_once(keys: list[bytes]) -> None:
     """No store of a group reaches the tier while a block of the group is still being
     loaded; then all of them start together."""
-    clock = Clock()
+    clock = ManualClock()
     fast, remote = SourceTier(), PackingTier()
     data = blocks(10)
     async with paced(fast, remote, clock) as manager:
@@ -172,7 +165,7 @@ async def test_a_group_is_loaded_whole_then_stored_all_at_once(keys: list[bytes]
 async def test_a_rate_limit_lets_whole_groups_through_not_single_blocks(
     keys: list[bytes],
 ) -> None:
-    clock = Clock()
+    clock = ManualClock()
     fast, remote = SourceTier(), PackingTier()
     data = blocks(11)
     async with paced(fast, remote, clock, rate=GROUP) as manager:
@@ -202,7 +195,7 @@ async def test_a_rate_limit_lets_whole_groups_through_not_single_blocks(
 async def test_a_block_no_faster_tier_gives_is_lost_and_the_rest_of_its_group_written(
     keys: list[bytes],
 ) -> None:
-    clock = Clock()
+    clock = ManualClock()
     fast, remote = SourceTier(), PackingTier()
     data = blocks(10)
     async with paced(fast, remote, clock) as manager:
@@ -223,7 +216,7 @@ async def test_a_block_no_faster_tier_gives_is_lost_and_the_rest_of_its_group_wr
 
 
 async def test_closing_mid_group_accounts_for_every_key(keys: list[bytes]) -> None:
-    clock = Clock()
+    clock = ManualClock()
     fast, remote = SourceTier(), PackingTier()
     data = blocks(10)
     async with paced(fast, remote, clock, close_timeout=0.1) as manager:

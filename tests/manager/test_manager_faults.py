@@ -6,7 +6,6 @@ before its fix."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 
 import anyio
 import numpy as np
@@ -22,9 +21,9 @@ from kvtier import (
     OffloadScheduler,
     TieringManager,
 )
-from kvtier._buffers import BlockBuffer
 from kvtier._failures import RecentFailures
 from kvtier.testing import StallingTier
+from tests.support import GatedPool, assert_idle
 
 BB = 4096
 H, P, R, M = (
@@ -33,14 +32,6 @@ H, P, R, M = (
     LookupResult.RETRY,
     LookupResult.MISS,
 )
-
-
-def assert_clean(manager: TieringManager) -> None:
-    stats = manager.statistics()
-    assert stats.pool.writing == 0, "a slot was left WRITING"
-    assert stats.pool.pinned == 0 and stats.pool.pins == 0, "a slot was left pinned"
-    assert stats.background_tasks == 0 and stats.in_flight_bytes == 0
-    manager.pool.table.check_invariants()
 
 
 # -- a scan that raises; a closed manager (item 7) --------------------------------------------
@@ -79,7 +70,7 @@ async def test_closing_while_a_request_waits_leaves_nothing_pinned(keys: list[by
             await slow.wait_stalled("load")
     slow.release("load")
     assert result == [2]
-    assert_clean(manager)
+    assert_idle(manager)
 
 
 class _Raising(TieringManager):
@@ -116,28 +107,14 @@ async def test_a_scan_that_raises_gives_back_its_pins(keys: list[bytes]) -> None
         assert manager.statistics().pool.pinned == 0
         manager.armed = False
         await manager.wait_idle()
-    assert_clean(manager)
+    assert_idle(manager)
 
 
 # -- store racing aclose (item 2) --------------------------------------------------------------
 
 
-class GatedPool(HostPool):
-    """A HostPool whose copies into the pool wait at a gate."""
-
-    def __init__(self, num_blocks: int) -> None:
-        super().__init__(num_blocks, BB)
-        self.gate = anyio.Event()
-        self.entered = anyio.Event()
-
-    async def copy_in(self, slots: Sequence[int], blocks: Sequence[BlockBuffer]) -> None:
-        self.entered.set()
-        await self.gate.wait()
-        await super().copy_in(slots, blocks)
-
-
 async def test_a_store_that_outlives_aclose_fails_and_leaves_nothing(keys: list[bytes]) -> None:
-    pool = GatedPool(8)
+    pool = GatedPool(8, BB, loads=False)
     tier = MemoryTier()
     manager = TieringManager(pool, [tier])
     errors: list[BaseException] = []
@@ -155,7 +132,7 @@ async def test_a_store_that_outlives_aclose_fails_and_leaves_nothing(keys: list[
                 await pool.entered.wait()  # the store has its slot and is copying
             pool.gate.set()  # the copy finishes after the manager closed
     assert len(errors) == 1 and "not open" in str(errors[0])
-    assert_clean(manager)
+    assert_idle(manager)
     assert manager.lookup(keys[0]) is M  # nothing of the failed store is readable
     assert tier.statistics().blocks == 0
     async with manager:  # re-opened, it has nothing left to wait for
@@ -265,7 +242,7 @@ async def test_a_raising_callback_never_stops_the_engine(
         assert stats.callback_failures == 5
     exploded = [r for r in caplog.records if "exploded" in r.getMessage()]
     assert len(exploded) == 1, "a burst of one fault logs once"
-    assert_clean(manager)
+    assert_idle(manager)
 
 
 class RaisingLookupObserver:

@@ -18,6 +18,7 @@ from inspect import CORO_CREATED, getcoroutinestate
 import numpy as np
 
 from kvtier import AdmissionPolicy, HostPool, LookupResult, MemoryTier, TieringManager
+from tests.support import assert_idle
 
 BB = 4096
 
@@ -43,13 +44,7 @@ def forget_unrun_coroutines() -> None:
 
 def assert_nothing_left(manager: TieringManager) -> None:
     forget_unrun_coroutines()
-    stats = manager.statistics()
-    assert stats.pool.pinned == 0, "a slot was left pinned"
-    assert stats.pool.writing == 0, "a slot was left reserved"
-    assert stats.in_flight_bytes == 0
-    assert stats.background_tasks == 0
-    assert all(a.in_flight_bytes == 0 for a in stats.admission)
-    manager.pool.table.check_invariants()
+    assert_idle(manager)
 
 
 async def test_a_cascade_cancelled_before_it_starts_leaves_nothing_behind(

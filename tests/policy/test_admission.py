@@ -8,14 +8,7 @@ import pytest
 from kvtier import AdmissionPolicy, InvalidArgumentError
 from kvtier._deferred import DeferredWrites
 from kvtier._writeback import WriteBackQueue
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.support import ManualClock
 
 
 def test_in_flight_bytes_engage_back_pressure_and_release_it() -> None:
@@ -30,7 +23,7 @@ def test_in_flight_bytes_engage_back_pressure_and_release_it() -> None:
 
 
 def test_a_slow_tier_closes_then_probes_and_reopens_when_it_recovers() -> None:
-    clock = Clock()
+    clock = ManualClock()
     policy = AdmissionPolicy(max_write_latency=0.5, probe_interval=1.0, alpha=0.5, clock=clock)
     assert policy.admit("slow", 10)
     policy.finished("slow", 10, 2.0)  # one write took 2 s: the tier is slow
@@ -54,7 +47,7 @@ def test_a_slow_tier_closes_then_probes_and_reopens_when_it_recovers() -> None:
 
 
 def test_a_hung_write_closes_the_tier_before_it_reports_any_latency() -> None:
-    clock = Clock()
+    clock = ManualClock()
     policy = AdmissionPolicy(max_write_latency=0.5, clock=clock)
     assert policy.admit("nfs", 10)
     clock.now = 1.9
@@ -114,7 +107,7 @@ def test_write_back_queue_writes_the_oldest_beyond_its_limit() -> None:
 
 
 def test_write_back_queue_drops_for_a_closed_tier_and_flushes_everything_at_close() -> None:
-    clock = Clock()
+    clock = ManualClock()
     policy = AdmissionPolicy(max_write_latency=0.5, write_back=["s3"], clock=clock)
     policy.observe_write_latency("s3", 5.0)  # closed
     queue = WriteBackQueue(limit=1)
@@ -130,7 +123,7 @@ def test_write_back_queue_drops_for_a_closed_tier_and_flushes_everything_at_clos
 
 
 def test_the_last_refusal_says_its_cause() -> None:
-    clock = Clock()
+    clock = ManualClock()
     policy = AdmissionPolicy(
         max_in_flight_bytes=200, max_write_latency=None, max_write_rate=100.0, clock=clock
     )
@@ -149,7 +142,7 @@ def test_a_group_is_admitted_whole_or_not_at_all() -> None:
     """A group of deferred writes to a packing tier: all its writes reserved together, or
     none. The rate bucket holds a whole group even when that is more than a second's worth,
     or a group would never fit."""
-    clock = Clock()
+    clock = ManualClock()
     policy = AdmissionPolicy(
         max_in_flight_bytes=8 * 100, max_write_latency=None, max_write_rate=200.0, clock=clock
     )
@@ -176,7 +169,7 @@ def test_a_group_is_admitted_whole_or_not_at_all() -> None:
 
 
 def test_a_closed_tier_takes_a_group_as_its_probe() -> None:
-    clock = Clock()
+    clock = ManualClock()
     policy = AdmissionPolicy(max_write_latency=0.5, probe_interval=1.0, clock=clock)
     policy.observe_write_latency("s3", 2.0)
     assert policy.admit("s3", 100, count=4)  # one probe: one packed request
@@ -205,7 +198,7 @@ def test_deferred_writes_come_in_groups_within_room() -> None:
 def test_ready_in_says_when_time_alone_gives_room() -> None:
     """What the manager sleeps until before draining deferred writes again: the rate budget
     refilled, a latency probe due; None where only a write ending makes room."""
-    clock = Clock()
+    clock = ManualClock()
     policy = AdmissionPolicy(
         max_in_flight_bytes={"capped": 200},
         max_write_rate={"paced": 100.0},

@@ -5,8 +5,6 @@ StallingTier; nothing here asserts a duration."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import anyio
 import numpy as np
 
@@ -18,19 +16,11 @@ from kvtier import (
     SlotState,
     TieringManager,
 )
-from kvtier._buffers import BlockBuffer
 from kvtier.pools._base import ByteSource
 from kvtier.testing import StallingTier
+from tests.support import GatedPool, ManualClock
 
 BB = 4096
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def blocks(n: int) -> np.ndarray:
@@ -44,7 +34,7 @@ def held(tier: MemoryTier, keys: list[bytes]) -> list[bool]:
 async def test_a_slow_tier_is_skipped_counted_and_admitted_again_when_it_recovers(
     keys: list[bytes],
 ) -> None:
-    clock = Clock()
+    clock = ManualClock()
     policy = AdmissionPolicy(max_write_latency=0.5, probe_interval=1.0, alpha=0.5, clock=clock)
     fast, slow = MemoryTier("fast"), MemoryTier("slow")
     async with TieringManager(HostPool(32, BB), [fast, slow], admission=policy) as manager:
@@ -118,25 +108,10 @@ async def test_write_back_writes_on_eviction_and_loses_nothing(keys: list[bytes]
     assert stats.written_back == 12 and stats.dirty_blocks == 0 and stats.cascades_dropped == 0
 
 
-class GatedPool(HostPool):
-    """A HostPool whose copies into the pool wait at a gate once it is closed."""
-
-    def __init__(self, num_blocks: int) -> None:
-        super().__init__(num_blocks, BB)
-        self.gate: anyio.Event | None = None
-        self.entered = anyio.Event()
-
-    async def copy_in(self, slots: Sequence[int], blocks: Sequence[BlockBuffer]) -> None:
-        if self.gate is not None:
-            self.entered.set()
-            await self.gate.wait()
-        await super().copy_in(slots, blocks)
-
-
 async def test_a_block_stored_while_the_manager_closes_is_written_back_not_left_pinned(
     keys: list[bytes],
 ) -> None:
-    pool = GatedPool(8)
+    pool = GatedPool(8, BB, closed=False, loads=False)
     near = StallingTier(name="near")
     remote = MemoryTier("remote")
     manager = TieringManager(

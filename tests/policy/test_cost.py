@@ -6,14 +6,7 @@ import pytest
 
 from kvtier import CostModel, InvalidArgumentError, LookupResult
 from kvtier._cost import ScanBudget
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.support import ManualClock
 
 
 def test_without_a_recompute_estimate_nothing_is_declined_or_budgeted() -> None:
@@ -25,7 +18,7 @@ def test_without_a_recompute_estimate_nothing_is_declined_or_budgeted() -> None:
 
 
 def test_a_tier_slower_than_recompute_is_declined_and_a_faster_one_promoted() -> None:
-    clock = Clock()
+    clock = ManualClock(100.0)
     cost = CostModel(recompute_seconds_per_block=0.01, probe_interval=5.0, clock=clock)
     cost.observe_promotion("slow", 0.5, 4096, ok=True)
     cost.observe_promotion("fast", 0.002, 4096, ok=True)
@@ -41,7 +34,7 @@ def test_a_tier_slower_than_recompute_is_declined_and_a_faster_one_promoted() ->
 
 
 def test_a_declined_tier_is_probed_again_after_the_interval_and_can_recover() -> None:
-    clock = Clock()
+    clock = ManualClock(100.0)
     cost = CostModel(recompute_seconds_per_block=0.01, probe_interval=5.0, alpha=0.5, clock=clock)
     cost.observe_promotion("t", 1.0, 4096, ok=True)  # measured at 100.0
     assert not cost.promote_before("t", 100.08, 100.0)
@@ -163,7 +156,7 @@ def test_a_burst_of_queued_promotions_does_not_make_an_idle_tier_look_slow() -> 
     ahead of it. Once they have drained, a promotion started now is expected in about 20 ms,
     as the tier delivers it, not in the burst's average (about 170 ms), which would decline
     it against a 50 ms recompute."""
-    clock = Clock()
+    clock = ManualClock(100.0)
     cost = CostModel(recompute_seconds_per_block=0.05, alpha=0.2, clock=clock)
     queued = [cost.promotion_started("s3") for _ in range(60)]
     assert queued == list(range(60))

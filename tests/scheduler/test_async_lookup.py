@@ -9,6 +9,7 @@ import pytest
 
 from kvtier import AsyncLookupManager, LookupResult, MissReason, TierUnavailableError
 from kvtier.tiers.fs._index import IndexLookups
+from tests.support import ManualClock
 
 
 def k(i: int) -> bytes:
@@ -33,14 +34,6 @@ class Storage:
         if self.error is not None:
             raise self.error
         return [key in self.present for key in keys]
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class Waker:
@@ -136,7 +129,7 @@ async def test_a_failing_check_becomes_a_miss_with_its_reason(
 
 async def test_misses_expire_after_their_ttl_but_hits_stay() -> None:
     storage = Storage({k(1)})
-    clock = Clock()
+    clock = ManualClock()
     async with manager_for(storage, miss_ttl=2.0, clock=clock) as manager:
         manager.lookup(k(1))
         manager.lookup(k(2))
@@ -288,7 +281,7 @@ async def test_lookup_with_reason_says_why_each_miss_is_one() -> None:
 def test_index_lookups_say_why_each_miss_is_one() -> None:
     """The FS index's answers carry the reason too: absent keys are not_found, a held key
     whose load failed keeps that failure's reason until it expires."""
-    clock = Clock()
+    clock = ManualClock()
     held = {k(1), k(2)}
     index = IndexLookups(held.__contains__, miss_ttl=1.0, clock=clock)
     assert index.lookup_with_reason(k(1)) == (LookupResult.MISS, MissReason.UNAVAILABLE)

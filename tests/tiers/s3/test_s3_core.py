@@ -16,30 +16,23 @@ from kvtier.tiers.s3 import S3Config, S3Tier
 from kvtier.tiers.s3._config import pack_blocks
 from kvtier.tiers.s3._core import S3Core
 from kvtier.tiers.s3._pack import Location
+from tests.support import ManualClock
 
 BLOCK = 4096
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 async def _never(keys: list[bytes]) -> list[bool]:  # pragma: no cover - never asked
     raise AssertionError("the core never asks the server")
 
 
-def _core(clock: Clock, **settings: object) -> S3Core:
+def _core(clock: ManualClock, **settings: object) -> S3Core:
     config = S3Config.from_keywords(None, bucket="bucket", **settings)
     lookups = AsyncLookupManager(_never, miss_ttl=config.miss_ttl, clock=clock)
     return S3Core(config, integrity_key=None, lookups=lookups, clock=clock)
 
 
 def test_a_failed_load_suppresses_an_indexed_key_for_miss_ttl() -> None:
-    clock = Clock()
+    clock = ManualClock(100.0)
     core = _core(clock, miss_ttl=2.0)
     key = os.urandom(16)
     core.wrote(key)
@@ -54,7 +47,7 @@ def test_a_failed_load_suppresses_an_indexed_key_for_miss_ttl() -> None:
 
 
 def test_stores_of_indexed_keys_are_skipped_in_the_index_mode_only() -> None:
-    clock = Clock()
+    clock = ManualClock(100.0)
     key = os.urandom(16)
     indexed, asking = _core(clock), _core(clock, lookup_mode="ask")
     for core in (indexed, asking):
@@ -65,7 +58,7 @@ def test_stores_of_indexed_keys_are_skipped_in_the_index_mode_only() -> None:
 
 
 def test_a_location_not_a_blocks_size_is_refused_before_any_request() -> None:
-    core = _core(Clock())
+    core = _core(ManualClock(100.0))
     key = os.urandom(16)
     good = header_size(len(key)) + BLOCK
     core.check_location(key, Location("p", 64, good), BLOCK)
@@ -75,7 +68,7 @@ def test_a_location_not_a_blocks_size_is_refused_before_any_request() -> None:
 
 
 def test_corrupt_deletes_are_bounded_and_one_per_object() -> None:
-    core = _core(Clock(), max_concurrency=2)
+    core = _core(ManualClock(100.0), max_concurrency=2)
     assert core.start_delete("a") and not core.start_delete("a")
     assert core.start_delete("b") and not core.start_delete("c")  # two at once at most
     core.end_delete("a", deleted=True)
@@ -84,7 +77,7 @@ def test_corrupt_deletes_are_bounded_and_one_per_object() -> None:
 
 
 def test_newer_formats_and_signed_blocks_are_kept_by_a_tier_without_a_key() -> None:
-    core = _core(Clock())
+    core = _core(ManualClock(100.0))
     newer = MAGIC + struct.pack("<HH", FORMAT_VERSION + 1, 0)
     signed = MAGIC + struct.pack("<HH", FORMAT_VERSION, FLAG_MAC)
     assert "newer format" in core.keep_corrupt(newer)
@@ -95,7 +88,7 @@ def test_newer_formats_and_signed_blocks_are_kept_by_a_tier_without_a_key() -> N
 
 
 def test_breaker_refusals_count_as_unavailable_misses() -> None:
-    clock = Clock()
+    clock = ManualClock(100.0)
     core = _core(clock, breaker_threshold=1, breaker_reset=5.0)
     permit = core.breaker.allow()
     core.breaker.failure(permit)
@@ -108,7 +101,7 @@ def test_breaker_refusals_count_as_unavailable_misses() -> None:
 
 
 def test_names_and_packs() -> None:
-    core = _core(Clock(), prefix="/kv/llama/")
+    core = _core(ManualClock(100.0), prefix="/kv/llama/")
     key = bytes(range(16))
     assert core.object_key(key) == f"kv/llama/00/{key.hex()}"
     first, second = core.next_pack_name(key), core.next_pack_name(key)

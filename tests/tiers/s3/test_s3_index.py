@@ -10,7 +10,7 @@ import os
 import struct
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,6 @@ from devtools.weed_server import (
     SECRET_KEY,
     WeedServer,
     raw_client,
-    serve_session,
 )
 from kvtier._errors import BlockNotFoundError, InvalidArgumentError
 from kvtier._format import IntegrityKey, header_size
@@ -59,18 +58,11 @@ from kvtier.tiers.s3._pack import (
 )
 from kvtier.tiers.s3._requests import Requests
 from kvtier.tiers.s3._sync import IndexSync
+from tests.support import ManualClock
 from tests.tiers.s3.s3_forge import forged_segment, forged_segment_name
 
 BLOCK = 4096
 SECRET = "correct horse battery staple 0123456789"
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_unknown_key_is_a_miss_and_known_a_hit() -> None:
@@ -86,7 +78,7 @@ def test_unknown_key_is_a_miss_and_known_a_hit() -> None:
 
 
 def test_failed_load_suppresses_for_the_ttl_and_gone_object_is_dropped() -> None:
-    clock = Clock()
+    clock = ManualClock(100.0)
     index = ExistenceIndex(miss_ttl=2.0, max_keys=10, clock=clock)
     a, b = os.urandom(16), os.urandom(16)
     index.add_many([(a, None), (b, None)])
@@ -364,11 +356,6 @@ def test_a_publish_takes_a_bounded_batch_and_a_failed_one_goes_first_again() -> 
 
 
 # -- against a server --------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def weed_server() -> Iterator[WeedServer]:
-    yield from serve_session()
 
 
 def _tier(server: WeedServer, prefix: str, **overrides: Any) -> S3Tier:

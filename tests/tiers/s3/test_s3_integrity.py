@@ -11,7 +11,7 @@ import json
 import logging
 import os
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -25,7 +25,6 @@ from devtools.weed_server import (
     SECRET_KEY,
     WeedServer,
     raw_client,
-    serve_session,
 )
 from kvtier._config import KVTierConfig
 from kvtier._errors import BlockNotFoundError, CorruptBlockError, InvalidArgumentError
@@ -47,11 +46,6 @@ SECRET = "correct horse battery staple 0123456789"
 OTHER = "another secret, also long enough"
 
 MakeTier = Callable[..., S3Tier]
-
-
-@pytest.fixture(scope="session")
-def weed_server() -> Iterator[WeedServer]:
-    yield from serve_session()
 
 
 @pytest.fixture

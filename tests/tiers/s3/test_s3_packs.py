@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -20,7 +19,6 @@ from devtools.weed_server import (
     SECRET_KEY,
     WeedServer,
     raw_client,
-    serve_session,
 )
 from kvtier._errors import (
     BlockNotFoundError,
@@ -36,11 +34,6 @@ from kvtier.tiers.s3._pack import PACK_DIR, Location, decode_table
 from kvtier.tiers.s3._packs import PackReads, PackWriter, PendingStore
 
 BLOCK = 4096
-
-
-@pytest.fixture(scope="module")
-def weed_server() -> Iterator[WeedServer]:
-    yield from serve_session()
 
 
 def _tier(server: WeedServer, prefix: str, **overrides: Any) -> S3Tier:

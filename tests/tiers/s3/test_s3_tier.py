@@ -21,7 +21,7 @@ import sys
 import threading
 import urllib.request
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +41,6 @@ from devtools.weed_server import (
     WeedServer,
     ensure_bucket,
     raw_client,
-    serve_own,
-    serve_session,
 )
 from kvtier._errors import (
     BlockNotFoundError,
@@ -62,34 +60,11 @@ from kvtier.pools._host import HostPool
 from kvtier.testing import CHECKS, resolve_lookup
 from kvtier.tiers.s3 import S3Tier
 from kvtier.tiers.s3._errors import Fault, translate
+from tests.support import ManualClock
 from tests.tiers.s3.s3_peer import make_blocks
 
 BLOCK = 4096
 HERE = Path(__file__).parent
-
-
-class FakeClock:
-    """Drives the miss TTL and the circuit breaker, so tests move time instead of waiting."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
-@pytest.fixture(scope="session")
-def weed_server() -> Iterator[WeedServer]:
-    yield from serve_session()
-
-
-@pytest.fixture
-async def own_weed() -> AsyncIterator[WeedServer]:
-    async for server in serve_own():
-        yield server
 
 
 MakeTier = Callable[..., S3Tier]
@@ -318,7 +293,7 @@ async def test_store_sends_its_bytes_body_without_expect_continue(make_tier: Mak
 
 
 async def test_batched_lookup_and_miss_ttl(make_tier: MakeTier) -> None:
-    clock = FakeClock()
+    clock = ManualClock(1000.0)
     keys = _keys(100)
     present, absent = keys[:60], keys[60:]
     async with make_tier() as writer:
@@ -534,7 +509,7 @@ async def _settle(manager: TieringManager) -> None:
 async def test_server_killed_mid_run_and_restarted(own_weed: WeedServer) -> None:
     """Ask mode (existence checks on the request path): kill -9 of the server turns lookups
     into misses within their deadline; the same tier recovers when it is back."""
-    clock = FakeClock()
+    clock = ManualClock(1000.0)
     tier = _tier_factory(own_weed.endpoint_url, "kill")(
         lookup_mode="ask",
         index_refresh=100.0,
@@ -602,7 +577,7 @@ async def test_index_mode_server_killed_and_restarted(own_weed: WeedServer, pack
     """Index mode: with the server gone, indexed blocks (objects of their own, or sections of
     one pack) become misses within the promotion deadline and unknown ones miss at once;
     once it is back they load again."""
-    clock = FakeClock()
+    clock = ManualClock(1000.0)
     tier = _tier_factory(own_weed.endpoint_url, "kill-index")(
         connect_timeout=1.0,
         read_timeout=2.0,
@@ -1051,7 +1026,7 @@ def test_import_without_aiobotocore() -> None:
 
 
 def test_circuit_breaker_state_machine() -> None:
-    clock = FakeClock()
+    clock = ManualClock(1000.0)
     breaker = CircuitBreaker(3, 5.0, clock=clock)
     for _ in range(2):
         assert breaker.allow() is Permit.PASS

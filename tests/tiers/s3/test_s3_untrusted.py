@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +23,6 @@ from devtools.weed_server import (
     SECRET_KEY,
     WeedServer,
     raw_client,
-    serve_session,
 )
 from kvtier._errors import KVTierError
 from kvtier._format import MAX_KEY_BYTES, IntegrityKey, header_size
@@ -314,9 +312,8 @@ async def _fill(server: WeedServer) -> Bucket:
 
 
 @pytest.fixture(scope="module")
-def bucket() -> Iterator[Bucket]:
-    for server in serve_session():
-        yield anyio.run(_fill, server)
+def bucket(weed_server: WeedServer) -> Bucket:
+    return anyio.run(_fill, weed_server)
 
 
 @st.composite
