@@ -30,7 +30,13 @@ from kvtier._errors import (
 from kvtier._format import IntegrityKey
 from kvtier._keys import block_keys
 from kvtier._lookup import LookupResult, MissReason
-from kvtier._metrics import KVTierCollector, LatencyHistograms, MetricsServer, serve_metrics
+from kvtier._metrics import (
+    KVTierCollector,
+    LatencyHistograms,
+    MetricsServer,
+    metrics_asgi_app,
+    serve_metrics,
+)
 from kvtier._scheduler import OffloadScheduler, SchedulerStatistics
 from kvtier.manager import ManagerConfig, ManagerStatistics, TieringManager
 from kvtier.pools._base import PrimaryPool
@@ -104,5 +110,6 @@ __all__ = [
     "TieringManager",
     "block_keys",
     "cuda_available",
+    "metrics_asgi_app",
     "serve_metrics",
 ]

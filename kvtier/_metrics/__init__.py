@@ -18,10 +18,11 @@ collector exports next to the counters:
   (``TieringManager(pool, tiers, latency=histograms)``); the manager calls
   ``histograms.observe_promotion(tier, seconds, ok)`` as each promotion ends.
 
-``serve_metrics(manager, port)`` (``_server``) serves ``/metrics`` from the event loop itself
-(an anyio TCP listener in an ``async with`` block): no thread reads kvtier's counters while the
-loop updates them, and no daemon thread outlives the block. Bind it to 127.0.0.1 (the default)
-unless the scraper is on another machine.
+``serve_metrics(manager, port)`` (``_server``) serves ``/metrics`` through prometheus_client's
+WSGI app on a server thread that the ``async with`` block owns and joins; the collection itself
+runs on the event loop, so no thread reads kvtier's counters while the loop updates them. Bind
+it to 127.0.0.1 (the default) unless the scraper is on another machine. An engine that already
+runs an ASGI server mounts ``metrics_asgi_app(manager)`` (prometheus_client's ASGI app) instead.
 
 Two ``KVTierCollector`` for two managers cannot share one registry (their metric names would
 collide); give each its own ``CollectorRegistry``.
@@ -31,12 +32,13 @@ from __future__ import annotations
 
 from kvtier._metrics._collector import KVTierCollector
 from kvtier._metrics._histograms import DEFAULT_BUCKETS, LatencyHistograms
-from kvtier._metrics._server import MetricsServer, serve_metrics
+from kvtier._metrics._server import MetricsServer, metrics_asgi_app, serve_metrics
 
 __all__ = [
     "DEFAULT_BUCKETS",
     "KVTierCollector",
     "LatencyHistograms",
     "MetricsServer",
+    "metrics_asgi_app",
     "serve_metrics",
 ]

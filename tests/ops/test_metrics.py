@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from dataclasses import dataclass
 
 import anyio
@@ -11,13 +12,14 @@ import httpx
 import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier._admission import AdmissionPolicy
 from kvtier._cost import CostModel
 from kvtier._errors import CorruptBlockError, ExtraNotInstalledError, InvalidArgumentError
 from kvtier._lookup import LookupResult
-from kvtier._metrics import KVTierCollector, LatencyHistograms, serve_metrics
+from kvtier._metrics import KVTierCollector, LatencyHistograms, metrics_asgi_app, serve_metrics
 from kvtier._scheduler import OffloadScheduler
 from kvtier.manager import TieringManager
 from kvtier.pools._host import HostPool
@@ -253,6 +255,47 @@ async def test_metrics_server_aclose_is_idempotent() -> None:
             await anyio.connect_tcp("127.0.0.1", server.port)
         await server.aclose()  # a second close, then leaving the block, do nothing
     assert "closed" in repr(server)
+
+
+class _ThreadOf:
+    """A collector that records which thread collects it."""
+
+    def __init__(self) -> None:
+        self.threads: list[int] = []
+
+    def collect(self) -> list[Metric]:
+        self.threads.append(threading.get_ident())
+        return []
+
+
+async def test_metrics_server_collects_on_the_loop_and_joins_its_threads() -> None:
+    manager = TieringManager(HostPool(2, BLOCK))
+    registry = CollectorRegistry()
+    spy = _ThreadOf()
+    registry.register(spy)
+    async with manager, serve_metrics(manager, 0, registry=registry) as server:
+        serving = [t for t in threading.enumerate() if t.name.startswith("kvtier-metrics")]
+        assert serving and not any(t.daemon for t in serving)
+        async with httpx.AsyncClient(timeout=10.0) as client:
+            assert (await client.get(server.url)).status_code == 200
+    assert spy.threads == [threading.get_ident()]  # the loop's thread, not the server's
+    assert not any(t.is_alive() for t in serving)
+
+
+async def test_metrics_asgi_app() -> None:
+    manager = TieringManager(HostPool(2, BLOCK), [MemoryTier("disk")])
+    app = metrics_asgi_app(manager)
+    async with manager:
+        manager.lookup(key())
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://kvtier") as client:
+            response = await client.get("/metrics")
+            open_metrics = await client.get(
+                "/metrics", headers={"Accept": "application/openmetrics-text; version=1.0.0"}
+            )
+    assert response.status_code == 200
+    assert 'kvtier_lookups_total{result="miss"} 1.0' in response.text
+    assert open_metrics.text.endswith("# EOF\n")
 
 
 async def test_cost_model_and_admission_are_exported() -> None:
