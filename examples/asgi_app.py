@@ -3,7 +3,9 @@
 ``POST /generate`` with ``{"prompt": "...", "max_tokens": 4}`` runs the prompt through a tiny
 transformer (``_tiny_model.py``, bytes as tokens) and answers with the generated token ids and
 how many prefix blocks kvtier served instead of recomputing them. ``GET /stats`` shows the
-manager's counters. Serve it with any ASGI server, for example::
+manager's counters; ``GET /metrics`` exports them to Prometheus through
+``kvtier.metrics_asgi_app`` (prometheus_client's ASGI app, served by the app's own server; it
+needs ``kvtier[metrics]``). Serve it with any ASGI server, for example::
 
     uvicorn --app-dir examples asgi_app:app --host 127.0.0.1
 
@@ -30,6 +32,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 import kvtier
 
@@ -70,19 +73,30 @@ def create_app(*, pool_blocks: int = 256, fs_root: str | None = None) -> Starlet
             manager = await stack.enter_async_context(
                 kvtier.TieringManager(pool, [kvtier.FSTier(root, fsync="never")])
             )
+            scheduler = kvtier.OffloadScheduler(manager)
             app.state.engine = Engine(
-                TinyTransformer(CONFIG),
-                manager,
-                kvtier.OffloadScheduler(manager),
-                anyio.CapacityLimiter(1),
+                TinyTransformer(CONFIG), manager, scheduler, anyio.CapacityLimiter(1)
             )
+            app.state.metrics = kvtier.metrics_asgi_app(manager, scheduler=scheduler)
             yield
-            app.state.engine = None
+            app.state.engine = app.state.metrics = None
 
     return Starlette(
-        routes=[Route("/generate", generate, methods=["POST"]), Route("/stats", stats)],
+        routes=[
+            Route("/generate", generate, methods=["POST"]),
+            Route("/stats", stats),
+            Route("/metrics", Metrics(), methods=["GET"]),
+        ],
         lifespan=lifespan,
     )
+
+
+class Metrics:
+    """``/metrics``: the ASGI app the lifespan made with the manager (a class, so Starlette
+    routes the request to it as an ASGI app)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await scope["app"].state.metrics(scope, receive, send)
 
 
 async def generate(request: Request) -> JSONResponse:

@@ -250,5 +250,9 @@ async def _exercise(client: httpx.AsyncClient) -> None:
     assert stats["blocks_loaded"] > 0
     assert stats["tiers"]["fs"]["blocks"] > 0
 
+    metrics = await client.get("/metrics")  # prometheus_client's ASGI app, mounted
+    assert metrics.status_code == 200
+    assert 'kvtier_tier_blocks{tier="fs"}' in metrics.text
+
     bad = await client.post("/generate", json={"text": "no prompt"})
     assert bad.status_code == 400
