@@ -3,7 +3,8 @@
 - ``<!-- settings: kvtier.tiers.fs._config:FSConfig -->`` becomes a table of every field of that
   settings dataclass: the key, its environment variable, its type, its default, and the comment
   written above the field in the source. The table is read from the class at every build, so
-  it cannot drift from the code.
+  it cannot drift from the code; the page that has them must have one for every section the
+  loader (``kvtier._config``) reads.
 - ``<!-- api: kvtier -->`` becomes one ``::: kvtier.NAME`` block per name in ``kvtier.__all__``
   (read from the source with ``ast``, so the build does not depend on the import order).
 """
@@ -24,8 +25,22 @@ API = re.compile(r"<!-- api: kvtier -->")
 
 
 def on_page_markdown(markdown: str, **_: Any) -> str:
+    tables = SETTINGS.findall(markdown)
+    if tables:
+        every_section_has_a_table(tables)
     markdown = SETTINGS.sub(lambda m: settings_table(m[1], m[2]), markdown)
     return API.sub(lambda _: public_api(), markdown)
+
+
+def every_section_has_a_table(tables: list[tuple[str, str]]) -> None:
+    """The page with settings tables shows one for each section ``KVTierConfig`` reads, so a
+    section added to the loader fails the build until it is documented."""
+    from kvtier import _config
+
+    shown = {getattr(importlib.import_module(module), name) for module, name in tables}
+    missing = [name for name, cls in _config._SECTIONS.items() if cls not in shown]
+    if missing:
+        raise RuntimeError(f"docs: no settings table for the config sections {missing}")
 
 
 def public_api() -> str:
