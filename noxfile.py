@@ -68,7 +68,7 @@ def typecheck(session: nox.Session) -> None:
 @nox.session
 def demo(session: nox.Session) -> None:
     """The main job: examples/serve_demo.py (pass `-- --full` for the long run)."""
-    install(session)
+    install(session, "scripts")
     args = session.posargs or ["--quick"]
     if args == ["--full"]:
         args = []

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 import kvtier
 from kvtier._format import header_size
@@ -135,33 +136,18 @@ class ReplayResult:
         return self.hits / self.requested if self.requested else 0.0
 
 
-class Progress:
-    """A progress bar on stderr (a line per quarter when stderr is not a terminal)."""
-
-    def __init__(self, label: str, total: int, enabled: bool = True) -> None:
-        self.label, self.total, self.enabled = label, total, enabled
-        self._tty = sys.stderr.isatty()
-        self._shown = -1
-        self._started = time.perf_counter()
-
-    def update(self, done: int, result: ReplayResult) -> None:
-        if not self.enabled or not self.total:
-            return
-        step = 200 if self._tty else 4
-        shown = done * step // self.total
-        if shown == self._shown:
-            return
-        self._shown = shown
-        frac = done / self.total
-        bar = "#" * int(frac * 30)
-        line = (
-            f"{self.label:<28} [{bar:<30}] {done:>6}/{self.total} hit {result.ratio:6.2%} "
-            f"{time.perf_counter() - self._started:6.1f} s"
-        )
-        if self._tty:
-            print("\r" + line, end="\n" if done == self.total else "", file=sys.stderr, flush=True)
-        else:
-            print(line, file=sys.stderr, flush=True)
+def progress_bar(label: str, total: int, enabled: bool = True) -> tqdm[None]:
+    """A progress bar on stderr (tqdm; a line every few seconds when stderr is not a terminal),
+    with the hit ratio so far as its postfix."""
+    return tqdm(
+        total=total,
+        desc=f"{label:<28}",
+        bar_format="{desc} |{bar:30}| {n_fmt:>6}/{total_fmt} [{elapsed}{postfix}]",
+        file=sys.stderr,
+        disable=not enabled or not total,
+        mininterval=0.1 if sys.stderr.isatty() else 5.0,
+        ascii=not sys.stderr.isatty(),
+    )
 
 
 def fs_capacity_bytes(blocks: int, payload_bytes: int) -> int:
@@ -196,7 +182,7 @@ async def replay(
     longest = max((len(r) for r in requests), default=1)
     out = np.empty((longest, payload_bytes), np.uint8)
     payloads: dict[bytes, np.ndarray] = {}
-    bar = Progress(label, len(requests), progress)
+    bar = progress_bar(label, len(requests), progress)
     pool = kvtier.HostPool(primary_blocks, payload_bytes, policy=policy)
     started = time.perf_counter()
     admission = kvtier.AdmissionPolicy(max_write_latency=None)
@@ -242,7 +228,9 @@ async def replay(
             result.request_us.append((t2 - t0) * 1e6)
             if settle:
                 await manager.wait_idle()
-            bar.update(done, result)
+            bar.set_postfix_str(f"hit {result.ratio:6.2%}", refresh=False)
+            bar.update()
+    bar.close()
     result.wall = time.perf_counter() - started  # includes finishing the write-through
     result.stats = manager.statistics()
     return result

@@ -64,6 +64,7 @@ import anyio
 import anyio.to_thread
 import numpy as np
 import torch
+from tqdm import tqdm
 
 import kvtier
 from kvtier.testing import SlowTier
@@ -293,34 +294,31 @@ async def serve(
 
 
 class Progress:
-    """A live one-line status on stderr (a line per quarter when stderr is not a terminal)."""
+    """A live progress bar on stderr (tqdm) with the run's TTFT p50 and the blocks loaded; when
+    stderr is not a terminal it writes a line every few seconds and the last one."""
 
     def __init__(self, label: str, total: int, block_size: int) -> None:
-        self.label = label
         self.block_size = block_size
-        self.total = total
-        self.done = 0
-        self.started = time.perf_counter()
-        self._tty = sys.stderr.isatty()
-        self._next_mark = 0.25
+        self.bar = tqdm(
+            total=total,
+            desc=f"{label:>14}",
+            bar_format="{desc}  {n_fmt:>4}/{total_fmt} requests |{bar:20}| [{elapsed}{postfix}]",
+            file=sys.stderr,
+            mininterval=0.1 if sys.stderr.isatty() else 5.0,
+            ascii=not sys.stderr.isatty(),
+        )
 
     def update(self, run: RunResult) -> None:
-        self.done += 1
         ttfts = run.ttfts()
         blocks = sum((r.prompt_tokens - 1) // self.block_size for r in run.results.values())
         loaded = sum(r.loaded_blocks for r in run.results.values())
-        line = (
-            f"{self.label:>14}  {self.done:>4}/{self.total} requests  "
-            f"TTFT p50 {_pct(ttfts, 50):6.3f} s  loaded {loaded}/{blocks} blocks  "
-            f"{time.perf_counter() - self.started:6.1f} s"
+        self.bar.set_postfix_str(
+            f"TTFT p50 {_pct(ttfts, 50):6.3f} s  loaded {loaded}/{blocks} blocks", refresh=False
         )
-        if self._tty:
-            end = "\n" if self.done == self.total else ""
-            print(f"\r{line}", end=end, file=sys.stderr, flush=True)
-        elif self.done >= self._next_mark * self.total:
-            print(line, file=sys.stderr, flush=True)
-            while self._next_mark * self.total <= self.done:
-                self._next_mark += 0.25
+        self.bar.update()
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 async def run_workload(
@@ -347,12 +345,15 @@ async def run_workload(
             run.loop_lag.append(time.perf_counter() - before - 0.005)
 
     done = asyncio.Event()
-    async with asyncio.TaskGroup() as outer:
-        outer.create_task(lag(done))
-        async with asyncio.TaskGroup() as tg:
-            for turns in sessions:
-                tg.create_task(chat(turns))
-        done.set()
+    try:
+        async with asyncio.TaskGroup() as outer:
+            outer.create_task(lag(done))
+            async with asyncio.TaskGroup() as tg:
+                for turns in sessions:
+                    tg.create_task(chat(turns))
+            done.set()
+    finally:
+        progress.close()
     run.wall = time.perf_counter() - started
     return run
 

@@ -47,7 +47,8 @@ def test_pinned_names_exist() -> None:
 def test_import_needs_no_optional_extra() -> None:
     code = (
         "import sys\n"
-        "for name in ('aiobotocore', 'cupy', 'torch', 'botocore'):\n"
+        "for name in ('aiobotocore', 'cupy', 'torch', 'botocore', 'prometheus_client', 'tqdm',\n"
+        "             'rich'):\n"
         "    sys.modules[name] = None  # make the import fail\n"
         "import kvtier\n"
         "kvtier.HostPool(2, 64)\n"
