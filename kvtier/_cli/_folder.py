@@ -137,7 +137,11 @@ def _when(ts: float) -> str:
 
 
 class _Progress:
-    """A one-line text progress bar on a terminal; silent when disabled."""
+    """A one-line text progress bar on a terminal; silent when disabled.
+
+    Written here rather than taken from tqdm or rich: it is the package's only bar, and the
+    installed ``kvtier`` command should not pull in a dependency for it (the scripts under
+    ``examples/`` and ``benchmarks/`` use tqdm)."""
 
     def __init__(self, total: int, stream: IO[str], enabled: bool, label: str) -> None:
         self.total = total

@@ -119,7 +119,11 @@ class MetricsServer(AsyncResource):
             name=f"kvtier-metrics:{self.port}",
             daemon=False,
         )
-        thread.start()
+        try:
+            thread.start()
+        except BaseException:
+            server.server_close()
+            raise
         self._server, self._thread = server, thread
         logger.info("serving kvtier metrics on %s", self.url)
         return self
