@@ -4,7 +4,6 @@ scripts. Classes the tests also name in annotations live in ``tests/support.py``
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -12,9 +11,8 @@ from pathlib import Path
 
 import pytest
 
-import kvtier
 from devtools.weed_server import WeedServer, find_weed, serve_own, serve_session
-from tests.support import ManualClock
+from tests.support import ManualClock, fresh_keys
 
 RunScript = Callable[..., subprocess.CompletedProcess[str]]
 
@@ -22,7 +20,7 @@ RunScript = Callable[..., subprocess.CompletedProcess[str]]
 @pytest.fixture
 def keys() -> list[bytes]:
     """Sixteen chained keys in a namespace of their own, so tests never share blocks."""
-    return kvtier.block_keys(list(range(64)), 4, namespace=os.urandom(8))
+    return fresh_keys(16)
 
 
 @pytest.fixture

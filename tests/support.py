@@ -1,14 +1,28 @@
-"""What several test modules share beyond fixtures (those live in ``conftest.py``): a clock
-moved by hand, a pool whose copies wait at a gate, and the check that a manager is idle."""
+"""What several test modules share beyond fixtures (those live in ``conftest.py``): key and
+block factories, a clock moved by hand, a pool whose copies wait at a gate, and the check that
+a manager is idle."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import anyio
+import numpy as np
 
-from kvtier import HostPool, TieringManager
+from kvtier import HostPool, TieringManager, block_keys
 from kvtier._buffers import BlockBuffer
+
+
+def fresh_keys(n: int) -> list[bytes]:
+    """``n`` chained keys in a namespace of their own, so tests never share blocks (nor objects
+    in the run's one bucket)."""
+    return block_keys(list(range(4 * n)), 4, namespace=os.urandom(8))
+
+
+def random_blocks(n: int, *, seed: int = 0, block_bytes: int = 4096) -> np.ndarray:
+    """``n`` blocks of random bytes, one a row; the same ``seed`` gives the same blocks."""
+    return np.random.default_rng(seed).integers(0, 256, (n, block_bytes), dtype=np.uint8)
 
 
 class ManualClock:

@@ -10,6 +10,7 @@ import torch
 import kvtier
 from kvtier import HostPool, LookupResult, MemoryTier, MissReason, TieringManager
 from kvtier.testing import FailingTier, StallingTier, resolve_lookup
+from tests.support import random_blocks
 
 BB = 4096
 H, P, R, M = (
@@ -20,10 +21,6 @@ H, P, R, M = (
 )
 
 
-def blocks(n: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, (n, BB), dtype=np.uint8)
-
-
 async def fill(tier: kvtier.SecondaryTier, keys: list[bytes], data: np.ndarray) -> None:
     for key, block in zip(keys, data, strict=True):
         await tier.store(key, memoryview(block.tobytes()))
@@ -32,14 +29,14 @@ async def fill(tier: kvtier.SecondaryTier, keys: list[bytes], data: np.ndarray) 
 async def test_primary_hit_and_miss(keys: list[bytes]) -> None:
     async with TieringManager(HostPool(8, BB)) as manager:
         assert manager.lookup(keys[0]) is M
-        assert await manager.store(keys[:2], blocks(2)) == 2
+        assert await manager.store(keys[:2], random_blocks(2)) == 2
         assert manager.lookup(keys[0]) is H
         assert manager.statistics().misses_by_reason == {"not_found": 1}
 
 
 async def test_secondary_hit_promotes_and_second_lookup_is_pending(keys: list[bytes]) -> None:
     slow = StallingTier()
-    await fill(slow.inner, keys[:1], blocks(1))
+    await fill(slow.inner, keys[:1], random_blocks(1))
     slow.stall("load")
     async with TieringManager(HostPool(4, BB), [slow]) as manager:
         assert await resolve_lookup(slow, keys[0]) is H  # existence known
@@ -51,13 +48,13 @@ async def test_secondary_hit_promotes_and_second_lookup_is_pending(keys: list[by
         assert await manager.wait_settled(keys[0], timeout=5) is H
         out = np.zeros((1, BB), np.uint8)
         assert await manager.load(keys[:1], out) == 1
-        assert (out == blocks(1)).all()
+        assert (out == random_blocks(1)).all()
 
 
 async def test_tiers_are_asked_in_order_and_the_first_hit_wins(keys: list[bytes]) -> None:
     first, second = MemoryTier("first"), MemoryTier("second")
-    await fill(first, keys[:1], blocks(1, seed=1))
-    await fill(second, keys[:2], blocks(2, seed=2))
+    await fill(first, keys[:1], random_blocks(1, seed=1))
+    await fill(second, keys[:2], random_blocks(2, seed=2))
     async with TieringManager(HostPool(4, BB), [first, second]) as manager:
         assert manager.lookup(keys[0]) is R
         assert manager.lookup(keys[1]) is R
@@ -65,8 +62,8 @@ async def test_tiers_are_asked_in_order_and_the_first_hit_wins(keys: list[bytes]
         assert await manager.wait_settled(keys[1], timeout=5) is H
         out = np.zeros((2, BB), np.uint8)
         await manager.load(keys[:2], out)
-    assert (out[0] == blocks(1, seed=1)[0]).all()
-    assert (out[1] == blocks(2, seed=2)[1]).all()
+    assert (out[0] == random_blocks(1, seed=1)[0]).all()
+    assert (out[1] == random_blocks(2, seed=2)[1]).all()
     assert first.statistics().loads == 1 and second.statistics().loads == 1
 
 
@@ -82,10 +79,10 @@ async def test_retry_from_any_tier_makes_a_retry(keys: list[bytes]) -> None:
 
 async def test_primary_full_answers_miss(keys: list[bytes]) -> None:
     tier = MemoryTier()
-    await fill(tier, keys[4:5], blocks(1))
+    await fill(tier, keys[4:5], random_blocks(1))
     pool = HostPool(2, BB)
     async with TieringManager(pool, [tier]) as manager:
-        await manager.store(keys[:2], blocks(2))
+        await manager.store(keys[:2], random_blocks(2))
         await manager.wait_idle()  # write-through done: only our pins hold the slots
         pins = [pool.pin(key) for key in keys[:2]]
         assert manager.lookup(keys[4]) is M
@@ -108,7 +105,7 @@ async def test_failed_promotion_frees_the_slot_and_marks_a_miss(
     keys: list[bytes], error: type[kvtier.TierError], reason: str
 ) -> None:
     tier = FailingTier()
-    await fill(tier.inner, keys[:1], blocks(1))
+    await fill(tier.inner, keys[:1], random_blocks(1))
     tier.fail("load", error=error)
     pool = HostPool(4, BB)
     async with TieringManager(pool, [tier]) as manager:
@@ -123,7 +120,7 @@ async def test_failed_promotion_frees_the_slot_and_marks_a_miss(
 
 async def test_promotion_timeout_frees_the_slot(keys: list[bytes]) -> None:
     slow = StallingTier()
-    await fill(slow.inner, keys[:1], blocks(1))
+    await fill(slow.inner, keys[:1], random_blocks(1))
     slow.stall("load")
     pool = HostPool(4, BB)
     async with TieringManager(pool, [slow], promotion_timeout=0.05) as manager:
@@ -137,7 +134,7 @@ async def test_promotion_timeout_frees_the_slot(keys: list[bytes]) -> None:
 
 async def test_store_writes_through_to_every_tier(keys: list[bytes]) -> None:
     a, b = MemoryTier("a"), MemoryTier("b")
-    data = blocks(4)
+    data = random_blocks(4)
     async with TieringManager(HostPool(8, BB), [a, b]) as manager:
         assert await manager.store(keys[:4], data) == 4
         assert await manager.store(keys[:4], data) == 0  # already present: skipped
@@ -156,7 +153,7 @@ async def test_write_through_is_bounded_by_in_flight_bytes(keys: list[bytes]) ->
     slow = StallingTier()
     slow.stall("store")
     async with TieringManager(HostPool(8, BB), [slow], max_in_flight_bytes=2 * BB) as manager:
-        await manager.store(keys[:5], blocks(5))
+        await manager.store(keys[:5], random_blocks(5))
         stats = manager.statistics()
         assert stats.cascades_started == 2
         assert stats.cascades_skipped == 3
@@ -168,7 +165,7 @@ async def test_failed_write_through_is_counted_and_the_block_stays(keys: list[by
     tier = FailingTier()
     tier.fail("store", error=kvtier.TierNoSpaceError)
     async with TieringManager(HostPool(8, BB), [tier]) as manager:
-        await manager.store(keys[:2], blocks(2))
+        await manager.store(keys[:2], random_blocks(2))
     stats = manager.statistics()
     assert stats.cascade_failures_by_reason == {"no_space": 2}
     assert stats.pool.ready == 2 and stats.pool.pinned == 0
@@ -179,7 +176,7 @@ async def test_exit_finishes_cascades_then_cancels_the_rest(keys: list[bytes]) -
     fast = MemoryTier()
     slow.stall("store")
     async with TieringManager(HostPool(8, BB), [fast, slow], close_timeout=0.05) as manager:
-        await manager.store(keys[:3], blocks(3))
+        await manager.store(keys[:3], random_blocks(3))
     stats = manager.statistics()
     assert stats.cascades_cancelled == 3
     assert stats.background_tasks == 0
@@ -192,7 +189,7 @@ async def test_exit_waits_for_cascades_that_finish_in_time(keys: list[bytes]) ->
     slow.stall("store")
     manager = TieringManager(HostPool(8, BB), [slow], close_timeout=30)
     async with anyio.create_task_group() as tg, manager:
-        await manager.store(keys[:2], blocks(2))
+        await manager.store(keys[:2], random_blocks(2))
         await slow.wait_stalled("store")
         tg.start_soon(lambda: _release_later(slow))
     assert manager.statistics().cascades_cancelled == 0
@@ -205,7 +202,7 @@ async def _release_later(tier: StallingTier) -> None:
 
 
 async def test_load_accepts_numpy_torch_and_lists(keys: list[bytes]) -> None:
-    data = blocks(3)
+    data = random_blocks(3)
     async with TieringManager(HostPool(8, BB)) as manager:
         await manager.store(keys[:3], torch.from_numpy(data.copy()).view(torch.float16))
         out_np = np.zeros((3, BB), np.uint8)
@@ -221,7 +218,7 @@ async def test_load_accepts_numpy_torch_and_lists(keys: list[bytes]) -> None:
 
 async def test_load_stops_at_the_first_block_not_in_the_pool(keys: list[bytes]) -> None:
     async with TieringManager(HostPool(8, BB)) as manager:
-        await manager.store([keys[0], keys[2]], blocks(2))
+        await manager.store([keys[0], keys[2]], random_blocks(2))
         out = np.zeros((3, BB), np.uint8)
         assert await manager.load(keys[:3], out) == 1
         assert manager.statistics().pool.pinned == 0
@@ -264,7 +261,7 @@ async def test_bad_blocks_raise_before_anything_changes(
     keys: list[bytes], make_blocks: object, message: str
 ) -> None:
     async with TieringManager(HostPool(8, BB), [MemoryTier()]) as manager:
-        await manager.store(keys[3:4], blocks(1))
+        await manager.store(keys[3:4], random_blocks(1))
         before = manager.statistics()
         with pytest.raises(ValueError, match=message):
             await manager.store(keys[:3], make_blocks())  # type: ignore[operator]
@@ -277,9 +274,9 @@ async def test_bad_blocks_raise_before_anything_changes(
 async def test_bad_keys_say_what_to_fix(keys: list[bytes]) -> None:
     async with TieringManager(HostPool(8, BB)) as manager:
         with pytest.raises(ValueError, match=r"keys\[1\] must be bytes"):
-            await manager.store([keys[0], "abc"], blocks(2))  # type: ignore[list-item]
+            await manager.store([keys[0], "abc"], random_blocks(2))  # type: ignore[list-item]
         with pytest.raises(ValueError, match="not one key"):
-            await manager.store(keys[0], blocks(1))
+            await manager.store(keys[0], random_blocks(1))
         out = np.zeros((1, BB), np.uint8)
         out.flags.writeable = False
         with pytest.raises(ValueError, match="read-only"):
@@ -304,14 +301,14 @@ async def test_use_outside_async_with_is_a_clear_error(keys: list[bytes]) -> Non
     with pytest.raises(kvtier.LifecycleError, match="async with"):
         manager.lookup(keys[0])
     with pytest.raises(kvtier.LifecycleError, match="async with"):
-        await manager.store(keys[:1], blocks(1))
+        await manager.store(keys[:1], random_blocks(1))
 
 
 async def test_manager_can_be_reentered_and_tiers_keep_their_blocks(keys: list[bytes]) -> None:
     tier = StallingTier()
     manager = TieringManager(HostPool(4, BB), [tier])
     async with manager:
-        await manager.store(keys[:2], blocks(2))
+        await manager.store(keys[:2], random_blocks(2))
     async with manager:
         assert manager.lookup(keys[0]) is H
     manager2 = TieringManager(HostPool(4, BB), [tier])
@@ -322,9 +319,9 @@ async def test_manager_can_be_reentered_and_tiers_keep_their_blocks(keys: list[b
 
 async def test_statistics_add_up(keys: list[bytes]) -> None:
     tier = MemoryTier()
-    await fill(tier, keys[10:12], blocks(2))
+    await fill(tier, keys[10:12], random_blocks(2))
     async with TieringManager(HostPool(8, BB), [tier]) as manager:
-        await manager.store(keys[:3], blocks(3))
+        await manager.store(keys[:3], random_blocks(3))
         for key in keys[:3] + keys[10:12] + keys[15:16]:
             manager.lookup(key)
         await manager.wait_settled(keys[10], timeout=5)
@@ -352,7 +349,7 @@ async def test_latency_observers_see_promotions_and_lookups(keys: list[bytes]) -
 
     recorder = Recorder()
     tier = MemoryTier("mem")
-    await fill(tier, keys[:2], blocks(2))
+    await fill(tier, keys[:2], random_blocks(2))
     async with TieringManager(HostPool(4, BB), [tier], latency=recorder) as manager:
         scheduler = kvtier.OffloadScheduler(manager, latency=recorder)
         assert await scheduler.lookup(keys[:2]) == 2
@@ -367,7 +364,7 @@ async def test_promotions_in_flight_are_counted_for_the_cost_model_and_given_bac
     the same scan is expected behind it; finished, failed or cancelled before it ran, each
     gives its count back."""
     slow = StallingTier()
-    await fill(slow.inner, keys[:4], blocks(4))
+    await fill(slow.inner, keys[:4], random_blocks(4))
     slow.stall("load")
     async with TieringManager(HostPool(8, BB), [slow]) as manager:
         for key in keys[:4]:

@@ -15,9 +15,9 @@ import pytest
 
 from kvtier._cli import main
 from kvtier._format import header_size
-from kvtier._keys import block_keys
 from kvtier.tiers.fs import FSTier
 from kvtier.tiers.fs._layout import MARKER_NAME, name_of, path_of
+from tests.support import fresh_keys
 
 BLOCK = 4096
 FILE = header_size(16) + BLOCK
@@ -32,7 +32,7 @@ def run_cli(*argv: str) -> tuple[int, str, str]:
 
 def populate(root: Path, n: int = N) -> dict[bytes, bytes]:
     """Store ``n`` blocks through a real FSTier and return them by key."""
-    keys = block_keys(list(range(n * 4)), 4, namespace=os.urandom(8))
+    keys = fresh_keys(n)
     blocks = {key: os.urandom(BLOCK) for key in keys}
 
     async def store() -> None:

@@ -6,7 +6,6 @@ StallingTier; nothing here asserts a duration."""
 from __future__ import annotations
 
 import anyio
-import numpy as np
 
 from kvtier import (
     AdmissionPolicy,
@@ -18,13 +17,9 @@ from kvtier import (
 )
 from kvtier.pools._base import ByteSource
 from kvtier.testing import StallingTier
-from tests.support import GatedPool, ManualClock
+from tests.support import GatedPool, ManualClock, random_blocks
 
 BB = 4096
-
-
-def blocks(n: int) -> np.ndarray:
-    return np.random.default_rng(0).integers(0, 256, (n, BB), dtype=np.uint8)
 
 
 def held(tier: MemoryTier, keys: list[bytes]) -> list[bool]:
@@ -40,7 +35,7 @@ async def test_a_slow_tier_is_skipped_counted_and_admitted_again_when_it_recover
     async with TieringManager(HostPool(32, BB), [fast, slow], admission=policy) as manager:
         policy.observe_write_latency("slow", 8.0)  # its last write took 8 s: back-pressure engages
         for i in range(3):
-            await manager.store(keys[i : i + 1], blocks(1))
+            await manager.store(keys[i : i + 1], random_blocks(1))
             await manager.wait_idle()
         assert held(fast, keys[:3]) == [True, True, True]  # the fast tier is not held back
         assert held(slow, keys[:3]) == [True, False, False]  # one probe; two dropped
@@ -50,11 +45,11 @@ async def test_a_slow_tier_is_skipped_counted_and_admitted_again_when_it_recover
         i = 3
         while policy.is_closed("slow"):
             clock.now += 1.0
-            await manager.store(keys[i : i + 1], blocks(1))
+            await manager.store(keys[i : i + 1], random_blocks(1))
             await manager.wait_idle()
             i += 1
             assert i < 12, "the tier never recovered"
-        await manager.store(keys[i : i + 3], blocks(3))
+        await manager.store(keys[i : i + 3], random_blocks(3))
         await manager.wait_idle()
         assert held(slow, keys[i : i + 3]) == [True, True, True]
         assert manager.statistics().cascades_dropped == 2
@@ -68,7 +63,7 @@ async def test_a_tier_at_its_in_flight_limit_drops_new_blocks_until_it_drains(
     slow = StallingTier(name="slow")
     slow.stall("store")
     async with TieringManager(HostPool(32, BB), [fast, slow], admission=policy) as manager:
-        await manager.store(keys[:4], blocks(4))
+        await manager.store(keys[:4], random_blocks(4))
         with anyio.fail_after(10):
             while slow.stalled["store"] < 2:
                 await slow.wait_stalled("store")
@@ -80,7 +75,7 @@ async def test_a_tier_at_its_in_flight_limit_drops_new_blocks_until_it_drains(
         with anyio.fail_after(10):
             await manager.wait_idle()
         assert held(fast, keys[:4]) == [True] * 4
-        await manager.store(keys[4:6], blocks(2))
+        await manager.store(keys[4:6], random_blocks(2))
         await manager.wait_idle()
         assert manager.statistics().admission[1].dropped == 2  # room again: none dropped
         assert slow.inner.statistics().blocks == 4
@@ -92,13 +87,13 @@ async def test_write_back_writes_on_eviction_and_loses_nothing(keys: list[bytes]
     manager = TieringManager(HostPool(6, BB), [near, remote], admission=policy, write_back_limit=2)
     async with manager:
         for i in range(3):
-            await manager.store(keys[i : i + 1], blocks(1))
+            await manager.store(keys[i : i + 1], random_blocks(1))
             await manager.wait_idle()
         assert held(near, keys[:3]) == [True] * 3  # write-through as ever
         assert held(remote, keys[:3]) == [True, False, False]  # only the oldest left
         assert manager.statistics().dirty_blocks == 2
         for i in range(3, 12):  # twice the pool: blocks must leave it to make room
-            await manager.store(keys[i : i + 1], blocks(1))
+            await manager.store(keys[i : i + 1], random_blocks(1))
             await manager.wait_idle()
             in_pool = [manager.pool.state_of(key) is SlotState.READY for key in keys[: i + 1]]
             assert all(p or r for p, r in zip(in_pool, held(remote, keys[: i + 1]), strict=True))
@@ -121,9 +116,9 @@ async def test_a_block_stored_while_the_manager_closes_is_written_back_not_left_
         async with anyio.create_task_group() as engine:
             await manager.__aenter__()
             near.stall("store")
-            await manager.store(keys[:1], blocks(1))  # its write-through to near is held
+            await manager.store(keys[:1], random_blocks(1))  # its write-through to near is held
             pool.gate = anyio.Event()
-            engine.start_soon(manager.store, keys[1:2], blocks(1))
+            engine.start_soon(manager.store, keys[1:2], random_blocks(1))
             await pool.entered.wait()  # the second store is copying
 
             async def while_it_closes() -> None:
@@ -154,7 +149,7 @@ async def test_a_write_through_that_fails_before_any_tier_gives_its_admission_ba
     tier = MemoryTier("t")
     async with TieringManager(FailingDrainPool(8, BB), [tier], admission=policy) as manager:
         for i in range(3):  # with the admission leaked, the 2nd and 3rd would be dropped
-            await manager.store(keys[i : i + 1], blocks(1))
+            await manager.store(keys[i : i + 1], random_blocks(1))
             await manager.wait_idle()
         (stats,) = manager.statistics().admission
         assert stats.in_flight_bytes == 0 and stats.dropped == 0

@@ -16,7 +16,8 @@ from kvtier import (
     TieringManager,
 )
 from kvtier.testing import StallingTier, resolve_lookup
-from tests.scheduler.held_lookup import BB, blocks, fill, lookup_while_held
+from tests.scheduler.held_lookup import BB, fill, lookup_while_held
+from tests.support import random_blocks
 
 
 async def tier_holding(keys: list[bytes]) -> StallingTier:
@@ -33,7 +34,7 @@ async def test_a_tier_slower_than_recompute_is_not_promoted_and_not_waited_for(
     cost = CostModel(recompute_seconds_per_block=0.001)
     cost.observe_promotion("remote", 10.0, BB, ok=True)  # this tier takes 10 s a block
     async with TieringManager(HostPool(8, BB), [remote], cost=cost) as manager:
-        await manager.store(keys[:1], blocks(1))
+        await manager.store(keys[:1], random_blocks(1))
         for key in keys[1:4]:
             await resolve_lookup(remote, key)
         scheduler = OffloadScheduler(manager)

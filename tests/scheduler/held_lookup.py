@@ -6,20 +6,16 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 
 import anyio
-import numpy as np
 
 from kvtier import OffloadScheduler, SecondaryTier
 from kvtier.testing import StallingTier
+from tests.support import random_blocks
 
 BB = 4096
 
 
-def blocks(n: int) -> np.ndarray:
-    return np.random.default_rng(0).integers(0, 256, (n, BB), dtype=np.uint8)
-
-
 async def fill(tier: SecondaryTier, keys: list[bytes]) -> None:
-    for key, block in zip(keys, blocks(len(keys)), strict=True):
+    for key, block in zip(keys, random_blocks(len(keys)), strict=True):
         await tier.store(key, memoryview(block.tobytes()))
 
 

@@ -14,7 +14,8 @@ from kvtier import (
     TieringManager,
 )
 from kvtier.testing import StallingTier, resolve_lookup
-from tests.scheduler.held_lookup import BB, blocks, fill, lookup_while_held
+from tests.scheduler.held_lookup import BB, fill, lookup_while_held
+from tests.support import random_blocks
 
 
 async def test_no_promotion_starts_beyond_the_first_miss_of_a_prefix(keys: list[bytes]) -> None:
@@ -74,7 +75,7 @@ async def test_a_request_that_stopped_waiting_cannot_evict_what_a_waiting_one_co
     await fill(remote.inner, [wx, s0])
     remote.stall("load")
     async with TieringManager(HostPool(3, BB), [remote]) as manager:
-        await manager.store([w0, w1], blocks(2))
+        await manager.store([w0, w1], random_blocks(2))
         for key in (wx, s0):
             await resolve_lookup(remote, key)
         scheduler = OffloadScheduler(manager)
@@ -117,7 +118,7 @@ async def test_a_key_held_behind_an_unknown_one_wakes_when_both_change_at_once(
             async with anyio.create_task_group() as tg:
                 tg.start_soon(request)
                 await checking.wait_stalled("contains")
-                await manager.store([k0], blocks(1))
+                await manager.store([k0], random_blocks(1))
             checking.release("contains", "store")
         assert answer == [2]
         assert scheduler.statistics().timeouts == 0

@@ -29,7 +29,6 @@ from devtools.weed_server import (
 )
 from kvtier._errors import BlockNotFoundError, InvalidArgumentError
 from kvtier._format import IntegrityKey, header_size
-from kvtier._keys import block_keys
 from kvtier._lookup import LookupResult, MissReason
 from kvtier._resilience import CircuitBreaker
 from kvtier.tiers.s3 import S3Tier
@@ -58,7 +57,7 @@ from kvtier.tiers.s3._pack import (
 )
 from kvtier.tiers.s3._requests import Requests
 from kvtier.tiers.s3._sync import IndexSync
-from tests.support import ManualClock
+from tests.support import ManualClock, fresh_keys
 from tests.tiers.s3.s3_forge import forged_segment, forged_segment_name
 
 BLOCK = 4096
@@ -372,10 +371,6 @@ def _tier(server: WeedServer, prefix: str, **overrides: Any) -> S3Tier:
     return S3Tier(BUCKET, **kwargs)
 
 
-def _keys(n: int) -> list[bytes]:
-    return block_keys(list(range(4 * n)), 4, namespace=os.urandom(8))
-
-
 async def _exists(server: WeedServer, name: str) -> bool:
     async with raw_client(server.endpoint_url) as client:
         page = await client.list_objects_v2(Bucket=BUCKET, Prefix=name)
@@ -389,7 +384,7 @@ async def test_journal_entries_naming_objects_outside_the_packs_folder_are_ignor
     and pack, a file of the prefix, a model file, a '..' path) teaches the reader nothing: the
     keys stay misses, their loads never touch those objects, and every object is still there."""
     prefix, other = f"idx/{uuid.uuid4().hex}", f"idx/{uuid.uuid4().hex}"
-    theirs = _keys(3)
+    theirs = fresh_keys(3)
     async with _tier(weed_server, other) as neighbour:
         await neighbour.store(theirs[0], memoryview(os.urandom(BLOCK)))
         async with anyio.create_task_group() as tg:  # stored together: one pack
@@ -407,7 +402,7 @@ async def test_journal_entries_naming_objects_outside_the_packs_folder_are_ignor
         f"{prefix}/_kvtier_packs/../notes.txt",
         name,
     ]
-    keys = _keys(len(victims))
+    keys = fresh_keys(len(victims))
     section = header_size(len(keys[0])) + BLOCK
     entries = [(key, victim, 100, section) for key, victim in zip(keys, victims, strict=True)]
     async with _tier(weed_server, prefix) as reader:
@@ -429,7 +424,7 @@ async def test_a_full_index_keeps_the_blocks_this_node_writes(
     weed_server: WeedServer, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, logger="kvtier")
-    keys = _keys(7)
+    keys = fresh_keys(7)
     async with _tier(weed_server, f"idx/{uuid.uuid4().hex}", index_max_keys=4) as tier:
         for key in keys:
             await tier.store(key, memoryview(os.urandom(BLOCK)))
@@ -504,7 +499,7 @@ async def test_a_failing_credential_provider_does_not_stop_the_refresh_loop(
                 await heard.event.wait()
             assert tier.statistics().index_refresh_failures >= 1
             await anyio.Path(aws_environment).touch()  # and comes back: the tier works on
-            (key,) = _keys(1)
+            (key,) = fresh_keys(1)
             block = os.urandom(BLOCK)
             await tier.store(key, memoryview(block))
             out = bytearray(BLOCK)
@@ -551,7 +546,7 @@ async def test_a_clock_behind_the_server_is_warned_about_once(
     index = ExistenceIndex(miss_ttl=1.0, max_keys=100)
     async with raw_client(weed_server.endpoint_url) as client:
         sync = _sync(client, f"idx/{uuid.uuid4().hex}", lambda: time.time() - 120, index=index)
-        for key in _keys(2):
+        for key in fresh_keys(2):
             index.wrote(key)
             await sync.refresh_once()  # a PUT and a LIST, each with a Date header
         warned = [r.getMessage() for r in caplog.records if "clock is" in r.getMessage()]
@@ -605,7 +600,7 @@ async def test_an_old_segment_whose_delete_failed_is_deleted_later(
     prefix = "journal"
     async with moto_client(server.endpoint_url, **credentials) as client:
         sync = _sync(client, prefix, lambda: now[0], lookback=10.0, index=index)
-        first, second = _keys(2)
+        first, second = fresh_keys(2)
         index.wrote(first)
         await sync.refresh_once(poll=False)
         now[0] += 30  # the first segment is past twice the lookback

@@ -29,7 +29,6 @@ from devtools.weed_server import (
 from kvtier._config import KVTierConfig
 from kvtier._errors import BlockNotFoundError, CorruptBlockError, InvalidArgumentError
 from kvtier._format import FLAG_MAC, MAC_BYTES, IntegrityKey, decode_header, encode_header
-from kvtier._keys import block_keys
 from kvtier._lookup import LookupResult
 from kvtier._scheduler import OffloadScheduler
 from kvtier.manager import TieringManager
@@ -39,6 +38,7 @@ from kvtier.tiers.s3 import S3Tier
 from kvtier.tiers.s3._codec import build_object, verify_into
 from kvtier.tiers.s3._index import key_from_object
 from kvtier.tiers.s3._integrity import MARKER_NAME, marker_key
+from tests.support import fresh_keys
 from tests.tiers.s3.s3_forge import forged_segment, forged_segment_name
 
 BLOCK = 4096
@@ -69,10 +69,6 @@ def make_tier(weed_server: WeedServer, prefix: str) -> MakeTier:
     return make
 
 
-def _keys(n: int) -> list[bytes]:
-    return block_keys(list(range(4 * n)), 4, namespace=os.urandom(8))
-
-
 async def _get(endpoint_url: str, name: str) -> bytes | None:
     import botocore.exceptions
 
@@ -95,7 +91,7 @@ async def _put(endpoint_url: str, name: str, body: bytes) -> None:
 
 
 def test_codec_signs_and_checks_the_mac() -> None:
-    (key,) = _keys(1)
+    (key,) = fresh_keys(1)
     payload = os.urandom(BLOCK)
     ikey = IntegrityKey(SECRET)
     body, metadata, _ = build_object(key, memoryview(payload), integrity_key=ikey)
@@ -129,7 +125,7 @@ async def test_signed_round_trip_and_two_tiers_share(
     make_tier: MakeTier, weed_server: WeedServer, prefix: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.DEBUG)
-    keys = _keys(3)
+    keys = fresh_keys(3)
     blocks = [os.urandom(BLOCK) for _ in keys]
     async with make_tier(integrity_key=SECRET, name="a") as a:
         for key, block in zip(keys, blocks, strict=True):
@@ -183,7 +179,7 @@ def _forgeries(keys: list[bytes], good: bytes) -> dict[str, bytes]:
 async def test_forged_objects_are_corrupt_misses_never_served(
     make_tier: MakeTier, weed_server: WeedServer
 ) -> None:
-    keys = _keys(4)
+    keys = fresh_keys(4)
     good = os.urandom(BLOCK)
     async with make_tier(integrity_key=SECRET) as tier:
         forged = _forgeries(keys, good)
@@ -209,7 +205,7 @@ async def test_forged_objects_are_corrupt_misses_never_served(
 async def test_a_forged_object_is_a_corrupt_miss_through_the_manager(
     make_tier: MakeTier, weed_server: WeedServer
 ) -> None:
-    keys = _keys(4)
+    keys = fresh_keys(4)
     tier = make_tier(integrity_key=SECRET, lookup_mode="ask")  # the HEAD finds the forgery
     async with TieringManager(HostPool(4, BLOCK), [tier]) as manager:
         body = _forgeries(keys, os.urandom(BLOCK))["unsigned"]
@@ -226,7 +222,7 @@ async def test_a_forged_object_is_a_corrupt_miss_through_the_manager(
 async def test_another_key_or_no_key_refuses_the_prefix(
     make_tier: MakeTier, weed_server: WeedServer
 ) -> None:
-    (key,) = _keys(1)
+    (key,) = fresh_keys(1)
     block = os.urandom(BLOCK)
     async with make_tier(integrity_key=SECRET) as tier:
         await tier.store(key, memoryview(block))
@@ -248,7 +244,7 @@ async def test_another_key_or_no_key_refuses_the_prefix(
 async def test_a_signing_tier_refuses_a_prefix_of_unsigned_blocks(
     make_tier: MakeTier, weed_server: WeedServer, prefix: str, packed: bool
 ) -> None:
-    keys = _keys(2 if packed else 1)
+    keys = fresh_keys(2 if packed else 1)
     blocks = [os.urandom(BLOCK) for _ in keys]
     async with make_tier() as plain:
         async with anyio.create_task_group() as tg:  # stored together: one pack
@@ -271,7 +267,7 @@ async def test_a_tier_without_a_key_leaves_signed_blocks_in_place(
 ) -> None:
     """A keyless node that opened before a signing node claimed the prefix cannot check signed
     blocks: a corrupt miss for it, but not deleted (they may be its peers')."""
-    (key,) = _keys(1)
+    (key,) = fresh_keys(1)
     block = os.urandom(BLOCK)
     async with make_tier() as plain:
         signed = encode_header(key, block, integrity_key=IntegrityKey(SECRET)) + block
@@ -335,7 +331,7 @@ async def test_config_from_the_environment_builds_a_signing_s3_tier(
     (tier,) = KVTierConfig.from_env(env).build_tiers()
     assert isinstance(tier, S3Tier) and tier.integrity_key is not None
     assert tier.integrity_key.key_id == IntegrityKey(SECRET).key_id
-    (key,) = _keys(1)
+    (key,) = fresh_keys(1)
     async with tier:
         await tier.store(key, memoryview(os.urandom(BLOCK)))
         assert SECRET not in repr(tier) and SECRET not in repr(tier.statistics())
@@ -355,7 +351,7 @@ async def test_a_signing_tier_ignores_unsigned_journal_segments(
     only segments with a MAC under its key count. The attack: point a key at the prefix's
     marker, so that a node promoting it finds "not a block" and deletes the marker, after
     which every signing node refuses the prefix."""
-    keys = _keys(3)
+    keys = fresh_keys(3)
     marker = marker_key(prefix)
     settings: dict[str, Any] = {
         "integrity_key": SECRET,

@@ -26,12 +26,12 @@ from kvtier._errors import (
     InvalidArgumentError,
     TierUnavailableError,
 )
-from kvtier._keys import block_keys
 from kvtier._lookup import LookupResult
 from kvtier.tiers.s3 import S3Tier
 from kvtier.tiers.s3._journal import encode_segment, segment_name, writer_id
 from kvtier.tiers.s3._pack import PACK_DIR, Location, decode_table
 from kvtier.tiers.s3._packs import PackReads, PackWriter, PendingStore
+from tests.support import fresh_keys
 
 BLOCK = 4096
 
@@ -49,7 +49,7 @@ def _tier(server: WeedServer, prefix: str, **overrides: Any) -> S3Tier:
 
 
 def _keys_and_blocks(n: int) -> tuple[list[bytes], list[bytes]]:
-    keys = block_keys(list(range(4 * n)), 4, namespace=os.urandom(8))
+    keys = fresh_keys(n)
     return keys, [os.urandom(BLOCK) for _ in keys]
 
 

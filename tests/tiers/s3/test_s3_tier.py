@@ -60,7 +60,7 @@ from kvtier.pools._host import HostPool
 from kvtier.testing import CHECKS, resolve_lookup
 from kvtier.tiers.s3 import S3Tier
 from kvtier.tiers.s3._errors import Fault, translate
-from tests.support import ManualClock
+from tests.support import ManualClock, fresh_keys
 from tests.tiers.s3.s3_peer import make_blocks
 
 BLOCK = 4096
@@ -93,10 +93,6 @@ def prefix() -> str:
 @pytest.fixture
 def make_tier(weed_server: WeedServer, prefix: str) -> MakeTier:
     return _tier_factory(weed_server.endpoint_url, prefix)
-
-
-def _keys(n: int) -> list[bytes]:
-    return block_keys(list(range(4 * n)), 4, namespace=os.urandom(8))
 
 
 async def _object_keys(endpoint_url: str, prefix: str) -> list[str]:
@@ -195,7 +191,7 @@ async def test_conformance(check: str, make_tier: MakeTier) -> None:
 async def test_round_trip_and_layout(
     make_tier: MakeTier, weed_server: WeedServer, prefix: str, addressing_style: str
 ) -> None:
-    keys = _keys(3)
+    keys = fresh_keys(3)
     blocks = [os.urandom(BLOCK) for _ in keys]
     async with make_tier(addressing_style=addressing_style) as tier:
         for key, block in zip(keys, blocks, strict=True):
@@ -216,7 +212,7 @@ async def test_round_trip_and_layout(
 async def test_store_of_existing_object_is_skipped(
     make_tier: MakeTier, weed_server: WeedServer
 ) -> None:
-    (key,) = _keys(1)
+    (key,) = fresh_keys(1)
     block = os.urandom(BLOCK)
     async with make_tier() as tier:
         await tier.store(key, memoryview(block))
@@ -251,7 +247,7 @@ async def test_store_of_a_large_block_keeps_work_off_the_loop(
         return real_build(key, payload, **kwargs)
 
     monkeypatch.setattr(s3_module, "build_object", build)
-    (key,) = _keys(1)
+    (key,) = fresh_keys(1)
     sent: list[Any] = []
 
     def before_send(request: Any, **_: Any) -> None:
@@ -275,7 +271,7 @@ async def test_store_sends_its_bytes_body_without_expect_continue(make_tier: Mak
     interim answer and aiohttp copied the body out chunk by chunk (0.2 ms of client CPU per
     256 KiB store, benchmarks/bench_s3_cpu.py). The tier's client sends its ``bytes`` body
     as it is."""
-    (key,) = _keys(1)
+    (key,) = fresh_keys(1)
     sent: list[tuple[type, object]] = []
 
     def before_send(request: Any, **_: Any) -> None:
@@ -294,7 +290,7 @@ async def test_store_sends_its_bytes_body_without_expect_continue(make_tier: Mak
 
 async def test_batched_lookup_and_miss_ttl(make_tier: MakeTier) -> None:
     clock = ManualClock(1000.0)
-    keys = _keys(100)
+    keys = fresh_keys(100)
     present, absent = keys[:60], keys[60:]
     async with make_tier() as writer:
         for key in present:
@@ -317,7 +313,7 @@ async def test_batched_lookup_and_miss_ttl(make_tier: MakeTier) -> None:
 
 
 async def test_round_trip_through_tiering_manager(make_tier: MakeTier) -> None:
-    keys = _keys(6)
+    keys = fresh_keys(6)
     data = np.frombuffer(os.urandom(len(keys) * BLOCK), dtype=np.uint8).reshape(len(keys), -1)
     writer = make_tier()
     async with TieringManager(HostPool(8, BLOCK), [writer]) as manager:
@@ -409,7 +405,7 @@ async def test_index_staleness_bound(
 
 
 async def test_index_rebuilt_after_restart(make_tier: MakeTier) -> None:
-    keys = _keys(40)
+    keys = fresh_keys(40)
     async with make_tier() as tier:
         for key in keys:
             await tier.store(key, memoryview(os.urandom(256)))
@@ -420,14 +416,14 @@ async def test_index_rebuilt_after_restart(make_tier: MakeTier) -> None:
         assert stats.index_listing_complete
         assert stats.index_listed == stats.index_keys == len(keys)
         assert [tier.lookup(k) for k in keys] == [LookupResult.HIT] * len(keys)
-        assert tier.lookup(_keys(1)[0]) is LookupResult.MISS
+        assert tier.lookup(fresh_keys(1)[0]) is LookupResult.MISS
         assert tier.statistics().request_path_requests == 0
 
 
 async def test_index_hit_whose_object_was_deleted(
     make_tier: MakeTier, weed_server: WeedServer
 ) -> None:
-    keys = _keys(3)
+    keys = fresh_keys(3)
     data = np.frombuffer(os.urandom(len(keys) * BLOCK), dtype=np.uint8).reshape(len(keys), -1)
     async with make_tier() as writer:
         for key, row in zip(keys, data, strict=True):
@@ -523,7 +519,7 @@ async def test_server_killed_mid_run_and_restarted(own_weed: WeedServer) -> None
         miss_ttl=1.0,
         clock=clock,
     )
-    keys = _keys(12)
+    keys = fresh_keys(12)
     blocks = np.frombuffer(os.urandom(len(keys) * BLOCK), dtype=np.uint8).reshape(len(keys), -1)
     async with TieringManager(HostPool(32, BLOCK), [tier], store_timeout=10) as manager:
         scheduler = OffloadScheduler(manager)
@@ -589,7 +585,7 @@ async def test_index_mode_server_killed_and_restarted(own_weed: WeedServer, pack
         index_lookback=1000.0,
         clock=clock,
     )
-    keys = _keys(8)
+    keys = fresh_keys(8)
     blocks = np.frombuffer(os.urandom(len(keys) * BLOCK), dtype=np.uint8).reshape(len(keys), -1)
     async with tier, anyio.create_task_group() as tg:
         for key, row in zip(keys[:4], blocks[:4], strict=True):
@@ -637,7 +633,7 @@ def _corruptions(key: bytes, block: bytes) -> dict[str, bytes]:
 async def test_corrupt_object_is_a_corrupt_miss_and_deleted(
     make_tier: MakeTier, weed_server: WeedServer, kind: str
 ) -> None:
-    (key,) = _keys(1)
+    (key,) = fresh_keys(1)
     block = os.urandom(BLOCK)
     tier = make_tier()
     async with raw_client(weed_server.endpoint_url) as client:
@@ -667,7 +663,7 @@ async def test_large_objects_stream_into_the_block_and_damage_anywhere_is_caught
     buffer and checked there: an intact block comes back byte for byte; a flipped byte in
     a middle chunk or in the last one, or a body cut short, is a corrupt miss, never data."""
     size = 3 << 20
-    keys = _keys(4)
+    keys = fresh_keys(4)
     block = os.urandom(size)
     secret = os.urandom(32) if signed else None
     tier = make_tier(integrity_key=secret)
@@ -697,7 +693,7 @@ async def test_large_objects_stream_into_the_block_and_damage_anywhere_is_caught
 async def test_newer_format_is_skipped_not_deleted(
     make_tier: MakeTier, weed_server: WeedServer
 ) -> None:
-    (key,) = _keys(1)
+    (key,) = fresh_keys(1)
     block = os.urandom(BLOCK)
     header = bytearray(encode_header(key, block))
     assert header[:4] == MAGIC
@@ -767,7 +763,7 @@ async def test_a_slow_delete_of_a_corrupt_object_never_holds_its_promotion(
     """The promotion of a corrupt object ends, as a corrupt miss, within its own deadline
     while the object's DELETE hangs (held by a proxy in front of the server): the delete runs
     in the tier's background, bounded, and still happens once the server answers it."""
-    (key,) = _keys(1)
+    (key,) = fresh_keys(1)
     async with anyio.create_task_group() as tg:
         gate = DeleteGate(weed_server.s3_port)
         await tg.start(gate.run)
@@ -841,7 +837,7 @@ async def test_bad_credentials_are_a_clear_error_and_never_leak(
     # whose Prefix holds a '/' (a moto defect; AWS and SeaweedFS accept it).
     make = functools.partial(_tier_factory(server.endpoint_url, "auth"), lookup_mode="ask")
     async with make(aws_access_key_id=access_key, aws_secret_access_key=secret_key) as tier:
-        (key,) = _keys(1)
+        (key,) = fresh_keys(1)
         await tier.store(key, memoryview(b"x" * BLOCK))  # the real key works
     bad_secret = "wrong-secret-" + uuid.uuid4().hex
     for key_id, secret in ((access_key, bad_secret), ("AKIAUNKNOWNUNKNOWN00", bad_secret)):
@@ -880,7 +876,7 @@ async def test_credentials_from_the_environment(
     aws_environment.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
     tier = S3Tier(BUCKET, prefix=prefix, endpoint_url=weed_server.endpoint_url, region_name=REGION)
     async with tier:
-        (key,) = _keys(1)
+        (key,) = fresh_keys(1)
         await tier.store(key, memoryview(b"e" * 64))
         assert await tier.contains_many([key]) == [True]
 
@@ -898,7 +894,7 @@ async def test_no_credentials_is_a_clear_error(
 
 async def test_use_before_open(make_tier: MakeTier) -> None:
     tier = make_tier()
-    (key,) = _keys(1)
+    (key,) = fresh_keys(1)
     assert tier.lookup(key) is LookupResult.MISS  # nothing can answer: a miss, never raise
     with pytest.raises(LifecycleError):
         await tier.load(key, memoryview(bytearray(BLOCK)))
@@ -935,7 +931,7 @@ async def test_closing_a_tier_whose_server_stopped_answering_closes_its_client(
     tier = _tier_factory(own_weed.endpoint_url, "stopped")(
         pack_blocks=1, index_refresh=100.0, index_lookback=1000.0, read_timeout=30.0
     )
-    keys = _keys(4)
+    keys = fresh_keys(4)
     pid = own_weed.pid
     assert pid is not None
     try:
@@ -950,7 +946,7 @@ async def test_closing_a_tier_whose_server_stopped_answering_closes_its_client(
         assert not tier.is_open
         with anyio.fail_after(10):
             with pytest.raises(LifecycleError):
-                await tier.store(_keys(1)[0], memoryview(os.urandom(BLOCK)))
+                await tier.store(fresh_keys(1)[0], memoryview(os.urandom(BLOCK)))
             with pytest.raises(LifecycleError):
                 await tier.load(keys[0], memoryview(bytearray(BLOCK)))
             with pytest.raises(LifecycleError):
