@@ -4,7 +4,8 @@ kvtier and not in its wheel (pyproject's package find takes ``kvtier*`` only).
 - ``devtools.server_process``: the lifecycle of a real server process (start under a deadline,
   stop, kill -9, start again on the same ports) and the raw aiobotocore client for setup.
 - ``devtools.weed_server``: SeaweedFS (``weed server`` with its S3 gateway) on 127.0.0.1.
-- ``devtools.moto_server``: ``moto_server`` on 127.0.0.1, for tests that inject S3 faults.
+- ``devtools.moto_server``: moto's ``ThreadedMotoServer`` on 127.0.0.1, for tests that inject
+  S3 faults (IAM auth on, denied actions).
 
 How it is imported: the tests get the repository root on their path from pytest's
 ``pythonpath`` setting (pyproject.toml). A script run by path from a checkout

@@ -1,25 +1,22 @@
-"""A real ``moto_server`` process on 127.0.0.1 for the S3 tests that inject faults
-(credentials switched off mid-run, a server killed and restarted on its port).
+"""moto's own ``ThreadedMotoServer`` on 127.0.0.1, for the S3 tests that inject faults through
+the server (IAM auth switched on mid-run, a user denied some actions).
 
-The server is a separate process speaking real S3 over HTTP, so the tier under test goes
+The server speaks real S3 over HTTP from a thread of this process, so the tier under test goes
 through aiobotocore, aiohttp and the network stack exactly as it would against MinIO or AWS.
-``MotoServer`` starts it on a free port, waits until it answers HTTP (bounded by a deadline),
-and can kill it and start it again on the same port, which is how the tests take the endpoint
-down in the middle of a run. Moto keeps its state in memory, so a restarted server is empty.
+moto keeps its accounts, buckets and auth switch in process-wide state: ``MotoServer`` resets
+them when it starts and when it stops, so each server starts empty with auth off. A test that
+needs a server to die and come back uses SeaweedFS (``weed_server``), which keeps its data.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
 import socket
-import sys
-import urllib.error
 import urllib.request
-from pathlib import Path
 from typing import Any
 
-from devtools.server_process import HOST, ServerProcess, raw_client
+import anyio.to_thread
+
+from devtools.server_process import HOST, raw_client
 
 __all__ = ["MotoServer", "create_bucket", "free_port", "raw_client"]
 
@@ -31,68 +28,64 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _moto_server_command() -> list[str]:
-    # Prefer the script next to this interpreter (the venv's), then PATH.
-    local = Path(sys.executable).with_name("moto_server")
-    found = str(local) if local.exists() else shutil.which("moto_server")
-    if found is None:
-        raise RuntimeError("moto_server not found: install the test extras (`moto[server]`)")
-    return [found]
+class MotoServer:
+    """One ``ThreadedMotoServer`` on a port the kernel picks; ``start``/``stop``."""
 
-
-class MotoServer(ServerProcess):
-    """One ``moto_server`` process; ``start``/``stop``/``kill`` can be repeated on one port."""
-
-    name = "moto_server"
-    poll_interval = 0.05
-
-    def __init__(
-        self,
-        port: int | None = None,
-        *,
-        env: dict[str, str] | None = None,
-        ready_timeout: float = 30.0,
-    ) -> None:
-        super().__init__(ready_timeout=ready_timeout)
-        self.port = port if port is not None else free_port()
-        self._env = env or {}
+    def __init__(self) -> None:
+        self._server: Any = None
+        self.port = 0
 
     @property
     def endpoint_url(self) -> str:
         return f"http://{HOST}:{self.port}"
 
-    def command(self) -> list[str]:
-        return [*_moto_server_command(), "-H", HOST, "-p", str(self.port)]
-
-    def environment(self) -> dict[str, str]:
-        env = {**os.environ, **self._env}
-        # Make sure the server never picks up the caller's real AWS setup.
-        env.pop("AWS_PROFILE", None)
-        return env
-
-    def ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.endpoint_url}/moto-api/data.json", timeout=1):
-                return True
-        except urllib.error.HTTPError:
-            return True  # it answered HTTP: it is up
-        except OSError:
-            return False
-
-    def set_auth(self, unauthenticated_requests: float) -> None:
-        """Switch moto's IAM auth on after ``unauthenticated_requests`` more requests (0: now).
-
-        With auth on, only access keys created through moto's IAM API are accepted.
-        """
+    def _post(self, path: str, body: bytes = b"") -> None:
         request = urllib.request.Request(
-            f"{self.endpoint_url}/moto-api/reset-auth",
-            data=str(unauthenticated_requests).encode(),
+            f"{self.endpoint_url}/moto-api/{path}",
+            data=body,
             method="POST",
             # Not form-encoded, or the server parses it as a form and sees no raw body.
             headers={"Content-Type": "application/octet-stream"},
         )
         with urllib.request.urlopen(request, timeout=5):
             pass
+
+    def start(self) -> None:
+        """Serve (returns once the server listens), empty and with auth off."""
+        from moto.server import ThreadedMotoServer
+
+        if self._server is not None:
+            return
+        self._server = ThreadedMotoServer(ip_address=HOST, port=0, verbose=False)
+        self._server.start()
+        self.port = self._server.get_host_and_port()[1]
+        self._reset()
+
+    def _reset(self) -> None:
+        self.set_auth(float("inf"))
+        self._post("reset")
+
+    def stop(self) -> None:
+        """Reset moto's process-wide state, then stop serving."""
+        server, self._server = self._server, None
+        if server is None:
+            return
+        try:
+            self._reset()
+        finally:
+            server.stop()
+
+    async def astart(self) -> None:
+        await anyio.to_thread.run_sync(self.start)
+
+    async def astop(self) -> None:
+        await anyio.to_thread.run_sync(self.stop)
+
+    def set_auth(self, unauthenticated_requests: float) -> None:
+        """Switch moto's IAM auth on after ``unauthenticated_requests`` more requests (0: now;
+        ``inf``: never). With auth on, only access keys created through moto's IAM API are
+        accepted."""
+        self._post("reset-auth", str(unauthenticated_requests).encode())
 
 
 async def create_bucket(endpoint_url: str, bucket: str, **overrides: Any) -> None:

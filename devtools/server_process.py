@@ -1,6 +1,6 @@
-"""The lifecycle shared by the real S3 server processes the tests and benchmarks start
-(``moto_server.MotoServer``, ``weed_server.WeedServer``), and the raw S3 client they set up
-with.
+"""The lifecycle of a real server process the tests and benchmarks start
+(``weed_server.WeedServer``), and the raw S3 client they set up with (for moto's threaded
+server too).
 
 A subclass says how to launch its server (``command``), where it answers (``endpoint_url``) and
 when it is ready (``ready``); ``ServerProcess`` starts it, waits for readiness under a deadline,

@@ -1,6 +1,6 @@
 """The S3 tier's existence index, journal and pack formats: the pure state machines first,
 then the index against a real SeaweedFS (what the bucket may hold, a full index, a refresh
-loop whose credentials fail, clock skew) and moto_server (a DELETE the server refuses)."""
+loop whose credentials fail, clock skew) and moto's server (a DELETE the server refuses)."""
 
 from __future__ import annotations
 
@@ -557,7 +557,7 @@ async def test_a_clock_behind_the_server_is_warned_about_once(
 
 @pytest.fixture
 async def deny_deletes() -> AsyncIterator[tuple[MotoServer, dict[str, str], Any]]:
-    """moto_server with IAM auth on, and a user who may do anything but DELETE until the
+    """moto's server with IAM auth on, and a user who may do anything but DELETE until the
     returned function allows it (the server refuses with AccessDenied: no fault injected
     into the client)."""
     server = MotoServer()

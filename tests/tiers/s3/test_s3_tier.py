@@ -3,8 +3,9 @@ no mock of the client.
 
 One session-wide server serves most tests (each test uses its own key prefix, so tests do not
 see each other's objects and can run in any order); tests that kill the server start their own.
-moto_server remains only for the credential tests: it can switch IAM auth on and reject keys,
-which SeaweedFS without configured identities does not (it accepts any request).
+moto remains only for the credential tests (its ThreadedMotoServer, real HTTP from a thread):
+it can switch IAM auth on and reject keys, which SeaweedFS without configured identities does
+not (it accepts any request).
 """
 
 from __future__ import annotations
