@@ -12,10 +12,12 @@ The bytes of block ``i`` are derived from ``(NS, i)``, so any process can check 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import random
 import sys
+from collections.abc import Callable
 
 import anyio
 
@@ -29,6 +31,17 @@ def key_of(ns: str, i: int) -> bytes:
 
 def payload_of(ns: str, i: int, block_bytes: int) -> bytes:
     return hashlib.shake_128(f"{ns}/{i}/payload".encode()).digest(block_bytes)
+
+
+def key_and_data(
+    ns: str, block_bytes: int
+) -> tuple[Callable[[int], bytes], Callable[[int], bytes]]:
+    """``key(i)`` and ``data(i)`` of namespace ``ns``: the blocks a test module stores."""
+    return functools.partial(key_of, ns), functools.partial(_payload, ns, block_bytes)
+
+
+def _payload(ns: str, block_bytes: int, i: int) -> bytes:
+    return payload_of(ns, i, block_bytes)
 
 
 async def store_forever(root: str, ns: str, block_bytes: int, fsync: str) -> None:

@@ -31,19 +31,14 @@ from kvtier.testing import CHECKS, resolve_lookup
 from kvtier.tiers.fs import FSTier
 from kvtier.tiers.fs import _io as _fs_io
 from kvtier.tiers.fs import _read as _fs_read
-from tests.tiers.fs.fs_worker import key_of, payload_of
+from tests.tiers.fs.fs_worker import key_and_data
 
 BLOCK = 4096
 FILE = header_size(16) + BLOCK
 FAILSAFE = 15.0
 
 
-def key(i: int) -> bytes:
-    return key_of("b", i)
-
-
-def data(i: int) -> bytes:
-    return payload_of("b", i, BLOCK)
+key, data = key_and_data("b", BLOCK)
 
 
 def views(n: int) -> tuple[bytearray, list[memoryview]]:

@@ -20,17 +20,12 @@ from kvtier.pools._host import HostPool
 from kvtier.testing import CHECKS
 from kvtier.tiers.fs import FSTier
 from kvtier.tiers.fs import _io as _fs_io
-from tests.tiers.fs.fs_worker import key_of, payload_of
+from tests.tiers.fs.fs_worker import key_and_data
 
 BLOCK = 4096
 
 
-def key(i: int) -> bytes:
-    return key_of("x", i)
-
-
-def data(i: int) -> bytes:
-    return payload_of("x", i, BLOCK)
+key, data = key_and_data("x", BLOCK)
 
 
 @pytest.fixture

@@ -32,7 +32,7 @@ from kvtier.tiers.fs import FSTier
 from kvtier.tiers.fs import _io as _fs_io
 from kvtier.tiers.fs import _layout as _fs_layout
 from kvtier.tiers.fs import _read as _fs_read
-from tests.tiers.fs.fs_worker import key_of, payload_of
+from tests.tiers.fs.fs_worker import key_and_data
 
 BLOCK = 4096
 FILE = header_size(16) + BLOCK
@@ -74,12 +74,7 @@ def hang() -> Iterator[Hang]:
     failsafe.cancel()
 
 
-def key(i: int) -> bytes:
-    return key_of("h", i)
-
-
-def data(i: int) -> bytes:
-    return payload_of("h", i, BLOCK)
+key, data = key_and_data("h", BLOCK)
 
 
 async def stored(root: Path, *indices: int) -> None:

@@ -31,19 +31,14 @@ from kvtier._lookup import LookupResult
 from kvtier.testing import CHECKS, resolve_lookup
 from kvtier.tiers.fs import FSTier
 from kvtier.tiers.fs import _layout as _fs_layout
-from tests.tiers.fs.fs_worker import key_of, payload_of
+from tests.tiers.fs.fs_worker import key_and_data
 
 BLOCK = 4096
 SECRET = "correct horse battery staple 0123456789"
 OTHER = "another secret, also long enough"
 
 
-def key(i: int) -> bytes:
-    return key_of("i", i)
-
-
-def data(i: int) -> bytes:
-    return payload_of("i", i, BLOCK)
+key, data = key_and_data("i", BLOCK)
 
 
 def path(root: Path, k: bytes) -> Path:

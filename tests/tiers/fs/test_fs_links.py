@@ -17,18 +17,13 @@ from kvtier._errors import TierUnavailableError
 from kvtier._format import header_size
 from kvtier.tiers.fs import FSTier
 from kvtier.tiers.fs import _layout as _fs_layout
-from tests.tiers.fs.fs_worker import key_of, payload_of
+from tests.tiers.fs.fs_worker import key_and_data
 
 BLOCK = 4096
 FILE = header_size(16) + BLOCK
 
 
-def key(i: int) -> bytes:
-    return key_of("l", i)
-
-
-def data(i: int) -> bytes:
-    return payload_of("l", i, BLOCK)
+key, data = key_and_data("l", BLOCK)
 
 
 def swap_for_link(shard: Path, outside: Path) -> None:
