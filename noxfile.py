@@ -23,8 +23,8 @@ def install(session: nox.Session, *groups: str, extras: str = "s3,torch,metrics"
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """The whole test suite (starts its own SeaweedFS on 127.0.0.1 for the S3 tests, and a
-    moto_server for the credential tests)."""
+    """The whole test suite (starts one SeaweedFS on 127.0.0.1 for the S3 tests, and moto's
+    threaded server for the credential tests; devtools/ holds both helpers)."""
     install(session, "test", "bench")
     session.run("python", "-m", "pytest", *session.posargs)
 
