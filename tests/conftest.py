@@ -1,18 +1,26 @@
 """Fixtures shared by every test folder: keys, a manual clock, the run's one SeaweedFS (and a
-server of its own for a test that kills it), and a runner for the example and benchmark
-scripts. Classes the tests also name in annotations live in ``tests/support.py``."""
+server of its own for a test that kills it), a runner for the example and benchmark scripts, and
+a guard against file-system calls on the event loop. Classes the tests also name in annotations
+live in ``tests/support.py``."""
 
 from __future__ import annotations
 
+import asyncio
+import builtins
+import io as stdio
+import os
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from devtools.weed_server import WeedServer, find_weed, serve_own, serve_session
-from tests.support import ManualClock, fresh_keys
+from kvtier.tiers.fs import _io as _fs_io
+from kvtier.tiers.fs import _read as _fs_read
+from tests.support import BlockingCallError, ManualClock, fresh_keys
 
 RunScript = Callable[..., subprocess.CompletedProcess[str]]
 
@@ -65,3 +73,39 @@ def run_script() -> RunScript:
         return proc
 
     return run
+
+
+# -- a guard against blocking calls on the event loop ------------------------------------------
+
+_OS_CALLS = [
+    *("open", "read", "write", "pread", "preadv", "writev", "stat", "lstat", "fstat"),
+    *("fsync", "fdatasync", "rename", "replace", "unlink", "remove", "mkdir", "makedirs"),
+    *("rmdir", "scandir", "listdir", "utime"),
+]
+
+
+@pytest.fixture
+def no_blocking(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[list[str]]:
+    """Fail the test if any file-system call runs on a thread with a running event loop."""
+    caught: list[str] = []
+
+    def guard(fn: Callable[..., Any], label: str) -> Callable[..., Any]:
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:
+                return fn(*args, **kwargs)  # a worker thread: fine
+            caught.append(label)
+            raise BlockingCallError(f"{label} called on the event loop thread")
+
+        return guarded
+
+    for name in _OS_CALLS:
+        monkeypatch.setattr(os, name, guard(getattr(os, name), f"os.{name}"))
+    monkeypatch.setattr(builtins, "open", guard(builtins.open, "open"))
+    monkeypatch.setattr(stdio, "open", guard(stdio.open, "io.open"))
+    monkeypatch.setattr(_fs_io, "_writev", guard(_fs_io._writev, "os.writev"))
+    monkeypatch.setattr(_fs_read, "_preadv", guard(_fs_read._preadv, "os.preadv"))
+    monkeypatch.setattr(_fs_io, "_stat", guard(_fs_io._stat, "os.stat"))
+    yield caught
+    assert not caught, f"blocking calls on the event loop: {sorted(set(caught))}"

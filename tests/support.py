@@ -82,3 +82,7 @@ def assert_idle(manager: TieringManager) -> None:
     assert stats.background_tasks == 0 and stats.in_flight_bytes == 0
     assert all(a.in_flight_bytes == 0 for a in stats.admission)
     manager.pool.table.check_invariants()
+
+
+class BlockingCallError(AssertionError):
+    """A file-system call ran on the event loop thread."""

@@ -27,7 +27,7 @@ from kvtier._errors import (
 )
 from kvtier._format import header_size
 from kvtier._lookup import LookupResult
-from kvtier.testing import CHECKS, resolve_lookup
+from kvtier.testing import resolve_lookup
 from kvtier.tiers.fs import FSTier
 from kvtier.tiers.fs import _io as _fs_io
 from kvtier.tiers.fs import _read as _fs_read
@@ -272,11 +272,6 @@ async def test_unpinned_store_deadline_settles_the_write_it_left(
 
 
 # -- O_DIRECT ------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("check", sorted(CHECKS))
-async def test_conformance_with_direct_io(check: str, tmp_path: Path) -> None:
-    await CHECKS[check](lambda: FSTier(tmp_path / "c", direct_io=True), BLOCK)
 
 
 @pytest.mark.parametrize("payload", [100, 4096 - header_size(16), 4096, 20_000])

@@ -17,7 +17,6 @@ from kvtier._lookup import LookupResult, MissReason
 from kvtier._scheduler import OffloadScheduler
 from kvtier.manager import TieringManager
 from kvtier.pools._host import HostPool
-from kvtier.testing import CHECKS
 from kvtier.tiers.fs import FSTier
 from kvtier.tiers.fs import _io as _fs_io
 from tests.tiers.fs.fs_worker import key_and_data
@@ -38,11 +37,6 @@ def stats(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
 
     monkeypatch.setattr(_fs_io, "_stat", counted)
     return calls
-
-
-@pytest.mark.parametrize("check", sorted(CHECKS))
-async def test_conformance(check: str, tmp_path: Path) -> None:
-    await CHECKS[check](lambda: FSTier(tmp_path / "cache", shared=False), BLOCK)
 
 
 def test_shared_must_be_a_bool(tmp_path: Path) -> None:

@@ -28,7 +28,7 @@ from kvtier._format import (
     verify_block,
 )
 from kvtier._lookup import LookupResult
-from kvtier.testing import CHECKS, resolve_lookup
+from kvtier.testing import resolve_lookup
 from kvtier.tiers.fs import FSTier
 from kvtier.tiers.fs import _layout as _fs_layout
 from tests.tiers.fs.fs_worker import key_and_data
@@ -83,11 +83,6 @@ def test_the_secret_is_never_shown() -> None:
 
 
 # -- the FS tier ------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("check", sorted(CHECKS))
-async def test_conformance_signed(check: str, tmp_path: Path) -> None:
-    await CHECKS[check](lambda: FSTier(tmp_path / "cache", integrity_key=SECRET), BLOCK)
 
 
 async def test_forged_blocks_are_corrupt_misses(

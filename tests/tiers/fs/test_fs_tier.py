@@ -7,11 +7,8 @@ A guard fixture fails any test in which a file-system call runs on the event loo
 
 from __future__ import annotations
 
-import asyncio
-import builtins
 import contextlib
 import errno
-import io as stdio
 import json
 import os
 import signal
@@ -47,6 +44,7 @@ from kvtier.tiers.fs import _blocks as _fs_block
 from kvtier.tiers.fs import _io as _fs_io
 from kvtier.tiers.fs import _layout as _fs_layout
 from kvtier.tiers.fs import _read as _fs_read
+from tests.support import BlockingCallError
 from tests.tiers.fs.fs_worker import key_of, payload_of
 
 WORKER = str(Path(__file__).parent / "fs_worker.py")
@@ -54,44 +52,6 @@ BLOCK = 4096
 FILE = header_size(16) + BLOCK
 
 # -- a guard against blocking calls on the event loop ------------------------------------------
-
-
-class BlockingCallError(AssertionError):
-    """A file-system call ran on the event loop thread."""
-
-
-_OS_CALLS = [
-    *("open", "read", "write", "pread", "preadv", "writev", "stat", "lstat", "fstat"),
-    *("fsync", "fdatasync", "rename", "replace", "unlink", "remove", "mkdir", "makedirs"),
-    *("rmdir", "scandir", "listdir", "utime"),
-]
-
-
-@pytest.fixture
-def no_blocking(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[list[str]]:
-    """Fail the test if any file-system call runs on a thread with a running event loop."""
-    caught: list[str] = []
-
-    def guard(fn: Callable[..., Any], label: str) -> Callable[..., Any]:
-        def guarded(*args: Any, **kwargs: Any) -> Any:
-            try:
-                asyncio.get_running_loop()
-            except RuntimeError:
-                return fn(*args, **kwargs)  # a worker thread: fine
-            caught.append(label)
-            raise BlockingCallError(f"{label} called on the event loop thread")
-
-        return guarded
-
-    for name in _OS_CALLS:
-        monkeypatch.setattr(os, name, guard(getattr(os, name), f"os.{name}"))
-    monkeypatch.setattr(builtins, "open", guard(builtins.open, "open"))
-    monkeypatch.setattr(stdio, "open", guard(stdio.open, "io.open"))
-    monkeypatch.setattr(_fs_io, "_writev", guard(_fs_io._writev, "os.writev"))
-    monkeypatch.setattr(_fs_read, "_preadv", guard(_fs_read._preadv, "os.preadv"))
-    monkeypatch.setattr(_fs_io, "_stat", guard(_fs_io._stat, "os.stat"))
-    yield caught
-    assert not caught, f"blocking calls on the event loop: {sorted(set(caught))}"
 
 
 async def test_guard_catches_a_blocking_call(no_blocking: list[str], tmp_path: Path) -> None:
@@ -128,12 +88,6 @@ async def load(tier: FSTier, k: bytes, n: int = BLOCK) -> bytes:
 
 
 # -- conformance ----------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("check", sorted(CHECKS))
-@pytest.mark.parametrize("fsync", ["never", "data", "always"])
-async def test_conformance(check: str, fsync: str, tmp_path: Path, no_blocking: list[str]) -> None:
-    await CHECKS[check](lambda: FSTier(tmp_path / "cache", fsync=fsync), BLOCK)
 
 
 async def test_conformance_with_capacity(tmp_path: Path, no_blocking: list[str]) -> None:

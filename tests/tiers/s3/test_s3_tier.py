@@ -58,7 +58,7 @@ from kvtier._resilience import BreakerState, CircuitBreaker, Permit, backoff_del
 from kvtier._scheduler import OffloadScheduler
 from kvtier.manager import TieringManager
 from kvtier.pools._host import HostPool
-from kvtier.testing import CHECKS, resolve_lookup
+from kvtier.testing import resolve_lookup
 from kvtier.tiers.s3 import S3Tier
 from kvtier.tiers.s3._errors import Fault, translate
 from tests.support import ManualClock, fresh_keys
@@ -181,11 +181,6 @@ async def test_a_bucket_made_for_a_run_is_warmed_up_and_left_empty(
 
 
 # -- conformance -----------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("check", sorted(CHECKS))
-async def test_conformance(check: str, make_tier: MakeTier) -> None:
-    await CHECKS[check](make_tier, BLOCK)
 
 
 @pytest.mark.parametrize("addressing_style", ["path", "auto"])
