@@ -6,7 +6,6 @@ Everything public is imported from here; the modules behind it are private.
 from __future__ import annotations
 
 from kvtier import _version
-from kvtier._admission import AdmissionPolicy, AdmissionStatistics
 from kvtier._config import (
     FSConfig,
     IntegrityConfig,
@@ -50,6 +49,7 @@ from kvtier.tiers._base import LookupStatistics, SecondaryTier, TierStatistics
 from kvtier.tiers._memory import MemoryTier
 from kvtier.tiers.fs import FSTier
 from kvtier.tiers.s3 import S3Tier, S3TierStatistics
+from kvtier.writes._admission import AdmissionPolicy, AdmissionStatistics
 
 
 def __getattr__(name: str) -> str:

@@ -12,10 +12,10 @@ import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from kvtier._admission import CAUSE_IN_FLIGHT, CAUSE_LATENCY, CAUSE_RATE
 from kvtier._metrics._families import Families, add_by
 from kvtier.manager._statistics import COUNTER, GAUGE
 from kvtier.tiers._base import TierStatistics
+from kvtier.writes._admission import CAUSE_IN_FLIGHT, CAUSE_LATENCY, CAUSE_RATE
 
 if TYPE_CHECKING:
     from kvtier.manager import ManagerStatistics

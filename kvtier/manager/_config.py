@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, TypedDict
 
-from kvtier._admission import AdmissionPolicy
 from kvtier._cost import CostModel
 from kvtier._errors import InvalidArgumentError
 from kvtier._settings import (
@@ -28,6 +27,7 @@ from kvtier._settings import (
     parse_seconds,
     spec,
 )
+from kvtier.writes._admission import AdmissionPolicy
 
 __all__ = ["ManagerConfig", "ManagerOverrides"]
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-from kvtier._admission import AdmissionPolicy
 from kvtier._cost import CostModel, ScanBudget
 from kvtier._errors import LifecycleError
 from kvtier._failures import RecentFailures
@@ -22,6 +21,7 @@ from kvtier._watch import Watchers
 from kvtier.manager._statistics import LookupCounts
 from kvtier.pools._base import PrimaryPool
 from kvtier.tiers._base import SecondaryTier
+from kvtier.writes._admission import AdmissionPolicy
 
 __all__ = ["LookupDecision", "StartPromotion", "not_open"]
 

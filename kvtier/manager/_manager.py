@@ -8,7 +8,7 @@ nothing stays pending forever and leaving ``async with`` joins them all. The job
 - ``_decision``: the lookup past a primary hit (pool state, failures, cost and budget);
 - ``_promotions``: promotion tasks and the copy up of promoted blocks;
 - ``_transfers``: ``store`` and ``load``, the copies into the pool and out of it;
-- ``kvtier._writethrough``: write-through, write-back and deferred writes after a store;
+- ``kvtier.writes._writethrough``: write-through, write-back and deferred writes after a store;
 - ``kvtier._watch``: who waits for which key (``watch``, ``wait_settled``);
 - ``_statistics``: the nested snapshot ``statistics()`` returns;
 - ``_config``: ``ManagerConfig``, every setting defined once.
@@ -25,7 +25,6 @@ from typing import Any, Self, Unpack
 import anyio
 import anyio.abc
 
-from kvtier._admission import AdmissionPolicy
 from kvtier._background import Background, Callbacks
 from kvtier._buffers import dtype_name
 from kvtier._cost import CostModel, ScanBudget
@@ -35,7 +34,6 @@ from kvtier._logging import BurstLogger
 from kvtier._lookup import LookupResult
 from kvtier._resource import AsyncResource
 from kvtier._watch import KeyWatch, Watchers
-from kvtier._writethrough import WriteThrough
 from kvtier.manager._config import ManagerConfig, ManagerOverrides
 from kvtier.manager._decision import LookupDecision, not_open
 from kvtier.manager._promotions import PromotionObserver, Promotions
@@ -43,6 +41,8 @@ from kvtier.manager._statistics import BackgroundCounts, ManagerStatistics, Writ
 from kvtier.manager._transfers import Transfers
 from kvtier.pools._base import PrimaryPool
 from kvtier.tiers._base import SecondaryTier
+from kvtier.writes._admission import AdmissionPolicy
+from kvtier.writes._writethrough import WriteThrough
 
 __all__ = ["TieringManager"]
 

@@ -24,10 +24,11 @@ from kvtier._cost import CostModel
 from kvtier._failures import RecentFailures
 from kvtier._logging import BurstLogger
 from kvtier._watch import Watchers
-from kvtier._writethrough import WriteThrough, bump, reason_of
 from kvtier.manager._statistics import PromotionCounts
 from kvtier.pools._base import PrimaryPool
 from kvtier.tiers._base import SecondaryTier
+from kvtier.writes._account import bump, reason_of
+from kvtier.writes._writethrough import WriteThrough
 
 __all__ = ["PromotionObserver", "Promotions"]
 

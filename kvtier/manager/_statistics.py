@@ -15,10 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar, overload
 
-from kvtier._admission import AdmissionStatistics
 from kvtier._cost import CostStatistics
 from kvtier.pools._slots import PoolStatistics
 from kvtier.tiers._base import TierStatistics
+from kvtier.writes._admission import AdmissionStatistics
 
 __all__ = [
     "COUNTER",

@@ -13,7 +13,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvtier._admission import AdmissionPolicy
 from kvtier._config import FSConfig, KVTierConfig, ManagerConfig, PoolConfig, S3Config, parse_size
 from kvtier._cost import CostModel
 from kvtier._errors import InvalidArgumentError
@@ -22,6 +21,7 @@ from kvtier.manager import TieringManager
 from kvtier.pools._host import HostPool
 from kvtier.testing import resolve_lookup
 from kvtier.tiers.fs import FSTier
+from kvtier.writes._admission import AdmissionPolicy
 
 POOL = {"num_blocks": 8, "block_bytes": 4096}
 

@@ -19,9 +19,9 @@ from kvtier import (
     SecondaryTier,
     TieringManager,
 )
-from kvtier._deferred import DeferredWrites
 from kvtier.testing import StallingTier
 from kvtier.tiers.fs import FSTier
+from kvtier.writes._deferred import DeferredWrites
 
 BB = 4096
 

@@ -12,7 +12,6 @@ import pytest
 
 import kvtier
 from kvtier import HostPool, InvalidArgumentError, LookupResult, MemoryTier, TieringManager
-from kvtier._admission import AdmissionPolicy
 from kvtier._cost import CostModel, ScanBudget
 from kvtier._errors import LifecycleError
 from kvtier._failures import RecentFailures
@@ -22,6 +21,7 @@ from kvtier._watch import KeyWatch, Watchers
 from kvtier.manager import ManagerConfig
 from kvtier.manager._decision import LookupDecision
 from kvtier.testing import StallingTier
+from kvtier.writes._admission import AdmissionPolicy
 
 H, P, R, M = (LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.RETRY, LookupResult.MISS)
 BB = 4096

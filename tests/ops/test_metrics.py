@@ -15,7 +15,6 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvtier._admission import AdmissionPolicy
 from kvtier._cost import CostModel
 from kvtier._errors import CorruptBlockError, ExtraNotInstalledError, InvalidArgumentError
 from kvtier._lookup import LookupResult
@@ -27,6 +26,7 @@ from kvtier.testing import FailingTier
 from kvtier.tiers._base import TierStatistics
 from kvtier.tiers._memory import MemoryTier
 from kvtier.tiers.s3 import S3TierStatistics
+from kvtier.writes._admission import AdmissionPolicy
 
 BLOCK = 4096
 

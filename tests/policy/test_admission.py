@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from kvtier import AdmissionPolicy, InvalidArgumentError
-from kvtier._deferred import DeferredWrites
-from kvtier._writeback import WriteBackQueue
+from kvtier.writes._deferred import DeferredWrites
+from kvtier.writes._writeback import WriteBackQueue
 from tests.support import ManualClock
 
 

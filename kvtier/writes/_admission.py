@@ -18,10 +18,10 @@ the engine needs. This policy lets each tier yield instead:
 - **Write-back.** A tier named in ``write_back`` is not written on store: the manager keeps
   the block in the pool, not evictable, and writes it to that tier when it must make room
   (or at close). For tiers where every write costs money or bandwidth. The blocks wait in
-  a ``WriteBackQueue`` (``kvtier._writeback``).
+  a ``WriteBackQueue`` (``kvtier.writes._writeback``).
 - **Deferred writes.** For a tier named in ``deferred``, a write that back-pressure drops is
   not forgotten: its key waits in a bounded queue (``DeferredWrites``, in
-  ``kvtier._deferred``), and once the tier has room again the manager copies the block to
+  ``kvtier.writes._deferred``), and once the tier has room again the manager copies the block to
   it from a faster tier that holds it. A remote tier shared by several nodes then gets every
   block, at the pace it can take, without the pool pinning anything for it and without its
   writes crowding the request path. (The first write-through tier has no faster tier to

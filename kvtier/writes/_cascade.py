@@ -22,8 +22,8 @@ import anyio
 import anyio.abc
 
 from kvtier._lookup import MissReason
-from kvtier._write_account import WriteAccount, bump, reason_of
 from kvtier.tiers._base import SecondaryTier
+from kvtier.writes._account import WriteAccount, bump, reason_of
 
 __all__ = ["Cascades"]
 

@@ -29,10 +29,10 @@ from typing import Any
 import anyio
 import anyio.abc
 
-from kvtier._deferred import DeferredWrites
 from kvtier._lookup import LookupResult, MissReason
-from kvtier._write_account import WriteAccount, bump, reason_of
 from kvtier.tiers._base import SecondaryTier, settled_lookup
+from kvtier.writes._account import WriteAccount, bump, reason_of
+from kvtier.writes._deferred import DeferredWrites
 
 __all__ = ["DEFERRED_LIMIT", "DeferredCopies"]
 

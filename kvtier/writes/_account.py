@@ -1,7 +1,7 @@
 """What every write from the pool to the secondary tiers counts against and reports to.
 
 Three kinds of writes share one account: the write-through of a stored or promoted block
-(``kvtier._cascade``), the write-backs, and the deferred copies (``kvtier._copydown``). Each
+(``_cascade``), the write-backs, and the deferred copies (``_copydown``). Each
 takes its bytes in flight against one global ``max_in_flight_bytes`` before its task starts
 and gives them back when it ends, counts itself in the counters the manager's statistics
 show, and runs in the manager's task group (``task_group``, None while closed) as one of the
@@ -15,12 +15,12 @@ from collections.abc import Callable
 
 import anyio.abc
 
-from kvtier._admission import AdmissionPolicy
 from kvtier._background import Background, InFlight
 from kvtier._errors import TierError
 from kvtier._logging import BurstLogger
 from kvtier._lookup import MissReason
 from kvtier.pools._base import PrimaryPool
+from kvtier.writes._admission import AdmissionPolicy
 
 __all__ = ["WriteAccount", "bump", "reason_of"]
 

@@ -1,13 +1,13 @@
 """Write-through: copying stored blocks from the pool to the secondary tiers (design §3).
 
 The manager hands each newly stored block to ``WriteThrough``, which asks the admission
-policy (``kvtier._admission``) which tiers take it now, pins the slot and launches its write
-to those tiers (a cascade, ``kvtier._cascade``); blocks for write-back tiers wait pinned in
-the ``WriteBackQueue`` (``kvtier._writeback``) until they must leave the pool. Two more
-sources of writes go through the same admission and accounting (``kvtier._write_account``):
+policy (``kvtier.writes._admission``) which tiers take it now, pins the slot and launches its write
+to those tiers (a cascade, ``kvtier.writes._cascade``); blocks for write-back tiers wait pinned in
+the ``WriteBackQueue`` (``kvtier.writes._writeback``) until they must leave the pool. Two more
+sources of writes go through the same admission and accounting (``kvtier.writes._account``):
 a block promoted from a slower tier is written up to the faster ones (``write_up``), and
 writes that back-pressure dropped for a ``deferred`` tier are copied to it later from a
-faster tier (``kvtier._copydown``). Everything runs in the manager's task group, under
+faster tier (``kvtier.writes._copydown``). Everything runs in the manager's task group, under
 ``store_timeout``; every write that ends starts the write-backs and deferred copies that now
 fit. While a packing tier has deferred writes waiting, new writes for it join the queue
 rather than going out one by one ahead of it.
@@ -19,18 +19,18 @@ from collections.abc import Callable, Sequence
 
 import anyio.abc
 
-from kvtier._admission import AdmissionPolicy
 from kvtier._background import Background
-from kvtier._cascade import Cascades
-from kvtier._copydown import DeferredCopies
-from kvtier._deferred import DeferredWrites
 from kvtier._logging import BurstLogger
-from kvtier._write_account import WriteAccount, bump, reason_of
-from kvtier._writeback import WriteBackQueue
 from kvtier.pools._base import PrimaryPool
 from kvtier.tiers._base import SecondaryTier
+from kvtier.writes._account import WriteAccount
+from kvtier.writes._admission import AdmissionPolicy
+from kvtier.writes._cascade import Cascades
+from kvtier.writes._copydown import DeferredCopies
+from kvtier.writes._deferred import DeferredWrites
+from kvtier.writes._writeback import WriteBackQueue
 
-__all__ = ["WriteThrough", "bump", "reason_of"]
+__all__ = ["WriteThrough"]
 
 
 class WriteThrough(WriteAccount):

@@ -1,4 +1,4 @@
-"""The blocks waiting for write-back tiers (design §5a; the policy is ``kvtier._admission``).
+"""The blocks waiting for write-back tiers (design §5a; the policy is ``kvtier.writes._admission``).
 
 A tier named in ``AdmissionPolicy``'s ``write_back`` is not written on store: the block stays
 in the pool, pinned so that it cannot be evicted unwritten, until the manager must make room
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvtier._admission import AdmissionPolicy
 from kvtier._settings import positive_int
+from kvtier.writes._admission import AdmissionPolicy
 
 __all__ = ["WriteBackQueue"]
 

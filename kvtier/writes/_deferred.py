@@ -1,8 +1,8 @@
-"""The keys waiting for deferred tiers (design §5a; the policy is ``kvtier._admission``).
+"""The keys waiting for deferred tiers (design §5a; the policy is ``kvtier.writes._admission``).
 
 For a tier named in ``AdmissionPolicy``'s ``deferred``, a write that back-pressure drops is
 not forgotten: its key waits here, and once the tier has room again the manager copies the
-block to it from a faster tier that holds it (``kvtier._copydown``). Only keys are held, never
+block to it from a faster tier that holds it (``_copydown``). Only keys are held, never
 blocks, and the queue is bounded. It is synchronous: it says which keys go now, in groups for
 a tier that packs the stores it is given together, and the manager starts the copies.
 """
@@ -12,8 +12,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Collection, Mapping
 
-from kvtier._admission import AdmissionPolicy
 from kvtier._settings import positive_int
+from kvtier.writes._admission import AdmissionPolicy
 
 __all__ = ["DeferredWrites"]
 
