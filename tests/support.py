@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import anyio
 import numpy as np
 
-from kvtier import HostPool, TieringManager, block_keys
+from devtools.weed_server import ACCESS_KEY, BUCKET, REGION, SECRET_KEY, WeedServer
+from kvtier import HostPool, S3Tier, TieringManager, block_keys
 from kvtier._buffers import BlockBuffer
 
 
@@ -86,3 +88,16 @@ def assert_idle(manager: TieringManager) -> None:
 
 class BlockingCallError(AssertionError):
     """A file-system call ran on the event loop thread."""
+
+
+def s3_tier(server: WeedServer, prefix: str, **overrides: Any) -> S3Tier:
+    """An S3Tier on the run's SeaweedFS bucket under ``prefix``; ``overrides`` are S3Tier
+    keywords (they win over these)."""
+    settings: dict[str, Any] = {
+        "prefix": prefix,
+        "endpoint_url": server.endpoint_url,
+        "region_name": REGION,
+        "aws_access_key_id": ACCESS_KEY,
+        "aws_secret_access_key": SECRET_KEY,
+    }
+    return S3Tier(BUCKET, **(settings | overrides))

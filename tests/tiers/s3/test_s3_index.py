@@ -4,6 +4,7 @@ loop whose credentials fail, clock skew) and moto's server (a DELETE the server 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -57,7 +58,7 @@ from kvtier.tiers.s3._pack import (
 )
 from kvtier.tiers.s3._requests import Requests
 from kvtier.tiers.s3._sync import IndexSync
-from tests.support import ManualClock, fresh_keys
+from tests.support import ManualClock, fresh_keys, s3_tier
 from tests.tiers.s3.s3_forge import forged_segment, forged_segment_name
 
 BLOCK = 4096
@@ -357,18 +358,8 @@ def test_a_publish_takes_a_bounded_batch_and_a_failed_one_goes_first_again() -> 
 # -- against a server --------------------------------------------------------------------
 
 
-def _tier(server: WeedServer, prefix: str, **overrides: Any) -> S3Tier:
-    kwargs: dict[str, Any] = {
-        "prefix": prefix,
-        "endpoint_url": server.endpoint_url,
-        "region_name": REGION,
-        "aws_access_key_id": ACCESS_KEY,
-        "aws_secret_access_key": SECRET_KEY,
-        "index_refresh": 100.0,  # refreshed by the tests, not by the loop
-        "index_lookback": 1000.0,
-    }
-    kwargs.update(overrides)
-    return S3Tier(BUCKET, **kwargs)
+# refreshed by the tests, not by the loop
+_tier = functools.partial(s3_tier, index_refresh=100.0, index_lookback=1000.0)
 
 
 async def _exists(server: WeedServer, name: str) -> bool:

@@ -7,16 +7,12 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from typing import Any
 
 import anyio
 import pytest
 
 from devtools.weed_server import (
-    ACCESS_KEY,
     BUCKET,
-    REGION,
-    SECRET_KEY,
     WeedServer,
     raw_client,
 )
@@ -31,21 +27,9 @@ from kvtier.tiers.s3 import S3Tier
 from kvtier.tiers.s3._journal import encode_segment, segment_name, writer_id
 from kvtier.tiers.s3._pack import PACK_DIR, Location, decode_table
 from kvtier.tiers.s3._packs import PackReads, PackWriter, PendingStore
-from tests.support import fresh_keys
+from tests.support import fresh_keys, s3_tier
 
 BLOCK = 4096
-
-
-def _tier(server: WeedServer, prefix: str, **overrides: Any) -> S3Tier:
-    return S3Tier(
-        BUCKET,
-        prefix=prefix,
-        endpoint_url=server.endpoint_url,
-        region_name=REGION,
-        aws_access_key_id=ACCESS_KEY,
-        aws_secret_access_key=SECRET_KEY,
-        **overrides,
-    )
 
 
 def _keys_and_blocks(n: int) -> tuple[list[bytes], list[bytes]]:
@@ -92,7 +76,7 @@ async def test_stores_together_share_a_pack_and_another_node_loads_it_with_one_g
 ) -> None:
     prefix = f"packs/{uuid.uuid4().hex}"
     keys, blocks = _keys_and_blocks(11)
-    async with _tier(weed_server, prefix, pack_blocks=4) as writer:
+    async with s3_tier(weed_server, prefix, pack_blocks=4) as writer:
         assert writer.write_batch == 4
         await _store_together(writer, keys, blocks)
         stats = writer.statistics()
@@ -105,7 +89,7 @@ async def test_stores_together_share_a_pack_and_another_node_loads_it_with_one_g
         assert await _load_together(writer, keys) == blocks
 
     # Another node: its listing at open reads the pack tables.
-    async with _tier(weed_server, prefix, pack_blocks=4) as reader:
+    async with s3_tier(weed_server, prefix, pack_blocks=4) as reader:
         assert reader.statistics().index_listed == 11
         assert all(reader.lookup(k) is LookupResult.HIT for k in keys)
         assert await _load_together(reader, keys) == blocks
@@ -120,8 +104,8 @@ async def test_a_pack_written_after_open_is_learnt_from_the_journal(
     prefix = f"packs/{uuid.uuid4().hex}"
     keys, blocks = _keys_and_blocks(4)
     async with (
-        _tier(weed_server, prefix, index_refresh=100.0, index_lookback=1000.0) as reader,
-        _tier(weed_server, prefix, index_refresh=100.0, index_lookback=1000.0) as writer,
+        s3_tier(weed_server, prefix, index_refresh=100.0, index_lookback=1000.0) as reader,
+        s3_tier(weed_server, prefix, index_refresh=100.0, index_lookback=1000.0) as writer,
     ):
         await _store_together(writer, keys, blocks)
         assert writer.statistics().packs_written == 1
@@ -136,7 +120,7 @@ async def test_a_pack_written_after_open_is_learnt_from_the_journal(
 async def test_a_deleted_pack_is_a_miss_that_fixes_the_index(weed_server: WeedServer) -> None:
     prefix = f"packs/{uuid.uuid4().hex}"
     keys, blocks = _keys_and_blocks(3)
-    async with _tier(weed_server, prefix) as tier:
+    async with s3_tier(weed_server, prefix) as tier:
         pack = await _one_pack(weed_server, prefix, tier, keys, blocks)
         async with raw_client(weed_server.endpoint_url) as client:
             await client.delete_object(Bucket=BUCKET, Key=pack)
@@ -150,7 +134,7 @@ async def test_a_deleted_pack_is_a_miss_that_fixes_the_index(weed_server: WeedSe
 async def test_delete_of_a_packed_key_deletes_its_pack(weed_server: WeedServer) -> None:
     prefix = f"packs/{uuid.uuid4().hex}"
     keys, blocks = _keys_and_blocks(2)
-    async with _tier(weed_server, prefix) as tier:
+    async with s3_tier(weed_server, prefix) as tier:
         await _store_together(tier, keys, blocks)
         await tier.delete(keys[0])
         assert await _objects(weed_server, prefix) == []
@@ -169,7 +153,7 @@ async def test_a_damaged_pack_is_a_corrupt_miss_and_is_kept(
     header and checksum, still serve every node."""
     prefix = f"packs/{uuid.uuid4().hex}"
     keys, blocks = _keys_and_blocks(3)
-    async with _tier(weed_server, prefix) as tier:
+    async with s3_tier(weed_server, prefix) as tier:
         pack = await _one_pack(weed_server, prefix, tier, keys, blocks)
         async with raw_client(weed_server.endpoint_url) as client:
             response = await client.get_object(Bucket=BUCKET, Key=pack)
@@ -342,7 +326,7 @@ async def test_a_wrong_journal_location_is_a_corrupt_miss_and_keeps_the_pack(
     here and on any other node."""
     prefix = f"packs/{uuid.uuid4().hex}"
     keys, blocks = _keys_and_blocks(3)
-    async with _tier(weed_server, prefix) as writer:
+    async with s3_tier(weed_server, prefix) as writer:
         pack = await _one_pack(weed_server, prefix, writer, keys, blocks)
     async with raw_client(weed_server.endpoint_url) as client:
         response = await client.get_object(Bucket=BUCKET, Key=pack)
@@ -350,7 +334,7 @@ async def test_a_wrong_journal_location_is_a_corrupt_miss_and_keeps_the_pack(
     right = sections[keys[1]]
     shift = 0 if claim == "another key's section" else 100
     wrong = Location(pack, right.offset + shift, right.length)
-    async with _tier(weed_server, prefix, index_refresh=100.0, index_lookback=1000.0) as reader:
+    async with s3_tier(weed_server, prefix, index_refresh=100.0, index_lookback=1000.0) as reader:
         assert reader.statistics().index_listed == 3
         async with raw_client(weed_server.endpoint_url) as client:
             name = segment_name(prefix, int(time.time() * 1000), writer_id(), 1)
@@ -363,7 +347,7 @@ async def test_a_wrong_journal_location_is_a_corrupt_miss_and_keeps_the_pack(
         assert reader.statistics().corrupt_deleted == 0
         assert await _load_together(reader, keys[1:]) == blocks[1:]
     assert await _packs(weed_server, prefix) == [pack]
-    async with _tier(weed_server, prefix) as other:  # another node lists the pack again
+    async with s3_tier(weed_server, prefix) as other:  # another node lists the pack again
         assert await _load_together(other, keys) == blocks
 
 
@@ -379,12 +363,12 @@ async def test_a_journal_location_longer_than_a_block_is_never_fetched(
 
     prefix = f"packs/{uuid.uuid4().hex}"
     keys, blocks = _keys_and_blocks(4)
-    async with _tier(weed_server, prefix) as writer:
+    async with s3_tier(weed_server, prefix) as writer:
         pack = await _one_pack(weed_server, prefix, writer, keys[:3], blocks[:3])
     first = table_length(3, len(keys[0]))
     section = header_size(len(keys[0])) + BLOCK
     lengths = {keys[3]: 2**40, keys[0]: section + 1}  # a stranger, and a known key re-pointed
-    async with _tier(weed_server, prefix, index_refresh=100.0, index_lookback=1000.0) as reader:
+    async with s3_tier(weed_server, prefix, index_refresh=100.0, index_lookback=1000.0) as reader:
         async with raw_client(weed_server.endpoint_url) as client:
             body = forged_segment([(key, pack, first, n) for key, n in lengths.items()])
             await client.put_object(Bucket=BUCKET, Key=forged_segment_name(prefix), Body=body)

@@ -6,6 +6,7 @@ deletes or overwrites an object, and never serves a byte that is not the stored 
 
 from __future__ import annotations
 
+import functools
 import os
 import uuid
 from dataclasses import dataclass
@@ -17,10 +18,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from devtools.weed_server import (
-    ACCESS_KEY,
     BUCKET,
-    REGION,
-    SECRET_KEY,
     WeedServer,
     raw_client,
 )
@@ -28,7 +26,6 @@ from kvtier._errors import KVTierError
 from kvtier._format import MAX_KEY_BYTES, IntegrityKey, header_size
 from kvtier._keys import block_keys
 from kvtier._lookup import LookupResult
-from kvtier.tiers.s3 import S3Tier
 from kvtier.tiers.s3._config import MAX_PACK_BLOCKS
 from kvtier.tiers.s3._journal import (
     MAX_SEGMENT_ENTRIES,
@@ -47,6 +44,7 @@ from kvtier.tiers.s3._pack import (
     table_size,
 )
 from kvtier.tiers.s3._packs import PackReads
+from tests.support import s3_tier
 from tests.tiers.s3.s3_forge import forged_segment, forged_segment_name
 
 BLOCK = 4096
@@ -256,17 +254,8 @@ class Bucket:
     strangers: list[bytes]
 
 
-def _tier(server: WeedServer, prefix: str) -> S3Tier:
-    return S3Tier(
-        BUCKET,
-        prefix=prefix,
-        endpoint_url=server.endpoint_url,
-        region_name=REGION,
-        aws_access_key_id=ACCESS_KEY,
-        aws_secret_access_key=SECRET_KEY,
-        index_refresh=100.0,  # refreshed by the test, not by the loop
-        index_lookback=1000.0,
-    )
+# refreshed by the tests, not by the loop
+_tier = functools.partial(s3_tier, index_refresh=100.0, index_lookback=1000.0)
 
 
 async def _snapshot(server: WeedServer) -> dict[str, str]:
