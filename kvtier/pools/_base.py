@@ -10,6 +10,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Sequence
 
 from kvtier._buffers import BlockBuffer
+from kvtier._describe import describe
 from kvtier._lookup import LookupResult
 from kvtier._settings import positive_int
 from kvtier.pools._policy import EvictionPolicy, make_policy
@@ -71,12 +72,8 @@ class PrimaryPool(ABC):
         return self.table.statistics(self.block_bytes)
 
     def __repr__(self) -> str:
-        s = self.statistics()
-        return (
-            f"<{type(self).__name__} blocks={s.num_blocks} block_bytes={s.block_bytes} "
-            f"free={s.free} writing={s.writing} ready={s.ready} pinned={s.pinned} "
-            f"policy={s.policy} evictions={s.evictions}>"
-        )
+        shown = "num_blocks block_bytes free writing ready pinned policy evictions"
+        return describe(type(self).__name__, stats=self.statistics(), shown=shown)
 
     # -- data movement (may wait) ------------------------------------------------------------
 

@@ -12,6 +12,7 @@ from typing import Self
 
 import anyio
 
+from kvtier._describe import describe
 from kvtier._errors import InvalidArgumentError, TierError, TierTimeoutError
 from kvtier._logging import BurstLogger
 from kvtier._lookup import LookupResult, MissReason
@@ -313,12 +314,8 @@ class SecondaryTier(AsyncResource):
                     )
 
     def __repr__(self) -> str:
-        s = self.statistics()
-        return (
-            f"<{type(self).__name__} {self.name!r} blocks={s.blocks} bytes={s.bytes_stored} "
-            f"hits={s.lookups.hits} misses={s.lookups.misses} pending={s.lookups.pending} "
-            f"in_flight={s.lookups.in_flight}>"
-        )
+        shown = "blocks bytes_stored lookups.hits lookups.misses lookups.pending lookups.in_flight"
+        return describe(type(self).__name__, repr(self.name), stats=self.statistics(), shown=shown)
 
 
 def check_batch(keys: Sequence[bytes], views: Sequence[memoryview], what: str) -> None:

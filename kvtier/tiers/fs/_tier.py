@@ -20,6 +20,7 @@ from typing import Unpack, cast
 
 import anyio
 
+from kvtier._describe import describe
 from kvtier._errors import InvalidArgumentError
 from kvtier._format import IntegrityKey
 from kvtier._keys import check_key
@@ -307,14 +308,21 @@ class FSTier(SecondaryTier):
         )
 
     def __repr__(self) -> str:
-        s = self.statistics()
-        return (
-            f"<FSTier {self.name!r} root={str(self.root)!r} ready={self._catalog.ready} "
-            f"blocks={s.blocks} bytes={s.bytes_stored} capacity={self.capacity_bytes} "
-            f"fsync={self.fsync} shared={self.shared} direct={self._files.direct} "
-            f"signed={self.integrity_key is not None} "
-            f"storing={len(self._catalog.storing)} pending={s.lookups.pending} "
-            f"stuck_threads={self._files.calls.stuck}>"
+        catalog, files = self._catalog, self._files
+        return describe(
+            "FSTier",
+            repr(self.name),
+            f"root={str(self.root)!r}",
+            stats=self.statistics(),
+            shown="blocks bytes_stored lookups.pending",
+            ready=catalog.ready,
+            capacity=self.capacity_bytes,
+            fsync=self.fsync,
+            shared=self.shared,
+            direct=files.direct,
+            signed=self.integrity_key is not None,
+            storing=len(catalog.storing),
+            stuck_threads=files.calls.stuck,
         )
 
 

@@ -14,6 +14,7 @@ import anyio
 import anyio.abc
 import anyio.to_thread
 
+from kvtier._describe import describe
 from kvtier._errors import (
     ExtraNotInstalledError,
     InvalidArgumentError,
@@ -394,11 +395,14 @@ class S3Tier(SecondaryTier):
         )
 
     def __repr__(self) -> str:
-        s = self.statistics()
-        return (
-            f"<S3Tier {self.name!r} {self._core.where} endpoint={self.config.endpoint_label} "
-            f"open={self.is_open} signed={self.integrity_key is not None} "
-            f"breaker={s.breaker_state} hits={s.lookups.hits} "
-            f"misses={s.lookups.misses} pending={s.lookups.pending} "
-            f"in_flight={s.lookups.in_flight} loads={s.loads} stores={s.stores}>"
+        return describe(
+            "S3Tier",
+            repr(self.name),
+            self._core.where,
+            f"endpoint={self.config.endpoint_label}",
+            f"open={self.is_open}",
+            f"signed={self.integrity_key is not None}",
+            stats=self.statistics(),
+            shown="breaker_state lookups.hits lookups.misses lookups.pending lookups.in_flight"
+            " loads stores",
         )
