@@ -15,11 +15,13 @@ import anyio
 
 from kvtier._buffers import check_keys
 from kvtier._cost import CostModel, ScanBudget
+from kvtier._describe import describe
 from kvtier._errors import InvalidArgumentError
 from kvtier._logging import BurstLogger
 from kvtier._lookup import LookupResult
 from kvtier._progress import PrefixProgress, WindowProgress
 from kvtier._settings import positive_int, positive_number
+from kvtier._snapshots import snapshot
 from kvtier._watch import KeyWatch
 
 __all__ = ["OffloadScheduler", "SchedulerStatistics", "SupportsLookup", "SupportsScheduling"]
@@ -127,9 +129,8 @@ class OffloadScheduler:
         self._unpin: Callable[[Sequence[int]], None] | None = (
             None if full is None else full.unpin_slots
         )
-        self._scans = self._deferred = self._async_lookups = self._waits = self._timeouts = 0
-        self._callback_failures = 0
-        self._cut = 0
+        self._scans = self._deferred_scans = self._async_lookups = 0
+        self._waits = self._timeouts = self._callback_failures = self._waits_cut = 0
 
     # -- synchronous scans (design §2.2) -------------------------------------------------------
 
@@ -188,7 +189,7 @@ class OffloadScheduler:
             else:
                 break
         if defer:
-            self._deferred += 1
+            self._deferred_scans += 1
             return None
         return count
 
@@ -221,11 +222,11 @@ class OffloadScheduler:
                 streak = 0
             if streak == size:
                 if defer:
-                    self._deferred += 1
+                    self._deferred_scans += 1
                     return None
                 return i + size
         if defer:
-            self._deferred += 1
+            self._deferred_scans += 1
             return None
         return streak
 
@@ -300,10 +301,10 @@ class OffloadScheduler:
                 self._scans += 1
                 result = scan.start()
                 while result is None:
-                    self._deferred += 1
+                    self._deferred_scans += 1
                     patience = self._patience(budget, cost)
                     if patience is not None and patience <= 0:
-                        self._cut += 1  # recomputing is expected to be cheaper: stop here
+                        self._waits_cut += 1  # recomputing is expected to be cheaper: stop here
                         return self._hits_now(keys, window, scan.lease, budget)
                     manager.watch(scan.take_watches(), changes)
                     self._waits += 1
@@ -365,18 +366,8 @@ class OffloadScheduler:
         return count if window is None else streak
 
     def statistics(self) -> SchedulerStatistics:
-        return SchedulerStatistics(
-            scans=self._scans,
-            deferred_scans=self._deferred,
-            async_lookups=self._async_lookups,
-            waits=self._waits,
-            timeouts=self._timeouts,
-            callback_failures=self._callback_failures,
-            waits_cut=self._cut,
-        )
+        return snapshot(SchedulerStatistics, self, "_")
 
     def __repr__(self) -> str:
-        return (
-            f"<OffloadScheduler manager={type(self.manager).__name__} scans={self._scans} "
-            f"deferred={self._deferred} waits={self._waits} timeouts={self._timeouts}>"
-        )
+        shown = "scans deferred_scans waits timeouts"
+        return describe("OffloadScheduler", stats=self.statistics(), shown=shown)

@@ -17,6 +17,7 @@ from enum import IntEnum
 from itertools import takewhile
 
 from kvtier._lookup import LookupResult
+from kvtier._snapshots import snapshot
 from kvtier.pools._policy import EvictionPolicy
 
 __all__ = ["PoolStatistics", "SlotState", "SlotTable"]
@@ -189,7 +190,10 @@ class SlotTable:
     def statistics(self, block_bytes: int) -> PoolStatistics:
         ready = len(self.ready)
         free = len(self._free)
-        return PoolStatistics(
+        return snapshot(
+            PoolStatistics,
+            self,
+            "_",
             num_blocks=self.num_blocks,
             block_bytes=block_bytes,
             free=free,
@@ -197,11 +201,6 @@ class SlotTable:
             ready=ready,
             pinned=self._pinned_slots,
             pins=sum(self._pins),
-            reservations=self._reservations,
-            reservation_failures=self._reservation_failures,
-            commits=self._commits,
-            aborts=self._aborts,
-            evictions=self._evictions,
             policy=self.policy.name,
         )
 

@@ -17,6 +17,7 @@ from kvtier._errors import InvalidArgumentError, TierError, TierTimeoutError
 from kvtier._logging import BurstLogger
 from kvtier._lookup import LookupResult, MissReason
 from kvtier._resource import AsyncResource
+from kvtier._snapshots import snapshot
 
 __all__ = [
     "BatchResults",
@@ -98,19 +99,19 @@ class LookupCounts(ABC):
         return _MISS
 
 
+@dataclass(slots=True)
 class TierMeter:
     """Mutable counters behind ``TierStatistics``; tiers bump them, ``snapshot`` freezes them."""
 
-    def __init__(self) -> None:
-        self.loads = 0
-        self.stores = 0
-        self.deletes = 0
-        self.bytes_read = 0
-        self.bytes_written = 0
-        self.read_seconds = 0.0
-        self.write_seconds = 0.0
-        self.evictions = 0
-        self.failures: dict[str, int] = {}
+    loads: int = 0
+    stores: int = 0
+    deletes: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    read_seconds: float = 0.0
+    write_seconds: float = 0.0
+    evictions: int = 0
+    failures: dict[str, int] = field(default_factory=dict)
 
     def read(self, nbytes: int, seconds: float) -> None:
         self.loads += 1
@@ -127,22 +128,23 @@ class TierMeter:
         self.failures[key] = self.failures.get(key, 0) + 1
 
     def snapshot(
-        self, name: str, lookups: LookupStatistics, *, blocks: int = 0, bytes_stored: int = 0
+        self,
+        name: str,
+        lookups: LookupStatistics,
+        *,
+        blocks: int = 0,
+        bytes_stored: int = 0,
+        request_path_requests: int = 0,
     ) -> TierStatistics:
-        return TierStatistics(
+        return snapshot(
+            TierStatistics,
+            self,
             name=name,
             lookups=lookups,
-            loads=self.loads,
-            stores=self.stores,
-            deletes=self.deletes,
-            bytes_read=self.bytes_read,
-            bytes_written=self.bytes_written,
-            read_seconds=self.read_seconds,
-            write_seconds=self.write_seconds,
             failures_by_reason=dict(self.failures),
-            evictions=self.evictions,
             blocks=blocks,
             bytes_stored=bytes_stored,
+            request_path_requests=request_path_requests,
         )
 
 

@@ -227,8 +227,9 @@ class S3Core:
     def statistics(self, **io: Any) -> S3TierStatistics:
         """The tier's statistics: the core's own, and ``io``, the fields its I/O helpers
         count (retries, journal rounds, packs and pack reads)."""
-        base = dataclasses.replace(
-            self.meter.snapshot(self.name, self.lookup_statistics()),
+        base = self.meter.snapshot(
+            self.name,
+            self.lookup_statistics(),
             request_path_requests=self.request_path_requests,
         )
         return S3TierStatistics(
