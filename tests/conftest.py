@@ -1,7 +1,7 @@
-"""Fixtures shared by every test folder: keys, a manual clock, the run's one SeaweedFS (and a
-server of its own for a test that kills it), a runner for the example and benchmark scripts, and
-a guard against file-system calls on the event loop. Classes the tests also name in annotations
-live in ``tests/support.py``."""
+"""Fixtures shared by every test folder: keys, a manual clock, a hung OS call, the run's one
+SeaweedFS (and a server of its own for a test that kills it), a runner for the example and
+benchmark scripts, and a guard against file-system calls on the event loop. Classes the tests
+also name in annotations live in ``tests/support.py``."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import io as stdio
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ import pytest
 from devtools.weed_server import WeedServer, find_weed, serve_own, serve_session
 from kvtier.tiers.fs import _io as _fs_io
 from kvtier.tiers.fs import _read as _fs_read
-from tests.support import BlockingCallError, ManualClock, fresh_keys
+from tests.support import HUNG_FAILSAFE, BlockingCallError, Hang, ManualClock, fresh_keys
 
 RunScript = Callable[..., subprocess.CompletedProcess[str]]
 
@@ -35,6 +36,18 @@ def keys() -> list[bytes]:
 def clock() -> ManualClock:
     """A clock at 0.0 that the test moves by hand."""
     return ManualClock()
+
+
+@pytest.fixture
+def hang() -> Iterator[Hang]:
+    """A hung call for the test to wrap around an OS call; released at teardown, and by a
+    failsafe timer after ``HUNG_FAILSAFE`` seconds."""
+    hung = Hang()
+    failsafe = threading.Timer(HUNG_FAILSAFE, hung.release.set)
+    failsafe.start()
+    yield hung
+    hung.release.set()
+    failsafe.cancel()
 
 
 @pytest.fixture(scope="session")

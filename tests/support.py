@@ -1,19 +1,30 @@
 """What several test modules share beyond fixtures (those live in ``conftest.py``): key and
-block factories, a clock moved by hand, a pool whose copies wait at a gate, and the check that
-a manager is idle."""
+block factories, a clock moved by hand, a pool whose copies wait at a gate, an OS call that
+hangs, an S3 tier on the run's SeaweedFS, and the check that a manager is idle."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
-from typing import Any
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, ParamSpec, Protocol, TypeVar
 
 import anyio
 import numpy as np
 
-from devtools.weed_server import ACCESS_KEY, BUCKET, REGION, SECRET_KEY, WeedServer
-from kvtier import HostPool, S3Tier, TieringManager, block_keys
+from devtools.weed_server import ACCESS_KEY, BUCKET, REGION, SECRET_KEY
+from kvtier import HostPool, LookupResult, S3Tier, TieringManager, block_keys
 from kvtier._buffers import BlockBuffer
+
+_A = ParamSpec("_A")
+_T = TypeVar("_T")
+
+H, P, R, M = LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.RETRY, LookupResult.MISS
+"""The four lookup answers by their initials, for tables of expected answers."""
+
+HUNG_FAILSAFE = 60.0
+"""Seconds after which the ``hang`` fixture releases its hung call whatever the test does: a
+regression fails its assertions instead of leaving a thread in the call."""
 
 
 def fresh_keys(n: int) -> list[bytes]:
@@ -86,18 +97,58 @@ def assert_idle(manager: TieringManager) -> None:
     manager.pool.table.check_invariants()
 
 
+class Hang:
+    """Makes a wrapped (OS) call block until ``release`` is set: a hung mount, a root on a dead
+    NFS server. ``entered`` is set once a call waits there; ``calls`` counts the calls that
+    entered. The ``hang`` fixture releases it at teardown and after ``HUNG_FAILSAFE``."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.entered = threading.Event()
+        self.calls = 0
+        self._lock = threading.Lock()
+
+    def wrap(self, fn: Callable[_A, _T]) -> Callable[_A, _T]:
+        def hung(*args: _A.args, **kwargs: _A.kwargs) -> _T:
+            with self._lock:
+                self.calls += 1
+            self.entered.set()
+            self.release.wait()
+            return fn(*args, **kwargs)
+
+        return hung
+
+    async def wait_entered(self) -> None:
+        """Wait (off the event loop) until a call waits at the hang."""
+        assert await anyio.to_thread.run_sync(self.entered.wait, HUNG_FAILSAFE)
+
+
 class BlockingCallError(AssertionError):
     """A file-system call ran on the event loop thread."""
 
 
-def s3_tier(server: WeedServer, prefix: str, **overrides: Any) -> S3Tier:
-    """An S3Tier on the run's SeaweedFS bucket under ``prefix``; ``overrides`` are S3Tier
-    keywords (they win over these)."""
+MakeS3Tier = Callable[..., S3Tier]
+"""The type of the S3 tests' ``make_tier`` fixture: ``s3_tier`` with its server and prefix
+bound."""
+
+
+class HasEndpoint(Protocol):
+    """A server with an S3 endpoint: the run's SeaweedFS, one of a test's own, moto's."""
+
+    @property
+    def endpoint_url(self) -> str: ...
+
+
+def s3_tier(
+    server: HasEndpoint | str, prefix: str, *, bucket: str = BUCKET, **overrides: Any
+) -> S3Tier:
+    """An S3Tier on ``server`` (or an endpoint URL) with the test credentials, in ``bucket``
+    under ``prefix``; ``overrides`` are S3Tier keywords (they win over these)."""
     settings: dict[str, Any] = {
         "prefix": prefix,
-        "endpoint_url": server.endpoint_url,
+        "endpoint_url": server if isinstance(server, str) else server.endpoint_url,
         "region_name": REGION,
         "aws_access_key_id": ACCESS_KEY,
         "aws_secret_access_key": SECRET_KEY,
     }
-    return S3Tier(BUCKET, **(settings | overrides))
+    return S3Tier(bucket, **(settings | overrides))

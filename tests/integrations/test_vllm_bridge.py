@@ -19,6 +19,7 @@ from kvtier import MissReason
 from kvtier.integrations._bridge import JobOutcome, TierBridge
 from kvtier.testing import StallingTier
 from kvtier.tiers.fs import _io as _fs_io
+from tests.support import Hang
 
 BLOCK = 4096
 WAIT = 30.0  # generous bound on a promised deadline, not a timing assertion
@@ -337,37 +338,15 @@ def test_a_malformed_batch_result_fails_only_its_batch(
     assert bridge.statistics().state == "open" and bridge._thread.is_alive()
 
 
-class _HungMount:
-    """Makes ``_fs_io.prepare_root`` (FSTier's open) block until ``release`` is set: a root
-    on a dead NFS server. A failsafe timer releases it, so a regression fails instead of
-    leaving a thread in the call."""
-
-    def __init__(self) -> None:
-        self.entered = threading.Event()
-        self.release = threading.Event()
-
-    def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def hung(*args: Any, **kwargs: Any) -> Any:
-            self.entered.set()
-            self.release.wait()
-            return fn(*args, **kwargs)
-
-        return hung
-
-
 @pytest.fixture
-def hung_mount(monkeypatch: pytest.MonkeyPatch) -> Iterator[_HungMount]:
-    hang = _HungMount()
+def hung_mount(hang: Hang, monkeypatch: pytest.MonkeyPatch) -> Hang:
+    """Makes ``_fs_io.prepare_root`` (FSTier's open) hang: a root on a dead NFS server."""
     monkeypatch.setattr(_fs_io, "prepare_root", hang.wrap(_fs_io.prepare_root))
-    failsafe = threading.Timer(3 * WAIT, hang.release.set)
-    failsafe.start()
-    yield hang
-    hang.release.set()
-    failsafe.cancel()
+    return hang
 
 
 def test_deadlines_hold_from_submission_while_the_tier_opens(
-    bridges: list[TierBridge], hung_mount: _HungMount, tmp_path: Path
+    bridges: list[TierBridge], hung_mount: Hang, tmp_path: Path
 ) -> None:
     # op_timeout leaves a loaded machine time for the store once the tier is open
     bridge = TierBridge(kvtier.FSTier(tmp_path / "fs"), op_timeout=2.0, check_timeout=0.2)
@@ -435,7 +414,7 @@ def test_shutdown_returns_while_the_tier_never_opens() -> None:
 
 
 def test_shutdown_returns_while_an_fs_tier_hangs_in_its_open(
-    hung_mount: _HungMount, tmp_path: Path
+    hung_mount: Hang, tmp_path: Path
 ) -> None:
     bridge = TierBridge(kvtier.FSTier(tmp_path / "fs"), op_timeout=3600.0)
     assert hung_mount.entered.wait(WAIT)

@@ -8,17 +8,11 @@ import pytest
 import torch
 
 import kvtier
-from kvtier import HostPool, LookupResult, MemoryTier, MissReason, TieringManager
+from kvtier import HostPool, MemoryTier, MissReason, TieringManager
 from kvtier.testing import FailingTier, StallingTier, resolve_lookup
-from tests.support import random_blocks
+from tests.support import H, M, P, R, random_blocks
 
 BB = 4096
-H, P, R, M = (
-    LookupResult.HIT,
-    LookupResult.HIT_PENDING,
-    LookupResult.RETRY,
-    LookupResult.MISS,
-)
 
 
 async def fill(tier: kvtier.SecondaryTier, keys: list[bytes], data: np.ndarray) -> None:

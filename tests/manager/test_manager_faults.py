@@ -23,15 +23,9 @@ from kvtier import (
 )
 from kvtier._failures import RecentFailures
 from kvtier.testing import StallingTier
-from tests.support import GatedPool, assert_idle
+from tests.support import GatedPool, H, M, R, assert_idle
 
 BB = 4096
-H, P, R, M = (
-    LookupResult.HIT,
-    LookupResult.HIT_PENDING,
-    LookupResult.RETRY,
-    LookupResult.MISS,
-)
 
 
 # -- a scan that raises; a closed manager (item 7) --------------------------------------------

@@ -22,8 +22,8 @@ from kvtier.manager import ManagerConfig
 from kvtier.manager._decision import LookupDecision
 from kvtier.testing import StallingTier
 from kvtier.writes._admission import AdmissionPolicy
+from tests.support import H, M, P, R
 
-H, P, R, M = (LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.RETRY, LookupResult.MISS)
 BB = 4096
 
 

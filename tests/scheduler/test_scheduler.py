@@ -11,13 +11,7 @@ import kvtier
 from kvtier import LookupResult, OffloadScheduler
 from kvtier._watch import KeyWatch
 from kvtier.testing import StallingTier
-
-H, P, R, M = (
-    LookupResult.HIT,
-    LookupResult.HIT_PENDING,
-    LookupResult.RETRY,
-    LookupResult.MISS,
-)
+from tests.support import H, M, P, R
 
 
 class ScriptedManager:

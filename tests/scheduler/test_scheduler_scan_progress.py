@@ -17,13 +17,7 @@ from hypothesis import strategies as st
 import kvtier
 from kvtier import HostPool, LookupResult, MemoryTier, OffloadScheduler, TieringManager
 from kvtier._progress import PrefixProgress, WindowProgress
-
-H, P, R, M = (
-    LookupResult.HIT,
-    LookupResult.HIT_PENDING,
-    LookupResult.RETRY,
-    LookupResult.MISS,
-)
+from tests.support import H, M, P, R
 
 BB = 256
 N = 200

@@ -8,8 +8,6 @@ boundary (``_preadv``/``_writev``), released by an event, never a sleep.
 from __future__ import annotations
 
 import os
-import threading
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +29,7 @@ from kvtier.testing import resolve_lookup
 from kvtier.tiers.fs import FSTier
 from kvtier.tiers.fs import _io as _fs_io
 from kvtier.tiers.fs import _read as _fs_read
+from tests.support import Hang
 from tests.tiers.fs.fs_worker import key_and_data
 
 BLOCK = 4096
@@ -52,29 +51,6 @@ def block_files(root: Path) -> list[Path]:
 
 def tmp_files(root: Path) -> list[Path]:
     return sorted(root.glob("??/??/.tmp-*"))
-
-
-class Gate:
-    """Makes a wrapped OS call block until ``release`` is set (a hung mount)."""
-
-    def __init__(self) -> None:
-        self.release = threading.Event()
-        self.entered = threading.Event()
-
-    def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def hung(*args: Any, **kwargs: Any) -> Any:
-            self.entered.set()
-            self.release.wait(FAILSAFE)
-            return fn(*args, **kwargs)
-
-        return hung
-
-
-@pytest.fixture
-def gate() -> Iterator[Gate]:
-    g = Gate()
-    yield g
-    g.release.set()
 
 
 @pytest.mark.parametrize("pinned", [False, True])
@@ -199,29 +175,29 @@ async def test_the_same_key_twice_and_a_store_in_flight(tmp_path: Path) -> None:
 
 
 async def test_unpinned_load_deadline_walks_away_from_a_hung_read(
-    tmp_path: Path, gate: Gate, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, hang: Hang, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     root = tmp_path / "c"
     async with FSTier(root, max_concurrency=1) as tier:
         await tier.store_many([key(0), key(1)], [memoryview(data(0)), memoryview(data(1))])
-        monkeypatch.setattr(_fs_read, "_preadv", gate.wrap(os.preadv))
+        monkeypatch.setattr(_fs_read, "_preadv", hang.wrap(os.preadv))
         buf, dsts = views(2)
         with anyio.fail_after(FAILSAFE / 2):  # the 0.2 s timeout holds while the read hangs
             got = await tier.load_many([key(0), key(1)], dsts, timeout=0.2)
         assert all(isinstance(e, TierTimeoutError) for e in got)
         buf[:] = b"\xab" * len(buf)  # the slots are reused at once
-        gate.release.set()
+        hang.release.set()
         assert await anyio.to_thread.run_sync(tier._files.calls.wait_unstuck, FAILSAFE)
         assert buf == b"\xab" * len(buf), "an abandoned read wrote into the caller's memory"
         assert tier.statistics().failures_by_reason == {"timeout": 2}
 
 
 async def test_pinned_store_deadline_waits_for_io_and_stops_the_rest(
-    tmp_path: Path, gate: Gate, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, hang: Hang, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     root = tmp_path / "c"
     async with FSTier(root, max_write_concurrency=1) as tier:
-        monkeypatch.setattr(_fs_io, "_writev", gate.wrap(os.writev))
+        monkeypatch.setattr(_fs_io, "_writev", hang.wrap(os.writev))
         result: list[Any] = []
 
         async def store() -> None:
@@ -236,12 +212,12 @@ async def test_pinned_store_deadline_waits_for_io_and_stops_the_rest(
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(store)
-            assert await anyio.to_thread.run_sync(gate.entered.wait, FAILSAFE)
+            await hang.wait_entered()
             # Let the 0.2 s deadline pass while the write hangs (time must pass; nothing is
             # ordered by it): a pinned batch keeps waiting for the write it started.
             await anyio.sleep(0.3)
             assert not result
-            gate.release.set()
+            hang.release.set()
         assert result[0] is None, "the block whose write was under way completes"
         assert isinstance(result[1], TierTimeoutError), "no block starts after the deadline"
         s = tier.statistics()
@@ -250,18 +226,18 @@ async def test_pinned_store_deadline_waits_for_io_and_stops_the_rest(
 
 
 async def test_unpinned_store_deadline_settles_the_write_it_left(
-    tmp_path: Path, gate: Gate, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, hang: Hang, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     root = tmp_path / "c"
     async with FSTier(root, max_write_concurrency=1, capacity_bytes=10 * FILE) as tier:
-        monkeypatch.setattr(_fs_io, "_writev", gate.wrap(os.writev))
+        monkeypatch.setattr(_fs_io, "_writev", hang.wrap(os.writev))
         with anyio.fail_after(FAILSAFE / 2):
             got = await tier.store_many(
                 [key(0), key(1)], [memoryview(data(0)), memoryview(data(1))], timeout=0.2
             )
         assert all(isinstance(e, TierTimeoutError) for e in got)
         assert tier._catalog.reserved == FILE, "the write left running still holds its room"
-        gate.release.set()
+        hang.release.set()
         assert await anyio.to_thread.run_sync(tier._files.calls.wait_unstuck, FAILSAFE)
         s = tier.statistics()  # runs the late settlement
         assert tier._catalog.reserved == 0

@@ -3,18 +3,16 @@
 A real FSTier on real files; the one blocking OS call of the operation under test
 (``_fs_io._stat``, ``_fs_read._preadv`` or ``_fs_io._writev``) is replaced by a call that
 blocks until the test releases it, standing in for a syscall on a dead NFS server. The
-release happens at teardown (a failsafe timer releases it after ``FAILSAFE`` seconds, so a
-regression fails an assertion instead of hanging the run). Deadlines are asserted only with
-generous bounds: a 0.2 s deadline must answer within ``BOUND`` seconds, while the hang lasts
-until released.
+release happens at teardown (the ``hang`` fixture's failsafe timer releases it after
+``HUNG_FAILSAFE`` seconds, so a regression fails an assertion instead of hanging the run).
+Deadlines are asserted only with generous bounds: a 0.2 s deadline must answer within ``BOUND``
+seconds, while the hang lasts until released.
 """
 
 from __future__ import annotations
 
 import os
-import threading
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +30,7 @@ from kvtier.tiers.fs import FSTier
 from kvtier.tiers.fs import _io as _fs_io
 from kvtier.tiers.fs import _layout as _fs_layout
 from kvtier.tiers.fs import _read as _fs_read
+from tests.support import Hang
 from tests.tiers.fs.fs_worker import key_and_data
 
 BLOCK = 4096
@@ -39,39 +38,6 @@ FILE = header_size(16) + BLOCK
 DEADLINE = 0.2
 BOUND = 2.0  # a 0.2 s deadline must answer well within this, even on a loaded machine
 FAILSAFE = 15.0
-
-
-class Hang:
-    """Makes a wrapped OS call block until ``release`` is set; counts the calls that entered."""
-
-    def __init__(self) -> None:
-        self.release = threading.Event()
-        self.entered = threading.Event()
-        self.calls = 0
-        self._lock = threading.Lock()
-
-    def wrap(self, fn: Callable[..., Any]) -> Any:
-        def hung(*args: Any, **kwargs: Any) -> Any:
-            with self._lock:
-                self.calls += 1
-            self.entered.set()
-            self.release.wait()
-            return fn(*args, **kwargs)
-
-        return hung
-
-    async def wait_entered(self) -> None:
-        assert await anyio.to_thread.run_sync(self.entered.wait, FAILSAFE)
-
-
-@pytest.fixture
-def hang() -> Iterator[Hang]:
-    h = Hang()
-    failsafe = threading.Timer(FAILSAFE, h.release.set)
-    failsafe.start()
-    yield h
-    h.release.set()
-    failsafe.cancel()
 
 
 key, data = key_and_data("h", BLOCK)

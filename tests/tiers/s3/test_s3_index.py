@@ -427,15 +427,11 @@ async def test_a_full_index_keeps_the_blocks_this_node_writes(
 
 
 @pytest.fixture
-def aws_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+def credential_process(aws_environment: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     """An AWS environment whose only credentials come from a ``credential_process`` that
-    answers while ``tmp_path / "flag"`` exists and fails once it is gone; a fresh shared
-    session (it caches the credentials it resolved). Credentials that expire within ten
-    minutes are refreshed before every request, so each request runs the process."""
-    from kvtier.tiers.s3 import _client as _s3_client
-
-    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
-        monkeypatch.delenv(var, raising=False)
+    answers while the file this returns exists and fails once it is gone. Credentials that
+    expire within ten minutes are refreshed before every request, so each request runs the
+    process."""
     script = tmp_path / "creds.sh"
     script.write_text(
         '[ -f "$(dirname "$0")/flag" ] || { echo "credential source gone" >&2; exit 1; }\n'
@@ -446,10 +442,6 @@ def aws_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     )
     (tmp_path / "config").write_text(f"[default]\ncredential_process = /bin/sh {script}\n")
     (tmp_path / "flag").touch()
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials"))
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    monkeypatch.setattr(_s3_client, "_session", None)
     return tmp_path / "flag"
 
 
@@ -468,7 +460,7 @@ class _Heard(logging.Handler):
 
 
 async def test_a_failing_credential_provider_does_not_stop_the_refresh_loop(
-    aws_environment: Path, weed_server: WeedServer
+    credential_process: Path, weed_server: WeedServer
 ) -> None:
     """botocore raises CredentialRetrievalError, which kvtier does not translate, from inside
     the refresh loop's LIST; the loop logs and counts it and goes on, and the task that opened
@@ -485,11 +477,11 @@ async def test_a_failing_credential_provider_does_not_stop_the_refresh_loop(
             index_refresh=0.05,
         )
         async with tier:
-            await anyio.Path(aws_environment).unlink()  # the credential source goes away
+            await anyio.Path(credential_process).unlink()  # the credential source goes away
             with anyio.fail_after(30):
                 await heard.event.wait()
             assert tier.statistics().index_refresh_failures >= 1
-            await anyio.Path(aws_environment).touch()  # and comes back: the tier works on
+            await anyio.Path(credential_process).touch()  # and comes back: the tier works on
             (key,) = fresh_keys(1)
             block = os.urandom(BLOCK)
             await tier.store(key, memoryview(block))

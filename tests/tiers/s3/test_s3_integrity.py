@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import uuid
-from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -37,35 +35,12 @@ from kvtier.tiers.s3 import S3Tier
 from kvtier.tiers.s3._codec import build_object, verify_into
 from kvtier.tiers.s3._index import key_from_object
 from kvtier.tiers.s3._integrity import MARKER_NAME, marker_key
-from tests.support import fresh_keys
+from tests.support import MakeS3Tier, fresh_keys
 from tests.tiers.s3.s3_forge import forged_segment, forged_segment_name
 
 BLOCK = 4096
 SECRET = "correct horse battery staple 0123456789"
 OTHER = "another secret, also long enough"
-
-MakeTier = Callable[..., S3Tier]
-
-
-@pytest.fixture
-def prefix() -> str:
-    return f"i/{uuid.uuid4().hex}"
-
-
-@pytest.fixture
-def make_tier(weed_server: WeedServer, prefix: str) -> MakeTier:
-    def make(**overrides: Any) -> S3Tier:
-        kwargs: dict[str, Any] = {
-            "prefix": prefix,
-            "endpoint_url": weed_server.endpoint_url,
-            "region_name": REGION,
-            "aws_access_key_id": ACCESS_KEY,
-            "aws_secret_access_key": SECRET_KEY,
-        }
-        kwargs.update(overrides)
-        return S3Tier(BUCKET, **kwargs)
-
-    return make
 
 
 async def _get(endpoint_url: str, name: str) -> bytes | None:
@@ -116,7 +91,7 @@ def test_codec_signs_and_checks_the_mac() -> None:
 
 
 async def test_signed_round_trip_and_two_tiers_share(
-    make_tier: MakeTier, weed_server: WeedServer, prefix: str, caplog: pytest.LogCaptureFixture
+    make_tier: MakeS3Tier, weed_server: WeedServer, prefix: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.DEBUG)
     keys = fresh_keys(3)
@@ -171,7 +146,7 @@ def _forgeries(keys: list[bytes], good: bytes) -> dict[str, bytes]:
 
 
 async def test_forged_objects_are_corrupt_misses_never_served(
-    make_tier: MakeTier, weed_server: WeedServer
+    make_tier: MakeS3Tier, weed_server: WeedServer
 ) -> None:
     keys = fresh_keys(4)
     good = os.urandom(BLOCK)
@@ -197,7 +172,7 @@ async def test_forged_objects_are_corrupt_misses_never_served(
 
 
 async def test_a_forged_object_is_a_corrupt_miss_through_the_manager(
-    make_tier: MakeTier, weed_server: WeedServer
+    make_tier: MakeS3Tier, weed_server: WeedServer
 ) -> None:
     keys = fresh_keys(4)
     tier = make_tier(integrity_key=SECRET, lookup_mode="ask")  # the HEAD finds the forgery
@@ -214,7 +189,7 @@ async def test_a_forged_object_is_a_corrupt_miss_through_the_manager(
 
 
 async def test_another_key_or_no_key_refuses_the_prefix(
-    make_tier: MakeTier, weed_server: WeedServer
+    make_tier: MakeS3Tier, weed_server: WeedServer
 ) -> None:
     (key,) = fresh_keys(1)
     block = os.urandom(BLOCK)
@@ -236,7 +211,7 @@ async def test_another_key_or_no_key_refuses_the_prefix(
 
 @pytest.mark.parametrize("packed", [False, True])
 async def test_a_signing_tier_refuses_a_prefix_of_unsigned_blocks(
-    make_tier: MakeTier, weed_server: WeedServer, prefix: str, packed: bool
+    make_tier: MakeS3Tier, weed_server: WeedServer, prefix: str, packed: bool
 ) -> None:
     keys = fresh_keys(2 if packed else 1)
     blocks = [os.urandom(BLOCK) for _ in keys]
@@ -257,7 +232,7 @@ async def test_a_signing_tier_refuses_a_prefix_of_unsigned_blocks(
 
 
 async def test_a_tier_without_a_key_leaves_signed_blocks_in_place(
-    make_tier: MakeTier, weed_server: WeedServer
+    make_tier: MakeS3Tier, weed_server: WeedServer
 ) -> None:
     """A keyless node that opened before a signing node claimed the prefix cannot check signed
     blocks: a corrupt miss for it, but not deleted (they may be its peers')."""
@@ -272,7 +247,7 @@ async def test_a_tier_without_a_key_leaves_signed_blocks_in_place(
     assert await _get(weed_server.endpoint_url, plain.object_key(key)) == signed
 
 
-async def test_racing_claims_of_an_empty_prefix_agree(make_tier: MakeTier) -> None:
+async def test_racing_claims_of_an_empty_prefix_agree(make_tier: MakeS3Tier) -> None:
     """Two nodes with different keys open an empty prefix at once: one claims it, the other
     refuses; two with the same key both open."""
     opened: list[str] = []
@@ -297,7 +272,7 @@ async def test_racing_claims_of_an_empty_prefix_agree(make_tier: MakeTier) -> No
 
 
 async def test_an_unreadable_marker_refuses_every_tier(
-    make_tier: MakeTier, weed_server: WeedServer, prefix: str
+    make_tier: MakeS3Tier, weed_server: WeedServer, prefix: str
 ) -> None:
     await _put(weed_server.endpoint_url, marker_key(prefix), b"{not json")
     for ikey in (None, SECRET):
@@ -339,7 +314,7 @@ async def test_config_from_the_environment_builds_a_signing_s3_tier(
 
 
 async def test_a_signing_tier_ignores_unsigned_journal_segments(
-    make_tier: MakeTier, weed_server: WeedServer, prefix: str
+    make_tier: MakeS3Tier, weed_server: WeedServer, prefix: str
 ) -> None:
     """Anyone who can write the prefix can publish a journal segment; under a signing tier
     only segments with a MAC under its key count. The attack: point a key at the prefix's

@@ -61,39 +61,25 @@ from kvtier.pools._host import HostPool
 from kvtier.testing import resolve_lookup
 from kvtier.tiers.s3 import S3Tier
 from kvtier.tiers.s3._errors import Fault, translate
-from tests.support import ManualClock, fresh_keys
+from tests.support import MakeS3Tier, ManualClock, fresh_keys, s3_tier
 from tests.tiers.s3.s3_peer import make_blocks
 
 BLOCK = 4096
 HERE = Path(__file__).parent
 
 
-MakeTier = Callable[..., S3Tier]
-
-
-def _tier_factory(endpoint_url: str, prefix: str) -> MakeTier:
-    def make(**overrides: Any) -> S3Tier:
-        kwargs: dict[str, Any] = {
-            "prefix": prefix,
-            "endpoint_url": endpoint_url,
-            "region_name": REGION,
-            "aws_access_key_id": ACCESS_KEY,
-            "aws_secret_access_key": SECRET_KEY,
-        }
-        kwargs.update(overrides)
-        return S3Tier(kwargs.pop("bucket", BUCKET), **kwargs)
-
-    return make
-
-
-@pytest.fixture
-def prefix() -> str:
-    return f"t/{uuid.uuid4().hex}"
-
-
-@pytest.fixture
-def make_tier(weed_server: WeedServer, prefix: str) -> MakeTier:
-    return _tier_factory(weed_server.endpoint_url, prefix)
+FAILS_FAST: dict[str, Any] = {
+    "connect_timeout": 1.0,
+    "read_timeout": 2.0,
+    "max_attempts": 2,
+    "breaker_threshold": 3,
+    "breaker_reset": 10.0,
+    "miss_ttl": 1.0,
+    "index_refresh": 100.0,
+    "index_lookback": 1000.0,
+}
+"""S3Tier settings for a test that kills its server: short timeouts and retries, a breaker
+that opens after three failures, and an index refreshed only when the test asks."""
 
 
 async def _object_keys(endpoint_url: str, prefix: str) -> list[str]:
@@ -185,7 +171,7 @@ async def test_a_bucket_made_for_a_run_is_warmed_up_and_left_empty(
 
 @pytest.mark.parametrize("addressing_style", ["path", "auto"])
 async def test_round_trip_and_layout(
-    make_tier: MakeTier, weed_server: WeedServer, prefix: str, addressing_style: str
+    make_tier: MakeS3Tier, weed_server: WeedServer, prefix: str, addressing_style: str
 ) -> None:
     keys = fresh_keys(3)
     blocks = [os.urandom(BLOCK) for _ in keys]
@@ -206,7 +192,7 @@ async def test_round_trip_and_layout(
 
 
 async def test_store_of_existing_object_is_skipped(
-    make_tier: MakeTier, weed_server: WeedServer
+    make_tier: MakeS3Tier, weed_server: WeedServer
 ) -> None:
     (key,) = fresh_keys(1)
     block = os.urandom(BLOCK)
@@ -227,7 +213,7 @@ async def test_store_of_existing_object_is_skipped(
 
 
 async def test_store_of_a_large_block_keeps_work_off_the_loop(
-    make_tier: MakeTier, monkeypatch: pytest.MonkeyPatch
+    make_tier: MakeS3Tier, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Issue 11 item 10: the block copy and checksums of a store ran on the event loop (about
     10 ms per 2 MiB), and botocore SHA-256-signed the payload there too. Now the object is
@@ -261,7 +247,7 @@ async def test_store_of_a_large_block_keeps_work_off_the_loop(
     assert sent in ([b"UNSIGNED-PAYLOAD"], ["UNSIGNED-PAYLOAD"])
 
 
-async def test_store_sends_its_bytes_body_without_expect_continue(make_tier: MakeTier) -> None:
+async def test_store_sends_its_bytes_body_without_expect_continue(make_tier: MakeS3Tier) -> None:
     """botocore wrapped every PutObject body in a BytesIO, and a file-like body gets an
     ``Expect: 100-continue`` header: each store waited one more round trip for the server's
     interim answer and aiohttp copied the body out chunk by chunk (0.2 ms of client CPU per
@@ -284,7 +270,7 @@ async def test_store_sends_its_bytes_body_without_expect_continue(make_tier: Mak
     assert sent == [(bytes, None)]
 
 
-async def test_batched_lookup_and_miss_ttl(make_tier: MakeTier) -> None:
+async def test_batched_lookup_and_miss_ttl(make_tier: MakeS3Tier) -> None:
     clock = ManualClock(1000.0)
     keys = fresh_keys(100)
     present, absent = keys[:60], keys[60:]
@@ -308,7 +294,7 @@ async def test_batched_lookup_and_miss_ttl(make_tier: MakeTier) -> None:
         assert await resolve_lookup(tier, absent[0]) is LookupResult.HIT
 
 
-async def test_round_trip_through_tiering_manager(make_tier: MakeTier) -> None:
+async def test_round_trip_through_tiering_manager(make_tier: MakeS3Tier) -> None:
     keys = fresh_keys(6)
     data = np.frombuffer(os.urandom(len(keys) * BLOCK), dtype=np.uint8).reshape(len(keys), -1)
     writer = make_tier()
@@ -345,7 +331,7 @@ async def _run_peer(server: WeedServer, **args: Any) -> dict[str, Any]:
 
 
 async def test_second_process_sees_blocks(
-    make_tier: MakeTier, weed_server: WeedServer, prefix: str
+    make_tier: MakeS3Tier, weed_server: WeedServer, prefix: str
 ) -> None:
     namespace = os.urandom(8)
     keys = block_keys(list(range(16)), 4, namespace=namespace)
@@ -383,7 +369,7 @@ async def test_second_process_sees_blocks(
 
 
 async def test_index_staleness_bound(
-    make_tier: MakeTier, weed_server: WeedServer, prefix: str
+    make_tier: MakeS3Tier, weed_server: WeedServer, prefix: str
 ) -> None:
     """Another process's write becomes a HIT here by the tier's own polling, within the
     promised bound (about 2 x index_refresh; the wait below is a generous deadline)."""
@@ -400,7 +386,7 @@ async def test_index_staleness_bound(
         assert tier.statistics().request_path_requests == 0
 
 
-async def test_index_rebuilt_after_restart(make_tier: MakeTier) -> None:
+async def test_index_rebuilt_after_restart(make_tier: MakeS3Tier) -> None:
     keys = fresh_keys(40)
     async with make_tier() as tier:
         for key in keys:
@@ -417,7 +403,7 @@ async def test_index_rebuilt_after_restart(make_tier: MakeTier) -> None:
 
 
 async def test_index_hit_whose_object_was_deleted(
-    make_tier: MakeTier, weed_server: WeedServer
+    make_tier: MakeS3Tier, weed_server: WeedServer
 ) -> None:
     keys = fresh_keys(3)
     data = np.frombuffer(os.urandom(len(keys) * BLOCK), dtype=np.uint8).reshape(len(keys), -1)
@@ -502,18 +488,8 @@ async def test_server_killed_mid_run_and_restarted(own_weed: WeedServer) -> None
     """Ask mode (existence checks on the request path): kill -9 of the server turns lookups
     into misses within their deadline; the same tier recovers when it is back."""
     clock = ManualClock(1000.0)
-    tier = _tier_factory(own_weed.endpoint_url, "kill")(
-        lookup_mode="ask",
-        index_refresh=100.0,
-        index_lookback=1000.0,
-        connect_timeout=1.0,
-        read_timeout=2.0,
-        max_attempts=2,
-        breaker_threshold=3,
-        breaker_reset=10.0,
-        lookup_timeout=5.0,
-        miss_ttl=1.0,
-        clock=clock,
+    tier = s3_tier(
+        own_weed, "kill", **FAILS_FAST, lookup_mode="ask", lookup_timeout=5.0, clock=clock
     )
     keys = fresh_keys(12)
     blocks = np.frombuffer(os.urandom(len(keys) * BLOCK), dtype=np.uint8).reshape(len(keys), -1)
@@ -570,17 +546,7 @@ async def test_index_mode_server_killed_and_restarted(own_weed: WeedServer, pack
     one pack) become misses within the promotion deadline and unknown ones miss at once;
     once it is back they load again."""
     clock = ManualClock(1000.0)
-    tier = _tier_factory(own_weed.endpoint_url, "kill-index")(
-        connect_timeout=1.0,
-        read_timeout=2.0,
-        max_attempts=2,
-        breaker_threshold=3,
-        breaker_reset=10.0,
-        miss_ttl=1.0,
-        index_refresh=100.0,
-        index_lookback=1000.0,
-        clock=clock,
-    )
+    tier = s3_tier(own_weed, "kill-index", **FAILS_FAST, clock=clock)
     keys = fresh_keys(8)
     blocks = np.frombuffer(os.urandom(len(keys) * BLOCK), dtype=np.uint8).reshape(len(keys), -1)
     async with tier, anyio.create_task_group() as tg:
@@ -627,7 +593,7 @@ def _corruptions(key: bytes, block: bytes) -> dict[str, bytes]:
     "kind", ["payload_bit_flip", "truncated", "other_keys_block", "garbage", "empty"]
 )
 async def test_corrupt_object_is_a_corrupt_miss_and_deleted(
-    make_tier: MakeTier, weed_server: WeedServer, kind: str
+    make_tier: MakeS3Tier, weed_server: WeedServer, kind: str
 ) -> None:
     (key,) = fresh_keys(1)
     block = os.urandom(BLOCK)
@@ -653,7 +619,7 @@ async def test_corrupt_object_is_a_corrupt_miss_and_deleted(
 
 @pytest.mark.parametrize("signed", [False, True], ids=["xxh3", "signed"])
 async def test_large_objects_stream_into_the_block_and_damage_anywhere_is_caught(
-    make_tier: MakeTier, weed_server: WeedServer, signed: bool
+    make_tier: MakeS3Tier, weed_server: WeedServer, signed: bool
 ) -> None:
     """A multi-MiB body arrives in many socket chunks, each copied straight into the block
     buffer and checked there: an intact block comes back byte for byte; a flipped byte in
@@ -687,7 +653,7 @@ async def test_large_objects_stream_into_the_block_and_damage_anywhere_is_caught
 
 
 async def test_newer_format_is_skipped_not_deleted(
-    make_tier: MakeTier, weed_server: WeedServer
+    make_tier: MakeS3Tier, weed_server: WeedServer
 ) -> None:
     (key,) = fresh_keys(1)
     block = os.urandom(BLOCK)
@@ -754,7 +720,7 @@ class DeleteGate:
 
 
 async def test_a_slow_delete_of_a_corrupt_object_never_holds_its_promotion(
-    make_tier: MakeTier, weed_server: WeedServer
+    make_tier: MakeS3Tier, weed_server: WeedServer
 ) -> None:
     """The promotion of a corrupt object ends, as a corrupt miss, within its own deadline
     while the object's DELETE hangs (held by a proxy in front of the server): the delete runs
@@ -787,7 +753,7 @@ async def test_a_slow_delete_of_a_corrupt_object_never_holds_its_promotion(
             tg.cancel_scope.cancel()
 
 
-async def test_missing_bucket_is_a_clear_error_on_open(make_tier: MakeTier) -> None:
+async def test_missing_bucket_is_a_clear_error_on_open(make_tier: MakeS3Tier) -> None:
     tier = make_tier(bucket="no-such-bucket-here")
     with pytest.raises(TierUnavailableError, match=r"bucket 'no-such-bucket-here' does not exist"):
         await tier.open()
@@ -796,7 +762,7 @@ async def test_missing_bucket_is_a_clear_error_on_open(make_tier: MakeTier) -> N
 
 
 async def test_unreachable_endpoint_is_a_clear_error_on_open() -> None:
-    tier = _tier_factory(f"http://127.0.0.1:{free_port()}", "x")(max_attempts=2)
+    tier = s3_tier(f"http://127.0.0.1:{free_port()}", "x", max_attempts=2)
     with pytest.raises(TierUnavailableError, match="unreachable"):
         await tier.open()
 
@@ -831,7 +797,7 @@ async def test_bad_credentials_are_a_clear_error_and_never_leak(
     caplog.set_level(logging.DEBUG, logger="kvtier")
     # Ask mode: no listing at open, because moto's signature check rejects a ListObjectsV2
     # whose Prefix holds a '/' (a moto defect; AWS and SeaweedFS accept it).
-    make = functools.partial(_tier_factory(server.endpoint_url, "auth"), lookup_mode="ask")
+    make = functools.partial(s3_tier, server, "auth", lookup_mode="ask")
     async with make(aws_access_key_id=access_key, aws_secret_access_key=secret_key) as tier:
         (key,) = fresh_keys(1)
         await tier.store(key, memoryview(b"x" * BLOCK))  # the real key works
@@ -848,21 +814,6 @@ async def test_bad_credentials_are_a_clear_error_and_never_leak(
         seen = " ".join([*chain, repr(tier), str(vars(tier)), caplog.text])
         assert secret not in seen
         assert secret_key not in seen
-
-
-@pytest.fixture
-def aws_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> pytest.MonkeyPatch:
-    """An AWS environment with nothing in it, and a fresh shared session (it caches the
-    credentials it resolved from the chain)."""
-    from kvtier.tiers.s3 import _client as _s3_client
-
-    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials"))
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    monkeypatch.setattr(_s3_client, "_session", None)
-    return monkeypatch
 
 
 async def test_credentials_from_the_environment(
@@ -888,7 +839,7 @@ async def test_no_credentials_is_a_clear_error(
 # -- lifecycle, arguments, optional extra --------------------------------------------------
 
 
-async def test_use_before_open(make_tier: MakeTier) -> None:
+async def test_use_before_open(make_tier: MakeS3Tier) -> None:
     tier = make_tier()
     (key,) = fresh_keys(1)
     assert tier.lookup(key) is LookupResult.MISS  # nothing can answer: a miss, never raise
@@ -924,8 +875,13 @@ async def test_closing_a_tier_whose_server_stopped_answering_closes_its_client(
     """aclose while the endpoint has stopped answering (SeaweedFS stopped with SIGSTOP): the
     last journal publish hangs and is given up within its own bound, the client is closed all
     the same (no socket to the server left open), and the closed tier refuses operations."""
-    tier = _tier_factory(own_weed.endpoint_url, "stopped")(
-        pack_blocks=1, index_refresh=100.0, index_lookback=1000.0, read_timeout=30.0
+    tier = s3_tier(
+        own_weed,
+        "stopped",
+        pack_blocks=1,
+        index_refresh=100.0,
+        index_lookback=1000.0,
+        read_timeout=30.0,
     )
     keys = fresh_keys(4)
     pid = own_weed.pid
