@@ -26,6 +26,7 @@ from kvtier._format import IntegrityKey, header_size
 from kvtier.tiers.fs import _io as io
 from kvtier.tiers.fs import _read
 from kvtier.tiers.fs._calls import BufferPool, Handoff, WorkerCalls
+from kvtier.tiers.fs._config import FSConfig
 
 __all__ = ["BlockFiles", "read_block", "write_block"]
 
@@ -36,22 +37,19 @@ class BlockFiles:
     def __init__(
         self,
         root: Path,
-        *,
-        fsync: str,
+        settings: FSConfig,
         integrity_key: IntegrityKey | None,
-        max_concurrency: int,
-        max_write_concurrency: int,
-        max_stuck_threads: int,
     ) -> None:
+        """Files under ``root`` (already resolved), with the fsync mode, thread limits and
+        buffer count of ``settings``."""
         self.root = root
-        self.fsync = fsync
+        self.fsync = settings.fsync
         self.integrity_key = integrity_key
         self.direct = False  # O_DIRECT asked for and taken by the file system (probed at open)
-        self.calls: WorkerCalls[Any] = WorkerCalls(max_stuck_threads)
+        self.calls: WorkerCalls[Any] = WorkerCalls(settings.max_stuck_threads)
+        max_concurrency = self.max_concurrency = settings.max_concurrency  # runs per batch
+        max_write_concurrency = self.max_write_concurrency = settings.max_write_concurrency
         self.buffers = BufferPool(keep=max_concurrency + max_write_concurrency)
-        # A batch is cut into at most this many runs, one thread each.
-        self.max_concurrency = max_concurrency
-        self.max_write_concurrency = max_write_concurrency
         self.reads = anyio.CapacityLimiter(max_concurrency)
         # Fewer writer threads leave more of the GIL to reads and checks, but too few let
         # write-through fall behind a busy engine (the trace replay lost hits at 4): measure

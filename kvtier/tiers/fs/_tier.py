@@ -71,14 +71,7 @@ class FSTier(SecondaryTier):
         self.max_concurrency = settings.max_concurrency
         self.max_write_concurrency = settings.max_write_concurrency
         self._marker = marker_for(self.integrity_key)
-        self._files = BlockFiles(
-            self.root,
-            fsync=settings.fsync,
-            integrity_key=self.integrity_key,
-            max_concurrency=settings.max_concurrency,
-            max_write_concurrency=settings.max_write_concurrency,
-            max_stuck_threads=settings.max_stuck_threads,
-        )
+        self._files = BlockFiles(self.root, settings, self.integrity_key)
         self._catalog: Catalog[anyio.Event] = Catalog(settings.capacity_bytes)
         self._lookups = self._new_lookups(settings)
         self._ledger = Ledger(
