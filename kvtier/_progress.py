@@ -1,10 +1,9 @@
-"""Scans that an async lookup resumes after each wake instead of starting over (issue 11).
+"""Scans that an async lookup resumes after each wake instead of starting over.
 
 A request that waits for a long prefix is woken once per block that lands. Rescanning and
-re-pinning the whole prefix at every wake made the work quadratic (a 2,000-block prefix: 171k
-lookups, 321k pins). A resumable scan remembers each key's last answer and asks a key again
-only when the manager says it changed (``KeyWatch``), so over a whole wait each key is asked
-a few times and pinned once.
+re-pinning the whole prefix at every wake made the work quadratic in the prefix length. A resumable
+scan remembers each key's last answer and asks a key again only when the manager says it changed
+(``KeyWatch``), so over a whole wait each key is asked a few times and pinned once.
 
 Why remembered answers stay true: a HIT the scan pinned cannot be evicted; every other key
 the scan has seen is watched, and the manager fires the watch at its next change. Between two

@@ -96,15 +96,13 @@ logger = logging.getLogger(__name__)
 KEY_PREFIX = b"\x56"  # 'V': keys derived from vLLM OffloadKeys, scheme 1
 _PERSON = b"kvtier.vllm.v1"
 _KINDS = ("fs", "s3")
-# Where the adapter's defaults differ from ``KVTierConfig``'s, and why: vLLM's own ``fs`` tier
-# lets all 32 of its threads take loads (16 read-first, 16 write-first), and one-block jobs
-# arrive dozens at a time: in five paired runs of ``benchmarks/bench_vllm_fs.py``'s one-block
-# case, loads were 0.81-1.35x vLLM's with 16 readers and 1.07-1.63x with 32 (32 won 4 of 5).
-# Writers stay at 16: 8 or 32 measured no better. And vLLM's ``fs`` tier never syncs: behind
-# vLLM the FS tier keeps that durability (``fsync="never"``), with what vLLM's lacks: a kill -9
-# loses nothing stored (temporary file, then rename), and the checksum turns a block torn by a
-# power loss into a miss. fdatasync per block cost one-block stores 0.77-0.92x of vLLM's
-# against 0.90-1.36x without; ``"fsync": "data"`` asks for it.
+# Where the adapter's defaults differ from ``KVTierConfig``'s, and why (the measurements are in
+# docs/design.md, "Measurements behind the defaults"): vLLM's own ``fs`` tier lets all 32 of its
+# threads take loads, and one-block jobs arrive dozens at a time, so loads get 32 threads here
+# (writers stay at 16; more did not help). And vLLM's ``fs`` tier never syncs: behind vLLM the
+# FS tier keeps that durability (``fsync="never"``), with what vLLM's lacks: a kill -9 loses
+# nothing stored (temporary file, then rename), and the checksum turns a block torn by a power
+# loss into a miss. ``"fsync": "data"`` asks for fdatasync per block, at a cost to stores.
 ADAPTER_DEFAULTS: dict[str, dict[str, Any]] = {"fs": {"max_concurrency": 32, "fsync": "never"}}
 _OPTIONS = ("namespace", "miss_ttl", "op_timeout", "check_timeout", "locality", "tier")
 

@@ -40,7 +40,7 @@ class HostPool(PrimaryPool):
     ) -> None:
         super().__init__(num_blocks, block_bytes, policy=policy)
         # MAP_POPULATE faults every page in now, once, so the first write into a slot (often a
-        # promotion on the request path) does not pay ~1 ms per MiB in page faults.
+        # promotion on the request path) does not pay for page faults.
         populate = getattr(mmap, "MAP_POPULATE", 0) if prefault else 0
         self._map = mmap.mmap(
             -1,
@@ -54,7 +54,7 @@ class HostPool(PrimaryPool):
         return self._view[start : start + self.block_bytes]
 
     def copy_slot(self, slot: int) -> bytes:
-        return bytes(self.slot_view(slot))  # a memcpy: ~20 us per 256 KiB
+        return bytes(self.slot_view(slot))  # one memcpy
 
     async def fill(self, slot: int, sink: ByteSink) -> None:
         await sink(self.slot_view(slot))

@@ -52,7 +52,7 @@ class BlockFiles:
         self.buffers = BufferPool(keep=max_concurrency + max_write_concurrency)
         self.reads = anyio.CapacityLimiter(max_concurrency)
         # Fewer writer threads leave more of the GIL to reads and checks, but too few let
-        # write-through fall behind a busy engine (the trace replay lost hits at 4): measure
+        # write-through fall behind a busy engine (the trace replay loses hits): measure
         # before lowering it.
         self.writes = anyio.CapacityLimiter(max_write_concurrency)
         # Queued behind write-through, checks would hold lookups in RETRY for as long as a

@@ -43,8 +43,8 @@ def shared_session() -> Any:
 
             session = get_session()
             # Every response's timestamps (the Last-Modified of each GET) go through this
-            # parser; botocore's default, dateutil, cost ~0.1 ms of the ~1.3 ms of client CPU
-            # of a 256 KiB GET (benchmarks/bench_s3_cpu.py). Only kvtier's clients use it.
+            # parser, and botocore's default, dateutil, is a noticeable share of a GET's
+            # client CPU. Only kvtier's clients use it.
             factory = session.get_component("response_parser_factory")
             factory.set_parser_defaults(timestamp_parser=parse_timestamp)
             _session = session
@@ -79,8 +79,8 @@ def send_bodies_as_given(client: Any) -> None:
     ``Expect: 100-continue`` header: aiohttp then waits for the server's interim answer before
     it sends the body (one more round trip, one more loop iteration) and copies the body out
     of the ``BytesIO`` chunk by chunk. The tier passes ``bytes`` up to
-    ``_requests.BYTES_BODY_LIMIT`` and a fresh ``BytesIO`` above: 256 KiB put, client CPU
-    1.24 -> 1.03 ms (benchmarks/bench_s3_cpu.py, loaded 2-core machine). The cost: a
+    ``_requests.BYTES_BODY_LIMIT`` and a fresh ``BytesIO`` above, which saves client CPU on
+    every put (figures in docs/design.md). The cost: a
     conditional put of an object that exists sends its body before the 412 (the index skips
     most of those). Only this client's copy of the event handlers changes.
     """
@@ -92,12 +92,11 @@ def send_bodies_as_given(client: Any) -> None:
 
 
 def client_config(config: S3Config) -> Any:
-    """The ``AioConfig`` of the tier's client. Client CPU per request, 256 KiB GET / PUT on
-    SeaweedFS, one at a time (benchmarks/bench_s3_cpu.py, ms, this 2-core machine, loaded):
-    botocore's defaults 1.38 / 1.61; no payload signing and checksums only when required
-    1.26 / 1.28 (the block carries its own checksum, verified on every load); a fixed
-    ``user_agent`` (botocore rebuilds its default one twice per request: -0.09 ms); no
-    parameter validation (the tier builds every parameter itself: -0.02 ms).
+    """The ``AioConfig`` of the tier's client, set for client CPU per request (figures in
+    docs/design.md): no payload signing and checksums only when required (the block carries
+    its own checksum, verified on every load); a fixed ``user_agent`` (botocore rebuilds its
+    default one twice per request); no parameter validation (the tier builds every parameter
+    itself).
     """
     import aiobotocore
     import aiobotocore.config

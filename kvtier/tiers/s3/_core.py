@@ -37,7 +37,7 @@ logger = logging.getLogger("kvtier.tiers.s3")
 
 # Building and verifying objects: on the event loop when small, in a worker thread above
 # these sizes. A hop costs about as much CPU as building a 256 KiB object, so unsigned blocks
-# up to 1 MiB stay on the loop; signed ones (BLAKE2b costs about four times as much) above
+# up to 1 MiB stay on the loop; signed ones (BLAKE2b costs several times as much) above
 # 64 KiB go to the thread. An unsigned load streamed from aiohttp checks each chunk as it
 # lands and never hops (``_codec``); the verify threshold applies to a body read whole.
 _THREAD_BUILD_BYTES = 1 << 20

@@ -1,11 +1,11 @@
 """Pack objects of the S3 tier: several blocks in one object (names, table, no I/O).
 
 Why: on an object store every request costs CPU on both ends (signing, HTTP, the server's
-metadata lookup), and a 256 KiB block costs as much to fetch as to recompute on a small
-machine. Measured on SeaweedFS: one GET of a 2 MiB object costs a third of the client and
-server CPU of eight GETs of 256 KiB. Stores that reach the tier together (one request's new
-blocks, a batch of deferred writes) are therefore written as one *pack*, and a node that needs
-those blocks later (the same request's prefix) reads them with one ranged GET.
+metadata lookup), and a small block can cost as much to fetch as to recompute; one GET of a
+large object costs far less CPU than several GETs of its parts (docs/design.md). Stores that
+reach the tier together (one request's new blocks, a batch of deferred writes) are therefore
+written as one *pack*, and a node that needs those blocks later (the same request's prefix)
+reads them with one ranged GET.
 
 A pack is named ``<prefix>/_kvtier_packs/<2 hex>/<hex first key>-<writer>-<sequence>`` (unique
 per writer, so it is never overwritten and needs no conditional put; the two hex digits are

@@ -66,7 +66,7 @@ async def acquire(limiter: anyio.CapacityLimiter) -> None:
 
     A free token is taken at once: ``async with limiter`` always passes through the event
     loop first (a checkpoint), one more loop iteration per request and limiter, and a store
-    goes through two (~0.03 ms of CPU per request in all, benchmarks/bench_s3_cpu.py). The
+    goes through two. The
     request that follows is awaited at once, so cancellation is still seen there.
     """
     try:
@@ -185,7 +185,7 @@ class Requests:
         """The breaker's permit for one request. While the half-open trial is out, requests
         wait for its outcome instead of failing: a batch of requests sent together once the
         reset period is over (several HEADs, several loads) must not be rejected beside the
-        trial, or worse, cancel it (issue 11 item 3: the breaker then never closed)."""
+        trial, or worse, cancel it (the breaker would then never close)."""
         while self._breaker.trial_out:
             await self._trial_done.wait()  # the trial has its own timeouts
         permit = self._breaker.allow()
