@@ -132,6 +132,14 @@ MakeS3Tier = Callable[..., S3Tier]
 bound."""
 
 
+CREDENTIALS_FROM_ENVIRONMENT: dict[str, Any] = {
+    "aws_access_key_id": None,
+    "aws_secret_access_key": None,
+}
+"""``s3_tier`` overrides that pass no keys: the tier finds its credentials through the AWS
+chain (environment, config files, a credential process)."""
+
+
 class HasEndpoint(Protocol):
     """A server with an S3 endpoint: the run's SeaweedFS, one of a test's own, moto's."""
 

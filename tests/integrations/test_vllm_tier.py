@@ -387,16 +387,25 @@ def test_concurrent_jobs_from_many_requests(engines: Callable[..., Engine], tmp_
     assert reader.tier.statistics().jobs_finished == 5
 
 
+def _stalled_in_a_store(
+    engines: Callable[..., Engine], root: Path, n: int
+) -> tuple[Engine, StallingTier, list[OffloadKey]]:
+    """An engine over an FSTier at ``root`` whose stores stall: ``n`` blocks stored (their
+    keys), and the cascade held in the middle of copying them to the tier."""
+    stalling = StallingTier(kvtier.FSTier(root))
+    engine = engines(kvtier_tier(tier=stalling))
+    engine.tier.bridge.run(_async(stalling.stall, "store"))
+    keys = offload_keys(n)
+    engine.store(keys, payloads(n))
+    engine.tier.bridge.run(stalling.wait_stalled, "store")
+    return engine, stalling, keys
+
+
 def test_drain_jobs_waits_for_jobs_in_flight(
     engines: Callable[..., Engine], tmp_path: Path
 ) -> None:
-    stalling = StallingTier(kvtier.FSTier(tmp_path))
-    engine = engines(kvtier_tier(tier=stalling))
+    engine, stalling, _ = _stalled_in_a_store(engines, tmp_path, 3)
     bridge = engine.tier.bridge
-    bridge.run(_async(stalling.stall, "store"))
-    keys, data = offload_keys(3), payloads(3)
-    engine.store(keys, data)
-    bridge.run(stalling.wait_stalled, "store")  # the cascade is in the middle of a copy
 
     drained = threading.Event()
 
@@ -424,13 +433,8 @@ def test_drain_jobs_waits_for_jobs_in_flight(
 def test_shutdown_waits_for_jobs_then_closes_the_tier_and_its_thread(
     engines: Callable[..., Engine], tmp_path: Path
 ) -> None:
-    stalling = StallingTier(kvtier.FSTier(tmp_path))
-    engine = engines(kvtier_tier(tier=stalling))
+    engine, stalling, keys = _stalled_in_a_store(engines, tmp_path, 2)
     bridge = engine.tier.bridge
-    bridge.run(_async(stalling.stall, "store"))
-    keys, data = offload_keys(2), payloads(2)
-    engine.store(keys, data)
-    bridge.run(stalling.wait_stalled, "store")
     closer = threading.Thread(target=engine.shutdown)
     seen = bridge.generation
     closer.start()

@@ -138,10 +138,11 @@ async def defer_a_group(
     return keys[rate:n]
 
 
-async def test_a_group_is_loaded_whole_then_stored_all_at_once(keys: list[bytes]) -> None:
+async def test_a_group_is_loaded_whole_then_stored_all_at_once(
+    keys: list[bytes], clock: ManualClock
+) -> None:
     """No store of a group reaches the tier while a block of the group is still being
     loaded; then all of them start together."""
-    clock = ManualClock()
     fast, remote = SourceTier(), PackingTier()
     data = blocks(10)
     async with paced(fast, remote, clock) as manager:
@@ -164,8 +165,8 @@ async def test_a_group_is_loaded_whole_then_stored_all_at_once(keys: list[bytes]
 
 async def test_a_rate_limit_lets_whole_groups_through_not_single_blocks(
     keys: list[bytes],
+    clock: ManualClock,
 ) -> None:
-    clock = ManualClock()
     fast, remote = SourceTier(), PackingTier()
     data = blocks(11)
     async with paced(fast, remote, clock, rate=GROUP) as manager:
@@ -194,8 +195,8 @@ async def test_a_rate_limit_lets_whole_groups_through_not_single_blocks(
 
 async def test_a_block_no_faster_tier_gives_is_lost_and_the_rest_of_its_group_written(
     keys: list[bytes],
+    clock: ManualClock,
 ) -> None:
-    clock = ManualClock()
     fast, remote = SourceTier(), PackingTier()
     data = blocks(10)
     async with paced(fast, remote, clock) as manager:
@@ -215,8 +216,9 @@ async def test_a_block_no_faster_tier_gives_is_lost_and_the_rest_of_its_group_wr
     await assert_holds(remote, [group[0], group[3]], data[[5, 8]])
 
 
-async def test_closing_mid_group_accounts_for_every_key(keys: list[bytes]) -> None:
-    clock = ManualClock()
+async def test_closing_mid_group_accounts_for_every_key(
+    keys: list[bytes], clock: ManualClock
+) -> None:
     fast, remote = SourceTier(), PackingTier()
     data = blocks(10)
     async with paced(fast, remote, clock, close_timeout=0.1) as manager:

@@ -105,6 +105,17 @@ async def test_a_discarded_promoted_block_is_forgotten_not_copied(keys: list[byt
     assert fast.lookup(keys[0]) is LookupResult.MISS
 
 
+async def stalled_fast_over_slow(keys: list[bytes]) -> tuple[StallingTier, MemoryTier]:
+    """A fast tier whose stores stall, above a slow tier that holds ``keys`` (``block(i)``
+    for the i-th)."""
+    fast = StallingTier(MemoryTier("fast-inner"), name="fast")
+    slow = MemoryTier("slow")
+    for i, key in enumerate(keys):
+        await slow.store(key, block(i))
+    fast.stall("store")
+    return fast, slow
+
+
 class _DeviceLikePool(HostPool):
     """A pool that cannot copy a slot at once on the loop (as a GPU pool cannot)."""
 
@@ -140,11 +151,7 @@ async def test_no_write_up_when_it_is_off(keys: list[bytes]) -> None:
 
 
 async def test_write_up_yields_to_back_pressure_and_counts_the_drops(keys: list[bytes]) -> None:
-    fast = StallingTier(MemoryTier("fast-inner"), name="fast")
-    slow = MemoryTier("slow")
-    for i in range(4):
-        await slow.store(keys[i], block(i))
-    fast.stall("store")
+    fast, slow = await stalled_fast_over_slow(keys[:4])
     policy = AdmissionPolicy(max_in_flight_bytes={"fast": BB}, max_write_latency=None)
     async with TieringManager(HostPool(1, BB), [fast, slow], admission=policy) as manager:
         await promote(manager, keys[0])
@@ -168,11 +175,7 @@ async def test_write_up_yields_to_back_pressure_and_counts_the_drops(keys: list[
 
 
 async def test_write_up_respects_the_global_in_flight_limit(keys: list[bytes]) -> None:
-    fast = StallingTier(MemoryTier("fast-inner"), name="fast")
-    slow = MemoryTier("slow")
-    for i in range(3):
-        await slow.store(keys[i], block(i))
-    fast.stall("store")
+    fast, slow = await stalled_fast_over_slow(keys[:3])
     async with TieringManager(HostPool(1, BB), [fast, slow], max_in_flight_bytes=BB) as manager:
         await promote(manager, keys[0])
         await promote(manager, keys[1])  # evicts keys[0]: written up, stalled

@@ -22,8 +22,7 @@ def test_in_flight_bytes_engage_back_pressure_and_release_it() -> None:
     assert s3.in_flight_bytes == 300 and fs.in_flight_bytes == 100
 
 
-def test_a_slow_tier_closes_then_probes_and_reopens_when_it_recovers() -> None:
-    clock = ManualClock()
+def test_a_slow_tier_closes_then_probes_and_reopens_when_it_recovers(clock: ManualClock) -> None:
     policy = AdmissionPolicy(max_write_latency=0.5, probe_interval=1.0, alpha=0.5, clock=clock)
     assert policy.admit("slow", 10)
     policy.finished("slow", 10, 2.0)  # one write took 2 s: the tier is slow
@@ -46,8 +45,7 @@ def test_a_slow_tier_closes_then_probes_and_reopens_when_it_recovers() -> None:
     assert policy.dropped() == 2
 
 
-def test_a_hung_write_closes_the_tier_before_it_reports_any_latency() -> None:
-    clock = ManualClock()
+def test_a_hung_write_closes_the_tier_before_it_reports_any_latency(clock: ManualClock) -> None:
     policy = AdmissionPolicy(max_write_latency=0.5, clock=clock)
     assert policy.admit("nfs", 10)
     clock.now = 1.9
@@ -106,8 +104,9 @@ def test_write_back_queue_writes_the_oldest_beyond_its_limit() -> None:
     assert queue.due(policy, ["s3"], 10, everything=False) == ([], [])  # at the limit
 
 
-def test_write_back_queue_drops_for_a_closed_tier_and_flushes_everything_at_close() -> None:
-    clock = ManualClock()
+def test_write_back_queue_drops_for_a_closed_tier_and_flushes_everything_at_close(
+    clock: ManualClock,
+) -> None:
     policy = AdmissionPolicy(max_write_latency=0.5, write_back=["s3"], clock=clock)
     policy.observe_write_latency("s3", 5.0)  # closed
     queue = WriteBackQueue(limit=1)
@@ -122,8 +121,7 @@ def test_write_back_queue_drops_for_a_closed_tier_and_flushes_everything_at_clos
     assert queue.written_back == 2
 
 
-def test_the_last_refusal_says_its_cause() -> None:
-    clock = ManualClock()
+def test_the_last_refusal_says_its_cause(clock: ManualClock) -> None:
     policy = AdmissionPolicy(
         max_in_flight_bytes=200, max_write_latency=None, max_write_rate=100.0, clock=clock
     )
@@ -138,11 +136,10 @@ def test_the_last_refusal_says_its_cause() -> None:
     assert policy.last_refusal("s3") == "in_flight"
 
 
-def test_a_group_is_admitted_whole_or_not_at_all() -> None:
+def test_a_group_is_admitted_whole_or_not_at_all(clock: ManualClock) -> None:
     """A group of deferred writes to a packing tier: all its writes reserved together, or
     none. The rate bucket holds a whole group even when that is more than a second's worth,
     or a group would never fit."""
-    clock = ManualClock()
     policy = AdmissionPolicy(
         max_in_flight_bytes=8 * 100, max_write_latency=None, max_write_rate=200.0, clock=clock
     )
@@ -168,8 +165,7 @@ def test_a_group_is_admitted_whole_or_not_at_all() -> None:
     assert policy.last_refusal("s3") == "rate"
 
 
-def test_a_closed_tier_takes_a_group_as_its_probe() -> None:
-    clock = ManualClock()
+def test_a_closed_tier_takes_a_group_as_its_probe(clock: ManualClock) -> None:
     policy = AdmissionPolicy(max_write_latency=0.5, probe_interval=1.0, clock=clock)
     policy.observe_write_latency("s3", 2.0)
     assert policy.admit("s3", 100, count=4)  # one probe: one packed request
@@ -195,10 +191,9 @@ def test_deferred_writes_come_in_groups_within_room() -> None:
     assert queue.due_groups(policy, 10, room=2, sizes={"s3": 4}) == [("s3", [b"e", b"f"])]
 
 
-def test_ready_in_says_when_time_alone_gives_room() -> None:
+def test_ready_in_says_when_time_alone_gives_room(clock: ManualClock) -> None:
     """What the manager sleeps until before draining deferred writes again: the rate budget
     refilled, a latency probe due; None where only a write ending makes room."""
-    clock = ManualClock()
     policy = AdmissionPolicy(
         max_in_flight_bytes={"capped": 200},
         max_write_rate={"paced": 100.0},

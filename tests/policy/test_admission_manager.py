@@ -28,8 +28,8 @@ def held(tier: MemoryTier, keys: list[bytes]) -> list[bool]:
 
 async def test_a_slow_tier_is_skipped_counted_and_admitted_again_when_it_recovers(
     keys: list[bytes],
+    clock: ManualClock,
 ) -> None:
-    clock = ManualClock()
     policy = AdmissionPolicy(max_write_latency=0.5, probe_interval=1.0, alpha=0.5, clock=clock)
     fast, slow = MemoryTier("fast"), MemoryTier("slow")
     async with TieringManager(HostPool(32, BB), [fast, slow], admission=policy) as manager:

@@ -127,9 +127,8 @@ async def test_a_failing_check_becomes_a_miss_with_its_reason(
         assert set(manager.statistics().misses_by_reason) == {reason}
 
 
-async def test_misses_expire_after_their_ttl_but_hits_stay() -> None:
+async def test_misses_expire_after_their_ttl_but_hits_stay(clock: ManualClock) -> None:
     storage = Storage({k(1)})
-    clock = ManualClock()
     async with manager_for(storage, miss_ttl=2.0, clock=clock) as manager:
         manager.lookup(k(1))
         manager.lookup(k(2))
@@ -278,10 +277,9 @@ async def test_lookup_with_reason_says_why_each_miss_is_one() -> None:
     assert manager.lookup_with_reason(k(4)) == (LookupResult.MISS, MissReason.UNAVAILABLE)
 
 
-def test_index_lookups_say_why_each_miss_is_one() -> None:
+def test_index_lookups_say_why_each_miss_is_one(clock: ManualClock) -> None:
     """The FS index's answers carry the reason too: absent keys are not_found, a held key
     whose load failed keeps that failure's reason until it expires."""
-    clock = ManualClock()
     held = {k(1), k(2)}
     index = IndexLookups(held.__contains__, miss_ttl=1.0, clock=clock)
     assert index.lookup_with_reason(k(1)) == (LookupResult.MISS, MissReason.UNAVAILABLE)

@@ -1,6 +1,7 @@
-"""The S3 tier's existence index, journal and pack formats: the pure state machines first,
-then the index against a real SeaweedFS (what the bucket may hold, a full index, a refresh
-loop whose credentials fail, clock skew) and moto's server (a DELETE the server refuses)."""
+"""The S3 tier's existence index: the pure state machine and its settings first, then the
+index against a real SeaweedFS (what the bucket may hold, a full index, a refresh loop whose
+credentials fail, clock skew) and moto's server (a DELETE the server refuses). The journal and
+pack formats it reads are tested in ``test_s3_untrusted.py``."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import functools
 import json
 import logging
 import os
-import struct
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -23,46 +23,30 @@ from devtools.moto_server import raw_client as moto_client
 from devtools.weed_server import (
     ACCESS_KEY,
     BUCKET,
-    REGION,
     SECRET_KEY,
     WeedServer,
     raw_client,
 )
 from kvtier._errors import BlockNotFoundError, InvalidArgumentError
-from kvtier._format import IntegrityKey, header_size
+from kvtier._format import header_size
 from kvtier._lookup import LookupResult, MissReason
 from kvtier._resilience import CircuitBreaker
 from kvtier.tiers.s3 import S3Tier
-from kvtier.tiers.s3._index import ExistenceIndex, key_from_object
+from kvtier.tiers.s3._index import ExistenceIndex
 from kvtier.tiers.s3._journal import (
     MAX_SEGMENT_ENTRIES,
-    SegmentError,
-    decode_segment,
     encode_segment,
     journal_prefix,
-    segment_name,
     segment_time_ms,
-    segment_writer,
-    start_after,
     writer_id,
 )
-from kvtier.tiers.s3._pack import (
-    Location,
-    PackTableError,
-    decode_table,
-    encode_table,
-    is_pack_name,
-    pack_name,
-    table_length,
-    table_size,
-)
+from kvtier.tiers.s3._pack import Location
 from kvtier.tiers.s3._requests import Requests
 from kvtier.tiers.s3._sync import IndexSync
-from tests.support import ManualClock, fresh_keys, s3_tier
+from tests.support import CREDENTIALS_FROM_ENVIRONMENT, ManualClock, fresh_keys, s3_tier
 from tests.tiers.s3.s3_forge import forged_segment, forged_segment_name
 
 BLOCK = 4096
-SECRET = "correct horse battery staple 0123456789"
 
 
 def test_unknown_key_is_a_miss_and_known_a_hit() -> None:
@@ -117,45 +101,6 @@ def test_seen_segments_are_forgotten_past_the_lookback() -> None:
     assert index.unseen(["old", "new"]) == ["old"]
 
 
-def test_segment_round_trip_and_damage() -> None:
-    entries: list[tuple[bytes, Location | None]] = [(os.urandom(n), None) for n in (16, 32, 255)]
-    data = encode_segment(entries, "p")
-    assert data[:4] == b"KVJ1"  # nothing packed: readable by kvtier before packs
-    assert decode_segment(data, "p") == (entries, 0)
-    assert decode_segment(encode_segment([], "p"), "p") == ([], 0)
-    where = Location(pack_name("p", bytes(16), "0123456789abcdef", 1), 300, 262_200)
-    packed = [*entries, (os.urandom(16), where)]
-    assert encode_segment(packed, "p")[:4] == b"KVJ2"
-    assert decode_segment(encode_segment(packed, "p"), "p") == (packed, 0)
-    flipped = bytearray(data)
-    flipped[10] ^= 1
-    for bad in (bytes(flipped), data[:-3], b"", b"XXXX" + data[4:]):
-        with pytest.raises(SegmentError):
-            decode_segment(bad, "p")
-
-
-def test_segment_names_sort_by_time_and_parse() -> None:
-    first = segment_name("p", 1_700_000_000_000, "0123456789abcdef", 1)
-    later = segment_name("p", 1_700_000_000_001, "0000000000000000", 9)
-    assert first < later
-    assert start_after("p", 1_700_000_000_000) < first
-    assert segment_time_ms(first) == 1_700_000_000_000
-    assert segment_writer(first) == "0123456789abcdef"
-    assert segment_time_ms("p/_kvtier_journal/junk") is None
-    assert segment_name("", 5, "0123456789abcdef", 1).startswith("_kvtier_journal/")
-
-
-def test_object_names_map_back_to_keys() -> None:
-    key = os.urandom(16)
-    hexkey = key.hex()
-    assert key_from_object(f"pre/fix/{hexkey[:2]}/{hexkey}", "pre/fix") == key
-    assert key_from_object(f"{hexkey[:2]}/{hexkey}", "") == key
-    assert key_from_object(f"other/{hexkey[:2]}/{hexkey}", "pre") is None
-    assert key_from_object(f"pre/zz/{hexkey}", "pre") is None
-    assert key_from_object("pre/_kvtier_journal/000-abc-1", "pre") is None
-    assert key_from_object(f"pre/{hexkey[:2]}/{hexkey[:-1]}x", "pre") is None
-
-
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
@@ -196,33 +141,6 @@ def test_packed_keys_keep_their_location_until_dropped() -> None:
     assert index.location(a) == where
     index.suppress(a, MissReason.NOT_FOUND)  # the pack is gone
     assert a not in index and index.location(a) is None
-
-
-def test_pack_table_round_trip_and_damage() -> None:
-    keys = [os.urandom(16) for _ in range(3)]
-    lengths = [262_200, 262_200, 1000]
-    table = encode_table(keys, lengths)
-    assert len(table) == table_length(3, 16) and table_size(table[:12]) == len(table)
-    found = decode_table(table + b"sections", "p/pack")
-    assert [k for k, _ in found] == keys
-    assert [w.offset for _, w in found] == [len(table), len(table) + 262_200, len(table) + 524_400]
-    assert all(
-        w.pack == "p/pack" and w.length == n for (_, w), n in zip(found, lengths, strict=True)
-    )
-    flipped = bytearray(table)
-    flipped[20] ^= 1
-    for bad in (bytes(flipped), table[:-3], b"", b"XXXX" + table[4:]):
-        with pytest.raises(PackTableError):
-            decode_table(bad, "p/pack")
-
-
-def test_pack_names_are_unique_per_writer_and_apart_from_blocks() -> None:
-    key = bytes(range(16))
-    first = pack_name("p", key, "0123456789abcdef", 1)
-    assert first != pack_name("p", key, "0123456789abcdef", 2)
-    assert first.startswith("p/_kvtier_packs/0f/" + key.hex())
-    assert is_pack_name(first, "p") and not is_pack_name("p/01/" + key.hex(), "p")
-    assert key_from_object(first, "p") is None  # never listed as a block object
 
 
 # -- a full index ------------------------------------------------------------------------
@@ -270,74 +188,6 @@ def test_an_index_dropping_keys_below_its_bound_keeps_them_all() -> None:
         index.add(churn)
         index.discard(churn)
     assert all(key in index for key in kept) and len(index) == 4 and index.evictions == 0
-
-
-# -- what the bucket may hold --------------------------------------------------------------
-
-
-def test_journal_entry_outside_packs_folder_is_ignored() -> None:
-    pack = pack_name("p", bytes(16), "0123456789abcdef", 1)
-    hexkey = os.urandom(16).hex()
-    elsewhere = [
-        "p/_kvtier_integrity.json",  # the prefix's marker
-        pack_name("q", bytes(16), "0123456789abcdef", 1),  # another prefix's pack
-        f"q/{hexkey[:2]}/{hexkey}",  # another prefix's block
-        f"p/{hexkey[:2]}/{hexkey}",  # a block object is not a pack
-        "p/_kvtier_packs/../_kvtier_integrity.json",
-        "p/_kvtier_packs/0f/../../../models/llama.safetensors",
-        pack + "/../../_kvtier_integrity.json",
-        "p/_kvtier_packs/00/" + "0" * 30 + "0f-0123456789abcdef-1",  # shard is not the key's
-        "models/llama.safetensors",
-        "p/_kvtier_packs/0f/\u00e9\u00e9-0123456789abcdef-1",
-    ]
-    section = header_size(16) + BLOCK
-    good = (os.urandom(16), pack, 400, section)
-    own = (os.urandom(16), "", 0, 0)  # a key stored as its own object
-    bad_entries = [(os.urandom(16), name, 400, section) for name in elsewhere]
-    bad_entries += [
-        (b"", pack, 400, section),  # no key
-        (os.urandom(256), pack, 400, section),  # a key longer than any
-        (os.urandom(16), pack, 0, section),  # a section inside the table
-        (os.urandom(16), pack, 400, 0),
-        (os.urandom(16), pack, 400, 2**64 - 1),
-    ]
-    decoded, rejected = decode_segment(forged_segment([good, *bad_entries, own]), "p")
-    assert decoded == [(good[0], Location(pack, 400, section)), (own[0], None)]
-    assert rejected == len(bad_entries)
-    assert not any(is_pack_name(name, "p") for name in elsewhere)
-
-
-def test_signed_segments_verify_only_under_their_key_and_prefix() -> None:
-    key = IntegrityKey(SECRET)
-    pack = pack_name("p", bytes(16), "0123456789abcdef", 1)
-    entries: list[tuple[bytes, Location | None]] = [
-        (os.urandom(16), None),
-        (os.urandom(16), Location(pack, 400, 4200)),
-    ]
-    signed = encode_segment(entries, "p", integrity_key=key)
-    assert signed[:4] == b"KVJ3"
-    assert decode_segment(signed, "p", integrity_key=key) == (entries, 0)
-    flipped = bytearray(signed)
-    flipped[12] ^= 1
-    other = IntegrityKey(SECRET[::-1])
-    attempts = {
-        "another key": lambda: decode_segment(signed, "p", integrity_key=other),
-        "another prefix": lambda: decode_segment(signed, "q", integrity_key=key),
-        "no key": lambda: decode_segment(signed, "p"),
-        "unsigned": lambda: decode_segment(encode_segment(entries, "p"), "p", integrity_key=key),
-        "damaged": lambda: decode_segment(bytes(flipped), "p", integrity_key=key),
-        "truncated": lambda: decode_segment(signed[:20], "p", integrity_key=key),
-    }
-    for what, attempt in attempts.items():
-        with pytest.raises(SegmentError):  # noqa: PT012 - the message names the case
-            attempt()
-            pytest.fail(what)
-
-
-def test_a_pack_table_claiming_more_than_any_writer_puts_is_refused() -> None:
-    for count, size in ((3, 2**32 - 1), (10**6, 200), (0, 20)):
-        with pytest.raises(PackTableError):
-            table_size(struct.pack("<4sII", b"KVP1", count, size))
 
 
 def test_a_publish_takes_a_bounded_batch_and_a_failed_one_goes_first_again() -> None:
@@ -469,13 +319,8 @@ async def test_a_failing_credential_provider_does_not_stop_the_refresh_loop(
     sync_logger = logging.getLogger("kvtier.tiers.s3._sync")
     sync_logger.addHandler(heard)
     try:
-        tier = S3Tier(
-            BUCKET,
-            prefix=f"idx/{uuid.uuid4().hex}",
-            endpoint_url=weed_server.endpoint_url,
-            region_name=REGION,
-            index_refresh=0.05,
-        )
+        prefix = f"idx/{uuid.uuid4().hex}"
+        tier = s3_tier(weed_server, prefix, **CREDENTIALS_FROM_ENVIRONMENT, index_refresh=0.05)
         async with tier:
             await anyio.Path(credential_process).unlink()  # the credential source goes away
             with anyio.fail_after(30):

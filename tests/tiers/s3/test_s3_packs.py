@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import time
-import uuid
 
 import anyio
 import pytest
@@ -62,6 +61,12 @@ async def _packs(server: WeedServer, prefix: str) -> list[str]:
     return [name for name in await _objects(server, prefix) if f"/{PACK_DIR}/" in name]
 
 
+async def _read(server: WeedServer, name: str) -> bytes:
+    async with raw_client(server.endpoint_url) as client:
+        response = await client.get_object(Bucket=BUCKET, Key=name)
+        return bytes(await response["Body"].read())
+
+
 async def _one_pack(
     server: WeedServer, prefix: str, tier: S3Tier, keys: list[bytes], blocks: list[bytes]
 ) -> str:
@@ -72,9 +77,8 @@ async def _one_pack(
 
 
 async def test_stores_together_share_a_pack_and_another_node_loads_it_with_one_get(
-    weed_server: WeedServer,
+    weed_server: WeedServer, prefix: str
 ) -> None:
-    prefix = f"packs/{uuid.uuid4().hex}"
     keys, blocks = _keys_and_blocks(11)
     async with s3_tier(weed_server, prefix, pack_blocks=4) as writer:
         assert writer.write_batch == 4
@@ -99,9 +103,8 @@ async def test_stores_together_share_a_pack_and_another_node_loads_it_with_one_g
 
 
 async def test_a_pack_written_after_open_is_learnt_from_the_journal(
-    weed_server: WeedServer,
+    weed_server: WeedServer, prefix: str
 ) -> None:
-    prefix = f"packs/{uuid.uuid4().hex}"
     keys, blocks = _keys_and_blocks(4)
     async with (
         s3_tier(weed_server, prefix, index_refresh=100.0, index_lookback=1000.0) as reader,
@@ -117,8 +120,9 @@ async def test_a_pack_written_after_open_is_learnt_from_the_journal(
         assert reader.statistics().pack_gets == 1
 
 
-async def test_a_deleted_pack_is_a_miss_that_fixes_the_index(weed_server: WeedServer) -> None:
-    prefix = f"packs/{uuid.uuid4().hex}"
+async def test_a_deleted_pack_is_a_miss_that_fixes_the_index(
+    weed_server: WeedServer, prefix: str
+) -> None:
     keys, blocks = _keys_and_blocks(3)
     async with s3_tier(weed_server, prefix) as tier:
         pack = await _one_pack(weed_server, prefix, tier, keys, blocks)
@@ -131,8 +135,9 @@ async def test_a_deleted_pack_is_a_miss_that_fixes_the_index(weed_server: WeedSe
         assert tier.statistics().lookups.misses_by_reason == {"not_found": 3}
 
 
-async def test_delete_of_a_packed_key_deletes_its_pack(weed_server: WeedServer) -> None:
-    prefix = f"packs/{uuid.uuid4().hex}"
+async def test_delete_of_a_packed_key_deletes_its_pack(
+    weed_server: WeedServer, prefix: str
+) -> None:
     keys, blocks = _keys_and_blocks(2)
     async with s3_tier(weed_server, prefix) as tier:
         await _store_together(tier, keys, blocks)
@@ -146,24 +151,22 @@ async def test_delete_of_a_packed_key_deletes_its_pack(weed_server: WeedServer) 
 
 @pytest.mark.parametrize("damage", ["payload", "table offset", "truncated"])
 async def test_a_damaged_pack_is_a_corrupt_miss_and_is_kept(
-    weed_server: WeedServer, damage: str
+    weed_server: WeedServer, prefix: str, damage: str
 ) -> None:
     """A section that fails its check is a corrupt miss that drops the key from the index; the
     pack stays: S3 cannot delete part of an object, and its other sections, each with its own
     header and checksum, still serve every node."""
-    prefix = f"packs/{uuid.uuid4().hex}"
     keys, blocks = _keys_and_blocks(3)
     async with s3_tier(weed_server, prefix) as tier:
         pack = await _one_pack(weed_server, prefix, tier, keys, blocks)
+        data = bytearray(await _read(weed_server, pack))
+        if damage == "payload":
+            data[-100] ^= 0xFF  # inside the last block's payload
+        elif damage == "table offset":
+            data = data[:200] + data[201:] + b"\0"  # every section shifted by one byte
+        else:
+            data = data[: len(data) - BLOCK // 2]
         async with raw_client(weed_server.endpoint_url) as client:
-            response = await client.get_object(Bucket=BUCKET, Key=pack)
-            data = bytearray(await response["Body"].read())
-            if damage == "payload":
-                data[-100] ^= 0xFF  # inside the last block's payload
-            elif damage == "table offset":
-                data = data[:200] + data[201:] + b"\0"  # every section shifted by one byte
-            else:
-                data = data[: len(data) - BLOCK // 2]
             await client.put_object(Bucket=BUCKET, Key=pack, Body=bytes(data))
         with pytest.raises(CorruptBlockError):
             await tier.load(keys[-1], memoryview(bytearray(BLOCK)))
@@ -318,19 +321,16 @@ async def test_a_cancelled_leader_hands_the_fetch_to_the_others() -> None:
 
 @pytest.mark.parametrize("claim", ["another key's section", "inside a section"])
 async def test_a_wrong_journal_location_is_a_corrupt_miss_and_keeps_the_pack(
-    weed_server: WeedServer, claim: str
+    weed_server: WeedServer, prefix: str, claim: str
 ) -> None:
     """A journal segment that puts a key at the wrong place of a good pack (another key's
     section, or the middle of one) is evidence against that entry, not against the pack: the
     load is a corrupt miss that drops the entry, and every block of the pack stays loadable,
     here and on any other node."""
-    prefix = f"packs/{uuid.uuid4().hex}"
     keys, blocks = _keys_and_blocks(3)
     async with s3_tier(weed_server, prefix) as writer:
         pack = await _one_pack(weed_server, prefix, writer, keys, blocks)
-    async with raw_client(weed_server.endpoint_url) as client:
-        response = await client.get_object(Bucket=BUCKET, Key=pack)
-        sections = dict(decode_table(await response["Body"].read(), pack))
+    sections = dict(decode_table(await _read(weed_server, pack), pack))
     right = sections[keys[1]]
     shift = 0 if claim == "another key's section" else 100
     wrong = Location(pack, right.offset + shift, right.length)
@@ -352,7 +352,7 @@ async def test_a_wrong_journal_location_is_a_corrupt_miss_and_keeps_the_pack(
 
 
 async def test_a_journal_location_longer_than_a_block_is_never_fetched(
-    weed_server: WeedServer,
+    weed_server: WeedServer, prefix: str
 ) -> None:
     """A journal entry may claim any length; a load reads a section only if it is exactly a
     header and a block, so an entry claiming 2**40 bytes costs no GET (it would otherwise
@@ -361,7 +361,6 @@ async def test_a_journal_location_longer_than_a_block_is_never_fetched(
     from kvtier.tiers.s3._pack import table_length
     from tests.tiers.s3.s3_forge import forged_segment, forged_segment_name
 
-    prefix = f"packs/{uuid.uuid4().hex}"
     keys, blocks = _keys_and_blocks(4)
     async with s3_tier(weed_server, prefix) as writer:
         pack = await _one_pack(weed_server, prefix, writer, keys[:3], blocks[:3])

@@ -37,7 +37,6 @@ from devtools.moto_server import raw_client as moto_client
 from devtools.weed_server import (
     ACCESS_KEY,
     BUCKET,
-    REGION,
     SECRET_KEY,
     WeedServer,
     ensure_bucket,
@@ -61,7 +60,7 @@ from kvtier.pools._host import HostPool
 from kvtier.testing import resolve_lookup
 from kvtier.tiers.s3 import S3Tier
 from kvtier.tiers.s3._errors import Fault, translate
-from tests.support import MakeS3Tier, ManualClock, fresh_keys, s3_tier
+from tests.support import CREDENTIALS_FROM_ENVIRONMENT, MakeS3Tier, ManualClock, fresh_keys, s3_tier
 from tests.tiers.s3.s3_peer import make_blocks
 
 BLOCK = 4096
@@ -212,37 +211,45 @@ async def test_store_of_existing_object_is_skipped(
         assert out == block
 
 
-async def test_store_of_a_large_block_keeps_work_off_the_loop(
-    make_tier: MakeS3Tier, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Issue 11 item 10: the block copy and checksums of a store ran on the event loop (about
-    10 ms per 2 MiB), and botocore SHA-256-signed the payload there too. Now the object is
-    built in a worker thread and the payload is not signed (the block
-    carries its own checksum)."""
-    import kvtier.tiers.s3._blocks as s3_module
-
-    threads: list[threading.Thread] = []
-    real_build = s3_module.build_object
-
-    def build(key: bytes, payload: memoryview, **kwargs: Any) -> Any:
-        threads.append(threading.current_thread())
-        return real_build(key, payload, **kwargs)
-
-    monkeypatch.setattr(s3_module, "build_object", build)
+async def _puts_of_a_round_trip(
+    make_tier: MakeS3Tier, block: bytes, seen: Callable[[Any], object]
+) -> list[object]:
+    """Store ``block`` under a fresh key and load it back (the bytes must match); what
+    ``seen`` makes of each PutObject request of that key, as botocore sends it."""
     (key,) = fresh_keys(1)
-    sent: list[Any] = []
+    sent: list[object] = []
 
     def before_send(request: Any, **_: Any) -> None:
         if key.hex() in request.url:
-            sent.append(request.headers.get("x-amz-content-sha256", b""))
+            sent.append(seen(request))
 
-    block = os.urandom(2 << 20)
     async with make_tier() as tier:
         tier._client.meta.events.register("before-send.s3.PutObject", before_send)
         await tier.store(key, memoryview(block))
         out = bytearray(len(block))
         await tier.load(key, memoryview(out))
     assert out == block
+    return sent
+
+
+async def test_store_of_a_large_block_keeps_work_off_the_loop(
+    make_tier: MakeS3Tier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The block copy and checksums of a store run in a worker thread, not on the event loop,
+    and botocore does not SHA-256-sign the payload (the block carries its own checksum)."""
+    import kvtier.tiers.s3._blocks as s3_module
+    from kvtier.tiers.s3._codec import build_object
+
+    threads: list[threading.Thread] = []
+
+    def build(key: bytes, payload: memoryview, **kwargs: Any) -> Any:
+        threads.append(threading.current_thread())
+        return build_object(key, payload, **kwargs)
+
+    monkeypatch.setattr(s3_module, "build_object", build)
+    sent = await _puts_of_a_round_trip(
+        make_tier, os.urandom(2 << 20), lambda r: r.headers.get("x-amz-content-sha256", b"")
+    )
     assert threads and threading.main_thread() not in threads
     assert sent in ([b"UNSIGNED-PAYLOAD"], ["UNSIGNED-PAYLOAD"])
 
@@ -253,20 +260,9 @@ async def test_store_sends_its_bytes_body_without_expect_continue(make_tier: Mak
     interim answer and aiohttp copied the body out chunk by chunk (0.2 ms of client CPU per
     256 KiB store, benchmarks/bench_s3_cpu.py). The tier's client sends its ``bytes`` body
     as it is."""
-    (key,) = fresh_keys(1)
-    sent: list[tuple[type, object]] = []
-
-    def before_send(request: Any, **_: Any) -> None:
-        if key.hex() in request.url:
-            sent.append((type(request.body), request.headers.get("Expect")))
-
-    block = os.urandom(256 << 10)
-    async with make_tier() as tier:
-        tier._client.meta.events.register("before-send.s3.PutObject", before_send)
-        await tier.store(key, memoryview(block))
-        out = bytearray(len(block))
-        await tier.load(key, memoryview(out))
-    assert out == block
+    sent = await _puts_of_a_round_trip(
+        make_tier, os.urandom(256 << 10), lambda r: (type(r.body), r.headers.get("Expect"))
+    )
     assert sent == [(bytes, None)]
 
 
@@ -821,7 +817,7 @@ async def test_credentials_from_the_environment(
 ) -> None:
     aws_environment.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
     aws_environment.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
-    tier = S3Tier(BUCKET, prefix=prefix, endpoint_url=weed_server.endpoint_url, region_name=REGION)
+    tier = s3_tier(weed_server, prefix, **CREDENTIALS_FROM_ENVIRONMENT)
     async with tier:
         (key,) = fresh_keys(1)
         await tier.store(key, memoryview(b"e" * 64))
@@ -831,7 +827,7 @@ async def test_credentials_from_the_environment(
 async def test_no_credentials_is_a_clear_error(
     aws_environment: pytest.MonkeyPatch, weed_server: WeedServer
 ) -> None:
-    tier = S3Tier(BUCKET, endpoint_url=weed_server.endpoint_url, region_name=REGION)
+    tier = s3_tier(weed_server, "", **CREDENTIALS_FROM_ENVIRONMENT)
     with pytest.raises(TierUnavailableError, match="no usable AWS credentials"):
         await tier.open()
 

@@ -1,6 +1,8 @@
-"""The S3 tier reads a bucket that others can write: journal segments and pack tables are
-untrusted input. Hypothesis feeds random and mutated ones to the parsers, to the coalesced
-pack reads and (a few examples) to a tier reading a real SeaweedFS, and checks that the reader
+"""The S3 tier reads a bucket that others can write: journal segments, pack tables and object
+names are untrusted input. The formats by example first (round trips, damage, names, what a
+segment may point at); then Hypothesis feeds random and mutated ones to the parsers, to the
+coalesced pack reads and (a few examples) to a tier reading a real SeaweedFS, and checks that
+the reader
 never raises into its caller, never reads more than a block's section for a block, never
 deletes or overwrites an object, and never serves a byte that is not the stored block."""
 
@@ -8,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import struct
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -27,11 +30,16 @@ from kvtier._format import MAX_KEY_BYTES, IntegrityKey, header_size
 from kvtier._keys import block_keys
 from kvtier._lookup import LookupResult
 from kvtier.tiers.s3._config import MAX_PACK_BLOCKS
+from kvtier.tiers.s3._index import key_from_object
 from kvtier.tiers.s3._journal import (
     MAX_SEGMENT_ENTRIES,
     SegmentError,
     decode_segment,
     encode_segment,
+    segment_name,
+    segment_time_ms,
+    segment_writer,
+    start_after,
 )
 from kvtier.tiers.s3._pack import (
     MAX_TABLE_BYTES,
@@ -41,6 +49,7 @@ from kvtier.tiers.s3._pack import (
     encode_table,
     is_pack_name,
     pack_name,
+    table_length,
     table_size,
 )
 from kvtier.tiers.s3._packs import PackReads
@@ -49,7 +58,8 @@ from tests.tiers.s3.s3_forge import forged_segment, forged_segment_name
 
 BLOCK = 4096
 PREFIX = "u/p"
-KEY = IntegrityKey("correct horse battery staple 0123456789")
+SECRET = "correct horse battery staple 0123456789"
+KEY = IntegrityKey(SECRET)
 SECTION = header_size(16) + BLOCK
 
 FAST = settings(max_examples=150, deadline=None)
@@ -89,6 +99,143 @@ def _assert_usable(entries: list[tuple[bytes, Location | None]], prefix: str) ->
         if where is not None:
             assert is_pack_name(where.pack, prefix), where.pack
             assert where.offset > 0 and where.length > 0
+
+
+# -- the formats, by example -----------------------------------------------------------------
+
+
+def _damaged(data: bytes, *, at: int) -> list[bytes]:
+    """``data`` with a bit flipped at ``at``, cut short, empty, and under another magic."""
+    flipped = bytearray(data)
+    flipped[at] ^= 1
+    return [bytes(flipped), data[:-3], b"", b"XXXX" + data[4:]]
+
+
+def test_segment_round_trip_and_damage() -> None:
+    entries: list[tuple[bytes, Location | None]] = [(os.urandom(n), None) for n in (16, 32, 255)]
+    data = encode_segment(entries, "p")
+    assert data[:4] == b"KVJ1"  # nothing packed: readable by kvtier before packs
+    assert decode_segment(data, "p") == (entries, 0)
+    assert decode_segment(encode_segment([], "p"), "p") == ([], 0)
+    where = Location(pack_name("p", bytes(16), "0123456789abcdef", 1), 300, 262_200)
+    packed = [*entries, (os.urandom(16), where)]
+    assert encode_segment(packed, "p")[:4] == b"KVJ2"
+    assert decode_segment(encode_segment(packed, "p"), "p") == (packed, 0)
+    for bad in _damaged(data, at=10):
+        with pytest.raises(SegmentError):
+            decode_segment(bad, "p")
+
+
+def test_segment_names_sort_by_time_and_parse() -> None:
+    first = segment_name("p", 1_700_000_000_000, "0123456789abcdef", 1)
+    later = segment_name("p", 1_700_000_000_001, "0000000000000000", 9)
+    assert first < later
+    assert start_after("p", 1_700_000_000_000) < first
+    assert segment_time_ms(first) == 1_700_000_000_000
+    assert segment_writer(first) == "0123456789abcdef"
+    assert segment_time_ms("p/_kvtier_journal/junk") is None
+    assert segment_name("", 5, "0123456789abcdef", 1).startswith("_kvtier_journal/")
+
+
+def test_object_names_map_back_to_keys() -> None:
+    key = os.urandom(16)
+    hexkey = key.hex()
+    assert key_from_object(f"pre/fix/{hexkey[:2]}/{hexkey}", "pre/fix") == key
+    assert key_from_object(f"{hexkey[:2]}/{hexkey}", "") == key
+    assert key_from_object(f"other/{hexkey[:2]}/{hexkey}", "pre") is None
+    assert key_from_object(f"pre/zz/{hexkey}", "pre") is None
+    assert key_from_object("pre/_kvtier_journal/000-abc-1", "pre") is None
+    assert key_from_object(f"pre/{hexkey[:2]}/{hexkey[:-1]}x", "pre") is None
+
+
+def test_pack_table_round_trip_and_damage() -> None:
+    keys = [os.urandom(16) for _ in range(3)]
+    lengths = [262_200, 262_200, 1000]
+    table = encode_table(keys, lengths)
+    assert len(table) == table_length(3, 16) and table_size(table[:12]) == len(table)
+    found = decode_table(table + b"sections", "p/pack")
+    assert [k for k, _ in found] == keys
+    assert [w.offset for _, w in found] == [len(table), len(table) + 262_200, len(table) + 524_400]
+    assert all(
+        w.pack == "p/pack" and w.length == n for (_, w), n in zip(found, lengths, strict=True)
+    )
+    for bad in _damaged(table, at=20):
+        with pytest.raises(PackTableError):
+            decode_table(bad, "p/pack")
+
+
+def test_pack_names_are_unique_per_writer_and_apart_from_blocks() -> None:
+    key = bytes(range(16))
+    first = pack_name("p", key, "0123456789abcdef", 1)
+    assert first != pack_name("p", key, "0123456789abcdef", 2)
+    assert first.startswith("p/_kvtier_packs/0f/" + key.hex())
+    assert is_pack_name(first, "p") and not is_pack_name("p/01/" + key.hex(), "p")
+    assert key_from_object(first, "p") is None  # never listed as a block object
+
+
+def test_journal_entry_outside_packs_folder_is_ignored() -> None:
+    pack = pack_name("p", bytes(16), "0123456789abcdef", 1)
+    hexkey = os.urandom(16).hex()
+    elsewhere = [
+        "p/_kvtier_integrity.json",  # the prefix's marker
+        pack_name("q", bytes(16), "0123456789abcdef", 1),  # another prefix's pack
+        f"q/{hexkey[:2]}/{hexkey}",  # another prefix's block
+        f"p/{hexkey[:2]}/{hexkey}",  # a block object is not a pack
+        "p/_kvtier_packs/../_kvtier_integrity.json",
+        "p/_kvtier_packs/0f/../../../models/llama.safetensors",
+        pack + "/../../_kvtier_integrity.json",
+        "p/_kvtier_packs/00/" + "0" * 30 + "0f-0123456789abcdef-1",  # shard is not the key's
+        "models/llama.safetensors",
+        "p/_kvtier_packs/0f/\u00e9\u00e9-0123456789abcdef-1",
+    ]
+    section = header_size(16) + BLOCK
+    good = (os.urandom(16), pack, 400, section)
+    own = (os.urandom(16), "", 0, 0)  # a key stored as its own object
+    bad_entries = [(os.urandom(16), name, 400, section) for name in elsewhere]
+    bad_entries += [
+        (b"", pack, 400, section),  # no key
+        (os.urandom(256), pack, 400, section),  # a key longer than any
+        (os.urandom(16), pack, 0, section),  # a section inside the table
+        (os.urandom(16), pack, 400, 0),
+        (os.urandom(16), pack, 400, 2**64 - 1),
+    ]
+    decoded, rejected = decode_segment(forged_segment([good, *bad_entries, own]), "p")
+    assert decoded == [(good[0], Location(pack, 400, section)), (own[0], None)]
+    assert rejected == len(bad_entries)
+    assert not any(is_pack_name(name, "p") for name in elsewhere)
+
+
+def test_signed_segments_verify_only_under_their_key_and_prefix() -> None:
+    key = IntegrityKey(SECRET)
+    pack = pack_name("p", bytes(16), "0123456789abcdef", 1)
+    entries: list[tuple[bytes, Location | None]] = [
+        (os.urandom(16), None),
+        (os.urandom(16), Location(pack, 400, 4200)),
+    ]
+    signed = encode_segment(entries, "p", integrity_key=key)
+    assert signed[:4] == b"KVJ3"
+    assert decode_segment(signed, "p", integrity_key=key) == (entries, 0)
+    flipped = bytearray(signed)
+    flipped[12] ^= 1
+    other = IntegrityKey(SECRET[::-1])
+    attempts = {
+        "another key": lambda: decode_segment(signed, "p", integrity_key=other),
+        "another prefix": lambda: decode_segment(signed, "q", integrity_key=key),
+        "no key": lambda: decode_segment(signed, "p"),
+        "unsigned": lambda: decode_segment(encode_segment(entries, "p"), "p", integrity_key=key),
+        "damaged": lambda: decode_segment(bytes(flipped), "p", integrity_key=key),
+        "truncated": lambda: decode_segment(signed[:20], "p", integrity_key=key),
+    }
+    for what, attempt in attempts.items():
+        with pytest.raises(SegmentError):  # noqa: PT012 - the message names the case
+            attempt()
+            pytest.fail(what)
+
+
+def test_a_pack_table_claiming_more_than_any_writer_puts_is_refused() -> None:
+    for count, size in ((3, 2**32 - 1), (10**6, 200), (0, 20)):
+        with pytest.raises(PackTableError):
+            table_size(struct.pack("<4sII", b"KVP1", count, size))
 
 
 # -- the parsers ---------------------------------------------------------------------------
