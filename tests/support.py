@@ -13,7 +13,7 @@ import anyio
 import numpy as np
 
 from devtools.weed_server import ACCESS_KEY, BUCKET, REGION, SECRET_KEY
-from kvtier import HostPool, LookupResult, S3Tier, TieringManager, block_keys
+from kvtier import HostPool, LookupResult, S3Tier, SecondaryTier, TieringManager, block_keys
 from kvtier._buffers import BlockBuffer
 
 _A = ParamSpec("_A")
@@ -36,6 +36,21 @@ def fresh_keys(n: int) -> list[bytes]:
 def random_blocks(n: int, *, seed: int = 0, block_bytes: int = 4096) -> np.ndarray:
     """``n`` blocks of random bytes, one a row; the same ``seed`` gives the same blocks."""
     return np.random.default_rng(seed).integers(0, 256, (n, block_bytes), dtype=np.uint8)
+
+
+async def fill(tier: SecondaryTier, keys: Sequence[bytes], data: np.ndarray | None = None) -> None:
+    """Store row ``i`` of ``data`` (random blocks by default) in ``tier`` under ``keys[i]``."""
+    rows = random_blocks(len(keys)) if data is None else data
+    for key, block in zip(keys, rows, strict=True):
+        await tier.store(key, memoryview(block.tobytes()))
+
+
+async def assert_holds(tier: SecondaryTier, keys: Sequence[bytes], data: np.ndarray) -> None:
+    """``tier`` holds row ``i`` of ``data`` under ``keys[i]``, byte for byte."""
+    out = bytearray(data.shape[1])
+    for i, key in enumerate(keys):
+        await tier.load(key, memoryview(out))
+        assert out == data[i].tobytes()
 
 
 class ManualClock:

@@ -10,14 +10,9 @@ import torch
 import kvtier
 from kvtier import HostPool, MemoryTier, MissReason, TieringManager
 from kvtier.testing import FailingTier, StallingTier, resolve_lookup
-from tests.support import H, M, P, R, random_blocks
+from tests.support import H, M, P, R, fill, random_blocks
 
 BB = 4096
-
-
-async def fill(tier: kvtier.SecondaryTier, keys: list[bytes], data: np.ndarray) -> None:
-    for key, block in zip(keys, data, strict=True):
-        await tier.store(key, memoryview(block.tobytes()))
 
 
 async def test_primary_hit_and_miss(keys: list[bytes]) -> None:

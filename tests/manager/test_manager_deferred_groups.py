@@ -22,13 +22,9 @@ from kvtier import (
     TieringManager,
     TierUnavailableError,
 )
-from tests.manager.test_manager_deferred_writes import (  # the same blocks and check
-    BB,
-    assert_holds,
-    blocks,
-)
-from tests.support import ManualClock
+from tests.support import ManualClock, assert_holds, random_blocks
 
+BB = 4096
 GROUP = 4
 
 
@@ -144,7 +140,7 @@ async def test_a_group_is_loaded_whole_then_stored_all_at_once(
     """No store of a group reaches the tier while a block of the group is still being
     loaded; then all of them start together."""
     fast, remote = SourceTier(), PackingTier()
-    data = blocks(10)
+    data = random_blocks(10)
     async with paced(fast, remote, clock) as manager:
         group = await defer_a_group(manager, keys, data)
         fast.gates[group[-1]] = gate = anyio.Event()
@@ -168,7 +164,7 @@ async def test_a_rate_limit_lets_whole_groups_through_not_single_blocks(
     clock: ManualClock,
 ) -> None:
     fast, remote = SourceTier(), PackingTier()
-    data = blocks(11)
+    data = random_blocks(11)
     async with paced(fast, remote, clock, rate=GROUP) as manager:
         group = await defer_a_group(manager, keys, data, rate=GROUP)
         clock.now += 0.25  # one block's worth: not a group
@@ -198,7 +194,7 @@ async def test_a_block_no_faster_tier_gives_is_lost_and_the_rest_of_its_group_wr
     clock: ManualClock,
 ) -> None:
     fast, remote = SourceTier(), PackingTier()
-    data = blocks(10)
+    data = random_blocks(10)
     async with paced(fast, remote, clock) as manager:
         group = await defer_a_group(manager, keys, data)
         await fast.delete(group[1])  # evicted from the faster tier before its turn came
@@ -220,7 +216,7 @@ async def test_closing_mid_group_accounts_for_every_key(
     keys: list[bytes], clock: ManualClock
 ) -> None:
     fast, remote = SourceTier(), PackingTier()
-    data = blocks(10)
+    data = random_blocks(10)
     async with paced(fast, remote, clock, close_timeout=0.1) as manager:
         group = await defer_a_group(manager, keys, data)
         remote.held = set(group[1:])  # three stores of the group never end
@@ -246,7 +242,7 @@ async def test_a_group_is_cut_to_what_the_tier_in_flight_limit_holds(keys: list[
     admission = AdmissionPolicy(
         max_in_flight_bytes={"remote": 2 * BB}, max_write_latency=None, deferred=["remote"]
     )
-    data = blocks(8)
+    data = random_blocks(8)
     async with TieringManager(HostPool(16, BB), [fast, remote], admission=admission) as manager:
         await manager.store(keys[:8], data)
         await remote.holding.wait()  # the first two fill the remote's room: six are deferred

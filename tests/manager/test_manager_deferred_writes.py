@@ -7,7 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import anyio
-import numpy as np
 import pytest
 
 from kvtier import (
@@ -22,21 +21,9 @@ from kvtier import (
 from kvtier.testing import StallingTier
 from kvtier.tiers.fs import FSTier
 from kvtier.writes._deferred import DeferredWrites
+from tests.support import assert_holds, random_blocks
 
 BB = 4096
-
-
-def blocks(n: int) -> np.ndarray:
-    return np.arange(n * BB, dtype=np.uint64).astype(np.uint8).reshape(n, BB) + np.arange(
-        n, dtype=np.uint8
-    ).reshape(n, 1)
-
-
-async def assert_holds(tier: SecondaryTier, keys: list[bytes], data: np.ndarray) -> None:
-    out = bytearray(BB)
-    for i, key in enumerate(keys):
-        await tier.load(key, memoryview(out))
-        assert out == data[i].tobytes()
 
 
 def stalled_remote() -> StallingTier:
@@ -75,7 +62,7 @@ async def test_dropped_writes_reach_the_deferred_tier_once_it_has_room(
 ) -> None:
     fast = MemoryTier("fast")
     remote = stalled_remote()
-    data = blocks(4)
+    data = random_blocks(4)
     async with over(fast, remote) as manager:
         await manager.store(keys[:4], data)
         await remote.wait_stalled("store")
@@ -95,7 +82,7 @@ async def test_without_deferred_the_dropped_writes_are_lost(keys: list[bytes]) -
     fast = MemoryTier("fast")
     remote = stalled_remote()
     async with over(fast, remote, deferred=False) as manager:
-        await manager.store(keys[:4], blocks(4))
+        await manager.store(keys[:4], random_blocks(4))
         await remote.wait_stalled("store")
         remote.release("store")
         await manager.wait_idle()
@@ -110,7 +97,7 @@ async def test_a_deferred_write_whose_block_left_the_faster_tiers_is_given_up(
     fast = MemoryTier("fast")
     remote = stalled_remote()
     async with over(fast, remote) as manager:
-        await manager.store(keys[:2], blocks(2))
+        await manager.store(keys[:2], random_blocks(2))
         await remote.wait_stalled("store")
         await fast.delete(keys[1])  # evicted from the fast tier before its turn came
         remote.release("store")
@@ -128,7 +115,7 @@ async def test_closing_gives_up_the_deferred_writes_and_leaves_nothing_behind(
     fast = MemoryTier("fast")
     remote = stalled_remote()
     async with over(fast, remote, close_timeout=0.1) as manager:
-        await manager.store(keys[:3], blocks(3))
+        await manager.store(keys[:3], random_blocks(3))
         await remote.wait_stalled("store")
     stats = manager.statistics()
     assert stats.writes_deferred == 2 and stats.deferred_lost == 2
@@ -177,7 +164,7 @@ async def test_closing_writes_what_waits_even_to_a_tier_closed_by_latency(
     async with TieringManager(
         HostPool(8, BB), [fast, remote], admission=admission, close_timeout=30
     ) as manager:
-        await manager.store(keys[:3], blocks(3))
+        await manager.store(keys[:3], random_blocks(3))
         await manager.wait_idle()
         stats = manager.statistics()
         # one probe write went through; the others wait, and no probe is due yet
@@ -215,12 +202,12 @@ async def test_rate_limited_writes_are_deferred_and_written_at_close(keys: list[
         clock=lambda: now[0],
     )
     async with TieringManager(HostPool(8, BB), [fast, remote], admission=admission) as manager:
-        await manager.store(keys[:4], blocks(4))
+        await manager.store(keys[:4], random_blocks(4))
         await manager.wait_idle()
         stats = manager.statistics()
         assert stats.writes_deferred == 3 and stats.deferred_pending == 3
         now[0] += 1.0  # room for one more block: the next store lets the oldest through
-        await manager.store(keys[4:5], blocks(1))
+        await manager.store(keys[4:5], random_blocks(1))
         await manager.wait_idle()
         stats = manager.statistics()
         assert stats.deferred_written == 1
@@ -259,7 +246,7 @@ async def test_a_deferred_write_waits_for_the_faster_tier_still_writing_the_bloc
     instead of giving them up as lost."""
     fast = AskedTier("fast", keys[1:4])
     remote = stalled_remote()
-    data = blocks(4)
+    data = random_blocks(4)
     async with over(fast, remote) as manager:
         await manager.store(keys[:1], data[:1])
         await remote.wait_stalled("store")  # keys[0] holds the remote's in-flight room
@@ -317,7 +304,7 @@ async def test_a_deferred_write_waits_for_the_file_tier_still_writing_the_block(
     wait for those writes and copy the blocks, instead of counting them lost."""
     fs = HeldFSTier(tmp_path / "fs", shared=shared, watched=keys[1:4])
     remote = stalled_remote()
-    data = blocks(4)
+    data = random_blocks(4)
     async with over(fs, remote) as manager:
         await manager.store(keys[:1], data[:1])
         await remote.wait_stalled("store")  # keys[0] holds the remote's in-flight room
@@ -344,7 +331,7 @@ async def test_a_burst_stored_just_before_close_reaches_the_deferred_tier(
     admission = AdmissionPolicy(
         max_write_rate={"remote": BB}, max_write_latency=None, deferred=["remote"]
     )
-    data = blocks(8)
+    data = random_blocks(8)
     async with TieringManager(
         HostPool(8, BB), [FSTier(tmp_path / "fs", shared=shared), remote], admission=admission
     ) as manager:
@@ -379,7 +366,7 @@ async def test_deferred_writes_drain_on_their_own_as_the_rate_budget_refills(
     admission = AdmissionPolicy(
         max_write_rate={"remote": 8 * BB}, max_write_latency=None, deferred=["remote"]
     )
-    data = blocks(16)
+    data = random_blocks(16)
     landed = Landed(remote, keys[:16])
     async with TieringManager(HostPool(16, BB), [fast, remote], admission=admission) as manager:
         await manager.store(keys[:16], data)  # a second's worth goes at once, the rest waits
@@ -402,7 +389,7 @@ async def test_closing_with_a_wake_up_pending_writes_what_waits_at_once(
     admission = AdmissionPolicy(
         max_write_rate={"remote": BB / 100}, max_write_latency=None, deferred=["remote"]
     )
-    data = blocks(4)
+    data = random_blocks(4)
     with anyio.fail_after(10):
         async with TieringManager(HostPool(8, BB), [fast, remote], admission=admission) as manager:
             await manager.store(keys[:4], data)

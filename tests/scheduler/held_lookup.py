@@ -1,5 +1,5 @@
 """Helpers for the scheduler tests that hold a tier (``StallingTier``) while a request waits:
-the same blocks, the same way to fill a tier, and one request run against a held operation."""
+the same block size, and one request run against a held operation."""
 
 from __future__ import annotations
 
@@ -7,16 +7,10 @@ from collections.abc import Awaitable, Callable
 
 import anyio
 
-from kvtier import OffloadScheduler, SecondaryTier
+from kvtier import OffloadScheduler
 from kvtier.testing import StallingTier
-from tests.support import random_blocks
 
 BB = 4096
-
-
-async def fill(tier: SecondaryTier, keys: list[bytes]) -> None:
-    for key, block in zip(keys, random_blocks(len(keys)), strict=True):
-        await tier.store(key, memoryview(block.tobytes()))
 
 
 async def lookup_while_held(
