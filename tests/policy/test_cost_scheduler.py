@@ -20,23 +20,30 @@ from tests.scheduler.held_lookup import BB, lookup_while_held
 from tests.support import fill, random_blocks
 
 
-async def tier_holding(keys: list[bytes]) -> StallingTier:
+async def tier_holding(keys: list[bytes], *, held: str | None = None) -> StallingTier:
+    """A tier named "remote" that holds ``keys``; its ``held`` operation stalls."""
     tier = StallingTier(name="remote")
     await fill(tier.inner, keys)
+    if held is not None:
+        tier.stall(held)
     return tier
+
+
+async def known(tier: StallingTier, keys: list[bytes]) -> None:
+    """Resolve ``tier``'s existence check of each of ``keys``: the manager then knows them."""
+    for key in keys:
+        await resolve_lookup(tier, key)
 
 
 async def test_a_tier_slower_than_recompute_is_not_promoted_and_not_waited_for(
     keys: list[bytes],
 ) -> None:
-    remote = await tier_holding(keys[1:4])
-    remote.stall("load")
+    remote = await tier_holding(keys[1:4], held="load")
     cost = CostModel(recompute_seconds_per_block=0.001)
     cost.observe_promotion("remote", 10.0, BB, ok=True)  # this tier takes 10 s a block
     async with TieringManager(HostPool(8, BB), [remote], cost=cost) as manager:
         await manager.store(keys[:1], random_blocks(1))
-        for key in keys[1:4]:
-            await resolve_lookup(remote, key)
+        await known(remote, keys[1:4])
         scheduler = OffloadScheduler(manager)
         with anyio.fail_after(10):
             assert await scheduler.lookup(keys[:4]) == 1  # serve the resident block, now
@@ -51,12 +58,11 @@ async def test_a_tier_slower_than_recompute_is_not_promoted_and_not_waited_for(
 
 
 async def test_stop_waiting_once_waiting_costs_more_than_recomputing(keys: list[bytes]) -> None:
-    remote = await tier_holding(keys[:4])
-    remote.stall("load")  # promotions start, and never land while the request waits
+    # Promotions start, and never land while the request waits.
+    remote = await tier_holding(keys[:4], held="load")
     cost = CostModel(recompute_seconds_per_block=0.001)  # the tier's speed is not known yet
     async with TieringManager(HostPool(8, BB), [remote], cost=cost) as manager:
-        for key in keys[:4]:
-            await resolve_lookup(remote, key)
+        await known(remote, keys[:4])
         scheduler = OffloadScheduler(manager)
         with anyio.fail_after(10):
             assert await scheduler.lookup(keys[:4]) == 0
@@ -70,13 +76,11 @@ async def test_stop_waiting_once_waiting_costs_more_than_recomputing(keys: list[
 
 
 async def test_keep_waiting_when_the_tier_is_faster_than_recompute(keys: list[bytes]) -> None:
-    remote = await tier_holding(keys[:4])
-    remote.stall("load")
+    remote = await tier_holding(keys[:4], held="load")
     cost = CostModel(recompute_seconds_per_block=1000.0)
     cost.observe_promotion("remote", 0.001, BB, ok=True)
     async with TieringManager(HostPool(8, BB), [remote], cost=cost) as manager:
-        for key in keys[:4]:
-            await resolve_lookup(remote, key)
+        await known(remote, keys[:4])
         scheduler = OffloadScheduler(manager)
         with anyio.fail_after(10):
             # it waits on the promotions, then they land
@@ -88,13 +92,11 @@ async def test_keep_waiting_when_the_tier_is_faster_than_recompute(keys: list[by
 async def test_without_a_recompute_estimate_the_wait_lasts_until_the_timeout(
     keys: list[bytes],
 ) -> None:
-    remote = await tier_holding(keys[:2])
-    remote.stall("load")
+    remote = await tier_holding(keys[:2], held="load")
     cost = CostModel()
     cost.observe_promotion("remote", 10.0, BB, ok=True)  # slow, but recompute cost unknown
     async with TieringManager(HostPool(8, BB), [remote], cost=cost) as manager:
-        for key in keys[:2]:
-            await resolve_lookup(remote, key)
+        await known(remote, keys[:2])
         scheduler = OffloadScheduler(manager)
         with anyio.fail_after(10):
             assert await scheduler.lookup(keys[:2], timeout=0.05) == 0
@@ -110,8 +112,7 @@ async def test_the_engine_measured_recompute_cost_is_used(keys: list[bytes]) -> 
     cost.observe_promotion("remote", 10.0, BB, ok=True)
     cost.observe_recompute(blocks=100, seconds=0.1)  # the engine prefills 1 ms a block
     async with TieringManager(HostPool(8, BB), [remote], cost=cost) as manager:
-        for key in keys[:2]:
-            await resolve_lookup(remote, key)
+        await known(remote, keys[:2])
         with anyio.fail_after(10):
             assert await OffloadScheduler(manager).lookup(keys[:2]) == 0
         assert manager.statistics().promotions_declined == 1
@@ -135,16 +136,14 @@ async def test_a_tier_known_only_by_its_slow_writes_is_not_waited_for(keys: list
 async def test_the_request_waits_for_the_fast_tier_but_not_for_a_slow_tiers_checks(
     keys: list[bytes],
 ) -> None:
-    fast = await tier_holding(keys[:2])
-    fast.stall("load")
+    fast = await tier_holding(keys[:2], held="load")
     slow = StallingTier(name="slow")
     slow.stall("contains")  # key 2 is in neither; only the slow tier is still checking it
     cost = CostModel(recompute_seconds_per_block=1.0)
     cost.observe_promotion("remote", 0.001, BB, ok=True)  # the fast tier
     cost.observe_promotion("slow", 10.0, BB, ok=True)
     async with TieringManager(HostPool(8, BB), [fast, slow], cost=cost) as manager:
-        for key in keys[:3]:
-            await resolve_lookup(fast, key)
+        await known(fast, keys[:3])
         scheduler = OffloadScheduler(manager)
         with anyio.fail_after(10):
             # it waits for the fast tier's two blocks
