@@ -13,6 +13,7 @@ from collections import defaultdict
 
 import anyio
 import numpy as np
+import pytest
 
 from kvtier import (
     AdmissionPolicy,
@@ -99,6 +100,16 @@ class SourceTier(MemoryTier):
         self.loaded[key].set()
 
 
+@pytest.fixture
+def fast() -> SourceTier:
+    return SourceTier()
+
+
+@pytest.fixture
+def remote() -> PackingTier:
+    return PackingTier()
+
+
 def paced(
     fast: MemoryTier,
     remote: MemoryTier,
@@ -135,11 +146,10 @@ async def defer_a_group(
 
 
 async def test_a_group_is_loaded_whole_then_stored_all_at_once(
-    keys: list[bytes], clock: ManualClock
+    keys: list[bytes], clock: ManualClock, fast: SourceTier, remote: PackingTier
 ) -> None:
     """No store of a group reaches the tier while a block of the group is still being
     loaded; then all of them start together."""
-    fast, remote = SourceTier(), PackingTier()
     data = random_blocks(10)
     async with paced(fast, remote, clock) as manager:
         group = await defer_a_group(manager, keys, data)
@@ -162,8 +172,9 @@ async def test_a_group_is_loaded_whole_then_stored_all_at_once(
 async def test_a_rate_limit_lets_whole_groups_through_not_single_blocks(
     keys: list[bytes],
     clock: ManualClock,
+    fast: SourceTier,
+    remote: PackingTier,
 ) -> None:
-    fast, remote = SourceTier(), PackingTier()
     data = random_blocks(11)
     async with paced(fast, remote, clock, rate=GROUP) as manager:
         group = await defer_a_group(manager, keys, data, rate=GROUP)
@@ -192,8 +203,9 @@ async def test_a_rate_limit_lets_whole_groups_through_not_single_blocks(
 async def test_a_block_no_faster_tier_gives_is_lost_and_the_rest_of_its_group_written(
     keys: list[bytes],
     clock: ManualClock,
+    fast: SourceTier,
+    remote: PackingTier,
 ) -> None:
-    fast, remote = SourceTier(), PackingTier()
     data = random_blocks(10)
     async with paced(fast, remote, clock) as manager:
         group = await defer_a_group(manager, keys, data)
@@ -213,9 +225,8 @@ async def test_a_block_no_faster_tier_gives_is_lost_and_the_rest_of_its_group_wr
 
 
 async def test_closing_mid_group_accounts_for_every_key(
-    keys: list[bytes], clock: ManualClock
+    keys: list[bytes], clock: ManualClock, fast: SourceTier, remote: PackingTier
 ) -> None:
-    fast, remote = SourceTier(), PackingTier()
     data = random_blocks(10)
     async with paced(fast, remote, clock, close_timeout=0.1) as manager:
         group = await defer_a_group(manager, keys, data)
@@ -234,10 +245,11 @@ async def test_closing_mid_group_accounts_for_every_key(
     await assert_holds(remote, group[:1], data[5:6])
 
 
-async def test_a_group_is_cut_to_what_the_tier_in_flight_limit_holds(keys: list[bytes]) -> None:
+async def test_a_group_is_cut_to_what_the_tier_in_flight_limit_holds(
+    keys: list[bytes], fast: SourceTier, remote: PackingTier
+) -> None:
     """A tier whose in-flight limit holds two blocks gets its deferred writes two at a
     time: a group of four would never be admitted whole."""
-    fast, remote = SourceTier(), PackingTier()
     remote.held = set(keys[:2])
     admission = AdmissionPolicy(
         max_in_flight_bytes={"remote": 2 * BB}, max_write_latency=None, deferred=["remote"]
