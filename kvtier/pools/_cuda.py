@@ -1,4 +1,4 @@
-"""The primary pool in GPU memory (design §3), on CuPy.
+"""The primary pool in GPU memory (design §3), over the CUDA runtime (CuPy's by default).
 
 One device allocation cut into ``num_blocks`` slots; the bookkeeping is the same ``SlotTable``
 as HostPool's (it lives in ``PrimaryPool``). Only the data movement differs, and it lives in
@@ -9,17 +9,20 @@ as HostPool's (it lives in ``PrimaryPool``). Only the data movement differs, and
 - write-through (``drain``): device-to-host into a staging buffer on the download stream, then
   the tier reads the staging buffer;
 - engine store/load (``copy_in``/``copy_out``): device-to-device on the peer stream for GPU
-  buffers (torch CUDA tensors, CuPy arrays), ordered after the engine's current stream; host
-  buffers go through staging, pipelined in chunks.
+  buffers (torch CUDA tensors, CuPy arrays), ordered after the engine's stream; host buffers
+  go through staging, pipelined in chunks.
 
 Staging buffers are a bounded pool per direction (``staging_buffers`` each way), so a slow tier
 write-through can never starve promotions. The event loop never blocks: copies are enqueued
-asynchronously and completion is awaited through ``kvtier.pools._cuda_stream.Completion``.
+asynchronously and a waiter thread per stream tells the loop when they finished
+(``kvtier.pools._cuda_stream``); no Python runs on a CUDA driver thread.
 
 Cancellation: an operation cancelled while a copy runs waits for that copy (shielded, at most
 ``settle_timeout`` seconds) before its staging buffer goes back and before the manager can hand
-the slot to someone else. If the copy outlives that bound (a wedged GPU), the staging buffer is
-returned only when the copy completes, and later copies touching the slot wait on a fence event.
+the slot to someone else. If the copy outlives that bound (a wedged GPU), its buffers are
+returned only when it completes, and later copies touching the slot (and, for engine GPU
+buffers, the engine's stream) wait on a fence event. Closing waits for operations in flight
+and frees nothing a copy may still touch.
 
 CuPy is imported lazily (``kvtier.pools._cupy``): ``import kvtier`` and HostPool work without
 it.
@@ -39,9 +42,8 @@ from kvtier._errors import InvalidArgumentError, LifecycleError
 from kvtier._settings import positive_number
 from kvtier.pools._base import ByteSink, ByteSource, PrimaryPool
 from kvtier.pools._cuda_copies import SlotCopies, TransferStatistics
-from kvtier.pools._cuda_stream import COMPLETIONS
-from kvtier.pools._cupy import device_count, import_cupy
-from kvtier.pools._device import stream_handle
+from kvtier.pools._cupy import CudaRuntime, cupy_runtime, device_count
+from kvtier.pools._device import stream_device, stream_handle
 from kvtier.pools._policy import EvictionPolicy
 
 __all__ = ["CudaPool"]
@@ -54,11 +56,13 @@ class CudaPool(PrimaryPool):
 
     ``staging_buffers``: pinned host buffers per direction (promotions and engine stores from
     host memory use one set, write-through and engine loads into host memory the other).
-    ``completion``: how the loop learns a copy finished, ``"callback"`` (default) or
-    ``"thread"``; see ``kvtier.pools._cuda_stream``. ``engine_stream``: the engine's stream
-    (torch/CuPy stream, ``__cuda_stream__`` object or raw handle) to order GPU-buffer copies
-    after; by default each buffer's library's current stream on the calling thread.
-    ``settle_timeout``: how long a cancelled operation waits for its in-flight copy.
+    ``engine_stream``: the engine's stream (torch/CuPy stream, ``__cuda_stream__`` object or
+    raw handle) to order GPU-buffer copies after; by default each buffer's library's current
+    stream on the calling thread. The object is kept for the pool's life. ``copy_timeout``:
+    how long an operation waits for its copies before it fails. ``settle_timeout``: how long
+    a cancelled or failed operation, and ``aclose``, wait for copies still in flight.
+    ``runtime``: the CUDA runtime calls (``cupy.cuda.runtime`` when None; the tests pass a
+    stand-in).
     """
 
     def __init__(
@@ -69,53 +73,69 @@ class CudaPool(PrimaryPool):
         *,
         policy: str | EvictionPolicy = "lru",
         staging_buffers: int = 8,
-        completion: str = "callback",
         engine_stream: Any = None,
+        copy_timeout: float = 60.0,
         settle_timeout: float = 5.0,
+        runtime: CudaRuntime | None = None,
     ) -> None:
-        cupy = import_cupy()
-        count = device_count(cupy)
+        rt = cupy_runtime() if runtime is None else runtime
+        count = device_count(rt)
         super().__init__(num_blocks, block_bytes, policy=policy)
-        _check_options(count, device, staging_buffers, completion, settle_timeout)
-        self._cupy = cupy
+        _check_options(count, device, staging_buffers, copy_timeout, settle_timeout)
+        _check_engine_stream(engine_stream, device)
+        self._rt = rt
         self.device = device
-        self.completion = completion
         self.staging_buffers = staging_buffers
-        engine = None if engine_stream is None else stream_handle(engine_stream)
         self._settle_timeout = float(settle_timeout)
         self._closed = False
-        with cupy.cuda.Device(device):
+        previous = rt.getDevice()
+        rt.setDevice(device)
+        try:
             nbytes = self.num_blocks * self.block_bytes
             try:
-                self._memory: Any = cupy.cuda.Memory(nbytes)
-            except cupy.cuda.runtime.CUDARuntimeError as exc:
+                self._base: int | None = rt.malloc(nbytes)
+            except rt.CUDARuntimeError as exc:
                 raise InvalidArgumentError(
                     f"cannot allocate {nbytes} bytes ({self.num_blocks} blocks of "
                     f"{self.block_bytes}) on cuda:{device} ({exc}); reduce num_blocks"
                 ) from exc
-            self._base = int(self._memory.ptr)
-            self._copies = SlotCopies(
-                cupy,
-                device=device,
-                base=self._base,
-                num_blocks=self.num_blocks,
-                block_bytes=self.block_bytes,
-                completion=completion,
-                staging_buffers=staging_buffers,
-                engine_stream=engine,
-                settle_timeout=self._settle_timeout,
-            )
+            try:
+                self._copies = SlotCopies(
+                    rt,
+                    device=device,
+                    base=self._base,
+                    num_blocks=self.num_blocks,
+                    block_bytes=self.block_bytes,
+                    staging_buffers=staging_buffers,
+                    engine_stream=engine_stream,
+                    settle_timeout=self._settle_timeout,
+                    copy_timeout=float(copy_timeout),
+                )
+            except BaseException:
+                rt.free(self._base)
+                raise
+        finally:
+            rt.setDevice(previous)
 
     def _check_open(self) -> None:
         if self._closed:
             raise LifecycleError("this CudaPool is closed")
 
-    def slot_array(self, slot: int) -> Any:
-        """A CuPy uint8 view (no copy) of one slot's device memory; for tests and tools."""
+    def slot_bytes(self, slot: int) -> bytes:
+        """A copy of one slot's device memory, read synchronously (it blocks the calling
+        thread until the device is idle); for tests and tools, not the serving path."""
         self._check_open()
-        cuda = self._cupy.cuda
-        pointer = cuda.MemoryPointer(self._memory, self._copies.ptr(slot) - self._base)
-        return self._cupy.ndarray((self.block_bytes,), self._cupy.uint8, pointer)
+        out = bytearray(self.block_bytes)
+        host = memoryview(out)
+        import ctypes
+
+        address = ctypes.addressof(ctypes.c_char.from_buffer(out))
+        with self._copies.on_device():
+            self._rt.memcpy(
+                address, self._copies.ptr(slot), self.block_bytes, self._rt.memcpyDeviceToHost
+            )
+        host.release()
+        return bytes(out)
 
     # -- data movement (kvtier.pools._cuda_copies) -------------------------------------------
 
@@ -140,20 +160,35 @@ class CudaPool(PrimaryPool):
     # -- lifecycle and observation -----------------------------------------------------------
 
     async def aclose(self) -> None:
-        """Wait (shielded, bounded) for queued copies, then free device and pinned memory.
-        Idempotent."""
+        """Refuse new copies, wait (shielded, at most ``settle_timeout``) for the operations
+        in flight and the copies queued, then free device and pinned memory in a worker
+        thread (``cudaFree`` waits for the whole device). What a wedged copy may still touch
+        is kept, not freed. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        synced = False
-        with anyio.move_on_after(self._settle_timeout, shield=True):
-            await anyio.to_thread.run_sync(self._copies.synchronize, abandon_on_cancel=True)
-            synced = True
-        if not synced:  # a wedged copy: keep the memory rather than free it under the DMA
-            logger.warning("CudaPool on cuda:%d closed with copies still queued", self.device)
+        if not await self._copies.drain_all():
+            logger.warning(
+                "CudaPool on cuda:%d closed with %d operation(s) or copies still in flight; "
+                "its memory is kept",
+                self.device,
+                self._copies.statistics().operations_in_flight,
+            )
             return
-        self._copies.close()
-        self._memory = None
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(self._free, limiter=anyio.CapacityLimiter(1))
+
+    def _free(self) -> None:  # worker thread
+        base, self._base = self._base, None
+        try:
+            if not self._copies.release():
+                logger.warning("CudaPool on cuda:%d: a copy never finished", self.device)
+                return
+            if base is not None:
+                with self._copies.on_device():
+                    self._rt.free(base)
+        except Exception:  # a dead context: the memory goes with it
+            logger.exception("freeing CudaPool memory on cuda:%d failed", self.device)
 
     def transfer_statistics(self) -> TransferStatistics:
         return self._copies.statistics()
@@ -161,14 +196,15 @@ class CudaPool(PrimaryPool):
     def __repr__(self) -> str:
         t = self.transfer_statistics()
         return (
-            f"{super().__repr__()[:-1]} device=cuda:{self.device} completion={self.completion} "
+            f"{super().__repr__()[:-1]} device=cuda:{self.device} "
             f"staging_free={t.upload_staging_free}+{t.download_staging_free}/"
-            f"{self.staging_buffers}x2{' closed' if self._closed else ''}>"
+            f"{self.staging_buffers}x2 in_flight={t.operations_in_flight}"
+            f"{' closed' if self._closed else ''}>"
         )
 
 
 def _check_options(
-    count: int, device: int, staging_buffers: int, completion: str, settle_timeout: float
+    count: int, device: int, staging_buffers: int, copy_timeout: float, settle_timeout: float
 ) -> None:
     """CudaPool's own arguments, checked before anything is allocated (``count``: devices
     visible)."""
@@ -184,6 +220,19 @@ def _check_options(
         raise InvalidArgumentError(
             f"staging_buffers must be a positive int, got {staging_buffers!r}"
         )
-    if completion not in COMPLETIONS:
-        raise InvalidArgumentError(f"completion must be one of {COMPLETIONS}, got {completion!r}")
+    positive_number(copy_timeout, "copy_timeout")
     positive_number(settle_timeout, "settle_timeout")
+
+
+def _check_engine_stream(engine_stream: Any, device: int) -> None:
+    """The engine stream must be a stream (``stream_handle`` says what is accepted) on the
+    pool's device, when its object says which device it is on."""
+    if engine_stream is None:
+        return
+    stream_handle(engine_stream)
+    on = stream_device(engine_stream)
+    if on is not None and on != device:
+        raise InvalidArgumentError(
+            f"engine_stream is on cuda:{on} but this CudaPool is on cuda:{device}; "
+            "pass the engine's stream on the pool's device"
+        )

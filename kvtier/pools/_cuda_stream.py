@@ -1,36 +1,45 @@
 """CUDA plumbing for CudaPool: bounded pinned staging buffers, copy lanes, and completions the
-event loop can await without blocking.
+event loop awaits without blocking and without Python running on a CUDA driver thread.
 
-Two ways to learn that a copy finished (``completion=`` on CudaPool):
+How the loop learns that copies finished: ``Lane.mark`` records a blocking-sync event after
+them on the lane's stream and queues it for the lane's *waiter*, one ordinary Python thread
+per lane that takes the events in order (a stream completes them in order),
+``cudaEventSynchronize``-s each and hands the result to the loop with
+``call_soon_threadsafe``. No host function is ever enqueued on a stream: a Python host
+function runs on a driver thread and needs the GIL while the loop thread may hold it inside a
+CUDA call, which deadlocks, and it never runs at all after a context error. The waiter also
+holds no token of anyio's default thread limiter, which the tiers share.
 
-- ``"callback"``: record a CUDA event after the copies, make a *notifier* stream wait for it and
-  enqueue a host function there (``cudaLaunchHostFunc``) that resolves the completion through
-  ``loop.call_soon_threadsafe``. The notifier stream exists because a host function stalls the
-  stream it sits on until it has run; on the copy stream that would put a callback's latency
-  between every two copies. No thread is held while a copy runs, and completions asked for in
-  the same loop iteration share one event and one callback (see ``Lane``).
-- ``"thread"``: record a blocking-sync CUDA event and wait for it in an anyio worker thread
-  (``cudaEventSynchronize``). Works on any anyio backend; holds one worker thread per waiting
-  operation.
-
-``callback`` needs asyncio (it uses the running loop); on another backend CudaPool falls back to
-``thread`` for that operation. benchmarks/gpu_check.py measures both.
+Errors: a CUDA error seen by the waiter (a sticky context error makes every later call fail
+too) resolves the completion as failed; once the context is dead no copy can still run, so
+the caller may return its buffers. When recording the event fails, the completion waits for
+the whole stream instead (``cudaStreamSynchronize``) and then reports the recording's error:
+whatever was enqueued before is known to have finished either way.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import functools
+import logging
+import threading
+from collections import deque
 from collections.abc import Callable
-from typing import Any
 
 import anyio
-import anyio.to_thread
+import anyio.from_thread
+import anyio.lowlevel
 import numpy as np
 
-__all__ = ["COMPLETIONS", "Completion", "Lane", "StagingBuffer", "StagingPool"]
+from kvtier.pools._cupy import CudaRuntime
 
-COMPLETIONS = ("callback", "thread")
+__all__ = ["Completion", "Lane", "StagingBuffer", "StagingPool"]
+
+logger = logging.getLogger(__name__)
+
+_Schedule = Callable[..., object]
 
 
 class StagingBuffer:
@@ -52,20 +61,20 @@ class StagingPool:
     ``try_acquire`` and retire its own work first); that rule keeps the pool deadlock-free.
     """
 
-    def __init__(self, cupy: Any, count: int, nbytes: int) -> None:
+    def __init__(self, runtime: CudaRuntime, count: int, nbytes: int) -> None:
         self.count = count
         self.nbytes = nbytes
-        self._memory: Any = cupy.cuda.PinnedMemoryPointer(cupy.cuda.PinnedMemory(count * nbytes), 0)
-        whole = np.frombuffer(self._memory, np.uint8, count * nbytes)
-        base = int(self._memory.ptr)
+        self._runtime = runtime
+        self.ptr: int | None = runtime.hostAlloc(count * nbytes, 0)
+        pinned = (ctypes.c_ubyte * (count * nbytes)).from_address(self.ptr)
+        whole = np.frombuffer(memoryview(pinned), np.uint8)
         self._buffers = [
-            StagingBuffer(i, base + i * nbytes, whole.data[i * nbytes : (i + 1) * nbytes])
+            StagingBuffer(i, self.ptr + i * nbytes, whole.data[i * nbytes : (i + 1) * nbytes])
             for i in range(count)
         ]
         self._free = list(reversed(self._buffers))
         self._semaphore = anyio.Semaphore(count)
         self.waits = 0
-        self.closed = False
 
     @property
     def available(self) -> int:
@@ -101,33 +110,26 @@ class StagingPool:
             self._free.append(buffer)
             self._semaphore.release()
 
-    def close(self) -> None:
-        """Drop the pinned memory (freed when the last view of it goes)."""
-        self.closed = True
+    def free(self) -> None:
+        """Free the pinned memory (blocks until the device is idle: call it in a worker
+        thread, only once no copy and no tier can touch a buffer)."""
+        ptr, self.ptr = self.ptr, None
         self._buffers.clear()
-        self._memory = None
+        self._free.clear()
+        if ptr is not None:
+            self._runtime.freeHost(ptr)
 
 
 class Completion:
-    """The point in a stream after the copies issued so far (and maybe a few more)."""
+    """The point in a lane's stream after some copies: set on the loop thread once they ran,
+    failed once CUDA reported an error instead (nothing runs on that context any more)."""
 
-    __slots__ = (
-        "_callbacks",
-        "_cuda_event",
-        "_error",
-        "_event",
-        "_synced",
-        "_threaded",
-        "_waiting",
-    )
+    __slots__ = ("_callbacks", "_error", "_event", "event")
 
-    def __init__(self, cuda_event: Any, *, threaded: bool) -> None:
-        self._cuda_event = cuda_event
-        self._threaded = threaded
+    def __init__(self, event: int | None) -> None:
+        self.event = event  # the CUDA event recorded after the copies; None: stream-wide
         self._event = anyio.Event()
         self._callbacks: list[Callable[[], None]] = []
-        self._waiting = False
-        self._synced = False
         self._error: BaseException | None = None
 
     def done(self) -> bool:
@@ -140,102 +142,137 @@ class Completion:
         else:
             self._callbacks.append(callback)
 
-    def set(self) -> None:
-        """Mark done; runs on the loop thread."""
+    def resolve(self, error: BaseException | None) -> None:
+        """The copies ran (``error`` None) or never will; on the loop thread."""
         if self._event.is_set():
             return
+        self._error = error
         self._event.set()
         callbacks, self._callbacks = self._callbacks, []
         for callback in callbacks:
-            callback()
-
-    def fail(self, error: BaseException) -> None:
-        """The completion could not be armed (a CUDA error): waiters get ``error``."""
-        self._error = error
-        self.set()
-
-    def _synchronize(self) -> None:  # worker thread
-        self._cuda_event.synchronize()
-        self._synced = True
+            try:
+                callback()
+            except Exception:
+                logger.exception("a CUDA completion callback failed")
 
     async def wait(self) -> None:
-        if not self._event.is_set():
-            if not self._threaded or self._waiting:
-                await self._event.wait()
-            else:
-                self._waiting = True
-                try:
-                    # Not abandoned on cancel: a cancelled waiter still learns when the DMA
-                    # ended, so its staging buffer is never reused while the copy may run.
-                    await anyio.to_thread.run_sync(self._synchronize)
-                finally:
-                    self._waiting = False
-                    if self._synced:
-                        self.set()
+        """Until the copies ran; raises the CUDA error that ended them instead."""
+        await self._event.wait()
         if self._error is not None:
             raise self._error
 
+    async def settled(self) -> None:
+        """Until the copies ran or never will; never raises their error."""
+        await self._event.wait()
 
-def _fire(arg: tuple[asyncio.AbstractEventLoop, Completion]) -> None:
-    """The host function: runs on a CUDA driver thread, so it only hands over to the loop."""
-    loop, completion = arg
-    with contextlib.suppress(RuntimeError):  # the loop has closed: nobody is waiting any more
-        loop.call_soon_threadsafe(completion.set)
+
+def _scheduler() -> _Schedule:
+    """How a thread hands a call to the running event loop (asyncio or trio)."""
+    try:
+        return asyncio.get_running_loop().call_soon_threadsafe
+    except RuntimeError:  # not asyncio: anyio's portal (the waiter waits for the loop)
+        return functools.partial(anyio.from_thread.run_sync, token=anyio.lowlevel.current_token())
 
 
 class Lane:
-    """One copy direction: a non-blocking stream for the copies and, in callback mode, a
-    notifier stream that carries only the host functions.
+    """One copy direction: a non-blocking stream, a free list of events and the waiter
+    thread that resolves the lane's completions in order."""
 
-    In callback mode the completions asked for in one event-loop iteration are coalesced:
-    the first ``mark`` opens a completion and schedules ``_arm`` with ``call_soon``; every
-    ``mark`` until then shares it. ``_arm`` records one event after all those copies and
-    enqueues one host function, so a burst of promotions costs one event, one callback and
-    one loop wake-up instead of one each. The copies themselves were enqueued at once.
-    """
+    def __init__(self, runtime: CudaRuntime, device: int, name: str) -> None:
+        self._runtime = runtime
+        self.device = device
+        self.name = name
+        self.stream = runtime.streamCreateWithFlags(runtime.streamNonBlocking)
+        self._event_flags = runtime.eventBlockingSync | runtime.eventDisableTiming
+        self._events: list[int] = []  # recorded and completed: free to record again
+        self._queue: deque[tuple[int | None, Completion, _Schedule, BaseException | None]]
+        self._queue = deque()
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.pending = 0
 
-    def __init__(self, cupy: Any, completion: str, device: int) -> None:
-        self._cupy = cupy
-        self._device = device
-        self.stream: Any = cupy.cuda.Stream(non_blocking=True)
-        self._notifier: Any = (
-            cupy.cuda.Stream(non_blocking=True) if completion == "callback" else None
-        )
-        self._open: Completion | None = None
-
-    def mark(self) -> Completion:
-        """A completion for everything issued on the lane's stream so far. Call it on the loop
-        thread with the pool's device current."""
-        cuda = self._cupy.cuda
-        if self._notifier is not None:
-            if self._open is not None:
-                return self._open
+    def mark(self, error: BaseException | None = None) -> Completion:
+        """A completion for everything enqueued on the stream so far; call it on the loop
+        thread with the lane's device current. Never raises a CUDA error: one is reported by
+        the completion, after the stream drained. ``error``: enqueueing failed partway;
+        the completion reports it once what did get enqueued has run."""
+        event: int | None = None
+        if error is None:
             try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:  # not on asyncio: wait in a worker thread instead
-                pass
-            else:
-                done = self._open = Completion(None, threaded=False)
-                loop.call_soon(self._arm, loop)
-                return done
-        event = cuda.Event(block=True, disable_timing=True)
-        event.record(self.stream)
-        return Completion(event, threaded=True)
+                event = self._events.pop() if self._events else self._new_event()
+                try:
+                    self._runtime.eventRecord(event, self.stream)
+                except BaseException:
+                    self._events.append(event)
+                    raise
+            except Exception as exc:
+                event, error = None, exc
+        done = Completion(event)
+        self._start()
+        with self._cv:
+            self._queue.append((event, done, _scheduler(), error))
+            self.pending += 1
+            self._cv.notify()
+        return done
 
-    def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
-        done, self._open = self._open, None
-        assert done is not None
-        try:
-            with self._cupy.cuda.Device(self._device):
-                event = self._cupy.cuda.Event(disable_timing=True)
-                event.record(self.stream)
-                self._notifier.wait_event(event)
-                self._notifier.launch_host_func(_fire, (loop, done))
-        except Exception as exc:  # CUDA refused: fail the waiters instead of leaving them
-            done.fail(exc)
+    def _new_event(self) -> int:
+        return self._runtime.eventCreateWithFlags(self._event_flags)
 
-    def synchronize(self) -> None:
-        """Block until everything on the lane ran (a worker thread calls this on close)."""
-        self.stream.synchronize()
-        if self._notifier is not None:
-            self._notifier.synchronize()
+    def _start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._wait_in_order,
+                name=f"kvtier-cuda{self.device}-{self.name}",
+                daemon=True,
+            )
+            self._thread.start()
+
+    def _wait_in_order(self) -> None:  # the waiter thread
+        with contextlib.suppress(Exception):  # a dead context: the waits below say so
+            self._runtime.setDevice(self.device)
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: bool(self._queue) or self._stopping)
+                if not self._queue:
+                    return
+                event, done, schedule, error = self._queue.popleft()
+            failure = error
+            try:
+                if event is None:
+                    self._runtime.streamSynchronize(self.stream)
+                else:
+                    self._runtime.eventSynchronize(event)
+            except Exception as exc:
+                failure = exc
+            with contextlib.suppress(Exception):  # the loop has closed: nobody is waiting
+                schedule(self._resolved, done, event, failure)
+
+    def _resolved(self, done: Completion, event: int | None, error: BaseException | None) -> None:
+        """On the loop thread: resolve ``done``, then reuse its event (callbacks first: a
+        fence on that event is dropped before the event is recorded again)."""
+        self.pending -= 1
+        done.resolve(error)
+        if event is not None and error is None:
+            self._events.append(event)
+
+    def stop(self, timeout: float) -> bool:
+        """End the waiter once its queue is empty (a worker thread calls this at close);
+        False when it is still waiting on a copy after ``timeout`` seconds."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            return not self._thread.is_alive()
+        return True
+
+    def destroy(self) -> None:
+        """Destroy the stream and the events (after ``stop`` returned True)."""
+        for event in self._events:
+            self._runtime.eventDestroy(event)
+        self._events.clear()
+        self._runtime.streamDestroy(self.stream)
+
+    def __repr__(self) -> str:
+        return f"<Lane {self.name} cuda:{self.device} pending={self.pending}>"

@@ -1,20 +1,69 @@
-"""CuPy, the ``kvtier[cuda]`` extra, imported when first used, and the CUDA devices it sees.
+"""CuPy, the ``kvtier[cuda]`` extra, imported when first used, and the CUDA runtime calls
+CudaPool makes through it.
 
 ``import kvtier`` and HostPool never import CuPy; CudaPool does when it is built, and says
 which extra to install, or why no device is usable, when it cannot run.
+
+``CudaRuntime`` is the one seam between CudaPool and CUDA: the handful of ``cudart`` calls the
+pool makes, named and typed as ``cupy.cuda.runtime`` names them (raw handles and pointers as
+ints). ``cupy_runtime()`` is that module; the tests pass a stand-in with the same calls
+(``devtools.fake_cuda``) so the pool's ordering, cancellation and close logic runs without a
+GPU.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 from kvtier._errors import ExtraNotInstalledError, KVTierError
 
-__all__ = ["CudaUnavailableError", "cuda_available", "device_count", "import_cupy"]
+__all__ = [
+    "CudaRuntime",
+    "CudaUnavailableError",
+    "cuda_available",
+    "cupy_runtime",
+    "device_count",
+    "import_cupy",
+]
 
 
 class CudaUnavailableError(KVTierError, RuntimeError):
     """CuPy is installed but no usable CUDA device is visible."""
+
+
+class CudaRuntime(Protocol):
+    """The CUDA runtime calls CudaPool makes (``cupy.cuda.runtime`` has them all).
+
+    Blocking calls (``eventSynchronize``, ``streamSynchronize``, ``free``, ``freeHost``)
+    are only ever made off the event loop thread.
+    """
+
+    memcpyHostToDevice: int
+    memcpyDeviceToHost: int
+    memcpyDeviceToDevice: int
+    streamNonBlocking: int
+    eventBlockingSync: int
+    eventDisableTiming: int
+    CUDARuntimeError: type[Exception]
+
+    def getDeviceCount(self) -> int: ...
+    def getDevice(self) -> int: ...
+    def setDevice(self, device: int) -> None: ...
+    def malloc(self, size: int) -> int: ...
+    def free(self, ptr: int) -> None: ...
+    def hostAlloc(self, size: int, flags: int) -> int: ...
+    def freeHost(self, ptr: int) -> None: ...
+    def memcpy(self, dst: int, src: int, size: int, kind: int) -> None: ...
+    def memcpyAsync(self, dst: int, src: int, size: int, kind: int, stream: int) -> None: ...
+    def streamCreateWithFlags(self, flags: int) -> int: ...
+    def streamDestroy(self, stream: int) -> None: ...
+    def streamSynchronize(self, stream: int) -> None: ...
+    def streamWaitEvent(self, stream: int, event: int, flags: int = 0) -> None: ...
+    def eventCreateWithFlags(self, flags: int) -> int: ...
+    def eventDestroy(self, event: int) -> None: ...
+    def eventRecord(self, event: int, stream: int) -> None: ...
+    def eventSynchronize(self, event: int) -> None: ...
+    def pointerGetAttributes(self, ptr: int) -> Any: ...
 
 
 def import_cupy() -> Any:
@@ -26,10 +75,17 @@ def import_cupy() -> Any:
     return cupy
 
 
-def device_count(cupy: Any) -> int:
-    """How many CUDA devices CuPy sees; ``CudaUnavailableError`` (saying why) when none."""
+def cupy_runtime() -> CudaRuntime:
+    """``cupy.cuda.runtime``, the runtime CudaPool uses unless it is given another."""
+    runtime: CudaRuntime = import_cupy().cuda.runtime
+    return runtime
+
+
+def device_count(runtime: CudaRuntime) -> int:
+    """How many CUDA devices ``runtime`` sees; ``CudaUnavailableError`` (saying why) when
+    none."""
     try:
-        count = int(cupy.cuda.runtime.getDeviceCount())
+        count = int(runtime.getDeviceCount())
     except Exception as exc:  # CUDARuntimeError: no driver, driver too old, no device
         raise CudaUnavailableError(
             f"no CUDA device visible ({exc}); use kvtier.HostPool on machines without a GPU"
@@ -42,13 +98,13 @@ def device_count(cupy: Any) -> int:
 
 
 def cuda_available() -> tuple[bool, str]:
-    """Whether CudaPool can run here, and why not (for skips and error messages)."""
+    """Whether CudaPool can run here on CuPy, and why not (for skips and error messages)."""
     try:
-        cupy = import_cupy()
+        runtime = cupy_runtime()
     except ExtraNotInstalledError:
         return False, "no CUDA GPU: cupy not installed"
     try:
-        count = device_count(cupy)
+        count = device_count(runtime)
     except CudaUnavailableError as exc:
         return False, str(exc)
     return True, f"{count} CUDA device(s) visible"

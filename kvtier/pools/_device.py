@@ -12,19 +12,25 @@ it, which is what DLPack would give us too, without creating a capsule per block
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvtier._errors import InvalidArgumentError
 
+if TYPE_CHECKING:
+    from kvtier.pools._cupy import CudaRuntime
+
 __all__ = [
     "DeviceArray",
     "current_stream",
     "device_array",
+    "engine_stream_handle",
     "external_stream",
     "host_device_copy",
+    "stream_device",
     "stream_handle",
 ]
 
@@ -52,8 +58,13 @@ def _framework(obj: object) -> str:
     )
 
 
-def device_array(obj: Any) -> DeviceArray:
-    """The pointer, byte size and device of a contiguous GPU array (checked by split_blocks)."""
+def device_array(obj: Any, runtime: CudaRuntime | None = None) -> DeviceArray:
+    """The pointer, byte size and device of a contiguous GPU array (checked by split_blocks).
+
+    A foreign producer's ``__cuda_array_interface__`` is read directly, never through
+    ``cupy.asarray``: that would synchronise the producer's stream on the calling thread (the
+    event loop). Its device comes from ``runtime`` (CuPy's when not given).
+    """
     framework = _framework(obj)
     if framework == "torch":
         return DeviceArray(
@@ -62,12 +73,37 @@ def device_array(obj: Any) -> DeviceArray:
     if framework == "cupy":
         return DeviceArray(obj, int(obj.data.ptr), int(obj.nbytes), int(obj.device.id), "cupy")
     interface = obj.__cuda_array_interface__
-    import cupy  # a foreign producer: CuPy reads the interface for us (zero-copy)
-
-    arr = cupy.asarray(obj)
-    if interface.get("strides") is not None and not arr.flags.c_contiguous:
+    shape = tuple(int(n) for n in interface["shape"])
+    itemsize = np.dtype(interface["typestr"]).itemsize
+    strides = interface.get("strides")
+    if strides is not None and tuple(strides) != _c_strides(shape, itemsize):
         raise InvalidArgumentError(f"GPU buffer of type {type(obj).__name__} must be C-contiguous")
-    return DeviceArray(obj, int(arr.data.ptr), int(arr.nbytes), int(arr.device.id), "cai")
+    ptr = int(interface["data"][0])
+    if runtime is None:
+        from kvtier.pools._cupy import cupy_runtime
+
+        runtime = cupy_runtime()
+    device = int(runtime.pointerGetAttributes(ptr).device)
+    return DeviceArray(obj, ptr, itemsize * math.prod(shape), device, "cai")
+
+
+def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    strides = []
+    step = itemsize
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
+
+
+def engine_stream_handle(arr: DeviceArray) -> int | None:
+    """The raw handle of the stream ``arr``'s producer works on, for a copy to wait on; None
+    when nothing needs waiting for (``__cuda_array_interface__`` without a stream). Call it
+    on the loop thread: torch's and CuPy's current streams are thread-local."""
+    if arr.framework == "cai":
+        stream = arr.obj.__cuda_array_interface__.get("stream")
+        return None if stream is None else int(stream)
+    return stream_handle(current_stream(arr))
 
 
 def current_stream(arr: DeviceArray) -> Any:
@@ -124,6 +160,18 @@ def stream_handle(stream: Any) -> int:
         "engine_stream must be a torch.cuda.Stream, a cupy.cuda.Stream, an object with "
         f"__cuda_stream__ or a raw stream handle (int), got {type(stream).__name__}"
     )
+
+
+def stream_device(stream: Any) -> int | None:
+    """The device of a torch or CuPy stream object; None when it does not say (a raw handle,
+    a ``__cuda_stream__`` object)."""
+    device = getattr(stream, "device", None)
+    if device is not None and isinstance(getattr(device, "index", None), int):  # torch
+        return int(device.index)
+    device_id = getattr(stream, "device_id", None)  # cupy.cuda.Stream
+    if isinstance(device_id, int) and device_id >= 0:
+        return device_id
+    return None
 
 
 def host_device_copy(host: memoryview, arr: DeviceArray, stream: Any, *, to_device: bool) -> None:

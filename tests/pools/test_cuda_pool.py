@@ -1,21 +1,27 @@
-"""The primary-pool contract, run on HostPool everywhere and on CudaPool where a GPU is visible
-(both completion modes), plus CudaPool specifics: bounded staging, cancellation, GPU buffers.
+"""The primary-pool contract, run on HostPool and on CudaPool, plus CudaPool specifics:
+bounded staging, cancellation, close, errors, abandoned copies, GPU buffers.
 
-Without a GPU (CI) every ``cuda-*`` case skips with the reason ``cuda_available()`` gives.
+CudaPool runs everywhere on the CUDA stand-in (``devtools.fake_cuda``: streams as FIFO
+worker threads, events, gates, sticky errors, poisoned freed memory), and on CuPy as well
+where a GPU is visible (``cupy`` cases, marked ``gpu``; ``nox -s gpu`` runs them). Tests that
+need the stand-in's gates or faults run on it alone; everything else runs on both unchanged.
 """
 
 from __future__ import annotations
 
 import os
+import pathlib
 import subprocess
 import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
+import anyio.to_thread
 import numpy as np
 import pytest
 
+from devtools.fake_cuda import FakeCuda, FakeCudaError, FakeDeviceArray, Hold
 from kvtier import (
     ExtraNotInstalledError,
     InvalidArgumentError,
@@ -28,63 +34,114 @@ from kvtier import (
 from kvtier._buffers import BlockBuffer
 from kvtier.pools._base import PrimaryPool
 from kvtier.pools._cuda import CudaPool
-from kvtier.pools._cupy import CudaUnavailableError, cuda_available
+from kvtier.pools._cupy import CudaUnavailableError, cuda_available, cupy_runtime
 from kvtier.pools._host import HostPool
 from kvtier.tiers._memory import MemoryTier
 
 CUDA_OK, CUDA_REASON = cuda_available()
-needs_gpu = pytest.mark.skipif(not CUDA_OK, reason=CUDA_REASON)
 
 BLOCK = 64 * 1024  # big enough that staged copies take the worker-thread path in batches
+BIG_BLOCK = 1536 * 1024  # one block past the inline host-copy bound
+
+
+class Cuda:
+    """One CUDA runtime for the tests: the stand-in, or CuPy on a real GPU."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.fake: FakeCuda | None = FakeCuda(devices=2) if name == "fake" else None
+        self.runtime: Any = self.fake if self.fake is not None else cupy_runtime()
+        self.pools: list[CudaPool] = []
+
+    def pool(self, num_blocks: int, block_bytes: int = BLOCK, **options: Any) -> CudaPool:
+        pool = CudaPool(num_blocks, block_bytes, runtime=self.runtime, **options)
+        self.pools.append(pool)
+        return pool
+
+    def device_blocks(self, data: np.ndarray, stream: int | None = None) -> list[Any]:
+        """One GPU array per row of ``data``, adjacent in memory (like one engine tensor)."""
+        if self.fake is not None:
+            whole = FakeDeviceArray(self.fake, data.nbytes, stream=stream)
+            whole.write(data.tobytes())
+            return whole.split(len(data))
+        import cupy
+
+        array = cupy.asarray(data)
+        return [array[i] for i in range(len(data))]
+
+    def read(self, arrays: list[Any]) -> np.ndarray:
+        if self.fake is not None:
+            return np.stack([np.frombuffer(a.read(), np.uint8) for a in arrays])
+        import cupy
+
+        return np.stack([cupy.asnumpy(a) for a in arrays])
+
+
+CUDA_RUNTIMES = ["fake", pytest.param("cupy", marks=pytest.mark.gpu)]
+
+
+def _open(name: str) -> Cuda:
+    if name == "cupy" and not CUDA_OK:
+        pytest.skip(CUDA_REASON)
+    return Cuda(name)
+
+
+async def _close(runtime: Cuda) -> None:
+    """Close the runtime's pools; on the stand-in, check that no copy touched memory it must
+    not (freed, foreign, or the wrong side of a copy)."""
+    for pool in runtime.pools:
+        pool.table.check_invariants()
+        await pool.aclose()
+    if runtime.fake is not None:
+        assert runtime.fake.violations == []
+        runtime.fake.close()
+
+
+@pytest.fixture(params=CUDA_RUNTIMES)
+async def cuda(request: pytest.FixtureRequest) -> AsyncIterator[Cuda]:
+    """A CUDA runtime: the stand-in, and CuPy where a GPU is visible."""
+    runtime = _open(request.param)
+    yield runtime
+    await _close(runtime)
+
+
+@pytest.fixture
+def fake(cuda: Cuda) -> FakeCuda:
+    """The stand-in, for tests that need its gates and faults (skipped on real CuPy)."""
+    if cuda.fake is None:
+        pytest.skip("needs the CUDA stand-in's gates and faults")
+    return cuda.fake
 
 
 class MakePool:
     """Builds pools of one kind; CudaPool options are ignored for HostPool."""
 
-    def __init__(self, kind: str) -> None:
-        self.kind = kind
+    def __init__(self, cuda: Cuda | None) -> None:
+        self.cuda = cuda
         self.pools: list[PrimaryPool] = []
 
     def __call__(
         self, num_blocks: int, block_bytes: int = BLOCK, **cuda_options: Any
     ) -> PrimaryPool:
-        pool: PrimaryPool
-        if self.kind == "host":
-            pool = HostPool(num_blocks, block_bytes)
-        else:
-            completion = self.kind.removeprefix("cuda-")
-            pool = CudaPool(num_blocks, block_bytes, completion=completion, **cuda_options)
+        if self.cuda is not None:
+            return self.cuda.pool(num_blocks, block_bytes, **cuda_options)
+        pool = HostPool(num_blocks, block_bytes)
         self.pools.append(pool)
         return pool
 
 
-def _torch_cuda() -> tuple[bool, str]:
-    try:
-        import torch
-    except ImportError:
-        return False, "torch not installed"
-    if not torch.cuda.is_available():
-        return False, "no CUDA GPU visible to torch"
-    return True, ""
-
-
-@pytest.fixture(
-    params=[
-        "host",
-        pytest.param("cuda-callback", marks=pytest.mark.gpu),
-        pytest.param("cuda-thread", marks=pytest.mark.gpu),
-    ]
-)
+@pytest.fixture(params=["host", "cuda-fake", pytest.param("cuda-cupy", marks=pytest.mark.gpu)])
 async def make_pool(request: pytest.FixtureRequest) -> AsyncIterator[MakePool]:
     """Builds pools of the parametrised kind and closes them after the test."""
     kind: str = request.param
-    if kind.startswith("cuda") and not CUDA_OK:
-        pytest.skip(CUDA_REASON)
-    make = MakePool(kind)
+    runtime = _open(kind.removeprefix("cuda-")) if kind.startswith("cuda") else None
+    make = MakePool(runtime)
     yield make
     for pool in make.pools:
         pool.table.check_invariants()
         await pool.aclose()
+    if runtime is not None:
+        await _close(runtime)
 
 
 def _blocks(n: int, block_bytes: int = BLOCK) -> np.ndarray:
@@ -103,20 +160,25 @@ async def _read_back(pool: PrimaryPool, slots: list[int]) -> np.ndarray:
     return out
 
 
-def _staging_free(pool: PrimaryPool) -> tuple[int, int] | None:
-    if isinstance(pool, CudaPool):
-        stats = pool.transfer_statistics()
-        assert stats.upload_staging_free <= stats.staging_buffers
-        return stats.upload_staging_free, stats.download_staging_free
-    return None
-
-
 def _all_staging_free(pool: PrimaryPool) -> bool:
-    free = _staging_free(pool)
-    if free is None:
+    if not isinstance(pool, CudaPool):
         return True
-    assert isinstance(pool, CudaPool)
-    return free == (pool.staging_buffers, pool.staging_buffers)
+    stats = pool.transfer_statistics()
+    return (stats.upload_staging_free, stats.download_staging_free) == (
+        pool.staging_buffers,
+        pool.staging_buffers,
+    )
+
+
+async def _until(event: Any) -> None:
+    """Wait for a stand-in gate or a threading.Event off the loop."""
+    assert await anyio.to_thread.run_sync(event.wait, 30), "the stand-in never got there"
+
+
+async def _quiet(fake: FakeCuda) -> None:
+    """Until every fake stream that could run has run, and every task is blocked."""
+    await anyio.to_thread.run_sync(fake.wait_quiet)
+    await anyio.wait_all_tasks_blocked()
 
 
 # -- the contract every pool keeps -------------------------------------------------------------
@@ -159,12 +221,15 @@ async def test_copy_in_then_drain_round_trips(make_pool: MakePool, keys: list[by
     assert _all_staging_free(pool)
 
 
+@pytest.mark.parametrize("block_bytes", [BLOCK, BIG_BLOCK])
 async def test_batches_larger_than_staging_round_trip(
-    make_pool: MakePool, keys: list[bytes]
+    make_pool: MakePool, block_bytes: int
 ) -> None:
-    pool = make_pool(24, staging_buffers=3)
-    data = _blocks(20)
-    slots = [_reserve(pool, k) for k in block_keys(list(range(80)), 4)]
+    """Big blocks take the threaded host copy; more blocks than staging buffers take the
+    retire-before-acquire path."""
+    pool = make_pool(12, block_bytes, staging_buffers=3)
+    data = _blocks(10, block_bytes)
+    slots = [_reserve(pool, k) for k in block_keys(list(range(40)), 4)]
     await pool.copy_in(slots, [BlockBuffer(row.data) for row in data])
     for slot in slots:
         pool.commit(slot)
@@ -242,15 +307,13 @@ async def test_manager_store_write_through_promote_and_load(make_pool: MakePool)
         assert manager.statistics().promotions_succeeded == len(keys)
 
 
-# -- CudaPool specifics ------------------------------------------------------------------------
+# -- CudaPool on any runtime -------------------------------------------------------------------
 
 
-@needs_gpu
-@pytest.mark.gpu
 async def test_promotions_wait_for_a_staging_buffer_instead_of_allocating(
-    keys: list[bytes],
+    cuda: Cuda, keys: list[bytes]
 ) -> None:
-    pool = CudaPool(4, BLOCK, staging_buffers=1)
+    pool = cuda.pool(4, staging_buffers=1)
     first_in, release_first = anyio.Event(), anyio.Event()
     entered: list[int] = []
 
@@ -262,60 +325,78 @@ async def test_promotions_wait_for_a_staging_buffer_instead_of_allocating(
     async def second(view: memoryview) -> None:
         entered.append(2)
 
-    try:
-        a, b = _reserve(pool, keys[0]), _reserve(pool, keys[1])
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(pool.fill, a, first)
-            await first_in.wait()
-            tg.start_soon(pool.fill, b, second)
-            await anyio.wait_all_tasks_blocked()
-            assert entered == [1]  # the second promotion queues for the only buffer
-            assert pool.transfer_statistics().staging_waits == 1
-            release_first.set()
-        assert entered == [1, 2]
-        assert pool.transfer_statistics().upload_staging_free == 1
-    finally:
-        await pool.aclose()
+    a, b = _reserve(pool, keys[0]), _reserve(pool, keys[1])
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(pool.fill, a, first)
+        await first_in.wait()
+        tg.start_soon(pool.fill, b, second)
+        await anyio.wait_all_tasks_blocked()
+        assert entered == [1]  # the second promotion queues for the only buffer
+        assert pool.transfer_statistics().staging_waits == 1
+        release_first.set()
+    assert entered == [1, 2]
+    assert pool.transfer_statistics().upload_staging_free == 1
 
 
-@needs_gpu
-@pytest.mark.gpu
-async def test_slot_bytes_land_in_device_memory(keys: list[bytes]) -> None:
-    import cupy
-
-    pool = CudaPool(2, BLOCK)
-    try:
-        data = _blocks(1)[0]
-        slot = _reserve(pool, keys[0])
-        await pool.copy_in([slot], [BlockBuffer(data.data)])
-        assert np.array_equal(cupy.asnumpy(pool.slot_array(slot)), data)
-        stats = pool.transfer_statistics()
-        assert stats.bytes_to_device == BLOCK
-        assert stats.abandoned_copies == 0
-    finally:
-        await pool.aclose()
+async def test_slot_bytes_land_in_device_memory(cuda: Cuda, keys: list[bytes]) -> None:
+    pool = cuda.pool(2)
+    data = _blocks(1)[0]
+    slot = _reserve(pool, keys[0])
+    await pool.copy_in([slot], [BlockBuffer(data.data)])
+    assert pool.slot_bytes(slot) == data.tobytes()
+    stats = pool.transfer_statistics()
+    assert stats.bytes_to_device == BLOCK
+    assert stats.abandoned_copies == 0
 
 
-@needs_gpu
-@pytest.mark.gpu
-async def test_cuda_pool_checks_its_arguments() -> None:
-    import cupy
+async def test_gpu_buffers_in_scattered_slots_round_trip(cuda: Cuda) -> None:
+    """Slot runs that are contiguous on one side only are split, never merged."""
+    pool = cuda.pool(8)
+    keys = block_keys(list(range(32)), 4, namespace=os.urandom(8))
+    slots = [_reserve(pool, k) for k in keys[:8]]
+    order = [slots[i] for i in (2, 3, 0, 1, 7, 5)]  # runs (2,3) (0,1) 7 5
+    data = _blocks(len(order))
+    before = cuda.fake.calls.get("memcpyAsync", 0) if cuda.fake else 0
+    await pool.copy_in(order, [BlockBuffer(None, a) for a in cuda.device_blocks(data)])
+    if cuda.fake is not None:
+        assert cuda.fake.calls["memcpyAsync"] - before == 4  # adjacent blocks merged
+    for i, slot in enumerate(order):
+        assert pool.slot_bytes(slot) == data[i].tobytes()
+    out = cuda.device_blocks(np.zeros_like(data))
+    await pool.copy_out(order[::-1], [BlockBuffer(None, a) for a in out])
+    assert np.array_equal(cuda.read(out), data[::-1])
+    for slot in slots:
+        pool.abort(slot)
 
-    count = cupy.cuda.runtime.getDeviceCount()
+
+async def test_cuda_pool_checks_its_arguments(cuda: Cuda, keys: list[bytes]) -> None:
+    count = cuda.runtime.getDeviceCount()
     with pytest.raises(InvalidArgumentError, match="device"):
-        CudaPool(2, BLOCK, device=count)
+        cuda.pool(2, device=count)
     with pytest.raises(InvalidArgumentError, match="staging_buffers"):
-        CudaPool(2, BLOCK, staging_buffers=0)
-    with pytest.raises(InvalidArgumentError, match="completion"):
-        CudaPool(2, BLOCK, completion="poll")
+        cuda.pool(2, staging_buffers=0)
     with pytest.raises(InvalidArgumentError, match="engine_stream"):
-        CudaPool(2, BLOCK, engine_stream="default")
+        cuda.pool(2, engine_stream="default")
+
+    class OtherDevice:
+        ptr = 0
+        device_id = 1
+
+    with pytest.raises(InvalidArgumentError, match="engine_stream is on cuda:1"):
+        cuda.pool(2, engine_stream=OtherDevice())
+    pool = cuda.pool(2)
+    slot = _reserve(pool, keys[0])
+    short = _blocks(1, BLOCK // 2)
+    with pytest.raises(InvalidArgumentError, match="holds 32768 bytes"):
+        await pool.copy_in([slot], [BlockBuffer(short[0].data)])
+    with pytest.raises(InvalidArgumentError, match="holds 32768 bytes"):
+        await pool.copy_in([slot], [BlockBuffer(None, cuda.device_blocks(short)[0])])
+    pool.abort(slot)
+    assert _all_staging_free(pool)
 
 
-@needs_gpu
-@pytest.mark.gpu
-async def test_closed_cuda_pool_refuses_copies(keys: list[bytes]) -> None:
-    pool = CudaPool(2, BLOCK)
+async def test_closed_cuda_pool_refuses_copies(cuda: Cuda, keys: list[bytes]) -> None:
+    pool = cuda.pool(2)
     slot = _reserve(pool, keys[0])
     await pool.aclose()
     await pool.aclose()  # idempotent
@@ -324,7 +405,299 @@ async def test_closed_cuda_pool_refuses_copies(keys: list[bytes]) -> None:
     assert "closed" in repr(pool)
 
 
-# -- engine buffers on the GPU (both pools) ----------------------------------------------------
+async def test_close_frees_device_memory_pinned_staging_and_streams(fake: FakeCuda) -> None:
+    allocations, streams = fake.live_allocations(), fake.live_streams()
+    pool = CudaPool(4, BLOCK, runtime=fake)
+    assert fake.live_allocations() == allocations + 3  # slots, two staging sets
+    assert fake.live_streams() == streams + 3
+    await pool.aclose()
+    assert (fake.live_allocations(), fake.live_streams()) == (allocations, streams)
+
+
+# -- ordering, cancellation, close and errors (on the stand-in) --------------------------------
+
+
+async def test_device_copies_wait_for_the_engine_stream(
+    cuda: Cuda, fake: FakeCuda, keys: list[bytes]
+) -> None:
+    """A store from a GPU buffer the engine is still writing copies what it wrote."""
+    engine = fake.streamCreateWithFlags(fake.streamNonBlocking)
+    pool = cuda.pool(2)
+    slot = _reserve(pool, keys[0])
+    old, new = _blocks(2)
+    [array] = cuda.device_blocks(old[None], stream=engine)
+    gate = fake.hold(stream=engine)
+    fake.enqueue_write(engine, array.ptr, new.tobytes())  # the engine's own pending write
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(pool.copy_in, [slot], [BlockBuffer(None, array)])
+        await _until(gate.reached)
+        await _quiet(fake)
+        assert fake.log == []  # the pool's copy waits behind the engine's write
+        fake.release(gate)
+    assert pool.slot_bytes(slot) == new.tobytes()
+    pool.abort(slot)
+
+
+async def test_an_explicit_engine_stream_orders_device_copies(
+    cuda: Cuda, fake: FakeCuda, keys: list[bytes]
+) -> None:
+    engine = fake.streamCreateWithFlags(fake.streamNonBlocking)
+    pool = cuda.pool(2, engine_stream=engine)
+    slot = _reserve(pool, keys[0])
+    old, new = _blocks(2)
+    [array] = cuda.device_blocks(old[None], stream=None)  # says nothing: the option decides
+    gate = fake.hold(stream=engine)
+    fake.enqueue_write(engine, array.ptr, new.tobytes())
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(pool.copy_in, [slot], [BlockBuffer(None, array)])
+        await _until(gate.reached)
+        await _quiet(fake)
+        fake.release(gate)
+    assert pool.slot_bytes(slot) == new.tobytes()
+    pool.abort(slot)
+
+
+async def _cancel_when_parked(gate: Hold, operation: Any, *args: Any) -> None:
+    """Run ``operation`` until the stand-in parks its copy at ``gate``, then cancel it."""
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(operation, *args)
+            await _until(gate.reached)
+            scope.cancel()
+
+
+async def test_an_abandoned_device_copy_fences_the_engine_stream(
+    cuda: Cuda, fake: FakeCuda, keys: list[bytes]
+) -> None:
+    """A load into a GPU buffer, stuck past settle_timeout and cancelled, must land before
+    anything the engine queues on its stream afterwards (its allocator reuses the buffer)."""
+    engine = fake.streamCreateWithFlags(fake.streamNonBlocking)
+    pool = cuda.pool(2, settle_timeout=0.01)
+    slot = _reserve(pool, keys[0])
+    stored, reused = _blocks(2)
+    await pool.copy_in([slot], [BlockBuffer(stored.data)])
+    pool.commit(slot)
+    assert pool.pin(keys[0]) == slot
+    [out] = cuda.device_blocks(np.zeros((1, BLOCK), np.uint8), stream=engine)
+    gate = fake.hold(kind=fake.memcpyDeviceToDevice)
+    await _cancel_when_parked(gate, pool.copy_out, [slot], [BlockBuffer(None, out)])
+    assert pool.transfer_statistics().abandoned_copies == 1
+    fake.enqueue_write(engine, out.ptr, reused.tobytes())  # the engine reuses the memory
+    await _quiet(fake)
+    fake.release(gate)
+    await anyio.to_thread.run_sync(fake.streamSynchronize, engine)
+    assert out.read() == reused.tobytes()  # the abandoned copy landed first
+    pool.unpin(slot)
+
+
+async def test_an_abandoned_read_fences_later_writes_to_its_slot(
+    cuda: Cuda, fake: FakeCuda, keys: list[bytes]
+) -> None:
+    """A write-through stuck past settle_timeout keeps its staging buffer until it lands,
+    and a promotion into the same slot afterwards waits for it."""
+    pool = cuda.pool(2, staging_buffers=2, settle_timeout=0.01)
+    slot = _reserve(pool, keys[0])
+    await pool.copy_in([slot], [BlockBuffer(_blocks(1)[0].data)])
+    pool.commit(slot)
+    gate = fake.hold(kind=fake.memcpyDeviceToHost)
+
+    async def source(view: memoryview) -> None:
+        raise AssertionError("the copy never finished")
+
+    await _cancel_when_parked(gate, pool.drain, slot, source)
+    stats = pool.transfer_statistics()
+    assert (stats.abandoned_copies, stats.download_staging_free) == (1, 1)
+    assert pool.discard(keys[0])
+    slot = _reserve(pool, keys[1])  # the manager hands the slot to someone else
+
+    async def sink(view: memoryview) -> None:
+        view[:] = bytes(BLOCK)
+
+    fill_done = anyio.Event()
+
+    async def fill() -> None:
+        await pool.fill(slot, sink)
+        fill_done.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(fill)
+        await _quiet(fake)
+        assert not fill_done.is_set()  # behind the fence
+        assert [kind for kind, _, _ in fake.log].count(fake.memcpyHostToDevice) == 1
+        fake.release(gate)
+    kinds = [kind for kind, _, _ in fake.log]
+    assert kinds[-2:] == [fake.memcpyDeviceToHost, fake.memcpyHostToDevice]
+    assert _all_staging_free(pool)
+    pool.abort(slot)
+
+
+async def test_close_waits_for_an_operation_parked_in_a_sink(
+    cuda: Cuda, fake: FakeCuda, keys: list[bytes]
+) -> None:
+    """The tier is still writing into pinned memory: close frees nothing until it is done,
+    and the promotion, resumed after close began, enqueues no copy."""
+    allocations = fake.live_allocations()
+    pool = cuda.pool(2)
+    slot = _reserve(pool, keys[0])
+    in_sink, resume = anyio.Event(), anyio.Event()
+
+    async def sink(view: memoryview) -> None:
+        in_sink.set()
+        await resume.wait()
+        view[:] = bytes(BLOCK)
+
+    failures: list[BaseException] = []
+
+    async def fill() -> None:
+        try:
+            await pool.fill(slot, sink)
+        except LifecycleError as exc:
+            failures.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(fill)
+        await in_sink.wait()
+        tg.start_soon(pool.aclose)
+        await anyio.wait_all_tasks_blocked()
+        assert fake.live_allocations() == allocations + 3  # nothing freed under the sink
+        resume.set()
+    assert len(failures) == 1
+    assert fake.calls.get("memcpyAsync", 0) == 0
+    assert fake.live_allocations() == allocations
+    pool.abort(slot)
+
+
+async def test_close_keeps_memory_a_wedged_copy_may_touch(
+    cuda: Cuda, fake: FakeCuda, keys: list[bytes]
+) -> None:
+    allocations = fake.live_allocations()
+    pool = cuda.pool(2, settle_timeout=0.01)
+    slot = _reserve(pool, keys[0])
+    gate = fake.hold(kind=fake.memcpyHostToDevice)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(pool.copy_in, [slot], [BlockBuffer(_blocks(1)[0].data)])
+        await _until(gate.reached)
+        await pool.aclose()  # gives up after settle_timeout: the copy is still queued
+        assert fake.live_allocations() == allocations + 3
+        fake.release(gate)
+    pool.abort(slot)
+
+
+@pytest.mark.parametrize(("refused", "skip"), [("eventRecord", 0), ("memcpyAsync", 1)])
+async def test_an_enqueue_error_releases_staging_only_after_the_copy_landed(
+    cuda: Cuda, fake: FakeCuda, keys: list[bytes], refused: str, skip: int
+) -> None:
+    """Recording the completion event fails after the copy was enqueued, or the second copy
+    of a batch is refused after the first: the buffers stay out until the stream drained."""
+    pool = cuda.pool(4, staging_buffers=4)
+    slots = [_reserve(pool, k) for k in keys[:4]]
+    order = [slots[0], slots[2]]  # two runs: two copies
+    gate = fake.hold(kind=fake.memcpyHostToDevice)
+    fake.refuse(refused, skip)
+    failures: list[BaseException] = []
+
+    async def copy_in() -> None:
+        try:
+            await pool.copy_in(order, [BlockBuffer(row.data) for row in _blocks(2)])
+        except FakeCudaError as exc:
+            failures.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(copy_in)
+        await _until(gate.reached)
+        await _quiet(fake)
+        assert failures == []
+        assert pool.transfer_statistics().upload_staging_free == 2  # the DMA may still run
+        fake.release(gate)
+    assert len(failures) == 1 and "refused" in str(failures[0])
+    assert _all_staging_free(pool)
+    for slot in slots:
+        pool.abort(slot)
+
+
+async def test_a_context_error_mid_batch_fails_every_pending_operation(
+    cuda: Cuda, fake: FakeCuda, keys: list[bytes]
+) -> None:
+    """An illegal access kills the context: the batch that hit it, and a write-through
+    waiting on another stream, fail instead of hanging; staging is accounted for and close
+    returns."""
+    pool = cuda.pool(8, staging_buffers=4)
+    ready = _reserve(pool, keys[7])
+    await pool.copy_in([ready], [BlockBuffer(_blocks(1)[0].data)])
+    pool.commit(ready)
+    assert pool.pin(keys[7]) == ready
+    slots = [_reserve(pool, k) for k in keys[:6]]
+    held = fake.hold(kind=fake.memcpyDeviceToHost)
+    fake.fault(kind=fake.memcpyHostToDevice, skip=1)  # the second chunk's copy faults
+    errors: list[str] = []
+
+    async def source(view: memoryview) -> None:
+        raise AssertionError("no bytes after a context error")
+
+    async def run(operation: Any, *args: Any) -> None:
+        try:
+            await operation(*args)
+        except FakeCudaError as exc:
+            errors.append(str(exc))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run, pool.drain, ready, source)
+        await _until(held.reached)
+        blocks = [BlockBuffer(row.data) for row in _blocks(6)]
+        tg.start_soon(run, pool.copy_in, slots, blocks)
+    assert len(errors) == 2 and all("illegal address" in e for e in errors)
+    assert _all_staging_free(pool)
+    assert pool.transfer_statistics().operations_in_flight == 0
+    for slot in slots:
+        pool.abort(slot)
+    pool.unpin(ready)
+    await pool.aclose()  # the frees fail on a dead context: logged, not raised
+
+
+async def test_waits_hold_no_default_thread_limiter_tokens(
+    cuda: Cuda, fake: FakeCuda, keys: list[bytes]
+) -> None:
+    pool = cuda.pool(4)
+    slots = [_reserve(pool, k) for k in keys[:3]]
+    gate = fake.hold(kind=fake.memcpyHostToDevice)
+    async with anyio.create_task_group() as tg:
+        for slot in slots:
+            tg.start_soon(pool.copy_in, [slot], [BlockBuffer(_blocks(1)[0].data)])
+        await _until(gate.reached)
+        await anyio.wait_all_tasks_blocked()
+        limiter = anyio.to_thread.current_default_thread_limiter()
+        assert limiter.borrowed_tokens == 0
+        assert pool.transfer_statistics().operations_in_flight == 3
+        fake.release(gate)
+    for slot in slots:
+        pool.abort(slot)
+
+
+def test_no_python_host_function_runs_on_a_cuda_stream() -> None:
+    package = pathlib.Path(__file__).parents[2] / "kvtier"
+    for path in package.rglob("*.py"):
+        text = path.read_text()
+        assert "launch_host_func" not in text and "LaunchHostFunc" not in text, path
+
+
+# -- engine buffers on the GPU, torch and CuPy (both pools, real GPU only) ---------------------
+
+
+def _torch_cuda() -> tuple[bool, str]:
+    try:
+        import torch
+    except ImportError:
+        return False, "torch not installed"
+    if not torch.cuda.is_available():
+        return False, "no CUDA GPU visible to torch"
+    return True, ""
+
+
+@pytest.fixture
+def gpu() -> None:
+    """Skips the test where CuPy sees no GPU."""
+    if not CUDA_OK:
+        pytest.skip(CUDA_REASON)
 
 
 def _gpu_blocks(framework: str, data: np.ndarray) -> Any:
@@ -352,23 +725,24 @@ def _to_numpy(framework: str, array: Any) -> np.ndarray:
     return host
 
 
-@needs_gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["host", "cuda"])
 @pytest.mark.parametrize("framework", ["torch", "cupy"])
-async def test_gpu_engine_buffers_round_trip(make_pool: MakePool, framework: str) -> None:
+async def test_gpu_engine_buffers_round_trip(gpu: None, kind: str, framework: str) -> None:
     keys = block_keys(list(range(24)), 4, namespace=os.urandom(8))
     data = _blocks(len(keys))
     blocks = _gpu_blocks(framework, data)
-    async with TieringManager(make_pool(8), dtype="float16") as manager:
+    pool = HostPool(8, BLOCK) if kind == "host" else CudaPool(8, BLOCK)
+    async with TieringManager(pool, dtype="float16") as manager:
         assert await manager.store(keys, blocks) == len(keys)
         out = _gpu_blocks(framework, np.zeros_like(data))
         assert await manager.load(keys, out) == len(keys)
+    await pool.aclose()
     assert np.array_equal(_to_numpy(framework, out), data)
 
 
-@needs_gpu
 @pytest.mark.gpu
-async def test_loads_follow_an_explicit_engine_stream(keys: list[bytes]) -> None:
+async def test_loads_follow_an_explicit_torch_engine_stream(gpu: None, keys: list[bytes]) -> None:
     ok, reason = _torch_cuda()
     if not ok:
         pytest.skip(reason)
