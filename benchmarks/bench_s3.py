@@ -14,15 +14,15 @@ Measures, for blocks of ``--block-mib`` MiB:
   ``head_object`` calls.
 
 Raw and tier rounds alternate and each figure is the median of ``--repeat`` rounds, so drift on a
-shared machine hits both sides alike. Without ``--endpoint`` the benchmark starts its own
-SeaweedFS (``weed server`` with its S3 gateway) on 127.0.0.1 through ``devtools/weed_server.py``
-of this checkout (run the script by path from a checkout; with ``--endpoint`` it needs only
-kvtier); the ratios are the point. The raw client uses botocore's defaults (payload signed,
+shared machine hits both sides alike. It runs against ``--s3-endpoint``; ``nox -s bench``
+starts a SeaweedFS (``weed server`` with its S3 gateway) on 127.0.0.1 for it; the ratios are
+the point. The raw client uses botocore's defaults (payload signed,
 CRC32), as a user's plain client would. Aim: tier >= 0.95x raw throughput, existence within
-1.2x of raw.
+1.2x of raw. ``--json`` prints the figures, each ratio with its baseline and the settings as one
+JSON object.
 
-    python benchmarks/bench_s3.py --quick
-    python benchmarks/bench_s3.py --endpoint http://127.0.0.1:9000 --bucket kv --blocks 64
+    python3 -m nox -s bench -- bench_s3 --quick
+    python -m benchmarks.bench_s3 --s3-endpoint http://127.0.0.1:9000 --s3-bucket kv --blocks 64
 """
 
 from __future__ import annotations
@@ -30,43 +30,20 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import importlib
-import json
 import os
 import statistics
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator, Sequence
-from pathlib import Path
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import anyio
 
-from kvtier._keys import block_keys
-from kvtier.tiers.s3 import S3Tier
+from benchmarks.common import add_json_flag, add_s3_options, json_output
+from kvtier import S3Tier, block_keys
 
-ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
-
-
-def _weed_helper() -> Any:
-    """``devtools.weed_server`` from this checkout (devtools is not installed with kvtier): the
-    repository root goes on ``sys.path`` here, only when a benchmark starts its own SeaweedFS."""
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    return importlib.import_module("devtools.weed_server")
-
-
-@contextlib.contextmanager
-def s3_endpoint(endpoint: str | None) -> Iterator[str]:
-    """``endpoint``, or a SeaweedFS started here for the run (bench_s3_cpu.py uses it too)."""
-    if endpoint is not None:
-        yield endpoint
-        return
-    helper = _weed_helper()
-    with helper.WeedServer() as server:
-        yield server.endpoint_url
 
 
 async def _bounded(concurrency: int, jobs: Sequence[Callable[[], Awaitable[Any]]]) -> float:
@@ -89,8 +66,8 @@ def _client(session: Any, args: argparse.Namespace) -> Any:
 
     return session.create_client(
         "s3",
-        endpoint_url=args.endpoint,
-        region_name=args.region,
+        endpoint_url=args.s3_endpoint,
+        region_name=args.s3_region,
         aws_access_key_id=args.access_key,
         aws_secret_access_key=args.secret_key,
         config=AioConfig(
@@ -123,7 +100,7 @@ async def _existence_tier(tier: S3Tier, keys: list[bytes]) -> float:
         remove()
 
 
-class _Loader:
+class Loader:
     """Loads into a fixed set of block buffers, one per concurrent load."""
 
     def __init__(self, tier: S3Tier, concurrency: int, block: int) -> None:
@@ -139,7 +116,7 @@ class _Loader:
             self.free.append(slot)
 
 
-async def _raw_get(client: Any, bucket: str, name: str) -> None:
+async def raw_get(client: Any, bucket: str, name: str) -> None:
     response = await client.get_object(Bucket=bucket, Key=name)
     async with response["Body"] as body:
         await body.read()
@@ -159,7 +136,7 @@ async def _round(
     raw_first: bool,
 ) -> None:
     run_id = uuid.uuid4().hex[:12]
-    c, bucket = args.concurrency, args.bucket
+    c, bucket = args.concurrency, args.s3_bucket
     keys = block_keys(list(range(args.blocks * 4)), 4, namespace=run_id.encode())
     raw_names = [f"bench-raw/{run_id}/{k.hex()}" for k in keys]
     data = [payloads[i % len(payloads)] for i in range(len(keys))]
@@ -202,9 +179,9 @@ async def _round(
             for side in order if done % 2 == 0 else order[::-1]:
                 name = {"raw": "get", "tier": "load", "signed": "signed_load"}[side]
                 if side == "raw":
-                    jobs = [functools.partial(_raw_get, client, bucket, n) for n in raw_names]
+                    jobs = [functools.partial(raw_get, client, bucket, n) for n in raw_names]
                 else:
-                    loader = _Loader(tiers[side], c, len(payloads[0]))
+                    loader = Loader(tiers[side], c, len(payloads[0]))
                     jobs = [functools.partial(loader.load, k) for k in keys]
                 before = time.process_time()
                 spent[name] += await _bounded(c, jobs)
@@ -240,10 +217,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
     def make_tier(prefix: str, *, signed: bool = False) -> S3Tier:
         return S3Tier(
-            args.bucket,
+            args.s3_bucket,
             prefix=prefix,
-            endpoint_url=args.endpoint,
-            region_name=args.region,
+            endpoint_url=args.s3_endpoint,
+            region_name=args.s3_region,
             aws_access_key_id=args.access_key,
             aws_secret_access_key=args.secret_key,
             max_concurrency=args.concurrency,
@@ -256,7 +233,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     async with _client(get_session(), args) as client:
         if args.create_bucket:
             with contextlib.suppress(Exception):  # it may exist already
-                await client.create_bucket(Bucket=args.bucket)
+                await client.create_bucket(Bucket=args.s3_bucket)
         for n in range(args.repeat):
             await _round(args, client, make_tier, payloads, results, raw_first=n % 2 == 0)
 
@@ -289,18 +266,22 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     report["signed_store_ratio"] = report["signed_store_mib_s"] / report["tier_store_mib_s"]
     report["signed_load_ratio"] = report["signed_load_mib_s"] / report["tier_load_mib_s"]
     report["existence_ratio"] = report["tier_lookup_s"] / report["raw_head_s"]
+    report["baselines"] = {ratio: base for ratio, _, base in RATIOS}
     return report
+
+
+RATIOS = (  # each ratio, the figure it divides and the baseline it divides by
+    ("store_ratio", "tier_store_mib_s", "raw_put_mib_s"),
+    ("load_ratio", "tier_load_mib_s", "raw_get_mib_s"),
+    ("signed_store_ratio", "signed_store_mib_s", "tier_store_mib_s"),
+    ("signed_load_ratio", "signed_load_mib_s", "tier_load_mib_s"),
+    ("existence_ratio", "tier_lookup_s", "raw_head_s"),
+)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--endpoint", help="S3 endpoint URL (default: start a SeaweedFS)")
-    parser.add_argument("--bucket", default="kvtier-bench")
-    parser.add_argument("--region", default="us-east-1")
-    parser.add_argument("--access-key", default=os.environ.get("AWS_ACCESS_KEY_ID", "bench"))
-    parser.add_argument(
-        "--secret-key", default=os.environ.get("AWS_SECRET_ACCESS_KEY", "bench-secret")
-    )
+    add_s3_options(parser, bucket="kvtier-bench")
     parser.add_argument("--no-create-bucket", dest="create_bucket", action="store_false")
     parser.add_argument("--block-mib", type=int, default=2)
     parser.add_argument("--blocks", type=int, default=64)
@@ -319,18 +300,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--quick", action="store_true", help="8 blocks, 200 keys, 2 rounds: about 20 s"
     )
-    parser.add_argument("--json", type=Path, help="also write the figures to this file")
+    add_json_flag(parser)
     args = parser.parse_args(argv)
     if args.quick:
         args.blocks, args.keys, args.repeat, args.load_passes = 8, 200, 2, 2
         args.store_passes = 2
-    with s3_endpoint(args.endpoint) as endpoint:
-        args.endpoint = endpoint
-        report = anyio.run(run, args)
+    with json_output(args.json) as out:
+        out["settings"] = {"quick": args.quick, "endpoint": args.s3_endpoint}
+        out["figures"] = report = anyio.run(run, args)
+        _print(args, report)
+    return 0
+
+
+def _print(args: argparse.Namespace, report: dict[str, Any]) -> None:
     print(
         f"S3 benchmark: {args.blocks} blocks of {args.block_mib} MiB, concurrency "
         f"{args.concurrency}, median of {args.repeat} rounds ({args.store_passes} store and "
-        f"{args.load_passes} load passes each), endpoint {endpoint}"
+        f"{args.load_passes} load passes each), endpoint {args.s3_endpoint}"
     )
     rows = [
         ("store", "tier_store_mib_s", "raw put", "raw_put_mib_s", "MiB/s", "store_ratio"),
@@ -364,9 +350,6 @@ def main(argv: list[str] | None = None) -> int:
         f"raw get {report['raw_get_cpu_ms_per_block']:.2f} ms, signed "
         f"{report['signed_load_cpu_ms_per_block']:.2f} ms"
     )
-    if args.json is not None:
-        args.json.write_text(json.dumps(report, indent=2))
-    return 0
 
 
 if __name__ == "__main__":

@@ -20,11 +20,15 @@ Sides, for each block size and concurrency:
   (checksum verified, copied into a block buffer).
 
 Sides alternate within each round and each figure is the median of ``--repeat`` rounds, so
-drift on a shared machine hits all sides alike. Without ``--endpoint`` it starts its own
-SeaweedFS on 127.0.0.1 (``devtools/weed_server.py``, started through bench_s3).
+drift on a shared machine hits all sides alike. It runs against ``--s3-endpoint``;
+``nox -s bench -- bench_s3_cpu`` starts a SeaweedFS on 127.0.0.1 for it. ``--json`` prints one
+JSON object: a row per case, side and operation, and the tier's CPU as a ratio of each raw side.
 
-    PYTHONPATH=$PWD python benchmarks/bench_s3_cpu.py
-    PYTHONPATH=$PWD python benchmarks/bench_s3_cpu.py --quick
+The ``raw-tuned`` side builds its client with the tier's own (private) client helpers: it
+measures the tier's configuration, so it cannot use anything else.
+
+    python3 -m nox -s bench -- bench_s3_cpu
+    python3 -m nox -s bench -- bench_s3_cpu --quick
 """
 
 from __future__ import annotations
@@ -38,18 +42,16 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import anyio
-from bench_s3 import _Loader, _raw_get, s3_endpoint  # the script's folder is on sys.path
 
-from kvtier._keys import block_keys
-from kvtier.tiers.s3 import S3Tier
+from benchmarks.bench_s3 import Loader, raw_get
+from benchmarks.common import add_json_flag, add_s3_options, json_output
+from kvtier import S3Tier, block_keys
 from kvtier.tiers.s3._client import client_config, send_bodies_as_given, shared_session
 from kvtier.tiers.s3._config import S3Config
 
-ROOT = Path(__file__).resolve().parent.parent
 KiB = 1 << 10
 SIDES = ("raw", "raw-tuned", "tier")
 
@@ -80,8 +82,8 @@ def _raw_client(session: Any, args: argparse.Namespace) -> Any:
 
     return session.create_client(
         "s3",
-        endpoint_url=args.endpoint,
-        region_name=args.region,
+        endpoint_url=args.s3_endpoint,
+        region_name=args.s3_region,
         aws_access_key_id=args.access_key,
         aws_secret_access_key=args.secret_key,
         config=AioConfig(max_pool_connections=32, read_timeout=30.0),
@@ -92,16 +94,16 @@ def _raw_client(session: Any, args: argparse.Namespace) -> Any:
 async def _tuned_client(args: argparse.Namespace) -> AsyncIterator[Any]:
     """A client built as ``S3Tier.open`` builds its own: same session, same ``AioConfig``."""
     config = S3Config(
-        bucket=args.bucket,
-        endpoint_url=args.endpoint,
-        region_name=args.region,
+        bucket=args.s3_bucket,
+        endpoint_url=args.s3_endpoint,
+        region_name=args.s3_region,
         read_timeout=30.0,
         max_attempts=1,
     )
     async with shared_session().create_client(
         "s3",
-        endpoint_url=args.endpoint,
-        region_name=args.region,
+        endpoint_url=args.s3_endpoint,
+        region_name=args.s3_region,
         aws_access_key_id=args.access_key,
         aws_secret_access_key=args.secret_key,
         config=client_config(config),
@@ -134,16 +136,18 @@ async def _case(
         else:
             c = clients[side]
             jobs = [
-                functools.partial(c.put_object, Bucket=args.bucket, Key=n, Body=d)
+                functools.partial(c.put_object, Bucket=args.s3_bucket, Key=n, Body=d)
                 for n, d in zip(names[side], data, strict=True)
             ]
         out[(side, "put")] = await _measure(concurrency, jobs)
     for side in order:
         if side == "tier":
-            loader = _Loader(tier, concurrency, block)
+            loader = Loader(tier, concurrency, block)
             jobs = [functools.partial(loader.load, k) for k in keys]
         else:
-            jobs = [functools.partial(_raw_get, clients[side], args.bucket, n) for n in names[side]]
+            jobs = [
+                functools.partial(raw_get, clients[side], args.s3_bucket, n) for n in names[side]
+            ]
         out[(side, "get")] = await _measure(concurrency, jobs)
     return out
 
@@ -158,13 +162,13 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         _tuned_client(args) as tuned,
     ):
         with contextlib.suppress(Exception):  # it may exist already
-            await raw.create_bucket(Bucket=args.bucket)
+            await raw.create_bucket(Bucket=args.s3_bucket)
         clients = {"raw": raw, "raw-tuned": tuned}
         async with S3Tier(
-            args.bucket,
+            args.s3_bucket,
             prefix=f"cpu-tier/{uuid.uuid4().hex[:12]}",
-            endpoint_url=args.endpoint,
-            region_name=args.region,
+            endpoint_url=args.s3_endpoint,
+            region_name=args.s3_region,
             aws_access_key_id=args.access_key,
             aws_secret_access_key=args.secret_key,
             read_timeout=30.0,
@@ -193,10 +197,11 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-def _print(rows: list[dict[str, Any]], args: argparse.Namespace, endpoint: str) -> None:
+def _print(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Print the table; return the tier's CPU per request against each raw side, per case."""
     print(
         f"S3 client CPU per request: N={args.n} per side, median of {args.repeat} rounds, "
-        f"endpoint {endpoint} (process_time of this process; the server is not counted)"
+        f"endpoint {args.s3_endpoint} (process_time of this process; the server is not counted)"
     )
     by = {(r["block_kib"], r["concurrency"], r["side"], r["op"]): r for r in rows}
     print(
@@ -204,41 +209,51 @@ def _print(rows: list[dict[str, Any]], args: argparse.Namespace, endpoint: str) 
         + " ".join(f"{s + ' cpu ms':>16}" for s in SIDES)
         + f" {'tier/raw':>9} {'tier/tuned':>10}   wall ms (raw/tuned/tier)"
     )
+    ratios = []
     for block in args.block_kib:
         for concurrency in args.concurrency:
             for op in ("put", "get"):
                 got = [by[(block, concurrency, s, op)] for s in SIDES]
                 cpu = [g["cpu_ms"] for g in got]
                 wall = "/".join(f"{g['wall_ms']:.2f}" for g in got)
+                ratios.append(
+                    {
+                        "block_kib": block,
+                        "concurrency": concurrency,
+                        "op": op,
+                        "tier_cpu_of_raw": cpu[2] / cpu[0],
+                        "tier_cpu_of_raw_tuned": cpu[2] / cpu[1],
+                    }
+                )
                 print(
                     f"  {block:>5} KiB {concurrency:>4} {op:<4} "
                     + " ".join(f"{c:>16.3f}" for c in cpu)
                     + f" {cpu[2] / cpu[0]:>9.2f} {cpu[2] / cpu[1]:>10.2f}   {wall}"
                 )
     print("  (put: raw put_object / tier store; get: raw get_object + read() / tier load)")
+    return ratios
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--endpoint", help="S3 endpoint URL (default: start a SeaweedFS)")
-    parser.add_argument("--bucket", default="kvtier-bench-cpu")
-    parser.add_argument("--region", default="us-east-1")
-    parser.add_argument("--access-key", default=os.environ.get("AWS_ACCESS_KEY_ID", "bench"))
-    parser.add_argument(
-        "--secret-key", default=os.environ.get("AWS_SECRET_ACCESS_KEY", "bench-secret")
-    )
+    add_s3_options(parser, bucket="kvtier-bench-cpu")
     parser.add_argument("-n", type=int, default=200, help="requests per side per round")
     parser.add_argument("--block-kib", type=int, nargs="+", default=[256, 2048])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="N=100, 1 round")
+    add_json_flag(parser)
     args = parser.parse_args(argv)
     if args.quick:
         args.n, args.repeat = 100, 1
-    with s3_endpoint(args.endpoint) as endpoint:
-        args.endpoint = endpoint
-        rows = anyio.run(run, args)
-    _print(rows, args, endpoint)
+    with json_output(args.json) as out:
+        out["settings"] = {
+            name: getattr(args, name)
+            for name in ("quick", "n", "block_kib", "concurrency", "repeat", "s3_endpoint")
+        }
+        out["rows"] = rows = anyio.run(run, args)
+        out["ratios"] = _print(rows, args)
+        out["baselines"] = {"tier_cpu_of_raw": "raw", "tier_cpu_of_raw_tuned": "raw-tuned"}
     return 0
 
 

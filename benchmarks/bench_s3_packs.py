@@ -12,12 +12,13 @@ on the same SeaweedFS in the same run:
   one ranged GET.
 
 Figures: MiB/s, requests sent, and CPU per block: this process's (``time.process_time``, all
-threads) and SeaweedFS's (when the benchmark starts its own server). Sides alternate
-and each figure is the median of ``--repeat`` rounds, so drift on a shared machine hits every
-side alike.
+threads) and the store's (given its process id, ``--s3-server-pid``, as ``nox -s bench``
+gives SeaweedFS's). Sides alternate and each figure is the median of ``--repeat`` rounds, so
+drift on a shared machine hits every side alike. ``--json`` prints one JSON object: per side
+the figures and requests sent, and each tier side's throughput as a ratio of raw's.
 
-    python benchmarks/bench_s3_packs.py
-    python benchmarks/bench_s3_packs.py --quick
+    python3 -m nox -s bench -- bench_s3_packs
+    python -m benchmarks.bench_s3_packs --s3-endpoint URL --quick
 """
 
 from __future__ import annotations
@@ -29,32 +30,16 @@ import statistics
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine, Iterator
-from contextlib import contextmanager
-from pathlib import Path
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import anyio
-from bench_s3 import _weed_helper  # the script's folder is on sys.path
 
-from kvtier._keys import block_keys
-from kvtier.tiers.s3 import S3Tier
+from benchmarks.common import add_json_flag, add_s3_options, json_output, server_cpu_reader
+from kvtier import S3Tier, block_keys
 
-ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
 SIDES = ("raw", "tier, 1 per object", "tier, packs")
-
-
-@contextmanager
-def _server(endpoint: str | None) -> Iterator[tuple[str, Callable[[], float] | None]]:
-    """The endpoint, and a reader of the server's CPU seconds when it was started here."""
-    if endpoint is not None:
-        yield endpoint, None
-        return
-    helper = _weed_helper()
-    with helper.WeedServer() as server:
-        anyio.run(helper.ensure_bucket, server.endpoint_url, "kvtier-bench")
-        yield server.endpoint_url, server.cpu_seconds
 
 
 class Meter:
@@ -91,12 +76,12 @@ async def _in_groups(
 
 def _tier(args: argparse.Namespace, prefix: str, packs: bool) -> S3Tier:
     return S3Tier(
-        args.bucket,
+        args.s3_bucket,
         prefix=prefix,
-        endpoint_url=args.endpoint,
-        region_name="us-east-1",
-        aws_access_key_id="bench",
-        aws_secret_access_key="bench",
+        endpoint_url=args.s3_endpoint,
+        region_name=args.s3_region,
+        aws_access_key_id=args.access_key,
+        aws_secret_access_key=args.secret_key,
         read_timeout=30.0,
         pack_blocks=args.group if packs else 1,
     )
@@ -113,18 +98,18 @@ async def _raw(
     groups = _groups(args)
     async with aiobotocore.session.get_session().create_client(
         "s3",
-        endpoint_url=args.endpoint,
-        region_name="us-east-1",
-        aws_access_key_id="bench",
-        aws_secret_access_key="bench",
+        endpoint_url=args.s3_endpoint,
+        region_name=args.s3_region,
+        aws_access_key_id=args.access_key,
+        aws_secret_access_key=args.secret_key,
     ) as client:
 
         async def put(i: int) -> None:
             body = payloads[i % len(payloads)]
-            await client.put_object(Bucket=args.bucket, Key=f"{prefix}/{i}", Body=body)
+            await client.put_object(Bucket=args.s3_bucket, Key=f"{prefix}/{i}", Body=body)
 
         async def get(i: int) -> None:
-            response = await client.get_object(Bucket=args.bucket, Key=f"{prefix}/{i}")
+            response = await client.get_object(Bucket=args.s3_bucket, Key=f"{prefix}/{i}")
             async with response["Body"] as body:
                 out[i][:] = await body.read()
 
@@ -190,7 +175,9 @@ def _median(rounds: list[tuple[Phase, Phase, tuple[int, int]]], phase: int, what
 
 
 def _report(
-    args: argparse.Namespace, results: dict[str, list[tuple[Phase, Phase, tuple[int, int]]]]
+    args: argparse.Namespace,
+    results: dict[str, list[tuple[Phase, Phase, tuple[int, int]]]],
+    out: dict[str, Any],
 ) -> None:
     n = args.requests * args.group
     mib = n * args.block_kib / 1024
@@ -202,47 +189,61 @@ def _report(
         f"  {'side':<20}{'store MiB/s':>12}{'load MiB/s':>12}{'PUTs':>6}{'GETs':>6}"
         f"{'client ms/block store, load':>30}{'server ms/block store, load':>30}"
     )
-    base: dict[str, float] = {}
+    sides: dict[str, dict[str, Any]] = {}
+    out["sides"] = sides
     for side in SIDES:
         rounds = results[side]
         med = functools.partial(_median, rounds)
-        store_rate, load_rate = mib / med(0, 0), mib / med(1, 0)
         puts, gets = rounds[-1][2]
+        row = sides[side] = {
+            "store_mib_s": mib / med(0, 0),
+            "load_mib_s": mib / med(1, 0),
+            "puts": puts,
+            "gets": gets,
+            "client_ms_per_block": {"store": med(0, 1) * 1000 / n, "load": med(1, 1) * 1000 / n},
+            "server_ms_per_block": {"store": med(0, 2) * 1000 / n, "load": med(1, 2) * 1000 / n},
+        }
+        client, server = row["client_ms_per_block"], row["server_ms_per_block"]
         print(
-            f"  {side:<20}{store_rate:>12.1f}{load_rate:>12.1f}{puts:>6}{gets:>6}"
-            f"{med(0, 1) * 1000 / n:>17.2f}, {med(1, 1) * 1000 / n:>5.2f}"
-            f"{med(0, 2) * 1000 / n:>24.2f}, {med(1, 2) * 1000 / n:>5.2f}"
+            f"  {side:<20}{row['store_mib_s']:>12.1f}{row['load_mib_s']:>12.1f}{puts:>6}{gets:>6}"
+            f"{client['store']:>17.2f}, {client['load']:>5.2f}"
+            f"{server['store']:>24.2f}, {server['load']:>5.2f}"
         )
-        if side == "raw":
-            base = {"store": store_rate, "load": load_rate}
-        else:
+        if side != "raw":
+            row["of_raw"] = {
+                "baseline": "raw",
+                "store": row["store_mib_s"] / sides["raw"]["store_mib_s"],
+                "load": row["load_mib_s"] / sides["raw"]["load_mib_s"],
+            }
             print(
-                f"  {'':<20}{store_rate / base['store']:>11.2f}x{load_rate / base['load']:>11.2f}x"
-                "  of raw"
+                f"  {'':<20}{row['of_raw']['store']:>11.2f}x{row['of_raw']['load']:>11.2f}x  of raw"
             )
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    p.add_argument("--endpoint", help="an S3 endpoint (default: start a SeaweedFS here)")
-    p.add_argument("--bucket", default="kvtier-bench")
+    add_s3_options(p, bucket="kvtier-bench")
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--group", type=int, default=8, help="blocks per request (and per pack)")
     p.add_argument("--block-kib", type=int, default=256)
     p.add_argument("--concurrency", type=int, default=4, help="requests at a time")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--quick", action="store_true", help="a few requests, one round")
+    add_json_flag(p)
     args = p.parse_args(argv)
     if args.quick:
         args.requests, args.repeat = 4, 1
     payloads = [os.urandom(args.block_kib << 10) for _ in range(args.group)]
-    with _server(args.endpoint) as (endpoint, server_cpu):
-        args.endpoint = endpoint
+    with json_output(args.json) as out:
+        out["settings"] = {
+            name: getattr(args, name)
+            for name in ("quick", "requests", "group", "block_kib", "concurrency", "repeat")
+        }
         results: dict[str, list[tuple[Phase, Phase, tuple[int, int]]]] = {}
-        meter = Meter(server_cpu)
+        meter = Meter(server_cpu_reader(args.s3_server_pid))
         for number in range(args.repeat):
             anyio.run(_round, args, meter, payloads, results, number)
-        _report(args, results)
+        _report(args, results, out)
     return 0
 
 

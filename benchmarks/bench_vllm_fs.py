@@ -1,7 +1,7 @@
 """kvtier's FSTier behind vLLM (``kvtier.integrations.vllm``) beside vLLM's own ``fs`` tier.
 
-    python benchmarks/bench_vllm_fs.py            # 512 MiB per case (the figures to report)
-    python benchmarks/bench_vllm_fs.py --quick    # 256 MiB per case
+    python -m benchmarks.bench_vllm_fs            # 512 MiB per case (the figures to report)
+    python -m benchmarks.bench_vllm_fs --quick    # 256 MiB per case
 
 Needs vLLM's tiering modules (`nox -s vllm` installs them). Both tiers are built by vLLM's
 ``SecondaryTierFactory`` over one primary view of 2 MiB chunks, and driven the way vLLM's
@@ -61,6 +61,7 @@ from typing import Any
 import numpy as np
 
 import kvtier
+from benchmarks.common import add_json_flag, json_output
 
 try:
     from vllm.v1.kv_offload.base import make_offload_key
@@ -240,6 +241,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="256 MiB per case")
     parser.add_argument("--dir", default=None, help="folder to write in (default: a temp dir)")
     parser.add_argument("--repeat", type=int, default=1, help="runs per case; the best counts")
+    add_json_flag(parser)
     args = parser.parse_args()
     # vLLM's EngineCore freezes its startup heap (vllm.utils.gc_utils.freeze_gc_heap), so a
     # full collection in the scheduler process never walks the ~600k objects its imports
@@ -248,46 +250,61 @@ def main() -> None:
     gc.freeze()
     n_blocks = 128 if args.quick else 256
     base = Path(args.dir) if args.dir else Path(tempfile.gettempdir())
-    print(
-        f"{n_blocks} blocks of {BLOCK // MiB} MiB per case ({n_blocks * BLOCK // MiB} MiB), "
-        f"{os.cpu_count()} CPUs, folder {base}"
-    )
-    for per_job in (128, 1):
-        if per_job > n_blocks:
-            continue
-        figures: dict[str, tuple[float, float, float, float]] = {}
-        for _ in range(args.repeat):
-            for name in contenders(base):
-                root = Path(tempfile.mkdtemp(prefix="kvtier-bench-vllm-", dir=base))
-                try:
-                    got = bench_case(name, contenders(root)[name], per_job, n_blocks, root)
-                finally:
-                    with contextlib.suppress(OSError):
-                        shutil.rmtree(root)
-                best = figures.get(name, (0.0, 0.0, float("inf"), float("inf")))
-                figures[name] = (
-                    max(best[0], got[0]),
-                    max(best[1], got[1]),
-                    min(best[2], got[2]),
-                    min(best[3], got[3]),
-                )
-        ref = figures["vllm-fs"]
-        print(f"\n{per_job} block(s) per job (MiB/s: best run; CPU: ms of this process per GiB)")
-        head = (
-            "tier",
-            "store MiB/s",
-            "x vllm-fs",
-            "load MiB/s",
-            "x vllm-fs",
-            "store CPU",
-            "load CPU",
+    with json_output(args.json) as out:
+        out["settings"] = {
+            "blocks": n_blocks,
+            "block_mib": BLOCK // MiB,
+            "repeat": args.repeat,
+            "folder": str(base),
+            "cpu_count": os.cpu_count(),
+        }
+        out["baseline"] = "vllm-fs"
+        print(
+            f"{n_blocks} blocks of {BLOCK // MiB} MiB per case ({n_blocks * BLOCK // MiB} MiB), "
+            f"{os.cpu_count()} CPUs, folder {base}"
         )
-        print("  {:<18} {:>12} {:>10} {:>12} {:>10} {:>10} {:>10}".format(*head))
-        for name, (store, load, store_cpu, load_cpu) in figures.items():
-            print(
-                f"  {name:<18} {store:>12.0f} {store / ref[0]:>10.2f} "
-                f"{load:>12.0f} {load / ref[1]:>10.2f} {store_cpu:>10.0f} {load_cpu:>10.0f}"
+        jobs = [per_job for per_job in (128, 1) if per_job <= n_blocks]
+        out["cases"] = [run_case(args, base, per_job, n_blocks) for per_job in jobs]
+
+
+def run_case(args: argparse.Namespace, base: Path, per_job: int, n_blocks: int) -> dict[str, Any]:
+    """Every contender with ``per_job`` blocks per transfer job, the best of ``--repeat`` runs;
+    printed, and returned with each throughput as a ratio of vLLM's own FS tier."""
+    figures: dict[str, tuple[float, float, float, float]] = {}
+    for _ in range(args.repeat):
+        for name in contenders(base):
+            root = Path(tempfile.mkdtemp(prefix="kvtier-bench-vllm-", dir=base))
+            try:
+                got = bench_case(name, contenders(root)[name], per_job, n_blocks, root)
+            finally:
+                with contextlib.suppress(OSError):
+                    shutil.rmtree(root)
+            best = figures.get(name, (0.0, 0.0, float("inf"), float("inf")))
+            figures[name] = (
+                max(best[0], got[0]),
+                max(best[1], got[1]),
+                min(best[2], got[2]),
+                min(best[3], got[3]),
             )
+    ref = figures["vllm-fs"]
+    print(f"\n{per_job} block(s) per job (MiB/s: best run; CPU: ms of this process per GiB)")
+    head = ("tier", "store MiB/s", "x vllm-fs", "load MiB/s", "x vllm-fs", "store CPU", "load CPU")
+    print("  {:<18} {:>12} {:>10} {:>12} {:>10} {:>10} {:>10}".format(*head))
+    rows = {}
+    for name, (store, load, store_cpu, load_cpu) in figures.items():
+        rows[name] = {
+            "store_mib_s": store,
+            "load_mib_s": load,
+            "store_of_vllm_fs": store / ref[0],
+            "load_of_vllm_fs": load / ref[1],
+            "store_cpu_ms_per_gib": store_cpu,
+            "load_cpu_ms_per_gib": load_cpu,
+        }
+        print(
+            f"  {name:<18} {store:>12.0f} {store / ref[0]:>10.2f} "
+            f"{load:>12.0f} {load / ref[1]:>10.2f} {store_cpu:>10.0f} {load_cpu:>10.0f}"
+        )
+    return {"blocks_per_job": per_job, "contenders": rows}
 
 
 if __name__ == "__main__":

@@ -13,10 +13,10 @@ requests: the infinite-cache bound (every block ever seen is still cached) and a
 cache with the primary pool's capacity. It also replays the pool alone (no tiers) under each
 eviction policy, which isolates the policy from the tiers.
 
-    python benchmarks/replay_trace.py                      # the shipped first 1,000 requests
-    python benchmarks/replay_trace.py ../shared/traces/mooncake_synthetic_trace.jsonl  # all
-    python benchmarks/replay_trace.py --limit 500          # the first 500 requests
-    python benchmarks/replay_trace.py --plot hit_ratio.png # also sweep the primary's size
+    python -m benchmarks.replay_trace                      # the shipped first 1,000 requests
+    python -m benchmarks.replay_trace ../shared/traces/mooncake_synthetic_trace.jsonl  # all
+    python -m benchmarks.replay_trace --limit 500          # the first 500 requests
+    python -m benchmarks.replay_trace --plot hit_ratio.png # also sweep the primary's size
 
 The ratio reported is hit blocks / requested blocks, where a hit is a block of the request's
 prefix that kvtier served (a prefix ends at the first block it could not serve).
@@ -37,12 +37,14 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
 
 import kvtier
-from kvtier._format import header_size
+from benchmarks.common import add_json_flag, json_output
+from kvtier._format import header_size  # an FS file's header, for a capacity in blocks
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_TRACE = REPO / "benchmarks" / "data" / "mooncake_trace_first1000.jsonl"
@@ -253,6 +255,14 @@ def blocks_of(n_tokens: int) -> int:
     return max(1, n_tokens // BLOCK_TOKENS) if n_tokens else 0
 
 
+def _summary(values: Sequence[float]) -> dict[str, float] | None:
+    """Mean, p50 and p99 of ``values`` (None when empty)."""
+    if not values:
+        return None
+    p50, p99 = np.percentile(values, [50, 99])
+    return {"mean": statistics.fmean(values), "p50": float(p50), "p99": float(p99)}
+
+
 def _pcts(values: Sequence[float]) -> str:
     if not values:
         return "-"
@@ -336,6 +346,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--s3-prefix", default="kvtier-replay/")
     p.add_argument("--plot", metavar="FILE.png", help="sweep the primary's size and plot")
     p.add_argument("--no-progress", action="store_true")
+    add_json_flag(p)
     p.add_argument(
         "--back-to-back",
         action="store_true",
@@ -360,6 +371,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not trace.is_file():
         print(f"trace not found: {trace}", file=sys.stderr)
         return 2
+    with json_output(args.json) as out:
+        return run(args, trace, out)
+
+
+def run(args: argparse.Namespace, trace: Path, out: dict[str, Any]) -> int:
+    """Replay ``trace`` as ``args`` say, print the report and put its figures in ``out``;
+    0 when every check passed or the run covers only a prefix of the trace."""
     requests = load_trace(trace, args.limit)
     requested = sum(len(r) for r in requests)
     distinct = len({k for r in requests for k in r})
@@ -401,9 +419,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         for policy in ("lru", "arc")
     }
 
-    def row(name: str, hits: int) -> None:
+    out["settings"] = {
+        "trace": trace.name,
+        "requests": len(requests),
+        "limit": args.limit,
+        "primary_blocks": primary,
+        "fs_blocks": blocks_of(args.fs_tokens) if args.fs_tokens else 0,
+        "s3_bucket": args.s3_bucket,
+        "policy": args.policy,
+        "payload_bytes": args.payload_bytes,
+        "block_tokens": BLOCK_TOKENS,
+    }
+    out["blocks"] = {"requested": requested, "distinct": distinct}
+    hit_ratio: dict[str, Any] = {"baseline": "infinite", "served_by": {}, "pool_alone": {}}
+    out["hit_ratio"] = hit_ratio
+
+    def row(name: str, hits: int, *where: str) -> None:
         ratio = hits / requested if requested else 0.0
         of_bound = hits / infinite if infinite else float("nan")
+        into = hit_ratio
+        for step in where[:-1]:
+            into = into[step]
+        into[where[-1]] = {"hits": hits, "ratio": ratio, "of_bound": of_bound}
         print(f"  {name:<44}{hits:>12,}{ratio:>10.2%}{of_bound:>12.2%}")
 
     print()
@@ -418,20 +455,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         + f"; {args.payload_bytes} payload bytes per block"
     )
     print(f"  {'prefix hit ratio':<44}{'hit blocks':>12}{'ratio':>10}{'of bound':>12}")
-    row("infinite cache (bound)", infinite)
-    row(f"plain LRU, {primary:,} blocks", lru)
-    row(f"kvtier {names}", main_run.hits)
+    row("infinite cache (bound)", infinite, "infinite")
+    row(f"plain LRU, {primary:,} blocks", lru, "plain_lru")
+    row(f"kvtier {names}", main_run.hits, "kvtier")
     for tier, hits in main_run.hits_by_tier.items():
-        row(f"  served by {tier}", hits)
+        row(f"  served by {tier}", hits, "served_by", tier)
     for policy, r in alone.items():
-        row(f"kvtier pool({policy}) alone, {primary:,} blocks", r.hits)
+        row(f"kvtier pool({policy}) alone, {primary:,} blocks", r.hits, "pool_alone", policy)
     print()
     print(f"  {'overhead per request (us)':<44}{'mean':>9}{'p50':>9}{'p99':>9}")
+    out["overhead_us"] = {
+        r.label: {"lookup": _summary(r.lookup_us), "request": _summary(r.request_us)}
+        for r in (main_run, *alone.values())
+    }
     for r in (main_run, *alone.values()):
         print(f"  {r.label + ': lookup':<44}{_pcts(r.lookup_us)}")
         print(f"  {r.label + ': lookup + load + store':<44}{_pcts(r.request_us)}")
     s = main_run.stats
+    out["verified"] = main_run.verified
+    out["hits_by_tier"] = main_run.hits_by_tier
     if s is not None:
+        out["manager"] = {
+            "promotions_ok": s.promotions_succeeded,
+            "promotions_failed": sum(s.promotions_failed_by_reason.values()),
+            "stored": s.blocks_stored,
+            "cascades_ok": s.cascades_succeeded,
+            "cascades_skipped": s.cascades_skipped,
+            "cascades_failed": sum(s.cascade_failures_by_reason.values()),
+            "cascades_dropped": s.cascades_dropped,
+            "pool_evictions": s.pool.evictions,
+        }
         print()
         print(
             f"kvtier {names}: {main_run.wall:.1f} s, {main_run.verified:,} loaded blocks verified "
@@ -447,16 +500,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{t.evictions:,} evictions, lookups {t.lookups.hits:,} hit / "
                 f"{t.lookups.misses:,} miss / {t.lookups.retries:,} retry"
             )
-    checks = [
-        (f"kvtier {names} >= 99% of the infinite bound", main_run.hits >= 0.99 * infinite),
-        ("kvtier pool(arc) alone >= plain LRU", alone["arc"].hits >= lru),
-        (
+    checks = {
+        "near_bound": (
+            f"kvtier {names} >= 99% of the infinite bound",
+            main_run.hits >= 0.99 * infinite,
+        ),
+        "arc_beats_lru": ("kvtier pool(arc) alone >= plain LRU", alone["arc"].hits >= lru),
+        "within_bound": (
             "no run beats the infinite bound",
             all(r.hits <= infinite for r in (main_run, *alone.values())),
         ),
-    ]
+    }
+    out["checks"] = {key: {"check": name, "ok": ok} for key, (name, ok) in checks.items()}
+    out["whole_trace"] = args.limit is None
     print()
-    for name, ok in checks:
+    for name, ok in checks.values():
         print(f"check {'PASS' if ok else 'FAIL'}: {name}")
     if args.limit is not None:
         print("(the first two are aims for the whole trace; a prefix of it is mostly cold)")
@@ -474,6 +532,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.payload_bytes,
             infinite / requested,
         )
+        out["plot"] = args.plot
     return 0
 
 

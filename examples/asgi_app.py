@@ -1,7 +1,7 @@
 """kvtier inside a Starlette app: the tiering manager lives in the app's lifespan.
 
 ``POST /generate`` with ``{"prompt": "...", "max_tokens": 4}`` runs the prompt through a tiny
-transformer (``_tiny_model.py``, bytes as tokens) and answers with the generated token ids and
+transformer (``demo_engine.py``, bytes as tokens) and answers with the generated token ids and
 how many prefix blocks kvtier served instead of recomputing them. ``GET /stats`` shows the
 manager's counters; ``GET /metrics`` exports them to Prometheus through
 ``kvtier.metrics_asgi_app`` (prometheus_client's ASGI app, served by the app's own server; it
@@ -13,21 +13,28 @@ Why the lifespan: the ``TieringManager`` owns background work (promotions, write
 task group, so it must be entered once when the app starts and left when it stops, on the same
 event loop as the requests; one manager is shared by all requests, which is what lets one
 user's prompt serve another's prefix.
+
+``python examples/asgi_app.py`` (add ``--json`` for one JSON object) runs a short session
+against the app in this process, through httpx's ASGI transport with the lifespan entered as a
+server would: two users with the same system prompt, the first prompt again, four concurrent
+requests, then ``/stats`` and ``/metrics``; it prints what each answer said.
 """
 
 from __future__ import annotations
 
-import os
+import argparse
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import anyio
 import anyio.to_thread
+import demo_engine
 import torch
+from demo_engine import KVCache, ModelConfig, TinyTransformer
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -35,9 +42,6 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 import kvtier
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _tiny_model import KVCache, ModelConfig, TinyTransformer
 
 __all__ = ["CONFIG", "app", "create_app"]
 
@@ -164,3 +168,75 @@ async def stats(request: Request) -> JSONResponse:
 
 
 app = create_app()
+
+
+# -- a short session against the app, in this process -----------------------------------------
+
+
+@asynccontextmanager
+async def client(app: Starlette) -> AsyncIterator[Any]:
+    """An httpx client on ``app`` with its lifespan running, as a server would run it (httpx's
+    ASGITransport does not run the lifespan itself)."""
+    import httpx
+
+    transport = httpx.ASGITransport(app=app)
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as c,
+    ):
+        yield c
+
+
+async def session(pool_blocks: int = 64) -> dict[str, Any]:
+    """Two users with one system prompt, the first prompt again, four at once, a bad request,
+    then the counters: every answer, as the app gave it."""
+    system = "You are a careful assistant. Answer briefly and cite sources. " * 6
+    out: dict[str, Any] = {"settings": {"pool_blocks": pool_blocks, "system_prompt": system}}
+    async with client(create_app(pool_blocks=pool_blocks)) as c:
+
+        async def ask(prompt: str, **extra: Any) -> Any:
+            return (await c.post("/generate", json={"prompt": system + prompt, **extra})).json()
+
+        out["first"] = await ask("What is KV?")
+        out["second_user"] = await ask("Why tiers?", max_tokens=2)
+        out["first_again"] = await ask("What is KV?")
+        concurrent: list[Any] = []
+
+        async def one(i: int) -> None:
+            concurrent.append(await ask(f"Question {i}?"))
+
+        async with anyio.create_task_group() as tg:
+            for i in range(4):
+                tg.start_soon(one, i)
+        out["concurrent"] = concurrent
+        out["stats"] = (await c.get("/stats")).json()
+        metrics = await c.get("/metrics")
+        out["metrics"] = {"status": metrics.status_code, "text": metrics.text}
+        bad = await c.post("/generate", json={"text": "no prompt"})
+        out["bad_request"] = {"status": bad.status_code, "body": bad.json()}
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="A short session against the app, in process.")
+    p.add_argument("--pool-blocks", type=int, default=64)
+    p.add_argument("--json", action="store_true", help=demo_engine.JSON_HELP)
+    args = p.parse_args(argv)
+    with demo_engine.json_report(args.json) as out:
+        out.update(anyio.run(session, args.pool_blocks))
+        for name in ("first", "second_user", "first_again"):
+            answer = out[name]
+            print(
+                f"{name:<12} {answer['prompt_tokens']} tokens, {answer['served_blocks']} of "
+                f"{answer['prefix_blocks']} prefix blocks from kvtier, completion "
+                f"{answer['completion']}"
+            )
+        served = [r["served_blocks"] for r in out["concurrent"]]
+        print(f"concurrent   blocks from kvtier per request: {served}")
+        print(f"/stats       {out['stats']}")
+        print(f"/metrics     HTTP {out['metrics']['status']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

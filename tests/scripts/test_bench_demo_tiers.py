@@ -1,34 +1,29 @@
 """benchmarks/bench_demo_tiers.py runs the demo's workload for several tier setups in one
-process, each against its own round's baseline (a short round here, on a real SeaweedFS)."""
+process, each against its own round's baseline (a short round here, on the run's SeaweedFS)."""
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable
-from pathlib import Path
-from typing import Any
-
 import pytest
 
-pytest.importorskip("torch", reason="the demo needs torch (the kvtier[torch] extra)")
-pytest.importorskip("aiobotocore", reason="the S3 tier needs the kvtier[s3] extra")
+from tests.scripts.conftest import RunJson
+from tests.scripts.runner import Store, positive
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_demo_tiers.py"
+pytest.importorskip("torch", reason="the demo needs torch (the kvtier[torch] extra)")
 
 
 @pytest.mark.timeout(300)
-def test_one_quick_round_prints_each_setup_against_its_baseline(
-    run_script: Callable[..., Any],
+def test_one_quick_round_gives_each_setup_against_its_baseline(
+    run_json: RunJson, store: Store
 ) -> None:
-    proc = run_script(SCRIPT, "--quick", "--rounds", "1", "--setups", "fs", "fs+s3")
-    rows = {
-        m[1]: (float(m[2]), float(m[3]), m[4], float(m[5]))
-        for m in re.finditer(
-            r"^(fs|fs\+s3)\s+([\d.]+) x\s+([\d.]+) x\s+(\d+)%\s+([\d.]+) cores$", proc.stdout, re.M
-        )
-    }
-    assert set(rows) == {"fs", "fs+s3"}, proc.stdout
-    assert rows["fs"][2] == "100"  # the FS-only setup is its own reference
-    assert all(p50 > 0 and p95 > 0 for p50, p95, _, _ in rows.values())
-    assert rows["fs+s3"][3] > 0  # SeaweedFS worked while the S3 tier was written
-    assert re.search(r"^round 1/1: TTFT p50 speedup fs [\d.]+x, fs\+s3 [\d.]+x$", proc.stdout, re.M)
+    args = ("--quick", "--rounds", "1", "--setups", "fs", "fs+s3", *store.flags())
+    out = run_json("-m", "benchmarks.bench_demo_tiers", *args).out
+    setups = out["setups"]
+    assert set(setups) == {"fs", "fs+s3"}
+    assert setups["fs"]["p50_share_of_fs"] == 1.0  # the FS-only setup is its own reference
+    for setup in setups.values():
+        assert setup["baseline"] == "without kvtier, same round"
+        assert positive(setup["ttft_p50_speedup"]) and positive(setup["ttft_p95_speedup"])
+        assert len(setup["rounds"]) == 1
+        assert setup["rounds"][0]["ttft_p50"] == setup["ttft_p50_speedup"]  # one round: itself
+    assert positive(setups["fs+s3"]["p50_share_of_fs"])
+    assert positive(setups["fs+s3"]["server_cpu_cores"])  # SeaweedFS worked for the S3 tier

@@ -2,33 +2,23 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
 import kvtier
+from benchmarks import replay_trace
+from tests.scripts.conftest import RunJson
+from tests.scripts.runner import ROOT
 
-REPO = Path(__file__).resolve().parents[2]
-TRACE = REPO / "benchmarks" / "data" / "mooncake_trace_first1000.jsonl"
-SCRIPT = REPO / "benchmarks" / "replay_trace.py"
+TRACE = ROOT / "benchmarks" / "data" / "mooncake_trace_first1000.jsonl"
 LIMIT = 200
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("kvtier_bench_replay_trace", SCRIPT)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
+    return replay_trace
 
 
 @pytest.fixture(scope="module")
@@ -97,34 +87,26 @@ async def test_replay_pool_alone(
 
 
 @pytest.mark.timeout(300)
-def test_cli(tmp_path: Path) -> None:
+def test_cli(run_json: RunJson, tmp_path: Path) -> None:
     png = tmp_path / "hit.png"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(SCRIPT),
-            str(TRACE),
-            "--limit",
-            str(LIMIT),
-            "--quick",
-            "--plot",
-            str(png),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=280,
-        env={**os.environ, "PYTHONWARNINGS": "error", "MPLBACKEND": "Agg"},
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    out = proc.stdout
-    ratios = {}
-    for name in ("infinite cache", "plain LRU", "kvtier pool"):
-        m = re.search(rf"^  {name}.*?([\d,]+)\s+([\d.]+)%\s+([\d.]+)%$", out, re.M)
-        assert m, out
-        ratios[name] = float(m[2])
-    assert ratios["plain LRU"] <= ratios["infinite cache"]
-    assert ratios["kvtier pool"] <= ratios["infinite cache"]
-    assert "check PASS: no run beats the infinite bound" in out
-    assert re.search(r"lookup \+ load \+ store\s+\d+\s+\d+\s+\d+", out), out
+    args = (str(TRACE), "--limit", str(LIMIT), "--quick", "--plot", str(png))
+    out = run_json("-m", "benchmarks.replay_trace", *args, env={"MPLBACKEND": "Agg"}).out
+    assert out["settings"]["requests"] == LIMIT
+    hit = out["hit_ratio"]
+    assert hit["baseline"] == "infinite"
+    assert hit["infinite"]["of_bound"] == 1.0
+    bound = hit["infinite"]["ratio"]
+    assert 0 < bound <= 1
+    assert hit["plain_lru"]["ratio"] <= bound
+    assert hit["kvtier"]["ratio"] <= bound
+    assert all(row["ratio"] <= bound for row in hit["pool_alone"].values())
+    # every hit was served by one tier, and checked byte for byte
+    assert sum(row["hits"] for row in hit["served_by"].values()) == hit["kvtier"]["hits"]
+    assert out["verified"] == hit["kvtier"]["hits"]
+    assert out["checks"]["within_bound"]["ok"] is True
+    assert out["whole_trace"] is False
+    for overhead in out["overhead_us"].values():  # a request's time includes its lookup
+        assert 0 <= overhead["lookup"]["mean"] <= overhead["request"]["mean"]
+        assert overhead["request"]["p50"] <= overhead["request"]["p99"]
+    assert out["plot"] == str(png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
