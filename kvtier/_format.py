@@ -48,10 +48,12 @@ import xxhash
 from kvtier._settings import Section, parse_secret, spec
 
 __all__ = [
+    "ALIGNED_FORMAT_VERSION",
     "FLAG_MAC",
     "FORMAT_VERSION",
     "MAC_BYTES",
     "MAGIC",
+    "PAYLOAD_ALIGN",
     "BlockHeader",
     "HeaderError",
     "IntegrityConfig",
@@ -66,6 +68,11 @@ __all__ = [
 
 MAGIC = b"KVTB"
 FORMAT_VERSION = 1
+# Version 2 differs only in where the payload starts: at the first multiple of PAYLOAD_ALIGN
+# after the header (zero bytes between), so a file's payload can move by O_DIRECT straight
+# between the disk and an aligned buffer. The FS tier writes it; objects in S3 stay version 1.
+ALIGNED_FORMAT_VERSION = 2
+PAYLOAD_ALIGN = 4096
 # magic, version, flags, key length, reserved, payload length, payload checksum
 _FIXED = struct.Struct("<4sHHHHQQ")
 _HEADER_SUM = struct.Struct("<Q")
@@ -154,16 +161,29 @@ class BlockHeader:
     flags: int = 0
     mac: bytes = field(default=b"", repr=False)
     signed: bytes = field(default=b"", repr=False, compare=False)  # what the MAC covers
+    version: int = FORMAT_VERSION
 
     @property
     def size(self) -> int:
         return header_size(len(self.key)) + (MAC_BYTES if self.flags & FLAG_MAC else 0)
+
+    @property
+    def payload_offset(self) -> int:
+        """Where the payload starts: right after the header (version 1) or aligned (2)."""
+        return payload_offset(self.size, self.version)
 
 
 def header_size(key_length: int, *, integrity_key: IntegrityKey | None = None) -> int:
     """Bytes before the payload for a key of ``key_length`` bytes (more when signed)."""
     mac = MAC_BYTES if integrity_key is not None else 0
     return _FIXED.size + key_length + _HEADER_SUM.size + mac
+
+
+def payload_offset(header_bytes: int, version: int = FORMAT_VERSION) -> int:
+    """Where the payload starts after a header of ``header_bytes`` in format ``version``."""
+    if version == ALIGNED_FORMAT_VERSION:
+        return -(-header_bytes // PAYLOAD_ALIGN) * PAYLOAD_ALIGN
+    return header_bytes
 
 
 def checksum(payload: bytes | bytearray | memoryview) -> int:
@@ -176,14 +196,16 @@ def encode_header(
     flags: int = 0,
     *,
     integrity_key: IntegrityKey | None = None,
+    version: int = FORMAT_VERSION,
 ) -> bytes:
-    """Header bytes for ``payload`` stored under ``key``; signed when ``integrity_key`` is set."""
+    """Header bytes for ``payload`` stored under ``key``; signed when ``integrity_key`` is set.
+    For ``ALIGNED_FORMAT_VERSION`` the caller pads the header to ``payload_offset``."""
     if not 0 < len(key) <= MAX_KEY_BYTES:
         raise ValueError(f"key must be 1 to {MAX_KEY_BYTES} bytes")
     if integrity_key is not None:
         flags |= FLAG_MAC
     fixed = _FIXED.pack(
-        MAGIC, FORMAT_VERSION, flags, len(key), 0, memoryview(payload).nbytes, checksum(payload)
+        MAGIC, version, flags, len(key), 0, memoryview(payload).nbytes, checksum(payload)
     )
     body = fixed + key
     head = body + _HEADER_SUM.pack(xxhash.xxh3_64_intdigest(body))
@@ -193,12 +215,16 @@ def encode_header(
 
 
 def decode_header(
-    data: bytes | bytearray | memoryview, *, integrity_key: IntegrityKey | None = None
+    data: bytes | bytearray | memoryview,
+    *,
+    integrity_key: IntegrityKey | None = None,
+    versions: tuple[int, ...] = (FORMAT_VERSION,),
 ) -> BlockHeader:
     """Parse and check a header; raise ``HeaderError`` saying what is wrong.
 
     With ``integrity_key`` an unsigned block is refused; without one a signed block is refused
-    (its MAC cannot be checked). The MAC itself is checked by ``verify_block``.
+    (its MAC cannot be checked). The MAC itself is checked by ``verify_block``. ``versions``
+    are the format versions the caller reads (the FS tier reads both, S3 only version 1).
     """
     view = memoryview(data)
     if view.nbytes < _FIXED.size:
@@ -206,8 +232,9 @@ def decode_header(
     magic, version, flags, key_len, _, length, payload_sum = _FIXED.unpack_from(view)
     if magic != MAGIC:
         raise HeaderError("bad magic: not a kvtier block")
-    if version != FORMAT_VERSION:
-        raise HeaderError(f"format version {version}, this kvtier reads {FORMAT_VERSION}")
+    if version not in versions:
+        readable = " and ".join(map(str, versions))
+        raise HeaderError(f"format version {version}, this reader takes {readable}")
     end = _FIXED.size + key_len
     if key_len == 0 or view.nbytes < end + _HEADER_SUM.size:
         raise HeaderError("header truncated")
@@ -230,7 +257,8 @@ def decode_header(
     elif integrity_key is not None:
         raise HeaderError("block is not signed, and an integrity key is set: refused")
     signed = bytes(view[:end]) if mac else b""
-    return BlockHeader(bytes(view[_FIXED.size : end]), length, payload_sum, flags, mac, signed)
+    key = bytes(view[_FIXED.size : end])
+    return BlockHeader(key, length, payload_sum, flags, mac, signed, version)
 
 
 class PayloadCheck:

@@ -16,8 +16,9 @@ from typing import IO, Any
 
 from kvtier._cli._common import EXIT_BAD_DATA, EXIT_OK, UsageError, human_bytes
 from kvtier._errors import InvalidArgumentError
-from kvtier._format import FORMAT_VERSION, HeaderError, IntegrityKey, decode_header, verify_block
+from kvtier._format import HeaderError, IntegrityKey, decode_header, verify_block
 from kvtier.tiers.fs._layout import (
+    BLOCK_FORMATS,
     LAYOUT_VERSION,
     MARKER_NAME,
     READ_FLAGS,
@@ -116,10 +117,10 @@ def _integrity_key(marker: dict[str, Any]) -> IntegrityKey | None:
 
 def _check_compatible(marker: dict[str, Any]) -> None:
     layout, block_format = marker.get("layout"), marker.get("block_format")
-    if layout != LAYOUT_VERSION or block_format != FORMAT_VERSION:
+    if layout != LAYOUT_VERSION or block_format not in BLOCK_FORMATS:
         raise UsageError(
             f"this folder has layout {layout!r} and block format {block_format!r}; this kvtier "
-            f"reads layout {LAYOUT_VERSION} and block format {FORMAT_VERSION}: use the kvtier "
+            f"reads layout {LAYOUT_VERSION} and block formats {BLOCK_FORMATS}: use the kvtier "
             "version that wrote it"
         )
 
@@ -184,7 +185,7 @@ def inspect(args: argparse.Namespace, out: IO[str]) -> int:
         "layout": scan.marker.get("layout"),
         "block_format": scan.marker.get("block_format"),
         "readable": scan.marker.get("layout") == LAYOUT_VERSION
-        and scan.marker.get("block_format") == FORMAT_VERSION,
+        and scan.marker.get("block_format") in BLOCK_FORMATS,
         "signed": scan.marker.get("integrity") is not None,
         "blocks": len(scan.blocks),
         "bytes": sum(sizes),
@@ -252,12 +253,14 @@ def _check_file(
 
 def _problem(name: str, data: bytes, ikey: IntegrityKey | None = None) -> str | None:
     try:
-        header = decode_header(data, integrity_key=ikey)
+        header = decode_header(data, integrity_key=ikey, versions=BLOCK_FORMATS)
         if name.startswith("h"):  # a long key named by its hash: the name must be that hash
             expected_key = header.key if name_of(header.key) == name else b""
         else:
             expected_key = bytes.fromhex(name)
-        verify_block(expected_key, header, memoryview(data)[header.size :], integrity_key=ikey)
+        verify_block(
+            expected_key, header, memoryview(data)[header.payload_offset :], integrity_key=ikey
+        )
     except HeaderError as exc:
         return str(exc)
     except ValueError as exc:  # a block name that is not hex

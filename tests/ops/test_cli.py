@@ -85,7 +85,7 @@ def test_inspect_counts_blocks_bytes_and_format(root: Path, blocks: dict[bytes, 
     assert code == 0, err
     assert f"blocks:        {N} in" in out
     assert f"({N * FILE} bytes)" in out
-    assert "layout 1, block format 1" in out
+    assert "layout 1, block format 2" in out
     assert "NOT readable" not in out
     assert "age:" in out and "newest" in out and "oldest" in out
     assert "temporary:     0 file(s)" in out
@@ -99,7 +99,7 @@ def test_inspect_json(root: Path, blocks: dict[bytes, bytes]) -> None:
     assert report["blocks"] == N
     assert report["bytes"] == N * FILE
     assert report["block_bytes_min"] == report["block_bytes_max"] == FILE
-    assert report["layout"] == 1 and report["block_format"] == 1 and report["readable"]
+    assert report["layout"] == 1 and report["block_format"] == 2 and report["readable"]
     assert report["oldest"] <= report["newest"]
     assert report["foreign_entries"] == [str(root / "stray.txt")]
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import anyio
 
-from kvtier._format import IntegrityKey, header_size
+from kvtier._format import ALIGNED_FORMAT_VERSION, IntegrityKey, header_size
 from kvtier.tiers.fs import _io as io
 from kvtier.tiers.fs import _read
 from kvtier.tiers.fs._calls import BufferPool, Handoff, WorkerCalls
@@ -62,17 +62,42 @@ class BlockFiles:
     def header_size(self, key: bytes) -> int:
         return header_size(len(key), integrity_key=self.integrity_key)
 
+    def region_size(self, key: bytes, payload_bytes: int) -> int:
+        """Bytes before the payload in the file this tier writes for the block."""
+        return io.region_size(self.header_size(key), payload_bytes)
+
+    def zero_copy(self, view: memoryview) -> bool:
+        """Whether O_DIRECT moves the block between its file and ``view`` with no copy."""
+        aligned_file = io.file_version(view.nbytes) == ALIGNED_FORMAT_VERSION
+        return self.direct and aligned_file and io.aligned(view)
+
 
 def read_block(
     files: BlockFiles, call: Handoff, key: bytes, name: str, view: memoryview, *, private: bool
 ) -> io.ReadOutcome:
     """Read and verify one block (in a worker thread). ``private``: through a buffer of
-    the tier's, copied into ``view`` inside ``touching()``; else straight into ``view``,
-    unless O_DIRECT needs an aligned buffer anyway."""
+    the tier's, copied into ``view`` inside ``touching()``; else straight into ``view`` (with
+    O_DIRECT when ``view`` is aligned, else through an aligned buffer anyway)."""
     if not (private or files.direct):
         return _read.read_block(
             files.root, name, key, view, None, call.touching, integrity_key=files.integrity_key
         )
+    if not private and files.zero_copy(view):
+        region = files.buffers.take(files.region_size(key, view.nbytes))
+        try:
+            return _read.read_block(
+                files.root,
+                name,
+                key,
+                view,
+                None,
+                call.touching,
+                integrity_key=files.integrity_key,
+                direct=True,
+                region=memoryview(region),
+            )
+        finally:
+            files.buffers.give(region)
     hlen = files.header_size(key)
     buf = files.buffers.take(_read.scratch_size(files.direct, hlen, view.nbytes))
     try:
@@ -102,14 +127,17 @@ def write_block(
     started: Callable[[], None] | None = None,
 ) -> tuple[io.WriteOutcome, int]:
     """Publish one block (in a worker thread). ``private``: copy the payload out of the
-    caller's memory first, inside ``touching()`` (always with O_DIRECT, whose header and
-    payload must sit side by side in one aligned buffer). ``started`` is called, under
+    caller's memory first, inside ``touching()``; else write from it (with O_DIRECT straight
+    from it when it is aligned, else through an aligned copy). ``started`` is called, under
     the call's lock, once the block may touch the file system."""
-    hlen = files.header_size(key)
-    copied = private or files.direct
-    buf = files.buffers.take(io.staging_size(hlen, payload.nbytes)) if copied else None
+    hlen = files.region_size(key, payload.nbytes)
+    zero_copy = not private and files.zero_copy(payload)
+    copied = (private or files.direct) and not zero_copy
+    size = io.staging_size(hlen, payload.nbytes) if copied else hlen if zero_copy else 0
+    buf = files.buffers.take(size) if size else None
     try:
-        staging = None if buf is None else memoryview(buf)
+        region = memoryview(buf) if zero_copy and buf is not None else None
+        staging = memoryview(buf) if copied and buf is not None else None
         body = payload if staging is None else staging[hlen : hlen + payload.nbytes]
         with call.touching() if copied else call.holding():
             if staging is not None:
@@ -125,6 +153,7 @@ def write_block(
             victims,
             integrity_key=files.integrity_key,
             staging=staging if files.direct else None,
+            region=region,
         )
     finally:
         if buf is not None:

@@ -34,7 +34,14 @@ from pathlib import Path
 
 import numpy as np
 
-from kvtier._format import IntegrityKey, encode_header
+from kvtier._format import (
+    ALIGNED_FORMAT_VERSION,
+    FORMAT_VERSION,
+    PAYLOAD_ALIGN,
+    IntegrityKey,
+    encode_header,
+    payload_offset,
+)
 from kvtier.tiers.fs._layout import (
     DIR_MODE,
     FILE_MODE,
@@ -54,24 +61,29 @@ from kvtier.tiers.fs._layout import (
 
 __all__ = [
     "ALIGN",
+    "O_DIRECT",
     "Corrupt",
     "ReadOutcome",
     "WriteOutcome",
     "WrongSize",
+    "aligned",
+    "block_region",
     "copy_bytes",
+    "file_version",
     "open_maybe_direct",
     "prepare_root",
     "probe_direct",
+    "region_size",
     "remove_block",
     "staging_size",
     "stat_many",
     "write_block",
 ]
 
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
+O_DIRECT = getattr(os, "O_DIRECT", 0)
 # O_DIRECT needs file offsets, lengths and memory aligned to the device's logical block; 4096
 # covers every common one. Buffers from ``BufferPool`` are page-aligned (mmap).
-ALIGN = 4096
+ALIGN = PAYLOAD_ALIGN
 
 # The OS calls that write and that check existence, named once so tests can inject a fault at
 # exactly this boundary.
@@ -168,6 +180,39 @@ def stat_many(root: Path, names: Sequence[str]) -> list[int | None]:
     return sizes
 
 
+# Payloads of whole pages from this size on are written in version 2 (aligned, so O_DIRECT
+# moves them without a copy); smaller or odd-sized ones in the compact version 1, where the
+# padded header would cost more room than the copy it saves.
+ALIGNED_MIN_PAYLOAD = 64 << 10
+
+
+def file_version(payload_bytes: int) -> int:
+    """The block format a payload of ``payload_bytes`` is written in."""
+    if payload_bytes >= ALIGNED_MIN_PAYLOAD and payload_bytes % ALIGN == 0:
+        return ALIGNED_FORMAT_VERSION
+    return FORMAT_VERSION
+
+
+def region_size(header_bytes: int, payload_bytes: int) -> int:
+    """Bytes before the payload in the file of a block: its header, padded in version 2."""
+    return payload_offset(header_bytes, file_version(payload_bytes))
+
+
+def block_region(key: bytes, payload: memoryview, integrity_key: IntegrityKey | None) -> bytes:
+    """The start of a block file: its header, zero-padded to where the payload starts."""
+    version = file_version(payload.nbytes)
+    header = encode_header(key, payload, integrity_key=integrity_key, version=version)
+    return header.ljust(payload_offset(len(header), version), b"\0")
+
+
+def aligned(view: memoryview) -> bool:
+    """Whether O_DIRECT can move ``view``'s bytes as they are: an ``ALIGN``-aligned address
+    and a whole number of ``ALIGN`` pieces."""
+    if view.nbytes % ALIGN or not view.c_contiguous:
+        return False
+    return int(np.frombuffer(view, np.uint8).ctypes.data) % ALIGN == 0
+
+
 def write_block(
     root: Path,
     name: str,
@@ -178,12 +223,15 @@ def write_block(
     *,
     integrity_key: IntegrityKey | None = None,
     staging: memoryview | None = None,
+    region: memoryview | None = None,
 ) -> tuple[WriteOutcome, int]:
     """Publish one block atomically; return the outcome and the file's size.
 
     With ``staging`` (an ALIGN-aligned buffer of ``staging_size`` bytes whose bytes from
-    the header's length on are ``payload``) the file is written with O_DIRECT where the file
-    system takes it: no copy into the page cache, no write-back later. Same file either way.
+    the header region's length on are ``payload``) the file is written with O_DIRECT where the
+    file system takes it: no copy into the page cache, no write-back later. With ``region``
+    instead (an aligned buffer as long as the header region) and an ``aligned`` payload, the
+    same happens straight from ``payload``, with no copy at all. Same file either way.
 
     An existing block is not rewritten (keys name content, so it holds the same bytes). Else
     ``victims`` are removed to make room, the block goes to a uniquely named temporary file
@@ -195,17 +243,21 @@ def write_block(
         return WriteOutcome.EXISTS, size
     for victim in victims:
         remove_block(root, victim)
-    header = encode_header(key, payload, integrity_key=integrity_key)
+    header = block_region(key, payload, integrity_key)
     total = len(header) + payload.nbytes
     dir_fd = open_shard(root, name, create=True)
     try:
         tmp = tmp_name(name)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC | O_NOFOLLOW
-        fd, direct = open_maybe_direct(tmp, flags, staging is not None, dir_fd)
+        want_direct = staging is not None or region is not None
+        fd, direct = open_maybe_direct(tmp, flags, want_direct, dir_fd)
         try:
             try:
                 if direct and staging is not None:
                     _write_direct(fd, header, staging, total)
+                elif direct and region is not None:
+                    region[:] = header
+                    _write_all(fd, [region, payload])
                 else:
                     _write_all(fd, [header, payload])
                 if fsync != "never":
@@ -233,7 +285,7 @@ def _write_direct(fd: int, header: bytes, staging: memoryview, total: int) -> No
     if bulk:
         _write_all(fd, [staging[:bulk]])
     if bulk < total:
-        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~O_DIRECT)
         _write_all(fd, [staging[bulk:total]])
 
 
@@ -244,9 +296,9 @@ def staging_size(header_bytes: int, payload_bytes: int) -> int:
 
 def open_maybe_direct(path: str, flags: int, direct: bool, dir_fd: int) -> tuple[int, bool]:
     """Open with O_DIRECT when asked and the file system takes it (EINVAL: it does not)."""
-    if direct and _O_DIRECT:
+    if direct and O_DIRECT:
         try:
-            return os.open(path, flags | _O_DIRECT, FILE_MODE, dir_fd=dir_fd), True
+            return os.open(path, flags | O_DIRECT, FILE_MODE, dir_fd=dir_fd), True
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise
@@ -256,12 +308,12 @@ def open_maybe_direct(path: str, flags: int, direct: bool, dir_fd: int) -> tuple
 def probe_direct(root: Path) -> bool:
     """Whether files under ``root`` take O_DIRECT writes of ``ALIGN`` bytes (tmpfs before
     Linux 6.6, some FUSE and network file systems refuse them)."""
-    if not _O_DIRECT:
+    if not O_DIRECT:
         return False
     probe = root / f".kvtier-fs-probe-{os.getpid()}-{secrets.token_hex(4)}"
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC | O_NOFOLLOW
     try:
-        fd = os.open(probe, flags | _O_DIRECT, FILE_MODE)
+        fd = os.open(probe, flags | O_DIRECT, FILE_MODE)
     except OSError:
         return False
     try:

@@ -34,9 +34,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvtier._format import FORMAT_VERSION, IntegrityKey
+from kvtier._format import ALIGNED_FORMAT_VERSION, FORMAT_VERSION, IntegrityKey
 
 __all__ = [
+    "BLOCK_FORMATS",
     "DIR_MODE",
     "FILE_MODE",
     "HOST_TAG",
@@ -70,7 +71,11 @@ __all__ = [
 
 LAYOUT_VERSION = 1
 MARKER_NAME = "kvtier-fs.json"
-MARKER = {"format": "kvtier-fs", "layout": LAYOUT_VERSION, "block_format": FORMAT_VERSION}
+MARKER = {"format": "kvtier-fs", "layout": LAYOUT_VERSION, "block_format": ALIGNED_FORMAT_VERSION}
+# Block formats a folder may hold: a folder marked with the older one is read as it is and its
+# marker moved to the newer one at open (so an older kvtier, which cannot read the new blocks,
+# refuses the folder instead of removing them as corrupt).
+BLOCK_FORMATS = (FORMAT_VERSION, ALIGNED_FORMAT_VERSION)
 # A temporary file from another host (or from before a reboot) whose writer we cannot ask about
 # is removed once it is this old: no store takes anywhere near an hour.
 STALE_TMP_SECONDS = 3600.0
@@ -366,6 +371,9 @@ def check_marker(root: Path, expected: dict[str, object]) -> None:
         found = json.loads(raw)
     except ValueError:
         found = None
+    if isinstance(found, dict) and found == {**expected, "block_format": FORMAT_VERSION}:
+        _write_marker(root, expected)  # a folder of the older block format, moved up
+        return
     if found != expected:
         if isinstance(found, dict) and {**found, "integrity": None} == {
             **expected,

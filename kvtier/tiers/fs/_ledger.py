@@ -34,7 +34,7 @@ from kvtier._lookup import MissReason
 from kvtier.tiers._base import TierMeter
 from kvtier.tiers.fs._calls import Stuck
 from kvtier.tiers.fs._catalog import Catalog, NoRoom, Reservation
-from kvtier.tiers.fs._io import WriteOutcome
+from kvtier.tiers.fs._io import WriteOutcome, region_size
 from kvtier.tiers.fs._layout import key_of
 
 __all__ = ["Ledger", "Verdicts"]
@@ -64,7 +64,8 @@ class Ledger:
 
     def file_size(self, key: bytes, nbytes: int) -> int:
         """The size of the file that holds ``key``'s block of ``nbytes``."""
-        return header_size(len(key), integrity_key=self.integrity_key) + nbytes
+        header = header_size(len(key), integrity_key=self.integrity_key)
+        return region_size(header, nbytes) + nbytes
 
     # -- loads ---------------------------------------------------------------------------------
 

@@ -16,14 +16,25 @@ takes: it reads into the caller's buffers directly.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
 
-from kvtier._format import HeaderError, IntegrityKey, PayloadCheck, decode_header, header_size
+from kvtier._format import (
+    ALIGNED_FORMAT_VERSION,
+    FORMAT_VERSION,
+    BlockHeader,
+    HeaderError,
+    IntegrityKey,
+    PayloadCheck,
+    decode_header,
+    header_size,
+)
 from kvtier.tiers.fs._io import (
     ALIGN,
+    O_DIRECT,
     Corrupt,
     ReadOutcome,
     WrongSize,
@@ -44,6 +55,10 @@ READ_CHUNK = 256 << 10  # small enough to stay in a core's cache between read, h
 DIRECT_CHUNK = 4 << 20
 
 
+# The FS tier writes version 2 (the payload aligned for O_DIRECT) and still reads version 1.
+VERSIONS = (FORMAT_VERSION, ALIGNED_FORMAT_VERSION)
+
+
 def scratch_size(direct: bool, header_bytes: int, payload_bytes: int) -> int:
     """The private buffer a read of one block goes through (see ``read_block``)."""
     if not direct:
@@ -61,6 +76,7 @@ def read_block(
     *,
     integrity_key: IntegrityKey | None = None,
     direct: bool = False,
+    region: memoryview | None = None,
 ) -> ReadOutcome:
     """Read the block of ``key`` into ``dst`` and verify it before it counts as loaded.
 
@@ -77,6 +93,10 @@ def read_block(
     With ``direct`` (and an ALIGN-aligned ``scratch`` of a multiple of ALIGN bytes) the file
     is read with O_DIRECT where the file system takes it: past the page cache, whole aligned
     pieces from the start of the file, each hashed and copied out while it is in the cache.
+    With ``direct`` and no ``scratch``, ``region`` (aligned, as long as a version 2 header's
+    padded region) and an aligned ``dst``, the disk fills ``dst`` itself, in one request with
+    the header, and the checksum runs over the bytes where they landed (an older, unaligned
+    file is read through the page cache instead).
     """
     try:
         dir_fd = open_shard(root, name)
@@ -84,12 +104,15 @@ def read_block(
         return ReadOutcome.MISSING
     try:
         try:
-            fd, direct = open_maybe_direct(name, READ_FLAGS, direct and scratch is not None, dir_fd)
+            use_direct = direct and (scratch is not None or region is not None)
+            fd, direct = open_maybe_direct(name, READ_FLAGS, use_direct, dir_fd)
         except FileNotFoundError:
             return ReadOutcome.MISSING
         try:
             if direct and scratch is not None:
                 _read_verified_direct(fd, key, dst, scratch, touching, integrity_key)
+            elif direct and region is not None:
+                _read_into(fd, key, dst, region, touching, integrity_key)
             else:
                 _read_verified(fd, key, dst, scratch, touching, integrity_key)
         except HeaderError as exc:
@@ -116,23 +139,18 @@ def _read_verified(
     got = _read_all(fd, [memoryview(header_buf)], 0)
     if got < len(header_buf):
         raise HeaderError(f"file is {size} bytes, shorter than its header")
-    header = decode_header(header_buf, integrity_key=integrity_key)
-    if header.key != key:
-        raise HeaderError("block belongs to another key")
-    expected = len(header_buf) + header.payload_length
-    if size != expected:
-        raise HeaderError(f"file is {size} bytes, header says {expected}")
-    if header.payload_length != dst.nbytes:
-        raise WrongSize(header.payload_length)
+    header = _checked_header(header_buf, key, size, dst, integrity_key)
+    start = header.payload_offset
+    expected = start + header.payload_length
     check = PayloadCheck(key, header, integrity_key=integrity_key)
     done = 0
     chunk = READ_CHUNK if scratch is None else scratch.nbytes
     while done < dst.nbytes:
         n = min(chunk, dst.nbytes - done)
         piece = dst[done : done + n] if scratch is None else scratch[:n]
-        got = _read_all(fd, [piece], len(header_buf) + done)
+        got = _read_all(fd, [piece], start + done)
         if got != n:
-            raise HeaderError(f"read {len(header_buf) + done + got} bytes of {expected}")
+            raise HeaderError(f"read {start + done + got} bytes of {expected}")
         check.update(piece)
         if scratch is not None:
             with touching():
@@ -157,24 +175,21 @@ def _read_verified_direct(
     got = _read_aligned(fd, scratch, 0)
     if got < hlen:
         raise HeaderError(f"file is {size} bytes, shorter than its header")
-    header = decode_header(scratch[:hlen], integrity_key=integrity_key)
-    if header.key != key:
-        raise HeaderError("block belongs to another key")
-    expected = hlen + header.payload_length
-    if size != expected:
-        raise HeaderError(f"file is {size} bytes, header says {expected}")
-    if header.payload_length != dst.nbytes:
-        raise WrongSize(header.payload_length)
+    header = _checked_header(scratch[:hlen], key, size, dst, integrity_key)
+    payload_start = header.payload_offset
+    expected = payload_start + header.payload_length
     check = PayloadCheck(key, header, integrity_key=integrity_key)
     offset = 0  # of scratch[0] in the file
     while True:
         valid = min(got, size - offset)
-        start = max(hlen - offset, 0)
+        start = max(payload_start - offset, 0)
         if valid > start:
             piece = scratch[start:valid]
             check.update(piece)
             with touching():
-                copy_bytes(dst[offset + start - hlen : offset + valid - hlen], piece)
+                copy_bytes(
+                    dst[offset + start - payload_start : offset + valid - payload_start], piece
+                )
         offset += got
         if offset >= size:
             break
@@ -182,6 +197,52 @@ def _read_verified_direct(
             raise HeaderError(f"read {offset} bytes of {expected}")
         got = _read_aligned(fd, scratch, offset)
     check.finish()
+
+
+def _read_into(
+    fd: int,
+    key: bytes,
+    dst: memoryview,
+    region: memoryview,
+    touching: Callable[[], AbstractContextManager[None]],
+    integrity_key: IntegrityKey | None,
+) -> None:
+    """A version 2 file read by O_DIRECT straight into ``dst`` (header into ``region``), then
+    verified where it landed; any other file is read again through the page cache."""
+    size = os.fstat(fd).st_size
+    hlen = header_size(len(key), integrity_key=integrity_key)
+    if size == region.nbytes + dst.nbytes:  # else not a version 2 file of this size
+        got = _read_all(fd, [region, dst], 0)
+        if got >= hlen:
+            header = _checked_header(region[:hlen], key, size, dst, integrity_key)
+            if header.payload_offset == region.nbytes:
+                if got != size:
+                    raise HeaderError(f"read {got} bytes of {size}")
+                check = PayloadCheck(key, header, integrity_key=integrity_key)
+                check.update(dst)
+                check.finish()
+                return
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~O_DIRECT)
+    _read_verified(fd, key, dst, None, touching, integrity_key)
+
+
+def _checked_header(
+    raw: memoryview | bytearray,
+    key: bytes,
+    size: int,
+    dst: memoryview,
+    integrity_key: IntegrityKey | None,
+) -> BlockHeader:
+    """The header of a file of ``size`` bytes meant to hold ``key``'s block for ``dst``."""
+    header = decode_header(raw, integrity_key=integrity_key, versions=VERSIONS)
+    if header.key != key:
+        raise HeaderError("block belongs to another key")
+    expected = header.payload_offset + header.payload_length
+    if size != expected:
+        raise HeaderError(f"file is {size} bytes, header says {expected}")
+    if header.payload_length != dst.nbytes:
+        raise WrongSize(header.payload_length)
+    return header
 
 
 def _read_aligned(fd: int, view: memoryview, offset: int) -> int:

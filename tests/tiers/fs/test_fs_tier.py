@@ -148,7 +148,7 @@ async def test_layout_marker_and_permissions(tmp_path: Path) -> None:
     for folder in (root, path.parent, path.parent.parent):
         assert stat.S_IMODE(folder.stat().st_mode) == 0o700
     marker = json.loads((root / "kvtier-fs.json").read_text())
-    assert marker == {"format": "kvtier-fs", "layout": 1, "block_format": 1}
+    assert marker == {"format": "kvtier-fs", "layout": 1, "block_format": 2}
     raw = path.read_bytes()
     assert raw[:4] == b"KVTB"
     assert raw[-BLOCK:] == data(0)

@@ -1,0 +1,232 @@
+"""The FS tier's block files: version 2 (payload aligned for O_DIRECT) for whole-page payloads,
+the compact version 1 for others, older version 1 files and folders still read, and O_DIRECT
+moving an aligned payload straight into (and out of) the caller's buffer."""
+
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvtier._errors import CorruptBlockError
+from kvtier._format import FORMAT_VERSION, IntegrityKey, encode_header, header_size
+from kvtier.tiers.fs import FSTier
+from kvtier.tiers.fs import _io as fs_io
+from kvtier.tiers.fs import _read as fs_read
+from kvtier.tiers.fs._layout import MARKER_NAME, name_of, path_of
+from tests.ops.test_cli import run_cli
+from tests.support import fresh_keys
+
+LARGE = 256 << 10  # a whole number of pages, written in version 2
+SMALL = 100  # written in version 1
+REGION = 4096  # a version 2 header padded to one page
+SECRET = b"block-format-test-secret-0123456789"
+
+
+def payload(n: int, seed: int) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+def aligned_buffer(n: int) -> memoryview:
+    """A page-aligned buffer (an anonymous mapping), as a pool slot is."""
+    return memoryview(mmap.mmap(-1, n))
+
+
+def address(view: memoryview) -> int:
+    return int(np.frombuffer(view, np.uint8).ctypes.data)
+
+
+def file_of(root: Path, key: bytes) -> Path:
+    return path_of(root, name_of(key))
+
+
+@pytest.fixture
+def preadv_calls(monkeypatch: pytest.MonkeyPatch) -> list[list[tuple[int, int]]]:
+    """Every read the FS tier makes: (address, length) of each buffer it reads into."""
+    calls: list[list[tuple[int, int]]] = []
+    real = fs_read._preadv
+
+    def recording(fd: int, views: list[memoryview], offset: int) -> int:
+        calls.append([(address(v), v.nbytes) for v in views])
+        return real(fd, views, offset)
+
+    monkeypatch.setattr(fs_read, "_preadv", recording)
+    return calls
+
+
+@pytest.mark.parametrize("signed", [False, True])
+async def test_whole_page_payloads_are_version_2_and_others_version_1(
+    tmp_path: Path, signed: bool
+) -> None:
+    ikey = IntegrityKey(SECRET) if signed else None
+    large_key, small_key, odd_key = fresh_keys(3)
+    blocks = {large_key: payload(LARGE, 1), small_key: payload(SMALL, 2)}
+    blocks[odd_key] = payload(LARGE + 1, 3)  # not a whole number of pages
+    async with FSTier(tmp_path / "c", integrity_key=ikey) as tier:
+        for key, data in blocks.items():
+            await tier.store(key, memoryview(data))
+        stored = tier.statistics().bytes_stored
+    assert stored == sum(file_of(tmp_path / "c", k).stat().st_size for k in blocks)
+    hlen = header_size(16, integrity_key=ikey)
+    raw = file_of(tmp_path / "c", large_key).read_bytes()
+    assert struct.unpack_from("<H", raw, 4)[0] == 2
+    assert len(raw) == REGION + LARGE
+    assert raw[hlen:REGION] == bytes(REGION - hlen)  # zero padding up to the payload
+    assert raw[REGION:] == blocks[large_key]
+    for key in (small_key, odd_key):
+        raw = file_of(tmp_path / "c", key).read_bytes()
+        assert struct.unpack_from("<H", raw, 4)[0] == 1
+        assert raw[hlen:] == blocks[key]
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["buffered", "direct"])
+@pytest.mark.parametrize("pinned", [False, True], ids=["unpinned", "pinned"])
+@pytest.mark.parametrize("signed", [False, True], ids=["unsigned", "signed"])
+async def test_version_2_round_trips_in_every_mode(
+    tmp_path: Path, direct: bool, pinned: bool, signed: bool
+) -> None:
+    ikey = IntegrityKey(SECRET) if signed else None
+    keys = fresh_keys(3)
+    blocks = [payload(LARGE, i) for i in range(3)]
+    async with FSTier(tmp_path / "c", direct_io=direct, integrity_key=ikey) as tier:
+        srcs = [aligned_buffer(LARGE) for _ in keys]
+        for src, data in zip(srcs, blocks, strict=True):
+            src[:] = data
+        assert await tier.store_many(keys, srcs, pinned=pinned) == [None] * 3
+        aligned = [aligned_buffer(LARGE) for _ in keys]
+        unaligned = [memoryview(bytearray(LARGE + 1))[1:] for _ in keys]
+        for dsts in (aligned, unaligned):
+            assert await tier.load_many(keys, dsts, pinned=pinned) == [None] * 3
+            assert [bytes(d) for d in dsts] == blocks
+
+
+async def test_direct_pinned_loads_and_stores_move_no_copy(
+    tmp_path: Path, preadv_calls: list[list[tuple[int, int]]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    writes: list[list[tuple[int, int]]] = []
+    real_writev = fs_io._writev
+
+    def recording(fd: int, views: list[memoryview]) -> int:
+        writes.append([(address(v), v.nbytes) for v in views])
+        return real_writev(fd, views)
+
+    monkeypatch.setattr(fs_io, "_writev", recording)
+    key, data = fresh_keys(1)[0], payload(LARGE, 7)
+    async with FSTier(tmp_path / "c", direct_io=True) as tier:
+        if not tier._files.direct:
+            pytest.skip(f"{tmp_path} does not take O_DIRECT")
+        src = aligned_buffer(LARGE)
+        src[:] = data
+        assert await tier.store_many([key], [src], pinned=True) == [None]
+        dst = aligned_buffer(LARGE)
+        assert await tier.load_many([key], [dst], pinned=True) == [None]
+        assert bytes(dst) == data
+    # One write and one read: the header's page and the payload, straight from the source and
+    # into the destination.
+    assert writes == [[(writes[0][0][0], REGION), (address(src), LARGE)]]
+    assert preadv_calls == [[(preadv_calls[0][0][0], REGION), (address(dst), LARGE)]]
+
+
+async def test_unpinned_loads_never_read_into_the_destination(
+    tmp_path: Path, preadv_calls: list[list[tuple[int, int]]]
+) -> None:
+    """A deadline may walk away from an unpinned load, so its reads land in the tier's own
+    buffer, never in the caller's (which may hold another block by then)."""
+    key, data = fresh_keys(1)[0], payload(LARGE, 8)
+    async with FSTier(tmp_path / "c", direct_io=True) as tier:
+        await tier.store(key, memoryview(data))
+        dst = aligned_buffer(LARGE)
+        await tier.load(key, dst)
+        assert bytes(dst) == data
+    start, end = address(dst), address(dst) + LARGE
+    for call in preadv_calls:
+        for where, length in call:
+            assert where + length <= start or where >= end
+
+
+def write_version_1(root: Path, key: bytes, data: bytes, ikey: IntegrityKey | None) -> None:
+    """A block file as a kvtier before version 2 wrote it."""
+    head = encode_header(key, data, integrity_key=ikey, version=FORMAT_VERSION)
+    path = file_of(root, key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(head + data)
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["buffered", "direct"])
+@pytest.mark.parametrize("pinned", [False, True], ids=["unpinned", "pinned"])
+async def test_version_1_files_in_an_older_folder_still_load(
+    tmp_path: Path, direct: bool, pinned: bool
+) -> None:
+    root = tmp_path / "c"
+    async with FSTier(root):
+        pass
+    marker = json.loads((root / MARKER_NAME).read_text())
+    (root / MARKER_NAME).write_text(json.dumps({**marker, "block_format": 1}))
+    keys = fresh_keys(2)
+    blocks = {keys[0]: payload(LARGE, 10), keys[1]: payload(SMALL, 11)}
+    for key, data in blocks.items():
+        write_version_1(root, key, data, None)
+    async with FSTier(root, direct_io=direct) as tier:
+        assert json.loads((root / MARKER_NAME).read_text())["block_format"] == 2
+        assert tier.statistics().blocks == 2
+        dsts = [aligned_buffer(len(d)) for d in blocks.values()]
+        assert await tier.load_many(list(blocks), dsts, pinned=pinned) == [None, None]
+        assert [bytes(d) for d in dsts] == list(blocks.values())
+    code, out, err = run_cli("verify", str(root))
+    assert code == 0, out + err
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["buffered", "direct"])
+@pytest.mark.parametrize("pinned", [False, True], ids=["unpinned", "pinned"])
+@pytest.mark.parametrize(
+    "damage", ["payload", "header", "truncated", "grown"], ids=lambda d: str(d)
+)
+async def test_a_damaged_version_2_file_is_a_corrupt_miss_and_removed(
+    tmp_path: Path, direct: bool, pinned: bool, damage: str
+) -> None:
+    key, data = fresh_keys(1)[0], payload(LARGE, 12)
+    root = tmp_path / "c"
+    async with FSTier(root) as tier:
+        await tier.store(key, memoryview(data))
+    path = file_of(root, key)
+    raw = bytearray(path.read_bytes())
+    if damage == "payload":
+        raw[REGION + 1000] ^= 0x40
+    elif damage == "header":
+        raw[30] ^= 0x01
+    elif damage == "truncated":
+        del raw[-REGION:]
+    else:
+        raw += bytes(REGION)
+    path.write_bytes(raw)
+    code, out, _ = run_cli("verify", str(root))
+    assert code != 0 and path.name in out
+    async with FSTier(root, direct_io=direct) as tier:
+        dst = aligned_buffer(LARGE)
+        if pinned:
+            (error,) = await tier.load_many([key], [dst], pinned=True)
+            assert isinstance(error, CorruptBlockError)
+        else:
+            with pytest.raises(CorruptBlockError):
+                await tier.load(key, dst)
+        assert tier.statistics().failures_by_reason == {"corrupt": 1}
+    assert not path.exists()
+
+
+async def test_a_version_2_file_an_older_reader_sees_is_refused_not_misread(
+    tmp_path: Path,
+) -> None:
+    """The S3 tier's codec (and any reader of version 1 only) refuses a version 2 header."""
+    key, data = fresh_keys(1)[0], payload(LARGE, 13)
+    async with FSTier(tmp_path / "c") as tier:
+        await tier.store(key, memoryview(data))
+    raw = file_of(tmp_path / "c", key).read_bytes()
+    from kvtier._format import HeaderError, decode_header
+
+    with pytest.raises(HeaderError, match="format version 2"):
+        decode_header(raw[: header_size(16)])
+    assert fs_io.file_version(LARGE) == 2 and fs_io.file_version(SMALL) == 1
