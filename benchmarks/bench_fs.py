@@ -46,7 +46,7 @@ import aiofiles
 import aiofiles.os
 import anyio
 
-from benchmarks.common import add_json_flag, json_output
+from benchmarks.common import add_json_flag, json_output, settings
 from kvtier import FSTier, HostPool, IntegrityKey, LookupResult, TieringManager, block_keys
 from kvtier._format import checksum  # the aiofiles baseline verifies as FSTier does
 
@@ -497,10 +497,9 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def run(argv: Sequence[str] | None = None) -> None:
     args = parse(argv)
     with json_output(args.json) as out:
-        out["settings"] = {
-            name: getattr(args, name)
-            for name in ("quick", "total_mib", "block_mib", "concurrency", "samples", "rounds")
-        } | {"fsync": args.fsync}
+        out["settings"] = settings(
+            args, "quick", "total_mib", "block_mib", "concurrency", "samples", "rounds", "fsync"
+        )
         asyncio.run(main(args, out))
 
 

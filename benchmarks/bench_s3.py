@@ -40,7 +40,7 @@ from typing import Any
 
 import anyio
 
-from benchmarks.common import add_json_flag, add_s3_options, json_output
+from benchmarks.common import add_json_flag, add_s3_options, json_output, raw_client, s3_tier
 from kvtier import S3Tier, block_keys
 
 MiB = 1 << 20
@@ -59,23 +59,6 @@ async def _bounded(concurrency: int, jobs: Sequence[Callable[[], Awaitable[Any]]
         for job in jobs:
             tg.start_soon(run, job)
     return time.perf_counter() - started
-
-
-def _client(session: Any, args: argparse.Namespace) -> Any:
-    from aiobotocore.config import AioConfig
-
-    return session.create_client(
-        "s3",
-        endpoint_url=args.s3_endpoint,
-        region_name=args.s3_region,
-        aws_access_key_id=args.access_key,
-        aws_secret_access_key=args.secret_key,
-        config=AioConfig(
-            max_pool_connections=args.concurrency,
-            connect_timeout=2.0,
-            read_timeout=30.0,
-        ),
-    )
 
 
 async def _existence_tier(tier: S3Tier, keys: list[bytes]) -> float:
@@ -203,8 +186,6 @@ async def _round(
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    from aiobotocore.session import get_session
-
     block = args.block_mib * MiB
     payloads = [os.urandom(block) for _ in range(min(args.blocks, 8))]
     results: dict[str, list[float]] = {
@@ -216,21 +197,17 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
     def make_tier(prefix: str, *, signed: bool = False) -> S3Tier:
-        return S3Tier(
-            args.s3_bucket,
-            prefix=prefix,
-            endpoint_url=args.s3_endpoint,
-            region_name=args.s3_region,
-            aws_access_key_id=args.access_key,
-            aws_secret_access_key=args.secret_key,
+        return s3_tier(
+            args,
+            prefix,
             max_concurrency=args.concurrency,
-            read_timeout=30.0,
             lookup_timeout=120.0,
             lookup_mode="ask",
             integrity_key=os.urandom(32) if signed else None,  # a fresh prefix each round
         )
 
-    async with _client(get_session(), args) as client:
+    config = {"max_pool_connections": args.concurrency, "connect_timeout": 2.0}
+    async with raw_client(args, read_timeout=30.0, **config) as client:
         if args.create_bucket:
             with contextlib.suppress(Exception):  # it may exist already
                 await client.create_bucket(Bucket=args.s3_bucket)

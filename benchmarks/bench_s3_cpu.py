@@ -47,7 +47,14 @@ from typing import Any
 import anyio
 
 from benchmarks.bench_s3 import Loader, raw_get
-from benchmarks.common import add_json_flag, add_s3_options, json_output
+from benchmarks.common import (
+    add_json_flag,
+    add_s3_options,
+    json_output,
+    raw_client,
+    s3_tier,
+    settings,
+)
 from kvtier import S3Tier, block_keys
 from kvtier.tiers.s3._client import client_config, send_bodies_as_given, shared_session
 from kvtier.tiers.s3._config import S3Config
@@ -75,19 +82,6 @@ async def _measure(
             for job in jobs:
                 tg.start_soon(run, job)
     return (time.process_time() - cpu) / len(jobs), (time.perf_counter() - wall) / len(jobs)
-
-
-def _raw_client(session: Any, args: argparse.Namespace) -> Any:
-    from aiobotocore.config import AioConfig
-
-    return session.create_client(
-        "s3",
-        endpoint_url=args.s3_endpoint,
-        region_name=args.s3_region,
-        aws_access_key_id=args.access_key,
-        aws_secret_access_key=args.secret_key,
-        config=AioConfig(max_pool_connections=32, read_timeout=30.0),
-    )
 
 
 @contextlib.asynccontextmanager
@@ -153,26 +147,15 @@ async def _case(
 
 
 async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from aiobotocore.session import get_session
-
-    session = get_session()
     rows: list[dict[str, Any]] = []
     async with (
-        _raw_client(session, args) as raw,
+        raw_client(args, max_pool_connections=32, read_timeout=30.0) as raw,
         _tuned_client(args) as tuned,
     ):
         with contextlib.suppress(Exception):  # it may exist already
             await raw.create_bucket(Bucket=args.s3_bucket)
         clients = {"raw": raw, "raw-tuned": tuned}
-        async with S3Tier(
-            args.s3_bucket,
-            prefix=f"cpu-tier/{uuid.uuid4().hex[:12]}",
-            endpoint_url=args.s3_endpoint,
-            region_name=args.s3_region,
-            aws_access_key_id=args.access_key,
-            aws_secret_access_key=args.secret_key,
-            read_timeout=30.0,
-        ) as tier:
+        async with s3_tier(args, f"cpu-tier/{uuid.uuid4().hex[:12]}") as tier:
             # One warm-up round (connections, botocore's lazily built handlers), not counted.
             await _case(args, clients, tier, 64 * KiB, 8, SIDES)
             for block in args.block_kib:
@@ -237,20 +220,19 @@ def _print(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[st
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_s3_options(parser, bucket="kvtier-bench-cpu")
+    add_json_flag(parser)
     parser.add_argument("-n", type=int, default=200, help="requests per side per round")
     parser.add_argument("--block-kib", type=int, nargs="+", default=[256, 2048])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="N=100, 1 round")
-    add_json_flag(parser)
     args = parser.parse_args(argv)
     if args.quick:
         args.n, args.repeat = 100, 1
     with json_output(args.json) as out:
-        out["settings"] = {
-            name: getattr(args, name)
-            for name in ("quick", "n", "block_kib", "concurrency", "repeat", "s3_endpoint")
-        }
+        out["settings"] = settings(
+            args, "quick", "n", "block_kib", "concurrency", "repeat", "s3_endpoint"
+        )
         out["rows"] = rows = anyio.run(run, args)
         out["ratios"] = _print(rows, args)
         out["baselines"] = {"tier_cpu_of_raw": "raw", "tier_cpu_of_raw_tuned": "raw-tuned"}

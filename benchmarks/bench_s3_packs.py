@@ -35,7 +35,14 @@ from typing import Any
 
 import anyio
 
-from benchmarks.common import add_json_flag, add_s3_options, json_output, server_cpu_reader
+from benchmarks.common import (
+    add_json_flag,
+    add_s3_options,
+    json_output,
+    s3_tier,
+    server_cpu_reader,
+    settings,
+)
 from kvtier import S3Tier, block_keys
 
 MiB = 1 << 20
@@ -75,16 +82,7 @@ async def _in_groups(
 
 
 def _tier(args: argparse.Namespace, prefix: str, packs: bool) -> S3Tier:
-    return S3Tier(
-        args.s3_bucket,
-        prefix=prefix,
-        endpoint_url=args.s3_endpoint,
-        region_name=args.s3_region,
-        aws_access_key_id=args.access_key,
-        aws_secret_access_key=args.secret_key,
-        read_timeout=30.0,
-        pack_blocks=args.group if packs else 1,
-    )
+    return s3_tier(args, prefix, pack_blocks=args.group if packs else 1)
 
 
 Phase = tuple[float, float, float]  # wall, client CPU, server CPU seconds
@@ -235,10 +233,9 @@ def main(argv: list[str] | None = None) -> int:
         args.requests, args.repeat = 4, 1
     payloads = [os.urandom(args.block_kib << 10) for _ in range(args.group)]
     with json_output(args.json) as out:
-        out["settings"] = {
-            name: getattr(args, name)
-            for name in ("quick", "requests", "group", "block_kib", "concurrency", "repeat")
-        }
+        out["settings"] = settings(
+            args, "quick", "requests", "group", "block_kib", "concurrency", "repeat"
+        )
         results: dict[str, list[tuple[Phase, Phase, tuple[int, int]]]] = {}
         meter = Meter(server_cpu_reader(args.s3_server_pid))
         for number in range(args.repeat):

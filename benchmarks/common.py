@@ -24,7 +24,17 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["add_json_flag", "add_s3_options", "json_output", "server_cpu_reader"]
+import kvtier
+
+__all__ = [
+    "add_json_flag",
+    "add_s3_options",
+    "json_output",
+    "raw_client",
+    "s3_tier",
+    "server_cpu_reader",
+    "settings",
+]
 
 
 def add_json_flag(parser: argparse.ArgumentParser) -> None:
@@ -68,6 +78,42 @@ def add_s3_options(parser: argparse.ArgumentParser, bucket: str) -> None:
         type=int,
         help="the store's process id when it runs on this machine: its CPU is reported too",
     )
+
+
+def s3_tier(args: argparse.Namespace, prefix: str, **options: Any) -> kvtier.S3Tier:
+    """An S3 tier on the store the options name, under ``prefix``, with a 30 s read timeout
+    (a loaded shared machine) and ``options``."""
+    return kvtier.S3Tier(
+        args.s3_bucket,
+        prefix=prefix,
+        endpoint_url=args.s3_endpoint,
+        region_name=args.s3_region,
+        aws_access_key_id=args.access_key,
+        aws_secret_access_key=args.secret_key,
+        read_timeout=30.0,
+        **options,
+    )
+
+
+def raw_client(args: argparse.Namespace, **config: Any) -> Any:
+    """A plain aiobotocore S3 client on the store the options name, with botocore's defaults
+    but for ``config`` (``AioConfig`` settings): the baseline the tier is measured against."""
+    from aiobotocore.config import AioConfig
+    from aiobotocore.session import get_session
+
+    return get_session().create_client(
+        "s3",
+        endpoint_url=args.s3_endpoint,
+        region_name=args.s3_region,
+        aws_access_key_id=args.access_key,
+        aws_secret_access_key=args.secret_key,
+        config=AioConfig(**config),
+    )
+
+
+def settings(args: argparse.Namespace, *names: str) -> dict[str, Any]:
+    """The options ``names`` of ``args``: what a run was asked for, as its JSON states it."""
+    return {name: getattr(args, name) for name in names}
 
 
 def server_cpu_reader(pid: int | None) -> Callable[[], float] | None:

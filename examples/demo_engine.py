@@ -538,14 +538,16 @@ class DelayedTier(kvtier.SecondaryTier):
             self.contains_many, name=name, timeout=5.0, on_verdict=self.notify
         )
 
-    async def open(self) -> None:
-        await self.inner.open()
-        if not self._verdicts.is_open:
-            await self._verdicts.__aenter__()
-
     async def aclose(self) -> None:
         await self._verdicts.aclose()
         await self.inner.aclose()
+
+    async def open(self) -> None:
+        """Open the store, then start answering lookups (a reopened tier asks afresh)."""
+        await self.inner.open()
+        if self._verdicts.is_open:
+            return
+        await self._verdicts.__aenter__()
 
     def lookup(self, key: bytes) -> kvtier.LookupResult:
         return self._verdicts.lookup(key)
@@ -782,6 +784,23 @@ def json_report(enabled: bool) -> Iterator[dict[str, Any]]:
     with contextlib.redirect_stdout(sys.stderr):
         yield figures
     print(json.dumps(finite(figures), allow_nan=False))
+
+
+def logits_check(diffs: Sequence[float]) -> dict[str, Any]:
+    """The correctness check over the largest |logit difference| of each compared request:
+    passed when none is above ``TOLERANCE`` (and trivially when none was compared)."""
+    worst = max(diffs, default=0.0)
+    return {
+        "ok": worst <= TOLERANCE,
+        "compared": len(diffs),
+        "max_abs_diff": worst,
+        "tolerance": TOLERANCE,
+    }
+
+
+def settings(args: argparse.Namespace, names: Sequence[str]) -> dict[str, Any]:
+    """The options ``names`` of ``args``: what a run was asked for, as its JSON states it."""
+    return {name: getattr(args, name) for name in names}
 
 
 def finite(value: Any) -> Any:

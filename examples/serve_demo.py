@@ -253,18 +253,11 @@ def report(
         reference = base.results[r.rid].logits
         if r.loaded_blocks and r.logits is not None and reference is not None:
             diffs.append(float((r.logits - reference).abs().max()))
+    out["correctness"] = check = demo.logits_check(diffs)
     if not diffs:
-        out["correctness"] = {"ok": True, "compared": 0}
         print("correctness      no request loaded any block: nothing to compare")
         return True
-    worst = max(diffs)
-    ok = worst <= demo.TOLERANCE
-    out["correctness"] = {
-        "ok": ok,
-        "compared": len(diffs),
-        "max_abs_diff": worst,
-        "tolerance": demo.TOLERANCE,
-    }
+    worst, ok = check["max_abs_diff"], check["ok"]
     print(
         f"correctness      {'OK' if ok else 'FAIL'}: next-token logits from loaded KV vs full "
         f"recompute, max abs diff {worst:.2e} over {len(diffs)} requests "
@@ -276,17 +269,17 @@ def report(
 # -- main --------------------------------------------------------------------------------------
 
 
-def settings(args: argparse.Namespace) -> dict[str, Any]:
-    """What the run was asked for, as the JSON output states it."""
-    names = ("quick", "requests", "sessions", "concurrency", "pool_blocks", "policy")
-    names += ("fs_capacity_mb", "fsync", "s3_endpoint", "s3_bucket", "s3_prefix")
-    names += ("system_tokens", "decode_tokens", "seed", "slow_tier", "no_recompute_cost")
-    names += ("write_back", "defer", "s3_write_rate", "s3_write_through", "no_promote_write_up")
-    return {name: getattr(args, name) for name in names}
+SETTINGS = (
+    *("quick", "requests", "sessions", "concurrency", "pool_blocks", "policy"),
+    *("fs_capacity_mb", "fsync", "s3_endpoint", "s3_bucket", "s3_prefix"),
+    *("system_tokens", "decode_tokens", "seed", "slow_tier", "no_recompute_cost"),
+    *("write_back", "defer", "s3_write_rate", "s3_write_through", "no_promote_write_up"),
+)
+"""The options the JSON output states the run was asked for."""
 
 
 async def amain(args: argparse.Namespace, out: dict[str, Any]) -> int:
-    out["settings"] = settings(args)
+    out["settings"] = demo.settings(args, SETTINGS)
     engine, sessions = await demo.start_engine(args)
     config = engine.config
     runs = [await demo.run_workload("without kvtier", engine, sessions, None, args.decode_tokens)]

@@ -440,14 +440,8 @@ def report(
         for rid, ref in without["logits"].items()
         if rid in shared["logits"]
     ]
-    worst = max(diffs) if diffs else 0.0
-    ok = worst <= demo.TOLERANCE
-    out["correctness"] = {
-        "ok": ok,
-        "compared": len(diffs),
-        "max_abs_diff": worst,
-        "tolerance": demo.TOLERANCE,
-    }
+    out["correctness"] = check = demo.logits_check(diffs)
+    worst, ok = check["max_abs_diff"], check["ok"]
     print(
         f"correctness {'OK' if ok else 'FAIL'}: node B's next-token logits with blocks from S3 "
         f"vs without, max abs diff {worst:.2e} over {len(diffs)} requests"
@@ -522,12 +516,12 @@ def ceiling(
         )
 
 
-def settings(args: argparse.Namespace) -> dict[str, Any]:
-    """What the run was asked for, as the JSON output states it."""
-    names = ("quick", "sessions", "turns", "a_turns", "rounds", "system_tokens", "pool_blocks")
-    names += ("fs_capacity_mb", "concurrency", "decode_tokens", "seed", "s3_endpoint")
-    names += ("s3_bucket", "s3_write_rate", "handoff_timeout", "ceiling", "no_promote_write_up")
-    return {name: getattr(args, name) for name in names}
+SETTINGS = (
+    *("quick", "sessions", "turns", "a_turns", "rounds", "system_tokens", "pool_blocks"),
+    *("fs_capacity_mb", "concurrency", "decode_tokens", "seed", "s3_endpoint", "s3_bucket"),
+    *("s3_write_rate", "handoff_timeout", "ceiling", "no_promote_write_up"),
+)
+"""The options the JSON output states the run was asked for."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -537,7 +531,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(result))
         return 0
     with demo.json_report(args.json) as out:
-        out["settings"] = settings(args)
+        out["settings"] = demo.settings(args, SETTINGS)
         rounds = []
         ceilings: list[dict[str, Any]] = []
         print(f"s3: {args.s3_endpoint}, bucket {args.s3_bucket}", flush=True)
