@@ -82,6 +82,16 @@ class GatedPool(HostPool):
         self.entered = anyio.Event()
         self._loads = loads
 
+    def close_gate(self) -> None:
+        """From now on copies wait at a new gate; ``entered`` starts unset again."""
+        self.gate = anyio.Event()
+        self.entered = anyio.Event()
+
+    def open_gate(self) -> None:
+        """Let the copies waiting at the gate through, and every later one until it closes."""
+        if self.gate is not None:
+            self.gate.set()
+
     async def _pass_gate(self) -> None:
         if self.gate is not None:
             self.entered.set()

@@ -26,9 +26,9 @@ def snapshot(folder: Path) -> dict[str, str]:
 
 
 BAD_CALLS: list[tuple[str, Callable[[TieringManager, list[bytes]], Any], str]] = [
-    ("store str key", lambda m, k: m.store(["a"], np.zeros((1, BB), np.uint8)), "must be bytes"),
+    ("store str key", lambda m, k: m.store(["a"], np.zeros((1, BB), np.uint8)), "must be bytes"),  # type: ignore[list-item]
     ("store empty key", lambda m, k: m.store([b""], np.zeros((1, BB), np.uint8)), "1 to 255"),
-    ("store one key", lambda m, k: m.store(k[0], np.zeros((1, BB), np.uint8)), "not one key"),
+    ("store one key", lambda m, k: m.store(k[0], np.zeros((1, BB), np.uint8)), "not one key"),  # type: ignore[arg-type]
     ("store count", lambda m, k: m.store(k[:2], np.zeros((3, BB), np.uint8)), "3 blocks"),
     ("store size", lambda m, k: m.store(k[:1], np.zeros((1, BB - 8), np.uint8)), "1016 bytes"),
     ("store shape", lambda m, k: m.store(k[:1], np.zeros((), np.uint8)), "leading block axis"),
@@ -42,7 +42,7 @@ BAD_CALLS: list[tuple[str, Callable[[TieringManager, list[bytes]], Any], str]] =
         "contiguous",
     ),
     ("window 0", lambda m, k: OffloadScheduler(m).lookup(k, sliding_window_size=0), "positive int"),
-    ("timeout str", lambda m, k: OffloadScheduler(m).lookup(k, timeout="1"), "non-negative"),
+    ("timeout str", lambda m, k: OffloadScheduler(m).lookup(k, timeout="1"), "non-negative"),  # type: ignore[arg-type]
 ]
 
 
@@ -87,7 +87,7 @@ async def test_bad_calls_change_nothing(
         (lambda tmp: TieringManager(HostPool(2, BB), store_timeout=-1), "store_timeout"),
         (lambda tmp: TieringManager(HostPool(2, BB), max_in_flight_bytes=0), "max_in_flight"),
         (lambda tmp: OffloadScheduler(object()), "lookup"),  # type: ignore[arg-type]
-        (lambda tmp: OffloadScheduler(MemoryTier(), max_wait=0), "max_wait"),
+        (lambda tmp: OffloadScheduler(TieringManager(HostPool(2, BB)), max_wait=0), "max_wait"),
         (lambda tmp: kvtier.block_keys([1, 2], 0), "block_size"),
         (lambda tmp: kvtier.AsyncLookupManager(None, batch_size=0), "batch_size"),  # type: ignore[arg-type]
     ],

@@ -82,6 +82,10 @@ def _key_ids(tiers: list[Any]) -> set[str | None]:
     return {None if t.integrity_key is None else t.integrity_key.key_id for t in tiers}
 
 
+def _credential(key: str) -> Callable[[Any], Any]:
+    return lambda tier: tier._credentials().get(key)
+
+
 # Probes that read a setting where the component uses it: (section, key) -> (probe, expect),
 # where ``expect`` turns the section's value into what the probe returns.
 _same: Callable[[Any], Any] = lambda value: value  # noqa: E731
@@ -105,7 +109,7 @@ EFFECTIVE: dict[tuple[str, str], tuple[Callable[[Any], Any], Callable[[Any], Any
     ("integrity", "key"): (_key_ids, lambda v: {IntegrityKey(v).key_id}),
     # S3Tier keeps its credentials out of its config (and of every repr) in a closure.
     **{
-        ("s3", key): (lambda t, key=key: t._credentials().get(key), _same)
+        ("s3", key): (_credential(key), _same)
         for key in ("aws_access_key_id", "aws_secret_access_key", "aws_session_token")
     },
 }
@@ -315,7 +319,7 @@ class _Example(Section):
     mode: str = dataclasses.field(default="a", metadata=spec(choice("a", "b")))
     flag: bool = dataclasses.field(default=False, metadata=spec(parse_bool))
     rate: float | None = dataclasses.field(default=None, metadata=spec(optional(parse_rate)))
-    token: str | None = dataclasses.field(
+    token: int | None = dataclasses.field(
         default=None, repr=False, metadata=spec(optional(parse_positive_int), secret=True)
     )
 
@@ -334,9 +338,9 @@ def test_section_parses_validates_and_hides_secrets() -> None:
     with pytest.raises(InvalidArgumentError) as info:
         _Example(size=1, token="-5")  # type: ignore[arg-type]
     assert "-5" not in str(info.value) and "hidden" in str(info.value)
-    shown = repr(_Example(size=1, token=12345))  # type: ignore[arg-type]
+    shown = repr(_Example(size=1, token=12345))
     assert "12345" not in shown and "token=<hidden>" in shown and "size=1" in shown
-    assert _Example(size=1, token=12345).as_dict()["token"] == "***"  # type: ignore[arg-type]
+    assert _Example(size=1, token=12345).as_dict()["token"] == "***"
     assert _Example(size=1).as_dict()["token"] is None
 
 

@@ -210,8 +210,8 @@ class _CountingTier(kvtier.MemoryTier):
         return await super().load_many(keys, dsts, **kwargs)
 
 
-def outcomes(bridge: TierBridge, ids: set[int]) -> dict[int, Any]:
-    taken: dict[int, Any] = {}
+def outcomes(bridge: TierBridge, ids: set[int]) -> dict[int, JobOutcome]:
+    taken: dict[int, JobOutcome] = {}
     give_up = time.monotonic() + WAIT
     while time.monotonic() < give_up:
         seen = bridge.generation

@@ -106,7 +106,7 @@ class Engine:
         (tier,) = manager.secondary_tiers
         assert isinstance(tier, KVTierSecondaryTier)
         self.tier = tier
-        self.flat = manager.primary_tier.get_kv_memoryview().cast("B")
+        self.flat: memoryview = manager.primary_tier.get_kv_memoryview().cast("B")
         self._requests = 0
 
     def slot(self, chunk_id: int) -> memoryview:

@@ -265,7 +265,7 @@ async def test_bad_keys_say_what_to_fix(keys: list[bytes]) -> None:
         with pytest.raises(ValueError, match=r"keys\[1\] must be bytes"):
             await manager.store([keys[0], "abc"], random_blocks(2))  # type: ignore[list-item]
         with pytest.raises(ValueError, match="not one key"):
-            await manager.store(keys[0], random_blocks(1))
+            await manager.store(keys[0], random_blocks(1))  # type: ignore[arg-type]
         out = np.zeros((1, BB), np.uint8)
         out.flags.writeable = False
         with pytest.raises(ValueError, match="read-only"):

@@ -37,18 +37,17 @@ async def test_cancelled_store_leaves_nothing_reserved(keys: list[bytes]) -> Non
 
 async def test_cancelled_load_leaves_nothing_pinned(keys: list[bytes]) -> None:
     pool = GatedPool(8, BB)
-    pool.gate.set()
+    pool.open_gate()
     async with TieringManager(pool) as manager:
         await manager.store(keys[:4], np.ones((4, BB), np.uint8))
-        pool.gate = anyio.Event()
-        pool.entered = anyio.Event()
+        pool.close_gate()
         async with anyio.create_task_group() as tg:
             tg.start_soon(manager.load, keys[:4], np.zeros((4, BB), np.uint8))
             await pool.entered.wait()
             assert pool.statistics().pinned == 4
             tg.cancel_scope.cancel()
         assert_idle(manager)
-        pool.gate.set()
+        pool.open_gate()
         out = np.zeros((4, BB), np.uint8)
         assert await manager.load(keys[:4], out) == 4  # still all there
         assert (out == 1).all()

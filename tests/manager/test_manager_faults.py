@@ -21,6 +21,7 @@ from kvtier import (
     OffloadScheduler,
     TieringManager,
 )
+from kvtier._cost import ScanBudget
 from kvtier._failures import RecentFailures
 from kvtier.testing import StallingTier
 from tests.support import GatedPool, H, M, R, assert_idle
@@ -72,7 +73,7 @@ class _Raising(TieringManager):
 
     armed = False
 
-    def lookup(self, key: bytes, ctx: object = None) -> LookupResult:
+    def lookup(self, key: bytes, ctx: ScanBudget | None = None) -> LookupResult:
         if self.armed:
             raise RuntimeError("lookup failed")
         return super().lookup(key, ctx)
@@ -124,7 +125,7 @@ async def test_a_store_that_outlives_aclose_fails_and_leaves_nothing(keys: list[
             async with manager:
                 tg.start_soon(store)
                 await pool.entered.wait()  # the store has its slot and is copying
-            pool.gate.set()  # the copy finishes after the manager closed
+            pool.open_gate()  # the copy finishes after the manager closed
     assert len(errors) == 1 and "not open" in str(errors[0])
     assert_idle(manager)
     assert manager.lookup(keys[0]) is M  # nothing of the failed store is readable

@@ -143,7 +143,7 @@ async def test_statistics_are_grouped_and_keep_their_flat_names() -> None:
     for group in stats.groups():
         assert dataclasses.is_dataclass(group)
         with pytest.raises(dataclasses.FrozenInstanceError):
-            group.__setattr__(dataclasses.fields(group)[0].name, 1)
+            setattr(group, dataclasses.fields(group)[0].name, 1)
 
 
 async def test_wait_settled_waits_for_the_promotion_and_has_a_bound() -> None:

@@ -28,7 +28,6 @@ import tempfile
 import time
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
 
 import anyio
 import anyio.from_thread
@@ -106,9 +105,6 @@ class ManagerMachine(RuleBasedStateMachine):
         self.entered = self.portal.wrap_async_context_manager(self.manager)
         self.entered.__enter__()
 
-    def call(self, fn: Any, *args: Any) -> Any:
-        return self.portal.call(fn, *args)
-
     def check_loaded(self, keys: list[bytes], out: np.ndarray, n: int) -> None:
         for i in range(n):
             assert (out[i] == payload(keys[i])).all(), "a hit loaded the wrong bytes"
@@ -140,19 +136,19 @@ class ManagerMachine(RuleBasedStateMachine):
                 out[key] = bytes(buffer)
             return out
 
-        return self.call(read)
+        return self.portal.call(read)
 
     # -- rules ---------------------------------------------------------------------------------
 
     @rule(keys=key_lists)
     def store(self, keys: list[bytes]) -> None:
         blocks = np.stack([payload(k) for k in keys])
-        stored = self.call(self.manager.store, keys, blocks)
+        stored = self.portal.call(self.manager.store, keys, blocks)
         assert 0 <= stored <= len(keys)
 
     @rule(key=st.sampled_from(KEYS))
     def lookup(self, key: bytes) -> None:
-        result = self.call(self.manager.lookup, key)
+        result = self.portal.call(self.manager.lookup, key)
         assert isinstance(result, LookupResult)
 
     @rule(keys=key_lists, window=st.none() | st.integers(1, 3))
@@ -163,7 +159,7 @@ class ManagerMachine(RuleBasedStateMachine):
             loaded = await self.manager.load(keys, out)
             return n, loaded, out
 
-        n, loaded, out = self.call(run)
+        n, loaded, out = self.portal.call(run)
         assert 0 <= n <= len(keys)
         self.check_loaded(keys, out, loaded)
 
@@ -182,7 +178,7 @@ class ManagerMachine(RuleBasedStateMachine):
                         await anyio.lowlevel.checkpoint()
                     scope.cancel()
 
-        self.call(run)
+        self.portal.call(run)
 
     @rule(
         ops=st.sets(st.sampled_from(["contains", "load", "store"]), min_size=1),
@@ -212,7 +208,7 @@ class ManagerMachine(RuleBasedStateMachine):
 
         async def run() -> int:
             await self.stalling.delete(key)  # the top tier loses it (forgets its verdict too)
-            await self.remote.inner.store(key, memoryview(payload(key)))
+            await self.remote.inner.store(key, payload(key).data)
             self.remote.record_hit(key)
             n = await self.scheduler.lookup([key], timeout=1.0)
             with anyio.fail_after(10):
@@ -220,7 +216,7 @@ class ManagerMachine(RuleBasedStateMachine):
             return n
 
         before = self.manager.statistics()
-        promoted = self.call(run)
+        promoted = self.portal.call(run)
         after = self.manager.statistics()
         if not promoted or after.promotions_succeeded == before.promotions_succeeded:
             return  # declined as too slow, failed (an injected fault), or still pending
@@ -295,7 +291,7 @@ class ManagerMachine(RuleBasedStateMachine):
             with anyio.fail_after(10):
                 await self.manager.wait_idle()
 
-        self.call(settle)
+        self.portal.call(settle)
         stats = self.manager.statistics()
         pool = stats.pool
         # only blocks waiting for write-back stay pinned, one pin each
@@ -320,7 +316,7 @@ class ManagerMachine(RuleBasedStateMachine):
                         await self.scheduler.lookup([key], timeout=3.0)
 
                 timeouts = self.scheduler.statistics().timeouts
-                self.call(every_key_settles)
+                self.portal.call(every_key_settles)
                 assert self.scheduler.statistics().timeouts == timeouts, "a key never settled"
                 self.entered.__exit__(None, None, None)
                 stats = self.manager.statistics()

@@ -117,13 +117,13 @@ async def test_a_block_stored_while_the_manager_closes_is_written_back_not_left_
             await manager.__aenter__()
             near.stall("store")
             await manager.store(keys[:1], random_blocks(1))  # its write-through to near is held
-            pool.gate = anyio.Event()
+            pool.close_gate()
             engine.start_soon(manager.store, keys[1:2], random_blocks(1))
             await pool.entered.wait()  # the second store is copying
 
             async def while_it_closes() -> None:
                 await anyio.wait_all_tasks_blocked()  # close waits for near's write-through
-                pool.gate.set()  # the store lands while the manager closes
+                pool.open_gate()  # the store lands while the manager closes
                 await anyio.wait_all_tasks_blocked()
                 near.release("store")
 

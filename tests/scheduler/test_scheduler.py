@@ -214,7 +214,7 @@ async def test_async_lookup_validates_arguments(keys: list[bytes]) -> None:
         with pytest.raises(ValueError, match="bytes"):
             await scheduler.lookup(["not-bytes"])  # type: ignore[list-item]
         with pytest.raises(ValueError, match="list of keys"):
-            await scheduler.lookup(keys[0])
+            await scheduler.lookup(keys[0])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="watch"):
         await OffloadScheduler(ScriptedManager([H])).lookup([bytes(16)])
 

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import kvtier
 from kvtier import HostPool, LookupResult, MemoryTier, OffloadScheduler, TieringManager
+from kvtier._cost import ScanBudget
 from kvtier._progress import PrefixProgress, WindowProgress
 from tests.support import H, M, P, R
 
@@ -42,7 +43,7 @@ class CountingPool(HostPool):
 class CountingManager(TieringManager):
     lookups = 0
 
-    def lookup(self, key: bytes, ctx: object = None) -> LookupResult:
+    def lookup(self, key: bytes, ctx: ScanBudget | None = None) -> LookupResult:
         self.lookups += 1
         return super().lookup(key, ctx)
 
@@ -91,7 +92,7 @@ class Scripted:
         self.results = dict(zip(self.keys, results, strict=True))
         self.pinned: set[bytes] = set()
 
-    def lookup(self, key: bytes, ctx: object = None) -> LookupResult:
+    def lookup(self, key: bytes, ctx: ScanBudget | None = None) -> LookupResult:
         return self.results[key]
 
     def pin(self, keys: Sequence[bytes]) -> list[int]:

@@ -57,7 +57,8 @@ async def mix(
     root: str, ns: str, block_bytes: int, capacity: int, keys: int, ops: int, seed: int
 ) -> None:
     rng = random.Random(seed)
-    summary = {"stored": 0, "loaded": 0, "missed": 0, "corrupt": 0, "wrong": 0, "errors": []}
+    counts = {"stored": 0, "loaded": 0, "missed": 0, "corrupt": 0, "wrong": 0}
+    errors: list[str] = []
     dst = bytearray(block_bytes)
     async with FSTier(root, capacity_bytes=capacity, fsync="never") as tier:
         for _ in range(ops):
@@ -65,20 +66,20 @@ async def mix(
             try:
                 if rng.random() < 0.5:
                     await tier.store(key_of(ns, i), memoryview(payload_of(ns, i, block_bytes)))
-                    summary["stored"] += 1
+                    counts["stored"] += 1
                 else:
                     await tier.load(key_of(ns, i), memoryview(dst))
                     if dst == payload_of(ns, i, block_bytes):
-                        summary["loaded"] += 1
+                        counts["loaded"] += 1
                     else:
-                        summary["wrong"] += 1
+                        counts["wrong"] += 1
             except BlockNotFoundError:
-                summary["missed"] += 1
+                counts["missed"] += 1
             except CorruptBlockError:
-                summary["corrupt"] += 1
+                counts["corrupt"] += 1
             except TierError as exc:
-                summary["errors"].append(repr(exc))  # type: ignore[attr-defined]
-    print(json.dumps(summary), flush=True)
+                errors.append(repr(exc))
+    print(json.dumps({**counts, "errors": errors}), flush=True)
 
 
 def main(argv: list[str]) -> None:

@@ -405,7 +405,7 @@ async def test_index_hit_whose_object_was_deleted(
     data = np.frombuffer(os.urandom(len(keys) * BLOCK), dtype=np.uint8).reshape(len(keys), -1)
     async with make_tier() as writer:
         for key, row in zip(keys, data, strict=True):
-            await writer.store(key, memoryview(row))
+            await writer.store(key, row.data)
     tier = make_tier()
     async with TieringManager(HostPool(8, BLOCK), [tier]) as manager:
         assert tier.lookup(keys[1]) is LookupResult.HIT  # listed at open
@@ -969,34 +969,40 @@ def test_import_without_aiobotocore() -> None:
 # -- the pieces on their own -----------------------------------------------------------------
 
 
+def _state(breaker: CircuitBreaker) -> BreakerState:
+    """``breaker.state`` read through a call: mypy would keep the attribute narrowed across
+    the calls that change it."""
+    return breaker.state
+
+
 def test_circuit_breaker_state_machine() -> None:
     clock = ManualClock(1000.0)
     breaker = CircuitBreaker(3, 5.0, clock=clock)
     for _ in range(2):
         assert breaker.allow() is Permit.PASS
         breaker.failure(Permit.PASS)
-    assert breaker.state is BreakerState.CLOSED
+    assert _state(breaker) is BreakerState.CLOSED
     breaker.success(Permit.PASS)  # success resets the streak
     for _ in range(3):
         breaker.failure(breaker.allow())
-    assert breaker.state is BreakerState.OPEN
+    assert _state(breaker) is BreakerState.OPEN
     assert breaker.rejecting()
     assert breaker.allow() is Permit.REJECTED
     clock.advance(5.0)
     assert not breaker.rejecting()
     trial = breaker.allow()
     assert trial is Permit.TRIAL
-    assert breaker.state is BreakerState.HALF_OPEN
+    assert _state(breaker) is BreakerState.HALF_OPEN
     assert breaker.allow() is Permit.REJECTED  # one trial at a time
     breaker.abandon(trial)  # cancelled: the next caller gets the trial
     trial = breaker.allow()
     assert trial is Permit.TRIAL
     breaker.failure(trial)  # the trial failed: open for another period
-    assert breaker.state is BreakerState.OPEN
+    assert _state(breaker) is BreakerState.OPEN
     assert breaker.times_opened == 2
     clock.advance(5.0)
     breaker.success(breaker.allow())
-    assert breaker.state is BreakerState.CLOSED
+    assert _state(breaker) is BreakerState.CLOSED
     assert not breaker.rejecting()
 
 
@@ -1010,10 +1016,11 @@ def test_backoff_is_bounded_full_jitter() -> None:
 def _client_error(status: int, code: str) -> Exception:
     from botocore.exceptions import ClientError
 
-    return ClientError(
+    error: Exception = ClientError(
         {"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}},
         "GetObject",
     )
+    return error
 
 
 def test_error_translation() -> None:

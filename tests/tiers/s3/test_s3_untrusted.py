@@ -12,6 +12,7 @@ import functools
 import os
 import struct
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -218,7 +219,7 @@ def test_signed_segments_verify_only_under_their_key_and_prefix() -> None:
     flipped = bytearray(signed)
     flipped[12] ^= 1
     other = IntegrityKey(SECRET[::-1])
-    attempts = {
+    attempts: dict[str, Callable[[], object]] = {
         "another key": lambda: decode_segment(signed, "p", integrity_key=other),
         "another prefix": lambda: decode_segment(signed, "q", integrity_key=key),
         "no key": lambda: decode_segment(signed, "p"),
@@ -516,6 +517,7 @@ def test_a_tier_reading_hostile_segments_serves_only_stored_blocks(
 ) -> None:
     entries = data.draw(hostile_entries(bucket))
     segment = forged_segment(entries)
-    if flipped and data.draw(st.booleans()):
+    mutated: bool = bool(flipped) and data.draw(st.booleans())
+    if mutated:
         segment = _mutate(segment, flipped, None)
     anyio.run(_read_through, bucket, segment, data.draw(st.integers(1, 10**6)))
