@@ -37,7 +37,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 from tqdm import tqdm
@@ -138,7 +138,7 @@ class ReplayResult:
         return self.hits / self.requested if self.requested else 0.0
 
 
-def progress_bar(label: str, total: int, enabled: bool = True) -> tqdm[None]:
+def progress_bar(label: str, total: int, enabled: bool = True) -> tqdm[NoReturn]:
     """A progress bar on stderr (tqdm; a line every few seconds when stderr is not a terminal),
     with the hit ratio so far as its postfix."""
     return tqdm(
