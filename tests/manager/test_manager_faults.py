@@ -1,4 +1,4 @@
-"""Faults around the TieringManager that must stay local (issue 11): a store racing
+"""Faults around the TieringManager that must stay local: a store racing
 ``aclose``, a tier whose failed blocks keep answering HIT, a scan that raises, a closed
 manager, and tier callbacks that raise inside background tasks. Each test fails on the code
 before its fix."""
@@ -29,7 +29,7 @@ from tests.support import GatedPool, H, M, R, assert_idle
 BB = 4096
 
 
-# -- a scan that raises; a closed manager (item 7) --------------------------------------------
+# -- a scan that raises; a closed manager -----------------------------------------------------
 
 
 async def test_closed_manager_answers_miss_unavailable(keys: list[bytes]) -> None:
@@ -105,7 +105,7 @@ async def test_a_scan_that_raises_gives_back_its_pins(keys: list[bytes]) -> None
     assert_idle(manager)
 
 
-# -- store racing aclose (item 2) --------------------------------------------------------------
+# -- store racing aclose -----------------------------------------------------------------------
 
 
 async def test_a_store_that_outlives_aclose_fails_and_leaves_nothing(keys: list[bytes]) -> None:
@@ -136,7 +136,7 @@ async def test_a_store_that_outlives_aclose_fails_and_leaves_nothing(keys: list[
         assert manager.statistics().background_tasks == 0
 
 
-# -- a failed promotion is remembered by the manager (item 4) ----------------------------------
+# -- a failed promotion is remembered by the manager -------------------------------------------
 
 
 class CorruptTier(MemoryTier):
@@ -184,7 +184,7 @@ async def test_a_remembered_failure_expires(keys: list[bytes]) -> None:
         assert manager.statistics().promotions_started == 2
 
 
-# -- a callback that raises in background work (item 8) -------------------------------------
+# -- a callback that raises in background work ----------------------------------------------
 
 
 class RaisingRecordMiss(CorruptTier):

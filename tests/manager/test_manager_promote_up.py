@@ -1,4 +1,4 @@
-"""A block promoted from a lower tier is written to the faster tiers above it (issue 10's
+"""A block promoted from a lower tier is written to the faster tiers above it (the
 multi-node story: a node that reads a block from the shared S3 tier keeps it on its own FS
 tier), through the same admission and in-flight accounting as a store's write-through; from a
 host pool, when the pool evicts it rather than when it arrives."""

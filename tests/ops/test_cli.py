@@ -329,7 +329,7 @@ aws_secret_access_key = "wJalrXUtnFEMI-very-secret"
     assert "very-secret" not in out and "AKIDEXAMPLE" not in out
 
 
-# -- links out of the root (issue 11, item 11) -------------------------------------------------
+# -- links out of the root -----------------------------------------------------------------------
 
 
 def free_shard(folder: Path) -> str:

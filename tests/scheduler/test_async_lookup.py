@@ -177,7 +177,7 @@ async def test_record_overrides_and_forget_clears() -> None:
 
 
 async def test_a_store_that_lands_during_a_check_is_not_overwritten_by_its_stale_miss() -> None:
-    # Issue 11 item 6: the check looked before the write-through landed, so its MISS is older
+    # The check looked before the write-through landed, so its MISS is older
     # than the HIT the tier recorded; the key must stay a HIT.
     storage = Storage(set())
     storage.gate = anyio.Event()

@@ -1,4 +1,4 @@
-"""An async scheduler lookup keeps its scan's progress between wakes (issue 11 item 9).
+"""An async scheduler lookup keeps its scan's progress between wakes.
 
 Promoting a long prefix block by block wakes the waiting scan once per block; rescanning and
 re-pinning the whole prefix at every wake made the work quadratic. These tests count the

@@ -1,6 +1,6 @@
 """FSTier with ``shared=False``: a folder only this process writes answers from its index.
 
-Issue 10, point 1: no stat on the request path; a key the index does not hold is a MISS
+No stat on the request path: a key the index does not hold is a MISS
 (``not_found``) at once, never RETRY. Real files; the stat seam counts calls to prove none run.
 """
 

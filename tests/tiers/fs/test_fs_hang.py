@@ -1,4 +1,4 @@
-"""FSTier on a hung mount: every deadline holds (issue 11, item 1), and stale checks (item 6).
+"""FSTier on a hung mount: every deadline holds; and stale existence checks.
 
 A real FSTier on real files; the one blocking OS call of the operation under test
 (``_fs_io._stat``, ``_fs_read._preadv`` or ``_fs_io._writev``) is replaced by a call that
@@ -182,7 +182,7 @@ async def test_close_honours_close_timeout(
     assert s.cascades_cancelled == 1 and s.pool.pinned == 0 and s.in_flight_bytes == 0
 
 
-# -- a stale existence check (item 6, the FSTier half) -------------------------------------------
+# -- a stale existence check (the FSTier half) ---------------------------------------------------
 
 
 async def test_a_stale_check_does_not_drop_a_newer_store(

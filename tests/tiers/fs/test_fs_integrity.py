@@ -1,4 +1,4 @@
-"""The integrity key: signed blocks, forgeries refused, the secret never shown (issue 11).
+"""The integrity key: signed blocks, forgeries refused, the secret never shown.
 
 The threat: anyone who can write to a shared folder (or bucket) publishes a well-formed block
 for someone else's key. Each test plays that writer with real files.

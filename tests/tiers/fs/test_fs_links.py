@@ -1,4 +1,4 @@
-"""FSTier never follows a link out of its root (the tier's side of issue 11, item 11).
+"""FSTier never follows a link out of its root (the tier's side; the CLI's is in test_cli).
 
 Whoever can write to a shared folder can replace a shard folder with a symbolic link. The tier
 must then never delete, write or read through it: evictions and deletes of blocks whose shard

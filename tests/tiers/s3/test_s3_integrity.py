@@ -1,5 +1,5 @@
 """The S3 tier's integrity key: signed objects, forgeries refused, the prefix's marker, the
-secret never shown (issue 11).
+secret never shown.
 
 The threat: anyone who can write to the bucket prefix publishes a well-formed block for
 someone else's key. Each test plays that writer with a raw client against a real SeaweedFS.

@@ -518,8 +518,8 @@ async def test_server_killed_mid_run_and_restarted(own_weed: WeedServer) -> None
 
         # The server comes back (SeaweedFS keeps its data), the breaker's reset period passes,
         # and the same tier instance recovers. The first existence check is a 2-key batch: the
-        # half-open breaker's trial must close it (issue 11 item 3: the sibling request was
-        # rejected, cancelled the trial, and 2-key batches stayed "unavailable" for good).
+        # half-open breaker's trial must close it (were the sibling request rejected and the
+        # trial cancelled, 2-key batches would stay "unavailable" for good).
         await own_weed.astart()
         clock.advance(10.5)
         tier.record_miss(keys[0], MissReason.NOT_FOUND)  # drop the cached hits: ask again
