@@ -705,17 +705,17 @@ def test_the_readme_manager_example_is_valid() -> None:
 def test_fs_direct_io_from_dict_and_env(tmp_path: Path) -> None:
     base: dict[str, Any] = {"pool": POOL, "fs": {"root": str(tmp_path)}}
     (tier,) = KVTierConfig.from_dict(base).build_tiers()
-    assert isinstance(tier, FSTier) and tier.direct_io is False
-    base["fs"]["direct_io"] = True
-    (tier,) = KVTierConfig.from_dict(base).build_tiers()
     assert isinstance(tier, FSTier) and tier.direct_io is True
+    base["fs"]["direct_io"] = False
+    (tier,) = KVTierConfig.from_dict(base).build_tiers()
+    assert isinstance(tier, FSTier) and tier.direct_io is False
     env = {
         "KVTIER_POOL_NUM_BLOCKS": "8",
         "KVTIER_POOL_BLOCK_BYTES": "4096",
         "KVTIER_FS_ROOT": str(tmp_path),
-        "KVTIER_FS_DIRECT_IO": "true",
+        "KVTIER_FS_DIRECT_IO": "false",
     }
     fs = KVTierConfig.from_env(env).fs
-    assert fs is not None and fs.direct_io is True
+    assert fs is not None and fs.direct_io is False
     with pytest.raises(ValueError, match="direct_io"):
         KVTierConfig.from_dict({"pool": POOL, "fs": {"root": str(tmp_path), "direct_io": "x"}})

@@ -40,15 +40,20 @@ What makes it trustworthy:
   walked away from; its deadline only stops blocks that have not started. Batches that
   are not pinned keep every deadline promise above. The batch machinery is its own job,
   so it lives in ``_batch``; ``FSTier`` checks a batch's arguments and hands it over.
-- **O_DIRECT on request** (``direct_io=True``; used where the file system takes it, probed
-  at open): blocks are written and read past the page cache, through an aligned private
-  buffer that holds header and payload side by side (the header is why: the payload sits at
-  an unaligned offset, so the engine's memory cannot be the buffer). The files are the same
-  bytes either way, so folders written with and without it read alike. It is off by default
-  because it did not pay behind vLLM, where the buffered tier matched or beat it both ways
-  (``benchmarks/bench_vllm_fs.py`` runs both). Turn it on to keep KV blocks out of the page
-  cache and leave no write-back behind. Which buffer a block's bytes pass through, per block
-  in a worker thread, is ``_blocks``'s.
+- **O_DIRECT by default** (``direct_io=True``): blocks are written and read past the page
+  cache where the file system takes O_DIRECT (probed at open; where it does not, the tier
+  logs why and goes through the page cache). KV blocks are read back rarely and soon after
+  they were evicted from the pool, so the page cache would only hold a second copy of what
+  memory already held, and write-back would compete with the engine for the disk. A block
+  file whose payload is a whole number of pages (64 KiB and up) is written in format 2: its
+  header padded to one page, so the payload sits at an aligned offset and a *pinned* batch
+  moves it straight between the disk and the caller's aligned memory, header page and
+  payload in one request each way, the checksum verified over the bytes where they landed.
+  Other blocks (and every unpinned call, which must never let a thread it may walk away from
+  touch the caller's memory) go through an aligned private buffer of the tier's. Smaller or
+  odd-sized payloads keep the compact format 1, whose files older kvtiers wrote too; both
+  read alike in either mode. Which buffer a block's bytes pass through, per block in a
+  worker thread, is ``_blocks``'s.
 - **Exclusive folders answer without a stat.** With ``shared=False`` (only this process writes
   the folder) ``lookup()`` answers from the index at once: a key it holds is a ``HIT``, any
   other a ``MISS`` (``not_found``) (see ``_index``). The default, ``shared=True``, checks

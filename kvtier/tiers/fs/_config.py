@@ -68,7 +68,7 @@ class FSConfig(Section):
     shared: bool = field(default=True, metadata=spec(_SHARED))
     # Threads a deadline walked away from (a hung mount) that may still run; past it, fail fast.
     max_stuck_threads: int = field(default=32, metadata=spec(parse_positive_int))
-    direct_io: bool = field(default=False, metadata=spec(_DIRECT_IO))
+    direct_io: bool = field(default=True, metadata=spec(_DIRECT_IO))
 
 
 class FSOverrides(TypedDict, total=False):

@@ -69,10 +69,10 @@ __all__ = [
     "aligned",
     "block_region",
     "copy_bytes",
+    "direct_refused",
     "file_version",
     "open_maybe_direct",
     "prepare_root",
-    "probe_direct",
     "region_size",
     "remove_block",
     "staging_size",
@@ -305,23 +305,23 @@ def open_maybe_direct(path: str, flags: int, direct: bool, dir_fd: int) -> tuple
     return os.open(path, flags, FILE_MODE, dir_fd=dir_fd), False
 
 
-def probe_direct(root: Path) -> bool:
-    """Whether files under ``root`` take O_DIRECT writes of ``ALIGN`` bytes (tmpfs before
-    Linux 6.6, some FUSE and network file systems refuse them)."""
+def direct_refused(root: Path) -> str | None:
+    """Why files under ``root`` do not take O_DIRECT writes of ``ALIGN`` bytes (tmpfs before
+    Linux 6.6, some FUSE and network file systems refuse them), or None when they do."""
     if not O_DIRECT:
-        return False
+        return "this platform has no O_DIRECT"
     probe = root / f".kvtier-fs-probe-{os.getpid()}-{secrets.token_hex(4)}"
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC | O_NOFOLLOW
     try:
         fd = os.open(probe, flags | O_DIRECT, FILE_MODE)
-    except OSError:
-        return False
+    except OSError as exc:
+        return f"opening with O_DIRECT failed: {exc.strerror or exc}"
     try:
         with mmap.mmap(-1, ALIGN) as page:
             os.write(fd, page)
-        return True
-    except OSError:
-        return False
+        return None
+    except OSError as exc:
+        return f"an O_DIRECT write failed: {exc.strerror or exc}"
     finally:
         os.close(fd)
         with contextlib.suppress(OSError):

@@ -109,8 +109,8 @@ class FSTier(SecondaryTier):
         root, marker, files = self.root, self._marker, self._files
         probe = self.direct_io
         try:
-            entries, direct = await files.calls.run(
-                lambda _: (io.prepare_root(root, marker), probe and io.probe_direct(root)),
+            entries, refused = await files.calls.run(
+                lambda _: (io.prepare_root(root, marker), probe and io.direct_refused(root)),
                 limiter=files.reads,
             )
         except IncompatibleRoot as exc:
@@ -123,7 +123,11 @@ class FSTier(SecondaryTier):
             if raise_unavailable:
                 raise self._ledger.error(exc, "store") from exc
             return
-        files.direct = direct
+        files.direct = probe and not refused
+        if refused:
+            self._ledger.warn(
+                "direct", "%s: %s: %s; through the page cache instead", self.name, root, refused
+            )
         self._catalog.reset((e.name, e.size) for e in entries)
 
     async def _prepare_for_store(self) -> None:

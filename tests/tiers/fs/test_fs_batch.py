@@ -29,7 +29,7 @@ from kvtier.testing import resolve_lookup
 from kvtier.tiers.fs import FSTier
 from kvtier.tiers.fs import _io as _fs_io
 from kvtier.tiers.fs import _read as _fs_read
-from tests.support import Hang
+from tests.support import Hang, block_files, tmp_files
 from tests.tiers.fs.fs_worker import key_and_data
 
 BLOCK = 4096
@@ -43,14 +43,6 @@ key, data = key_and_data("b", BLOCK)
 def views(n: int) -> tuple[bytearray, list[memoryview]]:
     buf = bytearray(n * BLOCK)
     return buf, [memoryview(buf)[i * BLOCK : (i + 1) * BLOCK] for i in range(n)]
-
-
-def block_files(root: Path) -> list[Path]:
-    return sorted(p for p in root.glob("??/??/*") if not p.name.startswith("."))
-
-
-def tmp_files(root: Path) -> list[Path]:
-    return sorted(root.glob("??/??/.tmp-*"))
 
 
 @pytest.mark.parametrize("pinned", [False, True])
@@ -265,8 +257,8 @@ async def test_direct_and_buffered_write_the_same_files(
             pytest.skip("this file system refuses O_DIRECT")
         await tier.store_many([key(0), key(1)], [memoryview(blocks[0]), memoryview(blocks[1])])
         await tier.store(key(2), memoryview(blocks[2]))
-    async with FSTier(buffered) as tier:
-        assert not tier._files.direct, "direct I/O is opt-in"
+    async with FSTier(buffered, direct_io=False) as tier:
+        assert not tier._files.direct, "direct_io=False keeps the page cache"
         for i in range(3):
             await tier.store(key(i), memoryview(blocks[i]))
     for name in (key(i).hex() for i in range(3)):

@@ -4,10 +4,14 @@ moving an aligned payload straight into (and out of) the caller's buffer."""
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import mmap
+import os
 import struct
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -17,9 +21,8 @@ from kvtier._format import FORMAT_VERSION, IntegrityKey, encode_header, header_s
 from kvtier.tiers.fs import FSTier
 from kvtier.tiers.fs import _io as fs_io
 from kvtier.tiers.fs import _read as fs_read
-from kvtier.tiers.fs._layout import MARKER_NAME, name_of, path_of
-from tests.ops.test_cli import run_cli
-from tests.support import fresh_keys
+from kvtier.tiers.fs._layout import MARKER_NAME
+from tests.support import block_file, fresh_keys, run_cli
 
 LARGE = 256 << 10  # a whole number of pages, written in version 2
 SMALL = 100  # written in version 1
@@ -38,10 +41,6 @@ def aligned_buffer(n: int) -> memoryview:
 
 def address(view: memoryview) -> int:
     return int(np.frombuffer(view, np.uint8).ctypes.data)
-
-
-def file_of(root: Path, key: bytes) -> Path:
-    return path_of(root, name_of(key))
 
 
 @pytest.fixture
@@ -70,15 +69,15 @@ async def test_whole_page_payloads_are_version_2_and_others_version_1(
         for key, data in blocks.items():
             await tier.store(key, memoryview(data))
         stored = tier.statistics().bytes_stored
-    assert stored == sum(file_of(tmp_path / "c", k).stat().st_size for k in blocks)
+    assert stored == sum(block_file(tmp_path / "c", k).stat().st_size for k in blocks)
     hlen = header_size(16, integrity_key=ikey)
-    raw = file_of(tmp_path / "c", large_key).read_bytes()
+    raw = block_file(tmp_path / "c", large_key).read_bytes()
     assert struct.unpack_from("<H", raw, 4)[0] == 2
     assert len(raw) == REGION + LARGE
     assert raw[hlen:REGION] == bytes(REGION - hlen)  # zero padding up to the payload
     assert raw[REGION:] == blocks[large_key]
     for key in (small_key, odd_key):
-        raw = file_of(tmp_path / "c", key).read_bytes()
+        raw = block_file(tmp_path / "c", key).read_bytes()
         assert struct.unpack_from("<H", raw, 4)[0] == 1
         assert raw[hlen:] == blocks[key]
 
@@ -151,7 +150,7 @@ async def test_unpinned_loads_never_read_into_the_destination(
 def write_version_1(root: Path, key: bytes, data: bytes, ikey: IntegrityKey | None) -> None:
     """A block file as a kvtier before version 2 wrote it."""
     head = encode_header(key, data, integrity_key=ikey, version=FORMAT_VERSION)
-    path = file_of(root, key)
+    path = block_file(root, key)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(head + data)
 
@@ -192,7 +191,7 @@ async def test_a_damaged_version_2_file_is_a_corrupt_miss_and_removed(
     root = tmp_path / "c"
     async with FSTier(root) as tier:
         await tier.store(key, memoryview(data))
-    path = file_of(root, key)
+    path = block_file(root, key)
     raw = bytearray(path.read_bytes())
     if damage == "payload":
         raw[REGION + 1000] ^= 0x40
@@ -224,9 +223,33 @@ async def test_a_version_2_file_an_older_reader_sees_is_refused_not_misread(
     key, data = fresh_keys(1)[0], payload(LARGE, 13)
     async with FSTier(tmp_path / "c") as tier:
         await tier.store(key, memoryview(data))
-    raw = file_of(tmp_path / "c", key).read_bytes()
+    raw = block_file(tmp_path / "c", key).read_bytes()
     from kvtier._format import HeaderError, decode_header
 
     with pytest.raises(HeaderError, match="format version 2"):
         decode_header(raw[: header_size(16)])
     assert fs_io.file_version(LARGE) == 2 and fs_io.file_version(SMALL) == 1
+
+
+async def test_a_file_system_that_refuses_o_direct_falls_back_with_a_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Some file systems (some FUSE and network ones, tmpfs before Linux 6.6) refuse O_DIRECT
+    with EINVAL: the tier says so once and goes through the page cache."""
+    real_open = os.open
+
+    def refusing(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if flags & fs_io.O_DIRECT:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", refusing)
+    key, data = fresh_keys(1)[0], payload(LARGE, 14)
+    with caplog.at_level(logging.WARNING, logger="kvtier.tiers.fs"):
+        async with FSTier(tmp_path / "c") as tier:
+            assert tier.direct_io and not tier._files.direct
+            await tier.store(key, memoryview(data))
+            dst = aligned_buffer(LARGE)
+            assert await tier.load_many([key], [dst], pinned=True) == [None]
+            assert bytes(dst) == data
+    assert "O_DIRECT failed: Invalid argument; through the page cache instead" in caplog.text
