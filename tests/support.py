@@ -1,12 +1,15 @@
 """What several test modules share beyond fixtures (those live in ``conftest.py``): key and
-block factories, a clock moved by hand, a pool whose copies wait at a gate, an OS call that
-hangs, an S3 tier on the run's SeaweedFS, and the check that a manager is idle."""
+block factories, where an FS tier keeps its files, the ``kvtier`` command run in-process, a
+clock moved by hand, a pool whose copies wait at a gate, an OS call that hangs, an S3 tier on
+the run's SeaweedFS, and the check that a manager is idle."""
 
 from __future__ import annotations
 
+import io
 import os
 import threading
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, ParamSpec, Protocol, TypeVar
 
 import anyio
@@ -15,6 +18,7 @@ import numpy as np
 from devtools.weed_server import ACCESS_KEY, BUCKET, REGION, SECRET_KEY
 from kvtier import HostPool, LookupResult, S3Tier, SecondaryTier, TieringManager, block_keys
 from kvtier._buffers import BlockBuffer
+from kvtier.tiers.fs._layout import name_of, path_of
 
 _A = ParamSpec("_A")
 _T = TypeVar("_T")
@@ -51,6 +55,30 @@ async def assert_holds(tier: SecondaryTier, keys: Sequence[bytes], data: np.ndar
     for i, key in enumerate(keys):
         await tier.load(key, memoryview(out))
         assert out == data[i].tobytes()
+
+
+def run_cli(*argv: str) -> tuple[int, str, str]:
+    """The ``kvtier`` command, run in this process: its exit code, stdout and stderr."""
+    from kvtier._cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    code = main(list(argv), stdout=out, stderr=err)
+    return code, out.getvalue(), err.getvalue()
+
+
+def block_file(root: Path, key: bytes) -> Path:
+    """Where an FS tier rooted at ``root`` keeps the block of ``key``."""
+    return path_of(root, name_of(key))
+
+
+def block_files(root: Path) -> list[Path]:
+    """The block files under an FS tier's ``root``, sorted (not its temporary files)."""
+    return sorted(p for p in root.glob("??/??/*") if not p.name.startswith("."))
+
+
+def tmp_files(root: Path) -> list[Path]:
+    """The temporary files that stores left under an FS tier's ``root``, sorted."""
+    return sorted(root.glob("??/??/.tmp-*"))
 
 
 class ManualClock:

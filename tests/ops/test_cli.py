@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import subprocess
@@ -13,21 +12,14 @@ from typing import Any
 import anyio
 import pytest
 
-from kvtier._cli import main
 from kvtier._format import header_size
 from kvtier.tiers.fs import FSTier
-from kvtier.tiers.fs._layout import MARKER_NAME, name_of, path_of
-from tests.support import fresh_keys
+from kvtier.tiers.fs._layout import MARKER_NAME, name_of
+from tests.support import block_file, fresh_keys, run_cli
 
 BLOCK = 4096
 FILE = header_size(16) + BLOCK
 N = 8
-
-
-def run_cli(*argv: str) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    code = main(list(argv), stdout=out, stderr=err)
-    return code, out.getvalue(), err.getvalue()
 
 
 def populate(root: Path, n: int = N) -> dict[bytes, bytes]:
@@ -73,10 +65,6 @@ def blocks(root: Path) -> dict[bytes, bytes]:
     return populate(root)
 
 
-def file_of(root: Path, key: bytes) -> Path:
-    return path_of(root, name_of(key))
-
-
 # -- inspect -----------------------------------------------------------------------------------
 
 
@@ -108,7 +96,7 @@ def test_inspect_counts_temporary_files_and_never_touches_them(
     root: Path, blocks: dict[bytes, bytes]
 ) -> None:
     key = next(iter(blocks))
-    tmp = file_of(root, key).parent / f".tmp-deadbeef-1-0000-{name_of(key)}"
+    tmp = block_file(root, key).parent / f".tmp-deadbeef-1-0000-{name_of(key)}"
     tmp.write_bytes(b"half a block")
     code, out, _ = run_cli("inspect", str(root))
     assert code == 0
@@ -182,25 +170,25 @@ def test_verify_reports_a_corrupt_block_and_exits_1(
 ) -> None:
     corrupt, other = list(blocks)[:2]
     damage, reason = CORRUPTIONS[kind]
-    damage(file_of(root, corrupt), file_of(root, other))
+    damage(block_file(root, corrupt), block_file(root, other))
     code, out, _ = run_cli("verify", str(root))
     assert code == 1
-    assert f"CORRUPT {file_of(root, corrupt)}: {reason}" in out
+    assert f"CORRUPT {block_file(root, corrupt)}: {reason}" in out
     assert out.count("CORRUPT") == 1
     assert f"{N - 1} ok, 1 corrupt" in out
-    assert file_of(root, corrupt).exists()  # reported, not removed
+    assert block_file(root, corrupt).exists()  # reported, not removed
 
 
 def test_verify_remove_deletes_only_the_corrupt_block(
     root: Path, blocks: dict[bytes, bytes]
 ) -> None:
     corrupt = next(iter(blocks))
-    _flip_payload_byte(file_of(root, corrupt), file_of(root, corrupt))
+    _flip_payload_byte(block_file(root, corrupt), block_file(root, corrupt))
     code, out, _ = run_cli("verify", str(root), "--remove")
     assert code == 1
     assert "(removed)" in out and "1 corrupt (1 removed)" in out
-    assert not file_of(root, corrupt).exists()
-    assert sum(file_of(root, k).exists() for k in blocks) == N - 1
+    assert not block_file(root, corrupt).exists()
+    assert sum(block_file(root, k).exists() for k in blocks) == N - 1
     # The folder is healthy again, and a tier opened on it serves every other block.
     code, out, _ = run_cli("verify", str(root))
     assert code == 0 and f"{N - 1} ok, 0 corrupt" in out
@@ -232,7 +220,7 @@ def test_python_dash_m_kvtier_exit_codes(root: Path, blocks: dict[bytes, bytes])
     cmd = [sys.executable, "-m", "kvtier"]
     ok = subprocess.run([*cmd, "verify", str(root)], capture_output=True, text=True, check=False)
     assert ok.returncode == 0, ok.stderr
-    _flip_payload_byte(file_of(root, next(iter(blocks))), root)
+    _flip_payload_byte(block_file(root, next(iter(blocks))), root)
     bad = subprocess.run([*cmd, "verify", str(root)], capture_output=True, text=True, check=False)
     assert bad.returncode == 1 and "CORRUPT" in bad.stdout
     usage = subprocess.run([*cmd, "frobnicate"], capture_output=True, text=True, check=False)
@@ -371,7 +359,7 @@ def test_verify_remove_survives_a_shard_swapped_for_a_link_mid_run(
     corrupt file of the same name: the check must not read or delete through the link."""
     import kvtier._cli._folder as cli
 
-    victim = file_of(root, next(iter(blocks)))
+    victim = block_file(root, next(iter(blocks)))
     outside = plant_outside(tmp_path, victim.name)
     real_scan = cli._scan
 

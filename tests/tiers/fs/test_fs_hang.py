@@ -28,9 +28,8 @@ from kvtier.pools._host import HostPool
 from kvtier.testing import resolve_lookup
 from kvtier.tiers.fs import FSTier
 from kvtier.tiers.fs import _io as _fs_io
-from kvtier.tiers.fs import _layout as _fs_layout
 from kvtier.tiers.fs import _read as _fs_read
-from tests.support import Hang
+from tests.support import Hang, block_file
 from tests.tiers.fs.fs_worker import key_and_data
 
 BLOCK = 4096
@@ -189,7 +188,7 @@ async def test_a_stale_check_does_not_drop_a_newer_store(
     tmp_path: Path, hang: Hang, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     root = tmp_path / "c"
-    target = str(_fs_layout.path_of(root, _fs_layout.name_of(key(1))))
+    target = str(block_file(root, key(1)))
 
     def stale_stat(path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
         """Look now, answer after the release: the answer is stale by then."""

@@ -6,7 +6,6 @@ for someone else's key. Each test plays that writer with real files.
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import pickle
@@ -30,7 +29,7 @@ from kvtier._format import (
 from kvtier._lookup import LookupResult
 from kvtier.testing import resolve_lookup
 from kvtier.tiers.fs import FSTier
-from kvtier.tiers.fs import _layout as _fs_layout
+from tests.support import block_file, run_cli
 from tests.tiers.fs.fs_worker import key_and_data
 
 BLOCK = 4096
@@ -39,10 +38,6 @@ OTHER = "another secret, also long enough"
 
 
 key, data = key_and_data("i", BLOCK)
-
-
-def path(root: Path, k: bytes) -> Path:
-    return _fs_layout.path_of(root, _fs_layout.name_of(k))
 
 
 # -- the format ------------------------------------------------------------------------------
@@ -92,7 +87,7 @@ async def test_forged_blocks_are_corrupt_misses(
     root = tmp_path / "c"
     async with FSTier(root, integrity_key=SECRET) as tier:
         await tier.store(key(1), memoryview(data(1)))
-        good = path(root, key(1)).read_bytes()
+        good = block_file(root, key(1)).read_bytes()
         assert decode_header(good, integrity_key=IntegrityKey(SECRET)).flags & FLAG_MAC
         out = bytearray(BLOCK)
         await tier.load(key(1), memoryview(out))
@@ -107,7 +102,7 @@ async def test_forged_blocks_are_corrupt_misses(
             + evil,
         }
         for i, raw in forgeries.items():
-            target = path(root, key(i))
+            target = block_file(root, key(i))
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(raw)
             assert await resolve_lookup(tier, key(i)) is LookupResult.HIT  # it is there...
@@ -132,7 +127,8 @@ async def test_nodes_must_agree_on_the_key(tmp_path: Path) -> None:
         await FSTier(signed, integrity_key=OTHER).open()
     with pytest.raises(InvalidArgumentError, match="unsigned blocks"):
         await FSTier(plain, integrity_key=SECRET).open()
-    assert path(signed, key(1)).exists() and path(plain, key(1)).exists()  # nothing removed
+    # Nothing removed.
+    assert block_file(signed, key(1)).exists() and block_file(plain, key(1)).exists()
     async with FSTier(signed, integrity_key=IntegrityKey(SECRET)) as tier:  # a restart
         out = bytearray(BLOCK)
         await tier.load(key(1), memoryview(out))
@@ -165,31 +161,24 @@ async def test_config_from_the_environment(tmp_path: Path) -> None:
 # -- the command line ------------------------------------------------------------------------
 
 
-def cli(*argv: str) -> tuple[int, str, str]:
-    from kvtier._cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    return main(list(argv), stdout=out, stderr=err), out.getvalue(), err.getvalue()
-
-
 async def test_verify_a_signed_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     root = tmp_path / "c"
     async with FSTier(root, integrity_key=SECRET) as tier:
         for i in range(3):
             await tier.store(key(i), memoryview(data(i)))
     evil = b"\x66" * BLOCK
-    path(root, key(9)).parent.mkdir(parents=True, exist_ok=True)
-    path(root, key(9)).write_bytes(encode_header(key(9), evil) + evil)  # unsigned forgery
+    block_file(root, key(9)).parent.mkdir(parents=True, exist_ok=True)
+    block_file(root, key(9)).write_bytes(encode_header(key(9), evil) + evil)  # unsigned forgery
     monkeypatch.delenv("KVTIER_INTEGRITY_KEY", raising=False)
-    code, _, err = cli("verify", str(root))
+    code, _, err = run_cli("verify", str(root))
     assert code == 2 and "KVTIER_INTEGRITY_KEY" in err
     monkeypatch.setenv("KVTIER_INTEGRITY_KEY", OTHER)
-    code, _, err = cli("verify", str(root))
+    code, _, err = run_cli("verify", str(root))
     assert code == 2 and "another integrity key" in err and OTHER not in err
     monkeypatch.setenv("KVTIER_INTEGRITY_KEY", SECRET)
-    code, out, err = cli("verify", str(root), "--remove")
+    code, out, err = run_cli("verify", str(root), "--remove")
     assert code == 1, out + err
     assert "4 blocks checked" in out and "1 corrupt (1 removed)" in out and "not signed" in out
     assert SECRET not in out + err
-    code, out, _ = cli("inspect", str(root), "--json")
+    code, out, _ = run_cli("inspect", str(root), "--json")
     assert code == 0 and json.loads(out)["signed"] is True

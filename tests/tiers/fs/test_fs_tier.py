@@ -44,7 +44,7 @@ from kvtier.tiers.fs import _blocks as _fs_block
 from kvtier.tiers.fs import _io as _fs_io
 from kvtier.tiers.fs import _layout as _fs_layout
 from kvtier.tiers.fs import _read as _fs_read
-from tests.support import BlockingCallError
+from tests.support import BlockingCallError, block_files, tmp_files
 from tests.tiers.fs.fs_worker import key_of, payload_of
 
 WORKER = str(Path(__file__).parent / "fs_worker.py")
@@ -71,14 +71,6 @@ def data(i: int, n: int = BLOCK, ns: str = "t") -> bytes:
 
 def key(i: int, ns: str = "t") -> bytes:
     return key_of(ns, i)
-
-
-def block_files(root: Path) -> list[Path]:
-    return sorted(p for p in root.glob("??/??/*") if not p.name.startswith("."))
-
-
-def tmp_files(root: Path) -> list[Path]:
-    return sorted(root.glob("??/??/.tmp-*"))
 
 
 async def load(tier: FSTier, k: bytes, n: int = BLOCK) -> bytes:
