@@ -1,14 +1,15 @@
 """What several test modules share beyond fixtures (those live in ``conftest.py``): key and
 block factories, where an FS tier keeps its files, the ``kvtier`` command run in-process, a
-clock moved by hand, a pool whose copies wait at a gate, an OS call that hangs, an S3 tier on
-the run's SeaweedFS, and the check that a manager is idle."""
+clock moved by hand, a pool whose copies wait at a gate, an OS call that hangs, a request run
+against a held tier, an S3 tier on the run's SeaweedFS, and the check that a manager is
+idle."""
 
 from __future__ import annotations
 
 import io
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, ParamSpec, Protocol, TypeVar
 
@@ -16,8 +17,17 @@ import anyio
 import numpy as np
 
 from devtools.weed_server import ACCESS_KEY, BUCKET, REGION, SECRET_KEY
-from kvtier import HostPool, LookupResult, S3Tier, SecondaryTier, TieringManager, block_keys
+from kvtier import (
+    HostPool,
+    LookupResult,
+    OffloadScheduler,
+    S3Tier,
+    SecondaryTier,
+    TieringManager,
+    block_keys,
+)
 from kvtier._buffers import BlockBuffer
+from kvtier.testing import StallingTier
 from kvtier.tiers.fs._layout import name_of, path_of
 
 _A = ParamSpec("_A")
@@ -133,6 +143,30 @@ class GatedPool(HostPool):
         if self._loads:
             await self._pass_gate()
         await super().copy_out(slots, out)
+
+
+async def lookup_while_held(
+    scheduler: OffloadScheduler,
+    keys: list[bytes],
+    tier: StallingTier,
+    operation: str,
+    while_held: Callable[[], Awaitable[None]] | None = None,
+) -> int:
+    """``scheduler.lookup(keys)`` as a concurrent request; once it is blocked on ``tier``'s held
+    ``operation``, run ``while_held`` (checks on the waiting state), release the operation, and
+    return the request's answer. Ordered by events, not sleeps; the caller bounds it."""
+    answer: list[int] = []
+
+    async def request() -> None:
+        answer.append(await scheduler.lookup(keys))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(request)
+        await tier.wait_stalled(operation)
+        if while_held is not None:
+            await while_held()
+        tier.release(operation)
+    return answer[0]
 
 
 def assert_idle(manager: TieringManager) -> None:

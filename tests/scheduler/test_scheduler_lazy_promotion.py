@@ -14,8 +14,9 @@ from kvtier import (
     TieringManager,
 )
 from kvtier.testing import StallingTier, resolve_lookup
-from tests.scheduler.held_lookup import BB, lookup_while_held
-from tests.support import fill, random_blocks
+from tests.support import fill, lookup_while_held, random_blocks
+
+BB = 4096
 
 
 async def test_no_promotion_starts_beyond_the_first_miss_of_a_prefix(keys: list[bytes]) -> None:
