@@ -11,7 +11,7 @@ import os
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any, ParamSpec, Protocol, TypeVar
+from typing import Any, ParamSpec, Protocol, TypedDict, TypeVar
 
 import anyio
 import numpy as np
@@ -225,6 +225,16 @@ CREDENTIALS_FROM_ENVIRONMENT: dict[str, Any] = {
 }
 """``s3_tier`` overrides that pass no keys: the tier finds its credentials through the AWS
 chain (environment, config files, a credential process)."""
+
+
+class IndexSettings(TypedDict):
+    index_refresh: float
+    index_lookback: float
+
+
+INDEX_BY_HAND = IndexSettings(index_refresh=100.0, index_lookback=1000.0)
+"""``s3_tier`` overrides under which the tier's index refreshes when the test calls
+``refresh_index()`` (and at open), its own loop's period far beyond any test."""
 
 
 class HasEndpoint(Protocol):

@@ -43,7 +43,13 @@ from kvtier.tiers.s3._journal import (
 from kvtier.tiers.s3._pack import Location
 from kvtier.tiers.s3._requests import Requests
 from kvtier.tiers.s3._sync import IndexSync
-from tests.support import CREDENTIALS_FROM_ENVIRONMENT, ManualClock, fresh_keys, s3_tier
+from tests.support import (
+    CREDENTIALS_FROM_ENVIRONMENT,
+    INDEX_BY_HAND,
+    ManualClock,
+    fresh_keys,
+    s3_tier,
+)
 from tests.tiers.s3.s3_forge import forged_segment, forged_segment_name
 
 BLOCK = 4096
@@ -209,7 +215,7 @@ def test_a_publish_takes_a_bounded_batch_and_a_failed_one_goes_first_again() -> 
 
 
 # refreshed by the tests, not by the loop
-_tier = functools.partial(s3_tier, index_refresh=100.0, index_lookback=1000.0)
+_tier = functools.partial(s3_tier, **INDEX_BY_HAND)
 
 
 async def _exists(server: WeedServer, name: str) -> bool:

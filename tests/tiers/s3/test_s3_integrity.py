@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Any
 
 import anyio
 import anyio.lowlevel
@@ -35,7 +34,7 @@ from kvtier.tiers.s3 import S3Tier
 from kvtier.tiers.s3._codec import build_object, verify_into
 from kvtier.tiers.s3._index import key_from_object
 from kvtier.tiers.s3._integrity import MARKER_NAME, marker_key
-from tests.support import MakeS3Tier, fresh_keys
+from tests.support import INDEX_BY_HAND, MakeS3Tier, fresh_keys
 from tests.tiers.s3.s3_forge import forged_segment, forged_segment_name
 
 BLOCK = 4096
@@ -322,11 +321,7 @@ async def test_a_signing_tier_ignores_unsigned_journal_segments(
     which every signing node refuses the prefix."""
     keys = fresh_keys(3)
     marker = marker_key(prefix)
-    settings: dict[str, Any] = {
-        "integrity_key": SECRET,
-        "index_refresh": 100.0,
-        "index_lookback": 1000.0,
-    }
+    settings = {"integrity_key": SECRET, **INDEX_BY_HAND}
     async with make_tier(**settings) as reader:
         forged = forged_segment([(keys[0], marker, 100, 4200), (keys[1], "", 0, 0)])
         await _put(weed_server.endpoint_url, forged_segment_name(prefix), forged)

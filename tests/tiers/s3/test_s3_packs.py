@@ -26,7 +26,7 @@ from kvtier.tiers.s3 import S3Tier
 from kvtier.tiers.s3._journal import encode_segment, segment_name, writer_id
 from kvtier.tiers.s3._pack import PACK_DIR, Location, decode_table
 from kvtier.tiers.s3._packs import PackReads, PackWriter, PendingStore
-from tests.support import fresh_keys, s3_tier
+from tests.support import INDEX_BY_HAND, fresh_keys, s3_tier
 
 BLOCK = 4096
 
@@ -107,8 +107,8 @@ async def test_a_pack_written_after_open_is_learnt_from_the_journal(
 ) -> None:
     keys, blocks = _keys_and_blocks(4)
     async with (
-        s3_tier(weed_server, prefix, index_refresh=100.0, index_lookback=1000.0) as reader,
-        s3_tier(weed_server, prefix, index_refresh=100.0, index_lookback=1000.0) as writer,
+        s3_tier(weed_server, prefix, **INDEX_BY_HAND) as reader,
+        s3_tier(weed_server, prefix, **INDEX_BY_HAND) as writer,
     ):
         await _store_together(writer, keys, blocks)
         assert writer.statistics().packs_written == 1
@@ -334,7 +334,7 @@ async def test_a_wrong_journal_location_is_a_corrupt_miss_and_keeps_the_pack(
     right = sections[keys[1]]
     shift = 0 if claim == "another key's section" else 100
     wrong = Location(pack, right.offset + shift, right.length)
-    async with s3_tier(weed_server, prefix, index_refresh=100.0, index_lookback=1000.0) as reader:
+    async with s3_tier(weed_server, prefix, **INDEX_BY_HAND) as reader:
         assert reader.statistics().index_listed == 3
         async with raw_client(weed_server.endpoint_url) as client:
             name = segment_name(prefix, int(time.time() * 1000), writer_id(), 1)
@@ -367,7 +367,7 @@ async def test_a_journal_location_longer_than_a_block_is_never_fetched(
     first = table_length(3, len(keys[0]))
     section = header_size(len(keys[0])) + BLOCK
     lengths = {keys[3]: 2**40, keys[0]: section + 1}  # a stranger, and a known key re-pointed
-    async with s3_tier(weed_server, prefix, index_refresh=100.0, index_lookback=1000.0) as reader:
+    async with s3_tier(weed_server, prefix, **INDEX_BY_HAND) as reader:
         async with raw_client(weed_server.endpoint_url) as client:
             body = forged_segment([(key, pack, first, n) for key, n in lengths.items()])
             await client.put_object(Bucket=BUCKET, Key=forged_segment_name(prefix), Body=body)

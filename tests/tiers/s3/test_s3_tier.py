@@ -60,7 +60,14 @@ from kvtier.pools._host import HostPool
 from kvtier.testing import resolve_lookup
 from kvtier.tiers.s3 import S3Tier
 from kvtier.tiers.s3._errors import Fault, translate
-from tests.support import CREDENTIALS_FROM_ENVIRONMENT, MakeS3Tier, ManualClock, fresh_keys, s3_tier
+from tests.support import (
+    CREDENTIALS_FROM_ENVIRONMENT,
+    INDEX_BY_HAND,
+    MakeS3Tier,
+    ManualClock,
+    fresh_keys,
+    s3_tier,
+)
 from tests.tiers.s3.s3_peer import make_blocks
 
 BLOCK = 4096
@@ -74,8 +81,7 @@ FAILS_FAST: dict[str, Any] = {
     "breaker_threshold": 3,
     "breaker_reset": 10.0,
     "miss_ttl": 1.0,
-    "index_refresh": 100.0,
-    "index_lookback": 1000.0,
+    **INDEX_BY_HAND,
 }
 """S3Tier settings for a test that kills its server: short timeouts and retries, a breaker
 that opens after three failures, and an index refreshed only when the test asks."""
@@ -346,7 +352,7 @@ async def test_second_process_sees_blocks(
     # (no request), and a HIT once the peer's journal segment has been read.
     other_ns = os.urandom(8)
     other_keys = block_keys(list(range(8)), 4, namespace=other_ns)
-    async with make_tier(index_refresh=100.0, index_lookback=1000.0) as tier:
+    async with make_tier(**INDEX_BY_HAND) as tier:
         assert tier.lookup(other_keys[0]) is LookupResult.MISS
         stored = await _run_peer(
             weed_server, mode="store", prefix=prefix, namespace=other_ns.hex(), tokens=8, seed=9
@@ -871,14 +877,7 @@ async def test_closing_a_tier_whose_server_stopped_answering_closes_its_client(
     """aclose while the endpoint has stopped answering (SeaweedFS stopped with SIGSTOP): the
     last journal publish hangs and is given up within its own bound, the client is closed all
     the same (no socket to the server left open), and the closed tier refuses operations."""
-    tier = s3_tier(
-        own_weed,
-        "stopped",
-        pack_blocks=1,
-        index_refresh=100.0,
-        index_lookback=1000.0,
-        read_timeout=30.0,
-    )
+    tier = s3_tier(own_weed, "stopped", **INDEX_BY_HAND, pack_blocks=1, read_timeout=30.0)
     keys = fresh_keys(4)
     pid = own_weed.pid
     assert pid is not None

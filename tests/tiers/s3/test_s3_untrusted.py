@@ -54,7 +54,7 @@ from kvtier.tiers.s3._pack import (
     table_size,
 )
 from kvtier.tiers.s3._packs import PackReads
-from tests.support import s3_tier
+from tests.support import INDEX_BY_HAND, s3_tier
 from tests.tiers.s3.s3_forge import forged_segment, forged_segment_name
 
 BLOCK = 4096
@@ -403,7 +403,7 @@ class Bucket:
 
 
 # refreshed by the tests, not by the loop
-_tier = functools.partial(s3_tier, index_refresh=100.0, index_lookback=1000.0)
+_tier = functools.partial(s3_tier, **INDEX_BY_HAND)
 
 
 async def _snapshot(server: WeedServer) -> dict[str, str]:
