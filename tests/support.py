@@ -30,6 +30,9 @@ from kvtier._buffers import BlockBuffer
 from kvtier.testing import StallingTier
 from kvtier.tiers.fs._layout import name_of, path_of
 
+BB = 4096
+"""The block size of the tests that need no other: one page."""
+
 _A = ParamSpec("_A")
 _T = TypeVar("_T")
 

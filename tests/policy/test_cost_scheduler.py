@@ -16,9 +16,7 @@ from kvtier import (
     TieringManager,
 )
 from kvtier.testing import StallingTier, resolve_lookup
-from tests.support import fill, lookup_while_held, random_blocks
-
-BB = 4096
+from tests.support import BB, fill, lookup_while_held, random_blocks
 
 
 async def tier_holding(keys: list[bytes], *, held: str | None = None) -> StallingTier:

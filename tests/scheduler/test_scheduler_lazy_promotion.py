@@ -14,9 +14,7 @@ from kvtier import (
     TieringManager,
 )
 from kvtier.testing import StallingTier, resolve_lookup
-from tests.support import fill, lookup_while_held, random_blocks
-
-BB = 4096
+from tests.support import BB, fill, lookup_while_held, random_blocks
 
 
 async def test_no_promotion_starts_beyond_the_first_miss_of_a_prefix(keys: list[bytes]) -> None:
