@@ -26,7 +26,7 @@ A file looks like this (every section but ``pool`` is optional)::
     root = "/var/cache/kvtier"
     capacity_bytes = "200GiB"
     fsync = "data"           # never | data | always
-    shared = true            # false: only this process writes root (lookups without a stat)
+    shared = "auto"          # owner (lookups without a stat) while alone; true: always check
 
     [s3]
     bucket = "kv-cache"

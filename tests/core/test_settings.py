@@ -44,7 +44,6 @@ from kvtier._settings import (
 )
 from kvtier.pools._base import PrimaryPool
 from kvtier.pools._config import PoolConfig
-from kvtier.tiers._async_lookup import AsyncLookupManager
 from kvtier.tiers.fs import FSConfig, FSTier
 from kvtier.tiers.fs._config import FSOverrides
 
@@ -103,7 +102,6 @@ EFFECTIVE: dict[tuple[str, str], tuple[Callable[[Any], Any], Callable[[Any], Any
     ("fs", "lookup_timeout"): (lambda t: t._lookups._timeout, _same),
     ("fs", "max_concurrency"): (lambda t: t._files.max_concurrency, _same),
     ("fs", "max_write_concurrency"): (lambda t: t._files.max_write_concurrency, _same),
-    ("fs", "shared"): (lambda t: isinstance(t._lookups, AsyncLookupManager), _same),
     ("fs", "max_stuck_threads"): (lambda t: t._files.calls.max_abandoned, _same),
     ("fs", "direct_io"): (lambda t: t.direct_io, _same),
     ("integrity", "key"): (_key_ids, lambda v: {IntegrityKey(v).key_id}),

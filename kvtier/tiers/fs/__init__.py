@@ -54,10 +54,14 @@ What makes it trustworthy:
   odd-sized payloads keep the compact format 1, whose files older kvtiers wrote too; both
   read alike in either mode. Which buffer a block's bytes pass through, per block in a
   worker thread, is ``_blocks``'s.
-- **Exclusive folders answer without a stat.** With ``shared=False`` (only this process writes
-  the folder) ``lookup()`` answers from the index at once: a key it holds is a ``HIT``, any
-  other a ``MISS`` (``not_found``) (see ``_index``). The default, ``shared=True``, checks
-  the folder in batches, because another process may have written it.
+- **A folder's owner answers without a stat.** A tier alone on its folder (it holds the
+  folder's lock, ``_ownership``) is its only writer, so ``lookup()`` answers from the index
+  at once: a key it holds is a ``HIT``, any other a ``MISS`` (``not_found``) (see
+  ``_index``). A tier that shares its folder with other processes checks unknown keys on the
+  disk in batches, because another process may have written them. ``shared="auto"`` (the
+  default) owns the folder when it can and shares it otherwise; ``shared=True`` always
+  shares (a folder several engines write, on NFS for one); ``shared=False`` must own it and
+  fails at open when another process holds it.
 - **A block being written is not a miss.** In either mode a key this tier is storing and
   does not hold yet answers ``RETRY``, and having answered so, its listeners hear the key
   when the store ends (landed or failed). A deferred write to a slower tier that copies
@@ -95,7 +99,8 @@ around a synchronous core, the way httpcore's pool is a state machine with I/O o
 - ``_io`` (open a root, write, check, remove) and ``_read`` (read and verify): the blocking
   file work, one function per operation.
 - ``_layout``: names, shard folders, the marker and the descriptor-based walk.
-- ``_calls``: worker calls a deadline can walk away from; ``_index``: exclusive-mode lookups.
+- ``_calls``: worker calls a deadline can walk away from; ``_index``: the owner's lookups;
+  ``_ownership``: the folder's lock, and who owns or shares the folder.
 """
 
 from __future__ import annotations

@@ -27,16 +27,25 @@ from kvtier._settings import (
     parse_text,
     spec,
 )
+from kvtier.tiers.fs._ownership import Sharing
 
 __all__ = ["FSYNC_POLICIES", "FSConfig", "FSOverrides"]
 
 FSYNC_POLICIES = ("never", "data", "always")
 """What a store costs against what a crash of the machine can lose (see ``kvtier.tiers.fs``)."""
 
+
+def _parse_sharing(value: object, text: bool) -> Sharing:
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    return parse_bool(value, text)
+
+
 _SHARED = described(
-    parse_bool,
-    "true or false",
-    "True (other processes may write the folder) or False (only this process writes it)",
+    _parse_sharing,
+    '"auto", true or false',
+    '"auto" (the owner while no other process uses the folder), True (other processes write '
+    "it too) or False (only this process writes it)",
 )
 _DIRECT_IO = described(
     parse_bool, "true or false", "True (O_DIRECT where the file system takes it) or False"
@@ -64,8 +73,9 @@ class FSConfig(Section):
     # Worker threads reading (and checking) blocks, and writing them.
     max_concurrency: int = field(default=16, metadata=spec(parse_positive_int))
     max_write_concurrency: int = field(default=16, metadata=spec(parse_positive_int))
-    # False: only this process writes root, so lookups answer from the index without a stat.
-    shared: bool = field(default=True, metadata=spec(_SHARED))
+    # Who writes root (see ``_ownership``): "auto" owns it while no other process uses it, and
+    # an owner answers lookups from its index without a stat; True always checks the disk.
+    shared: Sharing = field(default="auto", metadata=spec(_SHARED))
     # Threads a deadline walked away from (a hung mount) that may still run; past it, fail fast.
     max_stuck_threads: int = field(default=32, metadata=spec(parse_positive_int))
     direct_io: bool = field(default=True, metadata=spec(_DIRECT_IO))
@@ -83,6 +93,6 @@ class FSOverrides(TypedDict, total=False):
     lookup_timeout: float
     max_concurrency: int
     max_write_concurrency: int
-    shared: bool
+    shared: Sharing
     max_stuck_threads: int
     direct_io: bool

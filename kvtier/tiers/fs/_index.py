@@ -71,9 +71,10 @@ class IndexLookups(LookupCounts, AsyncResource):
         return self._miss(MissReason.NOT_FOUND)
 
     def record(self, key: bytes, present: bool, reason: MissReason = MissReason.NOT_FOUND) -> None:
-        """A store landed (``present``), or an operation on ``key`` failed with ``reason``.
-        Absence itself needs no memory (the index says it), only failures of a held key."""
-        if present or reason in (MissReason.NOT_FOUND, MissReason.EVICTED):
+        """A store landed (``present``), or ``key`` is gone or failed with ``reason``. Absence
+        itself needs no memory (the index says it); failures of a held key do, and so does an
+        eviction, so that its misses say ``evicted`` for ``miss_ttl``, as a shared folder's."""
+        if present or reason is MissReason.NOT_FOUND:
             self._failed.forget(key)
             return
         self._failed.set(key, code_of(reason), self._miss_ttl)

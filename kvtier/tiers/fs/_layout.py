@@ -80,7 +80,7 @@ BLOCK_FORMATS = (FORMAT_VERSION, ALIGNED_FORMAT_VERSION)
 # is removed once it is this old: no store takes anywhere near an hour.
 STALE_TMP_SECONDS = 3600.0
 TMP_PREFIX = ".tmp-"
-_OWN_PREFIX = ".kvtier-fs"  # the marker's temporary file and the O_DIRECT probe
+_OWN_PREFIX = ".kvtier-fs"  # the marker's temporary file, the lock and the O_DIRECT probe
 _SHARD = re.compile(r"[0-9a-f]{2}")
 _NAME = re.compile(r"[0-9a-f]{2,200}|h[0-9a-f]{64}")
 _MAX_HEX_KEY = 100  # longer keys are named by a hash so a file name stays under NAME_MAX

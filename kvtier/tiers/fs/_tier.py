@@ -11,7 +11,9 @@ shared folder, ``_index.IndexLookups`` for an exclusive one). Batches are ``_bat
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import os
 import time
 from collections.abc import Sequence
@@ -39,10 +41,13 @@ from kvtier.tiers.fs._calls import Abandoned, Handoff, OnLate, Stuck
 from kvtier.tiers.fs._catalog import Catalog, Reservation
 from kvtier.tiers.fs._config import FSConfig, FSOverrides
 from kvtier.tiers.fs._index import IndexLookups
-from kvtier.tiers.fs._layout import IncompatibleRoot, marker_for, name_of
+from kvtier.tiers.fs._layout import Entry, IncompatibleRoot, marker_for, name_of
 from kvtier.tiers.fs._ledger import Ledger
+from kvtier.tiers.fs._ownership import Claim, FolderBusy, claim
 
 __all__ = ["FSTier"]
+
+logger = logging.getLogger("kvtier.tiers.fs")
 
 
 class FSTier(SecondaryTier):
@@ -73,17 +78,24 @@ class FSTier(SecondaryTier):
         self._marker = marker_for(self.integrity_key)
         self._files = BlockFiles(self.root, settings, self.integrity_key)
         self._catalog: Catalog[anyio.Event] = Catalog(settings.capacity_bytes)
-        self._lookups = self._new_lookups(settings)
+        self._claim: Claim | None = None  # the folder's lock, while open
+        self._lookups = self._new_lookups(owner=settings.shared is False)
         self._ledger = Ledger(
             self.name, self._catalog, self._lookups, self.notify, self.integrity_key
         )
 
-    def _new_lookups(self, settings: FSConfig) -> AsyncLookupManager | IndexLookups:
+    def _new_lookups(self, *, owner: bool) -> AsyncLookupManager | IndexLookups:
         """A shared folder checks unknown keys in batches (another process may have written
-        them); an exclusive one answers from the catalog at once."""
-        if not settings.shared:
-            return IndexLookups(self._catalog.holds, miss_ttl=settings.miss_ttl)
-        return existence_checks(self, self.contains_many, settings, most=4)
+        them); the owner's answers from the catalog at once."""
+        if owner:
+            return IndexLookups(self._catalog.holds, miss_ttl=self.config.miss_ttl)
+        return existence_checks(self, self.contains_many, self.config, most=4)
+
+    @property
+    def owner(self) -> bool | None:
+        """Whether this tier is the folder's only writer and answers lookups from its index
+        (``shared``, see ``kvtier.tiers.fs._ownership``); None until it has opened its root."""
+        return None if self._claim is None else self._claim.owner
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -101,19 +113,27 @@ class FSTier(SecondaryTier):
         await self._lookups.__aenter__()
 
     async def aclose(self) -> None:
-        """Stop the existence checks. The blocks stay; opening again rescans the folder."""
+        """Stop the existence checks and let go of the folder. The blocks stay; opening again
+        rescans the folder."""
         await self._lookups.aclose()
         self._catalog.ready = False
+        claim, self._claim = self._claim, None
+        if claim is not None:
+            with anyio.CancelScope(shield=True), contextlib.suppress(OSError, Stuck):
+                await self._files.calls.run(lambda _: claim.release(), limiter=self._files.reads)
 
     async def _prepare(self, *, raise_unavailable: bool) -> None:
         root, marker, files = self.root, self._marker, self._files
-        probe = self.direct_io
+        probe, sharing = self.direct_io, None if self._claim else self.shared
+
+        def prepare(_: Handoff) -> tuple[list[Entry], str | bool | None, Claim | None]:
+            entries = io.prepare_root(root, marker)
+            refused = probe and io.direct_refused(root)
+            return entries, refused, None if sharing is None else claim(root, sharing)
+
         try:
-            entries, refused = await files.calls.run(
-                lambda _: (io.prepare_root(root, marker), probe and io.direct_refused(root)),
-                limiter=files.reads,
-            )
-        except IncompatibleRoot as exc:
+            entries, refused, claimed = await files.calls.run(prepare, limiter=files.reads)
+        except (IncompatibleRoot, FolderBusy) as exc:
             raise InvalidArgumentError(str(exc)) from None
         except (OSError, Stuck) as exc:
             self._catalog.ready = False
@@ -128,7 +148,27 @@ class FSTier(SecondaryTier):
             self._ledger.warn(
                 "direct", "%s: %s: %s; through the page cache instead", self.name, root, refused
             )
+        if claimed is not None:
+            await self._take(claimed)
         self._catalog.reset((e.name, e.size) for e in entries)
+
+    async def _take(self, claimed: Claim) -> None:
+        """Answer lookups as the folder's owner or as one of its writers, as ``claimed`` says."""
+        self._claim = claimed
+        logger.info(
+            "%s: %s is %s: lookups %s",
+            self.name,
+            self.root,
+            claimed.why,
+            "answer from the index" if claimed.owner else "check the disk",
+        )
+        if claimed.owner == isinstance(self._lookups, IndexLookups):
+            return
+        old, new = self._lookups, self._new_lookups(owner=claimed.owner)
+        self._lookups = self._ledger.verdicts = new
+        if old.is_open:  # a tier that opened degraded, now taking its root at a store
+            await old.aclose()
+            await new.__aenter__()
 
     async def _prepare_for_store(self) -> None:
         await self._prepare(raise_unavailable=True)
@@ -316,6 +356,7 @@ class FSTier(SecondaryTier):
             capacity=self.capacity_bytes,
             fsync=self.fsync,
             shared=self.shared,
+            owner=self.owner,
             direct=files.direct,
             signed=self.integrity_key is not None,
             storing=len(catalog.storing),

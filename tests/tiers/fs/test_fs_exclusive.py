@@ -39,8 +39,8 @@ def stats(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     return calls
 
 
-def test_shared_must_be_a_bool(tmp_path: Path) -> None:
-    with pytest.raises(InvalidArgumentError, match="shared must be True"):
+def test_shared_must_be_auto_or_a_bool(tmp_path: Path) -> None:
+    with pytest.raises(InvalidArgumentError, match='shared must be "auto"'):
         FSTier(tmp_path, shared="no")  # type: ignore[arg-type]
 
 

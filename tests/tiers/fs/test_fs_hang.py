@@ -54,7 +54,7 @@ async def stored(root: Path, *indices: int) -> None:
 async def test_existence_check_misses_by_its_deadline(
     tmp_path: Path, hang: Hang, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    async with FSTier(tmp_path / "c", lookup_timeout=DEADLINE) as tier:
+    async with FSTier(tmp_path / "c", lookup_timeout=DEADLINE, shared=True) as tier:
         monkeypatch.setattr(_fs_io, "_stat", hang.wrap(os.stat))
         assert tier.lookup(key(1)) is LookupResult.RETRY
         started = time.perf_counter()
@@ -68,7 +68,13 @@ async def test_existence_check_misses_by_its_deadline(
 async def test_stuck_threads_are_bounded_then_checks_fail_at_once(
     tmp_path: Path, hang: Hang, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    tier = FSTier(tmp_path / "c", lookup_timeout=DEADLINE, lookup_batch_size=1, max_stuck_threads=2)
+    tier = FSTier(
+        tmp_path / "c",
+        lookup_timeout=DEADLINE,
+        lookup_batch_size=1,
+        max_stuck_threads=2,
+        shared=True,
+    )
     async with tier:
         monkeypatch.setattr(_fs_io, "_stat", hang.wrap(os.stat))
         for i in range(2):  # each check times out and leaves its thread in the hung call
@@ -203,7 +209,7 @@ async def test_a_stale_check_does_not_drop_a_newer_store(
         assert result is not None
         return result
 
-    async with FSTier(root, capacity_bytes=2 * FILE, lookup_timeout=30) as tier:
+    async with FSTier(root, capacity_bytes=2 * FILE, lookup_timeout=30, shared=True) as tier:
         monkeypatch.setattr(
             _fs_io,
             "_stat",

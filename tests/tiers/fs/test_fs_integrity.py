@@ -85,7 +85,8 @@ async def test_forged_blocks_are_corrupt_misses(
 ) -> None:
     caplog.set_level(logging.DEBUG)
     root = tmp_path / "c"
-    async with FSTier(root, integrity_key=SECRET) as tier:
+    # shared: the forgeries come from another writer of the folder
+    async with FSTier(root, integrity_key=SECRET, shared=True) as tier:
         await tier.store(key(1), memoryview(data(1)))
         good = block_file(root, key(1)).read_bytes()
         assert decode_header(good, integrity_key=IntegrityKey(SECRET)).flags & FLAG_MAC

@@ -1,0 +1,138 @@
+"""Who writes an FS tier's folder: a tier alone on its folder owns it and answers lookups from
+its index (no stat); a second opener joins as a shared writer or, with ``shared=False``, is
+refused; the lock dies with its process, kill -9 included."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.streams.buffered
+import pytest
+
+from kvtier._errors import InvalidArgumentError
+from kvtier._lookup import LookupResult
+from kvtier.testing._conformance import resolve_lookup
+from kvtier.tiers.fs import FSTier
+from kvtier.tiers.fs import _io as fs_io
+from kvtier.tiers.fs._ownership import LOCK_NAME
+from tests.support import fresh_keys, run_cli
+
+BLOCK = 4096
+
+HOLDER = """
+import sys, anyio
+from kvtier.tiers.fs import FSTier
+
+async def main() -> None:
+    async with FSTier(sys.argv[1]) as tier:
+        print(f"owner {tier.owner}", flush=True)
+        await anyio.sleep_forever()
+
+anyio.run(main)
+"""
+
+
+@pytest.fixture
+def stats(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Every existence check the FS tier makes on the disk."""
+    calls: list[Any] = []
+    real = fs_io._stat
+
+    def counted(path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
+        calls.append(path)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(fs_io, "_stat", counted)
+    return calls
+
+
+async def test_a_tier_alone_owns_its_folder_and_never_stats(
+    tmp_path: Path, stats: list[Any]
+) -> None:
+    stored, unknown = fresh_keys(2)
+    async with FSTier(tmp_path / "c") as tier:
+        assert tier.owner is True and tier.shared == "auto"
+        await tier.store(stored, memoryview(bytes(BLOCK)))
+        assert tier.lookup(stored) is LookupResult.HIT
+        assert tier.lookup(unknown) is LookupResult.MISS  # at once, never RETRY
+    assert stats == []
+    assert tier.owner is None  # let go at close
+
+
+async def test_a_second_opener_joins_as_a_shared_writer_or_is_refused(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    first_key, second_key, unknown = fresh_keys(3)
+    async with FSTier(root) as first:
+        await first.store(first_key, memoryview(bytes(BLOCK)))
+        with pytest.raises(InvalidArgumentError, match=f"{root} is in use by another process"):
+            await FSTier(root, shared=False).open()
+        async with FSTier(root) as second:
+            assert second.owner is False
+            assert second.lookup(unknown) is LookupResult.RETRY  # it checks the disk
+            assert await resolve_lookup(second, first_key) is LookupResult.HIT
+            await second.store(second_key, memoryview(bytes(BLOCK)))
+        # The owner does not see another writer's blocks (a lost hit, never wrong bytes).
+        assert first.lookup(second_key) is LookupResult.MISS
+    async with FSTier(root, shared=False) as third:  # the folder is free again
+        assert third.owner is True
+        assert third.lookup(second_key) is LookupResult.HIT  # rebuilt from the files
+
+
+async def test_shared_true_always_checks_and_keeps_others_from_owning(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    (unknown,) = fresh_keys(1)
+    async with FSTier(root, shared=True) as shared:
+        assert shared.owner is False
+        assert shared.lookup(unknown) is LookupResult.RETRY
+        async with FSTier(root) as auto:
+            assert auto.owner is False
+        with pytest.raises(InvalidArgumentError, match="shared=False needs the folder"):
+            await FSTier(root, shared=False).open()
+
+
+async def test_the_lock_dies_with_its_process(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    async with await anyio.open_process(
+        [sys.executable, "-c", HOLDER, str(root)], stdout=subprocess.PIPE
+    ) as holder:
+        assert holder.stdout is not None
+        lines = anyio.streams.buffered.BufferedByteReceiveStream(holder.stdout)
+        with anyio.fail_after(60):
+            assert await lines.receive_until(b"\n", 100) == b"owner True"
+        async with FSTier(root) as tier:
+            assert tier.owner is False
+        holder.send_signal(signal.SIGKILL)
+        assert await holder.wait() == -signal.SIGKILL
+    async with FSTier(root, shared=False) as tier:
+        assert tier.owner is True
+
+
+async def test_a_tier_that_opened_degraded_takes_its_folder_at_a_store(tmp_path: Path) -> None:
+    root = tmp_path / "mount" / "c"  # the mount point is not there yet
+    (key,) = fresh_keys(1)
+    async with FSTier(root) as tier:
+        assert tier.owner is None
+        assert tier.lookup(key) is not LookupResult.HIT
+        (tmp_path / "mount").mkdir()
+        await tier.store(key, memoryview(bytes(BLOCK)))
+        assert tier.owner is True
+        assert tier.lookup(key) is LookupResult.HIT
+
+
+async def test_the_lock_file_is_neither_a_block_nor_foreign(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    async with FSTier(root) as tier:
+        await tier.store(fresh_keys(1)[0], memoryview(bytes(BLOCK)))
+    assert (root / LOCK_NAME).exists()
+    async with FSTier(root) as tier:
+        assert tier.statistics().blocks == 1
+    code, out, err = run_cli("verify", str(root))
+    assert code == 0, out + err
+    code, out, err = run_cli("inspect", "--json", str(root))
+    assert code == 0 and '"blocks": 1' in out, out + err
