@@ -245,6 +245,14 @@ class FakeCuda:
             gate.release()
             self.cv.notify_all()
 
+    def release_all(self) -> None:
+        """Open every gate (a test's teardown, so a failed test cannot leave copies parked)."""
+        with self.cv:
+            for gate in self._holds:
+                gate.release()
+            self._holds.clear()
+            self.cv.notify_all()
+
     def fault(
         self, *, kind: int | None = None, skip: int = 0, message: str = "illegal address"
     ) -> None:

@@ -175,8 +175,15 @@ class CudaPool(PrimaryPool):
                 self._copies.statistics().operations_in_flight,
             )
             return
-        with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(self._free, limiter=anyio.CapacityLimiter(1))
+        # cudaFree waits for the whole device, the engine's streams included: bounded too.
+        freed = False
+        with anyio.move_on_after(2 * self._settle_timeout, shield=True):
+            await anyio.to_thread.run_sync(
+                self._free, abandon_on_cancel=True, limiter=anyio.CapacityLimiter(1)
+            )
+            freed = True
+        if not freed:
+            logger.warning("CudaPool on cuda:%d: freeing its memory did not finish", self.device)
 
     def _free(self) -> None:  # worker thread
         base, self._base = self._base, None

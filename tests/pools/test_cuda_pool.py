@@ -9,10 +9,12 @@ need the stand-in's gates or faults run on it alone; everything else runs on bot
 
 from __future__ import annotations
 
+import gc
 import os
 import pathlib
 import subprocess
 import sys
+import weakref
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -89,6 +91,8 @@ def _open(name: str) -> Cuda:
 async def _close(runtime: Cuda) -> None:
     """Close the runtime's pools; on the stand-in, check that no copy touched memory it must
     not (freed, foreign, or the wrong side of a copy)."""
+    if runtime.fake is not None:
+        runtime.fake.release_all()  # a failed test may have left copies parked
     for pool in runtime.pools:
         pool.table.check_invariants()
         await pool.aclose()
@@ -482,11 +486,20 @@ async def test_an_abandoned_device_copy_fences_the_engine_stream(
     gate = fake.hold(kind=fake.memcpyDeviceToDevice)
     await _cancel_when_parked(gate, pool.copy_out, [slot], [BlockBuffer(None, out)])
     assert pool.transfer_statistics().abandoned_copies == 1
-    fake.enqueue_write(engine, out.ptr, reused.tobytes())  # the engine reuses the memory
+    ptr, kept = out.ptr, weakref.ref(out)
+    del out
+    gc.collect()
+    assert kept() is not None  # the pool holds the engine's array until the copy lands
+    fake.enqueue_write(engine, ptr, reused.tobytes())  # the engine reuses the memory
     await _quiet(fake)
     fake.release(gate)
     await anyio.to_thread.run_sync(fake.streamSynchronize, engine)
-    assert out.read() == reused.tobytes()  # the abandoned copy landed first
+    assert fake.peek(ptr, BLOCK) == reused.tobytes()  # the abandoned copy landed first
+    # A later copy on the same stream completes after it: by then the array is let go.
+    [again] = cuda.device_blocks(np.zeros((1, BLOCK), np.uint8), stream=engine)
+    await pool.copy_out([slot], [BlockBuffer(None, again)])
+    gc.collect()
+    assert kept() is None
     pool.unpin(slot)
 
 
@@ -557,8 +570,17 @@ async def test_close_waits_for_an_operation_parked_in_a_sink(
     async with anyio.create_task_group() as tg:
         tg.start_soon(fill)
         await in_sink.wait()
-        tg.start_soon(pool.aclose)
-        await anyio.wait_all_tasks_blocked()
+        closed = anyio.Event()
+
+        async def close() -> None:
+            await pool.aclose()
+            closed.set()
+
+        tg.start_soon(close)
+        # A bound on something that must not happen: a correct pool never gets there.
+        with anyio.move_on_after(0.5):
+            await closed.wait()
+        assert not closed.is_set()
         assert fake.live_allocations() == allocations + 3  # nothing freed under the sink
         resume.set()
     assert len(failures) == 1
