@@ -44,7 +44,9 @@ class CudaRuntime(Protocol):
     streamNonBlocking: int
     eventBlockingSync: int
     eventDisableTiming: int
-    CUDARuntimeError: type[Exception]
+
+    @property
+    def CUDARuntimeError(self) -> type[Exception]: ...
 
     def getDeviceCount(self) -> int: ...
     def getDevice(self) -> int: ...

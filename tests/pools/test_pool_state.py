@@ -74,7 +74,7 @@ def test_pins_are_reference_counted() -> None:
     table = ready_table(1)
     a = table.pin(k(0))
     b = table.pin(k(0))
-    assert a == b and a is not None
+    assert a == b and a is not None and b is not None
     table.unpin(a)
     assert table.try_reserve(k(9)) is None  # still pinned once
     table.unpin(b)
