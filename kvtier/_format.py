@@ -8,13 +8,19 @@ network, so verifying every load costs little) plus a checksum of the header its
 **Integrity key (signed blocks).** xxh3 catches corruption, not forgery: anyone who can write
 to a shared folder or bucket can publish a well-formed block for any key. With an
 ``IntegrityKey`` (a secret every node sharing the tier sets), a block also carries a keyed
-BLAKE2b-256 MAC over its header and payload, and only blocks whose MAC verifies are served.
+MAC over its header and payload, and only blocks whose MAC verifies are served.
 How a signed block differs at rest (the decision, and why):
 
 - the header's ``flags`` has ``FLAG_MAC`` set and 32 bytes of MAC follow the header checksum,
   so a signed header is ``MAC_BYTES`` longer (``header_size(n, integrity_key=k)``). The format
   version stays 1: an unsigned block is byte for byte what it was, and the flag is covered by
   the header checksum and by the MAC, so stripping it is caught.
+- the MAC is keyed BLAKE3 (``FLAG_BLAKE3`` set too): it runs several times faster than
+  BLAKE2b on one core, so a signed load keeps up with an unsigned one. Blocks signed before it
+  (``FLAG_MAC`` alone: keyed BLAKE2b-256) still verify; the flags are covered by the MAC, so a
+  block cannot be moved from one MAC to the other. One thread per MAC: the tiers already hash
+  many blocks at once in their worker threads, and on a few cores BLAKE3's own threads were
+  slower for a block (docs/design.md has the figures).
 - a reader with a key refuses an unsigned block, and a signed block whose MAC does not verify
   (forged, or signed with another key): ``HeaderError``, which tiers turn into a ``corrupt``
   miss. A reader without a key refuses a signed block (it cannot tell a forgery), and a reader
@@ -43,12 +49,14 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import blake3
 import xxhash
 
 from kvtier._settings import Section, parse_secret, spec
 
 __all__ = [
     "ALIGNED_FORMAT_VERSION",
+    "FLAG_BLAKE3",
     "FLAG_MAC",
     "FORMAT_VERSION",
     "MAC_BYTES",
@@ -77,9 +85,10 @@ PAYLOAD_ALIGN = 4096
 _FIXED = struct.Struct("<4sHHHHQQ")
 _HEADER_SUM = struct.Struct("<Q")
 MAX_KEY_BYTES = 255
-FLAG_MAC = 0x0001  # a BLAKE2b-256 MAC under the tier's integrity key follows the header checksum
+FLAG_MAC = 0x0001  # a MAC under the tier's integrity key follows the header checksum
+FLAG_BLAKE3 = 0x0002  # with FLAG_MAC: that MAC is keyed BLAKE3 (alone: keyed BLAKE2b-256)
 MAC_BYTES = 32
-_KNOWN_FLAGS = FLAG_MAC
+_KNOWN_FLAGS = FLAG_MAC | FLAG_BLAKE3
 MIN_SECRET_BYTES = 16
 
 
@@ -91,12 +100,13 @@ class IntegrityKey:
     """The secret that signs and verifies blocks (see the module docstring).
 
     Built from a secret of at least 16 bytes (str or bytes; a str is UTF-8 encoded); the MAC
-    key is derived from it with BLAKE2b, so a secret of any length works. The secret is never
-    shown: not in ``repr``, not in error messages. ``key_id`` is a short public fingerprint
-    (a MAC of a constant), for telling keys apart in a folder marker without revealing them.
+    keys (one for BLAKE3, one for the BLAKE2b of older blocks) are derived from it with
+    BLAKE2b, so a secret of any length works. The secret is never shown: not in ``repr``, not
+    in error messages. ``key_id`` is a short public fingerprint (a MAC of a constant), for
+    telling keys apart in a folder marker without revealing them.
     """
 
-    __slots__ = ("_mac_key", "key_id")
+    __slots__ = ("_b3_key", "_mac_key", "key_id")
 
     def __init__(self, secret: str | bytes) -> None:
         if isinstance(secret, str):
@@ -112,19 +122,29 @@ class IntegrityKey:
                 "print(secrets.token_hex(32))'`"
             )
         self._mac_key = hashlib.blake2b(raw, digest_size=32, person=b"kvtier-mac-key").digest()
+        self._b3_key = hashlib.blake2b(raw, digest_size=32, person=b"kvtier-mac-b3").digest()
         self.key_id = hashlib.blake2b(
             b"key-id", key=self._mac_key, digest_size=8, person=b"kvtier-key-id"
         ).hexdigest()
 
-    def mac(self, signed: bytes | bytearray | memoryview, payload: object) -> bytes:
-        """The MAC of a block: its header (up to the header checksum) and its payload."""
-        h = self.hasher(signed)
-        h.update(payload)  # type: ignore[arg-type]
-        return h.digest()
+    def mac(
+        self, signed: bytes | bytearray | memoryview, payload: object, *, legacy: bool = False
+    ) -> bytes:
+        """The MAC of a block: its header (up to the header checksum) and its payload; keyed
+        BLAKE3, or with ``legacy`` the keyed BLAKE2b of blocks signed before it."""
+        h = self.hasher(signed, legacy=legacy)
+        h.update(payload)
+        digest: bytes = h.digest()
+        return digest
 
-    def hasher(self, signed: bytes | bytearray | memoryview) -> hashlib.blake2b:
+    def hasher(self, signed: bytes | bytearray | memoryview, *, legacy: bool = False) -> Any:
         """A MAC in progress over ``signed``; feed it the payload, then take ``digest()``."""
-        h = hashlib.blake2b(key=self._mac_key, digest_size=MAC_BYTES, person=b"kvtier-block")
+        if legacy:
+            h: Any = hashlib.blake2b(
+                key=self._mac_key, digest_size=MAC_BYTES, person=b"kvtier-block"
+            )
+        else:
+            h = blake3.blake3(key=self._b3_key)
         h.update(signed)
         return h
 
@@ -197,13 +217,15 @@ def encode_header(
     *,
     integrity_key: IntegrityKey | None = None,
     version: int = FORMAT_VERSION,
+    legacy_mac: bool = False,
 ) -> bytes:
     """Header bytes for ``payload`` stored under ``key``; signed when ``integrity_key`` is set.
-    For ``ALIGNED_FORMAT_VERSION`` the caller pads the header to ``payload_offset``."""
+    For ``ALIGNED_FORMAT_VERSION`` the caller pads the header to ``payload_offset``.
+    ``legacy_mac`` signs with BLAKE2b as kvtier did before BLAKE3 (to make old blocks)."""
     if not 0 < len(key) <= MAX_KEY_BYTES:
         raise ValueError(f"key must be 1 to {MAX_KEY_BYTES} bytes")
     if integrity_key is not None:
-        flags |= FLAG_MAC
+        flags |= FLAG_MAC if legacy_mac else FLAG_MAC | FLAG_BLAKE3
     fixed = _FIXED.pack(
         MAGIC, version, flags, len(key), 0, memoryview(payload).nbytes, checksum(payload)
     )
@@ -211,7 +233,7 @@ def encode_header(
     head = body + _HEADER_SUM.pack(xxhash.xxh3_64_intdigest(body))
     if integrity_key is None:
         return head
-    return head + integrity_key.mac(body, payload)
+    return head + integrity_key.mac(body, payload, legacy=legacy_mac)
 
 
 def decode_header(
@@ -241,7 +263,7 @@ def decode_header(
     (stored_sum,) = _HEADER_SUM.unpack_from(view, end)
     if xxhash.xxh3_64_intdigest(view[:end]) != stored_sum:
         raise HeaderError("header checksum mismatch")
-    if flags & ~_KNOWN_FLAGS:
+    if flags & ~_KNOWN_FLAGS or flags & (FLAG_MAC | FLAG_BLAKE3) == FLAG_BLAKE3:
         raise HeaderError(f"unknown header flags {flags:#06x}")
     mac = b""
     if flags & FLAG_MAC:
@@ -282,7 +304,9 @@ class PayloadCheck:
         self._header = header
         self._keyed = integrity_key is not None
         self._hasher: Any = (
-            xxhash.xxh3_64() if integrity_key is None else integrity_key.hasher(header.signed)
+            xxhash.xxh3_64()
+            if integrity_key is None
+            else integrity_key.hasher(header.signed, legacy=not header.flags & FLAG_BLAKE3)
         )
         self._seen = 0
 

@@ -70,6 +70,8 @@ __all__ = [
 ]
 
 LAYOUT_VERSION = 1
+MAC_NAME = "blake3"  # what a signed folder's marker names (blocks signed before: BLAKE2b)
+LEGACY_MAC_NAME = "blake2b-256"
 MARKER_NAME = "kvtier-fs.json"
 MARKER = {"format": "kvtier-fs", "layout": LAYOUT_VERSION, "block_format": ALIGNED_FORMAT_VERSION}
 # Block formats a folder may hold: a folder marked with the older one is read as it is and its
@@ -342,7 +344,21 @@ def marker_for(integrity_key: IntegrityKey | None) -> dict[str, object]:
     removing the blocks its peers wrote."""
     if integrity_key is None:
         return dict(MARKER)
-    return {**MARKER, "integrity": {"mac": "blake2b-256", "key_id": integrity_key.key_id}}
+    return {**MARKER, "integrity": {"mac": MAC_NAME, "key_id": integrity_key.key_id}}
+
+
+def _moved_up(found: dict[str, object]) -> dict[str, object]:
+    """What an older marker reads as now: a folder of the older block format, or one signed
+    with BLAKE2b (still verified), is read as it is and its marker moved up at open, so an
+    older kvtier, which can read neither the new blocks nor their MAC, refuses the folder
+    instead of removing them as corrupt."""
+    moved = {**found}
+    if moved.get("block_format") == FORMAT_VERSION:
+        moved["block_format"] = ALIGNED_FORMAT_VERSION
+    signed = moved.get("integrity")
+    if isinstance(signed, dict) and signed.get("mac") == LEGACY_MAC_NAME:
+        moved["integrity"] = {**signed, "mac": MAC_NAME}
+    return moved
 
 
 def read_marker(root: Path) -> bytes:
@@ -371,8 +387,8 @@ def check_marker(root: Path, expected: dict[str, object]) -> None:
         found = json.loads(raw)
     except ValueError:
         found = None
-    if isinstance(found, dict) and found == {**expected, "block_format": FORMAT_VERSION}:
-        _write_marker(root, expected)  # a folder of the older block format, moved up
+    if isinstance(found, dict) and found != expected and _moved_up(found) == expected:
+        _write_marker(root, expected)  # an older block format or MAC, moved up
         return
     if found != expected:
         if isinstance(found, dict) and {**found, "integrity": None} == {

@@ -63,7 +63,7 @@ def build_object(
     a client disconnects before sending any byte of the body (a cancelled store), and
     rejects it when the checksum header is there. About a millisecond per MiB in all, so
     the tier runs this in a worker thread for large blocks. With ``integrity_key`` the header
-    is signed (one BLAKE2b pass more).
+    is signed (one BLAKE3 pass more).
     """
     header = encode_header(key, payload, integrity_key=integrity_key)
     body = b"".join((header, payload))
@@ -87,7 +87,8 @@ def is_signed(head: bytes | bytearray) -> bool:
     return (
         len(head) >= 8
         and bytes(head[:4]) == MAGIC
-        and struct.unpack_from("<HH", head, 4) == (FORMAT_VERSION, FLAG_MAC)
+        and struct.unpack_from("<H", head, 4)[0] == FORMAT_VERSION
+        and struct.unpack_from("<H", head, 6)[0] & FLAG_MAC != 0
     )
 
 

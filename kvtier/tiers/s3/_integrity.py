@@ -4,9 +4,12 @@ With an integrity key (``kvtier._format``) every block an S3 tier stores carries
 a block that does not verify is a ``corrupt`` miss, which the tier deletes. A node with no key,
 or with another key, would therefore call every block its peers wrote corrupt and delete it.
 So a prefix whose blocks are signed says so in one small object,
-``<prefix>/_kvtier_integrity.json`` = ``{"mac": "blake2b-256", "key_id": <public fingerprint>}``,
+``<prefix>/_kvtier_integrity.json`` = ``{"mac": "blake3", "key_id": <public fingerprint>}``,
 and every tier checks it when it opens:
 
+- a marker that says ``"blake2b-256"`` (blocks signed before kvtier moved to BLAKE3; they still
+  verify) is rewritten as ``"blake3"`` by the first signing tier that opens the prefix, so a
+  kvtier that knows only BLAKE2b refuses the prefix instead of deleting the new blocks;
 - a tier with a key whose ``key_id`` differs from the marker's refuses to open;
 - a tier without a key refuses a prefix that has a marker;
 - a tier with a key over a prefix with no marker creates it, with a conditional put
@@ -57,7 +60,8 @@ __all__ = [
 ]
 
 MARKER_NAME = "_kvtier_integrity.json"
-MAC_NAME = "blake2b-256"
+MAC_NAME = "blake3"
+LEGACY_MAC_NAME = "blake2b-256"
 _SHARD = re.compile(r"[0-9a-f]{2}/")
 
 
@@ -78,7 +82,7 @@ def marker_problem(found: bytes, integrity_key: IntegrityKey | None, where: str)
         marker = None
     if (
         not isinstance(marker, dict)
-        or marker.get("mac") != MAC_NAME
+        or marker.get("mac") not in (MAC_NAME, LEGACY_MAC_NAME)
         or not isinstance(marker.get("key_id"), str)
     ):
         return (
@@ -151,6 +155,10 @@ async def check_marker(
     found = await get()
     if found is not None:
         settle(found)
+        if integrity_key is not None and json.loads(found)["mac"] == LEGACY_MAC_NAME:
+            # Signed with BLAKE2b before: the same key says BLAKE3 from now on.
+            put = functools.partial(client.put_object, Bucket=bucket, Key=name)
+            await call("open", None, functools.partial(put, Body=marker_body(integrity_key)))
         return conditional_put
     if integrity_key is None:
         return conditional_put

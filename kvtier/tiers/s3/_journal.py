@@ -10,9 +10,10 @@ time ``lookback`` seconds ago) and fetches those it has not read yet. A segment 
 ``MAGIC, u32 count, count x (u16 length, key), xxh3-64 of all before``; when any key was
 stored in a pack (``_pack``), the magic is ``KVJ2`` and each key is followed by its pack's
 name (``u16 length, name``; empty for a key stored as its own object) and the section's
-``u64 offset, u64 length``. A tier with an integrity key writes ``KVJ3``: the ``KVJ2`` layout
-with a keyed BLAKE2b MAC (``IntegrityKey.mac`` over the segment and the journal folder's name,
-so a segment copied from another prefix does not verify) in place of the xxh3 digest.
+``u64 offset, u64 length``. A tier with an integrity key writes ``KVJ4``: the ``KVJ2`` layout
+with a keyed BLAKE3 MAC (``IntegrityKey.mac`` over the segment and the journal folder's name,
+so a segment copied from another prefix does not verify) in place of the xxh3 digest. It
+still reads ``KVJ3``, the same with the keyed BLAKE2b of kvtier before BLAKE3.
 
 A segment is untrusted input, read from a bucket others can write:
 
@@ -64,7 +65,9 @@ __all__ = [
 JOURNAL_DIR = "_kvtier_journal"
 MAGIC = b"KVJ1"
 MAGIC_PACKS = b"KVJ2"  # each key also names its pack section (or none: its own object)
-MAGIC_SIGNED = b"KVJ3"  # the KVJ2 layout, authenticated with the integrity key
+MAGIC_SIGNED = b"KVJ4"  # the KVJ2 layout, authenticated with the integrity key (BLAKE3)
+MAGIC_SIGNED_LEGACY = b"KVJ3"  # the same, authenticated with keyed BLAKE2b (still read)
+_SIGNED = (MAGIC_SIGNED, MAGIC_SIGNED_LEGACY)
 # A writer puts at most this many keys in one segment (the rest wait for the next one), so a
 # segment a reader accepts is bounded, and a PUT that keeps failing re-sends a bounded one.
 MAX_SEGMENT_ENTRIES = 16384
@@ -121,8 +124,8 @@ def max_segment_bytes(prefix: str) -> int:
     return len(MAGIC) + _COUNT.size + MAX_SEGMENT_ENTRIES * entry + MAC_BYTES
 
 
-def _mac(body: bytes, prefix: str, integrity_key: IntegrityKey) -> bytes:
-    return integrity_key.mac(body, journal_prefix(prefix).encode())
+def _mac(body: bytes, prefix: str, integrity_key: IntegrityKey, legacy: bool = False) -> bytes:
+    return integrity_key.mac(body, journal_prefix(prefix).encode(), legacy=legacy)
 
 
 def encode_segment(
@@ -133,7 +136,7 @@ def encode_segment(
 ) -> bytes:
     """A segment of ``(key, location)`` entries (at most ``MAX_SEGMENT_ENTRIES``); version 1
     (keys only) when no key is in a pack and nothing is signed, so a writer that packs
-    nothing stays readable by kvtier before packs; signed (``KVJ3``) with ``integrity_key``."""
+    nothing stays readable by kvtier before packs; signed (``KVJ4``) with ``integrity_key``."""
     if len(entries) > MAX_SEGMENT_ENTRIES:
         raise ValueError(f"a segment holds at most {MAX_SEGMENT_ENTRIES} entries")
     signed = integrity_key is not None
@@ -156,10 +159,10 @@ def encode_segment(
 def _authentic_body(data: bytes, prefix: str, integrity_key: IntegrityKey | None) -> bytes:
     """The segment without its digest or MAC, once that verifies; else SegmentError."""
     magic = data[:4]
-    if magic not in (MAGIC, MAGIC_PACKS, MAGIC_SIGNED):
+    if magic not in (MAGIC, MAGIC_PACKS, *_SIGNED):
         raise SegmentError("not a kvtier journal segment")
     if integrity_key is None:
-        if magic == MAGIC_SIGNED:
+        if magic in _SIGNED:
             raise SegmentError("signed journal segment, and this tier has no integrity key")
         if len(data) < len(MAGIC) + _COUNT.size + _SUM.size:
             raise SegmentError("journal segment truncated")
@@ -167,12 +170,13 @@ def _authentic_body(data: bytes, prefix: str, integrity_key: IntegrityKey | None
         if xxhash.xxh3_64_intdigest(body) != digest:
             raise SegmentError("journal segment checksum mismatch")
         return body
-    if magic != MAGIC_SIGNED:
+    if magic not in _SIGNED:
         raise SegmentError("unsigned journal segment under a signing tier")
     if len(data) < len(MAGIC) + _COUNT.size + MAC_BYTES:
         raise SegmentError("journal segment truncated")
     body, mac = data[:-MAC_BYTES], data[-MAC_BYTES:]
-    if not hmac.compare_digest(_mac(body, prefix, integrity_key), mac):
+    legacy = magic == MAGIC_SIGNED_LEGACY
+    if not hmac.compare_digest(_mac(body, prefix, integrity_key, legacy), mac):
         raise SegmentError("journal segment MAC does not verify under this tier's key")
     return body
 

@@ -17,6 +17,7 @@ import xxhash
 from kvtier._config import KVTierConfig
 from kvtier._errors import CorruptBlockError, InvalidArgumentError
 from kvtier._format import (
+    FLAG_BLAKE3,
     FLAG_MAC,
     MAC_BYTES,
     HeaderError,
@@ -60,7 +61,7 @@ def test_signed_header_round_trip_and_refusals() -> None:
         decode_header(encode_header(k, payload), integrity_key=ikey)
     # A signed block with its flag stripped (header checksum recomputed) is unsigned: refused.
     raw = bytearray(head[: header_size(len(k))])
-    raw[6] &= ~FLAG_MAC & 0xFF
+    raw[6] &= ~(FLAG_MAC | FLAG_BLAKE3) & 0xFF
     body_end = len(raw) - 8
     raw[body_end:] = xxhash.xxh3_64_intdigest(bytes(raw[:body_end])).to_bytes(8, "little")
     with pytest.raises(HeaderError, match="not signed"):

@@ -108,7 +108,7 @@ async def test_signed_round_trip_and_two_tiers_share(
         texts = [repr(a), repr(a.statistics()), repr(a.integrity_key), repr(a.config)]
     marker = await _get(weed_server.endpoint_url, marker_key(prefix))
     assert marker is not None
-    assert json.loads(marker) == {"mac": "blake2b-256", "key_id": IntegrityKey(SECRET).key_id}
+    assert json.loads(marker) == {"mac": "blake3", "key_id": IntegrityKey(SECRET).key_id}
     # Another node with the same key (given as an IntegrityKey this time) reads them all; its
     # listing at open indexes the blocks and not the marker.
     async with make_tier(integrity_key=IntegrityKey(SECRET), name="b") as b:

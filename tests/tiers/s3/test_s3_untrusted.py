@@ -214,7 +214,7 @@ def test_signed_segments_verify_only_under_their_key_and_prefix() -> None:
         (os.urandom(16), Location(pack, 400, 4200)),
     ]
     signed = encode_segment(entries, "p", integrity_key=key)
-    assert signed[:4] == b"KVJ3"
+    assert signed[:4] == b"KVJ4"
     assert decode_segment(signed, "p", integrity_key=key) == (entries, 0)
     flipped = bytearray(signed)
     flipped[12] ^= 1
