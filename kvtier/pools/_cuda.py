@@ -12,8 +12,9 @@ as HostPool's (it lives in ``PrimaryPool``). Only the data movement differs, and
   buffers (torch CUDA tensors, CuPy arrays), ordered after the engine's stream; host buffers
   go through staging, pipelined in chunks.
 
-Staging buffers are a bounded pool per direction (``staging_buffers`` each way), so a slow tier
-write-through can never starve promotions. The event loop never blocks: copies are enqueued
+Staging buffers are a bounded pool per use (``staging_buffers`` each for promotions,
+write-throughs and engine copies of host buffers), so a slow tier write-through can never
+starve promotions or hold up an engine load. The event loop never blocks: copies are enqueued
 asynchronously and a waiter thread per stream tells the loop when they finished
 (``kvtier.pools._cuda_stream``); no Python runs on a CUDA driver thread.
 
@@ -54,8 +55,8 @@ logger = logging.getLogger(__name__)
 class CudaPool(PrimaryPool):
     """``num_blocks`` slots of ``block_bytes`` in one allocation on CUDA ``device``.
 
-    ``staging_buffers``: pinned host buffers per direction (promotions and engine stores from
-    host memory use one set, write-through and engine loads into host memory the other).
+    ``staging_buffers``: pinned host buffers per use (promotions, write-throughs, and engine
+    stores and loads of host buffers each have a set).
     ``engine_stream``: the engine's stream (torch/CuPy stream, ``__cuda_stream__`` object or
     raw handle) to order GPU-buffer copies after; by default each buffer's library's current
     stream on the calling thread. The object is kept for the pool's life. ``copy_timeout``:
@@ -204,8 +205,8 @@ class CudaPool(PrimaryPool):
         t = self.transfer_statistics()
         return (
             f"{super().__repr__()[:-1]} device=cuda:{self.device} "
-            f"staging_free={t.upload_staging_free}+{t.download_staging_free}/"
-            f"{self.staging_buffers}x2 in_flight={t.operations_in_flight}"
+            f"staging_free={t.upload_staging_free}+{t.download_staging_free}+"
+            f"{t.engine_staging_free}/{self.staging_buffers}x3 in_flight={t.operations_in_flight}"
             f"{' closed' if self._closed else ''}>"
         )
 

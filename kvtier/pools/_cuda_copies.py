@@ -11,7 +11,8 @@ numbers here:
   the tier reads the staging buffer;
 - engine store/load (``copy``): device-to-device on the peer stream for GPU buffers (torch
   CUDA tensors, CuPy arrays), ordered after the engine's stream; host buffers go through
-  staging, pipelined in chunks.
+  staging buffers of their own (so write-throughs parked on a slow tier never stall an
+  engine load), pipelined in chunks.
 
 The rules that keep a DMA from ever touching memory someone else owns:
 
@@ -66,6 +67,7 @@ class TransferStatistics:
     staging_buffers: int
     upload_staging_free: int
     download_staging_free: int
+    engine_staging_free: int
     staging_waits: int
     bytes_to_device: int
     bytes_to_host: int
@@ -134,6 +136,7 @@ class SlotCopies:
             self._order = runtime.eventCreateWithFlags(runtime.eventDisableTiming)
             self._upload_staging = self._pinned(staging_buffers)
             self._download_staging = self._pinned(staging_buffers)
+            self._engine_staging = self._pinned(staging_buffers)
         except BaseException:
             self.release()
             raise
@@ -401,7 +404,7 @@ class SlotCopies:
         """Host buffers through pinned staging, in chunks of half the staging pool so the
         host memcpy of one chunk overlaps the DMA of the previous one."""
         lane = self._upload if to_pool else self._download
-        staging = self._upload_staging if to_pool else self._download_staging
+        staging = self._engine_staging
         kind = self._rt.memcpyHostToDevice if to_pool else self._rt.memcpyDeviceToHost
         chunk = max(1, staging.count // 2)
         pending: deque[_Batch] = deque()
@@ -494,7 +497,8 @@ class SlotCopies:
             staging_buffers=self.staging_buffers,
             upload_staging_free=self._upload_staging.available,
             download_staging_free=self._download_staging.available,
-            staging_waits=self._upload_staging.waits + self._download_staging.waits,
+            engine_staging_free=self._engine_staging.available,
+            staging_waits=sum(staging.waits for staging in self._staging),
             bytes_to_device=self._to_device,
             bytes_to_host=self._to_host,
             bytes_device_to_device=self._peer_bytes,

@@ -168,10 +168,8 @@ def _all_staging_free(pool: PrimaryPool) -> bool:
     if not isinstance(pool, CudaPool):
         return True
     stats = pool.transfer_statistics()
-    return (stats.upload_staging_free, stats.download_staging_free) == (
-        pool.staging_buffers,
-        pool.staging_buffers,
-    )
+    free = (stats.upload_staging_free, stats.download_staging_free, stats.engine_staging_free)
+    return free == (pool.staging_buffers,) * 3
 
 
 async def _until(event: Any) -> None:
@@ -342,6 +340,37 @@ async def test_promotions_wait_for_a_staging_buffer_instead_of_allocating(
     assert pool.transfer_statistics().upload_staging_free == 1
 
 
+async def test_write_throughs_parked_on_a_slow_tier_do_not_stall_engine_copies(
+    cuda: Cuda, keys: list[bytes]
+) -> None:
+    """Every download staging buffer is held by a write-through whose tier is stuck; an
+    engine load into host memory still runs (it has staging of its own)."""
+    pool = cuda.pool(4, staging_buffers=2)
+    data = _blocks(3)
+    slots = [_reserve(pool, k) for k in keys[:3]]
+    await pool.copy_in(slots, [BlockBuffer(row.data) for row in data])
+    for slot in slots:
+        pool.commit(slot)
+    parked, release = 0, anyio.Event()
+    both_parked = anyio.Event()
+
+    async def slow_tier(view: memoryview) -> None:
+        nonlocal parked
+        parked += 1
+        if parked == 2:
+            both_parked.set()
+        await release.wait()
+
+    async with anyio.create_task_group() as tg:
+        for slot in slots[:2]:
+            tg.start_soon(pool.drain, slot, slow_tier)
+        await both_parked.wait()
+        assert pool.transfer_statistics().download_staging_free == 0
+        assert np.array_equal(await _read_back(pool, slots), data)
+        release.set()
+    assert _all_staging_free(pool)
+
+
 async def test_slot_bytes_land_in_device_memory(cuda: Cuda, keys: list[bytes]) -> None:
     pool = cuda.pool(2)
     data = _blocks(1)[0]
@@ -412,7 +441,7 @@ async def test_closed_cuda_pool_refuses_copies(cuda: Cuda, keys: list[bytes]) ->
 async def test_close_frees_device_memory_pinned_staging_and_streams(fake: FakeCuda) -> None:
     allocations, streams = fake.live_allocations(), fake.live_streams()
     pool = CudaPool(4, BLOCK, runtime=fake)
-    assert fake.live_allocations() == allocations + 3  # slots, two staging sets
+    assert fake.live_allocations() == allocations + 4  # slots, three staging sets
     assert fake.live_streams() == streams + 3
     await pool.aclose()
     assert (fake.live_allocations(), fake.live_streams()) == (allocations, streams)
@@ -581,7 +610,7 @@ async def test_close_waits_for_an_operation_parked_in_a_sink(
         with anyio.move_on_after(0.5):
             await closed.wait()
         assert not closed.is_set()
-        assert fake.live_allocations() == allocations + 3  # nothing freed under the sink
+        assert fake.live_allocations() == allocations + 4  # nothing freed under the sink
         resume.set()
     assert len(failures) == 1
     assert fake.calls.get("memcpyAsync", 0) == 0
@@ -600,7 +629,7 @@ async def test_close_keeps_memory_a_wedged_copy_may_touch(
         tg.start_soon(pool.copy_in, [slot], [BlockBuffer(_blocks(1)[0].data)])
         await _until(gate.reached)
         await pool.aclose()  # gives up after settle_timeout: the copy is still queued
-        assert fake.live_allocations() == allocations + 3
+        assert fake.live_allocations() == allocations + 4
         fake.release(gate)
     pool.abort(slot)
 
@@ -629,7 +658,7 @@ async def test_an_enqueue_error_releases_staging_only_after_the_copy_landed(
         await _until(gate.reached)
         await _quiet(fake)
         assert failures == []
-        assert pool.transfer_statistics().upload_staging_free == 2  # the DMA may still run
+        assert pool.transfer_statistics().engine_staging_free == 2  # the DMA may still run
         fake.release(gate)
     assert len(failures) == 1 and "refused" in str(failures[0])
     assert _all_staging_free(pool)
