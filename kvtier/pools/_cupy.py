@@ -13,6 +13,8 @@ GPU.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from importlib import metadata
 from typing import Any, Protocol
 
 from kvtier._errors import ExtraNotInstalledError, KVTierError
@@ -21,6 +23,7 @@ __all__ = [
     "CudaRuntime",
     "CudaUnavailableError",
     "cuda_available",
+    "cupy_packages",
     "cupy_runtime",
     "device_count",
     "import_cupy",
@@ -68,8 +71,27 @@ class CudaRuntime(Protocol):
     def pointerGetAttributes(self, ptr: int) -> Any: ...
 
 
+def cupy_packages(names: Iterable[str]) -> list[str]:
+    """The CuPy builds among installed distribution ``names`` (``cupy``, ``cupy-cuda12x``,
+    ``cupy-cuda13x``, ``cupy-rocm-*``), sorted."""
+    found = set()
+    for name in names:
+        normal = name.lower().replace("_", "-")
+        if normal == "cupy" or normal.startswith(("cupy-cuda", "cupy-rocm")):
+            found.add(normal)
+    return sorted(found)
+
+
 def import_cupy() -> Any:
-    """The cupy module, or an error that names the extra to install."""
+    """The cupy module, or an error that names the extra to install (or, when two CuPy
+    builds are installed, which would make CuPy warn at import and misbehave, which to
+    remove)."""
+    installed = cupy_packages(d.metadata["Name"] or "" for d in metadata.distributions())
+    if len(installed) > 1:
+        raise CudaUnavailableError(
+            f"several CuPy packages are installed ({', '.join(installed)}); the extras "
+            "kvtier[cuda] and kvtier[cuda13] exclude each other: uninstall all but one"
+        )
     try:
         import cupy
     except ImportError as exc:
@@ -105,6 +127,8 @@ def cuda_available() -> tuple[bool, str]:
         runtime = cupy_runtime()
     except ExtraNotInstalledError:
         return False, "no CUDA GPU: cupy not installed"
+    except CudaUnavailableError as exc:
+        return False, str(exc)
     try:
         count = device_count(runtime)
     except CudaUnavailableError as exc:

@@ -36,7 +36,12 @@ from kvtier import (
 from kvtier._buffers import BlockBuffer
 from kvtier.pools._base import PrimaryPool
 from kvtier.pools._cuda import CudaPool
-from kvtier.pools._cupy import CudaUnavailableError, cuda_available, cupy_runtime
+from kvtier.pools._cupy import (
+    CudaUnavailableError,
+    cuda_available,
+    cupy_packages,
+    cupy_runtime,
+)
 from kvtier.pools._host import HostPool
 from kvtier.tiers._memory import MemoryTier
 
@@ -829,6 +834,14 @@ def test_cuda_pool_without_a_gpu_says_why() -> None:
     else:
         assert "no CUDA device visible" in message
         assert "HostPool" in message
+
+
+def test_two_cupy_builds_are_refused_before_cupy_warns() -> None:
+    assert cupy_packages(["numpy", "cupy-cuda12x", "cupy_cuda13x", "anyio"]) == [
+        "cupy-cuda12x",
+        "cupy-cuda13x",
+    ]
+    assert cupy_packages(["cupy-cuda12x", "fastrlock"]) == ["cupy-cuda12x"]
 
 
 def test_import_kvtier_and_host_pool_need_no_cupy() -> None:
