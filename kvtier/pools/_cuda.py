@@ -42,7 +42,7 @@ from kvtier._buffers import BlockBuffer
 from kvtier._errors import InvalidArgumentError, LifecycleError
 from kvtier._settings import positive_number
 from kvtier.pools._base import ByteSink, ByteSource, PrimaryPool
-from kvtier.pools._cuda_copies import SlotCopies, TransferStatistics
+from kvtier.pools._cuda_copies import BatchSink, SlotCopies, TransferStatistics
 from kvtier.pools._cupy import CudaRuntime, cupy_runtime, device_count
 from kvtier.pools._device import stream_device, stream_handle
 from kvtier.pools._policy import EvictionPolicy
@@ -144,6 +144,12 @@ class CudaPool(PrimaryPool):
         """The tier writes into a pinned staging buffer; one host-to-device copy follows."""
         self._check_open()
         await self._copies.fill(slot, sink)
+
+    async def fill_many(self, slots: Sequence[int], sink: BatchSink) -> Sequence[Exception | None]:
+        """One tier call writes every slot: staging buffers as far as they go, the rest
+        through host memory and the same buffers after."""
+        self._check_open()
+        return await self._copies.fill_many(slots, sink)
 
     async def drain(self, slot: int, source: ByteSource) -> None:
         """Device-to-host into a staging buffer, then the tier reads the staging buffer."""

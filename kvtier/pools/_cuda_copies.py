@@ -31,7 +31,7 @@ import contextlib
 import functools
 import logging
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,7 +51,10 @@ from kvtier.pools._device import (
     stream_handle,
 )
 
-__all__ = ["SlotCopies", "TransferStatistics"]
+__all__ = ["BatchSink", "SlotCopies", "TransferStatistics"]
+
+BatchSink = Callable[[Sequence[memoryview]], Awaitable[Sequence[Exception | None]]]
+"""Fills the views it is given, each on its own: per view, None or why it failed."""
 
 logger = logging.getLogger(__name__)
 
@@ -313,6 +316,45 @@ class SlotCopies:
             finally:
                 await self._settle(done, self._upload, [slot], self._upload_staging, buffers)
 
+    async def fill_many(self, slots: Sequence[int], sink: BatchSink) -> Sequence[Exception | None]:
+        """One ``sink`` call writes every slot's bytes (a tier's batch load): into upload
+        staging buffers as far as they go (waiting for at least one), the rest into host
+        memory that follows through the same staging buffers afterwards. Per slot, None or
+        why it failed."""
+        with self.operation():
+            buffers = await self._upload_staging.acquire(len(slots))
+            first = len(buffers)
+            rest = np.empty((len(slots) - first, self.block_bytes), np.uint8)
+            done: Completion | None = None
+            outcomes: list[Exception | None] = []
+            try:
+                views = [b.view for b in buffers] + [row.data for row in rest]
+                outcomes = list(await sink(views))  # one per view (zip checks it)
+                heads = zip(slots[:first], buffers, outcomes[:first], strict=True)
+                ok = [(slot, buffer) for slot, buffer, outcome in heads if outcome is None]
+                if ok:
+                    copies = [(self.ptr(slot), buffer.ptr) for slot, buffer in ok]
+                    kind = self._rt.memcpyHostToDevice
+                    done = self._submit(self._upload, copies, kind, [s for s, _ in ok])
+                    self._to_device += len(ok) * self.block_bytes
+                    await self._wait(done)
+            except Exception as exc:
+                return [exc] * len(slots)
+            finally:
+                await self._settle(done, self._upload, slots[:first], self._upload_staging, buffers)
+            later = [
+                (slot, row.data)
+                for slot, row, outcome in zip(slots[first:], rest, outcomes[first:], strict=True)
+                if outcome is None
+            ]
+            if later:
+                try:
+                    await self._copy_staged(later, to_pool=True, staging=self._upload_staging)
+                except Exception as exc:
+                    for i in range(first, len(slots)):
+                        outcomes[i] = outcomes[i] or exc
+            return outcomes
+
     async def drain(self, slot: int, source: ByteSource) -> None:
         """Device-to-host into a staging buffer, then the tier reads the staging buffer."""
         with self.operation():
@@ -400,11 +442,18 @@ class SlotCopies:
         finally:
             await self._settle(done, lane, slots, None, [], engine, [a.obj for _, a in pairs])
 
-    async def _copy_staged(self, pairs: list[tuple[int, memoryview]], *, to_pool: bool) -> None:
-        """Host buffers through pinned staging, in chunks of half the staging pool so the
-        host memcpy of one chunk overlaps the DMA of the previous one."""
+    async def _copy_staged(
+        self,
+        pairs: list[tuple[int, memoryview]],
+        *,
+        to_pool: bool,
+        staging: StagingPool | None = None,
+    ) -> None:
+        """Host buffers through pinned staging (the engine's set unless given), in chunks of
+        half the staging pool so the host memcpy of one chunk overlaps the DMA of the
+        previous one."""
         lane = self._upload if to_pool else self._download
-        staging = self._engine_staging
+        staging = self._engine_staging if staging is None else staging
         kind = self._rt.memcpyHostToDevice if to_pool else self._rt.memcpyDeviceToHost
         chunk = max(1, staging.count // 2)
         pending: deque[_Batch] = deque()

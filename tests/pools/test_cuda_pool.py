@@ -15,7 +15,7 @@ import pathlib
 import subprocess
 import sys
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import anyio
@@ -374,6 +374,34 @@ async def test_write_throughs_parked_on_a_slow_tier_do_not_stall_engine_copies(
         assert np.array_equal(await _read_back(pool, slots), data)
         release.set()
     assert _all_staging_free(pool)
+
+
+async def test_a_batch_larger_than_staging_fills_in_one_sink_call(
+    cuda: Cuda, keys: list[bytes]
+) -> None:
+    """A tier's batch load gets every view at once: two are staging buffers, three are host
+    memory that follows through them; a failed view fails only its slot."""
+    pool = cuda.pool(8, staging_buffers=2)
+    slots = [_reserve(pool, k) for k in keys[:5]]
+    data = _blocks(5)
+    calls = 0
+
+    async def sink(views: Sequence[memoryview]) -> list[Exception | None]:
+        nonlocal calls
+        calls += 1
+        assert len(views) == 5
+        for view, row in zip(views, data, strict=True):
+            view[:] = row.tobytes()
+        return [None, OSError("one block unreadable"), None, OSError("another"), None]
+
+    outcomes = await pool.fill_many(slots, sink)
+    assert calls == 1
+    assert [type(o) for o in outcomes] == [type(None), OSError, type(None), OSError, type(None)]
+    for i in (0, 2, 4):
+        assert pool.slot_bytes(slots[i]) == data[i].tobytes()
+    assert _all_staging_free(pool)
+    for slot in slots:
+        pool.abort(slot)
 
 
 async def test_slot_bytes_land_in_device_memory(cuda: Cuda, keys: list[bytes]) -> None:
