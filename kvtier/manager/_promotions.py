@@ -1,10 +1,16 @@
 """Promotions: copying a tier's block into the slot ``lookup`` reserved, and copying it up.
 
-Each promotion is a background task under ``promotion_timeout``: it fills the slot from the
-tier, commits it (or frees it on failure, remembering the failure so the key is not promoted
-again at every lookup), feeds the cost model and the latency observer, and wakes the key's
-watchers. With ``write_up``, a promoted block is also written to the write-through tiers
-listed before its source: at once with a GPU pool, or when the pool evicts it with a host
+Promotions run in batches: the keys one scan (or several in the same loop iteration) promotes
+from one tier join one batch, and one background task fills all their slots with one
+``load_many`` under one ``promotion_timeout``. A task, its cancel scope and its timer per block
+cost more loop time than the block's own bookkeeping, and they live long enough to reach the
+collector's oldest generation, which makes full collections frequent. Each block of a batch is
+then settled on its own: its slot committed (or freed on failure, remembering the failure so
+the key is not promoted again at every lookup), the cost model and the latency observer fed,
+the key's watchers woken.
+
+With ``write_up``, a promoted block is also written to the write-through tiers listed before
+its source: at once with a GPU pool, or when the pool evicts it with a host
 pool (``leaving`` is the pool's hook for that), so a block that stays in the pool is never
 copied.
 """
@@ -13,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Sequence
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Protocol
 
@@ -31,6 +38,24 @@ from kvtier.writes._account import bump, reason_of
 from kvtier.writes._writethrough import WriteThrough
 
 __all__ = ["PromotionObserver", "Promotions"]
+
+# Keys of one tier in one batch at most: a larger batch makes its first block wait for more
+# of the others, and one stuck read holds more of them.
+MAX_BATCH = 64
+# How long past ``promotion_timeout`` a batch may take before it is cancelled: the tier's own
+# deadline (``load_many``'s ``timeout``) ends it first and says which blocks made it.
+_GRACE = 1.0
+
+
+@dataclass(eq=False, slots=True)
+class _Batch:
+    """Keys promoted together from one tier: their reserved slots, and how many promotions
+    from the tier were in flight when each started (for the cost model)."""
+
+    tier: SecondaryTier
+    keys: list[bytes] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    queued: list[int] = field(default_factory=list)
 
 
 class PromotionObserver(Protocol):
@@ -68,6 +93,8 @@ class Promotions:
     succeeded: int = field(default=0, init=False)
     cancelled: int = field(default=0, init=False)
     failures: dict[str, int] = field(default_factory=dict, init=False)
+    # The batch per tier that new promotions still join (until its task starts).
+    _open: dict[SecondaryTier, _Batch] = field(default_factory=dict, init=False)
 
     def copies_on_evict(self) -> bool:
         """Whether promoted blocks are copied up when evicted (a pool that can copy a slot
@@ -75,42 +102,60 @@ class Promotions:
         return self.write_up and type(self.pool).copy_slot is not PrimaryPool.copy_slot
 
     def start(self, key: bytes, tier: SecondaryTier, slot: int, ready_at: float) -> None:
-        """Promote ``key`` from ``tier`` into the reserved ``slot`` in the background."""
+        """Promote ``key`` from ``tier`` into the reserved ``slot`` in the background, in the
+        batch of ``tier`` that is still open (a new one if none is)."""
         task_group = self.task_group
         assert task_group is not None, "lookup promotes only while the manager is open"
+        batch = self._open.get(tier)
+        if batch is None or len(batch.keys) >= MAX_BATCH:
+            batch = _Batch(tier)
+            undo = functools.partial(self._never_ran, batch)
+            self.background.start_soon(task_group, undo, self._promote, batch)
+            self._open[tier] = batch
         self.landing[key] = ready_at
         # Counted in flight from now, so the next key of this scan expects its promotion
-        # behind this one (and a start that raises gives it all back).
-        queued = self.cost.promotion_started(tier.name)
-        undo = functools.partial(self._never_ran, key, slot, tier)
-        try:
-            self.background.start_soon(task_group, undo, self._promote, key, tier, slot, queued)
-        except BaseException:
-            undo()
-            raise
+        # behind this one.
+        batch.queued.append(self.cost.promotion_started(tier.name))
+        batch.keys.append(key)
+        batch.slots.append(slot)
 
-    async def _promote(self, key: bytes, tier: SecondaryTier, slot: int, queued: int) -> None:
-        started = time.perf_counter()
-        ok = failed = False
+    async def _promote(self, batch: _Batch) -> None:
+        if self._open.get(batch.tier) is batch:
+            del self._open[batch.tier]  # started: later promotions open the next batch
+        tier, started = batch.tier, time.perf_counter()
+        load = functools.partial(tier.load_many, batch.keys, timeout=self.timeout)
+        outcomes: Sequence[BaseException | None] = ()
         try:
-            with anyio.fail_after(self.timeout):
-                await self.pool.fill(slot, functools.partial(tier.load, key))
-            ok = True
-        except Exception as exc:
-            failed = True
-            self._failed_with(key, tier, exc)
+            with anyio.fail_after(self.timeout + _GRACE):
+                outcomes = await self.pool.fill_many(batch.slots, load)
+        except BaseException as exc:
+            outcomes = [exc] * len(batch.keys)
+            if not isinstance(exc, Exception):
+                raise  # cancelled: settled below, then the cancellation goes on
         finally:
+            self._settle(batch, outcomes, time.perf_counter() - started)
+
+    def _settle(
+        self, batch: _Batch, outcomes: Sequence[BaseException | None], seconds: float
+    ) -> None:
+        """Commit each block that landed, free the others; feed the cost model and wake each
+        key's watchers."""
+        tier, block_bytes = batch.tier, self.pool.block_bytes
+        for key, slot, queued, outcome in zip(
+            batch.keys, batch.slots, batch.queued, outcomes, strict=True
+        ):
+            ok = outcome is None
+            failed = isinstance(outcome, Exception)
             if ok:
                 self._landed(key, tier, slot)
             else:
+                if isinstance(outcome, Exception):
+                    self._failed_with(key, tier, outcome)
                 self.pool.abort(slot)
                 self.cancelled += not failed
-            seconds = time.perf_counter() - started
             self.cost.promotion_finished(tier.name)
             if ok or failed:  # a cancelled promotion says nothing about the tier
-                self.cost.observe_promotion(
-                    tier.name, seconds, self.pool.block_bytes, ok, queued=queued
-                )
+                self.cost.observe_promotion(tier.name, seconds, block_bytes, ok, queued=queued)
             if self.latency is not None:
                 self.callbacks(
                     "latency observer", self.latency.observe_promotion, tier.name, seconds, ok
@@ -153,13 +198,16 @@ class Promotions:
         copy = functools.partial(self.pool.copy_slot, slot)
         self.writer.write_up(task_group, key, tier, copy=copy)
 
-    def _never_ran(self, key: bytes, slot: int, tier: SecondaryTier) -> None:
-        """Give back the slot ``lookup`` reserved for a promotion cancelled unstarted."""
-        self.cost.promotion_finished(tier.name)
-        self.pool.abort(slot)
-        self.cancelled += 1
-        self.landing.pop(key, None)
-        self.watchers.notify(key)
+    def _never_ran(self, batch: _Batch) -> None:
+        """Give back the slots ``lookup`` reserved for a batch cancelled unstarted."""
+        if self._open.get(batch.tier) is batch:
+            del self._open[batch.tier]
+        for key, slot in zip(batch.keys, batch.slots, strict=True):
+            self.cost.promotion_finished(batch.tier.name)
+            self.pool.abort(slot)
+            self.cancelled += 1
+            self.landing.pop(key, None)
+            self.watchers.notify(key)
 
     def counts(self, started: int, deferred: int, declined: int) -> PromotionCounts:
         """The promotion counters, with those the lookup decision keeps."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Sequence
 
+import anyio
+
 from kvtier._buffers import BlockBuffer
 from kvtier._describe import describe
 from kvtier._lookup import LookupResult
@@ -16,12 +18,15 @@ from kvtier._settings import positive_int
 from kvtier.pools._policy import EvictionPolicy, make_policy
 from kvtier.pools._slots import PoolStatistics, SlotState, SlotTable
 
-__all__ = ["ByteSink", "ByteSource", "PrimaryPool"]
+__all__ = ["BatchSink", "ByteSink", "ByteSource", "PrimaryPool"]
 
 ByteSink = Callable[[memoryview], Awaitable[None]]
 """Fills the view it is given (a tier's ``load`` into a slot or a staging buffer)."""
 ByteSource = Callable[[memoryview], Awaitable[None]]
 """Reads the view it is given (a tier's ``store`` from a slot or a staging buffer)."""
+BatchSink = Callable[[Sequence[memoryview]], Awaitable[Sequence[Exception | None]]]
+"""Fills the views it is given, each on its own: per view, None or why it failed (a tier's
+``load_many`` into slots or staging buffers)."""
 
 
 class PrimaryPool(ABC):
@@ -80,6 +85,29 @@ class PrimaryPool(ABC):
     @abstractmethod
     async def fill(self, slot: int, sink: ByteSink) -> None:
         """Let ``sink`` write the bytes of a WRITING slot (a promotion from a tier)."""
+
+    async def fill_many(self, slots: Sequence[int], sink: BatchSink) -> Sequence[Exception | None]:
+        """Let ``sink`` write the bytes of several WRITING slots (a batch of promotions from
+        one tier); per slot, None or why it failed. The default fills each slot through
+        ``fill``, concurrently; a pool whose slots the tier can write directly hands it them
+        all in one call."""
+        outcomes: list[Exception | None] = [None] * len(slots)
+
+        async def one(i: int, slot: int) -> None:
+            async def single(view: memoryview) -> None:
+                (outcome,) = await sink([view])
+                if outcome is not None:
+                    raise outcome
+
+            try:
+                await self.fill(slot, single)
+            except Exception as exc:
+                outcomes[i] = exc
+
+        async with anyio.create_task_group() as tg:
+            for i, slot in enumerate(slots):
+                tg.start_soon(one, i, slot)
+        return outcomes
 
     @abstractmethod
     async def drain(self, slot: int, source: ByteSource) -> None:

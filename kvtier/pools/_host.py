@@ -11,7 +11,7 @@ import numpy as np
 
 from kvtier._buffers import BlockBuffer
 from kvtier._errors import InvalidArgumentError
-from kvtier.pools._base import ByteSink, ByteSource, PrimaryPool
+from kvtier.pools._base import BatchSink, ByteSink, ByteSource, PrimaryPool
 from kvtier.pools._device import DeviceArray, current_stream, device_array, host_device_copy
 from kvtier.pools._policy import EvictionPolicy
 
@@ -58,6 +58,11 @@ class HostPool(PrimaryPool):
 
     async def fill(self, slot: int, sink: ByteSink) -> None:
         await sink(self.slot_view(slot))
+
+    async def fill_many(self, slots: Sequence[int], sink: BatchSink) -> Sequence[Exception | None]:
+        """The slots themselves, in one call: a tier that does not pin them writes each
+        through a buffer of its own, so a deadline never leaves a write into a slot behind."""
+        return await sink([self.slot_view(slot) for slot in slots])
 
     async def drain(self, slot: int, source: ByteSource) -> None:
         await source(self.slot_view(slot).toreadonly())

@@ -8,7 +8,7 @@ callable returning an unopened tier) and raises AssertionError naming the check 
 from __future__ import annotations
 
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import anyio
 
@@ -16,7 +16,7 @@ from kvtier._errors import BlockNotFoundError, CorruptBlockError, KVTierError, T
 from kvtier._keys import block_keys
 from kvtier._lookup import LookupResult, MissReason
 from kvtier.manager import TieringManager
-from kvtier.pools._base import ByteSink
+from kvtier.pools._base import BatchSink, ByteSink
 from kvtier.pools._host import HostPool
 from kvtier.tiers._base import SecondaryTier, TierStatistics, settled_lookup
 
@@ -205,7 +205,15 @@ class _RejectingPool(HostPool):
 
     async def fill(self, slot: int, sink: ByteSink) -> None:
         await super().fill(slot, sink)
-        raise CorruptBlockError("rejected by the conformance kit", tier="kit", operation="load")
+        raise _rejected()
+
+    async def fill_many(self, slots: Sequence[int], sink: BatchSink) -> Sequence[Exception | None]:
+        await super().fill_many(slots, sink)
+        return [_rejected() for _ in slots]
+
+
+def _rejected() -> CorruptBlockError:
+    return CorruptBlockError("rejected by the conformance kit", tier="kit", operation="load")
 
 
 async def check_failed_promotion(make_tier: MakeTier, block_bytes: int) -> None:

@@ -18,6 +18,7 @@ import kvtier
 from kvtier import HostPool, LookupResult, MemoryTier, OffloadScheduler, TieringManager
 from kvtier._cost import ScanBudget
 from kvtier._progress import PrefixProgress, WindowProgress
+from kvtier.manager import _promotions
 from tests.support import H, M, P, R
 
 BB = 256
@@ -64,7 +65,11 @@ class StaggeredTier(MemoryTier):
 
 @pytest.mark.parametrize("window", [None, N // 2])
 @pytest.mark.parametrize("order", ["forward", "backward"])
-async def test_block_by_block_promotion_costs_linear_work(window: int | None, order: str) -> None:
+async def test_block_by_block_promotion_costs_linear_work(
+    window: int | None, order: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One promotion per batch, so that blocks land one by one (a batch lands all at once).
+    monkeypatch.setattr(_promotions, "MAX_BATCH", 1)
     keys = kvtier.block_keys(list(range(N)), 1, namespace=b"scan-progress")
     ranks = range(N) if order == "forward" else range(N - 1, -1, -1)
     tier = StaggeredTier({key: 2 * rank for key, rank in zip(keys, ranks, strict=True)})
