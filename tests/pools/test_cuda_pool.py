@@ -738,6 +738,25 @@ async def test_a_context_error_mid_batch_fails_every_pending_operation(
     await pool.aclose()  # the frees fail on a dead context: logged, not raised
 
 
+async def test_a_copy_slower_than_copy_timeout_fails_and_is_abandoned(
+    cuda: Cuda, fake: FakeCuda, keys: list[bytes]
+) -> None:
+    """A wedged copy fails its operation after copy_timeout; its staging buffer comes back
+    only once the copy lands (a later copy on the same stream lands after it)."""
+    pool = cuda.pool(4, staging_buffers=2, copy_timeout=0.01, settle_timeout=0.01)
+    first, second = _reserve(pool, keys[0]), _reserve(pool, keys[1])
+    gate = fake.hold(kind=fake.memcpyHostToDevice)
+    with pytest.raises(TimeoutError):
+        await pool.copy_in([first], [BlockBuffer(_blocks(1)[0].data)])
+    stats = pool.transfer_statistics()
+    assert (stats.abandoned_copies, stats.engine_staging_free) == (1, 1)
+    fake.release(gate)
+    await pool.copy_in([second], [BlockBuffer(_blocks(1)[0].data)])
+    assert _all_staging_free(pool)
+    pool.abort(first)
+    pool.abort(second)
+
+
 async def test_waits_hold_no_default_thread_limiter_tokens(
     cuda: Cuda, fake: FakeCuda, keys: list[bytes]
 ) -> None:
