@@ -278,6 +278,7 @@ class SlotCopies:
                 fence = done.event
                 if fence is None:  # a stream-wide completion: a fence for all queued so far
                     fence = self._rt.eventCreateWithFlags(self._rt.eventDisableTiming)
+                    done.add_done_callback(functools.partial(self._destroy_event, fence))
                     self._rt.eventRecord(fence, lane.stream)
                 for handle in engine:  # the engine must not reuse its buffers before it lands
                     self._rt.streamWaitEvent(handle, fence, 0)
@@ -287,6 +288,13 @@ class SlotCopies:
         for slot in slots:
             self._fences[slot] = (fence, done)
         done.add_done_callback(functools.partial(self._unfence, slots, fence))
+
+    def _destroy_event(self, event: int) -> None:
+        try:
+            with self.on_device():
+                self._rt.eventDestroy(event)
+        except Exception:  # a dead context: the event goes with it
+            logger.debug("destroying a fence event on cuda:%d failed", self.device)
 
     def _unfence(self, slots: Sequence[int], fence: int) -> None:
         for slot in slots:

@@ -606,6 +606,29 @@ async def test_an_abandoned_read_fences_later_writes_to_its_slot(
     pool.abort(slot)
 
 
+async def test_an_abandoned_copy_without_an_event_gets_a_fence_of_its_own(
+    cuda: Cuda, fake: FakeCuda, keys: list[bytes]
+) -> None:
+    """Recording the copy's event failed and the copy outlives settle_timeout: a new event
+    fences its slot, and is destroyed once the copy lands."""
+    pool = cuda.pool(2, settle_timeout=0.01)
+    slot = _reserve(pool, keys[0])
+    gate = fake.hold(kind=fake.memcpyHostToDevice)
+    fake.refuse("eventRecord")
+
+    async def sink(view: memoryview) -> None:
+        view[:] = bytes(BLOCK)
+
+    await _cancel_when_parked(gate, pool.fill, slot, sink)
+    assert pool.transfer_statistics().abandoned_copies == 1
+    destroyed = fake.calls.get("eventDestroy", 0)
+    fake.release(gate)
+    await pool.copy_in([slot], [BlockBuffer(_blocks(1)[0].data)])  # behind the fence
+    assert fake.calls.get("eventDestroy", 0) == destroyed + 1
+    assert _all_staging_free(pool)
+    pool.abort(slot)
+
+
 async def test_close_waits_for_an_operation_parked_in_a_sink(
     cuda: Cuda, fake: FakeCuda, keys: list[bytes]
 ) -> None:
