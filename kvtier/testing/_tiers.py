@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections.abc import Iterable, Sequence
 from typing import TypedDict, Unpack
 
 import anyio
@@ -10,7 +11,7 @@ import anyio
 from kvtier._errors import TierError, TierUnavailableError
 from kvtier._lookup import LookupResult, MissReason
 from kvtier.tiers._async_lookup import AsyncLookupManager
-from kvtier.tiers._base import SecondaryTier, TierStatistics
+from kvtier.tiers._base import BatchResults, SecondaryTier, TierStatistics
 from kvtier.tiers._memory import MemoryTier
 
 __all__ = ["FailingTier", "SlowTier", "StallingTier"]
@@ -222,3 +223,25 @@ class SlowTier(_WrappingTier):
 
     async def _before(self, operation: str) -> None:
         await anyio.sleep(self._delay)
+
+    # A batch costs one delay, as one round trip of a remote tier with a batch API does (the
+    # S3 tier's packs, the FS tier's runs), not one per block.
+
+    async def _load_batch(
+        self, keys: Sequence[bytes], dsts: Sequence[memoryview], deadline: float, pinned: bool
+    ) -> BatchResults:
+        await self._before("load")
+        return await self.inner.load_many(keys, dsts, timeout=_left(deadline), pinned=pinned)
+
+    async def _store_batch(
+        self, keys: Sequence[bytes], srcs: Sequence[memoryview], deadline: float, pinned: bool
+    ) -> BatchResults:
+        await self._before("store")
+        return await self.inner.store_many(keys, srcs, timeout=_left(deadline), pinned=pinned)
+
+
+def _left(deadline: float) -> float | None:
+    """What is left of a batch's deadline, as ``load_many``'s ``timeout``."""
+    if deadline == math.inf:
+        return None
+    return max(deadline - anyio.current_time(), 1e-6)

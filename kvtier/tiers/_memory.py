@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 
 import anyio.lowlevel
 
-from kvtier._errors import BlockNotFoundError, InvalidArgumentError, TierNoSpaceError
+from kvtier._errors import BlockNotFoundError, InvalidArgumentError, TierError, TierNoSpaceError
 from kvtier._lookup import LookupResult, MissReason
 from kvtier._settings import positive_int
-from kvtier.tiers._base import LookupStatistics, SecondaryTier, TierMeter, TierStatistics
+from kvtier.tiers._base import (
+    BatchResults,
+    LookupStatistics,
+    SecondaryTier,
+    TierMeter,
+    TierStatistics,
+)
 
 __all__ = ["MemoryTier"]
 
@@ -48,6 +55,9 @@ class MemoryTier(SecondaryTier):
 
     async def load(self, key: bytes, dst: memoryview) -> None:
         await anyio.lowlevel.checkpoint()
+        self._load(key, dst)
+
+    def _load(self, key: bytes, dst: memoryview) -> None:
         started = time.perf_counter()
         data = self._blocks.get(key)
         if data is None:
@@ -63,6 +73,9 @@ class MemoryTier(SecondaryTier):
 
     async def store(self, key: bytes, src: memoryview) -> None:
         await anyio.lowlevel.checkpoint()
+        self._store(key, src)
+
+    def _store(self, key: bytes, src: memoryview) -> None:
         started = time.perf_counter()
         if key in self._blocks:
             self._blocks.move_to_end(key)
@@ -81,6 +94,25 @@ class MemoryTier(SecondaryTier):
         self._blocks[key] = data
         self._bytes += len(data)
         self._meter.wrote(len(data), time.perf_counter() - started)
+
+    # A batch is one checkpoint and a loop of dict operations, not a task per block (unless a
+    # subclass changed what one block's ``load`` or ``store`` does).
+
+    async def _load_batch(
+        self, keys: Sequence[bytes], dsts: Sequence[memoryview], deadline: float, pinned: bool
+    ) -> BatchResults:
+        if type(self).load is not MemoryTier.load:
+            return await super()._load_batch(keys, dsts, deadline, pinned)
+        await anyio.lowlevel.checkpoint()
+        return [_outcome(self._load, k, d) for k, d in zip(keys, dsts, strict=True)]
+
+    async def _store_batch(
+        self, keys: Sequence[bytes], srcs: Sequence[memoryview], deadline: float, pinned: bool
+    ) -> BatchResults:
+        if type(self).store is not MemoryTier.store:
+            return await super()._store_batch(keys, srcs, deadline, pinned)
+        await anyio.lowlevel.checkpoint()
+        return [_outcome(self._store, k, s) for k, s in zip(keys, srcs, strict=True)]
 
     async def delete(self, key: bytes) -> None:
         await anyio.lowlevel.checkpoint()
@@ -101,3 +133,14 @@ class MemoryTier(SecondaryTier):
         return self._meter.snapshot(
             self.name, lookups, blocks=len(self._blocks), bytes_stored=self._bytes
         )
+
+
+def _outcome(
+    operation: Callable[[bytes, memoryview], None], key: bytes, view: memoryview
+) -> TierError | None:
+    """None when ``operation`` did its block, else the tier's error for it."""
+    try:
+        operation(key, view)
+    except TierError as exc:
+        return exc
+    return None
