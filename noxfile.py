@@ -187,4 +187,4 @@ def gpu(session: nox.Session) -> None:
     ok, _, why = str(answer).strip().partition("|")
     if ok != "True":
         session.skip(f"SKIPPED the GPU tests and benchmark: {why}")
-    session.run("python", "benchmarks/gpu_check.py", *session.posargs)
+    session.run("python", "-m", "benchmarks.gpu_check", *session.posargs)

@@ -2,15 +2,16 @@
 measure CudaPool's copies against raw CuPy copies of the same bytes in the same run, check the
 bytes that landed, and print a short table (``--json``: one JSON object instead).
 
-    python benchmarks/gpu_check.py            # tests + measurements, well under 5 minutes
-    python benchmarks/gpu_check.py --no-tests --blocks 256 --repeats 3 --json
+    python -m benchmarks.gpu_check            # tests + measurements, well under 5 minutes
+    python -m benchmarks.gpu_check --no-tests --blocks 256 --repeats 3 --json
 
 Needs nothing from the network: torch (a CUDA build), CuPy (``import cupy``), numpy, and
-kvtier from this working tree (put on ``sys.path`` here). kvtier itself needs anyio and xxhash,
-and the tests need pytest, pytest-asyncio, pytest-timeout and hypothesis; if the machine's
-Python lacks them, install them on a machine with the same Python into ``.gpu_deps`` at the
-repository root (``pip install --target .gpu_deps ...``) and bring that folder along: this
-script puts it on ``sys.path`` and on the tests' ``PYTHONPATH``.
+kvtier from this working tree (run from the repository root, ``-m`` puts it on the path).
+kvtier itself needs anyio and xxhash, and the tests need pytest, pytest-asyncio,
+pytest-timeout and hypothesis; if the machine's Python lacks them, install them on a machine
+with the same Python into ``.gpu_deps`` at the repository root (``pip install --target
+.gpu_deps ...``), bring that folder along and run ``PYTHONPATH=.gpu_deps python -m
+benchmarks.gpu_check``: the tests it starts get the same path.
 
 Tests: ``tests/pools/test_cuda_pool.py`` on every runtime. A skipped test fails the check,
 except the stand-in-only cases on the ``cupy`` runtime (they need the stand-in's gates).
@@ -55,9 +56,6 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPS = ROOT / ".gpu_deps"
-for extra in (DEPS, ROOT):
-    if extra.is_dir() and str(extra) not in sys.path:
-        sys.path.insert(0, str(extra))
 
 MiB = 1 << 20
 BLOCK = 2 * MiB

@@ -8,9 +8,7 @@ kvtier and not in its wheel (pyproject's package find takes ``kvtier*`` only).
   S3 faults (IAM auth on, denied actions).
 
 How it is imported: the tests get the repository root on their path from pytest's
-``pythonpath`` setting (pyproject.toml). A script run by path from a checkout
-(``python benchmarks/bench_s3.py``, ``python examples/serve_demo.py --s3-local``) needs it only
-to start its own SeaweedFS; then, and only then, it puts the repository root on ``sys.path``
-and imports ``devtools.weed_server`` (given an endpoint it needs nothing but kvtier). Nothing
-in kvtier imports it.
+``pythonpath`` setting (pyproject.toml), and the nox sessions that start SeaweedFS for a
+script run ``python -c`` from the root. Scripts never import it: they take ``--s3-endpoint``.
+Nothing in kvtier imports it.
 """
