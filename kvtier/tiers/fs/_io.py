@@ -227,11 +227,10 @@ def write_block(
 ) -> tuple[WriteOutcome, int]:
     """Publish one block atomically; return the outcome and the file's size.
 
-    With ``staging`` (an ALIGN-aligned buffer of ``staging_size`` bytes whose bytes from
-    the header region's length on are ``payload``) the file is written with O_DIRECT where the
-    file system takes it: no copy into the page cache, no write-back later. With ``region``
-    instead (an aligned buffer as long as the header region) and an ``aligned`` payload, the
-    same happens straight from ``payload``, with no copy at all. Same file either way.
+    With ``staging`` (an ALIGN-aligned buffer of ``staging_size`` bytes holding ``payload``
+    after the header region) the file is written with O_DIRECT where the file system takes
+    it: no page cache, no write-back later. With ``region`` (aligned, as long as the header
+    region) and an ``aligned`` payload, the same straight from ``payload``. Same file anyway.
 
     An existing block is not rewritten (keys name content, so it holds the same bytes). Else
     ``victims`` are removed to make room, the block goes to a uniquely named temporary file
@@ -253,13 +252,13 @@ def write_block(
         fd, direct = open_maybe_direct(tmp, flags, want_direct, dir_fd)
         try:
             try:
-                if direct and staging is not None:
+                if not direct:
+                    _write_all(fd, [header, payload])
+                elif staging is not None:
                     _write_direct(fd, header, staging, total)
-                elif direct and region is not None:
+                elif region is not None:
                     region[:] = header
                     _write_all(fd, [region, payload])
-                else:
-                    _write_all(fd, [header, payload])
                 if fsync != "never":
                     os.fdatasync(fd)
             finally:
