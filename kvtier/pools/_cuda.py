@@ -41,8 +41,9 @@ import anyio.to_thread
 from kvtier._buffers import BlockBuffer
 from kvtier._errors import InvalidArgumentError, LifecycleError
 from kvtier._settings import positive_number
-from kvtier.pools._base import ByteSink, ByteSource, PrimaryPool
-from kvtier.pools._cuda_copies import BatchSink, SlotCopies, TransferStatistics
+from kvtier.pools._base import BatchSink, ByteSink, ByteSource, PrimaryPool
+from kvtier.pools._cuda_copies import SlotCopies
+from kvtier.pools._cuda_core import TransferStatistics
 from kvtier.pools._cupy import CudaRuntime, cupy_runtime, device_count
 from kvtier.pools._device import stream_device, stream_handle
 from kvtier.pools._policy import EvictionPolicy

@@ -1,8 +1,8 @@
 """The data movement of a CudaPool: every copy between its device slots and the outside.
 
-A ``SlotCopies`` owns the copy lanes (upload, download, peer), the pinned staging pools (one
-per direction), the fences left by abandoned copies, the count of operations in flight and
-the transfer counters; the pool owns the allocation and the slot bookkeeping and hands slot
+A ``SlotCopies`` builds each copy on ``_cuda_core.CopyCore`` (the copy lanes, the pinned
+staging pools, the fences left by abandoned copies, the count of operations in flight and the
+transfer counters); the pool owns the allocation and the slot bookkeeping and hands slot
 numbers here:
 
 - promotion (``fill``): the tier writes into a pinned staging buffer, then one host-to-device
@@ -27,23 +27,16 @@ The rules that keep a DMA from ever touching memory someone else owns:
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import logging
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Sequence
 
-import anyio
-import anyio.to_thread
 import numpy as np
 
 from kvtier._buffers import BlockBuffer
-from kvtier._errors import InvalidArgumentError, LifecycleError
-from kvtier.pools._base import ByteSink, ByteSource
-from kvtier.pools._cuda_stream import Completion, Lane, StagingBuffer, StagingPool
-from kvtier.pools._cupy import CudaRuntime
+from kvtier._errors import InvalidArgumentError
+from kvtier.pools._base import BatchSink, ByteSink, ByteSource
+from kvtier.pools._cuda_core import CopyCore
+from kvtier.pools._cuda_stream import Completion, StagingBuffer, StagingPool
 from kvtier.pools._device import (
     DeviceArray,
     device_array,
@@ -51,32 +44,7 @@ from kvtier.pools._device import (
     stream_handle,
 )
 
-__all__ = ["BatchSink", "SlotCopies", "TransferStatistics"]
-
-BatchSink = Callable[[Sequence[memoryview]], Awaitable[Sequence[Exception | None]]]
-"""Fills the views it is given, each on its own: per view, None or why it failed."""
-
-logger = logging.getLogger(__name__)
-
-# Host-side memcpy into or out of staging above this size runs in a worker thread.
-_INLINE_COPY_BYTES = 1 << 20
-
-
-@dataclass(frozen=True, slots=True)
-class TransferStatistics:
-    """What CudaPool moved and how often it had to wait (``CudaPool.transfer_statistics``)."""
-
-    device: int
-    staging_buffers: int
-    upload_staging_free: int
-    download_staging_free: int
-    engine_staging_free: int
-    staging_waits: int
-    bytes_to_device: int
-    bytes_to_host: int
-    bytes_device_to_device: int
-    abandoned_copies: int
-    operations_in_flight: int
+__all__ = ["SlotCopies"]
 
 
 class _Batch:
@@ -90,223 +58,10 @@ class _Batch:
         self.done: Completion | None = None
 
 
-def _memcpy_pairs(pairs: list[tuple[memoryview, memoryview]]) -> None:
-    for dst, src in pairs:
-        np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8))
-
-
-class SlotCopies:
+class SlotCopies(CopyCore):
     """Copies into and out of ``num_blocks`` slots of ``block_bytes`` from device pointer
     ``base`` on CUDA ``device``. Build it with that device current (its streams and pinned
     buffers are created here)."""
-
-    def __init__(
-        self,
-        runtime: CudaRuntime,
-        *,
-        device: int,
-        base: int,
-        num_blocks: int,
-        block_bytes: int,
-        staging_buffers: int,
-        engine_stream: Any,
-        settle_timeout: float,
-        copy_timeout: float,
-    ) -> None:
-        self._rt = runtime
-        self.device = device
-        self.staging_buffers = staging_buffers
-        self.block_bytes = block_bytes
-        self._base = base
-        self._num_blocks = num_blocks
-        self._engine_stream = engine_stream  # the object, kept alive while the pool lives
-        self._settle_timeout = settle_timeout
-        self._copy_timeout = copy_timeout
-        # slot -> (fence event, the abandoned copy's completion that retires it)
-        self._fences: dict[int, tuple[int, Completion]] = {}
-        self._to_device = self._to_host = self._peer_bytes = self._abandoned = 0
-        self._in_flight = 0
-        self._idle: anyio.Event | None = None
-        self.closing = False
-        # Host memcpys of big batches: our own threads, not the default limiter's.
-        self._limiter = anyio.CapacityLimiter(2)
-        self._lanes: list[Lane] = []
-        self._staging: list[StagingPool] = []
-        try:
-            self._upload = self._lane("upload")
-            self._download = self._lane("download")
-            self._peer = self._lane("peer")
-            self._order = runtime.eventCreateWithFlags(runtime.eventDisableTiming)
-            self._upload_staging = self._pinned(staging_buffers)
-            self._download_staging = self._pinned(staging_buffers)
-            self._engine_staging = self._pinned(staging_buffers)
-        except BaseException:
-            self.release()
-            raise
-
-    def _lane(self, name: str) -> Lane:
-        lane = Lane(self._rt, self.device, name)
-        self._lanes.append(lane)
-        return lane
-
-    def _pinned(self, count: int) -> StagingPool:
-        staging = StagingPool(self._rt, count, self.block_bytes)
-        self._staging.append(staging)
-        return staging
-
-    # -- helpers -----------------------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def on_device(self) -> Iterator[None]:
-        """The pool's device current for the block (switched only when it is not)."""
-        previous = self._rt.getDevice()
-        if previous == self.device:
-            yield
-            return
-        self._rt.setDevice(self.device)
-        try:
-            yield
-        finally:
-            self._rt.setDevice(previous)
-
-    @contextlib.contextmanager
-    def operation(self) -> Iterator[None]:
-        """Count an operation in flight for its whole life (``aclose`` waits for it)."""
-        if self.closing:
-            raise LifecycleError("this CudaPool is closed")
-        self._in_flight += 1
-        try:
-            yield
-        finally:
-            self._in_flight -= 1
-            if self._in_flight == 0 and self._idle is not None:
-                self._idle.set()
-
-    def ptr(self, slot: int) -> int:
-        """The device address of ``slot``."""
-        if not 0 <= slot < self._num_blocks:
-            raise InvalidArgumentError(f"slot {slot} is outside [0, {self._num_blocks})")
-        return self._base + slot * self.block_bytes
-
-    def _issue(self, lane: Lane, copies: list[tuple[int, int]], kind: int) -> None:
-        """Enqueue block copies (dst, src) on ``lane``, one copy per run of blocks that are
-        contiguous on both sides (slots taken in order and one engine array usually are)."""
-        size = self.block_bytes
-        run_dst, run_src, run_len = copies[0][0], copies[0][1], size
-        for dst, src in copies[1:]:
-            if dst == run_dst + run_len and src == run_src + run_len:
-                run_len += size
-                continue
-            self._rt.memcpyAsync(run_dst, run_src, run_len, kind, lane.stream)
-            run_dst, run_src, run_len = dst, src, size
-        self._rt.memcpyAsync(run_dst, run_src, run_len, kind, lane.stream)
-
-    def _submit(
-        self,
-        lane: Lane,
-        copies: list[tuple[int, int]],
-        kind: int,
-        slots: Sequence[int],
-        after: Sequence[int] = (),
-    ) -> Completion:
-        """Enqueue ``copies`` on ``lane`` after the fences of ``slots`` and the streams
-        ``after``; the completion covers whatever got enqueued, even when enqueueing failed
-        partway (it then reports that error once the stream drained). Raises, enqueueing
-        nothing, only when the pool is closing."""
-        if self.closing:
-            raise LifecycleError("this CudaPool is closed")
-        with self.on_device():
-            try:
-                for handle in after:  # the event may be recorded again once waited on
-                    self._rt.eventRecord(self._order, handle)
-                    self._rt.streamWaitEvent(lane.stream, self._order, 0)
-                for slot in slots:
-                    fence = self._fences.get(slot)
-                    if fence is not None:
-                        self._rt.streamWaitEvent(lane.stream, fence[0], 0)
-                self._issue(lane, copies, kind)
-            except Exception as exc:
-                return lane.mark(exc)
-            return lane.mark()
-
-    async def _wait(self, done: Completion) -> None:
-        """Until ``done``; a copy slower than ``copy_timeout`` fails the operation (and is
-        then settled or abandoned like a cancelled one)."""
-        with anyio.fail_after(self._copy_timeout):
-            await done.wait()
-
-    async def _settle(
-        self,
-        done: Completion | None,
-        lane: Lane,
-        slots: Sequence[int],
-        staging: StagingPool | None,
-        buffers: list[StagingBuffer],
-        engine: Sequence[int] = (),
-        keep: object = None,
-    ) -> None:
-        """Return staging buffers once no DMA can touch them; runs in ``finally``.
-
-        A copy still running is waited for (shielded, at most ``settle_timeout``); one that
-        outlives that is abandoned: ``slots`` (and the ``engine`` streams) are fenced on it,
-        and ``buffers`` and ``keep`` (the engine's arrays) are let go only when it lands."""
-        if done is not None and not done.done():
-            with anyio.move_on_after(self._settle_timeout, shield=True):
-                await done.settled()
-            if not done.done():
-                self._abandon(done, lane, slots, engine)
-                if staging is not None and buffers:
-                    done.add_done_callback(functools.partial(staging.release, buffers))
-                if keep is not None:
-                    done.add_done_callback(functools.partial(_keep_until_done, keep))
-                return
-        if staging is not None and buffers:
-            staging.release(buffers)
-
-    def _abandon(
-        self, done: Completion, lane: Lane, slots: Sequence[int], engine: Sequence[int]
-    ) -> None:
-        self._abandoned += 1
-        logger.warning(
-            "a CUDA copy on cuda:%d outlived settle_timeout=%.1fs; fencing %d slot(s)",
-            self.device,
-            self._settle_timeout,
-            len(slots),
-        )
-        try:
-            with self.on_device():
-                fence = done.event
-                if fence is None:  # a stream-wide completion: a fence for all queued so far
-                    fence = self._rt.eventCreateWithFlags(self._rt.eventDisableTiming)
-                    done.add_done_callback(functools.partial(self._destroy_event, fence))
-                    self._rt.eventRecord(fence, lane.stream)
-                for handle in engine:  # the engine must not reuse its buffers before it lands
-                    self._rt.streamWaitEvent(handle, fence, 0)
-        except Exception:  # the context is failing: nothing queued will run any more
-            logger.exception("fencing an abandoned CUDA copy on cuda:%d failed", self.device)
-            return
-        for slot in slots:
-            self._fences[slot] = (fence, done)
-        done.add_done_callback(functools.partial(self._unfence, slots, fence))
-
-    def _destroy_event(self, event: int) -> None:
-        try:
-            with self.on_device():
-                self._rt.eventDestroy(event)
-        except Exception:  # a dead context: the event goes with it
-            logger.debug("destroying a fence event on cuda:%d failed", self.device)
-
-    def _unfence(self, slots: Sequence[int], fence: int) -> None:
-        for slot in slots:
-            current = self._fences.get(slot)
-            if current is not None and current[0] == fence:
-                del self._fences[slot]
-
-    async def _host_copy(self, pairs: list[tuple[memoryview, memoryview]], nbytes: int) -> None:
-        if nbytes <= _INLINE_COPY_BYTES:
-            _memcpy_pairs(pairs)
-        else:  # not abandoned on cancel: the staging buffer is in use until it returns
-            await anyio.to_thread.run_sync(_memcpy_pairs, pairs, limiter=self._limiter)
 
     # -- promotion and write-through ---------------------------------------------------------
 
@@ -510,60 +265,3 @@ class SlotCopies:
             await self._host_copy(host, len(host) * self.block_bytes)
         staging.release(batch.buffers)
         batch.buffers = []
-
-    # -- closing and observation -------------------------------------------------------------
-
-    async def drain_all(self) -> bool:
-        """Refuse new work, then wait (at most ``settle_timeout``) until no operation is in flight
-        and every lane ran what was queued; False when something is still running."""
-        self.closing = True
-        with anyio.move_on_after(self._settle_timeout, shield=True):
-            while self._in_flight:
-                self._idle = anyio.Event()
-                await self._idle.wait()
-            try:
-                with self.on_device():
-                    marks = [lane.mark() for lane in self._lanes]
-            except Exception:  # CUDA is failing: a dead context runs nothing more
-                logger.exception("CUDA failed while closing a CudaPool on cuda:%d", self.device)
-                return True
-            for done in marks:
-                await done.settled()
-            return True
-        return False
-
-    def release(self) -> bool:
-        """Stop the waiters and free the streams, events and pinned memory; blocking (a
-        worker thread runs it), and only after ``drain_all`` returned True. False when a
-        waiter is stuck on a copy (then nothing is freed)."""
-        if not all(lane.stop(self._settle_timeout) for lane in self._lanes):
-            return False
-        with self.on_device():
-            for lane in self._lanes:
-                lane.destroy()
-            if hasattr(self, "_order"):
-                self._rt.eventDestroy(self._order)
-            self._fences.clear()
-            for staging in self._staging:
-                staging.free()
-        return True
-
-    def statistics(self) -> TransferStatistics:
-        return TransferStatistics(
-            device=self.device,
-            staging_buffers=self.staging_buffers,
-            upload_staging_free=self._upload_staging.available,
-            download_staging_free=self._download_staging.available,
-            engine_staging_free=self._engine_staging.available,
-            staging_waits=sum(staging.waits for staging in self._staging),
-            bytes_to_device=self._to_device,
-            bytes_to_host=self._to_host,
-            bytes_device_to_device=self._peer_bytes,
-            abandoned_copies=self._abandoned,
-            operations_in_flight=self._in_flight,
-        )
-
-
-def _keep_until_done(objects: object) -> None:
-    """A completion callback whose only job is to hold ``objects`` (the engine's arrays) until
-    the copy that touches them has landed."""

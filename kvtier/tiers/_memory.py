@@ -103,16 +103,14 @@ class MemoryTier(SecondaryTier):
     ) -> BatchResults:
         if type(self).load is not MemoryTier.load:
             return await super()._load_batch(keys, dsts, deadline, pinned)
-        await anyio.lowlevel.checkpoint()
-        return [_outcome(self._load, k, d) for k, d in zip(keys, dsts, strict=True)]
+        return await _each(self._load, keys, dsts)
 
     async def _store_batch(
         self, keys: Sequence[bytes], srcs: Sequence[memoryview], deadline: float, pinned: bool
     ) -> BatchResults:
         if type(self).store is not MemoryTier.store:
             return await super()._store_batch(keys, srcs, deadline, pinned)
-        await anyio.lowlevel.checkpoint()
-        return [_outcome(self._store, k, s) for k, s in zip(keys, srcs, strict=True)]
+        return await _each(self._store, keys, srcs)
 
     async def delete(self, key: bytes) -> None:
         await anyio.lowlevel.checkpoint()
@@ -135,12 +133,19 @@ class MemoryTier(SecondaryTier):
         )
 
 
-def _outcome(
-    operation: Callable[[bytes, memoryview], None], key: bytes, view: memoryview
-) -> TierError | None:
-    """None when ``operation`` did its block, else the tier's error for it."""
-    try:
-        operation(key, view)
-    except TierError as exc:
-        return exc
-    return None
+async def _each(
+    operation: Callable[[bytes, memoryview], None],
+    keys: Sequence[bytes],
+    views: Sequence[memoryview],
+) -> BatchResults:
+    """``operation`` on each block after one checkpoint; per block, None or the tier's error."""
+    await anyio.lowlevel.checkpoint()
+    outcomes: BatchResults = []
+    for key, view in zip(keys, views, strict=True):
+        try:
+            operation(key, view)
+        except TierError as exc:
+            outcomes.append(exc)
+        else:
+            outcomes.append(None)
+    return outcomes

@@ -82,34 +82,24 @@ def read_block(
         return _read.read_block(
             files.root, name, key, view, None, call.touching, integrity_key=files.integrity_key
         )
-    if not private and files.zero_copy(view):
-        region = files.buffers.take(files.region_size(key, view.nbytes))
-        try:
-            return _read.read_block(
-                files.root,
-                name,
-                key,
-                view,
-                None,
-                call.touching,
-                integrity_key=files.integrity_key,
-                direct=True,
-                region=memoryview(region),
-            )
-        finally:
-            files.buffers.give(region)
-    hlen = files.header_size(key)
-    buf = files.buffers.take(_read.scratch_size(files.direct, hlen, view.nbytes))
+    # Without a copy: an aligned buffer for the header page only. Else: one for the pieces.
+    zero_copy = not private and files.zero_copy(view)
+    if zero_copy:
+        size = files.region_size(key, view.nbytes)
+    else:
+        size = _read.scratch_size(files.direct, files.header_size(key), view.nbytes)
+    buf = files.buffers.take(size)
     try:
         return _read.read_block(
             files.root,
             name,
             key,
             view,
-            memoryview(buf),
+            None if zero_copy else memoryview(buf),
             call.touching,
             integrity_key=files.integrity_key,
             direct=files.direct,
+            region=memoryview(buf) if zero_copy else None,
         )
     finally:
         files.buffers.give(buf)
