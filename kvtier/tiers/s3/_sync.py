@@ -44,6 +44,7 @@ import anyio.to_thread
 from kvtier._errors import TierError
 from kvtier._format import IntegrityKey
 from kvtier._logging import BurstLogger
+from kvtier.tiers.s3._config import S3Config
 from kvtier.tiers.s3._errors import Fault
 from kvtier.tiers.s3._index import ExistenceIndex
 from kvtier.tiers.s3._journal import (
@@ -77,38 +78,32 @@ class IndexSync:
     def __init__(
         self,
         index: ExistenceIndex,
+        config: S3Config,
         *,
         name: str,
-        bucket: str,
-        prefix: str,
         writer: str,
         call: Call,
         client: Callable[[], Any],
         notify: Callable[[list[bytes]], None],
-        index_refresh: float,
-        index_lookback: float,
-        index_list_timeout: float,
         read_journal: bool = True,
         integrity_key: IntegrityKey | None = None,
         wall: Callable[[], float] = time.time,
     ) -> None:
-        self._index = index
-        self.name = name
-        self._bucket = bucket
-        self._prefix = prefix
-        self._writer = writer
-        self._call = call
-        self._client = client
-        self._notify = notify
-        self.index_refresh = index_refresh
-        self._lookback_ms = int(index_lookback * 1000)
-        self._skew_limit = max(index_lookback / 2, 2 * _DATE_RESOLUTION)
-        self._list_timeout = index_list_timeout
+        """Keep ``index`` for the bucket and prefix of ``config``, with its ``index_refresh``,
+        ``index_lookback`` and ``index_list_timeout``; ``writer`` names this node's segments."""
+        self._index, self.name, self._writer = index, name, writer
+        self._call, self._client, self._notify = call, client, notify
+        self._bucket, self._prefix = config.bucket, config.prefix
+        self.index_refresh = config.index_refresh
+        lookback = config.index_lookback
+        self._lookback_ms = int(lookback * 1000)
+        self._skew_limit = max(lookback / 2, 2 * _DATE_RESOLUTION)
+        self._list_timeout = config.index_list_timeout
         self._wall = wall
         self._read_journal = read_journal
         self._integrity_key = integrity_key
-        self._journal = journal_prefix(prefix)
-        self._max_segment = max_segment_bytes(prefix)
+        self._journal = journal_prefix(self._prefix)
+        self._max_segment = max_segment_bytes(self._prefix)
         self._seq = 0
         # (wall ms, name) of segments published here and not deleted yet, the oldest first
         self._own: collections.deque[tuple[int, str]] = collections.deque()

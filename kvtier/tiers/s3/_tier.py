@@ -23,6 +23,7 @@ from kvtier._errors import (
     TierUnavailableError,
 )
 from kvtier._format import IntegrityKey
+from kvtier._identity import CacheIdentity, scoped_name
 from kvtier._keys import check_key
 from kvtier._lookup import LookupResult, MissReason
 from kvtier._resilience import BreakerState
@@ -39,7 +40,7 @@ from kvtier.tiers.s3._client import (
 from kvtier.tiers.s3._config import S3Config, S3Overrides, check_bucket_name
 from kvtier.tiers.s3._core import S3Core, S3TierStatistics
 from kvtier.tiers.s3._errors import Fault
-from kvtier.tiers.s3._integrity import check_marker
+from kvtier.tiers.s3._integrity import check_marker, claim_identity
 from kvtier.tiers.s3._requests import Requests
 from kvtier.tiers.s3._sync import IndexSync
 
@@ -66,6 +67,11 @@ class S3Tier(SecondaryTier):
     and serve only blocks signed with it; every node sharing the prefix must set the same one.
     It is never shown (``repr`` says ``signed=True``). Neither are the credentials: they live
     in a closure handed to ``create_client``, and ``config`` keeps every setting but them.
+
+    ``identity`` (a ``kvtier.CacheIdentity``): what the blocks are; recorded under the prefix
+    at open, and a prefix that records another one is refused (or, with
+    ``separate_identities``, each identity keeps its blocks under ``<prefix>/id-<digest>``).
+    Without one the prefix is used as it is: you vouch for the keys' namespace.
     """
 
     def __init__(
@@ -74,11 +80,16 @@ class S3Tier(SecondaryTier):
         *,
         config: S3Config | None = None,
         integrity_key: str | bytes | IntegrityKey | None = None,
+        identity: CacheIdentity | None = None,
         clock: Callable[[], float] = time.monotonic,
         **overrides: Unpack[S3Overrides],
     ) -> None:
         settings = S3Config.from_keywords(config, bucket=bucket, **overrides)
         check_bucket_name(settings.bucket)
+        self.identity = identity
+        if settings.separate_identities and identity is not None:  # else nothing to separate
+            scoped = "/".join(p for p in (settings.prefix, scoped_name(identity)) if p)
+            settings = dataclasses.replace(settings, prefix=scoped)
         self.integrity_key = (
             integrity_key
             if integrity_key is None or isinstance(integrity_key, IntegrityKey)
@@ -127,19 +138,14 @@ class S3Tier(SecondaryTier):
 
     def _new_sync(self, core: S3Core) -> IndexSync:
         """The listing at open and the journal loop that keep ``core.index`` current."""
-        config = core.config
         return IndexSync(
             core.index,
+            core.config,
             name=self.name,
-            bucket=config.bucket,
-            prefix=config.prefix,
             writer=core.writer,
             call=self._requests.call,
             client=self._sync_client,
             notify=self.notify,
-            index_refresh=config.index_refresh,
-            index_lookback=config.index_lookback,
-            index_list_timeout=config.index_list_timeout,
             read_journal=core.index_mode,  # ask mode only publishes, for the others
             integrity_key=self.integrity_key,
         )
@@ -215,6 +221,16 @@ class S3Tier(SecondaryTier):
             tier=self.name,
             where=core.where,
         )
+        if self.identity is not None:
+            core.conditional_put = await claim_identity(
+                self._requests.call,
+                client,
+                bucket=self.bucket,
+                prefix=self.prefix,
+                identity=self.identity,
+                conditional_put=core.conditional_put,
+                tier=self.name,
+            )
 
     async def _forget_client(self) -> None:
         self._client = None

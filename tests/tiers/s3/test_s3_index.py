@@ -31,7 +31,7 @@ from kvtier._errors import BlockNotFoundError, InvalidArgumentError
 from kvtier._format import header_size
 from kvtier._lookup import LookupResult, MissReason
 from kvtier._resilience import CircuitBreaker
-from kvtier.tiers.s3 import S3Tier
+from kvtier.tiers.s3 import S3Config, S3Tier
 from kvtier.tiers.s3._index import ExistenceIndex
 from kvtier.tiers.s3._journal import (
     MAX_SEGMENT_ENTRIES,
@@ -355,18 +355,21 @@ def _sync(
         max_concurrency=4,
         breaker=CircuitBreaker(100, 1.0),
     )
-    return IndexSync(
-        index,
-        name="s3",
+    config = S3Config(
         bucket=BUCKET,
         prefix=prefix,
+        index_refresh=1.0,
+        index_lookback=lookback,
+        index_list_timeout=10.0,
+    )
+    return IndexSync(
+        index,
+        config,
+        name="s3",
         writer=writer_id(),
         call=requests.call,
         client=lambda: client,
         notify=lambda keys: None,
-        index_refresh=1.0,
-        index_lookback=lookback,
-        index_list_timeout=10.0,
         wall=wall,
     )
 
