@@ -27,6 +27,7 @@ from kvtier._errors import (
     TierUnavailableError,
 )
 from kvtier._format import IntegrityKey
+from kvtier._identity import CacheIdentity, IdentityMismatchError, ManifestError
 from kvtier._keys import block_keys
 from kvtier._lookup import LookupResult, MissReason
 from kvtier._metrics import (
@@ -65,6 +66,7 @@ __all__ = [
     "AdmissionStatistics",
     "AsyncLookupManager",
     "BlockNotFoundError",
+    "CacheIdentity",
     "CorruptBlockError",
     "CostModel",
     "CostStatistics",
@@ -75,6 +77,7 @@ __all__ = [
     "FSConfig",
     "FSTier",
     "HostPool",
+    "IdentityMismatchError",
     "IntegrityConfig",
     "IntegrityKey",
     "InvalidArgumentError",
@@ -88,6 +91,7 @@ __all__ = [
     "LookupStatistics",
     "ManagerConfig",
     "ManagerStatistics",
+    "ManifestError",
     "MemoryTier",
     "MetricsServer",
     "MissReason",

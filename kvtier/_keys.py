@@ -3,6 +3,11 @@
 A key must mean the same bytes on every process and machine that shares a tier, so it is a
 cryptographic hash of explicit bytes (never Python's ``hash()``), and it starts with a scheme
 version byte so that a future change of scheme can never alias keys written by this one.
+
+The ``namespace`` should be a ``CacheIdentity`` (``kvtier._identity``): every key then derives
+from everything that changes a block's bytes, and tiers given the same identity check that
+their folder or prefix holds it. Bare bytes still work: the caller vouches that they name all
+of it.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from kvtier._errors import InvalidArgumentError
+from kvtier._identity import CacheIdentity
 from kvtier._settings import positive_int
 
 __all__ = ["KEY_SCHEME_VERSION", "KEY_SIZE", "block_keys", "check_key"]
@@ -56,18 +62,27 @@ def block_keys(
     token_ids: Sequence[int] | Any,
     block_size: int,
     *,
-    namespace: bytes = b"",
+    namespace: bytes | CacheIdentity = b"",
     parent: bytes | None = None,
 ) -> list[bytes]:
     """Return one key per full block of ``token_ids``; a partial last block gets none.
 
     ``namespace`` must name everything that changes the KV bytes of the same tokens (model,
-    dtype, layout, tensor-parallel shard); ``parent`` continues a chain from an earlier key.
+    dtype, layout, tensor-parallel shard): a ``CacheIdentity`` (whose ``block_size`` must be
+    ``block_size``), or bytes you vouch for. ``parent`` continues a chain from an earlier key.
     """
     positive_int(block_size, "block_size")
-    if not isinstance(namespace, bytes):
+    if isinstance(namespace, CacheIdentity):
+        if namespace.block_size != block_size:
+            raise InvalidArgumentError(
+                f"block_size is {block_size} but the identity's is {namespace.block_size}: "
+                "keys of one identity cover blocks of its block size"
+            )
+        namespace = namespace.namespace
+    elif not isinstance(namespace, bytes):
         raise InvalidArgumentError(
-            f"namespace must be bytes, got {type(namespace).__name__}; encode strings first"
+            f"namespace must be bytes or a CacheIdentity, got {type(namespace).__name__}; "
+            "encode strings first"
         )
     if parent is not None:
         check_key(parent, "parent")

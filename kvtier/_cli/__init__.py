@@ -2,7 +2,7 @@
 
 ::
 
-    kvtier inspect ROOT            what an FS tier folder holds (blocks, bytes, format, ages)
+    kvtier inspect ROOT            what an FS tier folder holds (identity, blocks, bytes, ages)
     kvtier verify ROOT [--remove]  check every block's header and checksum
     kvtier bench [--config FILE]   a short self-benchmark of the configured tiers
     kvtier config [--config FILE]  print the validated configuration (secrets hidden)

@@ -17,6 +17,7 @@ from typing import IO, Any
 from kvtier._cli._common import EXIT_BAD_DATA, EXIT_OK, UsageError, human_bytes
 from kvtier._errors import InvalidArgumentError
 from kvtier._format import HeaderError, IntegrityKey, decode_header, verify_block
+from kvtier._identity import CacheIdentity, ManifestError
 from kvtier.tiers.fs._layout import (
     BLOCK_FORMATS,
     LAYOUT_VERSION,
@@ -25,6 +26,7 @@ from kvtier.tiers.fs._layout import (
     Kind,
     ShardFolders,
     name_of,
+    read_identity,
     read_marker,
     remove_if_same,
     walk,
@@ -187,6 +189,7 @@ def inspect(args: argparse.Namespace, out: IO[str]) -> int:
         "readable": scan.marker.get("layout") == LAYOUT_VERSION
         and scan.marker.get("block_format") in BLOCK_FORMATS,
         "signed": scan.marker.get("integrity") is not None,
+        "identity": _identity(root),
         "blocks": len(scan.blocks),
         "bytes": sum(sizes),
         "block_bytes_min": min(sizes, default=None),
@@ -207,6 +210,7 @@ def inspect(args: argparse.Namespace, out: IO[str]) -> int:
         f"format:        kvtier-fs layout {report['layout']}, block format "
         f"{report['block_format']}{readable}"
         + (", signed (integrity key)" if report["signed"] else ""),
+        f"identity:      {_identity_line(report['identity'])}",
         f"blocks:        {len(scan.blocks)} in {scan.shards} shard folders",
         f"bytes:         {human_bytes(report['bytes'])} ({report['bytes']} bytes)",
     ]
@@ -225,6 +229,24 @@ def inspect(args: argparse.Namespace, out: IO[str]) -> int:
             lines.append(f"  ... and {len(scan.foreign) - 10} more")
     out.write("\n".join(lines) + "\n")
     return EXIT_OK
+
+
+def _identity(root: Path) -> dict[str, Any] | None:
+    """The cache identity the folder records (its manifest's fields), None when it records
+    none, or ``{"error": ...}`` for a manifest that cannot be read or is not valid."""
+    try:
+        raw = read_identity(root)
+        return None if raw is None else CacheIdentity.from_manifest(raw).fields()
+    except (OSError, ManifestError) as exc:
+        return {"error": str(exc)}
+
+
+def _identity_line(identity: dict[str, Any] | None) -> str:
+    if identity is None:
+        return "none recorded (tiers here vouch for their keys' namespace)"
+    if "error" in identity:
+        return f"UNREADABLE: {identity['error']}"
+    return ", ".join(f"{name}={value!r}" for name, value in identity.items())
 
 
 # -- verify ----------------------------------------------------------------------------------

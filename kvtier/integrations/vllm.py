@@ -12,7 +12,8 @@ Put this in the tiering spec's ``secondary_tiers`` (``kv_connector_extra_config`
 mistake names the key (``fs.root``); two defaults differ (``ADAPTER_DEFAULTS``): the FS tier
 reads with 32 threads and does not fsync, as vLLM's own ``fs`` tier. From Python, ``tier``
 may also be a ready ``kvtier.SecondaryTier`` (a tier of your own). Other keys:
-``namespace`` (text mixed into every key, see below), ``miss_ttl``, ``op_timeout``,
+``namespace`` (text mixed into every key, see below), ``identity`` and ``identity_extra``
+(below), ``miss_ttl``, ``op_timeout``,
 ``check_timeout`` (seconds; see ``TierBridge``) and vLLM's own ``locality`` and
 ``backpressure``.
 
@@ -33,13 +34,24 @@ How vLLM's calls map onto kvtier (all of them return at once; see ``_bridge`` fo
 - ``drain_jobs`` blocks until no job touches the primary view (jobs are waited for, never
   cancelled); ``shutdown`` drains, closes the tier and joins the loop thread.
 
-Keys: a vLLM ``OffloadKey`` (block hash plus group index) becomes the kvtier key
-``0x56 || blake2b-120(namespace, key)``. It depends only on the key and the namespace, so two
-vLLM instances with the same namespace share blocks in one folder or bucket. The namespace
-is ``namespace`` plus a fingerprint of what changes a chunk's bytes, taken from vLLM's
-offloading spec: model, KV dtype, tokens per hash, blocks per chunk, the KV cache groups,
-the parallel layout (unless vLLM says the bytes are parallelism-agnostic) and the chunk
-size. The leading ``0x56`` ('V') keeps these keys apart from ``kvtier.block_keys`` keys.
+Identity and keys: the adapter builds a ``kvtier.CacheIdentity`` from vLLM's offloading spec:
+the model, the KV dtype, the tokens per chunk (tokens per hash x blocks per chunk), the layout
+(vLLM's KV cache layout, canonical and replicated flags, the chunk's bytes and a digest of the
+KV cache groups), the parallel layout (``"agnostic"`` when vLLM says the bytes are
+parallelism-agnostic) and, as ``extra`` fields, ``namespace`` and whatever ``identity_extra``
+adds (vLLM's spec does not carry the RoPE settings: name them there, or as ``positional``
+in a full ``identity``). ``identity`` (a ``CacheIdentity``, or a mapping of its fields) replaces
+what the spec gives. Where neither gives one the adapter refuses to start: a cache whose
+identity nobody states can hand one engine another engine's bytes. The tier it builds records
+the identity in its folder or prefix and refuses one that records another (or, with
+``separate_identities`` in ``tier``, keeps each identity apart); a tier that refuses answers
+misses, and the log says which fields differ.
+
+A vLLM ``OffloadKey`` (block hash plus group index) becomes the kvtier key
+``0x56 || blake2b-120(identity, key)``. It depends only on the key and the identity, so two
+vLLM instances of one identity share blocks in one folder or bucket, and instances of two
+never share a key. The leading ``0x56`` ('V') keeps these keys apart from
+``kvtier.block_keys`` keys.
 """
 
 # vLLM is an optional extra: where it is missing (the usual typecheck session) its names are
@@ -56,9 +68,12 @@ from collections.abc import Collection, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvtier._errors import ExtraNotInstalledError, InvalidArgumentError
+from kvtier._identity import CacheIdentity, IdentityMismatchError
 from kvtier._lookup import LookupResult
 from kvtier.integrations._bridge import BridgeStatistics, TierBridge
 from kvtier.tiers._base import SecondaryTier
+from kvtier.tiers.fs import FSTier
+from kvtier.tiers.s3 import S3Tier
 
 try:
     from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found, unused-ignore]
@@ -89,7 +104,13 @@ if TYPE_CHECKING:
         BackpressureDetector,
     )
 
-__all__ = ["KVTierSecondaryTier", "kvtier", "tier_from_config", "vllm_key_hasher"]
+__all__ = [
+    "KVTierSecondaryTier",
+    "identity_from_spec",
+    "kvtier",
+    "tier_from_config",
+    "vllm_key_hasher",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +125,16 @@ _KINDS = ("fs", "s3")
 # nothing stored (temporary file, then rename), and the checksum turns a block torn by a power
 # loss into a miss. ``"fsync": "data"`` asks for fdatasync per block, at a cost to stores.
 ADAPTER_DEFAULTS: dict[str, dict[str, Any]] = {"fs": {"max_concurrency": 32, "fsync": "never"}}
-_OPTIONS = ("namespace", "miss_ttl", "op_timeout", "check_timeout", "locality", "tier")
+_OPTIONS = (
+    "namespace",
+    "identity",
+    "identity_extra",
+    "miss_ttl",
+    "op_timeout",
+    "check_timeout",
+    "locality",
+    "tier",
+)
 
 _TO_VLLM = {
     LookupResult.HIT: VLLMLookupResult.HIT,
@@ -115,9 +145,14 @@ _TO_VLLM = {
 
 
 def tier_from_config(
-    tier: Mapping[str, Any], *, num_blocks: int, block_bytes: int
+    tier: Mapping[str, Any],
+    *,
+    num_blocks: int,
+    block_bytes: int,
+    identity: CacheIdentity | None = None,
 ) -> SecondaryTier:
-    """Build the tier that ``{"kind": "fs"|"s3", ...}`` describes, with ``KVTierConfig``.
+    """Build the tier that ``{"kind": "fs"|"s3", ...}`` describes, with ``KVTierConfig``,
+    recording and checking ``identity`` in its folder or prefix.
 
     The keys are those of the ``[fs]`` or ``[s3]`` section of a kvtier config file; a key
     left out takes ``KVTierConfig``'s default, except those in ``ADAPTER_DEFAULTS``.
@@ -141,38 +176,83 @@ def tier_from_config(
         {"pool": {"num_blocks": num_blocks, "block_bytes": block_bytes}, kind: settings},
         source="secondary tier 'kvtier'",
     )
-    (built,) = config.build_tiers()
-    return built
+    if identity is None:
+        (built,) = config.build_tiers()
+        return built
+    key = None if config.integrity is None else config.integrity.key
+    if config.fs is not None:
+        return FSTier(config.fs.root, config=config.fs, integrity_key=key, identity=identity)
+    assert config.s3 is not None
+    return S3Tier(config.s3.bucket, config=config.s3, integrity_key=key, identity=identity)
 
 
-def _spec_fingerprint(spec: object, block_bytes: int) -> dict[str, Any]:
-    """What changes the bytes of a chunk, from vLLM's offloading spec (see module doc)."""
-    fields: dict[str, Any] = {"chunk_bytes": block_bytes}
-    config = getattr(spec, "config", None)
-    if config is None:
-        return fields
+def identity_from_spec(
+    spec: object,
+    block_bytes: int,
+    *,
+    namespace: str = "",
+    extra: Mapping[str, str] | None = None,
+) -> CacheIdentity:
+    """The cache identity of vLLM's offloading ``spec`` (see the module doc); raises
+    ``InvalidArgumentError`` when the spec does not say what the blocks are."""
+    config: Any = getattr(spec, "config", None)
     try:
-        fields.update(
-            model=config.model.name,
-            dtype=str(config.model.dtype),
-            tokens_per_hash=config.cache.tokens_per_hash,
-            blocks_per_chunk=config.cache.blocks_per_chunk,
-            groups=[[g.tokens_per_block, list(g.layer_names)] for g in config.groups],
-            canonical_layout=bool(config.canonical_layout),
-            kv_cache_layout=config.kv_cache_layout,
-            replicated_layout=bool(config.replicated_layout),
-        )
+        groups = [[g.tokens_per_block, list(g.layer_names)] for g in config.groups]
+        layout = {
+            "kv_cache_layout": config.kv_cache_layout,
+            "canonical": bool(config.canonical_layout),
+            "replicated": bool(config.replicated_layout),
+            "chunk_bytes": block_bytes,
+            "groups": hashlib.blake2b(json.dumps(groups).encode(), digest_size=8).hexdigest(),
+        }
         p = config.parallel
-        if not p.is_parallelism_agnostic:
-            fields["parallel"] = [p.tp_size, p.pp_size, p.pcp_size, p.dcp_size, p.world_size]
-    except AttributeError as exc:  # another vLLM version: say so rather than guess
-        logger.warning("kvtier: cannot read vLLM's offloading config (%r); namespace only", exc)
-    return fields
+        parallel = (
+            "agnostic"
+            if p.is_parallelism_agnostic
+            else f"tp={p.tp_size} pp={p.pp_size} pcp={p.pcp_size} dcp={p.dcp_size} "
+            f"world={p.world_size}"
+        )
+        cache = config.cache
+        return CacheIdentity(
+            model=config.model.name,
+            kv_dtype=str(config.model.dtype),
+            block_size=cache.tokens_per_hash * cache.blocks_per_chunk,
+            layout=json.dumps(layout, sort_keys=True, separators=(",", ":")),
+            parallel=parallel,
+            extra={**({"namespace": namespace} if namespace else {}), **(extra or {})},
+        )
+    except AttributeError as exc:  # no config, or another vLLM version: refuse, never guess
+        raise InvalidArgumentError(
+            f"the kvtier secondary tier cannot tell what vLLM's blocks are ({exc}): pass "
+            "'identity' with the model, kv_dtype, block_size, layout and parallel fields of "
+            "kvtier.CacheIdentity, so blocks are never shared across a difference"
+        ) from None
 
 
-def vllm_key_hasher(namespace: str, fingerprint: Mapping[str, Any]) -> hashlib.blake2b:
-    """A blake2b state holding the namespace; ``copy()`` it and add an OffloadKey."""
-    ns = json.dumps([namespace, dict(fingerprint)], sort_keys=True).encode()
+def _identity(
+    given: CacheIdentity | Mapping[str, Any] | None,
+    spec: object,
+    block_bytes: int,
+    namespace: str,
+    extra: Mapping[str, str] | None,
+) -> CacheIdentity:
+    if given is None:
+        return identity_from_spec(spec, block_bytes, namespace=namespace, extra=extra)
+    if isinstance(given, CacheIdentity):
+        return given
+    if not isinstance(given, Mapping):
+        raise InvalidArgumentError(
+            f"identity must be a kvtier.CacheIdentity or a mapping of its fields, got {given!r}"
+        )
+    try:
+        return CacheIdentity(**given)
+    except TypeError as exc:
+        raise InvalidArgumentError(f"identity: {exc}") from None
+
+
+def vllm_key_hasher(identity: CacheIdentity) -> hashlib.blake2b:
+    """A blake2b state holding the identity; ``copy()`` it and add an OffloadKey."""
+    ns = identity.namespace
     h = hashlib.blake2b(digest_size=15, person=_PERSON)
     h.update(len(ns).to_bytes(8, "little"))
     h.update(ns)
@@ -193,6 +273,8 @@ class KVTierSecondaryTier(SecondaryTierManager):
         *,
         tier: Mapping[str, Any] | SecondaryTier | None = None,
         namespace: str = "",
+        identity: CacheIdentity | Mapping[str, Any] | None = None,
+        identity_extra: Mapping[str, str] | None = None,
         miss_ttl: float = 2.0,
         op_timeout: float = 60.0,
         check_timeout: float = 10.0,
@@ -217,13 +299,21 @@ class KVTierSecondaryTier(SecondaryTierManager):
         # One flat byte view of the primary tier; slot c is bytes [c*B, (c+1)*B).
         self._flat = primary_kv_view.cast("B")
         self._num_slots = self._flat.nbytes // block_bytes
-        built = (
-            tier
-            if isinstance(tier, SecondaryTier)
-            else tier_from_config(tier, num_blocks=max(1, self._num_slots), block_bytes=block_bytes)
-        )
+        self.identity = _identity(identity, offloading_spec, block_bytes, namespace, identity_extra)
+        if isinstance(tier, SecondaryTier):
+            built = tier
+            own = tier.identity if isinstance(tier, FSTier | S3Tier) else None
+            if own is not None and own != self.identity:
+                raise IdentityMismatchError(f"tier {tier.name!r}", self.identity.differences(own))
+        else:
+            built = tier_from_config(
+                tier,
+                num_blocks=max(1, self._num_slots),
+                block_bytes=block_bytes,
+                identity=self.identity,
+            )
         self.namespace = namespace
-        self._hasher = vllm_key_hasher(namespace, _spec_fingerprint(offloading_spec, block_bytes))
+        self._hasher = vllm_key_hasher(self.identity)
         self._bridge = TierBridge(
             built,
             name=tier_type,

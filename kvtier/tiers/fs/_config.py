@@ -79,6 +79,10 @@ class FSConfig(Section):
     # Threads a deadline walked away from (a hung mount) that may still run; past it, fail fast.
     max_stuck_threads: int = field(default=32, metadata=spec(parse_positive_int))
     direct_io: bool = field(default=True, metadata=spec(_DIRECT_IO))
+    # With a cache identity: keep its blocks in root/id-<digest> (each identity its own
+    # folder) instead of refusing a root that records another identity (``kvtier._identity``);
+    # no effect on a tier without an identity.
+    separate_identities: bool = field(default=False, metadata=spec(parse_bool))
 
 
 class FSOverrides(TypedDict, total=False):
@@ -96,3 +100,4 @@ class FSOverrides(TypedDict, total=False):
     shared: Sharing
     max_stuck_threads: int
     direct_io: bool
+    separate_identities: bool

@@ -1,6 +1,7 @@
 """The FS tier's folder layout: names, shard folders, the format marker, and the one walk.
 
-``<root>/<2 hex>/<2 hex>/<name>`` plus ``<root>/kvtier-fs.json``: a block's file name is its
+``<root>/<2 hex>/<2 hex>/<name>`` plus ``<root>/kvtier-fs.json`` (and, for a tier given a cache
+identity, ``<root>/.kvtier-fs-identity.json``: ``kvtier._identity``): a block's file name is its
 key in hex (or ``h`` + a hash of a key too long for one name), and its two shard folders are
 the name's *last* four hex digits (keys start with a version byte, so the first digits would
 put every block in one folder). Folders are 0700 and files 0600. A file being written is
@@ -35,12 +36,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier._format import ALIGNED_FORMAT_VERSION, FORMAT_VERSION, IntegrityKey
+from kvtier._identity import MAX_MANIFEST_BYTES, CacheIdentity, ManifestError, check_manifest
 
 __all__ = [
     "BLOCK_FORMATS",
     "DIR_MODE",
     "FILE_MODE",
     "HOST_TAG",
+    "IDENTITY_NAME",
     "LAYOUT_VERSION",
     "MARKER",
     "MARKER_NAME",
@@ -55,6 +58,7 @@ __all__ = [
     "Kind",
     "ShardFolders",
     "check_marker",
+    "claim_identity",
     "fsync_folder",
     "is_block_name",
     "key_of",
@@ -63,6 +67,7 @@ __all__ = [
     "open_folder",
     "open_shard",
     "path_of",
+    "read_identity",
     "read_marker",
     "remove_if_same",
     "tmp_name",
@@ -83,6 +88,7 @@ BLOCK_FORMATS = (FORMAT_VERSION, ALIGNED_FORMAT_VERSION)
 STALE_TMP_SECONDS = 3600.0
 TMP_PREFIX = ".tmp-"
 _OWN_PREFIX = ".kvtier-fs"  # the marker's temporary file, the lock and the O_DIRECT probe
+IDENTITY_NAME = f"{_OWN_PREFIX}-identity.json"  # the cache identity manifest (kvtier._identity)
 _SHARD = re.compile(r"[0-9a-f]{2}")
 _NAME = re.compile(r"[0-9a-f]{2,200}|h[0-9a-f]{64}")
 _MAX_HEX_KEY = 100  # longer keys are named by a hash so a file name stays under NAME_MAX
@@ -376,6 +382,9 @@ def check_marker(root: Path, expected: dict[str, object]) -> None:
         raw = read_marker(root)
     except FileNotFoundError:
         foreign = [n for n in os.listdir(root) if not n.startswith(_OWN_PREFIX)]
+        if foreign == [MARKER_NAME]:  # another opener wrote it since: check that one
+            check_marker(root, expected)
+            return
         if foreign:
             raise IncompatibleRoot(
                 f"{root} is not empty and has no {MARKER_NAME} marker, so it is not a kvtier "
@@ -421,14 +430,19 @@ def _integrity_mismatch(root: Path, found: dict[str, object], expected: dict[str
     )
 
 
-def _write_marker(root: Path, marker: dict[str, object]) -> None:
-    tmp = root / f"{_OWN_PREFIX}.json.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC, FILE_MODE)
+def _write_new(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path``, which must not exist (``FileExistsError``), and sync it."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC, FILE_MODE)
     try:
-        os.write(fd, json.dumps(marker).encode())
+        os.write(fd, data)
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _write_marker(root: Path, marker: dict[str, object]) -> None:
+    tmp = root / f"{_OWN_PREFIX}.json.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    _write_new(tmp, json.dumps(marker).encode())
     try:
         os.rename(tmp, root / MARKER_NAME)
     except BaseException:
@@ -436,3 +450,43 @@ def _write_marker(root: Path, marker: dict[str, object]) -> None:
             os.unlink(tmp)
         raise
     fsync_folder(root)
+
+
+# -- the identity manifest ---------------------------------------------------------------------
+
+
+def read_identity(root: Path) -> bytes | None:
+    """The identity manifest's bytes (at most one byte past ``MAX_MANIFEST_BYTES``, so an
+    oversized one is seen as such), or None when the folder has none. A link is never
+    followed (``OSError``)."""
+    try:
+        fd = os.open(root / IDENTITY_NAME, READ_FLAGS)
+    except FileNotFoundError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        return f.read(MAX_MANIFEST_BYTES + 1)
+
+
+def claim_identity(root: Path, identity: CacheIdentity) -> None:
+    """Check that ``root`` holds ``identity``'s blocks, recording it first in a folder that
+    records none. The manifest is created whole or not at all (written aside, then linked to
+    its name, which fails if another opener's is there: that one is then checked), and never
+    replaced. Raises ``IdentityMismatchError`` or ``ManifestError`` (``kvtier._identity``)."""
+    where = str(root / IDENTITY_NAME)
+    found = read_identity(root)
+    if found is None:
+        tmp = root / f"{_OWN_PREFIX}-identity.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+        _write_new(tmp, identity.manifest())
+        try:
+            os.link(tmp, root / IDENTITY_NAME, follow_symlinks=False)
+        except FileExistsError:
+            pass  # another opener's manifest: checked below
+        else:
+            fsync_folder(root)
+            return
+        finally:
+            os.unlink(tmp)
+        found = read_identity(root)
+        if found is None:
+            raise ManifestError(f"{where} vanished right after another opener created it")
+    check_manifest(found, identity, where)

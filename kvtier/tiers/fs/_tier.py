@@ -25,6 +25,7 @@ import anyio
 from kvtier._describe import describe
 from kvtier._errors import InvalidArgumentError
 from kvtier._format import IntegrityKey
+from kvtier._identity import CacheIdentity, scoped_name
 from kvtier._keys import check_key
 from kvtier._lookup import LookupResult, MissReason
 from kvtier.tiers._async_lookup import AsyncLookupManager
@@ -41,7 +42,14 @@ from kvtier.tiers.fs._calls import Abandoned, Handoff, OnLate, Stuck
 from kvtier.tiers.fs._catalog import Catalog, Reservation
 from kvtier.tiers.fs._config import FSConfig, FSOverrides
 from kvtier.tiers.fs._index import IndexLookups
-from kvtier.tiers.fs._layout import Entry, IncompatibleRoot, marker_for, name_of
+from kvtier.tiers.fs._layout import (
+    DIR_MODE,
+    Entry,
+    IncompatibleRoot,
+    claim_identity,
+    marker_for,
+    name_of,
+)
 from kvtier.tiers.fs._ledger import Ledger
 from kvtier.tiers.fs._ownership import Claim, FolderBusy, claim
 
@@ -59,10 +67,16 @@ class FSTier(SecondaryTier):
         *,
         config: FSConfig | None = None,
         integrity_key: str | bytes | IntegrityKey | None = None,
+        identity: CacheIdentity | None = None,
         **overrides: Unpack[FSOverrides],
     ) -> None:
         """A tier in ``root``, with ``config``'s settings (else the defaults) and any
-        keyword overrides (``fsync="never"``, ...); ``FSConfig`` names and checks each one."""
+        keyword overrides (``fsync="never"``, ...); ``FSConfig`` names and checks each one.
+
+        ``identity``: what the blocks are (``kvtier.CacheIdentity``); recorded in the folder
+        at open, and a folder that records another one is refused (or, with
+        ``separate_identities``, each identity keeps its blocks in ``root/id-<digest>``).
+        Without one the folder is used as it is: you vouch for the keys' namespace."""
         self.config = settings = FSConfig.from_keywords(config, root=root, **overrides)
         self.integrity_key = (
             integrity_key
@@ -70,7 +84,11 @@ class FSTier(SecondaryTier):
             else IntegrityKey(integrity_key)
         )
         super().__init__(settings.name)
+        self.identity = identity
         self.root = Path(os.path.abspath(os.path.expanduser(settings.root)))
+        self._container: Path | None = None  # the root that holds one folder per identity
+        if settings.separate_identities and identity is not None:  # else nothing to separate
+            self._container, self.root = self.root, self.root / scoped_name(identity)
         self.capacity_bytes, self.fsync = settings.capacity_bytes, settings.fsync
         self.shared, self.direct_io = settings.shared, settings.direct_io
         self.max_concurrency = settings.max_concurrency
@@ -125,9 +143,15 @@ class FSTier(SecondaryTier):
     async def _prepare(self, *, raise_unavailable: bool) -> None:
         root, marker, files = self.root, self._marker, self._files
         probe, sharing = self.direct_io, None if self._claim else self.shared
+        container, identity = self._container, self.identity
 
         def prepare(_: Handoff) -> tuple[list[Entry], str | bool | None, Claim | None]:
+            if container is not None:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(container, DIR_MODE)
             entries = io.prepare_root(root, marker)
+            if identity is not None:
+                claim_identity(root, identity)
             refused = probe and io.direct_refused(root)
             return entries, refused, None if sharing is None else claim(root, sharing)
 

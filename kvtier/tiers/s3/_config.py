@@ -27,6 +27,7 @@ from kvtier._settings import (
     choice,
     described,
     optional,
+    parse_bool,
     parse_positive_int,
     parse_seconds,
     parse_text,
@@ -150,6 +151,10 @@ class S3Config(Section):
     # Blocks stored together per object (a pack, ``_pack``); None: 8 in the index mode, 1
     # in the ask mode (a HEAD by key cannot see a block inside a pack). See ``pack_blocks``.
     pack_blocks: int | None = field(default=None, metadata=spec(optional(parse_positive_int)))
+    # With a cache identity: keep its blocks under <prefix>/id-<digest> (each identity its own
+    # prefix) instead of refusing a prefix that records another identity (``kvtier._identity``);
+    # no effect on a tier without an identity.
+    separate_identities: bool = field(default=False, metadata=spec(parse_bool))
 
     def check_rules(self) -> None:
         if self.index_lookback < 2 * self.index_refresh:
@@ -241,3 +246,4 @@ class S3Overrides(TypedDict, total=False):
     index_list_timeout: float
     index_max_keys: int
     pack_blocks: int | None
+    separate_identities: bool

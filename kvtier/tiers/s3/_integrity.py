@@ -31,7 +31,9 @@ prefix can delete or replace the marker, which makes signing nodes refuse to ope
 service, as deleting blocks would be), never serve a forged block.
 
 The marker's name does not have the ``<2 hex>/<hex key>`` shape of a block, so the listing at
-open and ``key_from_object`` never take it for one.
+open and ``key_from_object`` never take it for one; nor does the cache identity manifest's,
+``<prefix>/_kvtier_identity.json``, which a tier given a ``CacheIdentity`` checks (and on a
+prefix that has none, creates with a conditional put) right after the marker.
 """
 
 from __future__ import annotations
@@ -44,15 +46,19 @@ from typing import Any
 
 from kvtier._errors import InvalidArgumentError, TierUnavailableError
 from kvtier._format import IntegrityKey
+from kvtier._identity import MAX_MANIFEST_BYTES, CacheIdentity, ManifestError, check_manifest
 from kvtier.tiers.s3._errors import Fault
 from kvtier.tiers.s3._pack import PACK_DIR
 from kvtier.tiers.s3._requests import Call, get_bytes
 
 __all__ = [
+    "IDENTITY_NAME",
     "MAC_NAME",
     "MARKER_NAME",
     "check_marker",
+    "claim_identity",
     "holds_blocks",
+    "identity_key",
     "marker_body",
     "marker_key",
     "marker_problem",
@@ -60,6 +66,7 @@ __all__ = [
 ]
 
 MARKER_NAME = "_kvtier_integrity.json"
+IDENTITY_NAME = "_kvtier_identity.json"  # the cache identity manifest (kvtier._identity)
 MAC_NAME = "blake3"
 LEGACY_MAC_NAME = "blake2b-256"
 _SHARD = re.compile(r"[0-9a-f]{2}/")
@@ -143,9 +150,7 @@ async def check_marker(
     name = marker_key(prefix)
 
     async def get() -> bytes | None:
-        attempt = functools.partial(get_bytes, client, bucket, name)
-        found = await call("open", None, attempt, expected=frozenset({Fault.NOT_FOUND}))
-        return None if isinstance(found, Fault) else found
+        return await _get(call, client, bucket, name)
 
     def settle(found: bytes) -> None:
         problem = marker_problem(found, integrity_key, where)
@@ -212,9 +217,9 @@ async def _put_marker(
     tier: str,
     where: str,
 ) -> tuple[object, bool]:
-    """Put the marker, conditionally while the server takes it; (the answer: a response, or
-    PRECONDITION / CONFLICT when another node's marker is there; whether conditional puts
-    still look supported)."""
+    """Put a marker (``where`` names it), conditionally while the server takes it; (the
+    answer: a response, or PRECONDITION / CONFLICT when another node's is there; whether
+    conditional puts still look supported)."""
     extra = {"IfNoneMatch": "*"} if conditional_put else {}
     expected = frozenset({Fault.PRECONDITION, Fault.CONFLICT, Fault.UNSUPPORTED})
     result = await call("open", None, functools.partial(put, Body=body, **extra), expected=expected)
@@ -223,8 +228,69 @@ async def _put_marker(
         result = await call("open", None, functools.partial(put, Body=body), expected=expected)
     if result is Fault.UNSUPPORTED:
         raise TierUnavailableError(
-            f"{where}: the server rejected the integrity marker's put as not implemented",
+            f"{where}: the server rejected the put of a kvtier marker as not implemented",
             tier=tier,
             operation="open",
         )
     return result, conditional_put
+
+
+async def _get(
+    call: Call, client: Any, bucket: str, name: str, most: int | None = None
+) -> bytes | None:
+    """Object ``name``, or None when there is none; with ``most``, a larger one is not read
+    (``ManifestError``: what kvtier writes there is far smaller)."""
+    attempt = functools.partial(get_bytes, client, bucket, name)
+    if most is not None:
+        attempt = functools.partial(_get_bounded, client, bucket, name, most)
+    found = await call("open", None, attempt, expected=frozenset({Fault.NOT_FOUND}))
+    return None if isinstance(found, Fault) else found
+
+
+async def _get_bounded(client: Any, bucket: str, name: str, most: int) -> bytes:
+    response = await client.get_object(Bucket=bucket, Key=name)
+    async with response["Body"] as body:
+        if response.get("ContentLength", most + 1) > most:
+            raise ManifestError(f"s3://{bucket}/{name} is larger than any kvtier writes")
+        data: bytes = await body.read()
+    return data
+
+
+def identity_key(prefix: str) -> str:
+    return f"{prefix}/{IDENTITY_NAME}" if prefix else IDENTITY_NAME
+
+
+async def claim_identity(
+    call: Call,
+    client: Any,
+    *,
+    bucket: str,
+    prefix: str,
+    identity: CacheIdentity,
+    conditional_put: bool,
+    tier: str,
+) -> bool:
+    """Check that the prefix records ``identity`` (``kvtier._identity``), recording it first
+    with a conditional put where the prefix records none; raise ``IdentityMismatchError`` or
+    ``ManifestError``. Requests: one bounded GET; a PUT and a GET again when there was no
+    manifest yet. Returns whether conditional puts still look supported. A manifest is never
+    replaced; without conditional puts two openers racing on a new prefix may both write,
+    and each reads back what stands."""
+    name = identity_key(prefix)
+    found = await _get(call, client, bucket, name, MAX_MANIFEST_BYTES)
+    if found is None:
+        put = functools.partial(client.put_object, Bucket=bucket, Key=name)
+        result, conditional_put = await _put_marker(
+            call, put, identity.manifest(), conditional_put, tier=tier, where=name
+        )
+        if conditional_put and result not in (Fault.PRECONDITION, Fault.CONFLICT):
+            return conditional_put
+        found = await _get(call, client, bucket, name, MAX_MANIFEST_BYTES)
+        if found is None:
+            raise TierUnavailableError(
+                f"{name}: the identity manifest vanished right after it was written; retry",
+                tier=tier,
+                operation="open",
+            )
+    check_manifest(found, identity, f"s3://{bucket}/{name}")
+    return conditional_put
