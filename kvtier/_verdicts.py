@@ -14,7 +14,11 @@ to its passes; a tuple or an object per key did, and full passes over a hundred 
 them stalled the event loop for tens of milliseconds.
 
 The map keeps the order in which entries were set: setting a key again moves it to the end,
-and past ``max_entries`` the oldest entry goes. Expiry is lazy: ``get`` drops an expired entry
+and past ``max_entries`` the oldest entry goes. A large map is split into shards by the key's
+hash, each holding its share of ``max_entries`` in its own order (the oldest of the key's
+shard goes): a hash table grows by rebuilding itself in one step, and one table of a hundred
+thousand entries took milliseconds to rebuild, a stall of the event loop at some insert; a
+shard's rebuild stays small. Expiry is lazy: ``get`` drops an expired entry
 it meets, and ``expire`` drops expired entries from the front (all of them when every entry has
 the same TTL, since then the order of setting is the order of expiry). An expiry is kept
 rounded down to the microsecond: an entry may end up to a microsecond early, never late, and a
@@ -38,6 +42,8 @@ MAX_CODE: Final = (1 << CODE_BITS) - 1
 PRESENT: Final = 0
 
 _MASK: Final = MAX_CODE
+# Entries a shard holds at most: what one insert may have to rebuild.
+_SHARD_ENTRIES: Final = 8192
 _FOREVER_US: Final = 1 << 62  # a TTL of math.inf: far beyond any clock's microseconds
 _REASONS: Final[tuple[MissReason, ...]] = tuple(MissReason)
 _CODE_OF: Final[dict[str, int]] = {reason: i + 1 for i, reason in enumerate(_REASONS)}
@@ -60,62 +66,73 @@ def reason_of(code: int) -> MissReason:
 class VerdictStore:
     """Key -> (code, expiry): bounded, oldest first out, expired lazily (see the module doc)."""
 
-    __slots__ = ("_clock", "_entries", "max_entries")
+    __slots__ = ("_clock", "_mask", "_per_shard", "_shards", "max_entries")
 
     def __init__(self, max_entries: int, *, clock: Callable[[], float] = time.monotonic) -> None:
         if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
             raise ValueError(f"max_entries must be a positive int, got {max_entries!r}")
         self.max_entries = max_entries
         self._clock = clock
-        self._entries: OrderedDict[bytes, int] = OrderedDict()
+        shards = 1
+        while shards * _SHARD_ENTRIES < max_entries:
+            shards *= 2
+        self._shards: list[OrderedDict[bytes, int]] = [OrderedDict() for _ in range(shards)]
+        self._mask = shards - 1
+        self._per_shard = max(max_entries // shards, 1)
 
     def __len__(self) -> int:
         """Entries held, expired ones not dropped yet included."""
-        return len(self._entries)
+        return sum(map(len, self._shards))
 
     def get(self, key: bytes) -> int | None:
         """The code of ``key``'s verdict, or None if there is none or it has expired."""
-        entry = self._entries.get(key)
+        entries = self._shards[hash(key) & self._mask]
+        entry = entries.get(key)
         if entry is None:
             return None
         if entry >> CODE_BITS > self._clock() * 1e6:
             return entry & _MASK
-        del self._entries[key]
+        del entries[key]
         return None
 
     def set(self, key: bytes, code: int, ttl: float) -> None:
         """Hold ``code`` for ``key`` for ``ttl`` seconds (``math.inf``: until pushed out or
-        forgotten), as the newest entry; the oldest goes past ``max_entries``."""
+        forgotten), as the newest entry; the oldest of its shard goes past the shard's share
+        of ``max_entries``."""
         if not 0 <= code <= MAX_CODE:
             raise ValueError(f"a verdict code is 0..{MAX_CODE}, got {code!r}")
         expires = self._clock() + ttl
         micros = _FOREVER_US if expires == math.inf else math.floor(expires * 1e6)
-        entries = self._entries
+        entries = self._shards[hash(key) & self._mask]
         entries[key] = micros << CODE_BITS | code
         entries.move_to_end(key)
-        while len(entries) > self.max_entries:
+        while len(entries) > self._per_shard:
             entries.popitem(last=False)
 
     def forget(self, key: bytes) -> bool:
         """Drop ``key``'s verdict; True if it had one (expired or not)."""
-        return self._entries.pop(key, None) is not None
+        return self._shards[hash(key) & self._mask].pop(key, None) is not None
 
     def expire(self) -> int:
-        """Drop expired entries from the front (the oldest set) up to the first live one;
-        how many went."""
-        entries = self._entries
+        """Drop expired entries from the front of each shard (the oldest set) up to its first
+        live one; how many went."""
         now = self._clock() * 1e6
         dropped = 0
-        for entry in entries.values():
-            if entry >> CODE_BITS > now:
-                break
-            dropped += 1
-        for _ in range(dropped):
-            entries.popitem(last=False)
+        for entries in self._shards:
+            stale = 0
+            for entry in entries.values():
+                if entry >> CODE_BITS > now:
+                    break
+                stale += 1
+            for _ in range(stale):
+                entries.popitem(last=False)
+            dropped += stale
         return dropped
 
     def clear(self) -> None:
-        self._entries.clear()
+        for entries in self._shards:
+            entries.clear()
 
     def __repr__(self) -> str:
-        return f"<VerdictStore {len(self._entries)}/{self.max_entries}>"
+        shards = f" in {len(self._shards)} shards" if len(self._shards) > 1 else ""
+        return f"<VerdictStore {len(self)}/{self.max_entries}{shards}>"

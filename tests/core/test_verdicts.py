@@ -128,6 +128,25 @@ def test_repr_shows_fill_and_bound(clock: ManualClock) -> None:
     assert repr(store) == "<VerdictStore 1/5>"
 
 
+def test_a_large_store_is_sharded_and_keeps_its_bound_and_newest_entries(
+    clock: ManualClock,
+) -> None:
+    """A large map is split into shards, so that no insert rebuilds one big hash table; the
+    bound holds over all of them and the newest entries stay (the oldest of a shard goes)."""
+    store = VerdictStore(100_000, clock=clock)
+    assert repr(store) == "<VerdictStore 0/100000 in 16 shards>"
+    keys = [i.to_bytes(16, "big") for i in range(250_000)]
+    for key in keys:
+        store.set(key, PRESENT, 10.0)
+    assert 99_000 < len(store) <= 100_000
+    newest = keys[-50_000:]
+    assert all(store.get(key) == PRESENT for key in newest)
+    assert sum(store.get(key) is not None for key in keys[:100_000]) == 0
+    held = len(store)
+    clock.advance(10.0)
+    assert store.expire() == held and len(store) == 0
+
+
 def test_the_bridge_keeps_each_miss_verdicts_reason_by_name() -> None:
     """The bridge's verdicts are codes too: its own reasons and a tier's other names come
     back as they went in, and past the codes there are, a name counts as ``not_found``."""
