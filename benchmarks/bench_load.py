@@ -1,18 +1,31 @@
-"""Many concurrent scheduler lookups over a shared key space, with tiers that answer slowly.
+"""The event loop under load: closed-loop scheduler lookups over slow tiers, and what they cost.
 
-    python -m benchmarks.bench_load [--requests 5000] [--quick] [--cached-keys 100000] [--json]
+    python -m benchmarks.bench_load                     # 256, 1,000 and 2,000 in flight
+    python -m benchmarks.bench_load --quick             # 256 in flight, fewer lookups
+    python -m benchmarks.bench_load --in-flight 256 --gc-freeze --json
 
-Reports the event loop's lag (how late a 5 ms timer fires) during the run beside the lag of
-the same loop idle, measured in the same process just before; the longest single callback
-(one uninterrupted step of any task: what "blocking the loop" means); peak sizes of the
-bounded structures (lookup cache, pending checks, in-flight bytes) against their limits; and
-errors. Lag under load is queueing: with thousands of tasks woken by one batch of verdicts the
-loop runs all their (short) steps before the timer; the longest step shows nothing blocks.
+An engine's decode loop shares kvtier's event loop, so kvtier's loop time is the engine's
+latency. Each run keeps ``--in-flight`` lookups going (closed-loop workers: one ends, the
+same worker starts the next), each a prefix of 1 to 31 keys from a shared key space over two
+tiers that answer slowly (half the keys are in the slower one), then stores what it missed.
+Each tier starts with ``--cached-keys`` existence verdicts already cached, as a node that has
+run for a while has. Everything is set up before the measured window opens.
 
-Each tier starts with ``--cached-keys`` existence verdicts already cached (a long-running
-node's state), and the report gives the garbage collector's pauses: a full collection timed
-before the run, and the longest and total collector time during it. Long-lived per-key state
-that the collector tracks makes every full pass walk it.
+Per run it prints, beside the same loop idle (measured in the same process just before):
+
+- loop lag: how late a 5 ms timer fires (p50, p99, max);
+- loop time per lookup: the time the loop spent running callbacks, divided by the lookups,
+  split into kvtier's (and the tiers') work and the garbage collector's (a collection runs
+  inside whichever callback allocated last);
+- loop steps per lookup and the longest step;
+- collector passes by generation, their total time, full passes per 1,000 lookups, and the
+  objects that reached the oldest generation per lookup: what makes full passes frequent
+  (CPython starts one when the objects promoted since the last exceed a quarter of those
+  already there).
+
+``--gc-freeze`` moves everything alive at the start into the permanent generation first
+(``gc.freeze()``, what vLLM does after start-up); ``--gc-threshold N`` sets the youngest
+generation's threshold (CPython's default is 700).
 """
 
 from __future__ import annotations
@@ -22,6 +35,7 @@ import asyncio
 import gc
 import random
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -31,208 +45,244 @@ import kvtier
 from benchmarks.common import add_json_flag, json_output
 from kvtier.testing import SlowTier
 
-BB = 256
+BB = 256  # bytes per block: the loop's cost, not the bytes', is measured here
+KEY_SPACE = 20_000
+TIMER = 0.005
 
 
-class StepTimer:
-    """Times every callback the asyncio loop runs (patches Handle._run for the measurement),
-    and Python's garbage-collector passes, which stop the loop wherever they happen to start."""
+@dataclass
+class LoopProbe:
+    """Times every callback the asyncio loop runs and every collector pass, and counts the
+    objects each middle-generation pass moves to the oldest generation."""
 
-    def __init__(self) -> None:
-        self.longest = 0.0
-        self.longest_gc = 0.0
-        self.total_gc = 0.0
-        self.full_passes = 0
-        self._gc_started = 0.0
-        self._original = asyncio.events.Handle._run
+    busy: float = 0.0
+    steps: int = 0
+    longest: float = 0.0
+    gc_seconds: float = 0.0
+    passes: list[int] = field(default_factory=lambda: [0, 0, 0])
+    promoted: int = 0
+    _started: float = 0.0
+    _young: int = 0
+    _original: Any = None
 
-    def _gc(self, phase: str, info: dict[str, int]) -> None:
+    def _collector(self, phase: str, info: dict[str, int]) -> None:
+        generation = info["generation"]
         if phase == "start":
-            self._gc_started = time.perf_counter()
-        else:
-            pause = time.perf_counter() - self._gc_started
-            self.longest_gc = max(self.longest_gc, pause)
-            self.total_gc += pause
-            self.full_passes += info.get("generation") == 2
+            self._started = time.perf_counter()
+            if generation == 1:  # what survives this pass moves to the oldest generation
+                self._young = len(gc.get_objects(0)) + len(gc.get_objects(1))
+            return
+        self.gc_seconds += time.perf_counter() - self._started
+        self.passes[generation] += 1
+        if generation == 1:
+            self.promoted += max(self._young - info["collected"], 0)
 
-    def __enter__(self) -> StepTimer:
-        original = self._original
-        timer = self
+    def __enter__(self) -> LoopProbe:
+        self._original = original = asyncio.events.Handle._run
+        probe = self
 
         def timed(handle: asyncio.events.Handle) -> None:
-            start = time.perf_counter()
+            started = time.perf_counter()
             original(handle)
-            timer.longest = max(timer.longest, time.perf_counter() - start)
+            spent = time.perf_counter() - started
+            probe.busy += spent
+            probe.steps += 1
+            probe.longest = max(probe.longest, spent)
 
-        asyncio.events.Handle._run = timed  # type: ignore[method-assign]
-        gc.callbacks.append(self._gc)
+        asyncio.events.Handle._run = timed  # type: ignore[method-assign,assignment]
+        gc.callbacks.append(self._collector)
         return self
 
     def __exit__(self, *exc: object) -> None:
         asyncio.events.Handle._run = self._original  # type: ignore[method-assign]
-        gc.callbacks.remove(self._gc)
+        gc.callbacks.remove(self._collector)
 
 
-async def measure_lag(stop: anyio.Event, samples: list[float], period: float = 0.005) -> None:
+async def timer_lag(stop: anyio.Event, samples: list[float]) -> None:
     while not stop.is_set():
-        start = time.perf_counter()
-        await anyio.sleep(period)
-        samples.append(time.perf_counter() - start - period)
+        started = time.perf_counter()
+        await anyio.sleep(TIMER)
+        samples.append(time.perf_counter() - started - TIMER)
 
 
-def pct(values: list[float], q: float) -> float:
-    return float(np.percentile(values, q)) * 1e3 if values else 0.0
+def lag_ms(samples: list[float]) -> dict[str, float]:
+    if not samples:
+        return {"p50": float("nan"), "p99": float("nan"), "max": float("nan")}
+    values = np.array(samples) * 1e3
+    return {
+        "p50": float(np.percentile(values, 50)),
+        "p99": float(np.percentile(values, 99)),
+        "max": float(values.max()),
+    }
 
 
-def full_collection_ms() -> float:
-    """The pause of one full collection now, as a full pass would stop the loop."""
-    started = time.perf_counter()
-    gc.collect()
-    return (time.perf_counter() - started) * 1e3
+async def idle_lag(seconds: float = 1.0) -> dict[str, float]:
+    stop, samples = anyio.Event(), list[float]()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(timer_lag, stop, samples)
+        await anyio.sleep(seconds)
+        stop.set()
+    return lag_ms(samples)
 
 
-async def workload(
-    requests: int, concurrency: int, key_space: int, cached_keys: int, seed: int = 0
-) -> dict[str, float]:
-    """Run the load; return peaks, errors and the scheduler's results."""
-    rng = random.Random(seed)
-    keys = kvtier.block_keys(list(range(key_space)), 1, namespace=b"load")
+async def tiers_with_history(cached_keys: int) -> tuple[list[bytes], SlowTier, SlowTier]:
+    """The key space, and two slow tiers that hold half of it and remember ``cached_keys``
+    verdicts about other keys each."""
+    keys = kvtier.block_keys(list(range(KEY_SPACE)), 1, namespace=b"load")
     entries = 5_000 + cached_keys
-    slow_a = SlowTier(delay=0.002, name="slow-a", max_pending=2_000, max_entries=entries)
-    slow_b = SlowTier(delay=0.004, name="slow-b", max_pending=2_000, max_entries=entries)
-    for key in keys[: key_space // 2]:
-        await slow_b.inner.store(key, memoryview(bytes(BB)))
-    peaks = {"full_gc_ms_empty": full_collection_ms()}
-    old = kvtier.block_keys(list(range(cached_keys)), 1, namespace=b"earlier")
-    for tier in (slow_a, slow_b):  # what a long-running node has learnt about other keys
-        for i, key in enumerate(old):
+    fast = SlowTier(delay=0.002, name="slow-a", max_pending=2_000, max_entries=entries)
+    slow = SlowTier(delay=0.004, name="slow-b", max_pending=2_000, max_entries=entries)
+    for key in keys[: KEY_SPACE // 2]:
+        await slow.inner.store(key, memoryview(bytes(BB)))
+    earlier = kvtier.block_keys(list(range(cached_keys)), 1, namespace=b"earlier")
+    for tier in (fast, slow):
+        for i, key in enumerate(earlier):
             tier.lookups.record(key, i % 2 == 0)
-    del old
-    peaks["full_gc_ms_cached"] = full_collection_ms()
-    peaks["tracked_objects"] = len(gc.get_objects())
-    limit = 64 * BB
-    peaks.update({"cached": 0.0, "pending": 0.0, "in_flight_bytes": 0.0, "errors": 0.0})
-    manager = kvtier.TieringManager(
-        kvtier.HostPool(2_000, BB), [slow_a, slow_b], max_in_flight_bytes=limit
-    )
+    return keys, fast, slow
+
+
+async def closed_loop(
+    scheduler: kvtier.OffloadScheduler,
+    manager: kvtier.TieringManager,
+    keys: list[bytes],
+    in_flight: int,
+    lookups: int,
+) -> dict[str, int]:
+    """``in_flight`` workers run ``lookups`` lookups (and stores of what missed) in all."""
+    rng = random.Random(in_flight)
+    left, outcome = [lookups], {"errors": 0, "hits": 0, "keys": 0}
+    zeros = np.zeros((32, BB), np.uint8)
+
+    async def worker() -> None:
+        while left[0] > 0:
+            left[0] -= 1
+            start = rng.randrange(0, KEY_SPACE - 32)
+            prefix = keys[start : start + rng.randrange(1, 32)]
+            try:
+                n = await scheduler.lookup(prefix, timeout=5.0)
+                await manager.store(prefix[n:], zeros[: len(prefix) - n])
+            except Exception:
+                outcome["errors"] += 1
+            else:
+                outcome["hits"] += n
+                outcome["keys"] += len(prefix)
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(in_flight):
+            tg.start_soon(worker)
+    return outcome
+
+
+async def run(in_flight: int, lookups: int, cached_keys: int) -> dict[str, Any]:
+    """One measured run, set up first; its figures."""
+    keys, fast, slow = await tiers_with_history(cached_keys)
+    pool = kvtier.HostPool(2_000, BB)
+    manager = kvtier.TieringManager(pool, [fast, slow], max_in_flight_bytes=64 * BB)
     async with manager:
         scheduler = kvtier.OffloadScheduler(manager)
-        limiter = anyio.Semaphore(concurrency)
-
-        async def request() -> None:
-            async with limiter:
-                start = rng.randrange(0, key_space - 32)
-                prefix = keys[start : start + rng.randrange(1, 32)]
-                try:
-                    n = await scheduler.lookup(prefix, timeout=5.0)
-                    assert 0 <= n <= len(prefix)
-                    await manager.store(prefix[n:], np.zeros((len(prefix) - n, BB), np.uint8))
-                except Exception:
-                    peaks["errors"] += 1
-
-        async def monitor(done: anyio.Event) -> None:
-            """Sample the bounded structures every millisecond of loop time."""
-            while not done.is_set():
-                for tier in (slow_a, slow_b):
-                    stats = tier.lookups.statistics()
-                    peaks["cached"] = max(peaks["cached"], stats.cached_verdicts)
-                    peaks["pending"] = max(peaks["pending"], stats.pending + stats.in_flight)
-                peaks["in_flight_bytes"] = max(
-                    peaks["in_flight_bytes"], manager.statistics().in_flight_bytes
-                )
-                await anyio.sleep(0.001)
-
-        done = anyio.Event()
-        async with anyio.create_task_group() as outer:
-            outer.start_soon(monitor, done)
+        gc.collect()
+        stop, samples = anyio.Event(), list[float]()
+        with LoopProbe() as probe:
+            started = time.perf_counter()
             async with anyio.create_task_group() as tg:
-                for i in range(requests):
-                    tg.start_soon(request)
-                    if i % 32 == 31:  # requests arrive over time, not in one loop step
-                        await anyio.lowlevel.checkpoint()
-            done.set()
-    peaks["limit_cached"] = entries
-    peaks["limit_pending"] = 2_000
-    peaks["limit_in_flight_bytes"] = limit
-    peaks["timeouts"] = scheduler.statistics().timeouts
-    return peaks
+                tg.start_soon(timer_lag, stop, samples)
+                outcome = await closed_loop(scheduler, manager, keys, in_flight, lookups)
+                stop.set()
+            elapsed = time.perf_counter() - started
+        promotions = manager.statistics().promotions
+    per_lookup = 1e3 / lookups
+    return {
+        "in_flight": in_flight,
+        "lookups": lookups,
+        "elapsed_s": elapsed,
+        "lookups_per_s": lookups / elapsed,
+        "errors": outcome["errors"],
+        "prefix_hit_ratio": outcome["hits"] / max(outcome["keys"], 1),
+        "promotions": promotions.succeeded,
+        "lag_ms": lag_ms(samples),
+        "loop_ms_per_lookup": {
+            "all": probe.busy * per_lookup,
+            "kvtier_and_tiers": (probe.busy - probe.gc_seconds) * per_lookup,
+            "collector": probe.gc_seconds * per_lookup,
+        },
+        "steps_per_lookup": probe.steps / lookups,
+        "longest_step_ms": probe.longest * 1e3,
+        "gc": {
+            "passes_by_generation": list(probe.passes),
+            "seconds": probe.gc_seconds,
+            "full_per_1000_lookups": probe.passes[2] * 1000 / lookups,
+            "promoted_to_oldest_per_lookup": probe.promoted / lookups,
+        },
+    }
 
 
-async def run(requests: int, concurrency: int, cached_keys: int, out: dict[str, Any]) -> None:
-    stop = anyio.Event()
-    idle: list[float] = []
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(measure_lag, stop, idle)
-        await anyio.sleep(1.0)
-        stop.set()
-    stop = anyio.Event()
-    busy: list[float] = []
-    started = time.perf_counter()
-    with StepTimer() as steps:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(measure_lag, stop, busy)
-            peaks = await workload(requests, concurrency, 20_000, cached_keys)
-            stop.set()
-    elapsed = time.perf_counter() - started
-    out["elapsed_s"] = elapsed
-    out["loop_lag_ms"] = {
-        name: {"p50": pct(lag, 50), "p99": pct(lag, 99), "max": max(lag) * 1e3}
-        for name, lag in (("idle", idle), ("under_load", busy))
-    }
-    out["p99_lag_ratio"] = {
-        "baseline": "idle",
-        "value": pct(busy, 99) / max(pct(idle, 99), 1e-3),
-    }
-    out["longest_step_ms"] = steps.longest * 1e3
-    out["gc"] = {
-        "full_passes": steps.full_passes,
-        "longest_pass_ms": steps.longest_gc * 1e3,
-        "all_passes_ms": steps.total_gc * 1e3,
-    }
-    out["peaks"] = peaks
-    print(f"{requests} scheduler lookups, {concurrency} concurrent, in {elapsed:.1f} s")
-    print(f"{'loop lag (5 ms timer)':<28} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}")
-    print(
-        f"{'idle loop (baseline)':<28} {pct(idle, 50):8.2f} {pct(idle, 99):8.2f} "
-        f"{max(idle) * 1e3:8.2f}"
+def report(idle: dict[str, float], runs: list[dict[str, Any]]) -> None:
+    print(f"idle loop: timer lag p50 {idle['p50']:.2f} ms, p99 {idle['p99']:.2f} ms")
+    head = (
+        f"{'in flight':>9} {'lookups/s':>9} {'lag p50':>8} {'lag p99':>8} {'p99/idle':>9} "
+        f"{'loop ms/lookup':>15} {'(gc)':>6} {'steps':>6} {'longest':>8} {'full gc/1k':>10} "
+        f"{'to oldest':>9}"
     )
-    print(f"{'under load':<28} {pct(busy, 50):8.2f} {pct(busy, 99):8.2f} {max(busy) * 1e3:8.2f}")
-    print(f"p99 lag ratio (load / idle): {pct(busy, 99) / max(pct(idle, 99), 1e-3):.1f}x")
-    print(
-        f"longest single loop step under load: {steps.longest * 1e3:.2f} ms "
-        f"(longest garbage-collector pass: {steps.longest_gc * 1e3:.2f} ms)"
-    )
-    for name in ("cached", "pending", "in_flight_bytes"):
-        print(f"peak {name:<16} {peaks[name]:>10.0f} (limit {peaks['limit_' + name]:.0f})")
-    print(f"errors {peaks['errors']:.0f}, lookups that hit their deadline {peaks['timeouts']:.0f}")
-    print(
-        f"garbage collector with {cached_keys:,} cached verdicts per tier: a full collection "
-        f"takes {peaks['full_gc_ms_cached']:.1f} ms (before caching them: "
-        f"{peaks['full_gc_ms_empty']:.1f} ms; {peaks['tracked_objects']:,.0f} tracked objects); "
-        f"during the run {steps.full_passes} full passes, longest pass "
-        f"{steps.longest_gc * 1e3:.1f} ms, all passes {steps.total_gc * 1e3:.0f} ms"
-    )
+    print(head)
+    for r in runs:
+        lag, loop, g = r["lag_ms"], r["loop_ms_per_lookup"], r["gc"]
+        print(
+            f"{r['in_flight']:>9} {r['lookups_per_s']:>9.0f} {lag['p50']:>6.1f}ms "
+            f"{lag['p99']:>6.1f}ms {lag['p99'] / max(idle['p99'], 1e-3):>8.0f}x "
+            f"{loop['all']:>15.3f} {loop['collector']:>6.3f} {r['steps_per_lookup']:>6.1f} "
+            f"{r['longest_step_ms']:>6.1f}ms {g['full_per_1000_lookups']:>10.2f} "
+            f"{g['promoted_to_oldest_per_lookup']:>9.1f}"
+        )
+    print("loop ms/lookup: callbacks run per lookup (gc: the collector's share of it); steps: ")
+    print("callbacks per lookup; to oldest: objects moved to the oldest generation per lookup")
+
+
+async def measure(args: argparse.Namespace, out: dict[str, Any]) -> None:
+    idle = await idle_lag()
+    runs = []
+    for in_flight in args.in_flight:
+        if args.gc_freeze:
+            gc.collect()
+            gc.freeze()
+        runs.append(await run(in_flight, args.lookups, args.cached_keys))
+        if args.gc_freeze:
+            gc.unfreeze()
+    out["idle_lag_ms"] = idle
+    out["runs"] = runs
+    out["lag_p99_of_idle"] = {
+        "baseline": "idle loop, same process",
+        "ratios": {str(r["in_flight"]): r["lag_ms"]["p99"] / max(idle["p99"], 1e-3) for r in runs},
+    }
+    report(idle, runs)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=20_000)
-    parser.add_argument("--concurrency", type=int, default=2_000)
-    parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--in-flight", type=int, nargs="+", default=[256, 1_000, 2_000], help="lookups in flight"
+    )
+    parser.add_argument("--lookups", type=int, default=20_000, help="lookups per run")
+    parser.add_argument("--quick", action="store_true", help="256 in flight, 3,000 lookups")
     parser.add_argument(
         "--cached-keys", type=int, default=100_000, help="verdicts cached per tier at the start"
     )
+    parser.add_argument("--gc-freeze", action="store_true", help="gc.freeze() before each run")
+    parser.add_argument("--gc-threshold", type=int, help="the youngest generation's threshold")
     add_json_flag(parser)
     args = parser.parse_args()
     if args.quick:
-        args.requests, args.concurrency = 3_000, 1_000
+        args.in_flight, args.lookups = [256], 3_000
+    if args.gc_threshold is not None:
+        gc.set_threshold(args.gc_threshold, *gc.get_threshold()[1:])
     with json_output(args.json) as out:
         out["settings"] = {
-            "requests": args.requests,
-            "concurrency": args.concurrency,
+            "in_flight": args.in_flight,
+            "lookups": args.lookups,
             "cached_keys": args.cached_keys,
+            "gc_freeze": args.gc_freeze,
+            "gc_threshold": list(gc.get_threshold()),
         }
-        asyncio.run(run(args.requests, args.concurrency, args.cached_keys, out))
+        asyncio.run(measure(args, out))
 
 
 if __name__ == "__main__":

@@ -40,6 +40,9 @@ class RecentFailures:
     def __len__(self) -> int:
         return len(self._store)
 
+    def __bool__(self) -> bool:
+        return bool(self._store)
+
     def get(self, tier: Hashable, key: bytes) -> MissReason | None:
         """Why promoting ``key`` from ``tier`` failed, if that was less than ``ttl`` ago."""
         tag = self._tags.get(tier)

@@ -4,7 +4,6 @@ and an async layer that waits for state changes instead of polling (design §2.3
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -297,9 +296,11 @@ class OffloadScheduler:
         else:
             scan = WindowProgress(keys, lookup, self._pin, window)
         try:
+            self._scans += 1
+            result = scan.start()
+            if result is not None:  # answered without waiting: no cancel scope to build
+                return result
             with anyio.move_on_after(limit) as scope:
-                self._scans += 1
-                result = scan.start()
                 while result is None:
                     self._deferred_scans += 1
                     patience = self._patience(budget, cost)
@@ -308,8 +309,11 @@ class OffloadScheduler:
                         return self._hits_now(keys, window, scan.lease, budget)
                     manager.watch(scan.take_watches(), changes)
                     self._waits += 1
-                    with anyio.move_on_after(math.inf if patience is None else patience):
+                    if patience is None:
                         await changes.wait()
+                    else:
+                        with anyio.move_on_after(patience):
+                            await changes.wait()
                     self._scans += 1
                     result = scan.resume(changes.take())
                 return result

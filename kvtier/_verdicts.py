@@ -84,6 +84,10 @@ class VerdictStore:
         """Entries held, expired ones not dropped yet included."""
         return sum(map(len, self._shards))
 
+    def __bool__(self) -> bool:
+        """Whether any entry is held (cheaper than ``len``: the first shard that has one)."""
+        return any(self._shards)
+
     def get(self, key: bytes) -> int | None:
         """The code of ``key``'s verdict, or None if there is none or it has expired."""
         entries = self._shards[hash(key) & self._mask]

@@ -34,6 +34,10 @@ class DeferredWrites:
     def __len__(self) -> int:
         return sum(len(q) for q in self._queues.values())
 
+    def __bool__(self) -> bool:
+        """Whether any write waits (checked at every store: cheaper than ``len``)."""
+        return any(self._queues.values())
+
     def wants(self, tier: str) -> bool:
         return tier in self._queues
 
