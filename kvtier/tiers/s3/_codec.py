@@ -7,8 +7,8 @@ there (``read_block``). Every way an object can be wrong is reported
 as a ``problem`` string (the tier turns it into a corrupt miss); a destination of the wrong
 size for an intact block is the caller's error (``InvalidArgumentError``).
 
-With an ``integrity_key`` the header is signed on store, and a load checks the MAC instead of
-the xxh3 checksum (one pass over the payload either way, as the FS tier does): an unsigned
+With an ``integrity_key`` the header is signed on store (keyed BLAKE3), and a load checks the
+MAC instead of the xxh3 checksum (one pass over the payload either way, as the FS tier does): an unsigned
 object, or one signed with another key, is a problem like any other corruption.
 """
 
@@ -23,6 +23,7 @@ import anyio.to_thread
 
 from kvtier._errors import InvalidArgumentError
 from kvtier._format import (
+    FLAG_BLAKE3,
     FLAG_MAC,
     FORMAT_VERSION,
     MAGIC,
@@ -186,8 +187,9 @@ async def _stream_into(
 
     Each chunk is copied once, into ``dst``, and the xxh3 check runs over the piece of ``dst``
     just written (what is checked is what the caller gets), on the loop: no second copy and
-    no worker-thread hop, so a load keeps up with a raw GET (``bench_s3.py``). A keyed MAC
-    runs over ``dst`` once it is full, in a worker thread above ``thread_bytes``. A body
+    no worker-thread hop, so a load keeps up with a raw GET (``bench_s3.py``). A keyed BLAKE3
+    MAC is checked the same way; the BLAKE2b MAC of an older signed block runs over ``dst``
+    once it is full, in a worker thread above ``thread_bytes``. A body
     that ends early, runs past the header's length or disagrees with it is a problem."""
     size = header_size(len(key), integrity_key=integrity_key)
     first = b""
@@ -204,7 +206,9 @@ async def _stream_into(
         check = PayloadCheck(key, header, integrity_key=integrity_key)
     except HeaderError as exc:
         return str(exc), head
-    streaming_check = integrity_key is None  # xxh3 is cheap enough per chunk on the loop
+    # xxh3, and a keyed BLAKE3 MAC, are cheap enough per chunk on the loop (tens of
+    # microseconds); the BLAKE2b of older signed blocks runs over the whole payload at the end.
+    streaming_check = integrity_key is None or bool(header.flags & FLAG_BLAKE3)
     total = dst.nbytes
     filled = 0
     piece: bytes | memoryview = memoryview(first)[size:]
