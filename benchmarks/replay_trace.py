@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import heapq
 import json
 import statistics
 import struct
@@ -43,6 +44,7 @@ import numpy as np
 from tqdm import tqdm
 
 import kvtier
+from benchmarks.agent_trace import AgentWorkload, generate
 from benchmarks.common import add_json_flag, json_output
 from kvtier._format import header_size  # an FS file's header, for a capacity in blocks
 
@@ -51,6 +53,11 @@ DEFAULT_TRACE = REPO / "benchmarks" / "data" / "mooncake_trace_first1000.jsonl"
 BLOCK_TOKENS = 512  # the Mooncake trace's block size
 LOOKUP_TIMEOUT = 5.0
 KEY_PERSON = b"kvtier.trace"
+POLICIES = ("lru", "arc")
+DEFAULT_POLICY = "lru"  # the pools' default
+# The sweep's primary sizes, as shares of the blocks the trace touches.
+SWEEP = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0)
+SWEEP_QUICK = (0.02, 0.05, 0.1, 0.3, 1.0)
 
 
 # -- trace -------------------------------------------------------------------------------------
@@ -73,8 +80,13 @@ def load_trace(path: Path, limit: int | None = None) -> list[list[bytes]]:
                 row = json.loads(line)
                 requests.append((float(row.get("timestamp", 0)), i, list(row["hash_ids"])))
     requests.sort()
+    return requests_of({"hash_ids": ids} for _, _, ids in requests)
+
+
+def requests_of(rows: Iterable[dict[str, Any]]) -> list[list[bytes]]:
+    """The keys of each row's ``hash_ids``, in the rows' order."""
     keys: dict[int, bytes] = {}
-    return [[keys.setdefault(h, key_of(h)) for h in ids] for _, _, ids in requests]
+    return [[keys.setdefault(h, key_of(h)) for h in row["hash_ids"]] for row in rows]
 
 
 def payload_of(key: bytes, nbytes: int) -> np.ndarray:
@@ -99,22 +111,66 @@ def infinite_hits(requests: Iterable[Sequence[bytes]]) -> int:
     return hits
 
 
-def lru_hits(requests: Iterable[Sequence[bytes]], capacity: int) -> int:
+def lru_hits(
+    requests: Iterable[Sequence[bytes]], capacity: int, *, tail_first: bool = False
+) -> int:
     """Prefix hits of a plain LRU cache of ``capacity`` blocks; every block a request names is
-    used (moved to the front, or inserted and the oldest dropped)."""
+    used (moved to the front, or inserted and the oldest dropped). With ``tail_first``, once a
+    request has used its blocks they are touched again from its tail to its head, so within a
+    request the tail is older and leaves first (the order vLLM frees a request's blocks in)."""
     cache: OrderedDict[bytes, None] = OrderedDict()
+    touch = cache.move_to_end
     hits = 0
     for keys in requests:
         prefix = True
         for key in keys:
             if key in cache:
-                cache.move_to_end(key)
+                touch(key)
                 hits += prefix
             else:
                 prefix = False
                 cache[key] = None
                 if len(cache) > capacity:
                     cache.popitem(last=False)
+        if tail_first:
+            for key in reversed(keys):
+                if key in cache:
+                    touch(key)
+    return hits
+
+
+def min_hits(requests: Sequence[Sequence[bytes]], capacity: int) -> int:
+    """Prefix hits of Belady's MIN on blocks: every block a request names is used, as in
+    ``lru_hits``, and a block that does not fit evicts the cached block needed again last
+    (or is not kept, when it is itself needed last). MIN is optimal for block hits, not for
+    prefix hits, so this is a near-optimal reference, not a strict bound."""
+    flat = [key for keys in requests for key in keys]
+    never = len(flat)
+    next_use = [never] * len(flat)
+    seen: dict[bytes, int] = {}
+    for i in range(len(flat) - 1, -1, -1):
+        next_use[i] = seen.get(flat[i], never)
+        seen[flat[i]] = i
+    cached: dict[bytes, int] = {}  # key -> its next use
+    heap: list[tuple[int, bytes]] = []  # (-next use, key), stale entries skipped
+    hits = i = 0
+    for keys in requests:
+        prefix = True
+        for key in keys:
+            nxt = next_use[i]
+            i += 1
+            if key in cached:
+                hits += prefix
+            else:
+                prefix = False
+                if len(cached) >= capacity:
+                    while -heap[0][0] != cached.get(heap[0][1]):
+                        heapq.heappop(heap)
+                    if -heap[0][0] <= nxt:
+                        continue  # needed later than every cached block: not kept
+                    del cached[heapq.heappop(heap)[1]]
+            cached[key] = nxt
+            heapq.heappush(heap, (-nxt, key))
     return hits
 
 
@@ -283,46 +339,82 @@ def make_tiers(args: argparse.Namespace, scratch: str) -> list[kvtier.SecondaryT
     return tiers
 
 
-def plot(
-    path: str,
+@dataclass(slots=True)
+class SweepPoint:
+    """One primary size of the sweep: each policy's pool alone and the references."""
+
+    tokens: int
+    blocks: int
+    pool: dict[str, int]
+    plain_lru: int
+    tail_first_lru: int
+    min: int
+
+
+def sweep(
     requests: Sequence[Sequence[bytes]],
     capacities: Sequence[int],
     policies: Sequence[str],
     payload_bytes: int,
-    infinite: float,
-) -> None:
-    """Hit ratio against primary capacity: kvtier's pool alone under each policy, and plain
-    LRU. Each point is a full replay."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    requested = sum(len(r) for r in requests)
-    curves: dict[str, list[float]] = {f"kvtier pool ({p})": [] for p in policies}
-    curves["plain LRU"] = []
+    progress: bool,
+) -> list[SweepPoint]:
+    """The pool alone under each policy (each a full replay) and the references, at each
+    primary size (in tokens)."""
+    points = []
     for cap in capacities:
         blocks = blocks_of(cap)
-        for p in policies:
-            r = asyncio.run(
+        pool = {
+            p: asyncio.run(
                 replay(
                     requests,
                     primary_blocks=blocks,
                     policy=p,
                     payload_bytes=payload_bytes,
-                    label=f"plot {p} {cap / 1e6:g}M",
+                    label=f"sweep {p} {cap / 1e6:g}M",
+                    progress=progress,
                 )
+            ).hits
+            for p in policies
+        }
+        points.append(
+            SweepPoint(
+                tokens=cap,
+                blocks=blocks,
+                pool=pool,
+                plain_lru=lru_hits(requests, blocks),
+                tail_first_lru=lru_hits(requests, blocks, tail_first=True),
+                min=min_hits(requests, blocks),
             )
-            curves[f"kvtier pool ({p})"].append(r.ratio)
-        curves["plain LRU"].append(lru_hits(requests, blocks) / requested)
+        )
+    return points
+
+
+def plot(
+    path: str, title: str, points: Sequence[SweepPoint], requested: int, infinite: float
+) -> None:
+    """Hit ratio against primary capacity: kvtier's pool alone under each policy, and the
+    references (plain LRU, tail-first LRU, Belady's MIN)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curves: dict[str, list[float]] = {}
+    for point in points:
+        for p, hits in point.pool.items():
+            curves.setdefault(f"kvtier pool ({p})", []).append(hits / requested)
+        curves.setdefault("plain LRU", []).append(point.plain_lru / requested)
+        curves.setdefault("tail-first LRU", []).append(point.tail_first_lru / requested)
+        curves.setdefault("Belady MIN (offline)", []).append(point.min / requested)
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    xs = [c / 1e6 for c in capacities]
+    xs = [point.tokens / 1e6 for point in points]
     for name, ys in curves.items():
-        ax.plot(xs, ys, marker="o", linestyle="--" if "plain" in name else "-", label=name)
+        style = "-" if name.startswith("kvtier") else "--"
+        ax.plot(xs, ys, marker="o", linestyle=style, label=name)
     ax.axhline(infinite, color="gray", linestyle=":", label="infinite cache")
     ax.set_xlabel("primary capacity (million tokens)")
     ax.set_ylabel("prefix hit ratio (hit blocks / requested)")
-    ax.set_title(f"Prefix hit ratio, {len(requests):,} requests")
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -339,11 +431,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--primary-tokens", type=tokens, default=3_000_000, help="host pool size")
     p.add_argument("--fs-tokens", type=tokens, default=50_000_000, help="file tier size; 0: none")
     p.add_argument("--fs-root", help="file tier folder (default: a temporary folder)")
-    p.add_argument("--policy", choices=["lru", "arc"], default="arc")
+    p.add_argument("--policy", choices=POLICIES, default=DEFAULT_POLICY)
     p.add_argument("--payload-bytes", type=int, default=64, help="bytes stored per block")
     p.add_argument("--s3-endpoint", help="S3-compatible endpoint URL")
     p.add_argument("--s3-bucket", help="add an S3 tier on this bucket")
     p.add_argument("--s3-prefix", default="kvtier-replay/")
+    p.add_argument(
+        "--agent",
+        action="store_true",
+        help="replay the synthetic agent workload (benchmarks.agent_trace) instead of a trace",
+    )
+    p.add_argument("--agent-sessions", type=int, default=AgentWorkload().sessions)
+    p.add_argument("--agent-seed", type=int, default=AgentWorkload().seed)
+    p.add_argument("--sweep", action="store_true", help="sweep the primary's size (JSON)")
     p.add_argument("--plot", metavar="FILE.png", help="sweep the primary's size and plot")
     p.add_argument("--no-progress", action="store_true")
     add_json_flag(p)
@@ -362,33 +462,45 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error(f"--primary-tokens must be at least one block ({BLOCK_TOKENS} tokens)")
     if args.payload_bytes <= 0:
         p.error("--payload-bytes must be positive")
+    if args.agent and args.agent_sessions <= 0:
+        p.error("--agent-sessions must be positive")
+    args.sweep = args.sweep or bool(args.plot)
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.agent:
+        workload = AgentWorkload(sessions=args.agent_sessions, seed=args.agent_seed)
+        name = f"agent(sessions={workload.sessions}, seed={workload.seed})"
+        rows = generate(workload)[: args.limit]
+        with json_output(args.json) as out:
+            return run(args, name, requests_of(rows), out)
     trace = Path(args.trace)
     if not trace.is_file():
         print(f"trace not found: {trace}", file=sys.stderr)
         return 2
     with json_output(args.json) as out:
-        return run(args, trace, out)
+        return run(args, trace.name, load_trace(trace, args.limit), out)
 
 
-def run(args: argparse.Namespace, trace: Path, out: dict[str, Any]) -> int:
-    """Replay ``trace`` as ``args`` say, print the report and put its figures in ``out``;
-    0 when every check passed or the run covers only a prefix of the trace."""
-    requests = load_trace(trace, args.limit)
+def run(
+    args: argparse.Namespace, name: str, requests: list[list[bytes]], out: dict[str, Any]
+) -> int:
+    """Replay ``requests`` (the trace ``name``) as ``args`` say, print the report and put its
+    figures in ``out``; 0 when every check passed or the run covers only a prefix of it."""
     requested = sum(len(r) for r in requests)
     distinct = len({k for r in requests for k in r})
     primary = blocks_of(args.primary_tokens)
     show = not args.no_progress
     print(
-        f"trace {trace.name}: {len(requests):,} requests, {requested:,} blocks requested "
+        f"trace {name}: {len(requests):,} requests, {requested:,} blocks requested "
         f"({BLOCK_TOKENS} tokens each), {distinct:,} distinct"
     )
     infinite = infinite_hits(requests)
     lru = lru_hits(requests, primary)
+    tail_first = lru_hits(requests, primary, tail_first=True)
+    offline = min_hits(requests, primary)
 
     with tempfile.TemporaryDirectory(prefix="kvtier-replay-") as scratch:
         tiers = make_tiers(args, scratch)
@@ -416,11 +528,11 @@ def run(args: argparse.Namespace, trace: Path, out: dict[str, Any]) -> int:
                 progress=show,
             )
         )
-        for policy in ("lru", "arc")
+        for policy in POLICIES
     }
 
     out["settings"] = {
-        "trace": trace.name,
+        "trace": name,
         "requests": len(requests),
         "limit": args.limit,
         "primary_blocks": primary,
@@ -457,6 +569,8 @@ def run(args: argparse.Namespace, trace: Path, out: dict[str, Any]) -> int:
     print(f"  {'prefix hit ratio':<44}{'hit blocks':>12}{'ratio':>10}{'of bound':>12}")
     row("infinite cache (bound)", infinite, "infinite")
     row(f"plain LRU, {primary:,} blocks", lru, "plain_lru")
+    row(f"tail-first LRU, {primary:,} blocks", tail_first, "tail_first_lru")
+    row(f"Belady MIN (offline), {primary:,} blocks", offline, "min")
     row(f"kvtier {names}", main_run.hits, "kvtier")
     for tier, hits in main_run.hits_by_tier.items():
         row(f"  served by {tier}", hits, "served_by", tier)
@@ -500,40 +614,90 @@ def run(args: argparse.Namespace, trace: Path, out: dict[str, Any]) -> int:
                 f"{t.evictions:,} evictions, lookups {t.lookups.hits:,} hit / "
                 f"{t.lookups.misses:,} miss / {t.lookups.retries:,} retry"
             )
+    default = alone[DEFAULT_POLICY].hits
+    print(
+        f"\nkvtier pool({DEFAULT_POLICY}) alone reaches {default / offline if offline else 1:.1%}"
+        " of Belady's MIN at this size"
+    )
     checks = {
         "near_bound": (
             f"kvtier {names} >= 99% of the infinite bound",
             main_run.hits >= 0.99 * infinite,
         ),
-        "arc_beats_lru": ("kvtier pool(arc) alone >= plain LRU", alone["arc"].hits >= lru),
+        "default_vs_tail_first": (
+            f"kvtier pool({DEFAULT_POLICY}) alone >= tail-first LRU",
+            default >= tail_first,
+        ),
+        "default_vs_lru": (f"kvtier pool({DEFAULT_POLICY}) alone >= plain LRU", default >= lru),
         "within_bound": (
             "no run beats the infinite bound",
             all(r.hits <= infinite for r in (main_run, *alone.values())),
         ),
     }
+    if args.sweep:
+        checks.update(run_sweep(args, name, requests, distinct, infinite, out))
     out["checks"] = {key: {"check": name, "ok": ok} for key, (name, ok) in checks.items()}
     out["whole_trace"] = args.limit is None
     print()
-    for name, ok in checks.values():
-        print(f"check {'PASS' if ok else 'FAIL'}: {name}")
+    for check, ok in checks.values():
+        print(f"check {'PASS' if ok else 'FAIL'}: {check}")
     if args.limit is not None:
-        print("(the first two are aims for the whole trace; a prefix of it is mostly cold)")
-    if args.plot:
-        top = max(args.primary_tokens * 4, distinct * BLOCK_TOKENS)
-        points = 5 if args.quick else 10
-        capacities = sorted(
-            {int(top * (i / points) ** 2) or BLOCK_TOKENS for i in range(1, points + 1)}
-        )
-        plot(
-            args.plot,
-            requests,
-            capacities,
-            ("lru", "arc"),
-            args.payload_bytes,
-            infinite / requested,
-        )
-        out["plot"] = args.plot
+        print("(the first is an aim for the whole trace; a prefix of it is mostly cold)")
     return 0
+
+
+def run_sweep(
+    args: argparse.Namespace,
+    name: str,
+    requests: Sequence[Sequence[bytes]],
+    distinct: int,
+    infinite: int,
+    out: dict[str, Any],
+) -> dict[str, tuple[str, bool]]:
+    """Sweep the primary's size (and plot it with ``--plot``); the checks it adds."""
+    requested = sum(len(r) for r in requests)
+    shares = SWEEP_QUICK if args.quick else SWEEP
+    capacities = sorted({max(int(distinct * share), 1) * BLOCK_TOKENS for share in shares})
+    points = sweep(requests, capacities, POLICIES, args.payload_bytes, not args.no_progress)
+    out["sweep"] = [
+        {
+            "tokens": p.tokens,
+            "blocks": p.blocks,
+            "pool": p.pool,
+            "plain_lru": p.plain_lru,
+            "tail_first_lru": p.tail_first_lru,
+            "min": p.min,
+        }
+        for p in points
+    ]
+    print()
+    print(
+        f"  {'sweep: prefix hit ratio':<24}" + "".join(f"{p.tokens / 1e6:>9.2f}M" for p in points)
+    )
+    rows = [*(f"pool({policy})" for policy in POLICIES), "plain LRU", "tail-first LRU", "MIN"]
+    for label in rows:
+        values = [
+            {"plain LRU": p.plain_lru, "tail-first LRU": p.tail_first_lru, "MIN": p.min}.get(
+                label, p.pool.get(label[5:-1], 0)
+            )
+            for p in points
+        ]
+        print(f"  {label:<24}" + "".join(f"{v / requested:>10.2%}" for v in values))
+    if args.plot:
+        title = f"Prefix hit ratio, {name}, {len(requests):,} requests"
+        plot(args.plot, title, points, requested, infinite / requested)
+        out["plot"] = args.plot
+    mine = [p.pool[DEFAULT_POLICY] for p in points]
+    return {
+        "sweep_vs_tail_first": (
+            f"at every swept size, pool({DEFAULT_POLICY}) alone >= tail-first LRU",
+            all(m >= p.tail_first_lru for m, p in zip(mine, points, strict=True)),
+        ),
+        "sweep_vs_lru": (
+            f"at every swept size, pool({DEFAULT_POLICY}) alone >= plain LRU",
+            all(m >= p.plain_lru for m, p in zip(mine, points, strict=True)),
+        ),
+    }
 
 
 if __name__ == "__main__":

@@ -317,9 +317,13 @@ class TieringManager(AsyncResource):
     async def store(self, keys: Sequence[bytes], blocks: Any) -> int:
         """Copy ``blocks`` into the pool under ``keys`` and write them through to every tier
         in the background. Returns how many blocks were newly placed in the pool; keys already
-        present are skipped, and so are keys for which no slot is free or evictable."""
+        present are skipped, and so are keys for which no slot is free or evictable. ``keys``
+        are one request's chain, head first (as a lookup takes them): the pool orders the
+        chain, with the prefix the request's scan served, so its tail is evicted first."""
         task_group = self._check_open()
         placed = await self._transfers.store(keys, blocks, lambda: self._task_group is task_group)
+        if placed:
+            self.pool.table.place_chain(keys)  # the chain's tail leaves the pool first
         closing = self._stack is None
         for key in placed:
             self._writer.after_store(task_group, key, closing=closing)

@@ -2,6 +2,14 @@
 
 A policy only orders keys; the slot table decides which keys are evictable (READY and not
 pinned) and passes that test in, so a policy never has to know about pins.
+
+Both shipped policies are chain-aware through the order the slot table hands them keys: a
+prefix hit stops at the first missing block, so evicting the head of a request's chain makes
+every later block of it useless. The table touches a request's hits tail first (``touch_many``
+gets them in that order) and, once a store has placed the rest of a request's chain, hands
+the whole chain to ``reorder`` tail first: within one request the tail is the older, so it
+leaves before the head, as vLLM's block pool frees a request's blocks and a radix cache
+evicts its leaves.
 """
 
 from __future__ import annotations
@@ -28,7 +36,13 @@ class EvictionPolicy(Protocol):
         """``key`` was used (a hit or a load)."""
 
     def touch_many(self, keys: Iterable[bytes]) -> None:
-        """``keys`` were used, in order; lets the prefix fast path skip a Python loop."""
+        """``keys`` were used, the last given most recently; lets the prefix fast path skip
+        a Python loop (the slot table gives a request's hits tail first)."""
+
+    def reorder(self, keys: Iterable[bytes]) -> None:
+        """``keys`` (all in the pool) are one request's chain, tail first: place them as the
+        most recently used, the last given the youngest, without counting a use (a policy
+        that counts uses must not see a second one here)."""
 
     def remove(self, key: bytes, *, evicted: bool) -> None:
         """``key`` left the pool; ``evicted`` says the policy itself chose it."""
@@ -66,6 +80,8 @@ class LRUPolicy:
 
     def touch_many(self, keys: Iterable[bytes]) -> None:
         deque(map(self._order.move_to_end, keys), maxlen=0)
+
+    reorder = touch_many  # a use and a reorder are the same move here
 
     def remove(self, key: bytes, *, evicted: bool) -> None:
         self._order.pop(key, None)
@@ -127,6 +143,11 @@ class ARCPolicy:
                 t2[key] = None
             else:
                 t2.move_to_end(key)
+
+    def reorder(self, keys: Iterable[bytes]) -> None:
+        t1, t2 = self._t1, self._t2
+        for key in keys:
+            (t1 if key in t1 else t2).move_to_end(key)
 
     def remove(self, key: bytes, *, evicted: bool) -> None:
         if key in self._t1:

@@ -7,6 +7,12 @@ tested without an event loop.
 Slot life: FREE -> WRITING (reserved for a key) -> READY (readable) -> FREE (evicted or
 dropped); WRITING -> FREE when the write fails. Readers pin READY slots; only unpinned READY
 slots are evictable.
+
+The table tells its policy which keys form one request's chain, so that the tail of a chain
+leaves before its head (see ``kvtier.pools._policy``): the prefix scan touches a request's
+hits tail first and remembers where that prefix ended; a store that continues it (its first
+key is the one the scan stopped at) reorders the whole chain, prefix and stored blocks, tail
+first, once they are placed.
 """
 
 from __future__ import annotations
@@ -46,6 +52,10 @@ class PoolStatistics:
     policy: str
 
 
+# Prefix scans remembered for the store that may continue them: a few per request in flight.
+_CHAINS_KEPT = 1024
+
+
 class SlotTable:
     def __init__(self, num_blocks: int, policy: EvictionPolicy) -> None:
         self.num_blocks = num_blocks
@@ -67,6 +77,9 @@ class SlotTable:
         # eviction is about to reuse ``slot`` (its bytes are still there: the manager copies a
         # promoted block up to a faster tier then), False when it was discarded.
         self.on_leave: Callable[[bytes, int, bool], None] | None = None
+        # The first key a prefix scan could not serve -> (the scanned keys, how many it served):
+        # a store starting at that key continues the chain (``place_chain``).
+        self._chains: dict[bytes, tuple[Sequence[bytes], int]] = {}
 
     # -- queries -----------------------------------------------------------------------------
 
@@ -79,11 +92,32 @@ class SlotTable:
         return LookupResult.MISS
 
     def ready_prefix(self, keys: Sequence[bytes]) -> int:
-        """Count the leading READY keys and touch them; the scheduler's fast path."""
+        """Count the leading READY keys and touch them, tail first (the head of the chain
+        becomes the youngest); the scheduler's fast path. Where the prefix stops short, the
+        table remembers it for the store that continues the chain."""
         n = len(list(takewhile(self.ready.__contains__, keys)))  # C-speed, no Python frame
-        if n:
-            self.policy.touch_many(keys[:n] if n < len(keys) else keys)
+        if n == len(keys):
+            self.policy.touch_many(reversed(keys))
+        elif n:
+            self.policy.touch_many(reversed(keys[:n]))
+            chains = self._chains
+            chains[keys[n]] = (keys, n)
+            if len(chains) > _CHAINS_KEPT:
+                del chains[next(iter(chains))]
         return n
+
+    def place_chain(self, keys: Sequence[bytes]) -> None:
+        """``keys`` (head first) were just stored for one request: reorder its chain tail
+        first, with the prefix its scan served before them when that scan is remembered, so
+        the policy evicts the chain from its tail. Keys no longer READY are left out."""
+        if not keys:
+            return
+        chain: Sequence[bytes] = keys
+        scanned = self._chains.pop(keys[0], None)
+        if scanned is not None:
+            prefix, n = scanned
+            chain = [*prefix[:n], *keys]
+        self.policy.reorder(filter(self.ready.__contains__, reversed(chain)))
 
     def state_of(self, key: bytes) -> SlotState:
         slot = self._slot_of.get(key)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -38,6 +40,20 @@ def test_references(bench: ModuleType, requests: list[list[bytes]]) -> None:
     assert 0 < infinite < requested
     small, large = bench.lru_hits(requests, 64), bench.lru_hits(requests, 10**9)
     assert small <= large == infinite
+    assert bench.lru_hits(requests, 10**9, tail_first=True) == infinite
+    for size in (16, 64, 256):  # the offline reference keeps at least what LRU keeps
+        assert bench.min_hits(requests, size) >= bench.lru_hits(requests, size)
+    assert bench.min_hits(requests, 10**9) == infinite
+
+
+def test_tail_first_keeps_the_head_of_a_chain(bench: ModuleType) -> None:
+    """Two chains through a pool that holds one and a half: touched head first, LRU drops the
+    heads of the older chain; touched tail first, its tail goes and its head still hits."""
+    a = [bench.key_of(i) for i in range(4)]
+    b = [bench.key_of(100 + i) for i in range(2)]
+    requests = [a, b, a]
+    assert bench.lru_hits(requests, 5) == 0
+    assert bench.lru_hits(requests, 5, tail_first=True) == 3
 
 
 async def test_replay_with_fs_tier(
@@ -82,8 +98,10 @@ async def test_replay_pool_alone(
     requested = sum(len(r) for r in requests)
     assert result.hits <= bench.infinite_hits(requests)
     assert result.hits_by_tier == {"primary": result.hits}
-    if policy == "lru":  # the pool under LRU is a plain LRU cache, up to how present keys age
-        assert abs(result.hits - bench.lru_hits(requests, 128)) <= 0.01 * requested
+    if policy == "lru":  # the pool under LRU is a tail-first LRU cache (up to how present
+        # keys age, and a store never evicts its own chain's head)
+        assert abs(result.hits - bench.lru_hits(requests, 128, tail_first=True)) <= 0.01 * requested
+        assert result.hits >= bench.lru_hits(requests, 128)
 
 
 @pytest.mark.timeout(300)
@@ -98,6 +116,7 @@ def test_cli(run_json: RunJson, tmp_path: Path) -> None:
     bound = hit["infinite"]["ratio"]
     assert 0 < bound <= 1
     assert hit["plain_lru"]["ratio"] <= bound
+    assert hit["plain_lru"]["ratio"] <= hit["min"]["ratio"] <= bound
     assert hit["kvtier"]["ratio"] <= bound
     assert all(row["ratio"] <= bound for row in hit["pool_alone"].values())
     # every hit was served by one tier, and checked byte for byte
@@ -110,3 +129,51 @@ def test_cli(run_json: RunJson, tmp_path: Path) -> None:
         assert overhead["request"]["p50"] <= overhead["request"]["p99"]
     assert out["plot"] == str(png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(out["sweep"]) == len(bench_shares := replay_trace.SWEEP_QUICK)
+    for point in out["sweep"]:
+        assert point["plain_lru"] <= point["min"]
+        assert set(point["pool"]) == {"lru", "arc"}
+    assert bench_shares[-1] == 1.0  # the last size holds every block: nothing is evicted
+    assert out["sweep"][-1]["pool"]["lru"] == hit["infinite"]["hits"]
+    for check in ("default_vs_tail_first", "default_vs_lru", "sweep_vs_tail_first"):
+        assert isinstance(out["checks"][check]["ok"], bool)
+
+
+@pytest.mark.timeout(300)
+def test_cli_agent_workload(run_json: RunJson) -> None:
+    args = ("--agent", "--agent-sessions", "3", "--fs-tokens", "0", "--sweep", "--quick")
+    out = run_json("-m", "benchmarks.replay_trace", *args).out
+    assert out["settings"]["trace"] == "agent(sessions=3, seed=0)"
+    # the sessions' turns reuse their previous prompt: most of it is a prefix hit
+    assert out["hit_ratio"]["infinite"]["ratio"] > 0.8
+    for point in out["sweep"]:
+        assert point["pool"]["lru"] >= point["plain_lru"]
+
+
+def test_agent_trace_shape() -> None:
+    from benchmarks import agent_trace
+
+    workload = agent_trace.AgentWorkload(sessions=4, seed=7)
+    rows = agent_trace.generate(workload)
+    assert rows == agent_trace.generate(workload)  # seeded
+    assert rows != agent_trace.generate(agent_trace.AgentWorkload(sessions=4, seed=8))
+    assert [r["timestamp"] for r in rows] == sorted(r["timestamp"] for r in rows)
+    assert 4 * 20 <= len(rows) <= 4 * 100
+    sessions: dict[int, list[dict[str, Any]]] = {}
+    for row in rows:
+        sessions.setdefault(row["session"], []).append(row)
+    assert len(sessions) == 4
+    for turns in sessions.values():
+        assert 20 <= len(turns) <= 100
+        for before, after in itertools.pairwise(turns):
+            # the previous prompt and answer plus 1-4K new tokens; its full blocks are kept
+            grown = after["input_length"] - before["input_length"] - before["output_length"]
+            assert 1_000 <= grown <= 4_000
+            full = before["input_length"] // 512
+            assert after["hash_ids"][:full] == before["hash_ids"][:full]
+            assert 2_000 <= after["timestamp"] - before["timestamp"] <= 300_000
+    longest = max(r["input_length"] for r in rows)
+    assert longest > 100_000
+    summary = agent_trace.summary(rows)
+    assert summary["requests"] == len(rows)
+    assert summary["blocks_distinct"] < summary["blocks_requested"]
