@@ -8,8 +8,8 @@ as a ``problem`` string (the tier turns it into a corrupt miss); a destination o
 size for an intact block is the caller's error (``InvalidArgumentError``).
 
 With an ``integrity_key`` the header is signed on store (keyed BLAKE3), and a load checks the
-MAC instead of the xxh3 checksum (one pass over the payload either way, as the FS tier does): an unsigned
-object, or one signed with another key, is a problem like any other corruption.
+MAC instead of the xxh3 checksum (one pass over the payload either way, as the FS tier does):
+an unsigned object, or one signed with another key, is a problem like any other corruption.
 """
 
 from __future__ import annotations

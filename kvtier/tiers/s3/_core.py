@@ -37,12 +37,13 @@ logger = logging.getLogger("kvtier.tiers.s3")
 
 # Building and verifying objects: on the event loop when small, in a worker thread above
 # these sizes. A hop costs about as much CPU as building a 256 KiB object, so unsigned blocks
-# up to 1 MiB stay on the loop; signed ones (BLAKE2b costs several times as much) above
-# 64 KiB go to the thread. An unsigned load streamed from aiohttp checks each chunk as it
-# lands and never hops (``_codec``); the verify threshold applies to a body read whole.
+# up to 1 MiB stay on the loop; signed ones (the keyed BLAKE3 MAC adds about two thirds) up to
+# 512 KiB, which bounds the loop's time per object about as the unsigned limit does. A load
+# streamed from aiohttp checks each chunk as it lands and never hops (``_codec``); the verify
+# threshold applies to a body read whole.
 _THREAD_BUILD_BYTES = 1 << 20
 _THREAD_VERIFY_BYTES = (1 << 20) + 4096  # a 1 MiB payload and its header
-_THREAD_SIGNED_BYTES = 64 << 10
+_THREAD_SIGNED_BYTES = 512 << 10
 
 
 @dataclass(frozen=True, slots=True)
