@@ -27,6 +27,7 @@ from kvtier import (
     block_keys,
 )
 from kvtier._buffers import BlockBuffer
+from kvtier._cli import main
 from kvtier.testing import StallingTier
 from kvtier.tiers.fs._layout import name_of, path_of
 
@@ -50,7 +51,7 @@ def fresh_keys(n: int) -> list[bytes]:
     return block_keys(list(range(4 * n)), 4, namespace=os.urandom(8))
 
 
-def random_blocks(n: int, *, seed: int = 0, block_bytes: int = 4096) -> np.ndarray:
+def random_blocks(n: int, *, seed: int = 0, block_bytes: int = BB) -> np.ndarray:
     """``n`` blocks of random bytes, one a row; the same ``seed`` gives the same blocks."""
     return np.random.default_rng(seed).integers(0, 256, (n, block_bytes), dtype=np.uint8)
 
@@ -72,8 +73,6 @@ async def assert_holds(tier: SecondaryTier, keys: Sequence[bytes], data: np.ndar
 
 def run_cli(*argv: str) -> tuple[int, str, str]:
     """The ``kvtier`` command, run in this process: its exit code, stdout and stderr."""
-    from kvtier._cli import main
-
     out, err = io.StringIO(), io.StringIO()
     code = main(list(argv), stdout=out, stderr=err)
     return code, out.getvalue(), err.getvalue()
