@@ -223,19 +223,29 @@ def test_max_write_rate_is_validated() -> None:
         AdmissionPolicy(max_write_rate={"s3": -1.0})
 
 
+class LookupWatch:
+    """For a tier's ``lookup`` to pass its answers through ``seen``: ``asked`` is set once it
+    is asked about one of ``keys``."""
+
+    def __init__(self, keys: list[bytes]) -> None:
+        self.keys = set(keys)
+        self.asked = anyio.Event()
+
+    def seen(self, key: bytes, answer: LookupResult) -> LookupResult:
+        if key in self.keys:
+            self.asked.set()
+        return answer
+
+
 class AskedTier(StallingTier):
-    """A StallingTier that sets ``asked`` when ``lookup`` is called for one of ``watched``."""
+    """A StallingTier whose lookups of ``watched`` keys set ``watch.asked``."""
 
     def __init__(self, name: str, watched: list[bytes]) -> None:
         super().__init__(name=name)
-        self.watched = set(watched)
-        self.asked = anyio.Event()
+        self.watch = LookupWatch(watched)
 
     def lookup(self, key: bytes) -> LookupResult:
-        result = super().lookup(key)
-        if key in self.watched:
-            self.asked.set()
-        return result
+        return self.watch.seen(key, super().lookup(key))
 
 
 async def test_a_deferred_write_waits_for_the_faster_tier_still_writing_the_block(
@@ -255,7 +265,7 @@ async def test_a_deferred_write_waits_for_the_faster_tier_still_writing_the_bloc
         await fast.wait_stalled("store")
         assert manager.statistics().writes_deferred == 3
         remote.release("store")  # room again: the deferred writes start ...
-        await fast.asked.wait()  # ... and ask the fast tier, which is still writing them
+        await fast.watch.asked.wait()  # ... and ask the fast tier, which is still writing them
         fast.release("store")
         await manager.wait_idle()
         stats = manager.statistics()
@@ -265,21 +275,17 @@ async def test_a_deferred_write_waits_for_the_faster_tier_still_writing_the_bloc
 
 class HeldFSTier(FSTier):
     """An FSTier whose stores can be held in flight (the key taken, its file not written
-    yet), and that sets ``asked`` once ``lookup`` is called for one of ``watched``."""
+    yet), and whose lookups of ``watched`` keys set ``watch.asked``."""
 
     def __init__(self, root: Path, *, shared: bool, watched: list[bytes]) -> None:
         super().__init__(root, shared=shared)
-        self.watched = set(watched)
-        self.asked = anyio.Event()
+        self.watch = LookupWatch(watched)
         self.gate: anyio.Event | None = None
         self.holding = 0
         self._more_held = anyio.Event()
 
     def lookup(self, key: bytes) -> LookupResult:
-        result = super().lookup(key)
-        if key in self.watched:
-            self.asked.set()
-        return result
+        return self.watch.seen(key, super().lookup(key))
 
     async def _store(self, key: bytes, name: str, payload: memoryview) -> None:
         gate = self.gate
@@ -313,7 +319,7 @@ async def test_a_deferred_write_waits_for_the_file_tier_still_writing_the_block(
         await fs.wait_held(3)
         assert manager.statistics().writes_deferred == 3
         remote.release("store")  # room again: the deferred writes start ...
-        await fs.asked.wait()  # ... and ask FS, which is still writing them
+        await fs.watch.asked.wait()  # ... and ask FS, which is still writing them
         gate.set()
         await manager.wait_idle()
         stats = manager.statistics()
