@@ -5,7 +5,9 @@ create, a damaged manifest an error that leaves it as it was; never a block acro
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
+import os
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -205,3 +207,18 @@ async def test_inspect_shows_the_identity(tmp_path: Path) -> None:
     (tmp_path / "cache" / FS_MANIFEST).write_bytes(b"{damaged")
     code, out, _ = run_cli("inspect", str(tmp_path / "cache"), "--json")
     assert "not a cache identity manifest" in json.loads(out)["identity"]["error"]
+
+
+async def test_a_file_system_without_hard_links_still_records_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_links(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)  # as on a file system with no hard links
+    async with FSTier(tmp_path / "cache", identity=BASE):
+        pass
+    assert (tmp_path / "cache" / FS_MANIFEST).read_bytes() == BASE.manifest()
+    assert not [p for p in (tmp_path / "cache").iterdir() if "tmp" in p.name]
+    with pytest.raises(IdentityMismatchError):
+        await FSTier(tmp_path / "cache", identity=dataclasses.replace(BASE, layout="HND")).open()

@@ -467,6 +467,21 @@ def read_identity(root: Path) -> bytes | None:
         return f.read(MAX_MANIFEST_BYTES + 1)
 
 
+def _link_or_create(tmp: Path, path: Path, data: bytes) -> None:
+    """Give the whole file ``tmp`` the name ``path`` unless ``path`` exists
+    (``FileExistsError``). Where the file system has no hard links, ``path`` is created
+    exclusively and written in place: a racing reader may then see it half written and
+    refuse to open (``ManifestError``), never a wrong identity."""
+    try:
+        os.link(tmp, path, follow_symlinks=False)
+    except FileExistsError:
+        raise
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS):
+            raise
+        _write_new(path, data)
+
+
 def claim_identity(root: Path, identity: CacheIdentity) -> None:
     """Check that ``root`` holds ``identity``'s blocks, recording it first in a folder that
     records none. The manifest is created whole or not at all (written aside, then linked to
@@ -478,7 +493,7 @@ def claim_identity(root: Path, identity: CacheIdentity) -> None:
         tmp = root / f"{_OWN_PREFIX}-identity.tmp-{os.getpid()}-{secrets.token_hex(4)}"
         _write_new(tmp, identity.manifest())
         try:
-            os.link(tmp, root / IDENTITY_NAME, follow_symlinks=False)
+            _link_or_create(tmp, root / IDENTITY_NAME, identity.manifest())
         except FileExistsError:
             pass  # another opener's manifest: checked below
         else:
