@@ -37,6 +37,7 @@ from kvtier._metrics import (
     metrics_asgi_app,
     serve_metrics,
 )
+from kvtier._prefetch import PrefetchHandle, PrefetchState, PrefetchStatistics
 from kvtier._scheduler import OffloadScheduler, SchedulerStatistics
 from kvtier.manager import ManagerConfig, ManagerStatistics, TieringManager
 from kvtier.pools._base import PrimaryPool
@@ -98,6 +99,9 @@ __all__ = [
     "OffloadScheduler",
     "PoolConfig",
     "PoolStatistics",
+    "PrefetchHandle",
+    "PrefetchState",
+    "PrefetchStatistics",
     "PrimaryPool",
     "S3Config",
     "S3Tier",

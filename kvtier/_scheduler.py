@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import islice
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import anyio
 
@@ -18,12 +18,20 @@ from kvtier._describe import describe
 from kvtier._errors import InvalidArgumentError
 from kvtier._logging import BurstLogger
 from kvtier._lookup import LookupResult
+from kvtier._prefetch import Prefetches, PrefetchHandle, PrefetchStatistics
 from kvtier._progress import PrefixProgress, WindowProgress
 from kvtier._settings import positive_int, positive_number
 from kvtier._snapshots import snapshot
 from kvtier._watch import KeyWatch
+from kvtier.pools._base import PrimaryPool
 
-__all__ = ["OffloadScheduler", "SchedulerStatistics", "SupportsLookup", "SupportsScheduling"]
+__all__ = [
+    "OffloadScheduler",
+    "SchedulerStatistics",
+    "SupportsLookup",
+    "SupportsPrefetch",
+    "SupportsScheduling",
+]
 
 HIT = LookupResult.HIT
 HIT_PENDING = LookupResult.HIT_PENDING
@@ -68,6 +76,22 @@ class SupportsScheduling(SupportsLookup, Protocol):
     def unwatch(self, keys: Iterable[bytes], watch: KeyWatch) -> None: ...
 
 
+@runtime_checkable
+class SupportsPrefetch(SupportsScheduling, Protocol):
+    """What ``prefetch`` needs beyond a scan (``TieringManager`` has it): the ``pool`` (its
+    size bounds the share prefetches may hold), ``run_soon`` (a prefetch is a task in the
+    manager's task group, ended when the manager closes) and ``last_miss_reason`` (where a
+    prefetched prefix ended, and why)."""
+
+    @property
+    def pool(self) -> PrimaryPool: ...
+
+    @property
+    def last_miss_reason(self) -> str: ...
+
+    def run_soon(self, work: Callable[[], Coroutine[Any, Any, None]]) -> None: ...
+
+
 class LookupObserver(Protocol):
     """Receives each async lookup's duration (``kvtier.LatencyHistograms`` is one)."""
 
@@ -84,6 +108,8 @@ class SchedulerStatistics:
     callback_failures: int
     waits_cut: int
     """Async lookups that stopped waiting early: recomputing was expected to be cheaper."""
+    prefetch: PrefetchStatistics | None = None
+    """What ``prefetch`` did (None when the manager cannot prefetch)."""
 
 
 def _check_window(size: object) -> int:
@@ -98,6 +124,11 @@ class OffloadScheduler:
     counts the leading primary hits in one call and only walks the rest key by key, scans
     pin the hits they count, and the async ``lookup`` sleeps until a key it waits on changes
     state; it needs such a manager.
+
+    ``prefetch`` (with a manager that offers ``SupportsPrefetch``, as TieringManager does)
+    fetches a queued request's prefix before its lookup; all prefetches together hold at most
+    ``prefetch_share`` of the pool, and what one holds unclaimed is let go after
+    ``prefetch_ttl`` seconds.
     """
 
     def __init__(
@@ -106,12 +137,23 @@ class OffloadScheduler:
         *,
         max_wait: float = 30.0,
         latency: LookupObserver | None = None,
+        prefetch_share: float = 0.5,
+        prefetch_ttl: float = 60.0,
     ) -> None:
         if not isinstance(manager, SupportsLookup):
             raise InvalidArgumentError(
                 f"manager must have a lookup(key, ctx=None) method, got {type(manager).__name__}"
             )
         positive_number(max_wait, "max_wait")
+        positive_number(prefetch_ttl, "prefetch_ttl")
+        if (
+            isinstance(prefetch_share, bool)
+            or not isinstance(prefetch_share, int | float)
+            or not 0 <= prefetch_share <= 1
+        ):
+            raise InvalidArgumentError(
+                f"prefetch_share must be a share of the pool from 0 to 1, got {prefetch_share!r}"
+            )
         self.manager = manager
         self._latency = latency
         self._max_wait = float(max_wait)
@@ -128,6 +170,11 @@ class OffloadScheduler:
         self._unpin: Callable[[Sequence[int]], None] | None = (
             None if full is None else full.unpin_slots
         )
+        self._prefetches: Prefetches | None = (
+            Prefetches(manager, share=float(prefetch_share), ttl=float(prefetch_ttl))
+            if isinstance(manager, SupportsPrefetch)
+            else None
+        )
         self._scans = self._deferred_scans = self._async_lookups = 0
         self._waits = self._timeouts = self._callback_failures = self._waits_cut = 0
 
@@ -136,10 +183,14 @@ class OffloadScheduler:
     def maximal_prefix_lookup(
         self, keys: Sequence[bytes], ctx: ScanBudget | None = None
     ) -> int | None:
-        """Leading blocks that are hits, or None to defer (something is pending or unknown)."""
+        """Leading blocks that are hits, or None to defer (something is pending or unknown).
+        An answer claims the request's prefetches."""
         lease: list[int] = []
         try:
-            return self._prefix(keys, ctx, lease)
+            answer = self._prefix(keys, ctx, lease)
+            if answer is not None and self._prefetches is not None:
+                self._prefetches.release(self._prefetches.claim(keys))
+            return answer
         finally:
             self._release(lease)
 
@@ -150,7 +201,10 @@ class OffloadScheduler:
         size = _check_window(sliding_window_size)
         lease: list[int] = []
         try:
-            return self._window(keys, size, ctx, lease)
+            answer = self._window(keys, size, ctx, lease)
+            if answer is not None and self._prefetches is not None:
+                self._prefetches.release(self._prefetches.claim(keys))
+            return answer
         finally:
             self._release(lease)
 
@@ -241,7 +295,9 @@ class OffloadScheduler:
         """Scan; while the scan defers, sleep until a key it waits on changes state.
 
         At the deadline (``timeout``, or the scheduler's ``max_wait`` when None) return the
-        blocks that are HIT now and leave the background work running.
+        blocks that are HIT now and leave the background work running. The lookup claims
+        the request's prefetches (``prefetch`` of a prefix of ``keys``): they stop, and what
+        they hold is given back once the answer is counted.
         """
         keys = check_keys(keys)
         window = None if sliding_window_size is None else _check_window(sliding_window_size)
@@ -259,9 +315,14 @@ class OffloadScheduler:
         self._async_lookups += 1
         limit = self._max_wait if timeout is None else float(timeout)
         started = time.perf_counter()
+        prefetches = self._prefetches
+        claimed = [] if prefetches is None else prefetches.claim(keys)
         try:
             return await self._wait_for_answer(manager, keys, window, limit)
         finally:
+            if claimed:
+                assert prefetches is not None
+                prefetches.release(claimed)
             if self._latency is not None:
                 try:
                     self._latency.observe_lookup(time.perf_counter() - started)
@@ -324,6 +385,36 @@ class OffloadScheduler:
             manager.unwatch(scan.watched, changes)
             self._release(scan.lease)
 
+    def prefetch(
+        self,
+        keys: Sequence[bytes],
+        *,
+        deadline: float | None = None,
+        ttl: float | None = None,
+    ) -> PrefetchHandle:
+        """Start fetching the prefix of a queued request's ``keys`` in the background, as
+        its ``lookup`` will once the request is scheduled, and return its handle (``cancel()``
+        it if the request is aborted). Existence checks and promotions run up to the first
+        miss, under the cost model and within the share of the pool prefetches may hold
+        (``prefetch_share``); the prefetch stops after ``deadline`` seconds (default
+        ``max_wait``); what it holds that no lookup claimed is let go after ``ttl`` seconds
+        (default ``prefetch_ttl``) and stays in the pool as ordinary cache entries. The
+        request's lookup (of the same keys, or keys they are a prefix of) claims it."""
+        keys = check_keys(keys)
+        prefetches = self._prefetches
+        if prefetches is None:
+            raise InvalidArgumentError(
+                "prefetch needs a manager that offers SupportsPrefetch (TieringManager does)"
+            )
+        for name, value in (("deadline", deadline), ("ttl", ttl)):
+            if value is not None:
+                positive_number(value, name)
+        return prefetches.start(
+            keys,
+            self._max_wait if deadline is None else float(deadline),
+            prefetches.ttl if ttl is None else float(ttl),
+        )
+
     def _patience(self, budget: ScanBudget, cost: CostModel) -> float | None:
         """How much longer waiting can pay off (<= 0: stop now), or None without a recompute
         estimate (wait up to the caller's deadline, as always). A request never waits longer
@@ -370,7 +461,13 @@ class OffloadScheduler:
         return count if window is None else streak
 
     def statistics(self) -> SchedulerStatistics:
-        return snapshot(SchedulerStatistics, self, "_")
+        prefetches = self._prefetches
+        return snapshot(
+            SchedulerStatistics,
+            self,
+            "_",
+            prefetch=None if prefetches is None else prefetches.statistics(),
+        )
 
     def __repr__(self) -> str:
         shown = "scans deferred_scans waits timeouts"

@@ -59,6 +59,7 @@ class LookupDecision:
         "_watchers",
         "declined",
         "deferred",
+        "last_reason",
         "miss_reasons",
         "misses",
         "open",
@@ -91,6 +92,7 @@ class LookupDecision:
         self.open = self.was_open = False
         self.pending = self.retries = self.misses = 0
         self.miss_reasons: dict[str, int] = {}
+        self.last_reason = ""  # the reason of the latest MISS (a prefetch reports where it ended)
         self.started = self.deferred = self.declined = 0
 
     def decide(self, key: bytes, budget: ScanBudget | None) -> LookupResult:
@@ -151,6 +153,7 @@ class LookupDecision:
 
     def _miss(self, reason: str) -> LookupResult:
         name = str(reason)  # a MissReason's value: statistics keys are plain strings
+        self.last_reason = name
         self.misses += 1
         self.miss_reasons[name] = self.miss_reasons.get(name, 0) + 1
         return MISS

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from contextlib import AsyncExitStack
 from typing import Any, Self, Unpack
 
@@ -305,6 +305,19 @@ class TieringManager(AsyncResource):
     def unpin_slots(self, slots: Sequence[int]) -> None:
         for slot in slots:
             self.pool.unpin(slot)
+
+    @property
+    def last_miss_reason(self) -> str:
+        """Why the latest ``lookup`` that answered MISS for a key past the pool did (a
+        ``kvtier.MissReason`` value; empty before the first): a prefetch, which asks through
+        ``lookup``, reports with it where the prefix it fetched ended."""
+        return self._decision.last_reason
+
+    def run_soon(self, work: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """Run ``work`` in the manager's task group: it is cancelled when the manager closes.
+        A scheduler's prefetches run here, so that they end with the manager; they are not
+        background work that ``wait_idle`` waits for."""
+        self._check_open().start_soon(work)
 
     def default_tier_in_flight_bytes(self) -> int:
         """Each tier's default limit on bytes being written: its share of

@@ -1,0 +1,185 @@
+"""Prefetch: a queued request's prefix fetched before its lookup, within a share of the pool,
+released when claimed, cancelled or expired; never promoted twice."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from kvtier import (
+    HostPool,
+    MemoryTier,
+    OffloadScheduler,
+    PrefetchState,
+    SlotState,
+    TieringManager,
+)
+from kvtier.testing import FailingTier, StallingTier
+from tests.support import BB, assert_idle, fill, random_blocks
+
+
+async def test_a_prefetched_prefix_is_a_hit_for_its_lookup(keys: list[bytes]) -> None:
+    tier = MemoryTier("mem")
+    await fill(tier, keys[:6])
+    async with TieringManager(HostPool(16, BB), [tier]) as manager:
+        scheduler = OffloadScheduler(manager)
+        handle = scheduler.prefetch(keys[:8])
+        with anyio.fail_after(10):
+            assert await handle.wait() == 6  # up to the first miss
+        assert handle.reason == "not_found"
+        assert handle.state.value == "holding"
+        assert all(manager.pool.state_of(k) is SlotState.READY for k in keys[:6])
+        assert manager.statistics().pool.pinned == 6  # held for the request
+        with anyio.fail_after(10):
+            assert await scheduler.lookup(keys[:8]) == 6
+        assert handle.state is PrefetchState.CLAIMED
+        stats = scheduler.statistics().prefetch
+        assert stats is not None
+        assert (stats.started, stats.blocks_prefetched, stats.blocks_claimed) == (1, 6, 6)
+        assert stats.bytes_prefetched == 6 * BB and stats.held == 0
+        assert manager.statistics().promotions_started == 6  # the lookup promoted nothing
+        await manager.wait_idle()
+        assert_idle(manager)
+
+
+async def test_prefetch_holds_at_most_its_share_and_never_evicts_a_pinned_block(
+    keys: list[bytes],
+) -> None:
+    tier = MemoryTier("mem")
+    await fill(tier, keys[4:12])
+    async with TieringManager(HostPool(8, BB), [tier]) as manager:
+        scheduler = OffloadScheduler(manager, prefetch_share=0.25)  # 2 of 8 slots
+        await manager.store(keys[:4], random_blocks(4))
+        running = manager.pin_ready(keys[:4])  # a running request's blocks
+        assert len(running) == 4
+        first = scheduler.prefetch(keys[4:8])
+        second = scheduler.prefetch(keys[8:12])
+        with anyio.fail_after(10):
+            assert await first.wait() == 2
+            assert await second.wait() == 0  # the first holds the whole share
+        assert first.reason == second.reason == "prefetch_share"
+        stats = scheduler.statistics().prefetch
+        assert stats is not None and stats.held == 2 and stats.capped == 2
+        assert all(manager.pool.state_of(k) is SlotState.READY for k in keys[:4])
+        first.cancel()
+        with anyio.fail_after(10):  # given back: the next prefetch may fill the share again
+            assert await scheduler.prefetch(keys[8:12]).wait() == 2
+        assert all(manager.pool.state_of(k) is SlotState.READY for k in keys[:4])
+        manager.unpin_slots(running)
+
+
+async def test_a_cancelled_prefetch_releases_everything(keys: list[bytes]) -> None:
+    tier = StallingTier(name="stalling")
+    await fill(tier.inner, keys[:4])
+    tier.stall("load")
+    async with TieringManager(HostPool(8, BB), [tier]) as manager:
+        scheduler = OffloadScheduler(manager)
+        handle = scheduler.prefetch(keys[:4])
+        with anyio.fail_after(10):
+            await tier.wait_stalled("load")  # its promotions are in flight
+        handle.cancel()
+        handle.cancel()  # idempotent
+        assert handle.state is PrefetchState.CANCELLED and handle.done
+        stats = scheduler.statistics().prefetch
+        assert stats is not None and stats.cancelled == 1 and stats.held == 0
+        tier.release("load")
+        with anyio.fail_after(10):
+            await manager.wait_idle()
+        assert_idle(manager)  # nothing pinned, nothing left WRITING
+        # what was in flight landed as ordinary cache entries
+        assert all(manager.pool.state_of(k) is SlotState.READY for k in keys[:4])
+
+
+async def test_an_unclaimed_prefetch_expires_and_its_blocks_stay_as_cache(
+    keys: list[bytes],
+) -> None:
+    tier = MemoryTier("mem")
+    await fill(tier, keys[:3])
+    async with TieringManager(HostPool(8, BB), [tier]) as manager:
+        scheduler = OffloadScheduler(manager)
+        handle = scheduler.prefetch(keys[:3], ttl=0.01)
+        with anyio.fail_after(10):
+            assert await handle.wait_ended() is PrefetchState.EXPIRED
+        stats = scheduler.statistics().prefetch
+        assert stats is not None
+        assert (stats.blocks_prefetched, stats.blocks_expired, stats.blocks_claimed) == (3, 3, 0)
+        await manager.wait_idle()
+        assert_idle(manager)
+        assert all(manager.pool.state_of(k) is SlotState.READY for k in keys[:3])
+        with anyio.fail_after(10):  # a later lookup claims nothing but finds them
+            assert await scheduler.lookup(keys[:3]) == 3
+
+
+async def test_a_prefetch_racing_its_own_lookup_promotes_once(keys: list[bytes]) -> None:
+    tier = StallingTier(name="stalling")
+    await fill(tier.inner, keys[:5])
+    tier.stall("load")
+    async with TieringManager(HostPool(16, BB), [tier]) as manager:
+        scheduler = OffloadScheduler(manager)
+        handle = scheduler.prefetch(keys[:5])
+        answer: list[int] = []
+
+        async def request() -> None:
+            answer.append(await scheduler.lookup(keys[:5]))
+
+        with anyio.fail_after(10):
+            await tier.wait_stalled("load")
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(request)
+                await anyio.wait_all_tasks_blocked()  # the lookup waits on the same blocks
+                assert manager.statistics().lookups.hit_pending >= 1
+                tier.release("load")
+        assert answer == [5]
+        assert handle.state is PrefetchState.CLAIMED
+        assert manager.statistics().promotions_started == 5
+        assert tier.statistics().loads == 5
+        await manager.wait_idle()
+        assert_idle(manager)
+
+
+async def test_a_failing_tier_during_prefetch_is_a_miss_with_a_reason(
+    keys: list[bytes],
+) -> None:
+    tier = FailingTier(name="failing")
+    await fill(tier.inner, keys[:4])
+    tier.fail("load")
+    async with TieringManager(HostPool(8, BB), [tier]) as manager:
+        scheduler = OffloadScheduler(manager)
+        handle = scheduler.prefetch(keys[:4])
+        with anyio.fail_after(10):
+            assert await handle.wait() == 0
+        # the failure is counted with its reason, and the tier (told by record_miss) answers
+        # a miss for the block from then on: the prefix ends there, with that reason
+        assert set(manager.statistics().promotions_failed_by_reason) == {"unavailable"}
+        assert handle.reason == "not_found"
+        handle.cancel()
+        await manager.wait_idle()
+        assert_idle(manager)
+
+
+async def test_closing_the_manager_ends_a_running_prefetch(keys: list[bytes]) -> None:
+    tier = StallingTier(name="stalling")
+    await fill(tier.inner, keys[:2])
+    tier.stall("contains", "load")
+    manager = TieringManager(HostPool(8, BB), [tier])
+    async with manager:
+        scheduler = OffloadScheduler(manager)
+        handle = scheduler.prefetch(keys[:2])
+        with anyio.fail_after(10):
+            await tier.wait_stalled("contains")
+    assert handle.state is PrefetchState.CANCELLED
+    assert manager.statistics().pool.pinned == 0
+    tier.release("contains", "load")
+
+
+async def test_prefetch_arguments_are_checked(keys: list[bytes]) -> None:
+    async with TieringManager(HostPool(8, BB), []) as manager:
+        scheduler = OffloadScheduler(manager)
+        with pytest.raises(ValueError, match="deadline must be a positive number"):
+            scheduler.prefetch(keys[:2], deadline=0)
+        with pytest.raises(ValueError, match="ttl must be a positive number"):
+            scheduler.prefetch(keys[:2], ttl=-1)
+        handle = scheduler.prefetch([])
+        assert handle.done and handle.prefix == 0
+    with pytest.raises(ValueError, match="prefetch_share must be a share"):
+        OffloadScheduler(manager, prefetch_share=1.5)
