@@ -50,23 +50,11 @@ HIT = LookupResult.HIT
 RETRY = LookupResult.RETRY
 MISS = LookupResult.MISS
 
-SHARE_REASON = "prefetch_share"
-"""The ``reason`` of a prefetch whose prefix ended because prefetches held their share."""
-
-
-class PrefetchState(enum.Enum):
-    """Where a prefetch is: scanning (``RUNNING``), holding what it fetched (``HOLDING``),
-    or ended: ``CLAIMED`` by its request's lookup, ``EXPIRED`` at its TTL, ``CANCELLED``."""
-
-    RUNNING = "running"
-    HOLDING = "holding"
-    CLAIMED = "claimed"
-    EXPIRED = "expired"
-    CANCELLED = "cancelled"
-
 
 @dataclass(frozen=True, slots=True)
 class PrefetchStatistics:
+    """What a scheduler's prefetches did, and hold now."""
+
     started: int
     """Prefetches started."""
     blocks_prefetched: int
@@ -82,6 +70,21 @@ class PrefetchStatistics:
     """Prefetches whose prefix ended at the share of the pool prefetches may hold."""
     held: int
     """Slots held now by all prefetches: pinned blocks and promotions in flight."""
+
+
+class PrefetchState(enum.Enum):
+    """Where a prefetch is: scanning (``RUNNING``), holding what it fetched (``HOLDING``),
+    or ended: ``CLAIMED`` by its request's lookup, ``EXPIRED`` at its TTL, ``CANCELLED``."""
+
+    RUNNING = "running"
+    HOLDING = "holding"
+    CLAIMED = "claimed"
+    EXPIRED = "expired"
+    CANCELLED = "cancelled"
+
+
+SHARE_REASON = "prefetch_share"
+"""The ``reason`` of a prefetch whose prefix ended because prefetches held their share."""
 
 
 class PrefetchHandle:

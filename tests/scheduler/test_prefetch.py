@@ -3,6 +3,9 @@ released when claimed, cancelled or expired; never promoted twice."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
 import anyio
 import pytest
 
@@ -11,6 +14,7 @@ from kvtier import (
     MemoryTier,
     OffloadScheduler,
     PrefetchState,
+    SecondaryTier,
     SlotState,
     TieringManager,
 )
@@ -18,11 +22,26 @@ from kvtier.testing import FailingTier, StallingTier
 from tests.support import BB, assert_idle, fill, random_blocks
 
 
+async def stalled(keys: list[bytes], *operations: str) -> StallingTier:
+    """A tier holding ``keys`` whose ``operations`` are held until released."""
+    tier = StallingTier(name="stalling")
+    await fill(tier.inner, keys)
+    tier.stall(*operations)
+    return tier
+
+
+@asynccontextmanager
+async def prefetching(
+    tier: SecondaryTier, blocks: int = 8, share: float = 0.5
+) -> AsyncIterator[tuple[TieringManager, OffloadScheduler]]:
+    async with TieringManager(HostPool(blocks, BB), [tier]) as manager:
+        yield manager, OffloadScheduler(manager, prefetch_share=share)
+
+
 async def test_a_prefetched_prefix_is_a_hit_for_its_lookup(keys: list[bytes]) -> None:
     tier = MemoryTier("mem")
     await fill(tier, keys[:6])
-    async with TieringManager(HostPool(16, BB), [tier]) as manager:
-        scheduler = OffloadScheduler(manager)
+    async with prefetching(tier, 16) as (manager, scheduler):
         handle = scheduler.prefetch(keys[:8])
         with anyio.fail_after(10):
             assert await handle.wait() == 6  # up to the first miss
@@ -47,8 +66,7 @@ async def test_prefetch_holds_at_most_its_share_and_never_evicts_a_pinned_block(
 ) -> None:
     tier = MemoryTier("mem")
     await fill(tier, keys[4:12])
-    async with TieringManager(HostPool(8, BB), [tier]) as manager:
-        scheduler = OffloadScheduler(manager, prefetch_share=0.25)  # 2 of 8 slots
+    async with prefetching(tier, share=0.25) as (manager, scheduler):  # 2 of 8 slots
         await manager.store(keys[:4], random_blocks(4))
         running = manager.pin_ready(keys[:4])  # a running request's blocks
         assert len(running) == 4
@@ -69,11 +87,8 @@ async def test_prefetch_holds_at_most_its_share_and_never_evicts_a_pinned_block(
 
 
 async def test_a_cancelled_prefetch_releases_everything(keys: list[bytes]) -> None:
-    tier = StallingTier(name="stalling")
-    await fill(tier.inner, keys[:4])
-    tier.stall("load")
-    async with TieringManager(HostPool(8, BB), [tier]) as manager:
-        scheduler = OffloadScheduler(manager)
+    tier = await stalled(keys[:4], "load")
+    async with prefetching(tier) as (manager, scheduler):
         handle = scheduler.prefetch(keys[:4])
         with anyio.fail_after(10):
             await tier.wait_stalled("load")  # its promotions are in flight
@@ -95,8 +110,7 @@ async def test_an_unclaimed_prefetch_expires_and_its_blocks_stay_as_cache(
 ) -> None:
     tier = MemoryTier("mem")
     await fill(tier, keys[:3])
-    async with TieringManager(HostPool(8, BB), [tier]) as manager:
-        scheduler = OffloadScheduler(manager)
+    async with prefetching(tier) as (manager, scheduler):
         handle = scheduler.prefetch(keys[:3], ttl=0.01)
         with anyio.fail_after(10):
             assert await handle.wait_ended() is PrefetchState.EXPIRED
@@ -111,11 +125,8 @@ async def test_an_unclaimed_prefetch_expires_and_its_blocks_stay_as_cache(
 
 
 async def test_a_prefetch_racing_its_own_lookup_promotes_once(keys: list[bytes]) -> None:
-    tier = StallingTier(name="stalling")
-    await fill(tier.inner, keys[:5])
-    tier.stall("load")
-    async with TieringManager(HostPool(16, BB), [tier]) as manager:
-        scheduler = OffloadScheduler(manager)
+    tier = await stalled(keys[:5], "load")
+    async with prefetching(tier, 16) as (manager, scheduler):
         handle = scheduler.prefetch(keys[:5])
         answer: list[int] = []
 
@@ -143,8 +154,7 @@ async def test_a_failing_tier_during_prefetch_is_a_miss_with_a_reason(
     tier = FailingTier(name="failing")
     await fill(tier.inner, keys[:4])
     tier.fail("load")
-    async with TieringManager(HostPool(8, BB), [tier]) as manager:
-        scheduler = OffloadScheduler(manager)
+    async with prefetching(tier) as (manager, scheduler):
         handle = scheduler.prefetch(keys[:4])
         with anyio.fail_after(10):
             assert await handle.wait() == 0
@@ -158,12 +168,8 @@ async def test_a_failing_tier_during_prefetch_is_a_miss_with_a_reason(
 
 
 async def test_closing_the_manager_ends_a_running_prefetch(keys: list[bytes]) -> None:
-    tier = StallingTier(name="stalling")
-    await fill(tier.inner, keys[:2])
-    tier.stall("contains", "load")
-    manager = TieringManager(HostPool(8, BB), [tier])
-    async with manager:
-        scheduler = OffloadScheduler(manager)
+    tier = await stalled(keys[:2], "contains", "load")
+    async with prefetching(tier) as (manager, scheduler):
         handle = scheduler.prefetch(keys[:2])
         with anyio.fail_after(10):
             await tier.wait_stalled("contains")
@@ -173,8 +179,7 @@ async def test_closing_the_manager_ends_a_running_prefetch(keys: list[bytes]) ->
 
 
 async def test_prefetch_arguments_are_checked(keys: list[bytes]) -> None:
-    async with TieringManager(HostPool(8, BB), []) as manager:
-        scheduler = OffloadScheduler(manager)
+    async with prefetching(MemoryTier("mem")) as (manager, scheduler):
         with pytest.raises(ValueError, match="deadline must be a positive number"):
             scheduler.prefetch(keys[:2], deadline=0)
         with pytest.raises(ValueError, match="ttl must be a positive number"):
