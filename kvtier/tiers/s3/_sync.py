@@ -117,6 +117,10 @@ class IndexSync:
         self.entries_rejected = 0  # entries ignored: naming no pack of this prefix, bad key
         self.clock_skew = 0.0  # this node's wall clock minus the server's, seconds
         self.listing_complete = False
+        # Index upkeep sent by the journal loop: requests by kind ("list", "get", "put",
+        # "delete"), and the bytes of the segments it read.
+        self.requests: collections.Counter[str] = collections.Counter()
+        self.bytes_read = 0
 
     # -- the listing at open -------------------------------------------------------------------
 
@@ -170,6 +174,7 @@ class IndexSync:
         self._seq += 1
         name = segment_name(self._prefix, now_ms, self._writer, self._seq)
         body = encode_segment(entries, self._prefix, integrity_key=self._integrity_key)
+        self.requests["put"] += 1
         try:
             response = await self._call(
                 "journal",
@@ -193,6 +198,7 @@ class IndexSync:
         client = self._client()
         while self._own and self._own[0][0] < before_ms:
             _, name = self._own[0]
+            self.requests["delete"] += 1
             try:
                 await self._call(
                     "journal",
@@ -248,6 +254,7 @@ class IndexSync:
         sizes: dict[str, object] = {}
         first = True
         while True:
+            self.requests["list"] += 1
             page = await self._call(
                 "journal", None, functools.partial(client.list_objects_v2, **kwargs)
             )
@@ -291,6 +298,7 @@ class IndexSync:
 
         expected = frozenset({Fault.NOT_FOUND, Fault.REJECTED})
         get = functools.partial(get_bytes, client, self._bucket, name, 0, self._max_segment)
+        self.requests["get"] += 1
         data = await self._call("journal", None, get, expected=expected)
         if isinstance(data, Fault):
             # Deleted by its writer meanwhile (older than the lookback anyway), or empty (a
@@ -299,6 +307,7 @@ class IndexSync:
                 self._reject_segment(name, "empty")
             return []
         self.segments_read += 1
+        self.bytes_read += len(data)
         decode = functools.partial(
             decode_segment, data, self._prefix, integrity_key=self._integrity_key
         )
