@@ -21,7 +21,7 @@ POSIX_FADV_DONTNEED)``); warm loads read what the page cache already holds. Stor
 known), into a ``HostPool``, beside one plain open + readinto of the same file.
 
 The cost of the integrity key: a second FSTier with ``integrity_key`` set (every block signed
-with a keyed BLAKE2b-256 MAC and verified on load instead of xxh3) takes its turn in the same
+with a keyed BLAKE3 MAC and verified on load instead of xxh3) takes its turn in the same
 rounds as the plain (xxh3) FSTier, and ``hash`` prints what each costs on one thread in memory.
 """
 
@@ -230,13 +230,13 @@ def tier_path(root: Path, key: bytes) -> Path:
 
 
 def hash_speed(block_bytes: int) -> dict[str, float]:
-    """GB/s of xxh3 and of the keyed BLAKE2b MAC over one block, on one thread, in memory."""
+    """GB/s of xxh3 and of the keyed BLAKE3 MAC over one block, on one thread, in memory."""
     block = memoryview(bytearray(os.urandom(block_bytes)))
     ikey = IntegrityKey(os.urandom(32))
     out: dict[str, float] = {}
     for label, fn in (
         ("xxh3", lambda: checksum(block)),
-        ("blake2b mac", lambda: ikey.mac(b"header", block)),
+        ("blake3 mac", lambda: ikey.mac(b"header", block)),
     ):
         reps = max(4, (256 * MiB) // block_bytes)
         started = time.perf_counter()

@@ -6,8 +6,8 @@ Measures, for blocks of ``--block-mib`` MiB:
   ``--store-passes`` passes per side in each round, each writing its part of the blocks;
 - load throughput: ``S3Tier.load`` (streamed into a block buffer, checksum verified) beside
   raw ``get_object`` + ``read()``, ``--load-passes`` passes per side in each round;
-- signed blocks: the same stores and loads through a tier with an integrity key (a BLAKE2b
-  MAC on store; on load the MAC replaces the xxh3 check), beside the unsigned tier;
+- signed blocks: the same stores and loads through a tier with an integrity key (a keyed
+  BLAKE3 MAC on store; on load the MAC replaces the xxh3 check), beside the unsigned tier;
 - existence of ``--keys`` keys: a cold ``S3Tier.lookup`` of every key until every verdict has
   landed, in ``lookup_mode="ask"`` (batched HEADs behind the AsyncLookupManager; the default
   index mode answers at once, without a request) beside as many raw concurrent

@@ -4,6 +4,8 @@
 
     KVTierError
     ├── InvalidArgumentError (also ValueError): bad arguments or configuration; says what to fix
+    │   ├── IdentityMismatchError: a tier's folder or prefix holds another cache identity
+    │   └── ManifestError: a cache identity manifest that cannot be read or trusted
     ├── ExtraNotInstalledError (also ImportError): an optional extra is missing; names it
     ├── LifecycleError (also RuntimeError): used outside ``async with`` or after closing
     └── TierError: an operation on a tier failed; carries tier, key, operation and reason
