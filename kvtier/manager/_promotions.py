@@ -110,7 +110,12 @@ class Promotions:
         if batch is None or len(batch.keys) >= MAX_BATCH:
             batch = _Batch(tier)
             undo = functools.partial(self._never_ran, batch)
-            self.background.start_soon(task_group, undo, self._promote, batch)
+            try:
+                self.background.start_soon(task_group, undo, self._promote, batch)
+            except BaseException:
+                self.pool.abort(slot)  # no batch to join: give back the slot lookup reserved
+                self.cancelled += 1
+                raise
             self._open[tier] = batch
         self.landing[key] = ready_at
         # Counted in flight from now, so the next key of this scan expects its promotion
