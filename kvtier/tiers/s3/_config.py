@@ -29,6 +29,7 @@ from kvtier._settings import (
     optional,
     parse_bool,
     parse_positive_int,
+    parse_positive_size,
     parse_seconds,
     parse_text,
     spec,
@@ -148,6 +149,12 @@ class S3Config(Section):
     index_lookback: float = field(default=60.0, metadata=spec(parse_seconds))
     index_list_timeout: float = field(default=60.0, metadata=spec(parse_seconds))
     index_max_keys: int = field(default=10_000_000, metadata=spec(parse_positive_int))
+    # Index snapshots (``_compaction``): whether nodes compact the index into shared
+    # snapshots that a new node loads instead of listing the prefix, how often one is due
+    # (None: a quarter of index_lookback), and the largest body a node reads.
+    index_snapshots: bool = field(default=True, metadata=spec(parse_bool))
+    index_snapshot_every: float | None = field(default=None, metadata=spec(optional(parse_seconds)))
+    index_snapshot_max_bytes: int = field(default=1 << 30, metadata=spec(parse_positive_size))
     # Blocks stored together per object (a pack, ``_pack``); None: 8 in the index mode, 1
     # in the ask mode (a HEAD by key cannot see a block inside a pack). See ``pack_blocks``.
     pack_blocks: int | None = field(default=None, metadata=spec(optional(parse_positive_int)))
@@ -162,6 +169,12 @@ class S3Config(Section):
                 f"s3.index_lookback ({self.index_lookback} s) must be at least 2 x "
                 f"s3.index_refresh ({self.index_refresh} s): a journal segment must still be "
                 "listed at the next poll after its upload"
+            )
+        every = self.index_snapshot_every
+        if every is not None and every > self.index_lookback / 2:
+            raise InvalidArgumentError(
+                f"s3.index_snapshot_every ({every} s) must be at most s3.index_lookback / 2 "
+                f"({self.index_lookback / 2} s): a snapshot older than that is not loaded"
             )
         if (self.aws_access_key_id is None) != (self.aws_secret_access_key is None):
             raise InvalidArgumentError(
@@ -245,5 +258,8 @@ class S3Overrides(TypedDict, total=False):
     index_lookback: float
     index_list_timeout: float
     index_max_keys: int
+    index_snapshots: bool
+    index_snapshot_every: float | None
+    index_snapshot_max_bytes: int
     pack_blocks: int | None
     separate_identities: bool

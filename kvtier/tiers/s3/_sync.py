@@ -44,6 +44,7 @@ import anyio.to_thread
 from kvtier._errors import TierError
 from kvtier._format import IntegrityKey
 from kvtier._logging import BurstLogger
+from kvtier.tiers.s3._compaction import Snapshots, delete_object
 from kvtier.tiers.s3._config import S3Config
 from kvtier.tiers.s3._errors import Fault
 from kvtier.tiers.s3._index import ExistenceIndex
@@ -121,12 +122,24 @@ class IndexSync:
         # "delete"), and the bytes of the segments it read.
         self.requests: collections.Counter[str] = collections.Counter()
         self.bytes_read = 0
+        # Snapshots (``_compaction``): the wall ms up to which the index holds every segment
+        # (the last poll's start, the listing's, a snapshot's cover), and whether it has
+        # held them without a gap since the tier opened.
+        snapshots = read_journal and config.index_snapshots
+        self.snapshots = Snapshots(self, config) if snapshots else None
+        self.covered_ms: int | None = None
+        self.view_complete = False
 
     # -- the listing at open -------------------------------------------------------------------
 
     async def list_at_open(self) -> None:
-        """Index every block object under the prefix, within ``index_list_timeout`` seconds
+        """Load the newest index snapshot if there is a usable one (``_compaction``), else
+        index every block object under the prefix, within ``index_list_timeout`` seconds
         (``_listing``)."""
+        started_ms = int(self._wall() * 1000)
+        if self.snapshots is not None and await self._load_snapshot(started_ms):
+            self.listing_complete = True
+            return
         listing = Listing(
             self._index,
             self._call,
@@ -136,6 +149,23 @@ class IndexSync:
             prefix=self._prefix,
         )
         self.listing_complete = await listing.run(self._list_timeout)
+        self.covered_ms, self.view_complete = started_ms, self.listing_complete
+
+    async def _load_snapshot(self, wall_ms: int) -> bool:
+        """Load the newest snapshot newer than the one held; whether one was loaded. The
+        next poll lists from its cover minus the lookback."""
+        assert self.snapshots is not None
+        try:
+            survey = await self.snapshots.survey(wall_ms)
+            cover = await self.snapshots.load(survey, newer_than=self.snapshots.generation)
+        except TierError as exc:
+            self._log.warning("snapshot", "%s: no index snapshot (%s)", self.name, exc.reason)
+            return False
+        if cover is None:
+            return False
+        if self.covered_ms is None or not self.view_complete or cover > self.covered_ms:
+            self.covered_ms, self.view_complete = cover, True
+        return True
 
     # -- the journal loop ------------------------------------------------------------------
 
@@ -155,6 +185,7 @@ class IndexSync:
             await self._delete_old_own()
             if poll and self._read_journal:
                 await self.poll()
+                await self._snapshot_round()
         except Exception as exc:
             self.refresh_failures += 1
             reason = exc.reason if isinstance(exc, TierError) else type(exc).__name__
@@ -162,6 +193,20 @@ class IndexSync:
                 "refresh", "%s: index refresh failed (%s); retrying", self.name, reason
             )
         self.refreshes += 1
+
+    async def _snapshot_round(self) -> None:
+        """Every ``index_snapshot_every`` seconds: catch up from a newer snapshot if this
+        index has a gap, else compact one if it is due (``_compaction``)."""
+        now_ms = int(self._wall() * 1000)
+        if self.snapshots is None or self.covered_ms is None:
+            return
+        if not self.snapshots.due(now_ms):
+            return
+        if not self.view_complete:
+            await self._load_snapshot(now_ms)
+            return
+        if not self._index.full and self.listing_complete:
+            await self.snapshots.tick(now_ms, self.covered_ms)
 
     async def publish(self) -> None:
         """Put this node's oldest unpublished keys (at most ``MAX_SEGMENT_ENTRIES``: a PUT
@@ -200,12 +245,7 @@ class IndexSync:
             _, name = self._own[0]
             self.requests["delete"] += 1
             try:
-                await self._call(
-                    "journal",
-                    None,
-                    functools.partial(client.delete_object, Bucket=self._bucket, Key=name),
-                    expected=frozenset({Fault.NOT_FOUND}),
-                )
+                await delete_object(self._call, client, self._bucket, name, "journal")
             except TierError as exc:  # kept: readers ignore it, the next refresh retries
                 self._log.warning(
                     "journal-delete",
@@ -245,7 +285,21 @@ class IndexSync:
         """Read the segments other writers published within the lookback; the new keys."""
         client = self._client()
         now_ms = int(self._wall() * 1000)
-        oldest = now_ms - self._lookback_ms
+        covered = now_ms if self.covered_ms is None else min(self.covered_ms, now_ms)
+        if now_ms - covered >= self._lookback_ms and self.view_complete:
+            self.view_complete = False  # segments older than this may be deleted: a gap
+            if self.snapshots is not None:
+                self.snapshots.look_now()
+            self._log.warning(
+                "gap",
+                "%s: no journal poll for %.0f s (index_lookback): the index may miss keys "
+                "until a newer index snapshot is loaded",
+                self.name,
+                (now_ms - covered) / 1000,
+            )
+        # From the last poll's start (or a snapshot's cover) minus the lookback: a poll
+        # after a short outage reads what it missed, while the writers keep it.
+        oldest = covered - self._lookback_ms
         kwargs: dict[str, Any] = {
             "Bucket": self._bucket,
             "Prefix": self._journal,
@@ -286,6 +340,8 @@ class IndexSync:
                 learnt.extend(await self._read_segment(client, name))
             self._index.seen(name, stamp)
         self._index.forget_seen_before(oldest)
+        if self.covered_ms is not None:
+            self.covered_ms = max(self.covered_ms, now_ms)
         if learnt:
             self._index.learnt += len(learnt)
             self._notify(learnt)
