@@ -64,7 +64,7 @@ from benchmarks.common import (
     settings,
 )
 from benchmarks.replay_trace import DEFAULT_TRACE, infinite_hits, load_trace, payload_of
-from kvtier.tiers.s3._pack import encode_table, pack_name
+from kvtier.tiers.s3._pack import Location, encode_table, pack_name
 
 PAYLOAD_BYTES = 64
 LOOKUP_TIMEOUT = 5.0
@@ -274,7 +274,7 @@ async def open_time(args: Any, blocks: int) -> dict[str, Any]:
     started = time.perf_counter()
     await fill_prefix(args, prefix, blocks)
     filled = time.perf_counter() - started
-    tier = s3_tier(args, prefix, name="new-node", index_list_timeout=600.0)
+    tier = s3_tier(args, prefix, name="new-node", index_list_timeout=600.0, index_snapshots=False)
     started = time.perf_counter()
     async with tier:
         opened = time.perf_counter() - started
@@ -286,6 +286,46 @@ async def open_time(args: Any, blocks: int) -> dict[str, Any]:
         "indexed": indexed,
         "complete": complete and indexed == blocks,
         "fill_seconds": filled,
+    }
+
+
+async def snapshot_open_time(args: Any, blocks: int) -> dict[str, Any]:
+    """Seconds for a new node to open against ``blocks`` indexed blocks held in an index
+    snapshot. The compacting node's index is filled directly (pack locations of 64 keys a
+    pack, never loaded), then it compacts through the real path (claim, body, manifest) and
+    the new node opens through the real one (survey, manifest, body, decode)."""
+    prefix = f"cluster/snap-{os.urandom(4).hex()}-{blocks}"
+    writer = os.urandom(8).hex()
+    compactor = s3_tier(args, prefix, name="compactor", index_max_keys=max(blocks, 1))
+    async with compactor:
+        entries: list[tuple[bytes, Location | None]] = []
+        for start in range(0, blocks, PACK_KEYS):
+            keys = [os.urandom(16) for _ in range(min(PACK_KEYS, blocks - start))]
+            pack = pack_name(prefix, keys[0], writer, start)
+            entries += [(k, Location(pack, 4096 + 100 * i, 100)) for i, k in enumerate(keys)]
+        compactor._index.add_many(entries)
+        del entries
+        sync = compactor._sync
+        assert sync.snapshots is not None and sync.covered_ms is not None
+        started = time.perf_counter()
+        survey = await sync.snapshots.survey(int(time.time() * 1000))
+        published = await sync.snapshots.compact(survey, sync.covered_ms)
+        compacted = time.perf_counter() - started
+    tier = s3_tier(args, prefix, name="new-node", index_max_keys=max(blocks, 1))
+    started = time.perf_counter()
+    async with tier:
+        opened = time.perf_counter() - started
+        indexed = len(tier._index)
+        snapshots = tier._sync.snapshots
+        assert snapshots is not None
+        read = snapshots.bytes_read
+    return {
+        "blocks": blocks,
+        "open_seconds": opened,
+        "indexed": indexed,
+        "complete": published and indexed == blocks,
+        "compact_seconds": compacted,
+        "snapshot_bytes": read,
     }
 
 
@@ -301,6 +341,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--probes", type=int, default=20, help="staleness probes per node")
     parser.add_argument(
         "--open-blocks", default="10000", help="indexed blocks a new node opens against"
+    )
+    parser.add_argument(
+        "--snapshot-blocks",
+        default="10000,100000,1000000",
+        help="indexed blocks a new node opens against, from an index snapshot",
     )
     parser.add_argument("--seed", type=int, default=0)
     add_s3_options(parser, "kvtier-bench")
@@ -358,12 +403,25 @@ async def main_async(args: argparse.Namespace, figures: dict[str, Any]) -> None:
         result = await open_time(args, blocks)
         opens.append(result)
         print(
-            f"a new node opens against {blocks} indexed blocks in {result['open_seconds']:.2f} s "
+            f"a new node opens against {blocks} blocks by listing them in "
+            f"{result['open_seconds']:.2f} s "
             f"({result['indexed']} indexed, complete: {result['complete']}; "
             f"filling took {result['fill_seconds']:.0f} s)",
             flush=True,
         )
     figures["open"] = opens
+    from_snapshot = []
+    for blocks in _ints(args.snapshot_blocks):
+        result = await snapshot_open_time(args, blocks)
+        from_snapshot.append(result)
+        print(
+            f"a new node opens against {blocks} blocks from an index snapshot in "
+            f"{result['open_seconds']:.2f} s ({result['indexed']} indexed, complete: "
+            f"{result['complete']}; {result['snapshot_bytes'] / 2**20:.1f} MiB read; "
+            f"compacting took {result['compact_seconds']:.1f} s)",
+            flush=True,
+        )
+    figures["open_from_snapshot"] = from_snapshot
 
 
 def main(argv: Sequence[str] | None = None) -> int:
