@@ -149,11 +149,13 @@ class S3Config(Section):
     index_lookback: float = field(default=60.0, metadata=spec(parse_seconds))
     index_list_timeout: float = field(default=60.0, metadata=spec(parse_seconds))
     index_max_keys: int = field(default=10_000_000, metadata=spec(parse_positive_int))
-    # Index snapshots (``_compaction``): whether nodes compact the index into shared
-    # snapshots that a new node loads instead of listing the prefix, how often one is due
-    # (None: a quarter of index_lookback), and the largest body a node reads.
+    # Nodes compact the index into shared snapshots, which a new node loads instead of
+    # listing the prefix (``_compaction``; about 140 bytes per key).
     index_snapshots: bool = field(default=True, metadata=spec(parse_bool))
+    # Seconds between snapshots, by the server's clock (None: a quarter of index_lookback;
+    # at most half of it, the age past which a snapshot is not loaded).
     index_snapshot_every: float | None = field(default=None, metadata=spec(optional(parse_seconds)))
+    # The largest snapshot a node reads; a larger one is ignored and the prefix listed.
     index_snapshot_max_bytes: int = field(default=1 << 30, metadata=spec(parse_positive_size))
     # Blocks stored together per object (a pack, ``_pack``); None: 8 in the index mode, 1
     # in the ask mode (a HEAD by key cannot see a block inside a pack). See ``pack_blocks``.
