@@ -136,7 +136,7 @@ QUICK_BENCHMARKS = (
     ("bench_demo_tiers", "--quick", "--rounds", "1"),
     ("replay_trace", "--quick"),
 )
-S3_BENCHMARKS = ("bench_s3", "bench_s3_cpu", "bench_s3_packs", "bench_demo_tiers")
+S3_BENCHMARKS = ("bench_s3", "bench_s3_cpu", "bench_s3_packs", "bench_demo_tiers", "cluster_replay")
 
 
 @nox.session
