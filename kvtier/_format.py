@@ -59,7 +59,9 @@ __all__ = [
     "FLAG_BLAKE3",
     "FLAG_MAC",
     "FORMAT_VERSION",
+    "LEGACY_MAC_NAME",
     "MAC_BYTES",
+    "MAC_NAME",
     "MAGIC",
     "PAYLOAD_ALIGN",
     "BlockHeader",
@@ -88,6 +90,9 @@ MAX_KEY_BYTES = 255
 FLAG_MAC = 0x0001  # a MAC under the tier's integrity key follows the header checksum
 FLAG_BLAKE3 = 0x0002  # with FLAG_MAC: that MAC is keyed BLAKE3 (alone: keyed BLAKE2b-256)
 MAC_BYTES = 32
+# What a signed folder's or prefix's marker names as its MAC, now and before BLAKE3.
+MAC_NAME = "blake3"
+LEGACY_MAC_NAME = "blake2b-256"
 _KNOWN_FLAGS = FLAG_MAC | FLAG_BLAKE3
 MIN_SECRET_BYTES = 16
 

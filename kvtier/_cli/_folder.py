@@ -26,11 +26,10 @@ from kvtier.tiers.fs._layout import (
     Kind,
     ShardFolders,
     name_of,
-    read_identity,
-    read_marker,
     remove_if_same,
     walk,
 )
+from kvtier.tiers.fs._marker import read_identity, read_marker
 
 __all__ = ["inspect", "verify"]
 

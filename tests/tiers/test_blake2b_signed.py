@@ -22,7 +22,8 @@ from kvtier._format import (
     verify_block,
 )
 from kvtier.tiers.fs import FSTier
-from kvtier.tiers.fs._layout import MARKER_NAME, read_marker
+from kvtier.tiers.fs._layout import MARKER_NAME
+from kvtier.tiers.fs._marker import read_marker
 from kvtier.tiers.s3._integrity import marker_key
 from kvtier.tiers.s3._journal import decode_segment, encode_segment, journal_prefix
 from kvtier.tiers.s3._pack import Location

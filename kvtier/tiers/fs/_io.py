@@ -52,12 +52,12 @@ from kvtier.tiers.fs._layout import (
     STALE_TMP_SECONDS,
     Entry,
     Kind,
-    check_marker,
     open_shard,
     path_of,
     tmp_name,
     walk,
 )
+from kvtier.tiers.fs._marker import check_marker
 
 __all__ = [
     "ALIGN",

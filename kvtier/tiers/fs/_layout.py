@@ -25,7 +25,6 @@ import contextlib
 import enum
 import errno
 import hashlib
-import json
 import os
 import re
 import secrets
@@ -35,8 +34,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvtier._format import ALIGNED_FORMAT_VERSION, FORMAT_VERSION, IntegrityKey
-from kvtier._identity import MAX_MANIFEST_BYTES, CacheIdentity, ManifestError, check_manifest
+from kvtier._format import ALIGNED_FORMAT_VERSION, FORMAT_VERSION
 
 __all__ = [
     "BLOCK_FORMATS",
@@ -47,6 +45,7 @@ __all__ = [
     "LAYOUT_VERSION",
     "MARKER",
     "MARKER_NAME",
+    "OWN_PREFIX",
     "O_CLOEXEC",
     "O_NOFOLLOW",
     "READ_FLAGS",
@@ -57,26 +56,19 @@ __all__ = [
     "Item",
     "Kind",
     "ShardFolders",
-    "check_marker",
-    "claim_identity",
     "fsync_folder",
     "is_block_name",
     "key_of",
-    "marker_for",
     "name_of",
     "open_folder",
     "open_shard",
     "path_of",
-    "read_identity",
-    "read_marker",
     "remove_if_same",
     "tmp_name",
     "walk",
 ]
 
 LAYOUT_VERSION = 1
-MAC_NAME = "blake3"  # what a signed folder's marker names (blocks signed before: BLAKE2b)
-LEGACY_MAC_NAME = "blake2b-256"
 MARKER_NAME = "kvtier-fs.json"
 MARKER = {"format": "kvtier-fs", "layout": LAYOUT_VERSION, "block_format": ALIGNED_FORMAT_VERSION}
 # Block formats a folder may hold: a folder marked with the older one is read as it is and its
@@ -87,8 +79,8 @@ BLOCK_FORMATS = (FORMAT_VERSION, ALIGNED_FORMAT_VERSION)
 # is removed once it is this old: no store takes anywhere near an hour.
 STALE_TMP_SECONDS = 3600.0
 TMP_PREFIX = ".tmp-"
-_OWN_PREFIX = ".kvtier-fs"  # the marker's temporary file, the lock and the O_DIRECT probe
-IDENTITY_NAME = f"{_OWN_PREFIX}-identity.json"  # the cache identity manifest (kvtier._identity)
+OWN_PREFIX = ".kvtier-fs"  # the marker's temporary file, the lock and the O_DIRECT probe
+IDENTITY_NAME = f"{OWN_PREFIX}-identity.json"  # the cache identity manifest (kvtier._identity)
 _SHARD = re.compile(r"[0-9a-f]{2}")
 _NAME = re.compile(r"[0-9a-f]{2,200}|h[0-9a-f]{64}")
 _MAX_HEX_KEY = 100  # longer keys are named by a hash so a file name stays under NAME_MAX
@@ -292,7 +284,7 @@ def walk(root: Path) -> Iterator[Item]:
         for first, is_dir in _entries(root_fd):
             first_fd = open_folder(first, root_fd) if is_dir and _is_shard(first) else None
             if first_fd is None:
-                if first != MARKER_NAME and not first.startswith(_OWN_PREFIX):
+                if first != MARKER_NAME and not first.startswith(OWN_PREFIX):
                     yield Item(Kind.FOREIGN, (first,), root_fd)
                 continue
             try:
@@ -338,170 +330,3 @@ def _walk_shard(shard: tuple[str, str], fd: int) -> Iterator[Item]:
                 yield Item(Kind.BLOCK, parts, fd, st.st_size, st.st_mtime)
             else:
                 yield Item(Kind.FOREIGN, parts, fd)
-
-
-# -- the format marker -------------------------------------------------------------------------
-
-
-def marker_for(integrity_key: IntegrityKey | None) -> dict[str, object]:
-    """The format marker a tier with (or without) an integrity key writes and expects. A
-    signed folder names its MAC and the key's public fingerprint, so a node with no key or
-    another key refuses the folder at open, instead of calling every block corrupt and
-    removing the blocks its peers wrote."""
-    if integrity_key is None:
-        return dict(MARKER)
-    return {**MARKER, "integrity": {"mac": MAC_NAME, "key_id": integrity_key.key_id}}
-
-
-def _moved_up(found: dict[str, object]) -> dict[str, object]:
-    """What an older marker reads as now: a folder of the older block format, or one signed
-    with BLAKE2b (still verified), is read as it is and its marker moved up at open, so an
-    older kvtier, which can read neither the new blocks nor their MAC, refuses the folder
-    instead of removing them as corrupt."""
-    moved = {**found}
-    if moved.get("block_format") == FORMAT_VERSION:
-        moved["block_format"] = ALIGNED_FORMAT_VERSION
-    signed = moved.get("integrity")
-    if isinstance(signed, dict) and signed.get("mac") == LEGACY_MAC_NAME:
-        moved["integrity"] = {**signed, "mac": MAC_NAME}
-    return moved
-
-
-def read_marker(root: Path) -> bytes:
-    """The marker file's bytes (``FileNotFoundError`` when there is none; a link is not a
-    marker: ``OSError``)."""
-    fd = os.open(root / MARKER_NAME, READ_FLAGS)
-    with os.fdopen(fd, "rb") as f:
-        return f.read()
-
-
-def check_marker(root: Path, expected: dict[str, object]) -> None:
-    """Check the format marker of ``root``, or write it to an empty folder; raises
-    ``IncompatibleRoot`` for a folder kvtier did not create or wrote in another format."""
-    try:
-        raw = read_marker(root)
-    except FileNotFoundError:
-        foreign = [n for n in os.listdir(root) if not n.startswith(_OWN_PREFIX)]
-        if foreign == [MARKER_NAME]:  # another opener wrote it since: check that one
-            check_marker(root, expected)
-            return
-        if foreign:
-            raise IncompatibleRoot(
-                f"{root} is not empty and has no {MARKER_NAME} marker, so it is not a kvtier "
-                "folder; point FSTier at an empty folder or at one kvtier created"
-            ) from None
-        _write_marker(root, expected)
-        return
-    try:
-        found = json.loads(raw)
-    except ValueError:
-        found = None
-    if isinstance(found, dict) and found != expected and _moved_up(found) == expected:
-        _write_marker(root, expected)  # an older block format or MAC, moved up
-        return
-    if found != expected:
-        if isinstance(found, dict) and {**found, "integrity": None} == {
-            **expected,
-            "integrity": None,
-        }:
-            raise IncompatibleRoot(_integrity_mismatch(root, found, expected))
-        raise IncompatibleRoot(
-            f"{root} holds kvtier-fs data in another format ({MARKER_NAME} says {found!r}; this "
-            f"kvtier writes {expected!r}); point FSTier at another folder, or empty this one to "
-            "start a fresh cache"
-        )
-
-
-def _integrity_mismatch(root: Path, found: dict[str, object], expected: dict[str, object]) -> str:
-    have, want = found.get("integrity"), expected.get("integrity")
-    if want is None:
-        return (
-            f"{root} holds blocks signed with an integrity key; set integrity_key "
-            "(KVTIER_INTEGRITY_KEY) to the key every node sharing this folder uses"
-        )
-    if have is None:
-        return (
-            f"{root} holds unsigned blocks, and this tier has an integrity key: point it at an "
-            "empty folder, or empty this one, to start a signed cache"
-        )
-    return (
-        f"{root} is signed with another integrity key (key id {have!r}, this tier's "
-        f"{want!r}); every node sharing a folder must set the same key"
-    )
-
-
-def _write_new(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path``, which must not exist (``FileExistsError``), and sync it."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC, FILE_MODE)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_marker(root: Path, marker: dict[str, object]) -> None:
-    tmp = root / f"{_OWN_PREFIX}.json.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    _write_new(tmp, json.dumps(marker).encode())
-    try:
-        os.rename(tmp, root / MARKER_NAME)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    fsync_folder(root)
-
-
-# -- the identity manifest ---------------------------------------------------------------------
-
-
-def read_identity(root: Path) -> bytes | None:
-    """The identity manifest's bytes (at most one byte past ``MAX_MANIFEST_BYTES``, so an
-    oversized one is seen as such), or None when the folder has none. A link is never
-    followed (``OSError``)."""
-    try:
-        fd = os.open(root / IDENTITY_NAME, READ_FLAGS)
-    except FileNotFoundError:
-        return None
-    with os.fdopen(fd, "rb") as f:
-        return f.read(MAX_MANIFEST_BYTES + 1)
-
-
-def _link_or_create(tmp: Path, path: Path, data: bytes) -> None:
-    """Give the whole file ``tmp`` the name ``path`` unless ``path`` exists
-    (``FileExistsError``). Where the file system has no hard links, ``path`` is created
-    exclusively and written in place: a racing reader may then see it half written and
-    refuse to open (``ManifestError``), never a wrong identity."""
-    try:
-        os.link(tmp, path, follow_symlinks=False)
-    except FileExistsError:
-        raise
-    except OSError as exc:
-        if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS):
-            raise
-        _write_new(path, data)
-
-
-def claim_identity(root: Path, identity: CacheIdentity) -> None:
-    """Check that ``root`` holds ``identity``'s blocks, recording it first in a folder that
-    records none. The manifest is created whole or not at all (written aside, then linked to
-    its name, which fails if another opener's is there: that one is then checked), and never
-    replaced. Raises ``IdentityMismatchError`` or ``ManifestError`` (``kvtier._identity``)."""
-    where = str(root / IDENTITY_NAME)
-    found = read_identity(root)
-    if found is None:
-        tmp = root / f"{_OWN_PREFIX}-identity.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-        _write_new(tmp, identity.manifest())
-        try:
-            _link_or_create(tmp, root / IDENTITY_NAME, identity.manifest())
-        except FileExistsError:
-            pass  # another opener's manifest: checked below
-        else:
-            fsync_folder(root)
-            return
-        finally:
-            os.unlink(tmp)
-        found = read_identity(root)
-        if found is None:
-            raise ManifestError(f"{where} vanished right after another opener created it")
-    check_manifest(found, identity, where)

@@ -46,11 +46,10 @@ from kvtier.tiers.fs._layout import (
     DIR_MODE,
     Entry,
     IncompatibleRoot,
-    claim_identity,
-    marker_for,
     name_of,
 )
 from kvtier.tiers.fs._ledger import Ledger
+from kvtier.tiers.fs._marker import claim_identity, marker_for
 from kvtier.tiers.fs._ownership import Claim, FolderBusy, claim
 
 __all__ = ["FSTier"]

@@ -192,12 +192,9 @@ async def _stream_into(
     once it is full, in a worker thread above ``thread_bytes``. A body
     that ends early, runs past the header's length or disagrees with it is a problem."""
     size = header_size(len(key), integrity_key=integrity_key)
-    first = b""
-    while len(first) < size:
-        chunk = await content.readany()
-        if not chunk:
-            return f"object is {len(first)} bytes, shorter than a header", first
-        first += chunk
+    first = await _first_bytes(content, size)
+    if len(first) < size:
+        return f"object is {len(first)} bytes, shorter than a header", first
     head = first[:size]
     problem, header = _check_header(head, key, length, dst, meta_checksum, integrity_key)
     if header is None:
@@ -236,6 +233,17 @@ async def _stream_into(
     except HeaderError as exc:
         return str(exc), head
     return None, head
+
+
+async def _first_bytes(content: Any, size: int) -> bytes:
+    """At least ``size`` bytes from the start of the body (fewer only if it ends first)."""
+    first = b""
+    while len(first) < size:
+        chunk = await content.readany()
+        if not chunk:
+            break
+        first += chunk
+    return first
 
 
 def _finish_check(check: PayloadCheck, dst: memoryview, head: bytes) -> tuple[str | None, bytes]:

@@ -45,7 +45,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kvtier._errors import InvalidArgumentError, TierUnavailableError
-from kvtier._format import IntegrityKey
+from kvtier._format import LEGACY_MAC_NAME, MAC_NAME, IntegrityKey
 from kvtier._identity import MAX_MANIFEST_BYTES, CacheIdentity, ManifestError, check_manifest
 from kvtier.tiers.s3._errors import Fault
 from kvtier.tiers.s3._pack import PACK_DIR
@@ -53,7 +53,6 @@ from kvtier.tiers.s3._requests import Call, get_bytes
 
 __all__ = [
     "IDENTITY_NAME",
-    "MAC_NAME",
     "MARKER_NAME",
     "check_marker",
     "claim_identity",
@@ -67,8 +66,6 @@ __all__ = [
 
 MARKER_NAME = "_kvtier_integrity.json"
 IDENTITY_NAME = "_kvtier_identity.json"  # the cache identity manifest (kvtier._identity)
-MAC_NAME = "blake3"
-LEGACY_MAC_NAME = "blake2b-256"
 _SHARD = re.compile(r"[0-9a-f]{2}/")
 
 
@@ -161,9 +158,7 @@ async def check_marker(
     if found is not None:
         settle(found)
         if integrity_key is not None and json.loads(found)["mac"] == LEGACY_MAC_NAME:
-            # Signed with BLAKE2b before: the same key says BLAKE3 from now on.
-            put = functools.partial(client.put_object, Bucket=bucket, Key=name)
-            await call("open", None, functools.partial(put, Body=marker_body(integrity_key)))
+            await _move_up(call, client, bucket, name, integrity_key)
         return conditional_put
     if integrity_key is None:
         return conditional_put
@@ -189,6 +184,14 @@ async def check_marker(
             )
         settle(found)
     return conditional_put
+
+
+async def _move_up(
+    call: Call, client: Any, bucket: str, name: str, integrity_key: IntegrityKey
+) -> None:
+    """A prefix signed with BLAKE2b before: the same key says BLAKE3 from now on."""
+    put = functools.partial(client.put_object, Bucket=bucket, Key=name)
+    await call("open", None, functools.partial(put, Body=marker_body(integrity_key)))
 
 
 async def _lists_blocks(call: Call, client: Any, bucket: str, prefix: str) -> bool:
