@@ -43,7 +43,7 @@ from kvtier._errors import InvalidArgumentError, LifecycleError
 from kvtier._settings import positive_number
 from kvtier.pools._base import BatchSink, ByteSink, ByteSource, PrimaryPool
 from kvtier.pools._cuda_copies import SlotCopies
-from kvtier.pools._cuda_core import TransferStatistics
+from kvtier.pools._cuda_core import CopyLimits, SlotSpan, TransferStatistics
 from kvtier.pools._cupy import CudaRuntime, cupy_runtime, device_count
 from kvtier.pools._device import stream_device, stream_handle
 from kvtier.pools._policy import EvictionPolicy
@@ -102,17 +102,9 @@ class CudaPool(PrimaryPool):
                     f"{self.block_bytes}) on cuda:{device} ({exc}); reduce num_blocks"
                 ) from exc
             try:
-                self._copies = SlotCopies(
-                    rt,
-                    device=device,
-                    base=self._base,
-                    num_blocks=self.num_blocks,
-                    block_bytes=self.block_bytes,
-                    staging_buffers=staging_buffers,
-                    engine_stream=engine_stream,
-                    settle_timeout=self._settle_timeout,
-                    copy_timeout=float(copy_timeout),
-                )
+                span = SlotSpan(device, self._base, self.num_blocks, self.block_bytes)
+                limits = CopyLimits(staging_buffers, self._settle_timeout, float(copy_timeout))
+                self._copies = SlotCopies(rt, span, limits, engine_stream)
             except BaseException:
                 rt.free(self._base)
                 raise

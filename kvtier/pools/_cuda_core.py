@@ -16,7 +16,7 @@ import functools
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import anyio
 import anyio.to_thread
@@ -26,7 +26,7 @@ from kvtier._errors import InvalidArgumentError, LifecycleError
 from kvtier.pools._cuda_stream import Completion, Lane, StagingBuffer, StagingPool
 from kvtier.pools._cupy import CudaRuntime
 
-__all__ = ["CopyCore", "TransferStatistics"]
+__all__ = ["CopyCore", "CopyLimits", "SlotSpan", "TransferStatistics"]
 
 logger = logging.getLogger("kvtier.pools._cuda_copies")
 
@@ -56,33 +56,35 @@ def _memcpy_pairs(pairs: list[tuple[memoryview, memoryview]]) -> None:
         np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8))
 
 
+class SlotSpan(NamedTuple):
+    """Where a pool's slots are: the device, the address of slot 0, how many, how large."""
+
+    device: int
+    base: int
+    num_blocks: int
+    block_bytes: int
+
+
+class CopyLimits(NamedTuple):
+    """Pinned staging buffers per set, and how long a copy may take: ``settle_timeout`` before
+    a cancelled or failed one is abandoned behind fences, ``copy_timeout`` before one fails."""
+
+    staging_buffers: int
+    settle_timeout: float
+    copy_timeout: float
+
+
 class CopyCore:
-    """The state every copy shares, for ``num_blocks`` slots of ``block_bytes`` from device
-    pointer ``base`` on CUDA ``device``. Build it with that device current (its streams and
-    pinned buffers are created here)."""
+    """The state every copy shares, for the ``slots`` of a pool, within ``limits``. Build it
+    with the slots' device current (its streams and pinned buffers are created here)."""
 
     def __init__(
-        self,
-        runtime: CudaRuntime,
-        *,
-        device: int,
-        base: int,
-        num_blocks: int,
-        block_bytes: int,
-        staging_buffers: int,
-        engine_stream: Any,
-        settle_timeout: float,
-        copy_timeout: float,
+        self, runtime: CudaRuntime, slots: SlotSpan, limits: CopyLimits, engine_stream: Any
     ) -> None:
         self._rt = runtime
-        self.device = device
-        self.staging_buffers = staging_buffers
-        self.block_bytes = block_bytes
-        self._base = base
-        self._num_blocks = num_blocks
+        self.slots, self.limits = slots, limits
+        self.device, self.block_bytes = slots.device, slots.block_bytes
         self._engine_stream = engine_stream  # the object, kept alive while the pool lives
-        self._settle_timeout = settle_timeout
-        self._copy_timeout = copy_timeout
         # slot -> (fence event, the abandoned copy's completion that retires it)
         self._fences: dict[int, tuple[int, Completion]] = {}
         self._to_device = self._to_host = self._peer_bytes = self._abandoned = 0
@@ -98,9 +100,9 @@ class CopyCore:
             self._download = self._lane("download")
             self._peer = self._lane("peer")
             self._order = runtime.eventCreateWithFlags(runtime.eventDisableTiming)
-            self._upload_staging = self._pinned(staging_buffers)
-            self._download_staging = self._pinned(staging_buffers)
-            self._engine_staging = self._pinned(staging_buffers)
+            self._upload_staging = self._pinned(limits.staging_buffers)
+            self._download_staging = self._pinned(limits.staging_buffers)
+            self._engine_staging = self._pinned(limits.staging_buffers)
         except BaseException:
             self.release()
             raise
@@ -145,9 +147,9 @@ class CopyCore:
 
     def ptr(self, slot: int) -> int:
         """The device address of ``slot``."""
-        if not 0 <= slot < self._num_blocks:
-            raise InvalidArgumentError(f"slot {slot} is outside [0, {self._num_blocks})")
-        return self._base + slot * self.block_bytes
+        if not 0 <= slot < self.slots.num_blocks:
+            raise InvalidArgumentError(f"slot {slot} is outside [0, {self.slots.num_blocks})")
+        return self.slots.base + slot * self.block_bytes
 
     def _issue(self, lane: Lane, copies: list[tuple[int, int]], kind: int) -> None:
         """Enqueue block copies (dst, src) on ``lane``, one copy per run of blocks that are
@@ -193,7 +195,7 @@ class CopyCore:
     async def _wait(self, done: Completion) -> None:
         """Until ``done``; a copy slower than ``copy_timeout`` fails the operation (and is
         then settled or abandoned like a cancelled one)."""
-        with anyio.fail_after(self._copy_timeout):
+        with anyio.fail_after(self.limits.copy_timeout):
             await done.wait()
 
     async def _settle(
@@ -212,7 +214,7 @@ class CopyCore:
         outlives that is abandoned: ``slots`` (and the ``engine`` streams) are fenced on it,
         and ``buffers`` and ``keep`` (the engine's arrays) are let go only when it lands."""
         if done is not None and not done.done():
-            with anyio.move_on_after(self._settle_timeout, shield=True):
+            with anyio.move_on_after(self.limits.settle_timeout, shield=True):
                 await done.settled()
             if not done.done():
                 self._abandon(done, lane, slots, engine)
@@ -231,7 +233,7 @@ class CopyCore:
         logger.warning(
             "a CUDA copy on cuda:%d outlived settle_timeout=%.1fs; fencing %d slot(s)",
             self.device,
-            self._settle_timeout,
+            self.limits.settle_timeout,
             len(slots),
         )
         try:
@@ -275,7 +277,7 @@ class CopyCore:
         """Refuse new work, then wait (at most ``settle_timeout``) until no operation is in flight
         and every lane ran what was queued; False when something is still running."""
         self.closing = True
-        with anyio.move_on_after(self._settle_timeout, shield=True):
+        with anyio.move_on_after(self.limits.settle_timeout, shield=True):
             while self._in_flight:
                 self._idle = anyio.Event()
                 await self._idle.wait()
@@ -294,7 +296,7 @@ class CopyCore:
         """Stop the waiters and free the streams, events and pinned memory; blocking (a
         worker thread runs it), and only after ``drain_all`` returned True. False when a
         waiter is stuck on a copy (then nothing is freed)."""
-        if not all(lane.stop(self._settle_timeout) for lane in self._lanes):
+        if not all(lane.stop(self.limits.settle_timeout) for lane in self._lanes):
             return False
         with self.on_device():
             for lane in self._lanes:
@@ -309,7 +311,7 @@ class CopyCore:
     def statistics(self) -> TransferStatistics:
         return TransferStatistics(
             device=self.device,
-            staging_buffers=self.staging_buffers,
+            staging_buffers=self.limits.staging_buffers,
             upload_staging_free=self._upload_staging.available,
             download_staging_free=self._download_staging.available,
             engine_staging_free=self._engine_staging.available,
