@@ -26,6 +26,14 @@ is logged once until it recovers, and ``clock_skew`` keeps the last measure.
 
 A writer deletes its own segments once they are older than twice the lookback, at every
 refresh; one whose DELETE failed stays first in line and is tried again at the next refresh.
+
+Index snapshots (``_compaction``, ``index_snapshots``): at open the newest snapshot, when one is
+usable, replaces the listing, and the first poll lists from its cover minus the lookback. A
+poll lists from the start of the last successful one (minus the lookback), so a node that
+missed a few refreshes reads what it missed; one that missed more than the lookback may have
+lost segments their writers deleted, so its view has a gap (``view_complete``) until it loads
+a newer snapshot. Every ``index_snapshot_every`` seconds a node looks at the snapshot folder
+and, if its view is complete, compacts when one is due.
 """
 
 from __future__ import annotations
