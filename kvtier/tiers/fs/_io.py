@@ -24,6 +24,7 @@ import contextlib
 import enum
 import errno
 import fcntl
+import logging
 import mmap
 import os
 import secrets
@@ -34,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvtier._errors import InvalidArgumentError
 from kvtier._format import (
     ALIGNED_FORMAT_VERSION,
     FORMAT_VERSION,
@@ -64,6 +66,7 @@ __all__ = [
     "O_DIRECT",
     "Corrupt",
     "ReadOutcome",
+    "UnusableRootError",
     "WriteOutcome",
     "WrongSize",
     "aligned",
@@ -71,6 +74,7 @@ __all__ = [
     "copy_bytes",
     "direct_refused",
     "file_version",
+    "make_root",
     "open_maybe_direct",
     "prepare_root",
     "region_size",
@@ -87,6 +91,8 @@ ALIGN = PAYLOAD_ALIGN
 
 # The OS calls that write and that check existence, named once so tests can inject a fault at
 # exactly this boundary.
+logger = logging.getLogger("kvtier.tiers.fs")
+
 _writev = os.writev
 _stat = os.stat
 
@@ -116,15 +122,65 @@ class ReadOutcome(enum.Enum):
 # -- opening a root ---------------------------------------------------------------------------
 
 
+class UnusableRootError(InvalidArgumentError, OSError):
+    """An FS tier's root cannot be created or written when the tier opens: a configuration
+    error, raised at open with the path and the reason (an ``OSError`` too, as vLLM's own fs
+    tier raises). A root that goes away later (a mount lost) is a runtime fault instead: the
+    tier's operations fail as ``unavailable`` and lookups miss."""
+
+    def __init__(self, path: Path, exc: OSError) -> None:
+        code = errno.errorcode.get(exc.errno or 0, "")
+        reason = f"{code}: {exc.strerror}" if code and exc.strerror else str(exc)
+        self.message = (
+            f"cannot use {str(path)!r} as an FS tier's root: {reason}; give a folder "
+            "that this process can create and write"
+        )
+        InvalidArgumentError.__init__(self, self.message)
+        self.path = path
+        self.reason = reason
+        self.errno = exc.errno
+        self.strerror = exc.strerror
+        self.filename = str(path)
+
+    def __str__(self) -> str:  # OSError's would show only the errno and the path
+        return self.message
+
+
+def make_root(root: Path) -> None:
+    """Create ``root`` and any missing parents, saying so in the log.
+
+    A missing parent may be a file system that is not mounted yet: creating it writes on the
+    disk beneath, as vLLM's own fs tier does. The tier goes ahead (a root that a config names
+    should work) and says, with a warning, which folders it had to create, so a mount that
+    came late is found in the log rather than as a full system disk."""
+    try:
+        os.mkdir(root, DIR_MODE)
+    except FileExistsError:
+        return
+    except FileNotFoundError:
+        missing = [root]
+        for parent in root.parents:
+            if os.path.lexists(parent):
+                break
+            missing.append(parent)
+        os.makedirs(root, DIR_MODE, exist_ok=True)
+        logger.warning(
+            "created the FS tier's root %s and its missing parent folder(s) %s: if a file "
+            "system should be mounted at one of them, it was not when the tier opened",
+            root,
+            ", ".join(str(p) for p in reversed(missing[1:])),
+        )
+        return
+    logger.info("created the FS tier's root %s", root)
+
+
 def prepare_root(root: Path, marker: dict[str, object] | None = None) -> list[Entry]:
     """Make ``root`` usable and list its blocks, oldest first.
 
-    Creates the root (only its last component: a missing parent usually means a filesystem
-    that is not mounted, and writing under it would fill the wrong disk), checks or writes the
-    format marker, removes temporary files whose writer is gone, and lists every block file.
+    Creates the root and its missing parents (``make_root``), checks or writes the format
+    marker, removes temporary files whose writer is gone, and lists every block file.
     """
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(root, DIR_MODE)
+    make_root(root)
     check_marker(root, MARKER if marker is None else marker)
     entries: list[Entry] = []
     now = time.time()

@@ -24,6 +24,7 @@ import anyio
 
 from kvtier._describe import describe
 from kvtier._errors import InvalidArgumentError
+from kvtier._events import EventBuffer, EventKind
 from kvtier._format import IntegrityKey
 from kvtier._identity import CacheIdentity, scoped_name
 from kvtier._keys import check_key
@@ -43,7 +44,6 @@ from kvtier.tiers.fs._catalog import Catalog, Reservation
 from kvtier.tiers.fs._config import FSConfig, FSOverrides
 from kvtier.tiers.fs._index import IndexLookups
 from kvtier.tiers.fs._layout import (
-    DIR_MODE,
     Entry,
     IncompatibleRoot,
     name_of,
@@ -97,8 +97,14 @@ class FSTier(SecondaryTier):
         self._catalog: Catalog[anyio.Event] = Catalog(settings.capacity_bytes)
         self._claim: Claim | None = None  # the folder's lock, while open
         self._lookups = self._new_lookups(owner=settings.shared is False)
+        # What it holds, for routers and engines (``kvtier._events``): stored, removed, cleared.
+        self.events = EventBuffer(self.name)
         self._ledger = Ledger(
-            self.name, self._catalog, self._lookups, self.notify, self.integrity_key
+            self.name,
+            self._catalog,
+            _Announcing(self._lookups, self.events),
+            self.notify,
+            self.integrity_key,
         )
 
     def _new_lookups(self, *, owner: bool) -> AsyncLookupManager | IndexLookups:
@@ -120,9 +126,12 @@ class FSTier(SecondaryTier):
         """Prepare the root and start the existence checks.
 
         An incompatible or foreign root raises ``InvalidArgumentError``: nothing is touched.
-        A root that cannot be used now (missing parent, permissions, I/O error) does not: the
+        A root that cannot be created or written (permissions, a file in the way, a read-only
+        file system where the marker must be written) raises ``UnusableRootError`` naming the
+        path and the reason: a configuration error. Missing parents are created (and logged).
+        A root whose file system does not answer (a hung mount) is a fault, not a setting: the
         tier opens degraded (stores fail as ``unavailable``, lookups are misses) and tries
-        again on the next store, so a late mount recovers without a restart.
+        again on the next store.
         """
         if self._lookups.is_open:
             return
@@ -146,8 +155,7 @@ class FSTier(SecondaryTier):
 
         def prepare(_: Handoff) -> tuple[list[Entry], str | bool | None, Claim | None]:
             if container is not None:
-                with contextlib.suppress(FileExistsError):
-                    os.mkdir(container, DIR_MODE)
+                io.make_root(container)
             entries = io.prepare_root(root, marker)
             if identity is not None:
                 claim_identity(root, identity)
@@ -160,6 +168,8 @@ class FSTier(SecondaryTier):
             raise InvalidArgumentError(str(exc)) from None
         except (OSError, Stuck) as exc:
             self._catalog.ready = False
+            if isinstance(exc, OSError) and not raise_unavailable:  # at open: a setting
+                raise io.UnusableRootError(self.root, exc) from exc
             self._ledger.warn(
                 "root", "%s: cannot use root %s (%s); tier degraded", self.name, self.root, exc
             )
@@ -188,7 +198,8 @@ class FSTier(SecondaryTier):
         if claimed.owner == isinstance(self._lookups, IndexLookups):
             return
         old, new = self._lookups, self._new_lookups(owner=claimed.owner)
-        self._lookups = self._ledger.verdicts = new
+        self._lookups = new
+        self._ledger.verdicts = _Announcing(new, self.events)
         if old.is_open:  # a tier that opened degraded, now taking its root at a store
             await old.aclose()
             await new.__aenter__()
@@ -354,6 +365,8 @@ class FSTier(SecondaryTier):
             raise self._ledger.error(exc, "delete", key) from exc
         self._catalog.drop(name)
         self._lookups.record(key, False, MissReason.NOT_FOUND)
+        if removed:
+            self.events.emit(EventKind.REMOVED, (key,), reason="deleted")
         self._ledger.meter.deletes += removed
 
     # -- state ---------------------------------------------------------------------------------
@@ -385,6 +398,28 @@ class FSTier(SecondaryTier):
             storing=len(catalog.storing),
             stuck_threads=files.calls.stuck,
         )
+
+
+# The verdicts that say a block went away, and the reason each removed event gives.
+_REMOVALS = {r: r.value for r in (MissReason.EVICTED, MissReason.CORRUPT, MissReason.NOT_FOUND)}
+
+
+class _Announcing:
+    """The ledger's verdicts, passed on to the lookup helper and announced as events: a
+    block that landed (renamed into place: visible, as durable as ``fsync`` makes it) is
+    stored; one evicted, removed as corrupt or found gone by a load is removed."""
+
+    __slots__ = ("events", "lookups")
+
+    def __init__(self, lookups: AsyncLookupManager | IndexLookups, events: EventBuffer) -> None:
+        self.lookups, self.events = lookups, events
+
+    def record(self, key: bytes, present: bool, reason: MissReason = MissReason.NOT_FOUND) -> None:
+        self.lookups.record(key, present, reason)
+        if present:
+            self.events.emit(EventKind.STORED, (key,))
+        elif (why := _REMOVALS.get(reason)) is not None:
+            self.events.emit(EventKind.REMOVED, (key,), reason=why)
 
 
 def _writable_bytes(dst: object) -> memoryview:

@@ -113,16 +113,16 @@ async def test_the_lock_dies_with_its_process(tmp_path: Path) -> None:
         assert tier.owner is True
 
 
-async def test_a_tier_that_opened_degraded_takes_its_folder_at_a_store(tmp_path: Path) -> None:
-    root = tmp_path / "mount" / "c"  # the mount point is not there yet
+async def test_a_root_with_missing_parents_is_created_and_owned_at_open(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = tmp_path / "mount" / "c"  # neither the root nor its parent is there yet
     (key,) = fresh_keys(1)
     async with FSTier(root) as tier:
-        assert tier.owner is None
-        assert tier.lookup(key) is not LookupResult.HIT
-        (tmp_path / "mount").mkdir()
-        await tier.store(key, memoryview(bytes(BLOCK)))
         assert tier.owner is True
+        await tier.store(key, memoryview(bytes(BLOCK)))
         assert tier.lookup(key) is LookupResult.HIT
+    assert f"missing parent folder(s) {tmp_path / 'mount'}" in caplog.text
 
 
 async def test_the_lock_file_is_neither_a_block_nor_foreign(tmp_path: Path) -> None:

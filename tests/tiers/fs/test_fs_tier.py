@@ -11,6 +11,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -44,6 +45,7 @@ from kvtier.tiers.fs import _blocks as _fs_block
 from kvtier.tiers.fs import _io as _fs_io
 from kvtier.tiers.fs import _layout as _fs_layout
 from kvtier.tiers.fs import _read as _fs_read
+from kvtier.tiers.fs._io import UnusableRootError
 from tests.support import BlockingCallError, block_files, tmp_files
 from tests.tiers.fs.fs_worker import key_of, payload_of
 
@@ -544,19 +546,19 @@ async def test_read_only_filesystem_serves_loads_and_refuses_stores(tmp_path: Pa
             assert await resolve_lookup(tier, key(1)) is LookupResult.MISS
 
 
-async def test_missing_root_degrades_then_recovers(tmp_path: Path) -> None:
+async def test_missing_parents_are_created_and_an_unusable_root_raises_at_open(
+    tmp_path: Path,
+) -> None:
     parent = tmp_path / "not-mounted-yet"
-    async with FSTier(parent / "c") as tier:  # opening does not raise
-        assert not parent.exists()  # and never creates the missing parent
-        with pytest.raises(TierUnavailableError, match="ENOENT"):
-            await tier.store(key(0), memoryview(data(0)))
-        assert await resolve_lookup(tier, key(0)) is LookupResult.MISS
-        with pytest.raises(BlockNotFoundError):
-            await load(tier, key(0))
-        assert tier.statistics().failures_by_reason == {"unavailable": 1, "not_found": 1}
-        parent.mkdir()  # the filesystem appears
+    async with FSTier(parent / "c") as tier:  # created, parents too, as vLLM's fs tier does
         await tier.store(key(0), memoryview(data(0)))
         assert await load(tier, key(0)) == data(0)
+    (tmp_path / "file").write_bytes(b"")
+    for root in (tmp_path / "file" / "c", Path("/dev/null/c")):
+        with pytest.raises(UnusableRootError, match=rf"{re.escape(str(root))}.*ENOTDIR") as info:
+            async with FSTier(root):
+                pass
+        assert isinstance(info.value, OSError) and info.value.path == root
 
 
 async def test_io_error_on_load_is_a_counted_miss(

@@ -1,0 +1,109 @@
+"""What a tier tells the outside about the blocks it holds: stored, removed, cleared.
+
+KV-aware routers learn which engine holds which prefix from these events (vLLM's
+``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``). A tier reports:
+
+- ``STORED`` once a block is durable (as its ``fsync`` setting makes it) and visible to a
+  lookup: the file renamed into place, the object written;
+- ``REMOVED`` when a block goes: evicted for capacity (reason ``"evicted"``), deleted because
+  it failed verification (``"corrupt"``), found gone by a load (``"not_found"``), deleted on
+  request (``"deleted"``);
+- ``CLEARED`` when every block goes at once.
+
+Each event carries the medium (``"STORAGE"`` for FS and S3), the locality (``"LOCAL"``; a
+shared tier reports blocks it learnt from another node as ``"REMOTE"``) and the tier's name.
+
+``EventBuffer`` holds them until someone drains it. It is bounded: when nobody drains, the
+newest events are dropped and counted (``dropped``), so memory never grows with the stream. A
+buffer of capacity 0 is off: ``emit`` returns at once and counts nothing. ``emit`` and
+``drain`` may be called from different threads (a tier's loop, an engine's scheduler).
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+__all__ = ["EventBuffer", "EventKind", "TierEvent"]
+
+
+class EventKind(enum.Enum):
+    """What happened to an event's blocks."""
+
+    STORED = "stored"
+    REMOVED = "removed"
+    CLEARED = "cleared"
+
+
+@dataclass(frozen=True, slots=True)
+class TierEvent:
+    """One change to what a tier holds: ``keys`` (kvtier keys; empty for ``CLEARED``)."""
+
+    kind: EventKind
+    keys: tuple[bytes, ...]
+    tier: str
+    medium: str = "STORAGE"
+    locality: str = "LOCAL"
+    reason: str | None = None  # why blocks were removed: evicted, corrupt, not_found, deleted
+
+
+class EventBuffer:
+    """A bounded, thread-safe queue of ``TierEvent`` (see the module doc)."""
+
+    __slots__ = ("_events", "_lock", "_size", "capacity", "dropped", "emitted", "tier")
+
+    def __init__(self, tier: str, capacity: int = 65_536) -> None:
+        if capacity < 0:
+            raise ValueError(f"capacity must be 0 (off) or more, got {capacity}")
+        self.tier = tier
+        self.capacity = capacity  # in keys (a CLEARED event counts as one)
+        self.dropped = 0  # events that did not fit
+        self.emitted = 0  # events that did
+        self._events: list[TierEvent] = []
+        self._size = 0
+        self._lock = threading.Lock()
+
+    @property
+    def enabled(self) -> bool:
+        return self.capacity > 0
+
+    def __len__(self) -> int:
+        return len(self._events)
+
+    def emit(
+        self,
+        kind: EventKind,
+        keys: Iterable[bytes] = (),
+        *,
+        locality: str = "LOCAL",
+        reason: str | None = None,
+        medium: str = "STORAGE",
+    ) -> None:
+        """Queue one event, or drop and count it when the buffer is full (never blocks)."""
+        if not self.capacity:
+            return
+        held = tuple(keys)
+        if not held and kind is not EventKind.CLEARED:
+            return
+        size = max(1, len(held))
+        with self._lock:
+            if self._size + size > self.capacity:
+                self.dropped += 1
+                return
+            self._size += size
+            self.emitted += 1
+            self._events.append(TierEvent(kind, held, self.tier, medium, locality, reason))
+
+    def drain(self) -> list[TierEvent]:
+        """Every queued event, oldest first; the buffer is empty after."""
+        with self._lock:
+            events, self._events, self._size = self._events, [], 0
+        return events
+
+    def __repr__(self) -> str:
+        return (
+            f"<EventBuffer {self.tier!r} queued={len(self._events)} capacity={self.capacity} "
+            f"dropped={self.dropped}>"
+        )

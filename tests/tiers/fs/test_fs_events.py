@@ -1,0 +1,86 @@
+"""The FS tier's events: stored once a block is visible, removed when it goes, and why."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvtier._errors import BlockNotFoundError, CorruptBlockError
+from kvtier._events import EventKind, TierEvent
+from kvtier.tiers.fs import FSTier
+from kvtier.tiers.fs import _layout as _fs_layout
+from tests.support import fresh_keys
+
+BLOCK = 4096
+
+
+def payload(i: int) -> memoryview:
+    return memoryview(bytes([i]) * BLOCK)
+
+
+def path_of(root: Path, key: bytes) -> Path:
+    return _fs_layout.path_of(root, _fs_layout.name_of(key))
+
+
+def removed(events: list[TierEvent]) -> list[tuple[bytes, str | None]]:
+    return [(e.keys[0], e.reason) for e in events if e.kind is EventKind.REMOVED]
+
+
+async def test_a_store_is_announced_once_its_file_is_in_place(tmp_path: Path) -> None:
+    keys = fresh_keys(2)
+    async with FSTier(tmp_path / "c", name="disk") as tier:
+        await tier.store(keys[0], payload(0))
+        assert tier.events.drain() == [TierEvent(EventKind.STORED, (keys[0],), "disk")]
+        errors = await tier.store_many(keys, [payload(0), payload(1)])
+        assert errors == [None, None]
+        events = tier.events.drain()
+        assert {e.keys[0] for e in events} <= set(keys) and all(
+            e.kind is EventKind.STORED and e.medium == "STORAGE" and e.locality == "LOCAL"
+            for e in events
+        )
+        assert keys[1] in {e.keys[0] for e in events}
+        await tier.load(keys[0], memoryview(bytearray(BLOCK)))
+        assert tier.events.drain() == []  # a load that finds its block says nothing
+
+
+async def test_evicted_corrupt_gone_and_deleted_blocks_are_removed(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    keys = fresh_keys(6)
+    async with FSTier(root) as probe:
+        await probe.store(keys[5], payload(5))
+        file_bytes = probe.statistics().bytes_stored
+    async with FSTier(root, capacity_bytes=3 * file_bytes) as tier:
+        for i in range(3):
+            await tier.store(keys[i], payload(i))
+        tier.events.drain()
+        await tier.store(keys[3], payload(3))  # over capacity: the oldest goes
+        events = tier.events.drain()
+        assert len(removed(events)) == 1 and removed(events)[0][1] == "evicted"
+        evicted = removed(events)[0][0]
+        assert events[-1] == TierEvent(EventKind.STORED, (keys[3],), tier.name)
+
+        held = [k for k in keys[:4] if k != evicted]
+        path_of(root, held[0]).write_bytes(b"not a block")
+        with pytest.raises(CorruptBlockError):
+            await tier.load(held[0], memoryview(bytearray(BLOCK)))
+        path_of(root, held[1]).unlink()  # another process removed it
+        with pytest.raises(BlockNotFoundError):
+            await tier.load(held[1], memoryview(bytearray(BLOCK)))
+        await tier.delete(held[2])
+        await tier.delete(held[2])  # nothing left to delete: nothing to say
+        assert removed(tier.events.drain()) == [
+            (held[0], "corrupt"),
+            (held[1], "not_found"),
+            (held[2], "deleted"),
+        ]
+
+
+async def test_a_full_buffer_drops_and_counts(tmp_path: Path) -> None:
+    keys = fresh_keys(5)
+    async with FSTier(tmp_path / "c") as tier:
+        tier.events.capacity = 3
+        for i, k in enumerate(keys):
+            await tier.store(k, payload(i))
+        assert [e.keys[0] for e in tier.events.drain()] == keys[:3]
+        assert tier.events.dropped == 2 and tier.events.emitted == 3
