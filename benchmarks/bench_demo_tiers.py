@@ -9,6 +9,11 @@ prefix. It prints, per setup, the median over rounds of the TTFT p50 and p95 spe
 that round's own baseline, and each setup's p50 speedup as a share of the FS-only one in the
 same round.
 
+Each setup runs twice a round, with the demo engine's prefetch (``OffloadScheduler.prefetch``
+when a request joins the queue, the default) and without it (the prefetch rows; the order
+alternates between rounds): the gain is the TTFT p50 (and p95) without prefetch over the TTFT
+with it, in the same round, medians over rounds. ``--no-prefetch-rows`` skips them.
+
     python3 -m nox -s bench -- bench_demo_tiers          # 3 rounds, about 4 minutes
     python3 -m nox -s bench -- bench_demo_tiers --rounds 5 --setups fs fs+s3 fs+s3-through
 
@@ -21,7 +26,8 @@ starts a SeaweedFS on 127.0.0.1 and passes it with its process id, whose CPU is 
 demo's engine comes from ``examples/demo_engine.py``, imported as ``examples.demo_engine``:
 run it from the repository root as ``python -m benchmarks.bench_demo_tiers``. ``--json`` prints
 one JSON object: per setup the median speedups against the round's baseline without kvtier,
-the share of the FS-only speedup and the store's CPU, and every round's ratios.
+the share of the FS-only speedup and the store's CPU, every round's ratios, and (``no_prefetch``,
+``prefetch_gain_p50``/``_p95``) the same setup without prefetch.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ async def measure(
     sessions: Sequence[Sequence[demo.Request]],
     label: str,
     server_cpu: Callable[[], float],
+    prefetch: bool = True,
 ) -> tuple[demo.RunResult, float]:
     """One run of the workload with kvtier set up as ``demo_args`` say, from empty tiers, and
     the CPU seconds SeaweedFS spent while it served (it runs on the engine's cores here)."""
@@ -64,7 +71,7 @@ async def measure(
         manager = await stack.enter_async_context(
             demo.make_manager(demo_args, pool, tiers, kvtier.LatencyHistograms())
         )
-        tiering = demo.KVTier(manager, kvtier.OffloadScheduler(manager))
+        tiering = demo.KVTier(manager, kvtier.OffloadScheduler(manager), prefetch=prefetch)
         before = server_cpu()
         run = await demo.run_workload(label, engine, sessions, tiering, demo_args.decode_tokens)
         return run, server_cpu() - before
@@ -84,6 +91,8 @@ async def amain(
     engine, sessions = await demo.start_engine(base_args)
 
     ratios: dict[str, list[tuple[float, float]]] = {name: [] for name in args.setups}
+    without_prefetch: dict[str, list[tuple[float, float]]] = {name: [] for name in args.setups}
+    gains: dict[str, list[tuple[float, float]]] = {name: [] for name in args.setups}
     server_cpu: dict[str, list[float]] = {name: [] for name in args.setups}
     for round_ in range(args.rounds):
         base = await demo.run_workload(
@@ -94,11 +103,30 @@ async def amain(
             s3 = ["--s3-endpoint", args.s3_endpoint, "--s3-bucket", args.s3_bucket]
             setup = [flag for f in SETUPS[name] for flag in (s3 if f == "--s3" else [f])]
             flags = [*common, *setup, "--s3-prefix", f"bench-demo/{round_}/{name}/"]
-            demo_args = demo.parse_args(flags)
-            run, cpu = await measure(demo_args, engine, sessions, name, seaweed_cpu)
-            ratios[name].append(speedups(base, run))
-            server_cpu[name].append(cpu / run.wall)
+            if not args.prefetch_rows:
+                demo_args = demo.parse_args(flags)
+                run, cpu = await measure(demo_args, engine, sessions, name, seaweed_cpu)
+                ratios[name].append(speedups(base, run))
+                server_cpu[name].append(cpu / run.wall)
+                continue
+            runs: dict[bool, demo.RunResult] = {}
+            for prefetch in (True, False) if round_ % 2 == 0 else (False, True):
+                prefix = flags[-1] + ("" if prefetch else "no-prefetch/")  # empty tiers
+                demo_args = demo.parse_args([*flags[:-1], prefix])
+                label = name + ("" if prefetch else " no prefetch")
+                runs[prefetch], cpu = await measure(
+                    demo_args, engine, sessions, label, seaweed_cpu, prefetch
+                )
+                if prefetch:
+                    server_cpu[name].append(cpu / runs[prefetch].wall)
+            ratios[name].append(speedups(base, runs[True]))
+            without_prefetch[name].append(speedups(base, runs[False]))
+            gains[name].append(speedups(runs[False], runs[True]))
         line = ", ".join(f"{n} {ratios[n][-1][0]:.2f}x" for n in args.setups)
+        if args.prefetch_rows:
+            line += "; prefetch gain " + ", ".join(
+                f"{n} {gains[n][-1][0]:.2f}x" for n in args.setups
+            )
         print(f"round {round_ + 1}/{args.rounds}: TTFT p50 speedup {line}", flush=True)
 
     print()
@@ -124,6 +152,25 @@ async def amain(
         cores = statistics.median(server_cpu[name])
         setups[name]["server_cpu_cores"] = cores
         print(f"{name:<16}{p50:>8.2f} x{p95:>8.2f} x{share:>17}{cores:>9.2f} cores")
+        if args.prefetch_rows:
+            off = without_prefetch[name]
+            setups[name]["no_prefetch"] = {
+                "ttft_p50_speedup": statistics.median(r[0] for r in off),
+                "ttft_p95_speedup": statistics.median(r[1] for r in off),
+                "rounds": [{"ttft_p50": a, "ttft_p95": b} for a, b in off],
+            }
+            gain_p50 = statistics.median(g[0] for g in gains[name])
+            gain_p95 = statistics.median(g[1] for g in gains[name])
+            setups[name]["prefetch_gain_p50"] = gain_p50
+            setups[name]["prefetch_gain_p95"] = gain_p95
+            setups[name]["prefetch_gain_rounds"] = [
+                {"ttft_p50": a, "ttft_p95": b} for a, b in gains[name]
+            ]
+            print(
+                f"{'  no prefetch':<16}{setups[name]['no_prefetch']['ttft_p50_speedup']:>8.2f} x"
+                f"{setups[name]['no_prefetch']['ttft_p95_speedup']:>8.2f} x"
+                f"   prefetch gain p50 {gain_p50:.2f} x, p95 {gain_p95:.2f} x"
+            )
     print(
         f"(medians over {args.rounds} rounds; each speedup against its own round's baseline; "
         f"SeaweedFS CPU: its CPU seconds per second of serving, of the {os.cpu_count()} cores "
@@ -136,6 +183,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="the demo's small workload")
     p.add_argument("--setups", nargs="+", choices=list(SETUPS), default=list(SETUPS))
+    p.add_argument(
+        "--no-prefetch-rows",
+        dest="prefetch_rows",
+        action="store_false",
+        help="run each setup only with prefetch (the demo engine's default)",
+    )
     add_s3_options(p, bucket="kvtier-bench")
     add_json_flag(p)
     args = p.parse_args(argv)
@@ -147,6 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "rounds": args.rounds,
             "quick": args.quick,
             "setups": args.setups,
+            "prefetch_rows": args.prefetch_rows,
             "s3_endpoint": args.s3_endpoint,
             "cpu_count": os.cpu_count(),
         }

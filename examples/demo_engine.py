@@ -289,6 +289,7 @@ class RequestResult:
     prompt_tokens: int
     loaded_blocks: int = 0
     resident_blocks: int = 0
+    lookup_seconds: float = 0.0  # waiting in the scheduler's lookup, once scheduled
     stored_blocks: int = 0
     load_seconds: float = 0.0
     store_seconds: float = 0.0
@@ -373,6 +374,7 @@ class KVTier:
     manager: kvtier.TieringManager
     scheduler: kvtier.OffloadScheduler
     report_recompute: bool = True  # tell kvtier what each prefill cost
+    prefetch: bool = True  # fetch a queued request's prefix while it waits for a slot
 
 
 async def serve(
@@ -382,25 +384,39 @@ async def serve(
     c = engine.config
     bs = c.block_size
     arrived = time.perf_counter()
-    slot = await engine.acquire()
+    tokens = request.tokens
+    n = tokens.shape[0]
+    keys: list[bytes] = []
+    usable: list[bytes] = []
+    prefetch: kvtier.PrefetchHandle | None = None
+    if tiering is not None:
+        keys = kvtier.block_keys(tokens, bs, namespace=c.namespace)
+        # Only blocks that end before the last prompt token can be loaded: the engine must
+        # run at least one token to get the next-token logits.
+        usable = keys[: (n - 1) // bs]
+        if tiering.prefetch and usable:
+            # The request joins the queue: fetch its prefix while it waits for a slot; its
+            # lookup below claims what the prefetch fetched.
+            prefetch = tiering.scheduler.prefetch(usable)
     try:
-        tokens = request.tokens
-        n = tokens.shape[0]
+        slot = await engine.acquire()
+    except BaseException:
+        if prefetch is not None:
+            prefetch.cancel()  # aborted while queued: give back what it holds
+        raise
+    try:
         result = RequestResult(request.rid, 0.0, n)
-        keys: list[bytes] = []
         loaded = 0
         if tiering is not None:
-            keys = kvtier.block_keys(tokens, bs, namespace=c.namespace)
-            # Only blocks that end before the last prompt token can be loaded: the engine must
-            # run at least one token to get the next-token logits.
-            usable = keys[: (n - 1) // bs]
             pool = tiering.manager.pool
             resident = 0
             for key in usable:
                 if pool.state_of(key) is not kvtier.SlotState.READY:
                     break
                 resident += 1
+            started = time.perf_counter()
             hit = await tiering.scheduler.lookup(usable, timeout=LOOKUP_TIMEOUT) if usable else 0
+            result.lookup_seconds = time.perf_counter() - started
             if hit:
                 started = time.perf_counter()
                 loaded = await tiering.manager.load(usable[:hit], slot.staging[:hit])
@@ -432,6 +448,8 @@ async def serve(
             token = int(step.argmax())
         return result
     finally:
+        if prefetch is not None and not prefetch.done:
+            prefetch.cancel()  # the request failed before its lookup claimed it
         engine.release(slot)
 
 
@@ -640,6 +658,12 @@ def parse_args(
     )
     p.add_argument("--s3-prefix", default="kvtier-serve-demo/")
     p.add_argument("--no-kvtier", action="store_true", help="run only the workload without kvtier")
+    p.add_argument(
+        "--no-prefetch",
+        action="store_true",
+        help="do not prefetch a queued request's prefix (OffloadScheduler.prefetch) while it "
+        "waits for a slot",
+    )
     p.add_argument(
         "--system-tokens", type=int, help="tokens per system prompt (default 768, quick 384)"
     )

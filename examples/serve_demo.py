@@ -95,10 +95,13 @@ def report(
             r.prompt_tokens - r.loaded_blocks * config.block_size for r in run.results.values()
         )
         lag = run.loop_lag
+        lookups = [r.lookup_seconds for r in run.results.values()]
         out["runs"][run.label] = {
             "requests": len(tt),
             "ttft_p50_s": percentile(tt, 50),
             "ttft_p95_s": percentile(tt, 95),
+            "lookup_wait_p50_s": percentile(lookups, 50),
+            "lookup_wait_mean_s": sum(lookups) / len(lookups) if lookups else 0.0,
             "prefill_tokens": prefilled,
             "wall_s": run.wall,
             "loop_lag_ms": {
@@ -270,7 +273,7 @@ def report(
 
 
 SETTINGS = (
-    *("quick", "requests", "sessions", "concurrency", "pool_blocks", "policy"),
+    *("quick", "requests", "sessions", "concurrency", "pool_blocks", "policy", "no_prefetch"),
     *("fs_capacity_mb", "fsync", "s3_endpoint", "s3_bucket", "s3_prefix"),
     *("system_tokens", "decode_tokens", "seed", "slow_tier", "no_recompute_cost"),
     *("write_back", "defer", "s3_write_rate", "s3_write_through", "no_promote_write_up"),
@@ -301,13 +304,35 @@ async def amain(args: argparse.Namespace, out: dict[str, Any]) -> int:
             )
             out["metrics_url"] = server.url
             print(f"metrics: {server.url}", flush=True)
-        tiering = demo.KVTier(manager, scheduler, report_recompute=not args.no_recompute_cost)
+        tiering = demo.KVTier(
+            manager,
+            scheduler,
+            report_recompute=not args.no_recompute_cost,
+            prefetch=not args.no_prefetch,
+        )
         runs.append(
             await demo.run_workload("with kvtier", engine, sessions, tiering, args.decode_tokens)
         )
         stats = manager.statistics()
     names = [t.name for t in tiers]
     ok = report(runs, stats, config, names, out, scheduler.statistics().waits_cut)
+    prefetch = scheduler.statistics().prefetch
+    if prefetch is not None and prefetch.started:
+        out["prefetch"] = {
+            "started": prefetch.started,
+            "blocks_prefetched": prefetch.blocks_prefetched,
+            "blocks_claimed": prefetch.blocks_claimed,
+            "blocks_expired": prefetch.blocks_expired,
+            "cancelled": prefetch.cancelled,
+            "bytes_prefetched": prefetch.bytes_prefetched,
+            "capped": prefetch.capped,
+        }
+        print(
+            f"prefetch         {prefetch.started:,} queued requests prefetched: "
+            f"{prefetch.blocks_prefetched:,} blocks promoted while they waited, "
+            f"{prefetch.blocks_claimed:,} claimed by their lookup, "
+            f"{prefetch.blocks_expired:,} expired unclaimed"
+        )
     closed = manager.statistics()  # deferred writes get kvtier's close_timeout at close
     out["deferred"] = {
         "kept": closed.writes_deferred,

@@ -11,9 +11,12 @@ task group, asking through a ``ScanBudget`` like an async lookup, so the cost mo
 promote from a tier slower than recompute") and lazy promotion hold for it. What it adds:
 
 - a share of the pool: all prefetches together hold (pin, or are promoting) at most
-  ``share`` of the pool's slots; past it a prefetch starts no promotion and its prefix ends
-  there. Pinned blocks are never evicted, so a prefetch never evicts what a running request
-  has pinned, and the rest of the pool stays for the running requests.
+  ``share`` of the pool's slots. A prefetch pins the hits it counts, head first, while the
+  share has room (past it they are only touched: the youngest in the pool, not held); once
+  the share is full it starts no promotion and waits until a prefetch gives its share back
+  (claimed, cancelled or expired), then scans again; at its deadline its prefix ends where
+  the share stopped it. Pinned blocks are never evicted, so a prefetch never evicts what a
+  running request has pinned, and the rest of the pool stays for the running requests.
 - a deadline (seconds): the prefetch stops waiting and promoting then;
 - a TTL (seconds from the call): the blocks it holds and nobody claimed are let go then, and
   become ordinary cache entries;
@@ -106,10 +109,11 @@ class PrefetchHandle:
         self._owner = owner
         self._deadline = deadline
         self._ttl = ttl
-        self._lease: list[int] = []  # pinned slots
+        self._lease: list[int] = []  # the slots it pinned
         self._started: set[bytes] = set()  # the keys whose promotions it started
         self._reasons: dict[bytes, str] = {}  # why a key was a miss for this prefetch
         self._claiming = False  # a lookup claimed it: its pins go back with that answer
+        self._capped = False  # its latest scan stopped at the share
         self._scope: anyio.CancelScope | None = None
         self._scanned = anyio.Event()  # the scan is over (answer, deadline, claim, cancel)
         self._ended = anyio.Event()  # claimed, expired or cancelled
@@ -131,7 +135,8 @@ class PrefetchHandle:
         return self._ended.is_set()
 
     async def wait(self) -> int | None:
-        """Wait until the scan is over; the prefix it reached (None if it had no answer)."""
+        """Wait for the scan's first answer (or its end without one); the prefix reached
+        (None without an answer)."""
         await self._scanned.wait()
         return self.prefix
 
@@ -160,10 +165,23 @@ class PrefetchHandle:
         if self._scope is not None:
             self._scope.cancel()
         self._owner.forget(self)
+        self._unpin()
+        self._owner.freed()
+        return True
+
+    def _pin(self, keys: Sequence[bytes]) -> list[int]:
+        """Pin the hits the scan counts, head first, as far as the share has room: past it
+        they are only touched (the fast prefix made them the youngest), not held."""
+        owner = self._owner
+        room = owner.limit - owner.held()
+        if room <= 0:
+            return []
+        return owner.manager.pin_ready(keys[:room])
+
+    def _unpin(self) -> None:
         lease, self._lease = self._lease, []
         if lease:
             self._owner.manager.unpin_slots(lease)
-        return True
 
     def _ask(self, key: bytes, budget: ScanBudget) -> LookupResult:
         """The scan's ask: the budget's, but no promotion past the share, and the promotions
@@ -173,6 +191,7 @@ class PrefetchHandle:
         fresh = key not in pool.table.ready and pool.state_of(key) is SlotState.FREE
         if fresh and owner.held() >= owner.limit:
             owner.capped_now(self)
+            self._capped = True
             self._reasons[key] = SHARE_REASON
             return MISS
         result = budget.ask(key)
@@ -194,10 +213,11 @@ class PrefetchHandle:
                     return  # ended before it ran
                 ttl_at = anyio.current_time() + self._ttl
                 with anyio.move_on_after(min(self._deadline, self._ttl)):
-                    self.prefix = await self._scan()
-                    keys = self.keys
-                    if self.prefix < len(keys):
-                        self.reason = self._reasons.get(keys[self.prefix])
+                    self._answered(await self._scan())
+                    while self._capped:  # scan again once a prefetch gives back its share
+                        await owner.wait_freed()
+                        self._unpin()
+                        self._answered(await self._scan())
                 self.state = PrefetchState.HOLDING
                 self._scanned.set()
                 with anyio.move_on_after(ttl_at - anyio.current_time()):
@@ -211,6 +231,14 @@ class PrefetchHandle:
             if not self._ended.is_set() and not self._claiming:  # the manager closed
                 self._end(PrefetchState.CANCELLED)
 
+    def _answered(self, prefix: int) -> None:
+        """A scan's answer: the prefix so far, and why it ends there (``wait`` returns at
+        the first answer; a prefix the share cut grows when a later scan gets further)."""
+        self.prefix = prefix
+        keys = self.keys
+        self.reason = self._reasons.get(keys[prefix]) if prefix < len(keys) else None
+        self._scanned.set()
+
     async def _scan(self) -> int:
         manager = self._owner.manager
         cost = manager.cost
@@ -221,7 +249,8 @@ class PrefetchHandle:
         def ask(key: bytes, ctx: ScanBudget | None) -> LookupResult:
             return self._ask(key, budget)
 
-        scan = PrefixProgress(self.keys, ask, manager.pin_ready, manager.primary_hit_prefix)
+        self._capped = False
+        scan = PrefixProgress(self.keys, ask, self._pin, manager.primary_hit_prefix)
         scan.lease = self._lease  # pins go straight to the handle: released by _end
         changes = KeyWatch()
         try:
@@ -248,6 +277,7 @@ class Prefetches:
         self.started = self.blocks_prefetched = self.blocks_claimed = 0
         self.blocks_expired = self.cancelled = self.capped = 0
         self._capped: set[PrefetchHandle] = set()
+        self._freed = anyio.Event()
 
     def start(self, keys: list[bytes], deadline: float, ttl: float) -> PrefetchHandle:
         handle = PrefetchHandle(self, keys, deadline, ttl)
@@ -263,6 +293,14 @@ class Prefetches:
 
     def held(self) -> int:
         return sum(h.held for h in self._active)
+
+    def freed(self) -> None:
+        """A prefetch gave back what it held: wake the ones waiting for the share."""
+        self._freed.set()
+        self._freed = anyio.Event()
+
+    async def wait_freed(self) -> None:
+        await self._freed.wait()
 
     def capped_now(self, handle: PrefetchHandle) -> None:
         if handle not in self._capped:

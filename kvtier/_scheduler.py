@@ -137,7 +137,7 @@ class OffloadScheduler:
         *,
         max_wait: float = 30.0,
         latency: LookupObserver | None = None,
-        prefetch_share: float = 0.5,
+        prefetch_share: float = 0.25,
         prefetch_ttl: float = 60.0,
     ) -> None:
         if not isinstance(manager, SupportsLookup):
