@@ -149,7 +149,9 @@ async def node(args: argparse.Namespace) -> dict[str, Any]:
         # Entering the manager opened the S3 tier, and its listing of the bucket finished
         # before that returned: a node joining the fleet knows what is there before serving.
         index_at_open = sum(getattr(t, "index_keys", 0) for t in manager.statistics().tiers)
-        tiering = demo.KVTier(manager, kvtier.OffloadScheduler(manager))
+        tiering = demo.KVTier(
+            manager, kvtier.OffloadScheduler(manager), prefetch=not args.no_prefetch
+        )
         # The CPU this process and the object store spend while B serves (not while it opens
         # or hands over): on a machine whose cores the object store shares with the engine,
         # what moving blocks through S3 costs the engine.
@@ -216,6 +218,7 @@ def run_node(args: argparse.Namespace, role: str, shared: int) -> dict[str, Any]
     argv += ["--seed", str(args.seed), "--fs-capacity-mb", str(args.fs_capacity_mb)]
     argv += ["--quick"] if args.quick else []
     argv += ["--no-promote-write-up"] if args.no_promote_write_up else []
+    argv += ["--no-prefetch"] if args.no_prefetch else []
     argv += ["--handoff-timeout", str(args.handoff_timeout)]
     argv += ["--s3-write-rate", str(args.s3_write_rate)]
     proc = subprocess.run(argv, capture_output=True, text=True, check=False)
@@ -282,6 +285,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--no-promote-write-up",
         action="store_true",
         help="do not copy blocks a node promotes from S3 to its own file tier",
+    )
+    p.add_argument(
+        "--no-prefetch",
+        action="store_true",
+        help="do not prefetch a queued request's prefix while it waits for a slot",
     )
     # Internal: how the script runs each node in its own process.
     p.add_argument("--node", choices=["a", "b"], help=argparse.SUPPRESS)
@@ -519,7 +527,7 @@ def ceiling(
 SETTINGS = (
     *("quick", "sessions", "turns", "a_turns", "rounds", "system_tokens", "pool_blocks"),
     *("fs_capacity_mb", "concurrency", "decode_tokens", "seed", "s3_endpoint", "s3_bucket"),
-    *("s3_write_rate", "handoff_timeout", "ceiling", "no_promote_write_up"),
+    *("s3_write_rate", "handoff_timeout", "ceiling", "no_promote_write_up", "no_prefetch"),
 )
 """The options the JSON output states the run was asked for."""
 

@@ -27,3 +27,11 @@ def test_one_quick_round_gives_each_setup_against_its_baseline(
         assert setup["rounds"][0]["ttft_p50"] == setup["ttft_p50_speedup"]  # one round: itself
     assert positive(setups["fs+s3"]["p50_share_of_fs"])
     assert positive(setups["fs+s3"]["server_cpu_cores"])  # SeaweedFS worked for the S3 tier
+    assert out["settings"]["prefetch_rows"] is True
+    for setup in setups.values():  # the prefetch rows: the same setup without prefetch
+        off = setup["no_prefetch"]
+        assert positive(off["ttft_p50_speedup"]) and len(off["rounds"]) == 1
+        assert positive(setup["prefetch_gain_p50"]) and positive(setup["prefetch_gain_p95"])
+        # one round: the gain is the ratio of the two speedups against the same baseline
+        ratio = setup["ttft_p50_speedup"] / off["ttft_p50_speedup"]
+        assert abs(setup["prefetch_gain_p50"] - ratio) <= 1e-9 * ratio

@@ -93,6 +93,13 @@ def test_serve_demo_quick(run_json: RunJson, tmp_path: Path) -> None:
     assert out["tier_io"]["fs"]["stores"] > 0
     assert any(p.is_file() for p in fs_root.rglob("*") if len(p.name) == 32)
     assert "requests" in run.stderr  # the progress bar
+    # queued requests were prefetched, and what was fetched for one went to its lookup
+    prefetch = out["prefetch"]
+    assert prefetch["started"] == out["settings"]["requests"]
+    assert prefetch["blocks_claimed"] + prefetch["blocks_expired"] <= prefetch["blocks_prefetched"]
+    assert prefetch["bytes_prefetched"] == prefetch["blocks_prefetched"] * 256 * 1024
+    assert out["settings"]["no_prefetch"] is False
+    assert all(r["lookup_wait_p50_s"] >= 0 for r in runs.values())
 
 
 @pytest.mark.timeout(300)
