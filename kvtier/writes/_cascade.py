@@ -119,8 +119,10 @@ class Cascades:
             account.in_flight_bytes -= nbytes
             if len(begun) < len(targets):  # ended before reaching every tier
                 self._reached(key)
-            account.room_again()  # before this one stops counting: closing waits for the next
-            account.cascades.finished()
+            try:
+                account.room_again()  # before this one stops counting: closing waits for it
+            finally:
+                account.cascades.finished()
         for reason in failures:
             bump(account.failures, reason)
         account.succeeded += not failures

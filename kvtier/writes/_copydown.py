@@ -276,13 +276,16 @@ class DeferredCopies:
             self.admission.finished(target.name, nbytes, time.perf_counter() - down.began)
         account = self.account
         account.in_flight_bytes -= nbytes
-        if not down.written:
-            self.queue.lost += 1
-        account.room_again()  # before this one stops counting: closing waits for the next
-        account.cascades.finished()
         if failure is not None:
             bump(account.failures, failure)
-        elif down.written:
+        if down.written:
             account.succeeded += 1
             self.queue.written += 1
+        else:
+            self.queue.lost += 1
+        try:  # counted first: what room_again starts can never leave this write uncounted
+            account.room_again()  # before this one stops counting: closing waits for the next
+        finally:
+            account.cascades.finished()
+        if down.written:
             self.account.callback("notify", target.notify, [down.key])
