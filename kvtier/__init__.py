@@ -26,6 +26,7 @@ from kvtier._errors import (
     TierTimeoutError,
     TierUnavailableError,
 )
+from kvtier._events import EventBuffer, EventKind, TierEvent
 from kvtier._format import IntegrityKey
 from kvtier._identity import CacheIdentity, IdentityMismatchError, ManifestError
 from kvtier._keys import block_keys
@@ -50,6 +51,7 @@ from kvtier.tiers._async_lookup import AsyncLookupManager
 from kvtier.tiers._base import LookupStatistics, SecondaryTier, TierStatistics
 from kvtier.tiers._memory import MemoryTier
 from kvtier.tiers.fs import FSTier
+from kvtier.tiers.fs._io import UnusableRootError
 from kvtier.tiers.s3 import S3Tier, S3TierStatistics
 from kvtier.writes._admission import AdmissionPolicy, AdmissionStatistics
 
@@ -73,6 +75,8 @@ __all__ = [
     "CostStatistics",
     "CudaPool",
     "CudaUnavailableError",
+    "EventBuffer",
+    "EventKind",
     "EvictionPolicy",
     "ExtraNotInstalledError",
     "FSConfig",
@@ -111,11 +115,13 @@ __all__ = [
     "SlotState",
     "TierCost",
     "TierError",
+    "TierEvent",
     "TierNoSpaceError",
     "TierStatistics",
     "TierTimeoutError",
     "TierUnavailableError",
     "TieringManager",
+    "UnusableRootError",
     "block_keys",
     "cuda_available",
     "metrics_asgi_app",

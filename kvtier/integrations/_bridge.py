@@ -42,6 +42,7 @@ from typing import TypeVar
 import anyio
 
 from kvtier._errors import InvalidArgumentError
+from kvtier._events import EventBuffer, EventKind, TierEvent
 from kvtier._logging import BurstLogger
 from kvtier._lookup import LookupResult
 from kvtier._settings import positive_int, positive_number
@@ -114,6 +115,7 @@ class TierBridge:
         max_verdicts: int = 1_000_000,
         max_checks: int = 100_000,
         start_timeout: float = 30.0,
+        events: int = 0,
     ) -> None:
         if not isinstance(tier, SecondaryTier):
             raise InvalidArgumentError(
@@ -139,6 +141,12 @@ class TierBridge:
             max_checks=positive_int(max_checks, "max_checks"),
         )
         self._jobs = Jobs(self._shared, self._snapshot, op_timeout=float(op_timeout))
+        # Events, in the order they happened (``take_events``); off when ``events`` is 0.
+        self.events = EventBuffer(name, events)
+        self._events_lock = threading.Lock()  # one mover of the tier's events at a time
+        if events:
+            self._jobs.on_stored = self._stored
+        self.open_error: BaseException | None = None  # why the tier did not open
         # -- loop thread only -------------------------------------------------------------
         self._opening = True  # tier.open() has not returned yet: close() cuts it short
         self._stop: anyio.Event | None = None
@@ -166,9 +174,53 @@ class TierBridge:
         """
         self._jobs.submit(job_id, operation, keys, views)
 
+    def reject(self, job_id: int, operation: Operation, count: int, reason: str) -> None:
+        """Report job ``job_id`` of ``count`` keys failed for ``reason`` without running it
+        (its outcome comes out of ``take_finished`` like any other)."""
+        self._jobs.reject(job_id, operation, count, reason)
+
     def take_finished(self) -> list[JobOutcome]:
         """The outcomes of jobs that finished since the last call."""
         return self._jobs.take_finished()
+
+    def take_events(self) -> list[TierEvent]:
+        """What the tier stored and removed since the last call, oldest first (empty while
+        events are off). A store job that landed whole is one stored event with its keys,
+        told just before its outcome; the tier's own stored events for those blocks are not
+        repeated; its removals (evicted, corrupt, found gone) and its REMOTE blocks are."""
+        if not self.events.enabled:
+            return []
+        self._pull_tier_events()
+        return self.events.drain()
+
+    def _stored(self, keys: list[bytes]) -> None:
+        """A store job landed whole (loop thread): what the tier said before it comes first."""
+        self._pull_tier_events()
+        self.events.emit(EventKind.STORED, keys)
+
+    def _pull_tier_events(self) -> None:
+        tier_events = getattr(self.tier, "events", None)
+        if not isinstance(tier_events, EventBuffer):
+            return
+        with self._events_lock:
+            for event in tier_events.drain():
+                if event.kind is EventKind.STORED and event.locality == "LOCAL":
+                    continue  # this bridge's own store jobs: told per job
+                self.events.emit(
+                    event.kind,
+                    event.keys,
+                    locality=event.locality,
+                    reason=event.reason,
+                    medium=event.medium,
+                )
+
+    def wait_open(self, timeout: float) -> BaseException | None:
+        """Block until the tier's open ended or ``timeout`` passed; the exception the open
+        raised, if it did (None while it is still opening: a hung mount never blocks)."""
+        shared = self._shared
+        with shared.changed:
+            shared.changed.wait_for(lambda: shared.state != "opening", timeout)
+        return self.open_error
 
     def has_pending_work(self) -> bool:
         """Jobs running or existence checks in flight: the engine should keep stepping."""
@@ -274,8 +326,9 @@ class TierBridge:
     async def _open(self) -> None:
         try:
             await self.tier.open()
-        except Exception:
+        except Exception as exc:
             logger.exception("%s: the tier did not open; it answers misses", self.name)
+            self.open_error = exc
             state = "failed"
         else:
             state = "open"

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
@@ -58,10 +58,11 @@ class JobOutcome:
     nbytes: int
     seconds: float
     failures_by_reason: dict[str, int] = field(default_factory=dict)
+    runnable: bool = True  # False: rejected at submission, it never ran
 
     @property
     def success(self) -> bool:
-        return len(self.done) == self.total
+        return self.runnable and len(self.done) == self.total
 
 
 @dataclass(slots=True)
@@ -103,6 +104,8 @@ class Jobs:
         self.failed = {"load": 0, "store": 0}
         # -- loop thread only -----------------------------------------------------------------
         self._ready: anyio.Event | None = None
+        # Told the keys of each store job that landed whole, just before its outcome is out.
+        self.on_stored: Callable[[list[bytes]], None] | None = None
 
     # -- engine threads ---------------------------------------------------------------------
 
@@ -129,6 +132,12 @@ class Jobs:
             self._publish(job, (), {CLOSED: len(job.keys)}, 0.0, counted=False)
         elif schedule and not self._shared.thread.call_soon(self._start_incoming):
             self._start_incoming()  # the loop is gone: every queued job fails as closed
+
+    def reject(self, job_id: int, operation: Operation, count: int, reason: str) -> None:
+        """Report a job that cannot run (it names memory outside the engine's buffer, say)
+        as failed, in its turn with the others, without touching the tier."""
+        job = _Job(job_id, operation, [b""] * count, [], 0.0)
+        self._publish(job, (), {reason: count} if count else {}, 0.0, counted=False, ok=False)
 
     def take_finished(self) -> list[JobOutcome]:
         """The outcomes of jobs that finished since the last call."""
@@ -256,6 +265,7 @@ class Jobs:
         seconds: float,
         *,
         counted: bool,
+        ok: bool = True,
     ) -> None:
         nbytes = sum(job.views[i].nbytes for i in done)
         for view in job.views:  # the engine may free its buffer once the outcome is out
@@ -263,8 +273,10 @@ class Jobs:
                 view.release()
         job.views.clear()
         outcome = JobOutcome(
-            job.job_id, job.operation, done, len(job.keys), nbytes, seconds, dict(reasons)
+            job.job_id, job.operation, done, len(job.keys), nbytes, seconds, dict(reasons), ok
         )
+        if counted and outcome.success and job.operation == "store" and self.on_stored:
+            self.on_stored(job.keys)
         with self._shared.changed:
             if counted:
                 self.active -= 1

@@ -68,17 +68,21 @@ from collections.abc import Collection, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvtier._errors import ExtraNotInstalledError, InvalidArgumentError
+from kvtier._events import EventKind
 from kvtier._identity import CacheIdentity, IdentityMismatchError
 from kvtier._lookup import LookupResult
+from kvtier._settings import positive_int
 from kvtier.integrations._bridge import BridgeStatistics, TierBridge
 from kvtier.tiers._base import SecondaryTier
 from kvtier.tiers.fs import FSTier
+from kvtier.tiers.fs._io import UnusableRootError
 from kvtier.tiers.s3 import S3Tier
 
 try:
     from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found, unused-ignore]
         Locality,
         Medium,
+        OffloadingEvent,
         OffloadKey,
         ReqContext,
         RequestOffloadingContext,
@@ -116,6 +120,7 @@ logger = logging.getLogger(__name__)
 
 KEY_PREFIX = b"\x56"  # 'V': keys derived from vLLM OffloadKeys, scheme 1
 _PERSON = b"kvtier.vllm.v1"
+EVENT_BUFFER = 65_536  # keys of events waiting for vLLM to take them; more are dropped
 _KINDS = ("fs", "s3")
 # Where the adapter's defaults differ from ``KVTierConfig``'s, and why (the measurements are in
 # docs/design.md, "Measurements behind the defaults"): vLLM's own ``fs`` tier lets all 32 of its
@@ -133,8 +138,15 @@ _OPTIONS = (
     "op_timeout",
     "check_timeout",
     "locality",
+    "enable_kv_events",
+    "event_keys",
     "tier",
 )
+# Events name vLLM's keys; a kvtier key maps back through the keys this instance stored, the
+# newest ``event_keys`` of them (about 100 bytes each).
+EVENT_KEYS = 1 << 18
+# Where a job names a chunk outside vLLM's CPU tier, the job fails with this reason.
+OUT_OF_BOUNDS = "out_of_bounds"
 
 _TO_VLLM = {
     LookupResult.HIT: VLLMLookupResult.HIT,
@@ -205,13 +217,7 @@ def identity_from_spec(
             "chunk_bytes": block_bytes,
             "groups": hashlib.blake2b(json.dumps(groups).encode(), digest_size=8).hexdigest(),
         }
-        p = config.parallel
-        parallel = (
-            "agnostic"
-            if p.is_parallelism_agnostic
-            else f"tp={p.tp_size} pp={p.pp_size} pcp={p.pcp_size} dcp={p.dcp_size} "
-            f"world={p.world_size}"
-        )
+        parallel = parallel_identity(config)
         cache = config.cache
         return CacheIdentity(
             model=config.model.name,
@@ -227,6 +233,21 @@ def identity_from_spec(
             "'identity' with the model, kv_dtype, block_size, layout and parallel fields of "
             "kvtier.CacheIdentity, so blocks are never shared across a difference"
         ) from None
+
+
+def parallel_identity(config: Any) -> str:
+    """The ``parallel`` field of the identity, by vLLM's own sharing rules (its ``FileMapper``
+    with ``parallel_agnostic``, as its fs tier builds it): bytes that are parallelism-agnostic,
+    or replicated across ranks (``replicated_layout``: MLA at TP > 1, one copy per block),
+    are shared by every TP, PP and CP layout, and ``"agnostic"`` says so; otherwise each
+    layout and rank keeps its own blocks (TP, PP, PCP, DCP sizes and the rank). The data
+    parallel rank never separates: DP replicas hold the same bytes. Whether the layout is
+    replicated stays in the ``layout`` field, so replicated and head-sharded blocks, which
+    vLLM keeps apart too, never meet."""
+    p = config.parallel
+    if p.is_parallelism_agnostic or config.replicated_layout:
+        return "agnostic"
+    return f"tp={p.tp_size} pp={p.pp_size} pcp={p.pcp_size} dcp={p.dcp_size} rank={p.rank}"
 
 
 def _identity(
@@ -279,6 +300,8 @@ class KVTierSecondaryTier(SecondaryTierManager):
         op_timeout: float = 60.0,
         check_timeout: float = 10.0,
         locality: str | None = None,
+        enable_kv_events: bool = False,
+        event_keys: int = EVENT_KEYS,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -314,15 +337,37 @@ class KVTierSecondaryTier(SecondaryTierManager):
             )
         self.namespace = namespace
         self._hasher = vllm_key_hasher(self.identity)
+        # Events as vLLM's fs tier gives them: asked for here and enabled in vLLM's config.
+        self.events_enabled = bool(enable_kv_events) and _kv_events_on(offloading_spec)
+        if enable_kv_events and not self.events_enabled:
+            logger.warning(
+                "enable_kv_events is set on secondary tier '%s' but KV cache events are "
+                "disabled globally; the tier will not emit events.",
+                tier_type,
+            )
+        if not self.events_enabled and built is not tier and isinstance(built, FSTier):
+            built.events.capacity = 0  # a tier of its own: nobody will drain its events
+        self._event_keys = positive_int(event_keys, "event_keys")
+        # kvtier key -> vLLM key of the newest stores, so events can name vLLM's keys.
+        self._vllm_keys: dict[bytes, OffloadKey] = {}
+        self.events_unmapped = 0  # keys of tier events that no store here had named
         self._bridge = TierBridge(
             built,
             name=tier_type,
             miss_ttl=miss_ttl,
             op_timeout=op_timeout,
             check_timeout=check_timeout,
+            events=EVENT_BUFFER if self.events_enabled else 0,
         )
         # Keys of running jobs, so a result can name vLLM's keys (successful_keys).
         self._job_keys: dict[int, list[OffloadKey]] = {}
+        if isinstance(built, FSTier):
+            # A root that cannot be created or written is a configuration error: raise it
+            # here, as vLLM's own fs tier does (a hung mount is waited for no longer).
+            error = self._bridge.wait_open(check_timeout)
+            if isinstance(error, UnusableRootError):
+                self._bridge.close()
+                raise error
 
     # -- keys and slots -------------------------------------------------------------------------
 
@@ -332,14 +377,15 @@ class KVTierSecondaryTier(SecondaryTierManager):
         h.update(bytes(key))
         return KEY_PREFIX + h.digest()
 
-    def _slots(self, chunk_ids: Iterable[Any]) -> list[memoryview]:
-        size = self.block_size_bytes
+    def _slots(self, chunk_ids: Iterable[Any]) -> list[memoryview] | None:
+        """The primary's slots for ``chunk_ids``; None when one is outside it."""
+        size, flat, slots = self.block_size_bytes, self._flat, self._num_slots
         views = []
         for c in chunk_ids:
             slot = int(c)
-            if not 0 <= slot < self._num_slots:
-                raise InvalidArgumentError(f"chunk id {slot} is outside the primary tier")
-            views.append(self._flat[slot * size : (slot + 1) * size])
+            if not 0 <= slot < slots:
+                return None
+            views.append(flat[slot * size : (slot + 1) * size])
         return views
 
     # -- SecondaryTierManager -----------------------------------------------------------------
@@ -354,10 +400,38 @@ class KVTierSecondaryTier(SecondaryTierManager):
         self._submit(job_metadata, "load")
 
     def _submit(self, job: TransferJob, operation: Any) -> None:
+        """Start a job; whatever is wrong with it fails the job (as vLLM's tiers report it),
+        never raises into vLLM's scheduler."""
         keys = list(job.keys)
         self._job_keys[job.job_id] = keys
-        views = self._slots(job.chunk_ids)
-        self._bridge.submit(job.job_id, operation, [self.kvtier_key(k) for k in keys], views)
+        try:
+            views = self._slots(job.chunk_ids)
+            if views is None or len(views) != len(keys):
+                logger.warning(
+                    "%s: job %s names chunks %s outside the primary tier's %d (or not one per "
+                    "key): failed",
+                    self.tier_type,
+                    job.job_id,
+                    list(job.chunk_ids),
+                    self._num_slots,
+                )
+                self._bridge.reject(job.job_id, operation, len(keys), OUT_OF_BOUNDS)
+                return
+            hashed = [self.kvtier_key(k) for k in keys]
+            if self.events_enabled and operation == "store":
+                self._remember(hashed, keys)
+            self._bridge.submit(job.job_id, operation, hashed, views)
+        except Exception:  # a bug of ours must not take vLLM's scheduler down
+            logger.exception("%s: job %s could not start; failed", self.tier_type, job.job_id)
+            self._bridge.reject(job.job_id, operation, len(keys), "tier_error")
+
+    def _remember(self, hashed: list[bytes], keys: list[OffloadKey]) -> None:
+        known = self._vllm_keys
+        for h, k in zip(hashed, keys, strict=True):
+            known.pop(h, None)  # the newest last: the oldest go first
+            known[h] = k
+        while len(known) > self._event_keys:
+            del known[next(iter(known))]
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         results = []
@@ -379,6 +453,38 @@ class KVTierSecondaryTier(SecondaryTierManager):
 
     def has_pending_work(self) -> bool:
         return self._bridge.has_pending_work()
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """What this tier stored and removed since the last call, as vLLM's fs tier reports
+        it: one stored event per store job that landed whole, with its keys; and, beyond
+        vLLM's, removed events (evicted for capacity, deleted as corrupt, found gone) and
+        blocks learnt from another node (REMOTE), for keys this instance stored."""
+        if not self.events_enabled:
+            return []
+        events = []
+        for event in self._bridge.take_events():
+            keys = []
+            for h in event.keys:
+                k = self._vllm_keys.get(h)
+                if k is None:
+                    self.events_unmapped += 1
+                else:
+                    keys.append(k)
+            if keys:  # vLLM's events name blocks: a CLEARED event has none
+                local = event.locality == "LOCAL"
+                events.append(
+                    OffloadingEvent(
+                        keys=keys,
+                        medium=self.medium,
+                        removed=event.kind is not EventKind.STORED,
+                        locality=self.locality if local else Locality.REMOTE,
+                        ownership=self.tier_type,
+                        # this tier reports its removals: vLLM keeps a block's event
+                        # metadata until the removal names it
+                        removal_expected=True,
+                    )
+                )
+        return events
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
@@ -410,6 +516,12 @@ class KVTierSecondaryTier(SecondaryTierManager):
             f"<KVTierSecondaryTier {self.tier_type!r} namespace={self.namespace!r} "
             f"{self._bridge!r}>"
         )
+
+
+def _kv_events_on(spec: object) -> bool:
+    """Whether vLLM publishes KV cache events (its global switch, as its fs tier reads it)."""
+    config = getattr(spec, "kv_events_config", None)
+    return bool(getattr(config, "enable_kv_cache_events", False))
 
 
 # vLLM's factory resolves an out-of-tree tier as getattr(import_module(module_path), type),

@@ -81,7 +81,7 @@ CHANGES: dict[str, dict[str, Any]] = {
 def test_the_identity_comes_from_vllms_config() -> None:
     identity = identity_from_spec(TieringOffloadingSpec(config()), CHUNK, namespace="prod")
     assert (identity.model, identity.kv_dtype, identity.block_size) == ("org/model", "float16", 16)
-    assert identity.parallel == "tp=2 pp=1 pcp=1 dcp=1 world=2"
+    assert identity.parallel == "tp=2 pp=1 pcp=1 dcp=1 rank=0"
     assert dict(identity.extra) == {"namespace": "prod"}
     agnostic = vllm_config.OffloadingParallelConfig(
         **(PARALLEL | {"is_parallelism_agnostic": True})

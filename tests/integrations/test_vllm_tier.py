@@ -60,36 +60,45 @@ MODULE = "kvtier.integrations.vllm"
 WAIT = 30.0  # generous bound on a promised deadline, not a timing assertion
 
 
+PARALLEL: dict[str, Any] = {
+    "rank": 0,
+    "world_size": 1,
+    "tp_size": 1,
+    "pp_size": 1,
+    "pcp_size": 1,
+    "dcp_size": 1,
+    "data_parallel_index": 0,
+    "data_parallel_size": 1,
+    "data_parallel_rank_local": None,
+    "is_parallelism_agnostic": True,
+}
+
+
 def make_manager(
-    tier_config: dict[str, Any], *, num_chunks: int = 32, model: str = "kvtier/test-model"
+    tier_config: dict[str, Any],
+    *,
+    num_chunks: int = 32,
+    model: str = "kvtier/test-model",
+    parallel: dict[str, Any] | None = None,
+    **change: Any,
 ) -> TieringOffloadingManager:
-    """vLLM's own spec -> factory -> manager path, with ``tier_config`` as its one tier."""
-    config = OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0",), group_id=0),),
-        worker_kv_bytes_per_block=BLOCK,
-        enable_kv_cache_events=False,
-        extra_config={
+    """vLLM's own spec -> factory -> manager path, with ``tier_config`` as its one tier;
+    ``parallel`` changes fields of the parallel config, ``change`` those of the config."""
+    parts: dict[str, Any] = {
+        "groups": (OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0",), group_id=0),),
+        "worker_kv_bytes_per_block": BLOCK,
+        "enable_kv_cache_events": False,
+        "extra_config": {
             "cpu_bytes_to_use": num_chunks * BLOCK,
             "secondary_tiers": [tier_config],
             "tier_poll_interval_s": 0,
         },
-        engine_id=f"kvtier-test-{uuid.uuid4().hex[:12]}",
-        model=OffloadingModelConfig(name=model, dtype="float16"),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(
-            rank=0,
-            world_size=1,
-            tp_size=1,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=True,
-        ),
-    )
-    manager = TieringOffloadingSpec(config).get_manager()
+        "engine_id": f"kvtier-test-{uuid.uuid4().hex[:12]}",
+        "model": OffloadingModelConfig(name=model, dtype="float16"),
+        "cache": OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        "parallel": OffloadingParallelConfig(**(PARALLEL | (parallel or {}))),
+    }
+    manager = TieringOffloadingSpec(OffloadingConfig(**(parts | change))).get_manager()
     assert isinstance(manager, TieringOffloadingManager)
     return manager
 
@@ -372,6 +381,7 @@ def test_concurrent_jobs_from_many_requests(engines: Callable[..., Engine], tmp_
     writer.shutdown()
 
     reader = engines(config, num_chunks=64)
+    reader.known([k for keys in groups for k in keys])  # verdicts first: one job a request
     contexts = [reader.request() for _ in groups]
     # Every request's lookups in one pass per step: five promotion jobs run together.
     done: dict[int, list[LookupResult]] = {}
