@@ -274,3 +274,23 @@ async def test_a_reader_with_a_gap_loads_a_newer_snapshot(
         assert_knows(reader, keys)
         listed = await survey(reader)
         assert snapshot_dir(prefix) in next(iter(listed.manifests.values()))[0]
+
+
+async def test_the_refresh_round_compacts_only_a_complete_index(make_tier: MakeS3Tier) -> None:
+    """The periodic look compacts when a snapshot is due, but not from an index that filled
+    (it lost keys), and a tier with snapshots off never looks."""
+    keys = fresh_keys(4)
+    async with nodes(make_tier, _wall(), index_max_keys=2) as (full,):
+        await fill(full, keys)
+        snapshots_of(full).look_now()
+        await full.refresh_index()
+        assert (await survey(full)).manifests == {}
+    async with nodes(make_tier, _wall(), index_snapshots=False) as (off,):
+        assert off._sync.snapshots is None
+        await off.refresh_index()
+    async with nodes(make_tier, _wall()) as (complete,):
+        assert_knows(complete, keys)  # listed: no snapshot yet
+        snapshots_of(complete).look_now()
+        await complete.refresh_index()
+        assert set((await survey(complete)).manifests) == {1}
+        assert snapshots_of(complete).published == 1
