@@ -17,10 +17,12 @@ import numpy as np
 import pytest
 
 import kvtier
+from kvtier.testing import FailingTier
 from tests.integrations.test_vllm_tier import (
     BLOCK,
     PARALLEL,
     Engine,
+    _async,
     block_files,
     kvtier_tier,
     make_manager,
@@ -116,6 +118,23 @@ def test_a_store_is_one_stored_event_through_vllms_manager(
     engine.tier.drain_jobs()
     assert engine.lookup_all(keys, ctx) == [LookupResult.HIT] * 3
     assert storage_events(engine) == []
+
+
+def test_a_failed_store_job_says_nothing_and_the_next_one_does(
+    engines: Callable[..., Engine], tmp_path: Path
+) -> None:
+    failing = FailingTier(kvtier.FSTier(tmp_path))
+    engine = engines(kvtier_tier(tier=failing, enable_kv_events=True), enable_kv_cache_events=True)
+    engine.tier.bridge.run(_async(failing.fail, "store"))
+    engine.store(offload_keys(2), payloads(2))
+    engine.settle()
+    assert engine.tier.statistics().stores_failed == 1
+    assert storage_events(engine) == []
+    engine.tier.bridge.run(_async(failing.recover, "store"))
+    keys = offload_keys(1)
+    engine.store(keys, payloads(1))
+    engine.settle()
+    assert [e.keys for e in events_until(engine, bool)] == [keys]
 
 
 @pytest.mark.parametrize(("asked", "globally"), [(False, True), (True, False)])
