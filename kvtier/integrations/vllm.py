@@ -14,8 +14,8 @@ reads with 32 threads and does not fsync, as vLLM's own ``fs`` tier. From Python
 may also be a ready ``kvtier.SecondaryTier`` (a tier of your own). Other keys:
 ``namespace`` (text mixed into every key, see below), ``identity`` and ``identity_extra``
 (below), ``miss_ttl``, ``op_timeout``,
-``check_timeout`` (seconds; see ``TierBridge``) and vLLM's own ``locality`` and
-``backpressure``.
+``check_timeout`` (seconds; see ``TierBridge``), ``enable_kv_events`` and ``event_keys``
+(below) and vLLM's own ``locality`` and ``backpressure``.
 
 How vLLM's calls map onto kvtier (all of them return at once; see ``_bridge`` for the thread):
 
@@ -31,21 +31,30 @@ How vLLM's calls map onto kvtier (all of them return at once; see ``_bridge`` fo
   so vLLM does not promote it again at once. ``op_timeout`` bounds each job from its
   submission, a tier still opening included: blocks not started by then fail (``timeout``);
   a block under way is waited for. ``check_timeout`` bounds a lookup's ``RETRY`` the same way.
+- A job that cannot run (a chunk id outside vLLM's CPU tier, or any error starting it) is a
+  failed job (``out_of_bounds``), as vLLM's own tiers report it: nothing raises into vLLM's
+  scheduler, and nothing of the job is kept.
+- ``take_events``: with ``enable_kv_events`` and vLLM's KV events both on (as vLLM's ``fs``
+  tier), one stored ``OffloadingEvent`` per store job that landed whole, with its keys, and
+  removed events for blocks the tier evicted, deleted as corrupt or found gone, in the order
+  they happened. Events name vLLM's keys through the newest ``event_keys`` stores.
+- A root that cannot be created or written raises ``UnusableRootError`` (an ``OSError``)
+  from the constructor, as vLLM's ``fs`` tier raises; a hung mount is not waited for beyond
+  ``check_timeout``.
 - ``drain_jobs`` blocks until no job touches the primary view (jobs are waited for, never
   cancelled); ``shutdown`` drains, closes the tier and joins the loop thread.
 
 Identity and keys: the adapter builds a ``kvtier.CacheIdentity`` from vLLM's offloading spec:
 the model, the KV dtype, the tokens per chunk (tokens per hash x blocks per chunk), the layout
 (vLLM's KV cache layout, canonical and replicated flags, the chunk's bytes and a digest of the
-KV cache groups), the parallel layout (``"agnostic"`` when vLLM says the bytes are
-parallelism-agnostic) and, as ``extra`` fields, ``namespace`` and whatever ``identity_extra``
-adds (vLLM's spec does not carry the RoPE settings: name them there, or as ``positional``
-in a full ``identity``). ``identity`` (a ``CacheIdentity``, or a mapping of its fields) replaces
-what the spec gives. Where neither gives one the adapter refuses to start: a cache whose
-identity nobody states can hand one engine another engine's bytes. The tier it builds records
-the identity in its folder or prefix and refuses one that records another (or, with
-``separate_identities`` in ``tier``, keeps each identity apart); a tier that refuses answers
-misses, and the log says which fields differ.
+KV cache groups), the parallel layout by vLLM's sharing rules (``parallel_identity``) and, as
+``extra`` fields, ``namespace`` and whatever ``identity_extra`` adds (vLLM's spec does not carry
+the RoPE settings: name them there, or as ``positional`` in a full ``identity``). ``identity``
+(a ``CacheIdentity``, or a mapping of its fields) replaces what the spec gives. Where neither
+gives one the adapter refuses to start: a cache whose identity nobody states can hand one engine
+another engine's bytes. The tier it builds records the identity in its folder or prefix and
+refuses one that records another (or, with ``separate_identities`` in ``tier``, keeps each
+identity apart); a tier that refuses answers misses, and the log says which fields differ.
 
 A vLLM ``OffloadKey`` (block hash plus group index) becomes the kvtier key
 ``0x56 || blake2b-120(identity, key)``. It depends only on the key and the identity, so two
