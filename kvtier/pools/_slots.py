@@ -77,9 +77,9 @@ class SlotTable:
         # eviction is about to reuse ``slot`` (its bytes are still there: the manager copies a
         # promoted block up to a faster tier then), False when it was discarded.
         self.on_leave: Callable[[bytes, int, bool], None] | None = None
-        # The first key a prefix scan could not serve -> (the scanned keys, how many it served):
-        # a store starting at that key continues the chain (``place_chain``).
-        self._chains: dict[bytes, tuple[Sequence[bytes], int]] = {}
+        # The first key a prefix scan could not serve -> the keys it scanned (the scan's own
+        # sequence, no new object): a store starting at that key continues the chain.
+        self._chains: dict[bytes, Sequence[bytes]] = {}
 
     # -- queries -----------------------------------------------------------------------------
 
@@ -101,7 +101,7 @@ class SlotTable:
         elif n:
             self.policy.touch_many(reversed(keys[:n]))
             chains = self._chains
-            chains[keys[n]] = (keys, n)
+            chains[keys[n]] = keys
             if len(chains) > _CHAINS_KEPT:
                 del chains[next(iter(chains))]
         return n
@@ -115,8 +115,7 @@ class SlotTable:
         chain: Sequence[bytes] = keys
         scanned = self._chains.pop(keys[0], None)
         if scanned is not None:
-            prefix, n = scanned
-            chain = [*prefix[:n], *keys]
+            chain = [*scanned[: scanned.index(keys[0])], *keys]
         self.policy.reorder(filter(self.ready.__contains__, reversed(chain)))
 
     def state_of(self, key: bytes) -> SlotState:
