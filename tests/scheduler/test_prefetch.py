@@ -10,6 +10,7 @@ import anyio
 import pytest
 
 from kvtier import (
+    CostModel,
     HostPool,
     MemoryTier,
     OffloadScheduler,
@@ -32,9 +33,9 @@ async def stalled(keys: list[bytes], *operations: str) -> StallingTier:
 
 @asynccontextmanager
 async def prefetching(
-    tier: SecondaryTier, blocks: int = 8, share: float = 0.5
+    tier: SecondaryTier, blocks: int = 8, share: float = 0.5, cost: CostModel | None = None
 ) -> AsyncIterator[tuple[TieringManager, OffloadScheduler]]:
-    async with TieringManager(HostPool(blocks, BB), [tier]) as manager:
+    async with TieringManager(HostPool(blocks, BB), [tier], cost=cost) as manager:
         yield manager, OffloadScheduler(manager, prefetch_share=share)
 
 
@@ -192,3 +193,19 @@ async def test_prefetch_arguments_are_checked(keys: list[bytes]) -> None:
         assert handle.done and handle.prefix == 0
     with pytest.raises(ValueError, match="prefetch_share must be a share"):
         OffloadScheduler(manager, prefetch_share=1.5)
+
+
+async def test_no_prefetch_from_a_tier_slower_than_recompute(keys: list[bytes]) -> None:
+    tier = MemoryTier("mem")
+    await fill(tier, keys[:4])
+    cost = CostModel(recompute_seconds_per_block=0.001, probe_interval=3600.0)
+    for _ in range(5):  # the tier takes a second a promotion: far slower than recompute
+        cost.observe_promotion("mem", 1.0, BB, True)
+    async with prefetching(tier, cost=cost) as (manager, scheduler):
+        handle = scheduler.prefetch(keys[:4])
+        with anyio.fail_after(10):
+            assert await handle.wait() == 0
+        assert handle.reason == "too_slow"
+        assert manager.statistics().promotions_started == 0
+        handle.cancel()
+        assert_idle(manager)
