@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from tests.integrations.test_vllm_tier import (
     offload_keys,
     payloads,
 )
+from tests.integrations.test_vllm_tier import engines as engines  # the fixture, shared
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
@@ -55,21 +56,6 @@ with warnings.catch_warnings():
     from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
     from kvtier.integrations.vllm import identity_from_spec
-
-
-@pytest.fixture
-def engines() -> Iterator[Callable[..., Engine]]:
-    made: list[Engine] = []
-
-    def make(tier_config: dict[str, Any], **kwargs: Any) -> Engine:
-        engine = Engine(make_manager(tier_config, **kwargs))
-        made.append(engine)
-        return engine
-
-    yield make
-    for engine in made:
-        if engine.tier.bridge.statistics().state != "closed":
-            engine.shutdown()
 
 
 def fs(root: Path, **settings: Any) -> dict[str, Any]:

@@ -60,18 +60,12 @@ MODULE = "kvtier.integrations.vllm"
 WAIT = 30.0  # generous bound on a promised deadline, not a timing assertion
 
 
-PARALLEL: dict[str, Any] = {
-    "rank": 0,
-    "world_size": 1,
-    "tp_size": 1,
-    "pp_size": 1,
-    "pcp_size": 1,
-    "dcp_size": 1,
-    "data_parallel_index": 0,
-    "data_parallel_size": 1,
-    "data_parallel_rank_local": None,
-    "is_parallelism_agnostic": True,
-}
+# A single-GPU engine whose bytes vLLM calls parallelism-agnostic.
+PARALLEL: dict[str, Any] = (
+    dict.fromkeys(("rank", "data_parallel_index"), 0)
+    | dict.fromkeys(("world_size", "tp_size", "pp_size", "pcp_size", "dcp_size"), 1)
+    | {"data_parallel_size": 1, "data_parallel_rank_local": None, "is_parallelism_agnostic": True}
+)
 
 
 def make_manager(
