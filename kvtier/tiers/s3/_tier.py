@@ -22,6 +22,7 @@ from kvtier._errors import (
     TierError,
     TierUnavailableError,
 )
+from kvtier._events import EventBuffer, EventKind
 from kvtier._format import IntegrityKey
 from kvtier._identity import CacheIdentity, scoped_name
 from kvtier._keys import check_key
@@ -96,6 +97,8 @@ class S3Tier(SecondaryTier):
             else IntegrityKey(integrity_key)
         )
         super().__init__(settings.name)
+        # Blocks learnt from other nodes' journals, as REMOTE stored events (``kvtier._events``).
+        self.events = EventBuffer(self.name)
         # Imported here, not at module level, so `import kvtier` works without the extra.
         try:
             import aiobotocore.config
@@ -145,10 +148,16 @@ class S3Tier(SecondaryTier):
             writer=core.writer,
             call=self._requests.call,
             client=self._sync_client,
-            notify=self.notify,
+            notify=self._learnt,
             read_journal=core.index_mode,  # ask mode only publishes, for the others
             integrity_key=self.integrity_key,
         )
+
+    def _learnt(self, keys: list[bytes]) -> None:
+        """Keys another node stored, read from its journal: REMOTE stored events, then the
+        listeners."""
+        self.events.emit(EventKind.STORED, keys, locality="REMOTE")
+        self.notify(keys)
 
     def object_key(self, key: bytes) -> str:
         """The object name of ``key``: ``<prefix>/<2 hex>/<hex key>``."""
