@@ -37,7 +37,8 @@ How vLLM's calls map onto kvtier (all of them return at once; see ``_bridge`` fo
 - ``take_events``: with ``enable_kv_events`` and vLLM's KV events both on (as vLLM's ``fs``
   tier), one stored ``OffloadingEvent`` per store job that landed whole, with its keys, and
   removed events for blocks the tier evicted, deleted as corrupt or found gone, in the order
-  they happened. Events name vLLM's keys through the newest ``event_keys`` stores.
+  they happened, and REMOTE stored events for blocks another node stored (a shared S3 tier).
+  Events name vLLM's keys through the newest ``event_keys`` keys stored or looked up here.
 - A root that cannot be created or written raises ``UnusableRootError`` (an ``OSError``)
   from the constructor, as vLLM's ``fs`` tier raises; a hung mount is not waited for beyond
   ``check_timeout``.
@@ -73,7 +74,7 @@ import contextlib
 import hashlib
 import json
 import logging
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvtier._errors import ExtraNotInstalledError, InvalidArgumentError
@@ -151,8 +152,8 @@ _OPTIONS = (
     "event_keys",
     "tier",
 )
-# Events name vLLM's keys; a kvtier key maps back through the keys this instance stored, the
-# newest ``event_keys`` of them (about 100 bytes each).
+# Events name vLLM's keys; a kvtier key maps back through the keys this instance stored or
+# looked up, the newest ``event_keys`` of them (about 100 bytes each).
 EVENT_KEYS = 1 << 18
 # Where a job names a chunk outside vLLM's CPU tier, the job fails with this reason.
 OUT_OF_BOUNDS = "out_of_bounds"
@@ -354,7 +355,7 @@ class KVTierSecondaryTier(SecondaryTierManager):
                 "disabled globally; the tier will not emit events.",
                 tier_type,
             )
-        if not self.events_enabled and built is not tier and isinstance(built, FSTier):
+        if not self.events_enabled and built is not tier and isinstance(built, FSTier | S3Tier):
             built.events.capacity = 0  # a tier of its own: nobody will drain its events
         self._event_keys = positive_int(event_keys, "event_keys")
         # kvtier key -> vLLM key of the newest stores, so events can name vLLM's keys.
@@ -400,7 +401,10 @@ class KVTierSecondaryTier(SecondaryTierManager):
     # -- SecondaryTierManager -----------------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> VLLMLookupResult:
-        return _TO_VLLM[self._bridge.lookup(self.kvtier_key(key))]
+        hashed = self.kvtier_key(key)
+        if self.events_enabled:  # another node may store it: its REMOTE event names it
+            self._remember((hashed,), (key,))
+        return _TO_VLLM[self._bridge.lookup(hashed)]
 
     def submit_store(self, job_metadata: TransferJob) -> None:
         self._submit(job_metadata, "store")
@@ -434,7 +438,7 @@ class KVTierSecondaryTier(SecondaryTierManager):
             logger.exception("%s: job %s could not start; failed", self.tier_type, job.job_id)
             self._bridge.reject(job.job_id, operation, len(keys), "tier_error")
 
-    def _remember(self, hashed: list[bytes], keys: list[OffloadKey]) -> None:
+    def _remember(self, hashed: Sequence[bytes], keys: Sequence[OffloadKey]) -> None:
         known = self._vllm_keys
         for h, k in zip(hashed, keys, strict=True):
             known.pop(h, None)  # the newest last: the oldest go first
@@ -467,7 +471,7 @@ class KVTierSecondaryTier(SecondaryTierManager):
         """What this tier stored and removed since the last call, as vLLM's fs tier reports
         it: one stored event per store job that landed whole, with its keys; and, beyond
         vLLM's, removed events (evicted for capacity, deleted as corrupt, found gone) and
-        blocks learnt from another node (REMOTE), for keys this instance stored."""
+        blocks learnt from another node (REMOTE), for keys this instance stored or looked up."""
         if not self.events_enabled:
             return []
         events = []

@@ -28,8 +28,10 @@ from tests.integrations.test_vllm_tier import (
     make_manager,
     offload_keys,
     payloads,
+    s3_tier_config,
 )
-from tests.integrations.test_vllm_tier import engines as engines  # the fixture, shared
+from tests.integrations.test_vllm_tier import engines as engines  # the fixtures, shared
+from tests.integrations.test_vllm_tier import s3_endpoint as s3_endpoint
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
@@ -192,6 +194,29 @@ def test_a_block_that_fails_verification_at_a_promotion_is_a_removed_event(
     events = events_until(engine, lambda seen: any(e.removed for e in seen))
     assert sorted(k for e in events if e.removed for k in e.keys) == sorted(keys)
     assert engine.tier.statistics().loads_failed >= 1
+
+
+def test_another_nodes_blocks_are_remote_stored_events_through_vllms_manager(
+    engines: Callable[..., Engine], s3_endpoint: str
+) -> None:
+    # polled by hand below
+    tier = s3_tier_config(s3_endpoint, index_refresh=100.0, index_lookback=1000.0)
+    config = kvtier_tier(tier=tier, enable_kv_events=True, locality="LOCAL")
+    here = engines(config, enable_kv_cache_events=True)
+    there = engines(config, enable_kv_cache_events=True)
+    keys = offload_keys(3)
+    assert here.lookup_all(keys, here.request()) == [LookupResult.MISS] * 3
+    there.store(keys, payloads(3))
+    there.settle()
+    assert [e.keys for e in storage_events(there)] == [keys]  # its own: LOCAL
+
+    there_tier, here_tier = there.tier.bridge.tier, here.tier.bridge.tier
+    assert isinstance(there_tier, kvtier.S3Tier) and isinstance(here_tier, kvtier.S3Tier)
+    there.tier.bridge.run(there_tier.refresh_index)  # publishes its journal
+    here.tier.bridge.run(here_tier.refresh_index)  # reads it
+    (event,) = events_until(here, bool)
+    assert sorted(event.keys) == sorted(keys) and not event.removed
+    assert (event.locality, event.ownership) == (Locality.REMOTE, "kvtier")
 
 
 # -- 2. a root that cannot be used ----------------------------------------------------------

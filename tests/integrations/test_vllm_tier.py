@@ -463,18 +463,24 @@ def s3_endpoint(weed_server: WeedServer) -> str:
     return weed_server.endpoint_url
 
 
-def test_store_cascades_to_s3_and_a_restart_promotes_it(
-    engines: Callable[..., Engine], s3_endpoint: str
-) -> None:
-    tier = {
+def s3_tier_config(endpoint: str, **settings: Any) -> dict[str, Any]:
+    """The ``tier`` of an S3 tier on ``endpoint`` under a fresh prefix, with ``settings``."""
+    return {
         "kind": "s3",
         "bucket": BUCKET,
         "prefix": f"vllm/{uuid.uuid4().hex}",
-        "endpoint_url": s3_endpoint,
+        "endpoint_url": endpoint,
         "region_name": REGION,
         "aws_access_key_id": ACCESS_KEY,
         "aws_secret_access_key": SECRET_KEY,
+        **settings,
     }
+
+
+def test_store_cascades_to_s3_and_a_restart_promotes_it(
+    engines: Callable[..., Engine], s3_endpoint: str
+) -> None:
+    tier = s3_tier_config(s3_endpoint)
     keys, data = offload_keys(4), payloads(4)
     first = engines(kvtier_tier(tier=tier, namespace="m"))
     first.store(keys, data)
