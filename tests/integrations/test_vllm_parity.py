@@ -12,7 +12,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import msgspec  # type: ignore[import-not-found, unused-ignore]  # vLLM brings it
 import numpy as np
 import pytest
 
@@ -35,6 +34,7 @@ from tests.integrations.test_vllm_tier import s3_endpoint as s3_endpoint
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
+    import msgspec  # type: ignore[import-not-found, unused-ignore]  # vLLM brings it
     from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import (
         OffloadingEventsTracker,
