@@ -81,7 +81,9 @@ the way httpcore's pool is a state machine with I/O outside it.
 - ``_codec``: the block format as an object (build, stream into a buffer and check).
 - ``_pack`` (the format, no I/O) and ``_packs`` (group commit of stores, coalesced reads).
 - ``_index`` (the existence index), ``_journal`` (the format, no I/O), ``_listing`` (the
-  listing at open) and ``_sync`` (the journal loop).
+  listing at open) and ``_sync`` (the journal loop); ``_snapshot`` (the index snapshot format,
+  no I/O) and ``_compaction`` (writing and reading snapshots, so a node opens from one instead
+  of listing the prefix; see docs/scaling.md).
 - ``_integrity``: the prefix's integrity marker.
 """
 

@@ -36,7 +36,6 @@ from __future__ import annotations
 import email.utils
 import functools
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -47,7 +46,6 @@ from kvtier._errors import TierError
 from kvtier._logging import BurstLogger
 from kvtier.tiers.s3._config import S3Config
 from kvtier.tiers.s3._errors import Fault
-from kvtier.tiers.s3._index import ExistenceIndex
 from kvtier.tiers.s3._pack import Location
 from kvtier.tiers.s3._requests import Call, body_of, get_bytes
 from kvtier.tiers.s3._snapshot import (
@@ -70,7 +68,7 @@ from kvtier.tiers.s3._snapshot import (
 if TYPE_CHECKING:
     from kvtier.tiers.s3._sync import IndexSync
 
-__all__ = ["Snapshots", "Survey", "delete_object", "indexed_entries"]
+__all__ = ["Snapshots", "Survey", "delete_object"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,20 +76,6 @@ _CONDITIONAL_ANSWERS = frozenset({Fault.PRECONDITION, Fault.CONFLICT, Fault.UNSU
 _LOST = (Fault.PRECONDITION, Fault.CONFLICT)
 _GET_ANSWERS = frozenset({Fault.NOT_FOUND, Fault.REJECTED})
 _DATE_SLACK_MS = 2000  # an HTTP Date has whole seconds; LastModified too on some servers
-
-
-def indexed_entries(index: ExistenceIndex) -> Callable[[], list[tuple[bytes, Location | None]]]:
-    """A function that returns every key ``index`` holds with its pack location, to run in
-    a worker thread: the keys' states are copied here, on the event loop, in one C-speed pass
-    (the index changes under the loop while the thread runs; single dict reads of the
-    locations are safe there, a walk of a changing dict is not)."""
-    states = list(index._keys.items())  # the index's own tables: read, never changed here
-    where = index._where
-
-    def entries() -> list[tuple[bytes, Location | None]]:
-        return [(key, where.get(key)) for key, state in states if state & 1]
-
-    return entries
 
 
 @dataclass
@@ -288,7 +272,7 @@ class Snapshots:
         if not await self._put_new(client, claim_name(self._prefix, generation), b""):
             self.lost += 1
             return False
-        entries = indexed_entries(self._index)
+        entries = self._index.entries_reader()
 
         def build() -> tuple[bytes, int]:
             listed = entries()

@@ -111,6 +111,19 @@ class ExistenceIndex(LookupCounts):
         """The pack section holding ``key``; None for a key stored as its own object."""
         return self._where.get(key)
 
+    def entries_reader(self) -> Callable[[], list[tuple[bytes, Location | None]]]:
+        """A function returning every key the index holds with its pack location, to run in a
+        worker thread: the keys' states are copied here, on the event loop, in one C-speed
+        pass (the index changes under the loop while the thread runs; single reads of the
+        location map are safe there, a walk of a changing dict is not)."""
+        states = list(self._keys.items())
+        where = self._where
+
+        def entries() -> list[tuple[bytes, Location | None]]:
+            return [(key, where.get(key)) for key, state in states if state & _INDEXED]
+
+        return entries
+
     # -- answers -------------------------------------------------------------------------------
 
     def lookup(self, key: bytes) -> LookupResult:
