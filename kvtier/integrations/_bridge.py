@@ -18,6 +18,12 @@ once per scheduler step, and require every call to return at once. kvtier's tier
   job's deadline (``op_timeout``) fails the blocks not done by then; a tier's mistakes fail
   only their batch.
 
+**Events, in order** (``take_events``, off unless ``events`` is given a capacity): a store job
+that landed whole is one stored event, recorded on the loop thread just before its outcome,
+after whatever the tier reported before it (its removals, its REMOTE blocks); the tier's own
+stored events for the bridge's jobs are not repeated. Bounded: past ``events`` keys, events are
+dropped and counted.
+
 **Deadlines run from submission, opening included.** The tier opens in the background (an FS
 tier on a hung mount may never finish): a job waits for it only until its own deadline, and a
 lookup's existence check is a ``timeout`` miss ``check_timeout`` after it was asked, so

@@ -172,6 +172,30 @@ def test_capacity_evictions_and_corrupt_blocks_are_removed_events_vllm_can_publi
     assert removed[0].medium == "STORAGE" and removed[0].ownership == "kvtier"
 
 
+def test_events_name_only_the_newest_event_keys_and_count_the_rest(
+    engines: Callable[..., Engine], tmp_path: Path
+) -> None:
+    probe = engines(kvtier_tier(tier=fs(tmp_path / "probe")))
+    probe.store(offload_keys(1), payloads(1))
+    probe.settle()
+    file_bytes = probe.tier.statistics().tier.bytes_stored  # type: ignore[union-attr]
+    engine = engines(
+        kvtier_tier(
+            tier=fs(tmp_path / "c", capacity_bytes=2 * file_bytes),
+            enable_kv_events=True,
+            event_keys=1,
+        ),
+        enable_kv_cache_events=True,
+    )
+    for k in offload_keys(3):  # the third evicts the first, which the adapter forgot
+        engine.store([k], payloads(1))
+        engine.settle()
+        (event,) = events_until(engine, bool)  # taken at once: the adapter still knows k
+        assert event.keys == [k] and not event.removed
+    assert engine.tier.events_unmapped == 1 and len(engine.tier._vllm_keys) == 1
+    assert storage_events(engine) == []
+
+
 def test_a_block_that_fails_verification_at_a_promotion_is_a_removed_event(
     engines: Callable[..., Engine], tmp_path: Path
 ) -> None:
