@@ -74,6 +74,7 @@ import contextlib
 import hashlib
 import json
 import logging
+from collections import OrderedDict
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -359,7 +360,10 @@ class KVTierSecondaryTier(SecondaryTierManager):
             built.events.capacity = 0  # a tier of its own: nobody will drain its events
         self._event_keys = positive_int(event_keys, "event_keys")
         # kvtier key -> vLLM key of the newest stores, so events can name vLLM's keys.
-        self._vllm_keys: dict[bytes, OffloadKey] = {}
+        self._vllm_keys: OrderedDict[bytes, OffloadKey] = OrderedDict()
+        # Keys looked up are remembered too where another node's blocks can be reported
+        # (REMOTE): not for an FS tier, which reports only its own.
+        self._remember_lookups = self.events_enabled and not isinstance(built, FSTier)
         self.events_unmapped = 0  # keys of tier events that no store here had named
         self._bridge = TierBridge(
             built,
@@ -402,7 +406,7 @@ class KVTierSecondaryTier(SecondaryTierManager):
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> VLLMLookupResult:
         hashed = self.kvtier_key(key)
-        if self.events_enabled:  # another node may store it: its REMOTE event names it
+        if self._remember_lookups:  # another node may store it: its REMOTE event names it
             self._remember((hashed,), (key,))
         return _TO_VLLM[self._bridge.lookup(hashed)]
 
@@ -441,10 +445,10 @@ class KVTierSecondaryTier(SecondaryTierManager):
     def _remember(self, hashed: Sequence[bytes], keys: Sequence[OffloadKey]) -> None:
         known = self._vllm_keys
         for h, k in zip(hashed, keys, strict=True):
-            known.pop(h, None)  # the newest last: the oldest go first
             known[h] = k
+            known.move_to_end(h)  # the newest last: the oldest go first
         while len(known) > self._event_keys:
-            del known[next(iter(known))]
+            known.popitem(last=False)
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         results = []
