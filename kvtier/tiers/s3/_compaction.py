@@ -33,19 +33,23 @@ node does. Loading adds keys; it never removes one this node knows.
 
 from __future__ import annotations
 
+import collections
 import email.utils
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 import anyio.to_thread
 
 from kvtier._errors import TierError
+from kvtier._format import IntegrityKey
 from kvtier._logging import BurstLogger
 from kvtier.tiers.s3._config import S3Config
 from kvtier.tiers.s3._errors import Fault
+from kvtier.tiers.s3._index import ExistenceIndex
 from kvtier.tiers.s3._pack import Location
 from kvtier.tiers.s3._requests import Call, body_of, get_bytes
 from kvtier.tiers.s3._snapshot import (
@@ -65,10 +69,7 @@ from kvtier.tiers.s3._snapshot import (
     snapshot_dir,
 )
 
-if TYPE_CHECKING:
-    from kvtier.tiers.s3._sync import IndexSync
-
-__all__ = ["Snapshots", "Survey", "delete_object"]
+__all__ = ["SnapshotLink", "Snapshots", "Survey", "delete_object"]
 
 logger = logging.getLogger(__name__)
 
@@ -99,17 +100,37 @@ class Survey:
         return self.server_ms - mtime_ms
 
 
+@dataclass(frozen=True, slots=True)
+class SnapshotLink:
+    """How snapshots reach the bucket: the tier's name and writer id, its request sender and
+    client, and the integrity key that signs them (the journal loop's own)."""
+
+    name: str
+    writer: str
+    call: Call
+    client: Callable[[], Any]
+    integrity_key: IntegrityKey | None
+
+
 class Snapshots:
     """Snapshot reads and compaction for one ``IndexSync`` (see the module docstring)."""
 
-    def __init__(self, sync: IndexSync, config: S3Config) -> None:
-        """Snapshots of ``sync``'s index, bucket and prefix, sent through its requests and
-        counted with them (``config``: the tier's, for the lookback and snapshot settings)."""
-        self._index, self.name, self._writer = sync._index, sync.name, sync._writer
-        self._call, self._client = sync._call, sync._client
+    def __init__(
+        self,
+        index: ExistenceIndex,
+        config: S3Config,
+        *,
+        link: SnapshotLink,
+        requests: collections.Counter[str],
+    ) -> None:
+        """Snapshots of ``index`` for the bucket and prefix of ``config`` (the tier's: also the
+        lookback and snapshot settings), sent the way ``link`` says and counted in
+        ``requests`` with the journal loop's."""
+        self._index, self.name, self._writer = index, link.name, link.writer
+        self._call, self._client = link.call, link.client
         self._bucket, self._prefix = config.bucket, config.prefix
-        self._integrity_key = sync._integrity_key
-        self.requests = sync.requests
+        self._integrity_key = link.integrity_key
+        self.requests = requests
         self._lookback_ms = int(config.index_lookback * 1000)
         every = config.index_snapshot_every
         self.every_ms = int((every if every is not None else config.index_lookback / 4) * 1000)

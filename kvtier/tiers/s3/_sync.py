@@ -52,7 +52,7 @@ import anyio.to_thread
 from kvtier._errors import TierError
 from kvtier._format import IntegrityKey
 from kvtier._logging import BurstLogger
-from kvtier.tiers.s3._compaction import Snapshots, delete_object
+from kvtier.tiers.s3._compaction import SnapshotLink, Snapshots, delete_object
 from kvtier.tiers.s3._config import S3Config
 from kvtier.tiers.s3._errors import Fault
 from kvtier.tiers.s3._index import ExistenceIndex
@@ -134,7 +134,10 @@ class IndexSync:
         # (the last poll's start, the listing's, a snapshot's cover), and whether it has
         # held them without a gap since the tier opened.
         snapshots = read_journal and config.index_snapshots
-        self.snapshots = Snapshots(self, config) if snapshots else None
+        link = SnapshotLink(name, writer, call, client, integrity_key)
+        self.snapshots = (
+            Snapshots(index, config, link=link, requests=self.requests) if snapshots else None
+        )
         self.covered_ms: int | None = None
         self.view_complete = False
 
@@ -308,28 +311,7 @@ class IndexSync:
         # From the last poll's start (or a snapshot's cover) minus the lookback: a poll
         # after a short outage reads what it missed, while the writers keep it.
         oldest = covered - self._lookback_ms
-        kwargs: dict[str, Any] = {
-            "Bucket": self._bucket,
-            "Prefix": self._journal,
-            "StartAfter": start_after(self._prefix, oldest),
-        }
-        sizes: dict[str, object] = {}
-        first = True
-        while True:
-            self.requests["list"] += 1
-            page = await self._call(
-                "journal", None, functools.partial(client.list_objects_v2, **kwargs)
-            )
-            assert not isinstance(page, Fault)
-            if first:
-                self._check_skew(page)
-                first = False
-            for item in page.get("Contents", ()):
-                sizes[item["Key"]] = item.get("Size")
-            token = page.get("NextContinuationToken")
-            if not page.get("IsTruncated") or not token:
-                break
-            kwargs["ContinuationToken"] = token
+        sizes = await self._list_segments(client, oldest)
         learnt: list[bytes] = []
         for name in self._index.unseen(sizes):
             stamp = segment_time_ms(name)
@@ -354,6 +336,32 @@ class IndexSync:
             self._index.learnt += len(learnt)
             self._notify(learnt)
         return learnt
+
+    async def _list_segments(self, client: Any, oldest: int) -> dict[str, object]:
+        """Name -> size of every journal segment named after ``oldest`` (wall ms); the first
+        page's Date checks this node's clock against the server's."""
+        kwargs: dict[str, Any] = {
+            "Bucket": self._bucket,
+            "Prefix": self._journal,
+            "StartAfter": start_after(self._prefix, oldest),
+        }
+        sizes: dict[str, object] = {}
+        first = True
+        while True:
+            self.requests["list"] += 1
+            page = await self._call(
+                "journal", None, functools.partial(client.list_objects_v2, **kwargs)
+            )
+            assert not isinstance(page, Fault)
+            if first:
+                self._check_skew(page)
+                first = False
+            for item in page.get("Contents", ()):
+                sizes[item["Key"]] = item.get("Size")
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return sizes
+            kwargs["ContinuationToken"] = token
 
     async def _read_segment(self, client: Any, name: str) -> list[bytes]:
         """The keys a segment teaches this index: one GET of at most ``max_segment_bytes``
