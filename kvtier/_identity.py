@@ -33,6 +33,7 @@ from types import MappingProxyType
 from typing import Any
 
 from kvtier._errors import InvalidArgumentError
+from kvtier._keys import block_keys
 
 __all__ = [
     "AGNOSTIC",
@@ -149,8 +150,6 @@ class CacheIdentity:
 
     def block_keys(self, token_ids: Any, *, parent: bytes | None = None) -> list[bytes]:
         """``kvtier.block_keys`` of ``token_ids`` under this identity and its block size."""
-        from kvtier._keys import block_keys
-
         return block_keys(token_ids, self.block_size, namespace=self, parent=parent)
 
     def differences(self, other: CacheIdentity) -> list[tuple[str, object, object]]:

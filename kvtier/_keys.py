@@ -15,15 +15,14 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from kvtier._errors import InvalidArgumentError
-from kvtier._identity import CacheIdentity
 from kvtier._settings import positive_int
 
-__all__ = ["KEY_SCHEME_VERSION", "KEY_SIZE", "block_keys", "check_key"]
+__all__ = ["KEY_SCHEME_VERSION", "KEY_SIZE", "KeyNamespace", "block_keys", "check_key"]
 
 KEY_SCHEME_VERSION = 1
 KEY_SIZE = 16
@@ -58,11 +57,23 @@ def _token_array(token_ids: Sequence[int] | Any) -> np.ndarray[Any, np.dtype[np.
     return arr.astype("<i8", copy=False)
 
 
+@runtime_checkable
+class KeyNamespace(Protocol):
+    """What a cache identity (``kvtier.CacheIdentity``) gives ``block_keys``: the bytes every
+    key derives from, and the block size its keys cover."""
+
+    @property
+    def namespace(self) -> bytes: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+
 def block_keys(
     token_ids: Sequence[int] | Any,
     block_size: int,
     *,
-    namespace: bytes | CacheIdentity = b"",
+    namespace: bytes | KeyNamespace = b"",
     parent: bytes | None = None,
 ) -> list[bytes]:
     """Return one key per full block of ``token_ids``; a partial last block gets none.
@@ -72,7 +83,7 @@ def block_keys(
     ``block_size``), or bytes you vouch for. ``parent`` continues a chain from an earlier key.
     """
     positive_int(block_size, "block_size")
-    if isinstance(namespace, CacheIdentity):
+    if isinstance(namespace, KeyNamespace):
         if namespace.block_size != block_size:
             raise InvalidArgumentError(
                 f"block_size is {block_size} but the identity's is {namespace.block_size}: "
