@@ -45,7 +45,7 @@ from kvtier._watch import KeyWatch
 from kvtier.pools._slots import SlotState
 
 if TYPE_CHECKING:
-    from kvtier._scheduler import SupportsPrefetch
+    from kvtier._scheduling import SupportsPrefetch
 
 __all__ = ["PrefetchHandle", "PrefetchState", "PrefetchStatistics", "Prefetches"]
 

@@ -16,7 +16,7 @@ from kvtier._cost import CostModel, ScanBudget
 from kvtier._errors import LifecycleError
 from kvtier._failures import RecentFailures
 from kvtier._lookup import MissReason
-from kvtier._scheduler import SupportsLookup, SupportsScheduling
+from kvtier._scheduling import SupportsLookup, SupportsScheduling
 from kvtier._watch import KeyWatch, Watchers
 from kvtier.manager import ManagerConfig
 from kvtier.manager._decision import LookupDecision
