@@ -5,6 +5,7 @@
     KVTierError
     ├── InvalidArgumentError (also ValueError): bad arguments or configuration; says what to fix
     │   ├── IdentityMismatchError: a tier's folder or prefix holds another cache identity
+    │   ├── UnusableRootError (also OSError): an FS root that cannot be created or written
     │   └── ManifestError: a cache identity manifest that cannot be read or trusted
     ├── ExtraNotInstalledError (also ImportError): an optional extra is missing; names it
     ├── LifecycleError (also RuntimeError): used outside ``async with`` or after closing

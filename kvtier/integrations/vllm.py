@@ -71,8 +71,6 @@ never share a key. The leading ``0x56`` ('V') keeps these keys apart from
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import logging
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Mapping, Sequence
@@ -84,6 +82,13 @@ from kvtier._identity import CacheIdentity, IdentityMismatchError
 from kvtier._lookup import LookupResult
 from kvtier._settings import positive_int
 from kvtier.integrations._bridge import BridgeStatistics, TierBridge
+from kvtier.integrations._vllm_setup import (
+    ADAPTER_DEFAULTS,
+    identity_from_spec,
+    identity_of,
+    tier_from_config,
+    vllm_key_hasher,
+)
 from kvtier.tiers._base import SecondaryTier
 from kvtier.tiers.fs import FSTier
 from kvtier.tiers.fs._io import UnusableRootError
@@ -120,6 +125,7 @@ if TYPE_CHECKING:
     )
 
 __all__ = [
+    "ADAPTER_DEFAULTS",
     "KVTierSecondaryTier",
     "identity_from_spec",
     "kvtier",
@@ -130,17 +136,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 KEY_PREFIX = b"\x56"  # 'V': keys derived from vLLM OffloadKeys, scheme 1
-_PERSON = b"kvtier.vllm.v1"
 EVENT_BUFFER = 65_536  # keys of events waiting for vLLM to take them; more are dropped
-_KINDS = ("fs", "s3")
-# Where the adapter's defaults differ from ``KVTierConfig``'s, and why (the measurements are in
-# docs/design.md, "Measurements behind the defaults"): vLLM's own ``fs`` tier lets all 32 of its
-# threads take loads, and one-block jobs arrive dozens at a time, so loads get 32 threads here
-# (writers stay at 16; more did not help). And vLLM's ``fs`` tier never syncs: behind vLLM the
-# FS tier keeps that durability (``fsync="never"``), with what vLLM's lacks: a kill -9 loses
-# nothing stored (temporary file, then rename), and the checksum turns a block torn by a power
-# loss into a miss. ``"fsync": "data"`` asks for fdatasync per block, at a cost to stores.
-ADAPTER_DEFAULTS: dict[str, dict[str, Any]] = {"fs": {"max_concurrency": 32, "fsync": "never"}}
 _OPTIONS = (
     "namespace",
     "identity",
@@ -167,130 +163,6 @@ _TO_VLLM = {
 }
 
 
-def tier_from_config(
-    tier: Mapping[str, Any],
-    *,
-    num_blocks: int,
-    block_bytes: int,
-    identity: CacheIdentity | None = None,
-) -> SecondaryTier:
-    """Build the tier that ``{"kind": "fs"|"s3", ...}`` describes, with ``KVTierConfig``,
-    recording and checking ``identity`` in its folder or prefix.
-
-    The keys are those of the ``[fs]`` or ``[s3]`` section of a kvtier config file; a key
-    left out takes ``KVTierConfig``'s default, except those in ``ADAPTER_DEFAULTS``.
-    """
-    if not isinstance(tier, Mapping):
-        raise InvalidArgumentError(
-            f"tier must be a mapping such as {{'kind': 'fs', 'root': '/var/cache/kvtier'}} "
-            f"or a kvtier SecondaryTier, got {type(tier).__name__}"
-        )
-    settings = dict(tier)
-    kind = settings.pop("kind", None)
-    if kind not in _KINDS:
-        raise InvalidArgumentError(f"tier.kind must be one of {_KINDS}, got {kind!r}")
-    for name, value in ADAPTER_DEFAULTS.get(kind, {}).items():
-        settings.setdefault(name, value)
-    from kvtier._config import KVTierConfig
-
-    # The pool section only satisfies KVTierConfig; the adapter builds no pool (vLLM's CPU
-    # tier is the primary), but it does describe that primary truthfully.
-    config = KVTierConfig.from_dict(
-        {"pool": {"num_blocks": num_blocks, "block_bytes": block_bytes}, kind: settings},
-        source="secondary tier 'kvtier'",
-    )
-    if identity is None:
-        (built,) = config.build_tiers()
-        return built
-    key = None if config.integrity is None else config.integrity.key
-    if config.fs is not None:
-        return FSTier(config.fs.root, config=config.fs, integrity_key=key, identity=identity)
-    assert config.s3 is not None
-    return S3Tier(config.s3.bucket, config=config.s3, integrity_key=key, identity=identity)
-
-
-def identity_from_spec(
-    spec: object,
-    block_bytes: int,
-    *,
-    namespace: str = "",
-    extra: Mapping[str, str] | None = None,
-) -> CacheIdentity:
-    """The cache identity of vLLM's offloading ``spec`` (see the module doc); raises
-    ``InvalidArgumentError`` when the spec does not say what the blocks are."""
-    config: Any = getattr(spec, "config", None)
-    try:
-        groups = [[g.tokens_per_block, list(g.layer_names)] for g in config.groups]
-        layout = {
-            "kv_cache_layout": config.kv_cache_layout,
-            "canonical": bool(config.canonical_layout),
-            "replicated": bool(config.replicated_layout),
-            "chunk_bytes": block_bytes,
-            "groups": hashlib.blake2b(json.dumps(groups).encode(), digest_size=8).hexdigest(),
-        }
-        parallel = parallel_identity(config)
-        cache = config.cache
-        return CacheIdentity(
-            model=config.model.name,
-            kv_dtype=str(config.model.dtype),
-            block_size=cache.tokens_per_hash * cache.blocks_per_chunk,
-            layout=json.dumps(layout, sort_keys=True, separators=(",", ":")),
-            parallel=parallel,
-            extra={**({"namespace": namespace} if namespace else {}), **(extra or {})},
-        )
-    except AttributeError as exc:  # no config, or another vLLM version: refuse, never guess
-        raise InvalidArgumentError(
-            f"the kvtier secondary tier cannot tell what vLLM's blocks are ({exc}): pass "
-            "'identity' with the model, kv_dtype, block_size, layout and parallel fields of "
-            "kvtier.CacheIdentity, so blocks are never shared across a difference"
-        ) from None
-
-
-def parallel_identity(config: Any) -> str:
-    """The ``parallel`` field of the identity, by vLLM's own sharing rules (its ``FileMapper``
-    with ``parallel_agnostic``, as its fs tier builds it): bytes that are parallelism-agnostic,
-    or replicated across ranks (``replicated_layout``: MLA at TP > 1, one copy per block),
-    are shared by every TP, PP and CP layout, and ``"agnostic"`` says so; otherwise each
-    layout and rank keeps its own blocks (TP, PP, PCP, DCP sizes and the rank). The data
-    parallel rank never separates: DP replicas hold the same bytes. Whether the layout is
-    replicated stays in the ``layout`` field, so replicated and head-sharded blocks, which
-    vLLM keeps apart too, never meet."""
-    p = config.parallel
-    if p.is_parallelism_agnostic or config.replicated_layout:
-        return "agnostic"
-    return f"tp={p.tp_size} pp={p.pp_size} pcp={p.pcp_size} dcp={p.dcp_size} rank={p.rank}"
-
-
-def _identity(
-    given: CacheIdentity | Mapping[str, Any] | None,
-    spec: object,
-    block_bytes: int,
-    namespace: str,
-    extra: Mapping[str, str] | None,
-) -> CacheIdentity:
-    if given is None:
-        return identity_from_spec(spec, block_bytes, namespace=namespace, extra=extra)
-    if isinstance(given, CacheIdentity):
-        return given
-    if not isinstance(given, Mapping):
-        raise InvalidArgumentError(
-            f"identity must be a kvtier.CacheIdentity or a mapping of its fields, got {given!r}"
-        )
-    try:
-        return CacheIdentity(**given)
-    except TypeError as exc:
-        raise InvalidArgumentError(f"identity: {exc}") from None
-
-
-def vllm_key_hasher(identity: CacheIdentity) -> hashlib.blake2b:
-    """A blake2b state holding the identity; ``copy()`` it and add an OffloadKey."""
-    ns = identity.namespace
-    h = hashlib.blake2b(digest_size=15, person=_PERSON)
-    h.update(len(ns).to_bytes(8, "little"))
-    h.update(ns)
-    return h
-
-
 class KVTierSecondaryTier(SecondaryTierManager):
     """A vLLM ``SecondaryTierManager`` over one kvtier ``SecondaryTier``; see the module doc."""
 
@@ -315,49 +187,20 @@ class KVTierSecondaryTier(SecondaryTierManager):
         event_keys: int = EVENT_KEYS,
         **unknown: Any,
     ) -> None:
-        if unknown:
-            raise InvalidArgumentError(
-                f"unknown setting(s) {sorted(unknown)} for the kvtier secondary tier; "
-                f"it takes {list(_OPTIONS)} (and vLLM's 'backpressure')"
-            )
-        if tier is None:
-            raise InvalidArgumentError(
-                "the kvtier secondary tier needs 'tier', such as "
-                "{'kind': 'fs', 'root': '/var/cache/kvtier'}"
-            )
-        if not isinstance(namespace, str):
-            raise InvalidArgumentError(f"namespace must be a string, got {namespace!r}")
+        tier = _checked(unknown, tier, namespace)
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.locality = Locality(locality) if locality is not None else None
         block_bytes = self.block_size_bytes
         # One flat byte view of the primary tier; slot c is bytes [c*B, (c+1)*B).
         self._flat = primary_kv_view.cast("B")
         self._num_slots = self._flat.nbytes // block_bytes
-        self.identity = _identity(identity, offloading_spec, block_bytes, namespace, identity_extra)
-        if isinstance(tier, SecondaryTier):
-            built = tier
-            own = tier.identity if isinstance(tier, FSTier | S3Tier) else None
-            if own is not None and own != self.identity:
-                raise IdentityMismatchError(f"tier {tier.name!r}", self.identity.differences(own))
-        else:
-            built = tier_from_config(
-                tier,
-                num_blocks=max(1, self._num_slots),
-                block_bytes=block_bytes,
-                identity=self.identity,
-            )
+        self.identity = identity_of(
+            identity, offloading_spec, block_bytes, namespace, identity_extra
+        )
+        built = self._tier_of(tier)
         self.namespace = namespace
         self._hasher = vllm_key_hasher(self.identity)
-        # Events as vLLM's fs tier gives them: asked for here and enabled in vLLM's config.
-        self.events_enabled = bool(enable_kv_events) and _kv_events_on(offloading_spec)
-        if enable_kv_events and not self.events_enabled:
-            logger.warning(
-                "enable_kv_events is set on secondary tier '%s' but KV cache events are "
-                "disabled globally; the tier will not emit events.",
-                tier_type,
-            )
-        if not self.events_enabled and built is not tier and isinstance(built, FSTier | S3Tier):
-            built.events.capacity = 0  # a tier of its own: nobody will drain its events
+        self._set_up_events(built, built is not tier, enable_kv_events, offloading_spec)
         self._event_keys = positive_int(event_keys, "event_keys")
         # kvtier key -> vLLM key of the newest stores, so events can name vLLM's keys.
         self._vllm_keys: OrderedDict[bytes, OffloadKey] = OrderedDict()
@@ -382,6 +225,36 @@ class KVTierSecondaryTier(SecondaryTierManager):
             if isinstance(error, UnusableRootError):
                 self._bridge.close()
                 raise error
+
+    def _tier_of(self, tier: Mapping[str, Any] | SecondaryTier) -> SecondaryTier:
+        """The tier ``tier`` names, built under this adapter's identity; a ready tier that
+        records another identity is refused."""
+        if isinstance(tier, SecondaryTier):
+            own = tier.identity if isinstance(tier, FSTier | S3Tier) else None
+            if own is not None and own != self.identity:
+                raise IdentityMismatchError(f"tier {tier.name!r}", self.identity.differences(own))
+            return tier
+        return tier_from_config(
+            tier,
+            num_blocks=max(1, self._num_slots),
+            block_bytes=self.block_size_bytes,
+            identity=self.identity,
+        )
+
+    def _set_up_events(
+        self, built: SecondaryTier, own_tier: bool, asked: bool, spec: OffloadingSpec
+    ) -> None:
+        """Events as vLLM's fs tier gives them: asked for here and enabled in vLLM's config;
+        a tier of the adapter's own that nobody drains keeps none."""
+        self.events_enabled = bool(asked) and _kv_events_on(spec)
+        if asked and not self.events_enabled:
+            logger.warning(
+                "enable_kv_events is set on secondary tier '%s' but KV cache events are "
+                "disabled globally; the tier will not emit events.",
+                self.tier_type,
+            )
+        if not self.events_enabled and own_tier and isinstance(built, FSTier | S3Tier):
+            built.events.capacity = 0
 
     # -- keys and slots -------------------------------------------------------------------------
 
@@ -533,6 +406,25 @@ class KVTierSecondaryTier(SecondaryTierManager):
             f"<KVTierSecondaryTier {self.tier_type!r} namespace={self.namespace!r} "
             f"{self._bridge!r}>"
         )
+
+
+def _checked(
+    unknown: Mapping[str, Any], tier: Mapping[str, Any] | SecondaryTier | None, namespace: object
+) -> Mapping[str, Any] | SecondaryTier:
+    """The adapter's settings, checked where vLLM's config file can get them wrong."""
+    if unknown:
+        raise InvalidArgumentError(
+            f"unknown setting(s) {sorted(unknown)} for the kvtier secondary tier; "
+            f"it takes {list(_OPTIONS)} (and vLLM's 'backpressure')"
+        )
+    if tier is None:
+        raise InvalidArgumentError(
+            "the kvtier secondary tier needs 'tier', such as "
+            "{'kind': 'fs', 'root': '/var/cache/kvtier'}"
+        )
+    if not isinstance(namespace, str):
+        raise InvalidArgumentError(f"namespace must be a string, got {namespace!r}")
+    return tier
 
 
 def _kv_events_on(spec: object) -> bool:
