@@ -26,6 +26,7 @@ from kvtier._errors import (
     TierTimeoutError,
     TierUnavailableError,
 )
+from kvtier._event_stream import EventStream
 from kvtier._events import EventBuffer, EventKind, TierEvent
 from kvtier._format import IntegrityKey
 from kvtier._identity import CacheIdentity, IdentityMismatchError, ManifestError
@@ -77,6 +78,7 @@ __all__ = [
     "CudaUnavailableError",
     "EventBuffer",
     "EventKind",
+    "EventStream",
     "EvictionPolicy",
     "ExtraNotInstalledError",
     "FSConfig",

@@ -16,14 +16,19 @@ shared tier reports blocks it learnt from another node as ``"REMOTE"``) and the 
 ``EventBuffer`` holds them until someone drains it. It is bounded: when nobody drains, the
 newest events are dropped and counted (``dropped``), so memory never grows with the stream. A
 buffer of capacity 0 is off: ``emit`` returns at once and counts nothing. ``emit`` and
-``drain`` may be called from different threads (a tier's loop, an engine's scheduler).
+``drain`` may be called from different threads (a tier's loop, an engine's scheduler). A buffer
+has one consumer: whoever drains it (``EventStream``, vLLM's ``take_events``) takes the events
+from every other.
+
+``listen`` sets one callback run after an event is queued (on the emitting thread, outside
+the lock), so a consumer can wait for events instead of polling.
 """
 
 from __future__ import annotations
 
 import enum
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 __all__ = ["EventBuffer", "EventKind", "TierEvent"]
@@ -52,7 +57,7 @@ class TierEvent:
 class EventBuffer:
     """A bounded, thread-safe queue of ``TierEvent`` (see the module doc)."""
 
-    __slots__ = ("_events", "_lock", "_size", "capacity", "dropped", "emitted", "tier")
+    __slots__ = ("_events", "_listener", "_lock", "_size", "capacity", "dropped", "emitted", "tier")
 
     def __init__(self, tier: str, capacity: int = 65_536) -> None:
         if capacity < 0:
@@ -64,6 +69,12 @@ class EventBuffer:
         self._events: list[TierEvent] = []
         self._size = 0
         self._lock = threading.Lock()
+        self._listener: Callable[[], None] | None = None
+
+    def listen(self, callback: Callable[[], None] | None) -> None:
+        """Run ``callback`` after every queued event (None: stop). It must not block: it runs
+        in the emitter's thread, inside a tier's store or load."""
+        self._listener = callback
 
     @property
     def enabled(self) -> bool:
@@ -95,6 +106,8 @@ class EventBuffer:
             self._size += size
             self.emitted += 1
             self._events.append(TierEvent(kind, held, self.tier, medium, locality, reason))
+        if (listener := self._listener) is not None:
+            listener()
 
     def drain(self) -> list[TierEvent]:
         """Every queued event, oldest first; the buffer is empty after."""

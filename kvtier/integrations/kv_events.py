@@ -1,0 +1,321 @@
+"""kvtier's tier events on the wire that KV-aware routers read: vLLM's ``KVEventBatch`` over ZMQ.
+
+A router that follows vLLM engines (llm-d's KV cache manager, Dynamo's router) subscribes to
+each engine's PUB socket and decodes every message as vLLM's ``KVEventBatch``. An engine that
+embeds kvtier without vLLM publishes its tiers' events the same way::
+
+    publisher = KVEventPublisher("tcp://127.0.0.1:5557", block_size=16,
+                                 replay_endpoint="tcp://127.0.0.1:5558")
+    async with publisher, EventStream(fs_tier, s3_tier) as stream:
+        await publisher.publish_stream(stream)      # until the stream is closed
+
+The wire, as vLLM's ``ZmqEventPublisher`` speaks it (``vllm.distributed.kv_events``):
+
+- each batch is one multipart message ``(topic, sequence, payload)``: the topic as UTF-8, the
+  sequence as 8 bytes big-endian counting from 0, the payload msgpack of an array
+  ``[timestamp, events]`` (``data_parallel_rank`` appended when set);
+- an event is a map tagged ``type``: ``BlockStored`` (``block_hashes``, ``parent_block_hash``
+  None, ``token_ids`` empty, ``block_size``, ``lora_id`` and ``lora_name`` None, ``medium``,
+  ``locality``, ``ownership``: the tier's name), ``BlockRemoved`` (``block_hashes``, ``medium``,
+  ``locality``, ``ownership``) or ``AllBlocksCleared``;
+- replay: a subscriber that joined late sends the first sequence it wants (8 bytes big-endian)
+  to the ROUTER socket at ``replay_endpoint`` (from a DEALER socket, after an empty delimiter
+  frame) and receives every batch still held from that one on, as ``(topic, sequence,
+  payload)`` after the delimiter, then ``("", -1 as 8 signed bytes, "")``.
+
+Block hashes are kvtier's keys as bytes (vLLM accepts bytes or ints) unless ``block_hash``
+maps them; a key it maps to None is left out (counted in ``unmapped``). A router computes the
+same keys from a request's tokens with ``kvtier.block_keys``.
+
+Nothing here blocks the caller: ``publish`` encodes nothing and only queues the batch, or drops
+and counts it when ``queue_batches`` are already waiting. One thread owns both sockets,
+encodes, sends without blocking (a PUB socket drops for a subscriber past its high-water mark;
+the replay socket drops the rest of a replay for a requester that does not read) and serves
+replays from the last ``replay_batches`` batches. Sockets always bind (a router connects).
+
+Needs the ``events`` extra (pyzmq, msgspec).
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Self
+
+import anyio.to_thread
+
+from kvtier._errors import ExtraNotInstalledError, InvalidArgumentError, LifecycleError
+from kvtier._event_stream import EventStream
+from kvtier._events import EventKind, TierEvent
+
+__all__ = ["END_OF_REPLAY", "KVEventPublisher", "PublisherStatistics", "encode_event"]
+
+# The sequence that ends a replay (vLLM's end marker: -1 as 8 signed big-endian bytes).
+END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+_STOP = object()  # queued by close: the thread sends what came before and ends
+_IDLE_POLL_S = 0.05  # how long the thread waits for a batch before it looks for replay requests
+
+BlockHash = bytes | int
+
+
+@dataclass(frozen=True, slots=True)
+class PublisherStatistics:
+    published: int  # batches sent on the PUB socket
+    dropped: int  # batches not queued: the thread was ``queue_batches`` behind
+    unmapped: int  # keys ``block_hash`` mapped to None
+    replays: int  # replay requests served
+    bad_replay_requests: int  # replay messages of the wrong shape, ignored
+
+
+def encode_event(
+    event: TierEvent, block_size: int, block_hash: Callable[[bytes], BlockHash | None]
+) -> tuple[dict[str, Any] | None, int]:
+    """``event`` as vLLM's tagged event map, and how many of its keys had no hash (None when
+    none had one: nothing to say)."""
+    if event.kind is EventKind.CLEARED:
+        return {"type": "AllBlocksCleared"}, 0
+    hashes = [h for h in map(block_hash, event.keys) if h is not None]
+    unmapped = len(event.keys) - len(hashes)
+    if not hashes:
+        return None, unmapped
+    where = {"medium": event.medium, "locality": event.locality, "ownership": event.tier}
+    if event.kind is EventKind.REMOVED:
+        return {"type": "BlockRemoved", "block_hashes": hashes, **where}, unmapped
+    stored = {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": None,
+        "token_ids": [],
+        "block_size": block_size,
+        "lora_id": None,
+        "lora_name": None,
+    }
+    return stored | where, unmapped
+
+
+class KVEventPublisher:
+    """Publishes batches of ``TierEvent`` as vLLM's ``KVEventBatch`` (see the module doc)."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        block_size: int,
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        replay_batches: int = 10_000,
+        hwm: int = 100_000,
+        queue_batches: int = 1_024,
+        data_parallel_rank: int | None = None,
+        block_hash: Callable[[bytes], BlockHash | None] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        _check_settings(block_size, replay_batches, hwm, queue_batches)
+        zmq, self._encoder = _wire_modules()
+        self.block_size = block_size
+        self._topic = topic.encode()
+        self._rank = data_parallel_rank
+        self._block_hash: Callable[[bytes], BlockHash | None] = block_hash or bytes
+        self._clock = clock
+        self._queue: queue.Queue[object] = queue.Queue(maxsize=queue_batches)
+        self._held: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=replay_batches)
+        self._closed = False
+        self._published = self._dropped = self._unmapped = 0
+        self._replays = self._bad_requests = 0
+        context = zmq.Context.instance()
+        self._pub = _bound(context.socket(zmq.PUB), endpoint, hwm, zmq.SNDHWM)
+        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._replay: Any = None
+        self.replay_endpoint: str | None = None
+        if replay_endpoint is not None:
+            # ZMQ learns what a peer read only every half high-water mark, so twice the replay
+            # (and its end marker) always fits a requester that reads.
+            replay_hwm = 2 * (replay_batches + 1)
+            self._replay = _bound(
+                context.socket(zmq.ROUTER), replay_endpoint, replay_hwm, zmq.SNDHWM
+            )
+            self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._zmq = zmq
+        self._thread = threading.Thread(target=self._run, name="kvtier-kv-events", daemon=True)
+        self._thread.start()
+
+    # -- the caller's side ---------------------------------------------------------------------
+
+    def publish(self, events: Sequence[TierEvent]) -> bool:
+        """Queue one batch; False when it was dropped (the thread is ``queue_batches`` behind).
+        Never blocks."""
+        if self._closed:
+            raise LifecycleError("publish on a closed KVEventPublisher")
+        if not events:
+            return True
+        try:
+            self._queue.put_nowait(list(events))
+        except queue.Full:
+            self._dropped += 1
+            return False
+        return True
+
+    async def publish_stream(self, stream: EventStream) -> None:
+        """Publish every batch of ``stream`` until it ends (closed) or this publisher closes."""
+        async for batch in stream:
+            if self._closed:
+                return
+            self.publish(batch)
+
+    def statistics(self) -> PublisherStatistics:
+        return PublisherStatistics(
+            self._published, self._dropped, self._unmapped, self._replays, self._bad_requests
+        )
+
+    def close(self) -> None:
+        """Send what is queued, stop the thread and close the sockets (waits two seconds at most;
+        ``aclose`` waits in a worker thread instead of the loop)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:  # behind the batches already queued: they are sent first
+            self._queue.put(_STOP, timeout=1.0)
+        except queue.Full:  # a block_hash that never returns holds the thread; it is a daemon
+            return
+        self._thread.join(timeout=1.0)  # it sends without blocking, so it ends at once
+
+    async def aclose(self) -> None:
+        await anyio.to_thread.run_sync(self.close)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        s = self.statistics()
+        state = "closed" if self._closed else "open"
+        return (
+            f"<KVEventPublisher {self.endpoint} {state} published={s.published} "
+            f"dropped={s.dropped} replays={s.replays}>"
+        )
+
+    # -- the thread's side ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        """Send queued batches in order and answer replay requests between them."""
+        while True:
+            if self._replay is not None:
+                self._serve_replays()
+            try:
+                batch = self._queue.get(timeout=_IDLE_POLL_S)
+            except queue.Empty:
+                continue
+            if batch is _STOP:
+                break
+            assert isinstance(batch, list)
+            self._send(batch)
+        self._close_sockets()
+
+    def _send(self, batch: list[TierEvent]) -> None:
+        events = []
+        for event in batch:
+            encoded, unmapped = encode_event(event, self.block_size, self._block_hash)
+            self._unmapped += unmapped
+            if encoded is not None:
+                events.append(encoded)
+        if not events:
+            return
+        body: list[Any] = [self._clock(), events]
+        if self._rank is not None:
+            body.append(self._rank)
+        payload = self._encoder(body)
+        sequence = self._published
+        self._pub.send_multipart((self._topic, sequence.to_bytes(8, "big"), payload))
+        self._held.append((sequence, payload))
+        self._published += 1
+
+    def _serve_replays(self) -> None:
+        zmq = self._zmq
+        while self._replay.poll(0):
+            frames = self._replay.recv_multipart()
+            if len(frames) != 3 or len(frames[2]) != 8:
+                self._bad_requests += 1
+                continue
+            requester, delimiter, first = frames
+            start = int.from_bytes(first, "big")
+            try:
+                for sequence, payload in list(self._held):
+                    if sequence >= start:
+                        message = (
+                            requester,
+                            delimiter,
+                            self._topic,
+                            sequence.to_bytes(8, "big"),
+                            payload,
+                        )
+                        self._replay.send_multipart(message, flags=zmq.NOBLOCK)
+                self._replay.send_multipart(
+                    (requester, delimiter, b"", END_OF_REPLAY, b""), flags=zmq.NOBLOCK
+                )
+            except zmq.Again:  # the requester does not read: the rest of its replay is dropped
+                pass
+            self._replays += 1
+
+    def _close_sockets(self) -> None:
+        self._pub.close(linger=0)
+        if self._replay is not None:
+            self._replay.close(linger=0)
+
+
+def _check_settings(block_size: int, replay_batches: int, hwm: int, queue_batches: int) -> None:
+    if block_size < 1:
+        raise InvalidArgumentError(
+            f"block_size must be the tokens per block (1 or more), got {block_size}"
+        )
+    for name, value in (
+        ("replay_batches", replay_batches),
+        ("hwm", hwm),
+        ("queue_batches", queue_batches),
+    ):
+        if value < 1:
+            raise InvalidArgumentError(f"{name} must be 1 or more, got {value}")
+
+
+def _wire_modules() -> tuple[Any, Callable[[Any], bytes]]:
+    """pyzmq and msgspec's msgpack encoder, or the error that names the extra."""
+    try:
+        import zmq
+    except ImportError as exc:
+        raise ExtraNotInstalledError("KVEventPublisher", "events", "pyzmq") from exc
+    try:
+        import msgspec
+    except ImportError as exc:
+        raise ExtraNotInstalledError("KVEventPublisher", "events", "msgspec") from exc
+    return zmq, msgspec.msgpack.Encoder().encode
+
+
+def _bound(socket: Any, endpoint: str, hwm: int, option: int) -> Any:
+    """``socket`` with its send high-water mark set, bound to ``endpoint``."""
+    socket.setsockopt(option, hwm)
+    try:
+        socket.bind(endpoint)
+    except Exception as exc:
+        socket.close(linger=0)
+        raise InvalidArgumentError(
+            f"cannot bind the event socket to {endpoint!r} ({exc}); give a free "
+            "'tcp://HOST:PORT' (port 0: any free port), 'ipc://PATH' or 'inproc://NAME'"
+        ) from exc
+    return socket

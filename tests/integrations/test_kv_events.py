@@ -1,0 +1,238 @@
+"""``KVEventPublisher``: tier events over ZMQ in vLLM's ``KVEventBatch`` framing, with replay,
+never blocking its caller. Real sockets on 127.0.0.1; payloads decoded as plain msgpack here
+(``test_vllm_kv_events.py`` decodes them with vLLM's own classes)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import msgspec
+import pytest
+import zmq
+
+import kvtier
+from kvtier._events import EventBuffer, EventKind, TierEvent
+from kvtier.integrations.kv_events import END_OF_REPLAY, KVEventPublisher
+
+ANY_PORT = "tcp://127.0.0.1:0"
+RECEIVE_MS = 10_000  # a failsafe: a message that should come never takes this long
+
+
+def stored(*keys: bytes, tier: str = "fs", locality: str = "LOCAL") -> TierEvent:
+    return TierEvent(EventKind.STORED, keys, tier, locality=locality)
+
+
+@pytest.fixture
+def context() -> Iterator[Any]:
+    ctx = zmq.Context()
+    yield ctx
+    ctx.term()
+
+
+def subscriber(context: Any, endpoint: str, topic: bytes = b"") -> Any:
+    sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.RCVTIMEO, RECEIVE_MS)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, topic)
+    sub.connect(endpoint)
+    return sub
+
+
+def joined(publisher: KVEventPublisher, sub: Any) -> int:
+    """Publish probes until ``sub`` receives one (a SUB socket misses what is sent before its
+    subscription reaches the publisher); the next sequence number."""
+    while True:
+        publisher.publish([stored(b"probe")])
+        try:
+            if sub.poll(50):
+                break
+        except zmq.Again:
+            continue
+    while sub.poll(200):
+        _, sequence, _ = sub.recv_multipart()
+    return int.from_bytes(sequence, "big") + 1
+
+
+def test_batches_carry_topic_sequence_and_vllms_event_maps(context: Any) -> None:
+    with KVEventPublisher(ANY_PORT, block_size=16, topic="kv", data_parallel_rank=2) as publisher:
+        sub = subscriber(context, publisher.endpoint, b"kv")
+        first = joined(publisher, sub)
+        publisher.publish(
+            [
+                stored(b"a", b"b"),
+                TierEvent(EventKind.REMOVED, (b"a",), "s3", locality="REMOTE", reason="corrupt"),
+                TierEvent(EventKind.CLEARED, (), "fs"),
+            ]
+        )
+        topic, sequence, payload = sub.recv_multipart()
+        sub.close()
+    assert topic == b"kv" and int.from_bytes(sequence, "big") == first
+    timestamp, events, rank = msgspec.msgpack.decode(payload)
+    assert isinstance(timestamp, float) and rank == 2
+    assert events == [
+        {
+            "type": "BlockStored",
+            "block_hashes": [b"a", b"b"],
+            "parent_block_hash": None,
+            "token_ids": [],
+            "block_size": 16,
+            "lora_id": None,
+            "lora_name": None,
+            "medium": "STORAGE",
+            "locality": "LOCAL",
+            "ownership": "fs",
+        },
+        {
+            "type": "BlockRemoved",
+            "block_hashes": [b"a"],
+            "medium": "STORAGE",
+            "locality": "REMOTE",
+            "ownership": "s3",
+        },
+        {"type": "AllBlocksCleared"},
+    ]
+
+
+def test_a_late_subscriber_replays_what_it_missed_then_gets_the_end_marker(context: Any) -> None:
+    with KVEventPublisher(ANY_PORT, block_size=4, replay_endpoint=ANY_PORT) as publisher:
+        sub = subscriber(context, publisher.endpoint)
+        start = joined(publisher, sub)
+        for i in range(5):
+            publisher.publish([stored(bytes([i]))])
+        live = [int.from_bytes(sub.recv_multipart()[1], "big") for _ in range(5)]
+        sub.close()
+        assert live == list(range(start, start + 5))
+
+        assert publisher.replay_endpoint is not None
+        dealer = context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.RCVTIMEO, RECEIVE_MS)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(publisher.replay_endpoint)
+        dealer.send_multipart([b"", (start + 2).to_bytes(8, "big")])
+        frames = []
+        while (frame := dealer.recv_multipart())[2] != END_OF_REPLAY:
+            frames.append(frame)
+        dealer.close()
+        assert publisher.statistics().replays == 1
+    assert [int.from_bytes(f[2], "big") for f in frames] == [start + 2, start + 3, start + 4]
+    assert [msgspec.msgpack.decode(f[3])[1][0]["block_hashes"] for f in frames] == [
+        [b"\x02"],
+        [b"\x03"],
+        [b"\x04"],
+    ]
+
+
+def test_a_replay_request_of_the_wrong_shape_is_counted_and_ignored(context: Any) -> None:
+    with KVEventPublisher(ANY_PORT, block_size=4, replay_endpoint=ANY_PORT) as publisher:
+        assert publisher.replay_endpoint is not None
+        dealer = context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.RCVTIMEO, RECEIVE_MS)
+        dealer.connect(publisher.replay_endpoint)
+        dealer.send_multipart([b"", b"short"])
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        assert dealer.recv_multipart()[2] == END_OF_REPLAY  # nothing held yet: only the end
+        dealer.close()
+        assert publisher.statistics().bad_replay_requests == 1
+
+
+async def test_a_subscriber_that_never_reads_blocks_neither_the_loop_nor_the_thread(
+    context: Any,
+) -> None:
+    publisher = KVEventPublisher(ANY_PORT, block_size=4, hwm=10, replay_endpoint=ANY_PORT)
+    stalled = subscriber(context, publisher.endpoint)
+    stalled.setsockopt(zmq.RCVHWM, 10)
+    joined(publisher, stalled)
+    beats = 0
+
+    async def heartbeat() -> None:
+        nonlocal beats
+        while True:
+            beats += 1
+            await anyio.lowlevel.checkpoint()
+
+    big = [stored(*(i.to_bytes(4, "big") + bytes(60) for i in range(200)))]
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(heartbeat)
+        for _ in range(2_000):
+            publisher.publish(big)
+            await anyio.lowlevel.checkpoint()
+        tg.cancel_scope.cancel()
+    assert beats >= 1_000  # the loop kept running other tasks between the publishes
+    fresh = subscriber(context, publisher.endpoint)
+    joined(publisher, fresh)  # the thread still sends: it did not wait for the stalled reader
+    stalled.close()
+    fresh.close()
+    await publisher.aclose()
+
+
+def test_a_thread_behind_drops_and_counts_and_publish_never_waits(context: Any) -> None:
+    release = threading.Event()
+
+    def slow_hash(key: bytes) -> bytes:
+        release.wait(RECEIVE_MS / 1000)
+        return key
+
+    publisher = KVEventPublisher(ANY_PORT, block_size=4, queue_batches=2, block_hash=slow_hash)
+    outcomes = [publisher.publish([stored(bytes([i]))]) for i in range(10)]
+    release.set()
+    publisher.close()
+    # The thread holds one batch and the queue two more: at least seven were dropped.
+    assert outcomes.count(False) >= 7
+    assert publisher.statistics().dropped == outcomes.count(False)
+
+
+def test_keys_without_a_hash_are_left_out_and_counted(context: Any) -> None:
+    def only_even(key: bytes) -> int | None:
+        return key[0] if key[0] % 2 == 0 else None
+
+    with KVEventPublisher(ANY_PORT, block_size=4, block_hash=only_even) as publisher:
+        sub = subscriber(context, publisher.endpoint)
+        joined(publisher, sub)
+        publisher.publish([stored(b"\x01", b"\x02", b"\x03"), stored(b"\x05")])
+        _, _, payload = sub.recv_multipart()
+        sub.close()
+    _, events = msgspec.msgpack.decode(payload)
+    assert [e["block_hashes"] for e in events] == [[2]]
+    assert publisher.statistics().unmapped >= 3
+
+
+async def test_a_stream_of_a_buffer_is_published_until_it_closes(context: Any) -> None:
+    buffer = EventBuffer("fs", capacity=100)
+    async with KVEventPublisher(ANY_PORT, block_size=4) as publisher:
+        sub = subscriber(context, publisher.endpoint)
+        joined(publisher, sub)
+        async with anyio.create_task_group() as tg, kvtier.EventStream(buffer) as stream:
+            tg.start_soon(publisher.publish_stream, stream)
+            buffer.emit(EventKind.STORED, [b"x"])
+            _, _, payload = await anyio.to_thread.run_sync(sub.recv_multipart)
+            stream.close()
+        sub.close()
+    assert msgspec.msgpack.decode(payload)[1][0]["block_hashes"] == [b"x"]
+
+
+def test_bad_settings_and_a_taken_port_say_what_to_change() -> None:
+    with pytest.raises(kvtier.InvalidArgumentError, match="block_size"):
+        KVEventPublisher(ANY_PORT, block_size=0)
+    with pytest.raises(kvtier.InvalidArgumentError, match="queue_batches"):
+        KVEventPublisher(ANY_PORT, block_size=4, queue_batches=0)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(kvtier.InvalidArgumentError, match="cannot bind"):
+            KVEventPublisher(f"tcp://127.0.0.1:{port}", block_size=4)
+
+
+def test_publish_after_close_is_a_lifecycle_error() -> None:
+    publisher = KVEventPublisher(ANY_PORT, block_size=4)
+    publisher.close()
+    publisher.close()  # idempotent
+    with pytest.raises(kvtier.LifecycleError):
+        publisher.publish([stored(b"k")])
+    assert "closed" in repr(publisher)

@@ -1,0 +1,124 @@
+"""kvtier's standalone publisher speaks vLLM's wire format: what ``KVEventPublisher`` sends
+decodes with vLLM's own ``KVEventBatch`` classes, live and replayed, the way vLLM's subscribers
+read it (``nox -s vllm``)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kvtier._events import EventKind, TierEvent
+from tests.integrations.test_kv_events import ANY_PORT, RECEIVE_MS, joined, subscriber
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    if os.environ.get("KVTIER_VLLM_REQUIRED") != "1":  # in `nox -s vllm` it must fail, not skip
+        pytest.importorskip(
+            "vllm.distributed.kv_events",
+            reason="vLLM is not installed here; `nox -s vllm` installs it and runs these tests",
+        )
+    import msgspec  # type: ignore[import-not-found, unused-ignore]
+    import zmq  # type: ignore[import-not-found, unused-ignore]
+    from vllm.distributed.kv_events import (
+        AllBlocksCleared,
+        BlockRemoved,
+        BlockStored,
+        KVEventBatch,
+    )
+    from vllm.distributed.kv_events import ZmqEventPublisher as VllmPublisher
+
+    from kvtier.integrations.kv_events import END_OF_REPLAY, KVEventPublisher
+
+decode = msgspec.msgpack.Decoder(type=KVEventBatch).decode
+
+
+@pytest.fixture
+def context() -> Iterator[Any]:
+    ctx = zmq.Context()
+    yield ctx
+    ctx.term()
+
+
+def test_live_batches_decode_as_vllms_kv_event_batch(context: Any) -> None:
+    with KVEventPublisher(ANY_PORT, block_size=16, topic="kv", data_parallel_rank=1) as publisher:
+        sub = subscriber(context, publisher.endpoint, b"kv")
+        joined(publisher, sub)
+        publisher.publish(
+            [
+                TierEvent(EventKind.STORED, (b"a", b"b"), "fs"),
+                TierEvent(EventKind.STORED, (b"c",), "s3", locality="REMOTE"),
+                TierEvent(EventKind.REMOVED, (b"a",), "fs", reason="evicted"),
+                TierEvent(EventKind.CLEARED, (), "fs"),
+            ]
+        )
+        _, _, payload = sub.recv_multipart()
+        sub.close()
+    batch = decode(payload)
+    assert batch.data_parallel_rank == 1
+    stored, remote, removed, cleared = batch.events
+    assert isinstance(stored, BlockStored) and isinstance(remote, BlockStored)
+    assert (stored.block_hashes, stored.block_size, stored.medium) == ([b"a", b"b"], 16, "STORAGE")
+    assert (stored.locality, stored.ownership, stored.parent_block_hash) == ("LOCAL", "fs", None)
+    assert (remote.block_hashes, remote.locality, remote.ownership) == ([b"c"], "REMOTE", "s3")
+    assert isinstance(removed, BlockRemoved)
+    assert (removed.block_hashes, removed.medium, removed.locality) == ([b"a"], "STORAGE", "LOCAL")
+    assert isinstance(cleared, AllBlocksCleared)
+
+
+def test_replayed_batches_decode_and_frame_as_vllms_publisher_frames_them(context: Any) -> None:
+    """The same replay request to vLLM's publisher and to kvtier's gets frames of the same
+    shape, and both decode with vLLM's classes."""
+    ours = KVEventPublisher(ANY_PORT, block_size=4, replay_endpoint=ANY_PORT)
+    theirs_endpoint = f"tcp://127.0.0.1:{free_port()}"
+    theirs = VllmPublisher(0, endpoint="inproc://kvtier-test-vllm", replay_endpoint=theirs_endpoint)
+    try:
+        ours.publish([TierEvent(EventKind.STORED, (b"x",), "fs")])
+        theirs.publish(
+            KVEventBatch(ts=0.0, events=[BlockRemoved(block_hashes=[b"x"], medium="GPU")])
+        )
+        replies = {}
+        for name, endpoint in (("ours", ours.replay_endpoint), ("theirs", theirs_endpoint)):
+            replies[name] = replay_from(context, endpoint, 0, expect=1)
+    finally:
+        ours.close()
+        theirs.shutdown()
+    for frames in replies.values():
+        assert [len(f) for f in frames] == [4, 4]  # delimiter, topic, sequence, payload
+        assert frames[0][2] == (0).to_bytes(8, "big") and frames[-1][2] == END_OF_REPLAY
+    (event,) = decode(replies["ours"][0][3]).events
+    assert isinstance(event, BlockStored) and event.block_hashes == [b"x"]
+    assert isinstance(decode(replies["theirs"][0][3]).events[0], BlockRemoved)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def replay_from(context: Any, endpoint: str | None, start: int, expect: int) -> list[list[bytes]]:
+    """Ask ``endpoint`` for a replay from ``start`` until ``expect`` batches and the end marker
+    came (a publisher's thread may not have sent a just-published batch yet: ask again)."""
+    assert endpoint is not None
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.RCVTIMEO, RECEIVE_MS)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(endpoint)
+    try:
+        while True:
+            dealer.send_multipart([b"", start.to_bytes(8, "big")])
+            frames = []
+            while True:
+                frames.append(dealer.recv_multipart())
+                if frames[-1][2] == END_OF_REPLAY:
+                    break
+            if len(frames) == expect + 1:
+                return frames
+    finally:
+        dealer.close()
