@@ -197,3 +197,36 @@ def test_asgi_app_serves_shared_prefixes(run_json: RunJson) -> None:
     assert samples[("kvtier_tier_blocks", "fs")] == stats["tiers"]["fs"]["blocks"]
 
     assert out["bad_request"]["status"] == 400
+
+
+@pytest.mark.timeout(120)
+def test_kv_router_sends_turns_where_their_prefix_is(run_json: RunJson) -> None:
+    """Both policies serve every request on fresh nodes; the router learns what each node
+    holds from the events its file tier publishes, and KV-aware routing, sending later turns
+    where their prefix is, loads more of each prompt than round-robin; the logits agree, and
+    each shutdown leaves no task, publisher thread or folder behind."""
+    pytest.importorskip("zmq", reason="the router example needs the kvtier[events] extra")
+    pytest.importorskip("msgspec", reason="the router example needs the kvtier[events] extra")
+    out = run_json("examples/kv_router.py", "--quick").out
+    settings = out["settings"]
+    nodes, requests = settings["nodes"], settings["sessions"] * settings["turns"]
+    rr, kv = out["policies"]["round-robin"], out["policies"]["kv-aware"]
+    for figures in (rr, kv):
+        assert figures["requests"] == sum(figures["requests_per_node"]) == requests > 0
+        assert len(figures["requests_per_node"]) == nodes > 1
+        assert positive(figures["ttft_p50_s"]) and positive(figures["ttft_p95_s"])
+        events = figures["events"]
+        assert events["bad_messages"] == 0
+        # the router learnt blocks only from events, and only blocks the nodes stored
+        assert 0 < events["stored_blocks"] <= sum(figures["fs_blocks_stored"])
+        assert events["batches"] <= sum(figures["published_batches"])
+        assert figures["left_after_shutdown"] == {"tasks": 0, "event_threads": 0, "folders": 0}
+    assert rr["requests_per_node"] == [requests // nodes] * nodes  # dealt in turn
+    assert rr["prompt_blocks"] == kv["prompt_blocks"] > 0  # the same requests both ways
+    assert kv["routed_to_a_known_prefix"] > 0
+    assert kv["prefix_hit_ratio"] > rr["prefix_hit_ratio"]
+    ratios = out["kv_aware_vs_round_robin"]
+    assert ratios["baseline"] == "round-robin"
+    assert positive(ratios["ttft_p50_speedup"]) and positive(ratios["ttft_p95_speedup"])
+    assert ratios["prefix_hit_ratio_gain"] > 1
+    assert_logits_match(out)
