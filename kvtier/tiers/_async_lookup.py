@@ -164,6 +164,10 @@ class AsyncLookupManager(LookupCounts, AsyncResource):
         else:
             self._verdicts.set(key, code_of(reason), self._miss_ttl)
 
+    def holds(self, key: bytes) -> bool:
+        """Whether the answer for ``key`` is a HIT now (not counted as a lookup)."""
+        return self._verdicts.get(key) == PRESENT
+
     def forget(self, key: bytes) -> None:
         """Drop what is known about ``key`` (it was deleted); a check in flight for it is
         ignored too, since it may have looked before the delete."""

@@ -67,6 +67,14 @@ What makes it trustworthy:
   when the store ends (landed or failed). A deferred write to a slower tier that copies
   the block from here then waits for it instead of giving the block up
   (``settled_lookup``).
+- **Tells routers what it holds** (``events``, ``kvtier._events``): a block is stored once its
+  file is in place, and removed when it is evicted, found corrupt, deleted, or found gone,
+  only ever for a key the tier held (see ``_ledger``). A file another process removes is
+  found gone (``not_found``) by the next load of it, by the rescan at the next open, or, in
+  a shared folder, by the next existence check of it. A shared folder's present verdicts do
+  not expire (only the bounded verdict cache drops the oldest), so that check rarely comes
+  first: the bound is the next load, which the manager makes only of a block it is about to
+  use, so a stale HIT costs one failed read. The owner's bound is the same (``_index``).
 - **Signed blocks.** With ``integrity_key`` every block carries a keyed BLAKE2b MAC and only
   blocks that verify are served (anything else is a ``corrupt`` miss): someone who can write
   to a shared folder can no longer publish a block for a key. The folder marker names the key's

@@ -81,11 +81,14 @@ class Catalog(Generic[W]):
     def blocks(self) -> int:
         return len(self._index)
 
-    def reset(self, entries: Iterable[tuple[str, int]]) -> None:
-        """The folder was (re)read: ``entries`` are its files, oldest first."""
-        self._index = OrderedDict(entries)
+    def reset(self, entries: Iterable[tuple[str, int]]) -> list[str]:
+        """The folder was (re)read: ``entries`` are its files, oldest first. Returns the
+        names held before that the folder no longer has (removed while the tier was closed,
+        or while its root was unusable)."""
+        before, self._index = self._index, OrderedDict(entries)
         self.used = sum(self._index.values())
         self.ready = True
+        return [name for name in before if name not in self._index]
 
     def holds(self, key: bytes) -> bool:
         """Whether the root is usable and the index has ``key``'s file."""
@@ -107,10 +110,12 @@ class Catalog(Generic[W]):
         if self._watchers:
             self._added[name] = self._epoch
 
-    def drop(self, name: str) -> None:
+    def drop(self, name: str) -> bool:
+        """Forget ``name``'s file; whether it was held."""
         size = self._index.pop(name, None)
         if size is not None:
             self.used -= size
+        return size is not None
 
     def loaded(self, name: str, size: int) -> None:
         """A load read the file: it is the most recently used (and known, if it was not)."""
@@ -119,13 +124,15 @@ class Catalog(Generic[W]):
         else:
             self.add(name, size)
 
-    def checked(self, name: str, size: int | None, since: int) -> None:
+    def checked(self, name: str, size: int | None, since: int) -> bool:
         """An existence check that began at epoch ``since`` found the file (``size``) or
-        found none (``None``). A file another process wrote is counted from now on."""
+        found none (``None``). A file another process wrote is counted from now on.
+        Returns whether a file the catalog held is gone."""
         if size is None:
-            self.drop_unless_newer(name, since)
-        elif name not in self._index:
+            return self.drop_unless_newer(name, since)
+        if name not in self._index:
             self.add(name, size)
+        return False
 
     # -- watchers ------------------------------------------------------------------------------
 
@@ -149,10 +156,10 @@ class Catalog(Generic[W]):
         finally:
             self.unwatch()
 
-    def drop_unless_newer(self, name: str, since: int) -> None:
-        """Drop ``name`` unless a store (or a load) added it after epoch ``since``."""
-        if self._added.get(name, -1) <= since:
-            self.drop(name)
+    def drop_unless_newer(self, name: str, since: int) -> bool:
+        """Drop ``name`` unless a store (or a load) added it after epoch ``since``; whether
+        a held name was dropped."""
+        return self._added.get(name, -1) <= since and self.drop(name)
 
     # -- capacity ------------------------------------------------------------------------------
 

@@ -7,6 +7,13 @@ once, never ``RETRY`` (``FSTier`` itself answers ``RETRY`` for a key it is still
 that is not a miss). A shared folder cannot do this (another process may have written the
 key since) and keeps the batched checks of ``AsyncLookupManager``.
 
+A file removed behind the owner's back (by hand, by a tool that ignored the folder's lock)
+still answers ``HIT`` until a load of it finds it gone, which makes it a miss and a
+``not_found`` removed event, or until the next open rescans the folder (which removes every
+file held before and gone since). That is the staleness bound: nothing checks the folder
+periodically, because a ``stat`` per block per period would cost what the index saves, and the
+manager only loads a block it is about to use, so the stale answer costs one failed read.
+
 Failures still count: a key whose load failed (timeout, unavailable, corrupt) is remembered as
 a miss with that reason for ``miss_ttl`` seconds, so the manager does not promote it again at
 every lookup. The interface is ``AsyncLookupManager``'s, so the tier composes either one.

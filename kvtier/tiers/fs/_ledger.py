@@ -4,10 +4,18 @@
 block loaded, missing, corrupt or failed; a store landed, found its block there already, or
 failed (perhaps after its victims were removed). The ``Ledger`` books each outcome once, the
 same way for both: it updates the ``Catalog``, counts it in the tier's meter, records the
-verdict ``lookup`` answers from, tells listeners which keys changed, and turns an ``OSError``
-(or a hung file system) into the kvtier error the caller raises, logging once per burst. It
-is the one place where native errors become kvtier errors. Synchronous: it runs on the event
-loop after the worker thread has returned.
+verdict ``lookup`` answers from, tells listeners which keys changed, announces the change as
+an event, and turns an ``OSError`` (or a hung file system) into the kvtier error the caller
+raises, logging once per burst. It is the one place where native errors become kvtier errors.
+Synchronous: it runs on the event loop after the worker thread has returned.
+
+Events (``kvtier._events``): a block that landed (renamed into place: visible, as durable as
+``fsync`` makes it) is stored. A block the catalog held is removed when a store evicts it
+(``evicted``), a load finds it corrupt (``corrupt``; the file is removed) or gone
+(``not_found``), an existence check finds it gone, or a rescan of the folder (at open, or when
+a root that was unusable comes back) no longer finds it (``not_found``: another process, or
+someone by hand, removed it). A key the catalog never held is never removed: a miss of a key
+nobody announced (a load or a check of an unknown key) says nothing to a router.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from kvtier._errors import (
     TierTimeoutError,
     TierUnavailableError,
 )
+from kvtier._events import EventBuffer, EventKind
 from kvtier._format import IntegrityKey, header_size
 from kvtier._logging import BurstLogger
 from kvtier._lookup import MissReason
@@ -59,6 +68,7 @@ class Ledger:
     verdicts: Verdicts
     notify: Callable[[Iterable[bytes]], None]
     integrity_key: IntegrityKey | None
+    events: EventBuffer
     meter: TierMeter = field(default_factory=TierMeter, init=False)
     _log: BurstLogger = field(default_factory=lambda: BurstLogger(logger), init=False)
 
@@ -75,13 +85,15 @@ class Ledger:
 
     def missing(self, key: bytes, name: str, since: int) -> BlockNotFoundError:
         """A load found no file (a check that began at epoch ``since`` may be stale)."""
-        self.catalog.drop_unless_newer(name, since)
+        if self.catalog.drop_unless_newer(name, since):
+            self.removed([key], MissReason.NOT_FOUND)
         self.fail(key, MissReason.NOT_FOUND, "load", None)
         return BlockNotFoundError("no such block", tier=self.name, operation="load", key=key)
 
     def corrupt(self, key: bytes, name: str, since: int, detail: str) -> CorruptBlockError:
         """A load found a file that failed verification (it has been removed)."""
-        self.catalog.drop_unless_newer(name, since)
+        if self.catalog.drop_unless_newer(name, since):
+            self.removed([key], MissReason.CORRUPT)
         self.fail(key, MissReason.CORRUPT, "load", detail)
         return CorruptBlockError(detail, tier=self.name, operation="load", key=key)
 
@@ -116,9 +128,11 @@ class Ledger:
             for k in keys:
                 self.verdicts.record(k, False, MissReason.EVICTED)
             if keys:
+                self.removed(keys, MissReason.EVICTED)
                 self.notify(keys)
         if landed is not None:
             self.verdicts.record(res.key, True)
+            self.events.emit(EventKind.STORED, (res.key,))
 
     def stored(
         self,
@@ -138,6 +152,36 @@ class Ledger:
         told = self.catalog.told_after(keys)
         if told:
             self.notify(told)
+
+    # -- blocks that went behind the tier's back ----------------------------------------------
+
+    def checked(
+        self, keys: list[bytes], names: list[str], sizes: list[int | None], since: int
+    ) -> None:
+        """An existence check that began at epoch ``since`` found ``names``' files (their
+        ``sizes``) or none (None): a file the catalog held that it found gone is removed."""
+        gone = [
+            key
+            for key, name, size in zip(keys, names, sizes, strict=True)
+            if self.catalog.checked(name, size, since)
+        ]
+        self.forget(gone)
+
+    def rescanned(self, entries: Iterable[tuple[str, int]]) -> None:
+        """The folder was (re)read: ``entries`` are its files, oldest first; a file the
+        catalog held that is not among them is removed."""
+        self.forget([k for name in self.catalog.reset(entries) if (k := key_of(name))])
+
+    def forget(self, keys: list[bytes]) -> None:
+        """Files the catalog held are gone: misses from now on, removed (``not_found``)."""
+        for key in keys:
+            self.verdicts.record(key, False, MissReason.NOT_FOUND)
+        if keys:
+            self.removed(keys, MissReason.NOT_FOUND)
+            self.notify(keys)
+
+    def removed(self, keys: list[bytes], reason: MissReason) -> None:
+        self.events.emit(EventKind.REMOVED, keys, reason=reason.value)
 
     # -- failures ------------------------------------------------------------------------------
 

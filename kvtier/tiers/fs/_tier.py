@@ -100,11 +100,7 @@ class FSTier(SecondaryTier):
         # What it holds, for routers and engines (``kvtier._events``): stored, removed, cleared.
         self.events = EventBuffer(self.name)
         self._ledger = Ledger(
-            self.name,
-            self._catalog,
-            _Announcing(self._lookups, self.events),
-            self.notify,
-            self.integrity_key,
+            self.name, self._catalog, self._lookups, self.notify, self.integrity_key, self.events
         )
 
     def _new_lookups(self, *, owner: bool) -> AsyncLookupManager | IndexLookups:
@@ -183,7 +179,7 @@ class FSTier(SecondaryTier):
             )
         if claimed is not None:
             await self._take(claimed)
-        self._catalog.reset((e.name, e.size) for e in entries)
+        self._ledger.rescanned((e.name, e.size) for e in entries)
 
     async def _take(self, claimed: Claim) -> None:
         """Answer lookups as the folder's owner or as one of its writers, as ``claimed`` says."""
@@ -199,7 +195,7 @@ class FSTier(SecondaryTier):
             return
         old, new = self._lookups, self._new_lookups(owner=claimed.owner)
         self._lookups = new
-        self._ledger.verdicts = _Announcing(new, self.events)
+        self._ledger.verdicts = new
         if old.is_open:  # a tier that opened degraded, now taking its root at a store
             await old.aclose()
             await new.__aenter__()
@@ -240,8 +236,7 @@ class FSTier(SecondaryTier):
                 )
             except (OSError, Stuck) as exc:
                 raise self._ledger.error(exc, "contains") from exc
-            for name, size in zip(names, sizes, strict=True):
-                catalog.checked(name, size, since)
+            self._ledger.checked(keys, names, sizes, since)
         return [size is not None for size in sizes]
 
     # -- data ----------------------------------------------------------------------------------
@@ -363,9 +358,9 @@ class FSTier(SecondaryTier):
             )
         except (OSError, Stuck) as exc:
             raise self._ledger.error(exc, "delete", key) from exc
-        self._catalog.drop(name)
+        held = self._catalog.drop(name)
         self._lookups.record(key, False, MissReason.NOT_FOUND)
-        if removed:
+        if removed or held:
             self.events.emit(EventKind.REMOVED, (key,), reason="deleted")
         self._ledger.meter.deletes += removed
 
@@ -398,28 +393,6 @@ class FSTier(SecondaryTier):
             storing=len(catalog.storing),
             stuck_threads=files.calls.stuck,
         )
-
-
-# The verdicts that say a block went away, and the reason each removed event gives.
-_REMOVALS = {r: r.value for r in (MissReason.EVICTED, MissReason.CORRUPT, MissReason.NOT_FOUND)}
-
-
-class _Announcing:
-    """The ledger's verdicts, passed on to the lookup helper and announced as events: a
-    block that landed (renamed into place: visible, as durable as ``fsync`` makes it) is
-    stored; one evicted, removed as corrupt or found gone by a load is removed."""
-
-    __slots__ = ("events", "lookups")
-
-    def __init__(self, lookups: AsyncLookupManager | IndexLookups, events: EventBuffer) -> None:
-        self.lookups, self.events = lookups, events
-
-    def record(self, key: bytes, present: bool, reason: MissReason = MissReason.NOT_FOUND) -> None:
-        self.lookups.record(key, present, reason)
-        if present:
-            self.events.emit(EventKind.STORED, (key,))
-        elif (why := _REMOVALS.get(reason)) is not None:
-            self.events.emit(EventKind.REMOVED, (key,), reason=why)
 
 
 def _writable_bytes(dst: object) -> memoryview:

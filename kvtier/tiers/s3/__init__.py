@@ -18,6 +18,8 @@ Choices where the contract leaves room:
   (reason ``not_found``): the request path never waits on the object store for a block that
   cannot be there. Another node's write becomes a HIT here within about ``2 x
   index_refresh`` seconds. An indexed key whose GET finds nothing is a miss that removes it.
+  Keys a node deletes (on request, or as corrupt) go in the journal too, in removal segments
+  of their own, and leave the other nodes' indexes within the same bound.
   ``lookup_mode="ask"`` keeps asking the server: it composes an ``AsyncLookupManager``
   (unknown keys answer RETRY while batched HEADs run; misses expire after ``miss_ttl``).
   Either way ``statistics().request_path_requests`` counts the requests sent because
@@ -56,6 +58,10 @@ Choices where the contract leaves room:
   (``_integrity``) names the key's public fingerprint, so a node with no key or another key
   refuses the prefix at open instead of deleting its peers' blocks; a signing tier refuses a
   prefix that already holds unsigned blocks.
+- Events for routers (``events``, ``kvtier._events``): this node's stores as ``LOCAL`` stored
+  events, the blocks it held and found corrupt or gone, or deleted, as ``LOCAL`` removed
+  events (``_core``); other nodes' stores and deletes, read from their journals, as
+  ``REMOTE`` ones. A key this tier never held is never removed.
 - Faults: botocore's own retries are off; kvtier retries transient faults (unreachable,
   timeouts, 5xx, throttling) ``max_attempts`` times with full-jitter backoff, and every
   attempt feeds a circuit breaker (``kvtier._resilience``). While it is open, requests
@@ -81,9 +87,9 @@ the way httpcore's pool is a state machine with I/O outside it.
 - ``_codec``: the block format as an object (build, stream into a buffer and check).
 - ``_pack`` (the format, no I/O) and ``_packs`` (group commit of stores, coalesced reads).
 - ``_index`` (the existence index), ``_journal`` (the format, no I/O), ``_listing`` (the
-  listing at open) and ``_sync`` (the journal loop); ``_snapshot`` (the index snapshot format,
-  no I/O) and ``_compaction`` (writing and reading snapshots, so a node opens from one instead
-  of listing the prefix; see docs/scaling.md).
+  listing at open) and ``_sync`` (the journal loop; ``_skew``, its clock check);
+  ``_snapshot`` (the index snapshot format, no I/O) and ``_compaction`` (writing and reading
+  snapshots, so a node opens from one instead of listing the prefix; see docs/scaling.md).
 - ``_integrity``: the prefix's integrity marker.
 """
 

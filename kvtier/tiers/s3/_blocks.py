@@ -8,9 +8,11 @@ pack. Each outcome is booked in the core (index, verdicts, counters).
 
 A corrupt object is a miss with reason ``corrupt`` and is deleted in the tier's background,
 bounded by ``read_timeout``: the load that found it fails at once, so clean-up never holds a
-promotion (its slot, the request that waits on it) past its deadline. ``S3Core.keep_corrupt``
-says which corrupt objects are left in place instead. A pack section that fails its check is
-a corrupt miss that drops the key from the index, and the pack is kept (``_load_section``).
+promotion (its slot, the request that waits on it) past its deadline. Once deleted, its key
+is published as removed through the journal, so other nodes drop it without a GET of their
+own. ``S3Core.keep_corrupt`` says which corrupt objects are left in place instead. A pack
+section that fails its check is a corrupt miss that drops the key from the index, and the
+pack is kept (``_load_section``).
 """
 
 from __future__ import annotations
@@ -97,14 +99,14 @@ class BlockObjects:
                 )
         except CorruptBlockError:
             core.meter.failed(MissReason.CORRUPT)
-            core.record_miss(key, MissReason.CORRUPT)
+            core.lost(key, MissReason.CORRUPT)
             raise
         except TierError as exc:
             core.meter.failed(exc.reason)
             raise
         if result is Fault.NOT_FOUND:
             core.meter.failed(MissReason.NOT_FOUND)
-            core.record_miss(key, MissReason.NOT_FOUND)  # an index HIT that was stale
+            core.lost(key, MissReason.NOT_FOUND)  # an index HIT that was stale
             raise BlockNotFoundError("no such object", tier=core.name, operation="load", key=key)
         core.meter.read(view.nbytes, time.perf_counter() - started)
 
@@ -179,19 +181,20 @@ class BlockObjects:
         kept = core.keep_corrupt(head)
         name = core.object_key(key)
         if not kept:
-            self._delete_corrupt_soon(name)
+            self._delete_corrupt_soon(name, key)
         core.log.warning("corrupt", "%s: corrupt object %s (%s)%s", core.name, name, problem, kept)
         raise CorruptBlockError(problem, tier=core.name, operation="load", key=key)
 
-    def _delete_corrupt_soon(self, name: str) -> None:
+    def _delete_corrupt_soon(self, name: str, key: bytes) -> None:
         """Start deleting the corrupt object ``name`` in the tier's task group. A closing
         tier starts none, and at most ``max_concurrency`` run at once; an object left in
-        place is deleted by the next load that finds it."""
+        place is deleted by the next load that finds it. Once deleted, ``key`` is published
+        as removed (``corrupt``) at the next journal refresh."""
         tg = self._task_group()
         if tg is not None and self.core.start_delete(name):
-            tg.start_soon(self._delete_corrupt, name)
+            tg.start_soon(self._delete_corrupt, name, key)
 
-    async def _delete_corrupt(self, name: str) -> None:
+    async def _delete_corrupt(self, name: str, key: bytes) -> None:
         """One background delete of a corrupt object, bounded by ``read_timeout``."""
         core = self.core
         deleted = False
@@ -220,7 +223,7 @@ class BlockObjects:
                 type(exc).__name__,
             )
         finally:
-            core.end_delete(name, deleted=deleted)
+            core.end_delete(name, key, deleted=deleted)
 
     # -- stores --------------------------------------------------------------------------------
 

@@ -3,10 +3,19 @@
 The core holds the tier's state and its rules, and never awaits: the existence index, the
 circuit breaker, the verdicts of the ask mode, the counters behind ``statistics()``, whether
 the server takes conditional puts, the corrupt objects being deleted, this writer's id and
-pack sequence, and the names of objects. ``S3Tier`` and its helpers (``_blocks``, ``_sync``,
-``_listing``) do the I/O around it and tell it what happened, so a cancellation cannot leave
-it half updated. The clock is injected (the index's suppressions, the breaker's reset, the
-ask mode's miss TTL), so it is tested without an event loop.
+pack sequence, the names of objects, and the events it tells routers (``kvtier._events``).
+``S3Tier`` and its helpers (``_blocks``, ``_sync``, ``_listing``) do the I/O around it and
+tell it what happened, so a cancellation cannot leave it half updated. The clock is injected
+(the index's suppressions, the breaker's reset, the ask mode's miss TTL), so it is tested
+without an event loop.
+
+Events: a block is ``STORED`` (``LOCAL``) once this node's PUT of it succeeded (its own object
+or a pack's section; or the conditional PUT found it there already): a GET finds it from then
+on. It is ``REMOVED`` when this node stops holding it: ``corrupt`` when a load found it
+damaged, ``not_found`` when a load found it gone, ``deleted`` on ``delete``. Only a key this
+tier held (indexed, or answered present in the ask mode) is removed: a miss of a key nobody
+announced says nothing. The S3 tier never evicts for capacity. Other nodes' stores and
+deletes arrive through the journal as ``REMOTE`` events (``_sync``).
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier._errors import CorruptBlockError
+from kvtier._events import EventBuffer, EventKind
 from kvtier._format import IntegrityKey, header_size
 from kvtier._logging import BurstLogger
 from kvtier._lookup import MissReason
@@ -62,6 +72,7 @@ class S3TierStatistics(TierStatistics):
     index_keys: int = 0
     index_listed: int = 0
     index_learnt: int = 0
+    index_forgotten: int = 0  # keys dropped because another node published their removal
     index_listing_complete: bool = False
     index_refreshes: int = 0
     journal_segments_published: int = 0
@@ -102,6 +113,7 @@ class S3Core:
             miss_ttl=config.miss_ttl, max_keys=config.index_max_keys, clock=clock, name=self.name
         )
         self.lookups = lookups  # the ask mode's verdicts (batched HEADs behind them)
+        self.events = EventBuffer(self.name)  # what it holds, for routers: see the module doc
         self.meter = TierMeter()
         self.log = BurstLogger(logger)
         self.writer = writer_id()
@@ -150,6 +162,28 @@ class S3Core:
         """``key`` is in the bucket now: indexed, published in the next journal segment."""
         self.index.wrote(key, where)
         self.lookups.record(key, True)
+        self.events.emit(EventKind.STORED, (key,))
+
+    def holds(self, key: bytes) -> bool:
+        """Whether this tier answers HIT for ``key`` (its index, or the ask mode's verdict)."""
+        return key in self.index if self.index_mode else self.lookups.holds(key)
+
+    def lost(self, key: bytes, reason: MissReason) -> None:
+        """A load found ``key``'s block gone or corrupt (``reason``): a miss from now on,
+        and removed if this tier held it. (Any other failure only suppresses it a while.)"""
+        held = self.holds(key)
+        self.record_miss(key, reason)
+        if held and reason in (MissReason.NOT_FOUND, MissReason.CORRUPT):
+            self.events.emit(EventKind.REMOVED, (key,), reason=reason.value)
+
+    def deleted(self, key: bytes, why: str) -> None:
+        """This node deleted ``key``'s object (``why``: "deleted" on request, "corrupt"):
+        forgotten here, published as removed at the next refresh, removed if held."""
+        held = self.holds(key)
+        self.lookups.forget(key)
+        self.index.deleted(key, why)
+        if held:
+            self.events.emit(EventKind.REMOVED, (key,), reason=why)
 
     def should_skip_store(self, key: bytes) -> bool:
         """Whether a store of ``key`` has nothing to send: the index knows it is in the
@@ -207,10 +241,12 @@ class S3Core:
         self.deleting.add(name)
         return True
 
-    def end_delete(self, name: str, *, deleted: bool) -> None:
+    def end_delete(self, name: str, key: bytes, *, deleted: bool) -> None:
+        """The background delete of ``key``'s corrupt object ``name`` ended."""
         self.deleting.discard(name)
         if deleted:
             self.corrupt_deleted += 1
+            self.deleted(key, "corrupt")
 
     # -- statistics ----------------------------------------------------------------------------
 
@@ -245,6 +281,7 @@ class S3Core:
             index_keys=len(self.index),
             index_listed=self.index.listed,
             index_learnt=self.index.learnt,
+            index_forgotten=self.index.forgotten,
             index_evictions=self.index.evictions,
             index_locations_rejected=self.locations_rejected,
             **io,

@@ -9,7 +9,11 @@ fails for another reason (timeout, unavailable) suppresses the key for ``miss_tt
 the manager does not promote it again at every wake.
 
 The index also keeps the journal's bookkeeping: keys this node wrote that are not published
-yet, and which segments of other writers it has read (forgotten once older than the lookback).
+yet, keys it deleted that are not published as removed yet, and which segments of other
+writers it has read (forgotten once older than the lookback). A key is in at most one of the
+two queues (the later of a store and a delete wins), so the order in which one refresh
+publishes them does not matter. A removal another node published drops the key (``forget``),
+unless this node wrote it since: its own segment, stamped later, says it is there.
 
 Memory: one Python ``bytes`` per key (about 80 bytes for a 32-byte key), its dict slot and
 its place in the insertion order (about 50 bytes), and for a key in a pack its ``Location``
@@ -19,7 +23,8 @@ key past the bound evicts the oldest one, a warning is logged once per burst and
 index that stopped learning would answer MISS for the blocks this node just wrote, and every
 repeated store would write another copy. An evicted key answers MISS, as before a refresh.
 Keys waiting to be published are bounded by ``max_keys`` too (more are counted in
-``unpublished_dropped``: other nodes then learn them at their next listing).
+``unpublished_dropped``: other nodes then learn them at their next listing; a removal not
+published leaves them a stale HIT, which their next load of it corrects).
 
 The order is a deque of keys beside the dict (a plain dict cannot drop its oldest entry in
 constant time; an ``OrderedDict`` costs 60 bytes more per key). A key dropped from the index
@@ -35,6 +40,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 from kvtier._logging import BurstLogger
 from kvtier._lookup import LookupResult, MissReason
@@ -51,6 +57,7 @@ _INDEXED = 1
 _PLACE = 2
 # Bound once: an enum member read through its class costs as much as the rest of a lookup.
 HIT = LookupResult.HIT
+_V = TypeVar("_V")
 
 
 def key_from_object(name: str, prefix: str) -> bytes | None:
@@ -94,12 +101,14 @@ class ExistenceIndex(LookupCounts):
         # suppressed, and a key leaving the index is forgotten here too).
         self._suppressed = VerdictStore(max_keys, clock=clock)
         self._unpublished: dict[bytes, Location | None] = {}
+        self._removals: dict[bytes, str] = {}  # deleted here, not published yet: key -> why
         self._seen: dict[str, int] = {}  # segment name -> its wall ms
         self.full = False  # max_keys reached at least once
         self.evictions = 0  # keys evicted to make room for newer ones
         self.unpublished_dropped = 0  # written here, never published (backlog at max_keys)
         self.listed = 0  # keys found by the listing at open
         self.learnt = 0  # keys learnt from other writers' journals
+        self.forgotten = 0  # keys dropped because another writer published their removal
 
     def __len__(self) -> int:
         return self._count
@@ -210,10 +219,30 @@ class ExistenceIndex(LookupCounts):
     def wrote(self, key: bytes, where: Location | None = None) -> None:
         """This node stored ``key``: index it and queue it for the next journal segment."""
         self.add(key, where)
+        self._removals.pop(key, None)
         if len(self._unpublished) < self._max_keys or key in self._unpublished:
             self._unpublished[key] = where
         else:
             self.unpublished_dropped += 1
+
+    def deleted(self, key: bytes, why: str) -> None:
+        """This node deleted ``key``'s object (``why``: "deleted" or "corrupt"): drop it and
+        queue it for the next removal segment."""
+        self.discard(key)
+        self._unpublished.pop(key, None)
+        if len(self._removals) < self._max_keys or key in self._removals:
+            self._removals[key] = why
+        else:
+            self.unpublished_dropped += 1
+
+    def forget(self, keys: Iterable[bytes]) -> list[bytes]:
+        """Another writer deleted ``keys``: drop those indexed (the ones returned), but not a
+        key this node wrote and has not published yet (its segment comes later)."""
+        dropped = [k for k in keys if k in self and k not in self._unpublished]
+        for key in dropped:
+            self.discard(key)
+        self.forgotten += len(dropped)
+        return dropped
 
     def discard(self, key: bytes) -> None:
         """The object is gone (a GET found nothing, it was corrupt, or deleted)."""
@@ -235,20 +264,25 @@ class ExistenceIndex(LookupCounts):
 
     def take_unpublished(self, limit: int | None = None) -> list[tuple[bytes, Location | None]]:
         """The oldest ``limit`` (default: all) keys written here and not published yet."""
-        if limit is None or limit >= len(self._unpublished):
-            entries = list(self._unpublished.items())
-            self._unpublished.clear()
-            return entries
-        entries = list(itertools.islice(self._unpublished.items(), limit))
-        self._unpublished = dict(itertools.islice(self._unpublished.items(), limit, None))
+        entries, self._unpublished = _take(self._unpublished, limit)
         return entries
 
     def requeue(self, entries: list[tuple[bytes, Location | None]]) -> None:
-        """A segment could not be published: its keys go first in the next one."""
-        rest = self._unpublished
-        self._unpublished = dict(entries)
-        for key, where in rest.items():
-            self._unpublished.setdefault(key, where)
+        """A segment could not be published: its keys go first in the next one (a key
+        deleted meanwhile stays deleted)."""
+        fresh = [(key, where) for key, where in entries if key not in self._removals]
+        self._unpublished = _requeue(fresh, self._unpublished)
+
+    def take_removals(self, limit: int | None = None) -> list[tuple[bytes, str]]:
+        """The oldest ``limit`` (default: all) keys deleted here and not published yet."""
+        entries, self._removals = _take(self._removals, limit)
+        return entries
+
+    def requeue_removals(self, entries: list[tuple[bytes, str]]) -> None:
+        """A removal segment could not be published: its keys go first in the next one
+        (a key written again meanwhile stays written)."""
+        fresh = [(key, why) for key, why in entries if key not in self._unpublished]
+        self._removals = _requeue(fresh, self._removals)
 
     def unseen(self, names: Iterable[str]) -> list[str]:
         return [name for name in names if name not in self._seen]
@@ -268,3 +302,21 @@ class ExistenceIndex(LookupCounts):
             misses_by_reason=dict(self._miss_reasons),
             cached_verdicts=self._count,
         )
+
+
+def _take(
+    queue: dict[bytes, _V], limit: int | None
+) -> tuple[list[tuple[bytes, _V]], dict[bytes, _V]]:
+    """The oldest ``limit`` (default: all) entries of ``queue``, and the queue left."""
+    if limit is None or limit >= len(queue):
+        return list(queue.items()), {}
+    rest = dict(itertools.islice(queue.items(), limit, None))
+    return list(itertools.islice(queue.items(), limit)), rest
+
+
+def _requeue(entries: list[tuple[bytes, _V]], queue: dict[bytes, _V]) -> dict[bytes, _V]:
+    """``entries`` first, then the rest of ``queue``."""
+    out = dict(entries)
+    for key, value in queue.items():
+        out.setdefault(key, value)
+    return out

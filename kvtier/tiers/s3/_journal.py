@@ -1,4 +1,5 @@
-"""The write journal of the S3 tier: how one node tells the others which keys it wrote.
+"""The write journal of the S3 tier: how one node tells the others which keys it wrote, and
+which it deleted.
 
 Every writer (one ``S3Tier`` instance) buffers the keys it stored and, every ``index_refresh``
 seconds when there are any, publishes them as one small *segment* object:
@@ -15,6 +16,14 @@ with a keyed BLAKE3 MAC (``IntegrityKey.mac`` over the segment and the journal f
 so a segment copied from another prefix does not verify) in place of the xxh3 digest. It
 still reads ``KVJ3``, the same with the keyed BLAKE2b of kvtier before BLAKE3.
 
+Keys a writer deleted (on request, or because their object was corrupt) go in *removal
+segments* of their own, named alike: ``KVR1, u32 count, count x (u16 length, key, u8 why),
+xxh3-64`` (``why``: 1 deleted, 2 corrupt), or ``KVR2``, the same with the ``KVJ4`` MAC. They
+are separate so that a kvtier that predates them rejects those segments whole (an unknown
+magic, counted) and still reads every stored key; a store segment never carries a removal.
+A reader applies segments in name (time) order, so a key deleted and then stored again by a
+later segment stays indexed. A removal only drops an index entry: it never causes a request.
+
 A segment is untrusted input, read from a bucket others can write:
 
 - its size is bounded (``max_segment_bytes``; a writer puts at most ``MAX_SEGMENT_ENTRIES``
@@ -24,11 +33,15 @@ A segment is untrusted input, read from a bucket others can write:
 - an entry may only name a pack of this prefix, by the exact shape of a pack's name
   (``is_pack_name``), and a key of 1 to 255 bytes; any other entry (another prefix's object,
   the integrity marker, a name with ``..``) is ignored and counted, so nothing a reader
-  fetches or deletes because of the journal lies outside this prefix's blocks and packs.
+  fetches or deletes because of the journal lies outside this prefix's blocks and packs;
+- a removal entry must hold a key of 1 to 255 bytes and a known ``why``; it is read under the
+  same bound and the same MAC rule, and a reader only drops the key from its index (a forged
+  removal costs a miss, as deleting the object would, and never a request).
 
 Cost per refresh, per reader: one LIST request (one page while fewer than 1000 segments fall
 within ``lookback``) plus one small GET per segment another node published since the last
-refresh. Per writer: one small PUT per refresh interval in which it stored anything.
+refresh. Per writer: one small PUT per refresh interval in which it stored anything (and one
+more in an interval in which it deleted anything).
 
 ``lookback`` covers the time between a writer stamping a segment name and the segment
 becoming listable (its PUT) plus the clock skew between nodes; segments older than twice
@@ -51,8 +64,11 @@ __all__ = [
     "JOURNAL_DIR",
     "MAX_SEGMENT_ENTRIES",
     "SegmentError",
+    "decode_removals",
     "decode_segment",
+    "encode_removals",
     "encode_segment",
+    "is_removal_segment",
     "journal_prefix",
     "max_segment_bytes",
     "segment_name",
@@ -68,6 +84,11 @@ MAGIC_PACKS = b"KVJ2"  # each key also names its pack section (or none: its own 
 MAGIC_SIGNED = b"KVJ4"  # the KVJ2 layout, authenticated with the integrity key (BLAKE3)
 MAGIC_SIGNED_LEGACY = b"KVJ3"  # the same, authenticated with keyed BLAKE2b (still read)
 _SIGNED = (MAGIC_SIGNED, MAGIC_SIGNED_LEGACY)
+MAGIC_REMOVALS = b"KVR1"  # keys deleted, each with why (xxh3-64, as KVJ1)
+MAGIC_REMOVALS_SIGNED = b"KVR2"  # the same, authenticated as KVJ4 is
+# What a removal entry's ``why`` byte means; any other value is rejected.
+REMOVAL_REASONS = {1: "deleted", 2: "corrupt"}
+_REASON_CODES = {reason: code for code, reason in REMOVAL_REASONS.items()}
 # A writer puts at most this many keys in one segment (the rest wait for the next one), so a
 # segment a reader accepts is bounded, and a PUT that keeps failing re-sends a bounded one.
 MAX_SEGMENT_ENTRIES = 16384
@@ -156,13 +177,20 @@ def encode_segment(
     return body + _SUM.pack(xxhash.xxh3_64_intdigest(body))
 
 
-def _authentic_body(data: bytes, prefix: str, integrity_key: IntegrityKey | None) -> bytes:
-    """The segment without its digest or MAC, once that verifies; else SegmentError."""
+def _authentic_body(
+    data: bytes,
+    prefix: str,
+    integrity_key: IntegrityKey | None,
+    kinds: tuple[tuple[bytes, ...], tuple[bytes, ...]] = ((MAGIC, MAGIC_PACKS), _SIGNED),
+) -> bytes:
+    """The segment without its digest or MAC, once that verifies; else SegmentError.
+    ``kinds``: the magics read (unsigned, signed) of one kind of segment."""
+    plain, signed = kinds
     magic = data[:4]
-    if magic not in (MAGIC, MAGIC_PACKS, *_SIGNED):
+    if magic not in (*plain, *signed):
         raise SegmentError("not a kvtier journal segment")
     if integrity_key is None:
-        if magic in _SIGNED:
+        if magic in signed:
             raise SegmentError("signed journal segment, and this tier has no integrity key")
         if len(data) < len(MAGIC) + _COUNT.size + _SUM.size:
             raise SegmentError("journal segment truncated")
@@ -170,7 +198,7 @@ def _authentic_body(data: bytes, prefix: str, integrity_key: IntegrityKey | None
         if xxhash.xxh3_64_intdigest(body) != digest:
             raise SegmentError("journal segment checksum mismatch")
         return body
-    if magic not in _SIGNED:
+    if magic not in signed:
         raise SegmentError("unsigned journal segment under a signing tier")
     if len(data) < len(MAGIC) + _COUNT.size + MAC_BYTES:
         raise SegmentError("journal segment truncated")
@@ -251,3 +279,67 @@ def _section_may_exist(offset: int, length: int) -> bool:
     """A section after a table and of some length (its exact length is checked before a
     load reads it)."""
     return offset >= _MIN_SECTION_OFFSET and length > 0 and offset + length <= _MAX_SECTION_END
+
+
+# -- removal segments ----------------------------------------------------------------------
+
+_REMOVALS = ((MAGIC_REMOVALS,), (MAGIC_REMOVALS_SIGNED,))
+# The most bytes a valid removal segment holds (fewer than a store segment's bound).
+_MAX_REMOVAL_BYTES = (
+    len(MAGIC) + _COUNT.size + MAX_SEGMENT_ENTRIES * (3 + MAX_KEY_BYTES) + MAC_BYTES
+)
+
+
+def is_removal_segment(data: bytes) -> bool:
+    """Whether ``data`` claims to be a removal segment (``decode_removals`` checks it)."""
+    return data[:4] in (MAGIC_REMOVALS, MAGIC_REMOVALS_SIGNED)
+
+
+def encode_removals(
+    entries: list[tuple[bytes, str]], prefix: str, *, integrity_key: IntegrityKey | None = None
+) -> bytes:
+    """A removal segment of ``(key, why)`` entries (at most ``MAX_SEGMENT_ENTRIES``; ``why``
+    one of ``REMOVAL_REASONS``' values); signed (``KVR2``) with ``integrity_key``."""
+    if len(entries) > MAX_SEGMENT_ENTRIES:
+        raise ValueError(f"a segment holds at most {MAX_SEGMENT_ENTRIES} entries")
+    magic = MAGIC_REMOVALS if integrity_key is None else MAGIC_REMOVALS_SIGNED
+    parts = [magic, _COUNT.pack(len(entries))]
+    for key, why in entries:
+        parts.append(_U16.pack(len(key)) + key + bytes((_REASON_CODES[why],)))
+    body = b"".join(parts)
+    if integrity_key is not None:
+        return body + _mac(body, prefix, integrity_key)
+    return body + _SUM.pack(xxhash.xxh3_64_intdigest(body))
+
+
+def decode_removals(
+    data: bytes, prefix: str, *, integrity_key: IntegrityKey | None = None
+) -> tuple[list[tuple[bytes, str]], int]:
+    """The ``(key, why)`` entries of a removal segment of ``prefix`` that a reader may use,
+    and how many it ignored (a key of no valid length, an unknown ``why``). A segment that
+    does not parse or verify raises ``SegmentError``; nothing else is raised."""
+    if len(data) > _MAX_REMOVAL_BYTES:
+        raise SegmentError(f"removal segment of {len(data)} bytes, more than any writer puts")
+    body = _authentic_body(bytes(data), prefix, integrity_key, _REMOVALS)
+    (count,) = _COUNT.unpack_from(body, 4)
+    if count > MAX_SEGMENT_ENTRIES:
+        raise SegmentError(f"journal segment claims {count} entries")
+    entries: list[tuple[bytes, str]] = []
+    rejected = 0
+    at, end = 8, len(body)
+    for _ in range(count):
+        if at + 2 > end:
+            raise SegmentError("journal segment truncated")
+        (length,) = _U16.unpack_from(body, at)
+        at += 2 + length
+        if at + 1 > end:
+            raise SegmentError("journal segment truncated")
+        why = REMOVAL_REASONS.get(body[at])
+        if why is not None and 1 <= length <= MAX_KEY_BYTES:
+            entries.append((body[at - length : at], why))
+        else:
+            rejected += 1
+        at += 1
+    if at != end:
+        raise SegmentError("journal segment has trailing bytes")
+    return entries, rejected

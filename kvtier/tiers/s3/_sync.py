@@ -2,27 +2,31 @@
 
 The I/O around ``ExistenceIndex`` (a synchronous state machine): list the prefix once when
 the tier opens (``_listing``, bounded by ``index_list_timeout``), then every ``index_refresh``
-seconds publish this node's new keys as one journal segment and read the segments other nodes
-published (``_journal`` documents the names, the format and the cost).
+seconds publish this node's new keys as one journal segment (and the keys it deleted as one
+removal segment) and read the segments other nodes published (``_journal`` documents the
+names, the formats and the cost).
 
 Staleness bound: a block another node stores becomes a HIT here at most about
 ``2 x index_refresh`` seconds later (it waits up to ``index_refresh`` in the writer's buffer,
 then up to ``index_refresh`` for this node's next poll), plus the two requests' latency.
 Faults are logged once per burst and retried at the next refresh: the index only ever lags,
 it is never wrong in the direction that matters (a stale HIT costs one GET and corrects
-itself). The loop catches every ``Exception`` (a botocore error kvtier does not translate, such
-as a failing credential provider, included) and counts it: it runs in a task group entered in
-the engine's task, which an escaping error would cancel.
+itself). A block another node deletes (on request, or as corrupt) stops being a HIT here
+within the same bound: its removal is published at that node's next refresh and applied at
+this node's next poll, in the order of the segments' names, and told as a REMOTE removed
+event (``forgot``). A block deleted by anything but a kvtier node is never published: it
+stays a HIT here until a load finds it gone (one GET, a ``not_found`` removed event).
+
+The loop catches every ``Exception`` (a botocore error kvtier does not translate, such as a
+failing credential provider, included) and counts it: it runs in a task group entered in the
+engine's task, which an escaping error would cancel.
 
 What the bucket holds is untrusted (``_journal``): a segment is read with one GET bounded
 by ``max_segment_bytes`` (one the listing shows as larger is not read at all), and segments
 and entries that are ignored are counted (``segments_rejected``, ``entries_rejected``).
 
-Clock skew: segment names carry the writer's wall time and a poll lists only the last
-``index_lookback`` seconds, so a node whose clock is more than that behind the others is never
-read and one ahead reads nobody. Every journal response's ``Date`` header gives the server's
-time; a skew of more than half the lookback (and more than the header's one-second resolution)
-is logged once until it recovers, and ``clock_skew`` keeps the last measure.
+Clock skew: segment names carry the writer's wall time, so every journal response's ``Date``
+is compared with this node's clock (``_skew``); ``clock_skew`` keeps the last measure.
 
 A writer deletes its own segments once they are older than twice the lookback, at every
 refresh; one whose DELETE failed stays first in line and is tried again at the next refresh.
@@ -39,12 +43,11 @@ and, if its view is complete, compacts when one is due.
 from __future__ import annotations
 
 import collections
-import email.utils
 import functools
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -59,8 +62,11 @@ from kvtier.tiers.s3._index import ExistenceIndex
 from kvtier.tiers.s3._journal import (
     MAX_SEGMENT_ENTRIES,
     SegmentError,
+    decode_removals,
     decode_segment,
+    encode_removals,
     encode_segment,
+    is_removal_segment,
     journal_prefix,
     max_segment_bytes,
     segment_name,
@@ -70,15 +76,18 @@ from kvtier.tiers.s3._journal import (
 )
 from kvtier.tiers.s3._listing import Listing
 from kvtier.tiers.s3._requests import Call, get_bytes
+from kvtier.tiers.s3._skew import ClockSkew
 
 __all__ = ["IndexSync"]
 
 logger = logging.getLogger(__name__)
 
-_DATE_RESOLUTION = 1.0  # seconds: an HTTP Date header has whole seconds
 # Decoding a segment is a Python loop over its entries: segments above this size are decoded
 # in a worker thread, so the event loop never spends more than about a millisecond on one.
 _THREAD_DECODE_BYTES = 64 << 10
+_T = TypeVar("_T")
+# What one segment changed in the index: (None, keys learnt) or (why, keys forgotten).
+_Change = tuple[str | None, list[bytes]]
 
 
 class IndexSync:
@@ -94,19 +103,22 @@ class IndexSync:
         call: Call,
         client: Callable[[], Any],
         notify: Callable[[list[bytes]], None],
+        forgot: Callable[[list[bytes], str], None] = lambda keys, why: None,
         read_journal: bool = True,
         integrity_key: IntegrityKey | None = None,
         wall: Callable[[], float] = time.time,
     ) -> None:
         """Keep ``index`` for the bucket and prefix of ``config``, with its ``index_refresh``,
-        ``index_lookback`` and ``index_list_timeout``; ``writer`` names this node's segments."""
+        ``index_lookback`` and ``index_list_timeout``; ``writer`` names this node's segments.
+        ``notify(keys)``: keys other nodes stored, learnt at a poll; ``forgot(keys, why)``:
+        keys other nodes deleted, dropped from the index at a poll (told in segment order)."""
         self._index, self.name, self._writer = index, name, writer
         self._call, self._client, self._notify = call, client, notify
+        self._forgot = forgot
         self._bucket, self._prefix = config.bucket, config.prefix
         self.index_refresh = config.index_refresh
         lookback = config.index_lookback
         self._lookback_ms = int(lookback * 1000)
-        self._skew_limit = max(lookback / 2, 2 * _DATE_RESOLUTION)
         self._list_timeout = config.index_list_timeout
         self._wall = wall
         self._read_journal = read_journal
@@ -114,17 +126,17 @@ class IndexSync:
         self._journal = journal_prefix(self._prefix)
         self._max_segment = max_segment_bytes(self._prefix)
         self._seq = 0
+        self._last_ms = 0  # the stamp of this node's newest segment: the next one is later
         # (wall ms, name) of segments published here and not deleted yet, the oldest first
         self._own: collections.deque[tuple[int, str]] = collections.deque()
         self._log = BurstLogger(logger)
-        self._skew_warned = False
+        self._skew = ClockSkew(name, lookback, lambda: self._wall())
         self.refreshes = 0
         self.refresh_failures = 0  # rounds that failed (logged once per burst)
         self.segments_published = 0
         self.segments_read = 0
         self.segments_rejected = 0  # segments ignored: unparsable, unauthenticated, too large
         self.entries_rejected = 0  # entries ignored: naming no pack of this prefix, bad key
-        self.clock_skew = 0.0  # this node's wall clock minus the server's, seconds
         self.listing_complete = False
         # Index upkeep sent by the journal loop: requests by kind ("list", "get", "put",
         # "delete"), and the bytes of the segments it read.
@@ -140,6 +152,11 @@ class IndexSync:
         )
         self.covered_ms: int | None = None
         self.view_complete = False
+
+    @property
+    def clock_skew(self) -> float:
+        """This node's wall clock minus the server's, seconds (the last measure)."""
+        return self._skew.last
 
     # -- the listing at open -------------------------------------------------------------------
 
@@ -221,15 +238,24 @@ class IndexSync:
 
     async def publish(self) -> None:
         """Put this node's oldest unpublished keys (at most ``MAX_SEGMENT_ENTRIES``: a PUT
-        that keeps failing re-sends a bounded segment; the rest go in the next ones)."""
-        entries = self._index.take_unpublished(MAX_SEGMENT_ENTRIES)
-        if not entries:
-            return
+        that keeps failing re-sends a bounded segment; the rest go in the next ones), then
+        its oldest unpublished removals likewise. A key is in one of the two at most."""
+        index, prefix, signer = self._index, self._prefix, self._integrity_key
+        stores = index.take_unpublished(MAX_SEGMENT_ENTRIES)
+        if stores:
+            body = encode_segment(stores, prefix, integrity_key=signer)
+            await self._put_segment(body, functools.partial(index.requeue, stores))
+        removals = index.take_removals(MAX_SEGMENT_ENTRIES)
+        if removals:
+            body = encode_removals(removals, prefix, integrity_key=signer)
+            await self._put_segment(body, functools.partial(index.requeue_removals, removals))
+
+    async def _put_segment(self, body: bytes, requeue: Callable[[], None]) -> None:
+        """One segment of this node's, named after its newest one; ``requeue`` on failure."""
         client = self._client()
-        now_ms = int(self._wall() * 1000)
+        now_ms = self._last_ms = max(int(self._wall() * 1000), self._last_ms + 1)
         self._seq += 1
         name = segment_name(self._prefix, now_ms, self._writer, self._seq)
-        body = encode_segment(entries, self._prefix, integrity_key=self._integrity_key)
         self.requests["put"] += 1
         try:
             response = await self._call(
@@ -238,11 +264,11 @@ class IndexSync:
                 lambda: client.put_object(Bucket=self._bucket, Key=name, Body=body),
             )
         except BaseException:
-            self._index.requeue(entries)
+            requeue()
             raise
         self.segments_published += 1
         self._own.append((now_ms, name))
-        self._check_skew(response)
+        self._skew.check(response)
 
     async def _delete_old_own(self) -> None:
         """Delete the segments published here that no reader lists any more (older than
@@ -268,30 +294,6 @@ class IndexSync:
                 return
             self._own.popleft()
 
-    def _check_skew(self, response: Any) -> None:
-        """Compare this node's wall clock with the ``Date`` of a journal response; warn once
-        while the skew is large enough to hide this node's segments (or theirs from it)."""
-        try:
-            date = response["ResponseMetadata"]["HTTPHeaders"]["date"]
-            server = email.utils.parsedate_to_datetime(date).timestamp()
-        except (KeyError, TypeError, ValueError, IndexError):
-            return  # no usable Date header: nothing to compare
-        self.clock_skew = skew = self._wall() - server
-        if abs(skew) <= self._skew_limit:
-            self._skew_warned = False
-            return
-        if not self._skew_warned:
-            self._skew_warned = True
-            logger.warning(
-                "%s: this node's clock is %.1f s %s the object store's; with index_lookback="
-                "%.0f s, other nodes may %s through the journal: synchronise the clock (NTP)",
-                self.name,
-                abs(skew),
-                "behind" if skew < 0 else "ahead of",
-                self._lookback_ms / 1000,
-                "never see this node's writes" if skew < 0 else "stay unseen by this node",
-            )
-
     async def poll(self) -> list[bytes]:
         """Read the segments other writers published within the lookback; the new keys."""
         client = self._client()
@@ -312,29 +314,47 @@ class IndexSync:
         # after a short outage reads what it missed, while the writers keep it.
         oldest = covered - self._lookback_ms
         sizes = await self._list_segments(client, oldest)
-        learnt: list[bytes] = []
-        for name in self._index.unseen(sizes):
-            stamp = segment_time_ms(name)
-            if (
-                stamp is None  # not a segment's name
-                or not name.startswith(self._journal)
-                or "/" in name[len(self._journal) :]
-                or segment_writer(name) == self._writer  # our own
-            ):
-                self._index.seen(name, stamp or now_ms)
-                continue
-            size = sizes[name]
-            if not isinstance(size, int) or not 0 <= size <= self._max_segment:
-                self._reject_segment(name, f"{size} bytes")
-            else:
-                learnt.extend(await self._read_segment(client, name))
-            self._index.seen(name, stamp)
+        changes: list[_Change] = []
+        try:
+            for name in self._index.unseen(sizes):
+                stamp = segment_time_ms(name)
+                if (
+                    stamp is None  # not a segment's name
+                    or not name.startswith(self._journal)
+                    or "/" in name[len(self._journal) :]
+                    or segment_writer(name) == self._writer  # our own
+                ):
+                    self._index.seen(name, stamp or now_ms)
+                    continue
+                size = sizes[name]
+                if not isinstance(size, int) or not 0 <= size <= self._max_segment:
+                    self._reject_segment(name, f"{size} bytes")
+                else:
+                    changes.extend(await self._read_segment(client, name))
+                self._index.seen(name, stamp)
+        finally:
+            learnt = self._tell(changes)  # what was applied is told, even if a GET failed
         self._index.forget_seen_before(oldest)
         if self.covered_ms is not None:
             self.covered_ms = max(self.covered_ms, now_ms)
-        if learnt:
-            self._index.learnt += len(learnt)
-            self._notify(learnt)
+        return learnt
+
+    def _tell(self, changes: list[_Change]) -> list[bytes]:
+        """Tell what the segments read changed, in their order: keys learnt (``notify``,
+        a run of them at once) and keys forgotten (``forgot``); the keys learnt."""
+        learnt: list[bytes] = []
+        run: list[bytes] = []
+        for why, keys in [*changes, ("", [])]:  # the empty last one tells the last run
+            if why is None:
+                run.extend(keys)
+                continue
+            if run:
+                self._index.learnt += len(run)
+                self._notify(run)
+                learnt += run
+                run = []
+            if keys:
+                self._forgot(keys, why)
         return learnt
 
     async def _list_segments(self, client: Any, oldest: int) -> dict[str, object]:
@@ -354,7 +374,7 @@ class IndexSync:
             )
             assert not isinstance(page, Fault)
             if first:
-                self._check_skew(page)
+                self._skew.check(page)
                 first = False
             for item in page.get("Contents", ()):
                 sizes[item["Key"]] = item.get("Size")
@@ -363,11 +383,45 @@ class IndexSync:
                 return sizes
             kwargs["ContinuationToken"] = token
 
-    async def _read_segment(self, client: Any, name: str) -> list[bytes]:
-        """The keys a segment teaches this index: one GET of at most ``max_segment_bytes``
-        (the object may have grown since the listing); a segment that does not parse or
-        verify teaches nothing and is counted."""
+    async def _read_segment(self, client: Any, name: str) -> list[_Change]:
+        """What a segment changed in this index, once applied: ``(None, keys learnt)`` for
+        a store segment, ``(why, keys dropped)`` per reason for a removal segment. A segment
+        that does not parse or verify changes nothing and is counted."""
+        data = await self._fetch_segment(client, name)
+        if data is None:
+            return []
+        try:
+            if is_removal_segment(data):
+                removals, rejected = await self._decode(decode_removals, data)
+                changes = self._forget(removals)
+            else:
+                entries, rejected = await self._decode(decode_segment, data)
+                changes = [(None, self._index.add_many(entries))]
+        except SegmentError as exc:
+            self._reject_segment(name, str(exc))
+            return []
+        if rejected:
+            self.entries_rejected += rejected
+            self._log.warning(
+                "journal-entry",
+                "%s: ignoring %d entries of journal segment %s (naming no pack of this prefix, "
+                "a bad key or reason)",
+                self.name,
+                rejected,
+                name,
+            )
+        return changes
 
+    def _forget(self, removals: list[tuple[bytes, str]]) -> list[_Change]:
+        """Drop the keys another node deleted; ``(why, keys dropped)`` per reason."""
+        by_why: dict[str, list[bytes]] = {}
+        for key, why in removals:
+            by_why.setdefault(why, []).append(key)
+        return [(why, self._index.forget(keys)) for why, keys in by_why.items()]
+
+    async def _fetch_segment(self, client: Any, name: str) -> bytes | None:
+        """One GET of at most ``max_segment_bytes`` (the object may have grown since the
+        listing); None when there is nothing to read."""
         expected = frozenset({Fault.NOT_FOUND, Fault.REJECTED})
         get = functools.partial(get_bytes, client, self._bucket, name, 0, self._max_segment)
         self.requests["get"] += 1
@@ -377,30 +431,17 @@ class IndexSync:
             # range past the end).
             if data is Fault.REJECTED:
                 self._reject_segment(name, "empty")
-            return []
+            return None
         self.segments_read += 1
         self.bytes_read += len(data)
-        decode = functools.partial(
-            decode_segment, data, self._prefix, integrity_key=self._integrity_key
-        )
-        try:
-            if len(data) > _THREAD_DECODE_BYTES:
-                entries, rejected = await anyio.to_thread.run_sync(decode)
-            else:
-                entries, rejected = decode()
-        except SegmentError as exc:
-            self._reject_segment(name, str(exc))
-            return []
-        if rejected:
-            self.entries_rejected += rejected
-            self._log.warning(
-                "journal-entry",
-                "%s: ignoring %d entries of journal segment %s that name no pack of this prefix",
-                self.name,
-                rejected,
-                name,
-            )
-        return self._index.add_many(entries)
+        return bytes(data)
+
+    async def _decode(self, decode: Callable[..., _T], data: bytes) -> _T:
+        """``decode(data)`` for this prefix and key, in a worker thread when it is large."""
+        call = functools.partial(decode, data, self._prefix, integrity_key=self._integrity_key)
+        if len(data) > _THREAD_DECODE_BYTES:
+            return await anyio.to_thread.run_sync(call)
+        return call()
 
     def _reject_segment(self, name: str, why: str) -> None:
         self.segments_rejected += 1

@@ -22,7 +22,7 @@ from kvtier._errors import (
     TierError,
     TierUnavailableError,
 )
-from kvtier._events import EventBuffer, EventKind
+from kvtier._events import EventKind
 from kvtier._format import IntegrityKey
 from kvtier._identity import CacheIdentity, scoped_name
 from kvtier._keys import check_key
@@ -97,8 +97,6 @@ class S3Tier(SecondaryTier):
             else IntegrityKey(integrity_key)
         )
         super().__init__(settings.name)
-        # Blocks learnt from other nodes' journals, as REMOTE stored events (``kvtier._events``).
-        self.events = EventBuffer(self.name)
         # Imported here, not at module level, so `import kvtier` works without the extra.
         try:
             import aiobotocore.config
@@ -116,6 +114,9 @@ class S3Tier(SecondaryTier):
         self._core = core = S3Core(
             config, integrity_key=self.integrity_key, lookups=self._lookups, clock=clock
         )
+        # What it holds, for routers (``kvtier._events``): this node's stores and removals
+        # (``_core``), and other nodes' from their journals as REMOTE events (``_sync``).
+        self.events = core.events
         # The core's parts that ``lookup`` reads, bound once: it costs about a dict lookup.
         self._breaker, self._index, self._index_mode = core.breaker, core.index, core.index_mode
         self.write_batch = core.pack_blocks
@@ -149,6 +150,7 @@ class S3Tier(SecondaryTier):
             call=self._requests.call,
             client=self._sync_client,
             notify=self._learnt,
+            forgot=self._forgot,
             read_journal=core.index_mode,  # ask mode only publishes, for the others
             integrity_key=self.integrity_key,
         )
@@ -157,6 +159,12 @@ class S3Tier(SecondaryTier):
         """Keys another node stored, read from its journal: REMOTE stored events, then the
         listeners."""
         self.events.emit(EventKind.STORED, keys, locality="REMOTE")
+        self.notify(keys)
+
+    def _forgot(self, keys: list[bytes], why: str) -> None:
+        """Keys another node deleted (``why``: as it published), dropped from the index:
+        REMOTE removed events, then the listeners."""
+        self.events.emit(EventKind.REMOVED, keys, locality="REMOTE", reason=why)
         self.notify(keys)
 
     def object_key(self, key: bytes) -> str:
@@ -361,7 +369,9 @@ class S3Tier(SecondaryTier):
     async def delete(self, key: bytes) -> None:
         """Delete ``key``'s object, and the pack that holds it if any: S3 cannot delete part
         of an object, so the pack's other blocks go too (misses from then on, on every node;
-        this is a cache, and no block is ever served from a pack that is gone)."""
+        this is a cache, and no block is ever served from a pack that is gone). The key is
+        published as removed at the next journal refresh; the pack's other blocks are not
+        (their keys are not at hand): each node finds them gone at its next load of one."""
         check_key(key)
         client = self._require_client("delete")
         core = self._core
@@ -379,8 +389,7 @@ class S3Tier(SecondaryTier):
             core.meter.failed(exc.reason)
             raise
         core.meter.deletes += 1
-        self._lookups.forget(key)
-        self._index.discard(key)
+        core.deleted(key, "deleted")
 
     # -- feedback and statistics ---------------------------------------------------------------
 

@@ -8,6 +8,8 @@ import pytest
 
 from kvtier._errors import BlockNotFoundError, CorruptBlockError
 from kvtier._events import EventKind, TierEvent
+from kvtier._lookup import LookupResult
+from kvtier.testing import resolve_lookup
 from kvtier.tiers.fs import FSTier
 from kvtier.tiers.fs import _layout as _fs_layout
 from tests.support import fresh_keys
@@ -24,7 +26,7 @@ def path_of(root: Path, key: bytes) -> Path:
 
 
 def removed(events: list[TierEvent]) -> list[tuple[bytes, str | None]]:
-    return [(e.keys[0], e.reason) for e in events if e.kind is EventKind.REMOVED]
+    return [(k, e.reason) for e in events if e.kind is EventKind.REMOVED for k in e.keys]
 
 
 async def test_a_store_is_announced_once_its_file_is_in_place(tmp_path: Path) -> None:
@@ -84,3 +86,61 @@ async def test_a_full_buffer_drops_and_counts(tmp_path: Path) -> None:
             await tier.store(k, payload(i))
         assert [e.keys[0] for e in tier.events.drain()] == keys[:3]
         assert tier.events.dropped == 2 and tier.events.emitted == 3
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["owner", "shared"])
+async def test_a_miss_of_a_key_nobody_announced_says_nothing(tmp_path: Path, shared: bool) -> None:
+    (key,) = fresh_keys(1)
+    async with FSTier(tmp_path / "c", shared=shared) as tier:
+        assert await resolve_lookup(tier, key) is LookupResult.MISS
+        assert await tier.contains_many([key]) == [False]
+        with pytest.raises(BlockNotFoundError):
+            await tier.load(key, memoryview(bytearray(BLOCK)))
+        await tier.delete(key)
+        assert tier.events.drain() == []
+
+
+async def test_a_file_another_process_removes_from_an_owned_folder(tmp_path: Path) -> None:
+    """The owner's index is the truth until a load finds the file gone, or the folder is
+    rescanned at the next open: each is a ``not_found`` removed event."""
+    root = tmp_path / "c"
+    keys = fresh_keys(2)
+    async with FSTier(root, shared=False) as tier:
+        for i, key in enumerate(keys):
+            await tier.store(key, payload(i))
+        tier.events.drain()
+        path_of(root, keys[0]).unlink()
+        assert tier.lookup(keys[0]) is LookupResult.HIT  # stale, as documented
+        with pytest.raises(BlockNotFoundError):
+            await tier.load(keys[0], memoryview(bytearray(BLOCK)))
+        assert removed(tier.events.drain()) == [(keys[0], "not_found")]
+        assert tier.lookup(keys[0]) is LookupResult.MISS
+        await tier.aclose()
+        path_of(root, keys[1]).unlink()  # while the tier is closed
+        await tier.open()
+        assert removed(tier.events.drain()) == [(keys[1], "not_found")]
+        assert tier.lookup(keys[1]) is LookupResult.MISS
+
+
+async def test_a_file_another_process_removes_from_a_shared_folder(tmp_path: Path) -> None:
+    """A key answered present whose existence check finds it gone, or whose load does, is
+    removed (``not_found``); the key another process wrote too, once this tier saw it."""
+    root = tmp_path / "c"
+    keys = fresh_keys(3)
+    async with FSTier(root, shared=True) as tier, FSTier(root, shared=True) as other:
+        for i, key in enumerate(keys[:2]):
+            await tier.store(key, payload(i))
+        await other.store(keys[2], payload(2))
+        assert await resolve_lookup(tier, keys[2]) is LookupResult.HIT  # checked: present
+        tier.events.drain()
+        for key in keys:
+            path_of(root, key).unlink()
+        # The check the lookups run again once a verdict is gone from their cache:
+        assert await tier.contains_many([keys[0], keys[2]]) == [False, False]
+        assert removed(tier.events.drain()) == [(keys[0], "not_found"), (keys[2], "not_found")]
+        with pytest.raises(BlockNotFoundError):
+            await tier.load(keys[1], memoryview(bytearray(BLOCK)))
+        assert removed(tier.events.drain()) == [(keys[1], "not_found")]
+        assert await tier.contains_many(keys) == [False] * 3
+        assert tier.events.drain() == []  # told once
+        assert other.events.drain() == [TierEvent(EventKind.STORED, (keys[2],), other.name)]

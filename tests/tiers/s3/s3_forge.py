@@ -9,7 +9,7 @@ import time
 
 import xxhash
 
-__all__ = ["forged_segment", "forged_segment_name"]
+__all__ = ["forged_removals", "forged_segment", "forged_segment_name"]
 
 
 def forged_segment(entries: list[tuple[bytes, str, int, int]]) -> bytes:
@@ -20,6 +20,15 @@ def forged_segment(entries: list[tuple[bytes, str, int, int]]) -> bytes:
         raw = name.encode()
         parts.append(struct.pack("<H", len(key)) + key)
         parts.append(struct.pack("<H", len(raw)) + raw + struct.pack("<QQ", offset, length))
+    body = b"".join(parts)
+    return body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
+
+
+def forged_removals(entries: list[tuple[bytes, int]]) -> bytes:
+    """An unsigned ``KVR1`` removal segment of ``(key, why code)`` entries, with a valid xxh3
+    digest (a code that means nothing included, if the test asks)."""
+    parts = [b"KVR1", struct.pack("<I", len(entries))]
+    parts += [struct.pack("<H", len(key)) + key + bytes((why,)) for key, why in entries]
     body = b"".join(parts)
     return body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
 

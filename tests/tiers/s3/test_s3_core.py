@@ -9,6 +9,7 @@ import struct
 import pytest
 
 from kvtier._errors import CorruptBlockError, InvalidArgumentError
+from kvtier._events import EventKind, TierEvent
 from kvtier._format import FLAG_MAC, FORMAT_VERSION, MAGIC, IntegrityKey, header_size
 from kvtier._lookup import LookupResult, MissReason
 from kvtier.tiers._async_lookup import AsyncLookupManager
@@ -71,9 +72,29 @@ def test_corrupt_deletes_are_bounded_and_one_per_object() -> None:
     core = _core(ManualClock(100.0), max_concurrency=2)
     assert core.start_delete("a") and not core.start_delete("a")
     assert core.start_delete("b") and not core.start_delete("c")  # two at once at most
-    core.end_delete("a", deleted=True)
-    core.end_delete("b", deleted=False)
+    core.end_delete("a", b"ka", deleted=True)
+    core.end_delete("b", b"kb", deleted=False)
     assert core.start_delete("c") and core.corrupt_deleted == 1
+    assert core.index.take_removals() == [(b"ka", "corrupt")]  # for the next refresh
+
+
+@pytest.mark.parametrize("mode", ["index", "ask"])
+def test_events_say_what_was_stored_and_what_held_went(mode: str) -> None:
+    core = _core(ManualClock(100.0), lookup_mode=mode)
+    held, gone, slow, unknown = (os.urandom(16) for _ in range(4))
+    for key in (held, gone, slow):
+        core.wrote(key)
+    assert core.events.drain() == [
+        TierEvent(EventKind.STORED, (k,), core.name) for k in (held, gone, slow)
+    ]
+    core.lost(gone, MissReason.NOT_FOUND)
+    core.lost(slow, MissReason.TIMEOUT)  # a failure, not a removal
+    core.lost(unknown, MissReason.CORRUPT)  # never held: nothing to tell
+    core.deleted(unknown, "deleted")
+    core.deleted(held, "deleted")
+    removed = [(e.keys, e.reason) for e in core.events.drain() if e.kind is EventKind.REMOVED]
+    assert removed == [((gone,), "not_found"), ((held,), "deleted")]
+    assert core.index.take_removals() == [(unknown, "deleted"), (held, "deleted")]
 
 
 def test_newer_formats_and_signed_blocks_are_kept_by_a_tier_without_a_key() -> None:

@@ -1,8 +1,8 @@
 """The S3 tier reads a bucket that others can write: journal segments, pack tables and object
 names are untrusted input. The formats by example first (round trips, damage, names, what a
 segment may point at); then Hypothesis feeds random and mutated ones to the parsers, to the
-coalesced pack reads and (a few examples) to a tier reading a real SeaweedFS, and checks that
-the reader
+coalesced pack reads and (a few examples) to a tier reading a real SeaweedFS, store and
+removal segments alike, and checks that the reader
 never raises into its caller, never reads more than a block's section for a block, never
 deletes or overwrites an object, and never serves a byte that is not the stored block."""
 
@@ -34,9 +34,13 @@ from kvtier.tiers.s3._config import MAX_PACK_BLOCKS
 from kvtier.tiers.s3._index import key_from_object
 from kvtier.tiers.s3._journal import (
     MAX_SEGMENT_ENTRIES,
+    REMOVAL_REASONS,
     SegmentError,
+    decode_removals,
     decode_segment,
+    encode_removals,
     encode_segment,
+    is_removal_segment,
     segment_name,
     segment_time_ms,
     segment_writer,
@@ -55,7 +59,7 @@ from kvtier.tiers.s3._pack import (
 )
 from kvtier.tiers.s3._packs import PackReads
 from tests.support import INDEX_BY_HAND, s3_tier
-from tests.tiers.s3.s3_forge import forged_segment, forged_segment_name
+from tests.tiers.s3.s3_forge import forged_removals, forged_segment, forged_segment_name
 
 BLOCK = 4096
 PREFIX = "u/p"
@@ -246,20 +250,70 @@ def test_a_pack_table_claiming_more_than_any_writer_puts_is_refused() -> None:
 @given(
     data=st.binary(max_size=4096),
     signed=st.booleans(),
-    magic=st.sampled_from(["", "J1", "J2", "J3"]),
+    magic=st.sampled_from(["", "J1", "J2", "J3", "J4", "R1", "R2"]),
 )
 def test_random_bytes_are_refused_or_name_only_this_prefix(
     data: bytes, signed: bool, magic: str
 ) -> None:
     if magic:
         data = b"KV" + magic.encode() + data
+    key = KEY if signed else None
     try:
-        entries, rejected = decode_segment(data, PREFIX, integrity_key=KEY if signed else None)
+        if is_removal_segment(data):  # as the reader picks the decoder
+            removals, rejected = decode_removals(data, PREFIX, integrity_key=key)
+            entries: list[tuple[bytes, Location | None]] = [(k, None) for k, _ in removals]
+            assert all(why in REMOVAL_REASONS.values() for _, why in removals)
+        else:
+            entries, rejected = decode_segment(data, PREFIX, integrity_key=key)
     except SegmentError:
         return
     assert not signed  # nobody forges a MAC by chance
     _assert_usable(entries, PREFIX)
     assert rejected >= 0
+
+
+removal_entries = st.lists(
+    st.tuples(st.binary(max_size=MAX_KEY_BYTES + 10), st.sampled_from([0, 1, 2, 3, 255])),
+    max_size=12,
+)
+
+
+@FAST
+@given(
+    entries=removal_entries,
+    signed=st.booleans(),
+    flipped=flips,
+    cut=st.none() | st.integers(0, 1 << 20),
+)
+def test_mutated_removal_segments_are_refused_or_read_exactly(
+    entries: list[tuple[bytes, int]],
+    signed: bool,
+    flipped: list[tuple[int, int]],
+    cut: int | None,
+) -> None:
+    valid = [
+        (k, REMOVAL_REASONS[c])
+        for k, c in entries
+        if 1 <= len(k) <= MAX_KEY_BYTES and c in REMOVAL_REASONS
+    ]
+    if signed:
+        original = encode_removals(valid, PREFIX, integrity_key=KEY)
+    else:
+        original = forged_removals(entries)
+    data = _mutate(original, flipped, cut)
+    key = KEY if signed else None
+    with pytest.raises(SegmentError):  # never a store segment, whatever it holds
+        decode_segment(data, PREFIX, integrity_key=key)
+    try:
+        found, rejected = decode_removals(data, PREFIX, integrity_key=key)
+    except SegmentError:
+        return
+    assert not signed or data == original  # a signed segment survives no change
+    assert len(found) <= MAX_SEGMENT_ENTRIES and rejected >= 0
+    assert all(1 <= len(k) <= MAX_KEY_BYTES and why in REMOVAL_REASONS.values() for k, why in found)
+    if data == original:
+        assert found == valid
+        assert rejected == (0 if signed else len(entries) - len(valid))
 
 
 @FAST
@@ -469,11 +523,12 @@ def hostile_entries(draw: st.DrawFn, bucket: Bucket) -> list[tuple[bytes, str, i
     return out
 
 
-async def _read_through(bucket: Bucket, segment: bytes, seq: int) -> None:
-    name = forged_segment_name(bucket.prefix, seq)
+async def _read_through(bucket: Bucket, segments: list[bytes], seq: int) -> None:
+    names = [forged_segment_name(bucket.prefix, seq + i) for i in range(len(segments))]
     before = await _snapshot(bucket.server)
     async with raw_client(bucket.server.endpoint_url) as client:
-        await client.put_object(Bucket=BUCKET, Key=name, Body=segment)
+        for name, segment in zip(names, segments, strict=True):
+            await client.put_object(Bucket=BUCKET, Key=name, Body=segment)
     try:
         async with _tier(bucket.server, bucket.prefix) as reader:
             await reader.refresh_index()  # never raises
@@ -499,7 +554,8 @@ async def _read_through(bucket: Bucket, segment: bytes, seq: int) -> None:
             assert stats.corrupt_deleted == 0
     finally:
         async with raw_client(bucket.server.endpoint_url) as client:
-            await client.delete_object(Bucket=BUCKET, Key=name)
+            for name in names:
+                await client.delete_object(Bucket=BUCKET, Key=name)
     assert await _snapshot(bucket.server) == before  # nothing deleted or overwritten
 
 
@@ -516,8 +572,13 @@ def test_a_tier_reading_hostile_segments_serves_only_stored_blocks(
     bucket: Bucket, data: st.DataObject, flipped: list[tuple[int, int]]
 ) -> None:
     entries = data.draw(hostile_entries(bucket))
-    segment = forged_segment(entries)
-    mutated: bool = bool(flipped) and data.draw(st.booleans())
-    if mutated:
-        segment = _mutate(segment, flipped, None)
-    anyio.run(_read_through, bucket, segment, data.draw(st.integers(1, 10**6)))
+    segments = [forged_segment(entries)]
+    if data.draw(st.booleans()):  # removals too, before or after the stores
+        keys = st.sampled_from([*bucket.stored, *bucket.strangers]) | st.binary(max_size=300)
+        why = st.sampled_from([1, 2, 0, 7])
+        removals = forged_removals(data.draw(st.lists(st.tuples(keys, why), max_size=8)))
+        segments.insert(data.draw(st.integers(0, 1)), removals)
+    if bool(flipped) and data.draw(st.booleans()):
+        at = data.draw(st.integers(0, len(segments) - 1))
+        segments[at] = _mutate(segments[at], flipped, None)
+    anyio.run(_read_through, bucket, segments, data.draw(st.integers(1, 10**6)))
