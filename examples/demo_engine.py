@@ -753,15 +753,15 @@ def parse_args(
     return args
 
 
-async def start_engine(args: argparse.Namespace) -> tuple[Engine, list[list[Request]]]:
-    """The model, the workload's chat sessions and a warmed-up engine, as ``args`` say."""
-    torch.manual_seed(args.seed)
-    torch.set_num_threads(2)
-    config = ModelConfig(seed=args.seed)
-    model = TinyTransformer(config)
+def chat_workload(
+    args: argparse.Namespace, config: ModelConfig, requests: int
+) -> tuple[list[list[Request]], int, int]:
+    """The chat sessions ``args`` ask for (``requests`` turns in all), the longest prompt, and
+    the KV length an engine needs for it and its decode (whole blocks); exits when the model
+    cannot take that long a sequence."""
     sessions = make_sessions(
         sessions=args.sessions,
-        requests=args.requests,
+        requests=requests,
         system_prompts=min(3, args.sessions),
         system_tokens=args.system_tokens,
         turn_tokens=args.turn_tokens,
@@ -772,6 +772,16 @@ async def start_engine(args: argparse.Namespace) -> tuple[Engine, list[list[Requ
     max_len = math.ceil((longest + args.decode_tokens) / config.block_size) * config.block_size
     if max_len > config.max_len:
         raise SystemExit(f"prompts reach {longest} tokens; the model takes {config.max_len}")
+    return sessions, longest, max_len
+
+
+async def start_engine(args: argparse.Namespace) -> tuple[Engine, list[list[Request]]]:
+    """The model, the workload's chat sessions and a warmed-up engine, as ``args`` say."""
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(2)
+    config = ModelConfig(seed=args.seed)
+    model = TinyTransformer(config)
+    sessions, longest, max_len = chat_workload(args, config, args.requests)
     engine = Engine(model, args.concurrency, max_len)
     print(
         f"model: {config.n_layers} layers, d_model {config.d_model}, {config.n_heads} heads, "

@@ -378,19 +378,7 @@ async def amain(args: argparse.Namespace, out: dict[str, Any]) -> int:
     torch.set_num_threads(args.threads)
     config = ModelConfig(seed=args.seed)
     model = TinyTransformer(config)
-    sessions = demo.make_sessions(
-        sessions=args.sessions,
-        requests=args.sessions * args.turns,
-        system_prompts=min(3, args.sessions),
-        system_tokens=args.system_tokens,
-        turn_tokens=args.turn_tokens,
-        vocab=config.vocab_size,
-        seed=args.seed,
-    )
-    longest = max(r.tokens.shape[0] for chat in sessions for r in chat)
-    max_len = math.ceil((longest + args.decode_tokens) / config.block_size) * config.block_size
-    if max_len > config.max_len:
-        raise SystemExit(f"prompts reach {longest} tokens; the model takes {config.max_len}")
+    sessions, longest, max_len = demo.chat_workload(args, config, args.sessions * args.turns)
     warm = sessions[0][0].tokens[:256]
     await asyncio.to_thread(model.forward_tokens, warm, KVCache(config, 256))
     print(
