@@ -9,14 +9,18 @@ latency. Each run keeps ``--in-flight`` lookups going (closed-loop workers: one 
 same worker starts the next), each a prefix of 1 to 31 keys from a shared key space over two
 tiers that answer slowly (half the keys are in the slower one), then stores what it missed.
 Each tier starts with ``--cached-keys`` existence verdicts already cached, as a node that has
-run for a while has. Everything is set up before the measured window opens.
+run for a while has. Everything is set up before the measured window opens. A worker whose
+lookup and store did not suspend yields to the loop before its next lookup (one loop step,
+counted in the figures), as an engine that asks for each request from its own step does.
 
 Per run it prints, beside the same loop idle (measured in the same process just before):
 
 - loop lag: how late a 5 ms timer fires (p50, p99, max);
 - loop time per lookup: the time the loop spent running callbacks, divided by the lookups,
   split into kvtier's (and the tiers') work and the garbage collector's (a collection runs
-  inside whichever callback allocated last);
+  inside whichever callback allocated last; the probe's own counting is left out), and the
+  CPU time the loop's thread got per lookup (on a shared machine, less than the loop's time
+  when other processes ran: lag and the longest step include such pauses);
 - loop steps per lookup and the longest step;
 - collector passes by generation, their total time, full passes per 1,000 lookups, and the
   objects that reached the oldest generation per lookup: what makes full passes frequent
@@ -35,10 +39,12 @@ import asyncio
 import gc
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 
 import kvtier
@@ -61,6 +67,7 @@ class LoopProbe:
     gc_seconds: float = 0.0
     passes: list[int] = field(default_factory=lambda: [0, 0, 0])
     promoted: int = 0
+    own: float = 0.0  # the probe's own counting of young objects: neither kvtier's nor gc's
     _started: float = 0.0
     _young: int = 0
     _original: Any = None
@@ -68,9 +75,11 @@ class LoopProbe:
     def _collector(self, phase: str, info: dict[str, int]) -> None:
         generation = info["generation"]
         if phase == "start":
-            self._started = time.perf_counter()
             if generation == 1:  # what survives this pass moves to the oldest generation
+                counting = time.perf_counter()
                 self._young = len(gc.get_objects(0)) + len(gc.get_objects(1))
+                self.own += time.perf_counter() - counting
+            self._started = time.perf_counter()
             return
         self.gc_seconds += time.perf_counter() - self._started
         self.passes[generation] += 1
@@ -147,14 +156,25 @@ async def closed_loop(
     keys: list[bytes],
     in_flight: int,
     lookups: int,
+    steps: Callable[[], int],
 ) -> dict[str, int]:
-    """``in_flight`` workers run ``lookups`` lookups (and stores of what missed) in all."""
+    """``in_flight`` workers run ``lookups`` lookups (and stores of what missed) in all.
+
+    ``steps`` counts the loop's steps: a worker whose last lookup and store never suspended
+    (no other step ran since) yields before the next one. A lookup answered at once (misses,
+    pool hits) and a store of small blocks never suspend, and without this one worker ran
+    hundreds of lookups in one loop step (a 100 ms step at the start, when the tiers' queues
+    are full); an engine asks for each request from a step of its own."""
     rng = random.Random(in_flight)
     left, outcome = [lookups], {"errors": 0, "hits": 0, "keys": 0}
     zeros = np.zeros((32, BB), np.uint8)
 
     async def worker() -> None:
+        seen = -1
         while left[0] > 0:
+            if steps() == seen:
+                await anyio.lowlevel.checkpoint()
+            seen = steps()
             left[0] -= 1
             start = rng.randrange(0, KEY_SPACE - 32)
             prefix = keys[start : start + rng.randrange(1, 32)]
@@ -183,12 +203,15 @@ async def run(in_flight: int, lookups: int, cached_keys: int) -> dict[str, Any]:
         gc.collect()
         stop, samples = anyio.Event(), list[float]()
         with LoopProbe() as probe:
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.thread_time()
             async with anyio.create_task_group() as tg:
                 tg.start_soon(timer_lag, stop, samples)
-                outcome = await closed_loop(scheduler, manager, keys, in_flight, lookups)
+                outcome = await closed_loop(
+                    scheduler, manager, keys, in_flight, lookups, lambda: probe.steps
+                )
                 stop.set()
             elapsed = time.perf_counter() - started
+            cpu = time.thread_time() - cpu_started
         promotions = manager.statistics().promotions
     per_lookup = 1e3 / lookups
     return {
@@ -201,10 +224,13 @@ async def run(in_flight: int, lookups: int, cached_keys: int) -> dict[str, Any]:
         "promotions": promotions.succeeded,
         "lag_ms": lag_ms(samples),
         "loop_ms_per_lookup": {
-            "all": probe.busy * per_lookup,
-            "kvtier_and_tiers": (probe.busy - probe.gc_seconds) * per_lookup,
+            "all": (probe.busy - probe.own) * per_lookup,
+            "kvtier_and_tiers": (probe.busy - probe.own - probe.gc_seconds) * per_lookup,
             "collector": probe.gc_seconds * per_lookup,
         },
+        # CPU time the loop's thread got: below "all" when the machine took time away from
+        # it (another process ran), which the wall-clock figures (lag, longest step) include.
+        "cpu_ms_per_lookup": cpu * per_lookup,
         "steps_per_lookup": probe.steps / lookups,
         "longest_step_ms": probe.longest * 1e3,
         "gc": {
@@ -220,8 +246,8 @@ def report(idle: dict[str, float], runs: list[dict[str, Any]]) -> None:
     print(f"idle loop: timer lag p50 {idle['p50']:.2f} ms, p99 {idle['p99']:.2f} ms")
     head = (
         f"{'in flight':>9} {'lookups/s':>9} {'lag p50':>8} {'lag p99':>8} {'p99/idle':>9} "
-        f"{'loop ms/lookup':>15} {'(gc)':>6} {'steps':>6} {'longest':>8} {'full gc/1k':>10} "
-        f"{'to oldest':>9}"
+        f"{'loop ms/lookup':>15} {'(gc)':>6} {'cpu':>6} {'steps':>6} {'longest':>8} "
+        f"{'full gc/1k':>10} {'to oldest':>9}"
     )
     print(head)
     for r in runs:
@@ -229,12 +255,15 @@ def report(idle: dict[str, float], runs: list[dict[str, Any]]) -> None:
         print(
             f"{r['in_flight']:>9} {r['lookups_per_s']:>9.0f} {lag['p50']:>6.1f}ms "
             f"{lag['p99']:>6.1f}ms {lag['p99'] / max(idle['p99'], 1e-3):>8.0f}x "
-            f"{loop['all']:>15.3f} {loop['collector']:>6.3f} {r['steps_per_lookup']:>6.1f} "
+            f"{loop['all']:>15.3f} {loop['collector']:>6.3f} {r['cpu_ms_per_lookup']:>6.3f} "
+            f"{r['steps_per_lookup']:>6.1f} "
             f"{r['longest_step_ms']:>6.1f}ms {g['full_per_1000_lookups']:>10.2f} "
             f"{g['promoted_to_oldest_per_lookup']:>9.1f}"
         )
-    print("loop ms/lookup: callbacks run per lookup (gc: the collector's share of it); steps: ")
-    print("callbacks per lookup; to oldest: objects moved to the oldest generation per lookup")
+    print("loop ms/lookup: callbacks run per lookup (gc: the collector's share of it); cpu: CPU")
+    print("time the loop's thread got per lookup (less than loop ms when other processes took")
+    print("the CPU: lag and the longest step include that); steps: callbacks per lookup;")
+    print("to oldest: objects moved to the oldest generation per lookup")
 
 
 async def measure(args: argparse.Namespace, out: dict[str, Any]) -> None:

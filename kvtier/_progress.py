@@ -52,7 +52,11 @@ class _Progress:
         self._lookup = lookup
         self._pin = pin
         self._answers: list[LookupResult | None] = [None] * len(keys)  # None: ask
-        self._positions: dict[bytes, list[int]] | None = None  # built at the first wake
+        # Built at the first wake: each key's first position, and all positions of the keys
+        # that occur more than once (None when none does). No list per key: what a waiting
+        # request holds reaches the collector's oldest generation.
+        self._positions: dict[bytes, int] | None = None
+        self._repeated: dict[bytes, list[int]] | None = None
         self.lease: list[int] = []
         self.watched: set[bytes] = set()  # registered with the manager, not fired yet
         self._to_watch: list[bytes] = []
@@ -81,16 +85,34 @@ class _Progress:
         that was unknown when last asked (lazy promotion), and wakes it when that key changes.
         If both fired at once and the later key were asked first, it would be held behind a
         key whose change has already been delivered, and nothing would wake it again."""
-        if self._positions is None:
-            self._positions = {}
-            for i, key in enumerate(self.keys):
-                self._positions.setdefault(key, []).append(i)
-        positions: list[int] = []
+        positions = self._positions
+        if positions is None:
+            positions = self._positions = self._index()
+        repeated = self._repeated
+        watched = self.watched
+        fired: list[int] = []
         for key in changed:
-            if key in self.watched:
-                self.watched.discard(key)
-                positions += self._positions[key]
-        positions.sort()
+            if key in watched:
+                watched.discard(key)
+                if repeated is not None and key in repeated:
+                    fired += repeated[key]
+                else:
+                    fired.append(positions[key])
+        fired.sort()
+        return fired
+
+    def _index(self) -> dict[bytes, int]:
+        """Each key's first position; fills ``_repeated`` for keys that occur again."""
+        keys = self.keys
+        n = len(keys)
+        positions = dict(zip(reversed(keys), range(n - 1, -1, -1), strict=True))
+        if len(positions) < n:
+            repeated: dict[bytes, list[int]] = {}
+            for i, key in enumerate(keys):
+                first = positions[key]
+                if first != i:
+                    repeated.setdefault(key, [first]).append(i)
+            self._repeated = repeated
         return positions
 
 

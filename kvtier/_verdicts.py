@@ -18,7 +18,16 @@ and past ``max_entries`` the oldest entry goes. A large map is split into shards
 hash, each holding its share of ``max_entries`` in its own order (the oldest of the key's
 shard goes): a hash table grows by rebuilding itself in one step, and one table of a hundred
 thousand entries took milliseconds to rebuild, a stall of the event loop at some insert; a
-shard's rebuild stays small. Expiry is lazy: ``get`` drops an expired entry
+shard's rebuild stays small.
+
+A shard is a plain ``dict``, never an ``OrderedDict``: a plain dict whose keys and values are
+all untracked (bytes, int) is itself untracked, so the collector never walks it, while an
+``OrderedDict`` is always tracked and every full pass visited each of its entries (for two
+tiers' caches, most of the time such a pass took). A plain dict keeps insertion order too,
+but finding its oldest entry walks past every slot deleted at its front since the table was
+last rebuilt, so each shard also keeps ``front``: its oldest few keys in order (a prefix of
+the shard's order, refilled in one walk when used up), from which evictions take.
+Expiry is lazy: ``get`` drops an expired entry
 it meets, and ``expire`` drops expired entries from the front (all of them when every entry has
 the same TTL, since then the order of setting is the order of expiry). An expiry is kept
 rounded down to the microsecond: an entry may end up to a microsecond early, never late, and a
@@ -29,8 +38,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections import OrderedDict
 from collections.abc import Callable
+from itertools import islice
 from typing import Final
 
 from kvtier._lookup import MissReason
@@ -44,6 +53,9 @@ PRESENT: Final = 0
 _MASK: Final = MAX_CODE
 # Entries a shard holds at most: what one insert may have to rebuild.
 _SHARD_ENTRIES: Final = 8192
+# Oldest keys of a shard taken at once into its ``front``: one walk over the shard's deleted
+# front slots per this many evictions.
+_FRONT: Final = 32
 _FOREVER_US: Final = 1 << 62  # a TTL of math.inf: far beyond any clock's microseconds
 _REASONS: Final[tuple[MissReason, ...]] = tuple(MissReason)
 _CODE_OF: Final[dict[str, int]] = {reason: i + 1 for i, reason in enumerate(_REASONS)}
@@ -66,7 +78,7 @@ def reason_of(code: int) -> MissReason:
 class VerdictStore:
     """Key -> (code, expiry): bounded, oldest first out, expired lazily (see the module doc)."""
 
-    __slots__ = ("_clock", "_mask", "_per_shard", "_shards", "max_entries")
+    __slots__ = ("_clock", "_fronts", "_mask", "_per_shard", "_shards", "max_entries")
 
     def __init__(self, max_entries: int, *, clock: Callable[[], float] = time.monotonic) -> None:
         if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
@@ -76,7 +88,9 @@ class VerdictStore:
         shards = 1
         while shards * _SHARD_ENTRIES < max_entries:
             shards *= 2
-        self._shards: list[OrderedDict[bytes, int]] = [OrderedDict() for _ in range(shards)]
+        self._shards: list[dict[bytes, int]] = [{} for _ in range(shards)]
+        # Per shard: its oldest keys, in order (a prefix of the shard's order; see the doc).
+        self._fronts: list[dict[bytes, None]] = [{} for _ in range(shards)]
         self._mask = shards - 1
         self._per_shard = max(max_entries // shards, 1)
 
@@ -90,13 +104,15 @@ class VerdictStore:
 
     def get(self, key: bytes) -> int | None:
         """The code of ``key``'s verdict, or None if there is none or it has expired."""
-        entries = self._shards[hash(key) & self._mask]
+        index = hash(key) & self._mask
+        entries = self._shards[index]
         entry = entries.get(key)
         if entry is None:
             return None
         if entry >> CODE_BITS > self._clock() * 1e6:
             return entry & _MASK
         del entries[key]
+        self._fronts[index].pop(key, None)
         return None
 
     def set(self, key: bytes, code: int, ttl: float) -> None:
@@ -107,35 +123,51 @@ class VerdictStore:
             raise ValueError(f"a verdict code is 0..{MAX_CODE}, got {code!r}")
         expires = self._clock() + ttl
         micros = _FOREVER_US if expires == math.inf else math.floor(expires * 1e6)
-        entries = self._shards[hash(key) & self._mask]
+        index = hash(key) & self._mask
+        entries = self._shards[index]
+        if entries.pop(key, None) is not None:  # set again: it moves to the end
+            self._fronts[index].pop(key, None)
         entries[key] = micros << CODE_BITS | code
-        entries.move_to_end(key)
-        while len(entries) > self._per_shard:
-            entries.popitem(last=False)
+        if len(entries) > self._per_shard:
+            self._evict(index, len(entries) - self._per_shard)
+
+    def _evict(self, index: int, count: int) -> None:
+        """Drop the ``count`` oldest entries of shard ``index``."""
+        entries, front = self._shards[index], self._fronts[index]
+        for _ in range(count):
+            if not front:
+                front = self._fronts[index] = dict.fromkeys(islice(entries, _FRONT))
+            oldest = next(iter(front))
+            del front[oldest]
+            del entries[oldest]
 
     def forget(self, key: bytes) -> bool:
         """Drop ``key``'s verdict; True if it had one (expired or not)."""
-        return self._shards[hash(key) & self._mask].pop(key, None) is not None
+        index = hash(key) & self._mask
+        self._fronts[index].pop(key, None)
+        return self._shards[index].pop(key, None) is not None
 
     def expire(self) -> int:
         """Drop expired entries from the front of each shard (the oldest set) up to its first
         live one; how many went."""
         now = self._clock() * 1e6
         dropped = 0
-        for entries in self._shards:
-            stale = 0
-            for entry in entries.values():
+        for entries, front in zip(self._shards, self._fronts, strict=True):
+            stale: list[bytes] = []
+            for key, entry in entries.items():
                 if entry >> CODE_BITS > now:
                     break
-                stale += 1
-            for _ in range(stale):
-                entries.popitem(last=False)
-            dropped += stale
+                stale.append(key)
+            for key in stale:
+                del entries[key]
+                front.pop(key, None)
+            dropped += len(stale)
         return dropped
 
     def clear(self) -> None:
-        for entries in self._shards:
+        for entries, front in zip(self._shards, self._fronts, strict=True):
             entries.clear()
+            front.clear()
 
     def __repr__(self) -> str:
         shards = f" in {len(self._shards)} shards" if len(self._shards) > 1 else ""

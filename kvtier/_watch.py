@@ -15,59 +15,87 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import anyio
+import anyio.lowlevel
 
 __all__ = ["KeyWatch", "Watchers"]
 
 
 class KeyWatch:
-    """Collects the keys fired since the last ``take`` and wakes whoever waits on it."""
+    """Collects the keys fired since the last ``take`` and wakes whoever waits on it.
+
+    The event a waiter sleeps on is made only when one is about to sleep: a request answered
+    without waiting, or woken by keys that had already fired, never builds one.
+    """
 
     __slots__ = ("_changed", "_event")
 
     def __init__(self) -> None:
         self._changed: list[bytes] = []
-        self._event = anyio.Event()
+        self._event: anyio.Event | None = None
 
     def fire(self, key: bytes) -> None:
         """``key`` may answer differently now (called by the manager)."""
         self._changed.append(key)
-        self._event.set()
+        if self._event is not None:
+            self._event.set()
 
     async def wait(self) -> None:
-        """Return once a key has fired since the last ``take`` (at once if one has)."""
-        await self._event.wait()
+        """Return once a key has fired since the last ``take`` (at once if one has; a
+        checkpoint either way)."""
+        if self._changed:
+            await anyio.lowlevel.checkpoint()
+            return
+        event = self._event
+        if event is None or event.is_set():  # set by keys already taken: a fresh one
+            event = self._event = anyio.Event()
+        await event.wait()
 
     def take(self) -> list[bytes]:
-        """The keys fired since the last call, in firing order; re-arms the event."""
+        """The keys fired since the last call, in firing order."""
         changed, self._changed = self._changed, []
-        if self._event.is_set():
-            self._event = anyio.Event()
         return changed
 
 
 class Watchers:
-    """Key -> the watches to fire at its next change, plus keys deferred until another's."""
+    """Key -> the watches to fire at its next change, plus keys deferred until another's.
+
+    A key almost always has one watch (one request waits on it), so that watch is held
+    directly and a list only when a second joins: a list per registration was the largest
+    share of the objects a waiting request kept alive, and those reach the collector's oldest
+    generation, which makes its full passes come sooner.
+    """
 
     __slots__ = ("_after", "_waiting")
 
     def __init__(self) -> None:
-        self._waiting: dict[bytes, list[KeyWatch]] = {}
+        self._waiting: dict[bytes, KeyWatch | list[KeyWatch]] = {}
         self._after: dict[bytes, list[bytes]] = {}  # blocker -> keys deferred until it changes
 
     def add(self, keys: Iterable[bytes], watch: KeyWatch) -> None:
         waiting = self._waiting
         for key in keys:
-            waiting.setdefault(key, []).append(watch)
+            current = waiting.get(key)
+            if current is None:
+                waiting[key] = watch
+            elif isinstance(current, list):
+                current.append(watch)
+            else:
+                waiting[key] = [current, watch]
 
     def remove(self, keys: Iterable[bytes], watch: KeyWatch) -> None:
         """Drop the registrations of ``watch`` on ``keys`` that have not fired."""
+        waiting = self._waiting
         for key in keys:
-            watches = self._waiting.get(key)
-            if watches is not None:
-                if watch in watches:
-                    watches.remove(watch)
-                if not watches:
-                    del self._waiting[key]
+            current = waiting.get(key)
+            if current is None:
+                continue
+            if current is watch:
+                del waiting[key]
+            elif isinstance(current, list):
+                if watch in current:
+                    current.remove(watch)
+                if not current:
+                    del waiting[key]
 
     def after(self, blocker: bytes, key: bytes) -> None:
         """Fire ``key``'s watches too when ``blocker`` changes."""
@@ -76,21 +104,26 @@ class Watchers:
     def notify(self, key: bytes) -> None:
         """``key`` may answer differently now: fire its watches and those of the keys that
         waited on it."""
-        deferred = self._after.pop(key, None)
-        if deferred:
-            for other in deferred:
-                self.notify(other)
+        if self._after:
+            deferred = self._after.pop(key, None)
+            if deferred:
+                for other in deferred:
+                    self.notify(other)
         watches = self._waiting.pop(key, None)
-        if watches:
+        if watches is None:
+            return
+        if isinstance(watches, list):
             for watch in watches:
                 watch.fire(key)
+        else:
+            watches.fire(key)
 
     def fire_all(self) -> None:
         """Fire every watch and forget them all (the manager closed: nothing will change)."""
         self._after.clear()
         waiting, self._waiting = self._waiting, {}
         for key, watches in waiting.items():
-            for watch in watches:
+            for watch in watches if isinstance(watches, list) else (watches,):
                 watch.fire(key)
 
     def __len__(self) -> int:

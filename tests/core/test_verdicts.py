@@ -122,6 +122,33 @@ def test_entries_add_nothing_for_the_garbage_collector(clock: ManualClock) -> No
     assert len(gc.get_objects()) - before < 10  # the map itself, not one object per key
 
 
+def test_a_full_store_is_not_walked_by_the_collector(clock: ManualClock) -> None:
+    """No container the collector tracks holds the entries (an ``OrderedDict`` is always
+    tracked, and a full pass visited each of its entries), evictions included."""
+    store = VerdictStore(20_000, clock=clock)
+    for i in range(30_000):
+        store.set(i.to_bytes(16, "big"), i % 3, 2.0)
+    store.forget((29_999).to_bytes(16, "big"))
+    assert len(store) == 20_000 - 1
+    containers = [*store._shards, *store._fronts]
+    assert not any(map(gc.is_tracked, containers))
+
+
+def test_evictions_follow_the_order_of_setting_through_resets_and_forgets(
+    clock: ManualClock,
+) -> None:
+    store = VerdictStore(40, clock=clock)
+    keys = [bytes([i]) * 16 for i in range(60)]
+    for key in keys[:40]:
+        store.set(key, PRESENT, 5.0)
+    store.set(keys[0], PRESENT, 5.0)  # set again: now the newest
+    store.forget(keys[1])
+    for key in keys[40:55]:
+        store.set(key, PRESENT, 5.0)
+    held = [key for key in keys if store.get(key) is not None]
+    assert held == [keys[0], *keys[16:55]]
+
+
 def test_repr_shows_fill_and_bound(clock: ManualClock) -> None:
     store = VerdictStore(5, clock=clock)
     store.set(b"a", PRESENT, 1.0)

@@ -174,3 +174,62 @@ def test_the_scheduler_protocols() -> None:
     assert isinstance(MemoryTier(), SupportsLookup)
     assert not isinstance(MemoryTier(), SupportsScheduling)
     assert not isinstance(object(), SupportsLookup)
+
+
+def test_watchers_fire_each_registration_once_and_remove_one_at_a_time() -> None:
+    """A key's only watch is held without a list; a second (or the same one again) joins
+    it, each registration fires once, and ``remove`` drops one registration."""
+    fired: list[tuple[str, bytes]] = []
+
+    class Recording(KeyWatch):
+        __slots__ = ("name",)
+
+        def __init__(self, name: str) -> None:
+            super().__init__()
+            self.name = name
+
+        def fire(self, key: bytes) -> None:
+            fired.append((self.name, key))
+
+    a, b = Recording("a"), Recording("b")
+    watchers = Watchers()
+    watchers.add([k(1), k(2), k(3)], a)
+    watchers.add([k(2), k(3)], b)
+    watchers.add([k(3)], a)
+    watchers.remove([k(1)], b)  # not registered there: nothing happens
+    watchers.remove([k(3)], a)  # one of a's two registrations on k(3)
+    watchers.notify(k(1))
+    watchers.notify(k(2))
+    watchers.notify(k(3))
+    watchers.notify(k(3))  # spent: fires nothing
+    assert fired == [("a", k(1)), ("a", k(2)), ("b", k(2)), ("b", k(3)), ("a", k(3))]
+    assert len(watchers) == 0
+    watchers.add([k(4)], a)
+    watchers.remove([k(4)], a)
+    assert len(watchers) == 0
+    watchers.add([k(5)], a)
+    watchers.add([k(5)], b)
+    watchers.fire_all()
+    assert fired[-2:] == [("a", k(5)), ("b", k(5))]
+
+
+async def test_a_key_watch_wakes_for_keys_fired_before_and_during_the_wait() -> None:
+    watch = KeyWatch()
+    watch.fire(k(1))
+    with anyio.fail_after(1):
+        await watch.wait()  # fired before: at once
+    assert watch.take() == [k(1)]
+    assert watch.take() == []
+
+    async def fire_later() -> None:
+        await anyio.sleep(0.01)
+        watch.fire(k(2))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(fire_later)
+        with anyio.fail_after(1):
+            await watch.wait()
+    assert watch.take() == [k(2)]
+    with anyio.move_on_after(0.02) as scope:
+        await watch.wait()  # nothing fired since the take: it sleeps
+    assert scope.cancelled_caught

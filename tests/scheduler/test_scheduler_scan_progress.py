@@ -152,3 +152,21 @@ def test_a_resumed_scan_answers_what_a_fresh_scan_answers(
             scan.take_watches()
             answer = scan.resume([key] if key in scan.watched and not silent else [])
         assert answer == expected()
+
+
+@pytest.mark.parametrize("window", [None, 2])
+def test_a_key_that_occurs_twice_is_asked_again_at_both_places(window: int | None) -> None:
+    """The scan indexes each key's first position, and every position of a key that occurs
+    more than once: a wake of that key asks it again wherever it stands."""
+    manager = Scripted([H, R, H, H])
+    a, b, c, _ = manager.keys
+    manager.keys = [a, b, c, b]
+    scan: PrefixProgress | WindowProgress
+    if window is None:
+        scan = PrefixProgress(manager.keys, manager.lookup, manager.pin, None)
+    else:
+        scan = WindowProgress(manager.keys, manager.lookup, manager.pin, window)
+    assert scan.start() is None
+    scan.take_watches()
+    manager.results[b] = H
+    assert scan.resume([b]) == 4
