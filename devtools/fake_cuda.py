@@ -16,7 +16,8 @@ Not a simulator of CUDA, a model of the parts the pool relies on, strict where C
   ``fault`` turns a matching copy into a sticky context error (every later call and every
   pending wait fails with it, nothing more runs), ``refuse`` makes one named call raise.
 - ``wait_quiet`` blocks until no stream can make progress (each is idle or parked), which is
-  how a test knows a copy that could run has run, without sleeping.
+  how a test knows a copy that could run has run, without sleeping; ``wait_until`` until any
+  condition on the stand-in's state holds (memory freed by a late ``cudaFree``, say).
 
 Not shipped: kvtier never imports it; the tests pass it as CudaPool's ``runtime``.
 """
@@ -279,6 +280,14 @@ class FakeCuda:
         if not quiet:
             raise AssertionError("fake CUDA streams did not settle")
 
+    def wait_until(self, condition: Callable[[], bool], timeout: float = 30.0) -> None:
+        """Block until ``condition()`` holds (checked whenever the stand-in's state changes:
+        a copy ran, an event completed, memory was freed). Call it off the event loop."""
+        with self.cv:
+            reached = self.cv.wait_for(condition, timeout)
+        if not reached:
+            raise AssertionError("the fake CUDA state never got there")
+
     def _quiet(self) -> bool:
         for stream in self._streams.values():
             if stream.idle():
@@ -391,6 +400,7 @@ class FakeCuda:
             # cudaFree and cudaFreeHost wait for the whole device first.
             self.cv.wait_for(lambda: all(s.idle() for s in self._streams.values()))
             allocation.freed = True  # kept mapped: a late copy is recorded, not a crash
+            self.cv.notify_all()
 
     def pointerGetAttributes(self, ptr: int) -> Any:
         with self.cv:

@@ -9,13 +9,15 @@ need the stand-in's gates or faults run on it alone; everything else runs on bot
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import pathlib
 import subprocess
 import sys
+import threading
 import weakref
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 import anyio
@@ -34,6 +36,7 @@ from kvtier import (
     block_keys,
 )
 from kvtier._buffers import BlockBuffer
+from kvtier.pools import _cuda_core
 from kvtier.pools._base import PrimaryPool
 from kvtier.pools._cuda import CudaPool
 from kvtier.pools._cupy import (
@@ -44,10 +47,11 @@ from kvtier.pools._cupy import (
 )
 from kvtier.pools._host import HostPool
 from kvtier.tiers._memory import MemoryTier
+from tests.support import HUNG_FAILSAFE
 
 CUDA_OK, CUDA_REASON = cuda_available()
 
-BLOCK = 64 * 1024  # big enough that staged copies take the worker-thread path in batches
+BLOCK = 64 * 1024  # host memcpys of a staged chunk of these stay inline
 BIG_BLOCK = 1536 * 1024  # one block past the inline host-copy bound
 
 
@@ -188,6 +192,47 @@ async def _quiet(fake: FakeCuda) -> None:
     await anyio.wait_all_tasks_blocked()
 
 
+@contextlib.contextmanager
+def _failsafe(fake: FakeCuda) -> Iterator[None]:
+    """Open every gate after ``HUNG_FAILSAFE`` seconds, should a wait the pool must bound
+    wait for a gate after all."""
+    timer = threading.Timer(HUNG_FAILSAFE, fake.release_all)
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+class HostCopies:
+    """Stands in for the pool's host memcpy (``_cuda_core._memcpy_pairs``): records the
+    thread each call runs on, and parks calls made off the loop thread until ``gate`` opens
+    (never the loop: that would hang the test instead of failing it)."""
+
+    def __init__(self, memcpy: Callable[[Any], None], loop: int) -> None:
+        self.memcpy = memcpy
+        self.loop = loop  # the event loop's thread
+        self.threads: list[int] = []
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+
+    def __call__(self, pairs: Any) -> None:
+        self.threads.append(threading.get_ident())
+        self.entered.set()
+        if threading.get_ident() != self.loop:
+            self.gate.wait(HUNG_FAILSAFE)
+        self.memcpy(pairs)
+
+
+@pytest.fixture
+async def host_copies(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[HostCopies]:
+    """The pool's host memcpys, observed and gated (the gate opens at teardown too)."""
+    hook = HostCopies(_cuda_core._memcpy_pairs, threading.get_ident())
+    monkeypatch.setattr(_cuda_core, "_memcpy_pairs", hook)
+    yield hook
+    hook.gate.set()
+
+
 # -- the contract every pool keeps -------------------------------------------------------------
 
 
@@ -242,6 +287,53 @@ async def test_batches_larger_than_staging_round_trip(
         pool.commit(slot)
     assert np.array_equal(await _read_back(pool, slots), data)
     assert _all_staging_free(pool)
+
+
+async def test_big_host_copies_run_in_the_pools_own_worker_threads(
+    cuda: Cuda, host_copies: HostCopies, keys: list[bytes]
+) -> None:
+    """A staged host memcpy past the inline bound runs in a worker thread while the loop
+    goes on, and holds no token of anyio's default thread limiter (the tiers share it)."""
+    pool = cuda.pool(2, BIG_BLOCK)
+    slot = _reserve(pool, keys[0])
+    data = _blocks(1, BIG_BLOCK)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(pool.copy_in, [slot], [BlockBuffer(data[0].data)])
+        await _until(host_copies.entered)
+        borrowed = anyio.to_thread.current_default_thread_limiter().borrowed_tokens
+        host_copies.gate.set()  # before asserting: a failure must not wait for the thread
+    assert host_copies.threads and host_copies.loop not in host_copies.threads
+    assert borrowed == 0
+    assert pool.slot_bytes(slot) == data[0].tobytes()
+    pool.abort(slot)
+
+
+async def test_a_cancelled_big_host_copy_keeps_its_staging_until_its_thread_returns(
+    cuda: Cuda, host_copies: HostCopies, keys: list[bytes]
+) -> None:
+    """The worker thread is still writing into a staging buffer: cancelled, the store waits
+    for it instead of giving the buffer back under it."""
+    pool = cuda.pool(2, BIG_BLOCK, staging_buffers=2)
+    slot = _reserve(pool, keys[0])
+    scope, returned = anyio.CancelScope(), anyio.Event()
+
+    async def store() -> None:
+        with scope:
+            await pool.copy_in([slot], [BlockBuffer(_blocks(1, BIG_BLOCK)[0].data)])
+        returned.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(store)
+        await _until(host_copies.entered)
+        scope.cancel()
+        await anyio.wait_all_tasks_blocked()
+        waited, held = not returned.is_set(), pool.transfer_statistics().engine_staging_free
+        host_copies.gate.set()
+    assert (waited, held) == (True, 1)
+    assert scope.cancelled_caught
+    assert _all_staging_free(pool)
+    assert pool.transfer_statistics().operations_in_flight == 0
+    pool.abort(slot)
 
 
 async def test_failing_sink_leaves_the_slot_for_the_caller_to_abort(
@@ -523,6 +615,73 @@ async def test_an_explicit_engine_stream_orders_device_copies(
     pool.abort(slot)
 
 
+async def test_a_cancelled_copy_delayed_on_the_engine_stream_waits_for_it(
+    cuda: Cuda, fake: FakeCuda, keys: list[bytes]
+) -> None:
+    """A store from a GPU buffer, queued behind the engine's own write and cancelled there,
+    waits (shielded, within settle_timeout) for the copy it enqueued rather than abandoning
+    it: once the engine moves on, the copy lands and nothing is fenced."""
+    engine = fake.streamCreateWithFlags(fake.streamNonBlocking)
+    pool = cuda.pool(2, settle_timeout=HUNG_FAILSAFE)
+    slot = _reserve(pool, keys[0])
+    old, new = _blocks(2)
+    [array] = cuda.device_blocks(old[None], stream=engine)
+    gate = fake.hold(stream=engine)
+    fake.enqueue_write(engine, array.ptr, new.tobytes())
+    scope, returned = anyio.CancelScope(), anyio.Event()
+
+    async def store() -> None:
+        with scope:
+            await pool.copy_in([slot], [BlockBuffer(None, array)])
+        returned.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(store)
+        await _until(gate.reached)
+        await _quiet(fake)  # the pool's copy is queued behind the engine's write
+        scope.cancel()
+        await anyio.wait_all_tasks_blocked()
+        waited, in_flight = not returned.is_set(), pool.transfer_statistics().operations_in_flight
+        fake.release(gate)
+    assert (waited, in_flight) == (True, 1)  # cancelled, it still waited for its copy
+    assert scope.cancelled_caught
+    stats = pool.transfer_statistics()
+    assert (stats.abandoned_copies, stats.operations_in_flight) == (0, 0)
+    assert pool.slot_bytes(slot) == new.tobytes()
+    pool.abort(slot)
+
+
+async def test_a_cancelled_copy_stuck_behind_the_engine_stream_is_abandoned_and_fences_it(
+    cuda: Cuda, fake: FakeCuda, keys: list[bytes]
+) -> None:
+    """The same store with the engine's stream stuck past settle_timeout: abandoned, it
+    fences the engine's stream, so the engine's next write to the buffer (its allocator
+    reuses it) runs only after the copy read it."""
+    engine = fake.streamCreateWithFlags(fake.streamNonBlocking)
+    pool = cuda.pool(2, settle_timeout=0.01)
+    slot = _reserve(pool, keys[0])
+    old, new, reused = _blocks(3)
+    [array] = cuda.device_blocks(old[None], stream=engine)
+    stuck = fake.hold(stream=engine)
+    fake.enqueue_write(engine, array.ptr, new.tobytes())
+    copy = fake.hold(kind=fake.memcpyDeviceToDevice)  # the pool's copy, once it may run
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(pool.copy_in, [slot], [BlockBuffer(None, array)])
+            await _quiet(fake)
+            scope.cancel()
+    assert pool.transfer_statistics().abandoned_copies == 1
+    fake.release(stuck)
+    fake.enqueue_write(engine, array.ptr, reused.tobytes())
+    await _quiet(fake)  # behind the fence; unfenced, the engine's write would have run
+    assert array.read() == new.tobytes()
+    fake.release(copy)
+    await _quiet(fake)
+    assert pool.slot_bytes(slot) == new.tobytes()
+    assert array.read() == reused.tobytes()
+    pool.abort(slot)
+
+
 async def _cancel_when_parked(gate: Hold, operation: Any, *args: Any) -> None:
     """Run ``operation`` until the stand-in parks its copy at ``gate``, then cancel it."""
     with anyio.CancelScope() as scope:
@@ -555,7 +714,7 @@ async def test_an_abandoned_device_copy_fences_the_engine_stream(
     fake.enqueue_write(engine, ptr, reused.tobytes())  # the engine reuses the memory
     await _quiet(fake)
     fake.release(gate)
-    await anyio.to_thread.run_sync(fake.streamSynchronize, engine)
+    await _quiet(fake)  # the abandoned copy and the engine's write have both run
     assert fake.peek(ptr, BLOCK) == reused.tobytes()  # the abandoned copy landed first
     # A later copy on the same stream completes after it: by then the array is let go.
     [again] = cuda.device_blocks(np.zeros((1, BLOCK), np.uint8), stream=engine)
@@ -602,6 +761,9 @@ async def test_an_abandoned_read_fences_later_writes_to_its_slot(
         fake.release(gate)
     kinds = [kind for kind, _, _ in fake.log]
     assert kinds[-2:] == [fake.memcpyDeviceToHost, fake.memcpyHostToDevice]
+    # The read's buffer goes back when the loop learns that it landed, from the download
+    # lane's waiter, which may be after the fill returned: close waits for every lane.
+    await pool.aclose()
     assert _all_staging_free(pool)
     pool.abort(slot)
 
@@ -688,6 +850,49 @@ async def test_close_keeps_memory_a_wedged_copy_may_touch(
         assert fake.live_allocations() == allocations + 4
         fake.release(gate)
     pool.abort(slot)
+
+
+async def test_close_gives_up_on_a_waiter_stuck_on_a_copy(
+    cuda: Cuda, fake: FakeCuda, keys: list[bytes], caplog: pytest.LogCaptureFixture
+) -> None:
+    """CUDA fails as close begins (so it cannot mark the lanes and takes the context for
+    dead) while a waiter still waits on an abandoned copy: stopping the waiters gives up
+    after settle_timeout, says so, and frees nothing the copy may touch."""
+    allocations, streams = fake.live_allocations(), fake.live_streams()
+    pool = cuda.pool(2, settle_timeout=1.0)
+    slot = _reserve(pool, keys[0])
+    gate = fake.hold(kind=fake.memcpyHostToDevice)
+    await _cancel_when_parked(gate, pool.copy_in, [slot], [BlockBuffer(_blocks(1)[0].data)])
+    assert pool.transfer_statistics().abandoned_copies == 1
+    fake.refuse("getDevice")
+    with _failsafe(fake), anyio.fail_after(HUNG_FAILSAFE / 2):
+        await pool.aclose()
+    assert "a copy never finished" in caplog.text
+    assert "did not finish" not in caplog.text  # the waiter gave up, not the outer bound
+    assert (fake.live_allocations(), fake.live_streams()) == (allocations + 4, streams + 3)
+    fake.release(gate)
+    pool.abort(slot)
+
+
+async def test_close_gives_up_on_a_free_held_up_by_the_engines_stream(
+    cuda: Cuda, fake: FakeCuda, caplog: pytest.LogCaptureFixture
+) -> None:
+    """cudaFree waits for the whole device, the engine's streams included: with one stuck,
+    close returns after its bound and says so; the memory is freed once the stream moves."""
+    engine = fake.streamCreateWithFlags(fake.streamNonBlocking)
+    [array] = cuda.device_blocks(_blocks(1))
+    allocations = fake.live_allocations()
+    pool = cuda.pool(2, settle_timeout=1.0)  # the free's bound is twice that
+    stuck = fake.hold(stream=engine)
+    fake.enqueue_write(engine, array.ptr, bytes(BLOCK))
+    with _failsafe(fake), anyio.fail_after(HUNG_FAILSAFE / 2):
+        await pool.aclose()
+    assert "freeing its memory did not finish" in caplog.text
+    assert fake.live_allocations() == allocations + 5  # the slots, staging, the engine's source
+    fake.release(stuck)
+    await anyio.to_thread.run_sync(
+        fake.wait_until, lambda: fake.live_allocations() == allocations + 1
+    )
 
 
 @pytest.mark.parametrize(("refused", "skip"), [("eventRecord", 0), ("memcpyAsync", 1)])
