@@ -34,6 +34,9 @@ before the first job (vLLM's ``SharedOffloadRegion`` pre-faults it with
 neither a fresh mapping's page faults (~300 ms of CPU per GiB loaded, for every contender)
 nor a full collection of the ~600k objects vLLM's imports leave (~0.3 s) lands in a phase.
 
+Block hashes are random, as vLLM's (SHA-256) are, so both tiers' files spread over their
+folders and both create them as they go: a fresh folder is part of what a store costs.
+
 Loads are cold: before each load phase every stored file is evicted from the page cache
 (``fsync`` + ``POSIX_FADV_DONTNEED``), so reads come from the device for every contender.
 Each load is checked against what was stored, outside the timing. Every phase starts after
@@ -196,10 +199,12 @@ def bench_case(
     if name == "vllm-fs-buffered":
         tier._use_o_direct = False  # the one knob vLLM's fs tier has no setting for
     try:
-        seed = os.urandom(8)
-        keys = [
-            make_offload_key(seed + i.to_bytes(8, "big") + bytes(16), 0) for i in range(n_blocks)
-        ]
+        # Block hashes as vLLM makes them (SHA-256 digests): uniformly random. vLLM's fs tier
+        # files a block under folders named by the hash's first hex digits, kvtier under
+        # folders named by a hash of the key, so with random hashes both spread their files
+        # and both pay for the folders they create (a shared prefix would put every one of
+        # vLLM's files in a single folder, and leave only kvtier creating folders).
+        keys = [make_offload_key(os.urandom(32), 0) for _ in range(n_blocks)]
 
         def jobs(first_slot: int, promotion: bool, id0: int) -> list[TransferJob]:
             return [

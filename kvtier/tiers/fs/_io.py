@@ -293,32 +293,23 @@ def write_block(
     beside its final place, is optionally flushed, and is renamed into place. Whatever fails,
     the temporary file is gone when this returns or raises.
     """
-    size = _existing_size(root, name)
-    if size is not None:
-        return WriteOutcome.EXISTS, size
-    for victim in victims:
-        remove_block(root, victim)
-    header = block_region(key, payload, integrity_key)
-    total = len(header) + payload.nbytes
-    dir_fd = open_shard(root, name, create=True)
+    try:  # one walk to the shard serves the check and the write
+        dir_fd: int | None = open_shard(root, name)
+    except FileNotFoundError:
+        dir_fd = None
     try:
+        size = None if dir_fd is None else _size_in(dir_fd, name)
+        if size is not None:
+            return WriteOutcome.EXISTS, size
+        for victim in victims:
+            remove_block(root, victim)
+        header = block_region(key, payload, integrity_key)
+        total = len(header) + payload.nbytes
+        if dir_fd is None:
+            dir_fd = open_shard(root, name, create=True)
         tmp = tmp_name(name)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC | O_NOFOLLOW
-        want_direct = staging is not None or region is not None
-        fd, direct = open_maybe_direct(tmp, flags, want_direct, dir_fd)
         try:
-            try:
-                if not direct:
-                    _write_all(fd, [header, payload])
-                elif staging is not None:
-                    _write_direct(fd, header, staging, total)
-                elif region is not None:
-                    region[:] = header
-                    _write_all(fd, [region, payload])
-                if fsync != "never":
-                    os.fdatasync(fd)
-            finally:
-                os.close(fd)
+            _write_tmp(dir_fd, tmp, header, payload, fsync, staging, region)
             os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
         except BaseException:
             with contextlib.suppress(OSError):
@@ -327,8 +318,36 @@ def write_block(
         if fsync == "always":
             os.fsync(dir_fd)
     finally:
-        os.close(dir_fd)
+        if dir_fd is not None:
+            os.close(dir_fd)
     return WriteOutcome.WRITTEN, total
+
+
+def _write_tmp(
+    dir_fd: int,
+    tmp: str,
+    header: bytes,
+    payload: memoryview,
+    fsync: str,
+    staging: memoryview | None,
+    region: memoryview | None,
+) -> None:
+    """Create ``tmp`` in its shard and write the block into it (see ``write_block``)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC | O_NOFOLLOW
+    want_direct = staging is not None or region is not None
+    fd, direct = open_maybe_direct(tmp, flags, want_direct, dir_fd)
+    try:
+        if not direct:
+            _write_all(fd, [header, payload])
+        elif staging is not None:
+            _write_direct(fd, header, staging, len(header) + payload.nbytes)
+        elif region is not None:
+            region[:] = header
+            _write_all(fd, [region, payload])
+        if fsync != "never":
+            os.fdatasync(fd)
+    finally:
+        os.close(fd)
 
 
 def _write_direct(fd: int, header: bytes, staging: memoryview, total: int) -> None:
@@ -383,19 +402,13 @@ def direct_refused(root: Path) -> str | None:
             os.unlink(probe)
 
 
-def _existing_size(root: Path, name: str) -> int | None:
-    """The size of the published block file ``name``, or None (a link is not a block: the
-    rename replaces it)."""
-    try:
-        dir_fd = open_shard(root, name)
-    except FileNotFoundError:
-        return None
+def _size_in(dir_fd: int, name: str) -> int | None:
+    """The size of the published block file ``name`` in its shard, or None (a link is not a
+    block: the rename replaces it)."""
     try:
         st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except FileNotFoundError:
         return None
-    finally:
-        os.close(dir_fd)
     return st.st_size if stat.S_ISREG(st.st_mode) else None
 
 

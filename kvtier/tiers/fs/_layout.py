@@ -170,11 +170,17 @@ def open_shard(root: Path, name: str, *, create: bool = False) -> int:
     fd = os.open(root, _ROOT_FLAGS)
     try:
         for level in _shard_of(name):
-            if create:
-                with contextlib.suppress(FileExistsError):
-                    os.mkdir(level, DIR_MODE, dir_fd=fd)
             try:
-                inner = os.open(level, _DIR_FLAGS, dir_fd=fd)
+                try:
+                    inner = os.open(level, _DIR_FLAGS, dir_fd=fd)
+                except FileNotFoundError:
+                    if not create:
+                        raise
+                    # mkdir only where the level is missing: on a populated root an
+                    # existing level costs no failing syscall and no exception.
+                    with contextlib.suppress(FileExistsError):
+                        os.mkdir(level, DIR_MODE, dir_fd=fd)
+                    inner = os.open(level, _DIR_FLAGS, dir_fd=fd)
             except NotADirectoryError as exc:
                 raise OSError(errno.ELOOP, f"shard {level} is not a folder") from exc
             os.close(fd)
