@@ -12,10 +12,8 @@ earlier key of the scan is still unknown): when that blocker changes, their watc
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable
-
-import anyio
-import anyio.lowlevel
 
 __all__ = ["KeyWatch", "Watchers"]
 
@@ -24,14 +22,16 @@ class KeyWatch:
     """Collects the keys fired since the last ``take`` and wakes whoever waits on it.
 
     The event a waiter sleeps on is made only when one is about to sleep: a request answered
-    without waiting, or woken by keys that had already fired, never builds one.
+    without waiting, or woken by keys that had already fired, never builds one. It is
+    asyncio's own event (kvtier runs on asyncio): anyio's asks which event loop runs at every
+    construction, a cost each waiting request paid once per wake.
     """
 
     __slots__ = ("_changed", "_event")
 
     def __init__(self) -> None:
         self._changed: list[bytes] = []
-        self._event: anyio.Event | None = None
+        self._event: asyncio.Event | None = None
 
     def fire(self, key: bytes) -> None:
         """``key`` may answer differently now (called by the manager)."""
@@ -43,11 +43,13 @@ class KeyWatch:
         """Return once a key has fired since the last ``take`` (at once if one has; a
         checkpoint either way)."""
         if self._changed:
-            await anyio.lowlevel.checkpoint()
+            await asyncio.sleep(0)
             return
         event = self._event
-        if event is None or event.is_set():  # set by keys already taken: a fresh one
-            event = self._event = anyio.Event()
+        if event is None:
+            event = self._event = asyncio.Event()
+        elif event.is_set():  # set by keys already taken
+            event.clear()
         await event.wait()
 
     def take(self) -> list[bytes]:

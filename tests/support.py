@@ -137,6 +137,9 @@ class GatedPool(HostPool):
             self.entered.set()
             await self.gate.wait()
 
+    def copy_in_now(self, slots: Sequence[int], blocks: Sequence[BlockBuffer]) -> bool:
+        return False  # every copy in goes through ``copy_in`` and its gate
+
     async def copy_in(self, slots: Sequence[int], blocks: Sequence[BlockBuffer]) -> None:
         await self._pass_gate()
         await super().copy_in(slots, blocks)

@@ -19,7 +19,6 @@ from kvtier._errors import LifecycleError
 from kvtier._watch import Watchers
 from kvtier.manager._statistics import StoreCounts
 from kvtier.pools._base import PrimaryPool
-from kvtier.pools._slots import SlotState
 
 __all__ = ["Transfers"]
 
@@ -62,20 +61,11 @@ class Transfers:
             writable=False,
             dtype=self._dtype,
         )
-        slots: list[int] = []
-        chosen_keys: list[bytes] = []
-        chosen: list[BlockBuffer] = []
-        for key, buffer in zip(keys, buffers, strict=True):
-            if self._pool.state_of(key) is not SlotState.FREE:
-                self.skipped_present += 1
-                continue
-            slot = self._pool.try_reserve(key)
-            if slot is None:
-                self.skipped_full += 1
-                continue
-            slots.append(slot)
-            chosen_keys.append(key)
-            chosen.append(buffer)
+        positions, slots, present = self._pool.reserve_new(keys)
+        self.skipped_present += present
+        self.skipped_full += len(keys) - present - len(slots)
+        chosen_keys = [keys[i] for i in positions]
+        chosen = [buffers[i] for i in positions]
         if slots:
             await self._copy_in(slots, chosen_keys, chosen, still_open)
             self.stored += len(slots)
@@ -92,8 +82,9 @@ class Transfers:
         pool = self._pool
         committed = False
         try:
-            with anyio.fail_after(self._timeout):
-                await pool.copy_in(slots, buffers)
+            if not pool.copy_in_now(slots, buffers):
+                with anyio.fail_after(self._timeout):
+                    await pool.copy_in(slots, buffers)
             if not still_open():
                 raise LifecycleError(
                     "TieringManager is not open any more: it was closed while this store "

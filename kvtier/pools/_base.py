@@ -53,6 +53,9 @@ class PrimaryPool(ABC):
     def try_reserve(self, key: bytes) -> int | None:
         return self.table.try_reserve(key)
 
+    def reserve_new(self, keys: Sequence[bytes]) -> tuple[list[int], list[int], int]:
+        return self.table.reserve_new(keys)
+
     def commit(self, slot: int) -> None:
         self.table.commit(slot)
 
@@ -116,6 +119,12 @@ class PrimaryPool(ABC):
     @abstractmethod
     async def copy_in(self, slots: Sequence[int], blocks: Sequence[BlockBuffer]) -> None:
         """Copy engine blocks into WRITING slots."""
+
+    def copy_in_now(self, slots: Sequence[int], blocks: Sequence[BlockBuffer]) -> bool:
+        """Copy engine blocks into WRITING slots at once, on the event loop, if the pool can
+        without waiting (a small copy between host buffers); False: nothing was copied, use
+        ``copy_in``. A store then needs no deadline for its copy."""
+        return False
 
     @abstractmethod
     async def copy_out(self, slots: Sequence[int], out: Sequence[BlockBuffer]) -> None:

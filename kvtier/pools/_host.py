@@ -7,7 +7,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import anyio.to_thread
-import numpy as np
 
 from kvtier._buffers import BlockBuffer
 from kvtier._errors import InvalidArgumentError
@@ -71,6 +70,21 @@ class HostPool(PrimaryPool):
         pairs = [(self.slot_view(s), _host(b, "store")) for s, b in zip(slots, blocks, strict=True)]
         await _copy_all(pairs, len(pairs) * self.block_bytes)
 
+    def copy_in_now(self, slots: Sequence[int], blocks: Sequence[BlockBuffer]) -> bool:
+        """A small copy from host memory is done here, on the loop (cheaper than a thread
+        hop); anything else is left to ``copy_in``."""
+        if len(slots) * self.block_bytes > _INLINE_COPY_BYTES:
+            return False
+        hosts = [block.host for block in blocks]
+        if not all(host is not None for host in hosts):
+            return False
+        size = self.block_bytes
+        view = self._view
+        for slot, host in zip(slots, hosts, strict=True):
+            assert host is not None
+            view[slot * size : (slot + 1) * size] = host
+        return True
+
     async def copy_out(self, slots: Sequence[int], out: Sequence[BlockBuffer]) -> None:
         pairs = [(_host(b, "load"), self.slot_view(s)) for s, b in zip(slots, out, strict=True)]
         await _copy_all(pairs, len(pairs) * self.block_bytes)
@@ -109,7 +123,7 @@ def _copy_pairs(pairs: Sequence[tuple[_End, _End]]) -> None:
         elif isinstance(src, _DeviceEnd):
             host_device_copy(dst, src.array, src.stream, to_device=False)
         else:
-            np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8))
+            dst[:] = src  # both flat byte views of one block: one memcpy
 
 
 async def _copy_all(pairs: Sequence[tuple[_End, _End]], nbytes: int) -> None:

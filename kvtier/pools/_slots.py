@@ -67,6 +67,9 @@ class SlotTable:
         self._slot_of: dict[bytes, int] = {}  # WRITING and READY keys
         # READY keys only. Public so the manager's hit path is one dict lookup; read-only.
         self.ready: dict[bytes, int] = {}
+        # READY keys with no pin: what may be evicted. The policy asks about each key it
+        # offers, and a set's own method answers without a Python frame.
+        self._unpinned: set[bytes] = set()
         self._pinned_slots = 0
         self._reservations = 0
         self._reservation_failures = 0
@@ -144,13 +147,14 @@ class SlotTable:
         else:
             # Pins are only ever on READY slots: when every READY slot is pinned nothing can
             # go, and saying so costs O(1) instead of a policy walk over the whole pool.
-            if len(self.ready) == self._pinned_slots:
+            if not self._unpinned:
                 self._reservation_failures += 1
                 return None
-            victim = self.policy.victim(key, self._evictable)
+            victim = self.policy.victim(key, self._unpinned.__contains__)
             if victim is None:
                 self._reservation_failures += 1
                 return None
+            self._unpinned.remove(victim)
             slot = self.ready.pop(victim)
             del self._slot_of[victim]
             self.policy.remove(victim, evicted=True)
@@ -163,6 +167,26 @@ class SlotTable:
         self._reservations += 1
         return slot
 
+    def reserve_new(self, keys: Sequence[bytes]) -> tuple[list[int], list[int], int]:
+        """``try_reserve`` for each of ``keys`` not in the table yet, in one call (a store
+        of a request's blocks): the positions in ``keys`` that got a slot, their slots, and
+        how many keys were already present. A key given twice is reserved once."""
+        positions: list[int] = []
+        slots: list[int] = []
+        present = 0
+        slot_of = self._slot_of
+        reserve = self.try_reserve
+        for i, key in enumerate(keys):
+            if key in slot_of:
+                present += 1
+                continue
+            slot = reserve(key)
+            if slot is None:
+                continue
+            positions.append(i)
+            slots.append(slot)
+        return positions, slots, present
+
     def commit(self, slot: int) -> None:
         """The write into ``slot`` finished: its key becomes readable."""
         assert self._state[slot] is SlotState.WRITING, "commit of a slot not WRITING"
@@ -170,6 +194,7 @@ class SlotTable:
         assert key is not None
         self._state[slot] = SlotState.READY
         self.ready[key] = slot
+        self._unpinned.add(key)
         self.policy.insert(key)
         self._commits += 1
 
@@ -186,6 +211,7 @@ class SlotTable:
             return None
         if self._pins[slot] == 0:
             self._pinned_slots += 1
+            self._unpinned.discard(key)
         self._pins[slot] += 1
         return slot
 
@@ -194,6 +220,9 @@ class SlotTable:
         self._pins[slot] -= 1
         if self._pins[slot] == 0:
             self._pinned_slots -= 1
+            key = self._key[slot]
+            assert key is not None
+            self._unpinned.add(key)
 
     def discard(self, key: bytes) -> bool:
         """Drop an unpinned READY ``key`` (for example, its bytes are known bad)."""
@@ -201,6 +230,7 @@ class SlotTable:
         if slot is None or self._pins[slot]:
             return False
         del self.ready[key]
+        self._unpinned.discard(key)
         self.policy.remove(key, evicted=False)
         self._release(slot)
         if self.on_leave is not None:
@@ -214,9 +244,6 @@ class SlotTable:
         self._state[slot] = SlotState.FREE
         self._key[slot] = None
         self._free.append(slot)
-
-    def _evictable(self, key: bytes) -> bool:
-        return self._pins[self.ready[key]] == 0
 
     # -- observation -------------------------------------------------------------------------
 
@@ -250,5 +277,6 @@ class SlotTable:
                 assert state is SlotState.READY or self._pins[slot] == 0
         assert len(self._slot_of) + len(self._free) == self.num_blocks
         assert sum(1 for p in self._pins if p) == self._pinned_slots
+        assert self._unpinned == {k for k, slot in self.ready.items() if not self._pins[slot]}
         if isinstance(self.policy, Sized):
             assert len(self.policy) == len(self.ready)

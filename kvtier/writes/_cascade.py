@@ -135,6 +135,9 @@ class Cascades:
         begun: list[SecondaryTier],
         view: memoryview,
     ) -> None:
+        if len(targets) == 1:  # the common case: no task group and task to build
+            await self._store_one(targets[0], key, view, failures, begun, 1)
+            return
         async with anyio.create_task_group() as tg:
             for tier in targets:
                 tg.start_soon(self._store_one, tier, key, view, failures, begun, len(targets))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -90,14 +92,17 @@ def test_a_failed_reservation_does_not_walk_the_pinned_pool(policy: str) -> None
     for i in range(n):
         assert table.pin(k(i)) is not None
     asked = 0
-    evictable = table._evictable
+    victim = table.policy.victim
 
-    def counting(key: bytes) -> bool:
-        nonlocal asked
-        asked += 1
-        return evictable(key)
+    def counting_victim(incoming: bytes, can_evict: Callable[[bytes], bool]) -> bytes | None:
+        def counting(key: bytes) -> bool:
+            nonlocal asked
+            asked += 1
+            return can_evict(key)
 
-    table._evictable = counting  # type: ignore[method-assign]
+        return victim(incoming, counting)
+
+    table.policy.victim = counting_victim  # type: ignore[method-assign]
     for i in range(n, 2 * n):
         assert table.try_reserve(k(i)) is None
     assert asked <= n, f"{asked} evictability checks for {n} failed reservations"
