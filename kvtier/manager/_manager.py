@@ -338,8 +338,7 @@ class TieringManager(AsyncResource):
         if placed:
             self.pool.table.place_chain(keys)  # the chain's tail leaves the pool first
         closing = self._stack is None
-        for key in placed:
-            self._writer.after_store(task_group, key, closing=closing)
+        self._writer.after_store(task_group, placed, closing=closing)
         return len(placed)
 
     async def load(self, keys: Sequence[bytes], out: Any) -> int:

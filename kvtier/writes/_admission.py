@@ -305,6 +305,13 @@ class AdmissionPolicy:
         gate.last_cause = cause
         return False
 
+    def refuse_again(self, tier: str, count: int = 1) -> None:
+        """Count ``count`` more writes to ``tier`` dropped for the cause of its last refusal:
+        the later blocks of a store whose earlier block ``admit`` refused, which nothing could
+        have let in since (no write ends within one store's routing)."""
+        gate = self._gates[tier]
+        self._drop(gate, gate.last_cause, count)
+
     def last_refusal(self, tier: str) -> str:
         """Why ``admit`` last refused a write to ``tier`` (a cause such as ``"rate"``)."""
         gate = self._gates.get(tier)

@@ -78,19 +78,43 @@ class WriteThrough(WriteAccount):
 
     # -- what the manager calls ---------------------------------------------------------------
 
-    def after_store(self, task_group: anyio.abc.TaskGroup, key: bytes, *, closing: bool) -> None:
-        """Write a just-stored block through to the tiers that admit it now; hold it for the
-        write-back tiers."""
-        if self.deferred:  # a rate limit refills with time: older deferred writes go first
-            self.drain_deferred(task_group)
-        if self.write_back_tiers and key not in self.write_back:
-            slot = self.pool.pin(key)  # not evictable until written back
-            if slot is not None:
-                self.write_back.add(key, slot)
-        if self.through_tiers and self._write(task_group, key, self.through_tiers) is None:
-            return
-        if self.write_back:  # while closing (a store that raced aclose), write back at once
-            self.flush(task_group, everything=closing)
+    def after_store(
+        self, task_group: anyio.abc.TaskGroup, keys: Sequence[bytes], *, closing: bool
+    ) -> None:
+        """Write just-stored blocks through to the tiers that admit them now; hold them for
+        the write-back tiers. A tier that refuses one block of the store is not asked about
+        the rest: they are refused for the same cause (counted each, said once)."""
+        refused: set[str] = set()
+        for i, key in enumerate(keys):
+            if self._refused_by_all(refused):  # so are the rest: counted at once
+                for name in refused:
+                    self.admission.refuse_again(name, len(keys) - i)
+                return
+            if self.deferred:  # a rate limit refills with time: older deferred writes go first
+                self.drain_deferred(task_group)
+            if self.write_back_tiers and key not in self.write_back:
+                slot = self.pool.pin(key)  # not evictable until written back
+                if slot is not None:
+                    self.write_back.add(key, slot)
+            if (
+                self.through_tiers
+                and self._write(task_group, key, self.through_tiers, refused=refused) is None
+            ):
+                continue
+            if self.write_back:  # while closing (a store that raced aclose), write back at once
+                self.flush(task_group, everything=closing)
+
+    def _refused_by_all(self, refused: set[str]) -> bool:
+        """Whether every tier of a store refused one of its blocks, and nothing more is to be
+        done for its later blocks than counting them (no write-back to hold them for, no
+        deferred writes to queue or drain, room under the global in-flight limit)."""
+        return (
+            len(refused) == len(self.through_tiers) > 0
+            and not self.write_back_tiers
+            and not self.deferred
+            and self.in_flight_bytes + self.pool.block_bytes <= self.max_in_flight_bytes
+            and not any(map(self.deferred.wants, refused))
+        )
 
     def writes_up(self, source: SecondaryTier) -> bool:
         """Whether blocks promoted from ``source`` have write-through tiers above it."""
@@ -136,22 +160,31 @@ class WriteThrough(WriteAccount):
         key: bytes,
         tiers: Sequence[SecondaryTier],
         copy: Callable[[], bytes | None] | None = None,
+        *,
+        refused: set[str] | None = None,
     ) -> bool | None:
         """Start writing ``key``'s block (its pinned slot, or what ``copy`` returns) to those
         of ``tiers`` that admit it now: True if started, False if every tier dropped it, None
-        if the global in-flight limit or an eviction skipped it (counted in ``skipped``)."""
+        if the global in-flight limit or an eviction skipped it (counted in ``skipped``).
+        ``refused``: the tiers that refused an earlier block of the same store (added to)."""
         nbytes = self.pool.block_bytes
         if self.in_flight_bytes + nbytes > self.max_in_flight_bytes:
             self.skipped += 1
             return None
         targets: list[SecondaryTier] = []
         for tier in tiers:
-            if self._copies.queues_first(tier.name):
-                self.deferred.add(tier.name, key)  # written in a group, in turn
-            elif self.admission.admit(tier.name, nbytes):
+            name = tier.name
+            if self._copies.queues_first(name):
+                self.deferred.add(name, key)  # written in a group, in turn
+            elif refused is not None and name in refused:
+                self.admission.refuse_again(name)
+                self._refused(task_group, name, key, said=True)
+            elif self.admission.admit(name, nbytes):
                 targets.append(tier)
             else:  # counted as dropped by the policy; said once per burst
-                self._refused(task_group, tier.name, key)
+                if refused is not None:
+                    refused.add(name)
+                self._refused(task_group, name, key)
         if not targets:
             return False
         slot: int | bytes | None = self.pool.pin(key) if copy is None else copy()
@@ -163,11 +196,18 @@ class WriteThrough(WriteAccount):
         self._cascades.launch(task_group, key, slot, targets)
         return True
 
-    def _refused(self, task_group: anyio.abc.TaskGroup, tier: str, key: bytes) -> None:
-        """``tier``'s admission refused ``key``: defer it (a deferred tier) or drop it."""
-        cause = self.admission.last_refusal(tier)
-        if self.deferred.wants(tier):
+    def _refused(
+        self, task_group: anyio.abc.TaskGroup, tier: str, key: bytes, *, said: bool = False
+    ) -> None:
+        """``tier``'s admission refused ``key``: defer it (a deferred tier) or drop it.
+        ``said``: a refusal of the same store was logged already."""
+        wanted = self.deferred.wants(tier)
+        if wanted:
             self._copies.defer(task_group, tier, key)  # written later from a faster tier
+        if said:
+            return
+        cause = self.admission.last_refusal(tier)
+        if wanted:
             self.burst_log.warning(
                 "admission:" + tier,
                 "%s refuses writes for now (%s): they are deferred, to be copied "

@@ -5,6 +5,8 @@ StallingTier; nothing here asserts a duration."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import anyio
 
 from kvtier import (
@@ -12,6 +14,7 @@ from kvtier import (
     HostPool,
     LookupResult,
     MemoryTier,
+    SecondaryTier,
     SlotState,
     TieringManager,
 )
@@ -22,7 +25,7 @@ from tests.support import GatedPool, ManualClock, random_blocks
 BB = 4096
 
 
-def held(tier: MemoryTier, keys: list[bytes]) -> list[bool]:
+def held(tier: SecondaryTier, keys: list[bytes]) -> list[bool]:
     return [tier.lookup(key) is LookupResult.HIT for key in keys]
 
 
@@ -79,6 +82,35 @@ async def test_a_tier_at_its_in_flight_limit_drops_new_blocks_until_it_drains(
         await manager.wait_idle()
         assert manager.statistics().admission[1].dropped == 2  # room again: none dropped
         assert slow.inner.statistics().blocks == 4
+
+
+class CountingAdmission(AdmissionPolicy):
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.asked: dict[str, int] = {}
+
+    def admit(self, tier: str, nbytes: int, *, count: int = 1) -> bool:
+        self.asked[tier] = self.asked.get(tier, 0) + 1
+        return super().admit(tier, nbytes, count=count)
+
+
+async def test_a_tier_that_refuses_a_block_is_not_asked_about_the_rest_of_the_store(
+    keys: list[bytes],
+) -> None:
+    policy = CountingAdmission(max_in_flight_bytes={"slow": 2 * BB}, max_write_latency=None)
+    fast = MemoryTier("fast")
+    slow = StallingTier(name="slow")
+    slow.stall("store")
+    async with TieringManager(HostPool(32, BB), [fast, slow], admission=policy) as manager:
+        await manager.store(keys[:6], random_blocks(6))
+        assert policy.asked == {"fast": 6, "slow": 3}  # two admitted, the third refused
+        stats = manager.statistics().admission[1]
+        assert stats.dropped_by_cause == {"in_flight": 4}  # the rest counted for its cause
+        slow.release("store")
+        with anyio.fail_after(10):
+            await manager.wait_idle()
+        assert held(fast, keys[:6]) == [True] * 6
+        assert held(slow.inner, keys[:6]) == [True, True] + [False] * 4
 
 
 async def test_write_back_writes_on_eviction_and_loses_nothing(keys: list[bytes]) -> None:
@@ -154,3 +186,25 @@ async def test_a_write_through_that_fails_before_any_tier_gives_its_admission_ba
         (stats,) = manager.statistics().admission
         assert stats.in_flight_bytes == 0 and stats.dropped == 0
         assert manager.statistics().cascade_failures_by_reason == {"unavailable": 3}
+
+
+async def test_a_store_every_tier_refuses_counts_its_later_blocks_for_each_tier(
+    keys: list[bytes],
+) -> None:
+    limits = {"a": 2 * BB, "b": 1 * BB}
+    policy = CountingAdmission(max_in_flight_bytes=limits, max_write_latency=None)
+    a, b = StallingTier(name="a"), StallingTier(name="b")
+    a.stall("store")
+    b.stall("store")
+    async with TieringManager(HostPool(32, BB), [a, b], admission=policy) as manager:
+        assert await manager.store(keys[:6], random_blocks(6)) == 6
+        assert policy.asked == {"a": 3, "b": 2}  # neither asked once both had refused
+        stats = manager.statistics()
+        assert stats.admission[0].dropped_by_cause == {"in_flight": 4}
+        assert stats.admission[1].dropped_by_cause == {"in_flight": 5}
+        a.release("store")
+        b.release("store")
+        with anyio.fail_after(10):
+            await manager.wait_idle()
+        assert held(a.inner, keys[:6]) == [True, True] + [False] * 4
+        assert held(b.inner, keys[:6]) == [True] + [False] * 5
