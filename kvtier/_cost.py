@@ -181,9 +181,9 @@ class ScanBudget:
         """``manager.lookup(key, self)``, with this key's blocker set and its answer noted."""
         positions = self._positions
         if positions is None:  # not for requests answered by the pool alone
-            positions = self._positions = {}
-            for i, k in enumerate(self._keys):
-                positions.setdefault(k, i)
+            keys = self._keys  # each key's first position, built at C speed
+            backwards = range(len(keys) - 1, -1, -1)
+            positions = self._positions = dict(zip(reversed(keys), backwards, strict=True))
         position = positions.get(key, 0)
         if not self._planned:  # the first key asked is the first one past the resident run
             self._planned = True

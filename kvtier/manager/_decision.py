@@ -52,6 +52,7 @@ class LookupDecision:
         "_admission",
         "_cost",
         "_failed",
+        "_held",
         "_landing",
         "_pool",
         "_start",
@@ -82,6 +83,7 @@ class LookupDecision:
         start: StartPromotion,
     ) -> None:
         self._pool = pool
+        self._held = pool.table.held
         self._tiers = tuple(tiers)
         self._failed = failed
         self._cost = cost
@@ -97,8 +99,7 @@ class LookupDecision:
 
     def decide(self, key: bytes, budget: ScanBudget | None) -> LookupResult:
         """HIT_PENDING, RETRY or MISS for a key that is not READY in the pool (design §2.1)."""
-        pool = self._pool
-        if pool.lookup(key) is HIT_PENDING:
+        if key in self._held:  # not READY (the caller asked first): being written
             self.pending += 1
             if budget is not None:
                 budget.expect(self._landing.get(key, -math.inf))

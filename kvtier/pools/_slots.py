@@ -64,7 +64,9 @@ class SlotTable:
         self._key: list[bytes | None] = [None] * num_blocks
         self._pins = [0] * num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))
-        self._slot_of: dict[bytes, int] = {}  # WRITING and READY keys
+        # WRITING and READY keys. Public (read-only) so that a lookup past the READY keys asks
+        # whether a block is being written with one dict lookup.
+        self.held: dict[bytes, int] = {}
         # READY keys only. Public so the manager's hit path is one dict lookup; read-only.
         self.ready: dict[bytes, int] = {}
         # READY keys with no pin: what may be evicted. The policy asks about each key it
@@ -90,7 +92,7 @@ class SlotTable:
         if key in self.ready:
             self.policy.touch(key)
             return LookupResult.HIT
-        if key in self._slot_of:
+        if key in self.held:
             return LookupResult.HIT_PENDING
         return LookupResult.MISS
 
@@ -122,7 +124,7 @@ class SlotTable:
         self.policy.reorder(filter(self.ready.__contains__, reversed(chain)))
 
     def state_of(self, key: bytes) -> SlotState:
-        slot = self._slot_of.get(key)
+        slot = self.held.get(key)
         return SlotState.FREE if slot is None else self._state[slot]
 
     def slot_state(self, slot: int) -> SlotState:
@@ -141,7 +143,7 @@ class SlotTable:
 
         The caller checks first that ``key`` is not in the table.
         """
-        assert key not in self._slot_of, "key already has a slot"
+        assert key not in self.held, "key already has a slot"
         if self._free:
             slot = self._free.pop()
         else:
@@ -156,14 +158,14 @@ class SlotTable:
                 return None
             self._unpinned.remove(victim)
             slot = self.ready.pop(victim)
-            del self._slot_of[victim]
+            del self.held[victim]
             self.policy.remove(victim, evicted=True)
             self._evictions += 1
             if self.on_leave is not None:
                 self.on_leave(victim, slot, True)
         self._state[slot] = SlotState.WRITING
         self._key[slot] = key
-        self._slot_of[key] = slot
+        self.held[key] = slot
         self._reservations += 1
         return slot
 
@@ -174,7 +176,7 @@ class SlotTable:
         positions: list[int] = []
         slots: list[int] = []
         present = 0
-        slot_of = self._slot_of
+        slot_of = self.held
         reserve = self.try_reserve
         for i, key in enumerate(keys):
             if key in slot_of:
@@ -240,7 +242,7 @@ class SlotTable:
     def _release(self, slot: int) -> None:
         key = self._key[slot]
         assert key is not None
-        del self._slot_of[key]
+        del self.held[key]
         self._state[slot] = SlotState.FREE
         self._key[slot] = None
         self._free.append(slot)
@@ -272,10 +274,10 @@ class SlotTable:
             if state is SlotState.FREE:
                 assert key is None and slot in self._free and self._pins[slot] == 0
             else:
-                assert key is not None and self._slot_of[key] == slot
+                assert key is not None and self.held[key] == slot
                 assert (key in self.ready) == (state is SlotState.READY)
                 assert state is SlotState.READY or self._pins[slot] == 0
-        assert len(self._slot_of) + len(self._free) == self.num_blocks
+        assert len(self.held) + len(self._free) == self.num_blocks
         assert sum(1 for p in self._pins if p) == self._pinned_slots
         assert self._unpinned == {k for k, slot in self.ready.items() if not self._pins[slot]}
         if isinstance(self.policy, Sized):
