@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from kvtier._errors import InvalidArgumentError
+from kvtier._format import MAX_KEY_BYTES
 from kvtier._keys import check_key
 
 __all__ = ["BlockBuffer", "check_keys", "dtype_name", "split_blocks"]
@@ -89,8 +90,10 @@ def check_keys(keys: Sequence[bytes]) -> list[bytes]:
     if isinstance(keys, bytes | bytearray | str):
         raise InvalidArgumentError("keys must be a list of keys, not one key; wrap it in [...]")
     out = list(keys)
-    for i, key in enumerate(out):
-        check_key(key, f"keys[{i}]")
+    for key in out:
+        if type(key) is not bytes or not 1 <= len(key) <= MAX_KEY_BYTES:
+            for i, bad in enumerate(out):  # say which key is wrong, and how
+                check_key(bad, f"keys[{i}]")
     return out
 
 

@@ -20,6 +20,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from kvtier._errors import InvalidArgumentError
+from kvtier._format import MAX_KEY_BYTES
 from kvtier._settings import positive_int
 
 __all__ = ["KEY_SCHEME_VERSION", "KEY_SIZE", "KeyNamespace", "block_keys", "check_key"]
@@ -37,8 +38,10 @@ def check_key(key: object, what: str = "key") -> bytes:
         raise InvalidArgumentError(
             f"{what} must be bytes (from kvtier.block_keys), got {type(key).__name__}"
         )
-    if not 1 <= len(key) <= 255:
-        raise InvalidArgumentError(f"{what} must be 1 to 255 bytes long, got {len(key)} bytes")
+    if not 1 <= len(key) <= MAX_KEY_BYTES:
+        raise InvalidArgumentError(
+            f"{what} must be 1 to {MAX_KEY_BYTES} bytes long, got {len(key)} bytes"
+        )
     return key
 
 
