@@ -16,12 +16,14 @@ from kvtier._keys import check_key
 __all__ = ["BlockBuffer", "check_keys", "dtype_name", "split_blocks"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class BlockBuffer:
     """One block's worth of an engine buffer.
 
     ``host`` is a flat byte view when the memory is host memory; ``device`` is the original
-    array when it lives on a GPU (CUDA pools copy those without a host round trip).
+    array when it lives on a GPU (CUDA pools copy those without a host round trip). Not
+    frozen: a store makes one per block, and a frozen dataclass costs several times more to
+    build; nothing changes one after it is made.
     """
 
     host: memoryview | None

@@ -57,6 +57,10 @@ def _first_evictable(
     """The oldest evictable key of ``order``. Pinned keys met on the way move to the young
     end: a pinned block is in use, and the next search need not walk past it again, so a
     burst of pins (write-through in flight) costs O(1) per eviction instead of O(pins)."""
+    for oldest in order:  # the common case, without building a range and an iterator more
+        if can_evict(oldest):
+            return oldest
+        break
     for _ in range(len(order)):
         key = next(iter(order))
         if can_evict(key):
