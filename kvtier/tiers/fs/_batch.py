@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import anyio
 
 from kvtier._errors import InvalidArgumentError, TierError, TierNoSpaceError
+from kvtier._lending import Lender, Release
 from kvtier.tiers._base import BatchResults, run_each
 from kvtier.tiers.fs import _blocks
 from kvtier.tiers.fs import _io as io
@@ -46,6 +47,7 @@ class Batch:
     views: list[memoryview]
     results: BatchResults
     pinned: bool
+    lender: Lender | None = None  # lent views: read straight into, kept when left running
 
     @classmethod
     def of(
@@ -55,9 +57,10 @@ class Batch:
         keys: list[bytes],
         views: list[memoryview],
         pinned: bool,
+        lender: Lender | None = None,
     ) -> Batch:
         names = [name_of(k) for k in keys]
-        return cls(files, ledger, keys, names, views, [None] * len(keys), pinned)
+        return cls(files, ledger, keys, names, views, [None] * len(keys), pinned, lender)
 
 
 async def load_many(batch: Batch, deadline: float) -> BatchResults:
@@ -78,20 +81,33 @@ async def _load_run(batch: Batch, run: range, wrong: list[str], since: int) -> N
     stop_at = _stop_at()
     local: list[object] = [_NOT_STARTED] * len(run)
     files, keys, names, views = batch.files, batch.keys, batch.names, batch.views
+    lender = batch.lender
+    # Lent views a thread left running still writes: their release, once it is done.
+    kept: dict[int, Release] = {}
 
     def read(call: Handoff) -> None:
         for j, i in enumerate(run):
             if time.monotonic() > stop_at:
                 return
-            outcome: object
+            with call.holding():
+                if lender is not None and call.abandoned:
+                    return  # a lent view is never touched once its caller has gone
+                local[j] = _RUNNING
+            outcome: object = _RUNNING
             try:
                 outcome = _blocks.read_block(
-                    files, call, keys[i], names[i], views[i], private=not batch.pinned
+                    files, call, keys[i], names[i], views[i], private=_private(batch)
                 )
             except (io.Corrupt, io.WrongSize, OSError) as exc:
                 outcome = exc
-            with call.holding():
-                local[j] = outcome
+            finally:
+                with call.holding():
+                    local[j] = outcome
+                    release = kept.pop(j, None)
+                if release is not None:
+                    release()
+            if release is not None:
+                return
 
     call = Handoff()
     started = time.perf_counter()
@@ -102,9 +118,16 @@ async def _load_run(batch: Batch, run: range, wrong: list[str], since: int) -> N
     finally:
         with call.holding():  # an abandoned thread may still be running: take a snapshot
             got = list(local)
+            if lender is not None and call.left_running:
+                kept.update((j, lender.keep(i)) for j, i in enumerate(run) if got[j] is _RUNNING)
         each = (time.perf_counter() - started) / len(run)
         for j, i in enumerate(run):
             batch.results[i] = _loaded(batch, i, got[j], since, wrong, each)
+
+
+def _private(batch: Batch) -> bool:
+    """Whether a batch's reads go through the tier's own buffers (see ``_blocks``)."""
+    return not batch.pinned and batch.lender is None
 
 
 def _loaded(

@@ -84,8 +84,8 @@ def read_block(
         )
     # Without a copy: an aligned buffer for the header page only. Else: one for the pieces.
     zero_copy = not private and files.zero_copy(view)
-    if zero_copy:
-        size = files.region_size(key, view.nbytes)
+    if zero_copy:  # and a page more, to tell a file longer than it should be
+        size = files.region_size(key, view.nbytes) + io.ALIGN
     else:
         size = _read.scratch_size(files.direct, files.header_size(key), view.nbytes)
     buf = files.buffers.take(size)

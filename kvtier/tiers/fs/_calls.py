@@ -68,6 +68,11 @@ class Handoff:
         return self._started
 
     @property
+    def abandoned(self) -> bool:
+        """The caller gave up (read it under ``holding()`` to act on it)."""
+        return self._abandoned
+
+    @property
     def left_running(self) -> bool:
         """The caller gave up while the thread was still running it."""
         return self._abandoned and self._started
