@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
 
@@ -69,9 +70,8 @@ async def load_many(batch: Batch, deadline: float) -> BatchResults:
     wrong: list[str] = []
     with batch.ledger.catalog.watching() as since:
         with anyio.CancelScope(deadline=deadline):
-            async with anyio.create_task_group() as tg:
-                for run in _runs(len(batch.keys), batch.files.max_concurrency):
-                    tg.start_soon(_load_run, batch, run, wrong, since)
+            runs = _runs(len(batch.keys), batch.files.max_concurrency)
+            await _together([functools.partial(_load_run, batch, r, wrong, since) for r in runs])
     if wrong:
         raise InvalidArgumentError(wrong[0])
     return batch.results
@@ -201,9 +201,10 @@ async def _store_mine(
     with anyio.CancelScope(deadline=deadline):
         while todo:  # in waves: a block can only evict blocks already published
             plan = _plan_wave(batch, todo)
-            async with anyio.create_task_group() as tg:
-                for run in _runs(len(plan), batch.files.max_write_concurrency):
-                    tg.start_soon(_store_run, batch, [plan[j] for j in run])
+            runs = _runs(len(plan), batch.files.max_write_concurrency)
+            await _together(
+                [functools.partial(_store_run, batch, [plan[j] for j in r]) for r in runs]
+            )
     for i in todo:  # the deadline passed before their wave
         batch.results[i] = batch.ledger.timed_out(batch.keys[i], "store")
 
@@ -294,6 +295,17 @@ def _stored(
     if isinstance(outcome, OSError | Stuck):
         return ledger.error(outcome, "store", res.key)
     return ledger.timed_out(res.key, "store")
+
+
+async def _together(calls: list[Callable[[], Coroutine[Any, Any, None]]]) -> None:
+    """Await the calls concurrently; one alone in the caller's task (a task of its own costs
+    more loop time than a one-block job's own bookkeeping)."""
+    if len(calls) == 1:
+        await calls[0]()
+        return
+    async with anyio.create_task_group() as tg:
+        for call in calls:
+            tg.start_soon(call)
 
 
 def _runs(n: int, most: int) -> list[range]:
