@@ -11,8 +11,9 @@ go straight between the file and the caller's memory or through a private buffer
 tier's: always for a call that may be abandoned at a deadline (so an abandoned thread never
 touches pool memory) unless the caller lent its buffers (``kvtier._lending``: it keeps the
 ones a thread left running may still write), and always with O_DIRECT when header and payload
-must sit side by side in one aligned buffer (a format 1 file, an unaligned buffer). ``FSTier``'s ``load`` and ``store`` and the batch runs in
-``_batch`` all call them; the file format itself is ``_io``'s and ``_read``'s.
+must sit side by side in one aligned buffer (a format 1 file, an unaligned buffer).
+``FSTier``'s ``load`` and ``store`` and the batch runs in ``_batch`` all call them; the file
+format itself is ``_io``'s and ``_read``'s.
 """
 
 from __future__ import annotations

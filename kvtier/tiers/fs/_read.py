@@ -251,8 +251,10 @@ class _CacheStat(ctypes.Structure):
     )
 
 
-# ``cachestat(2)``'s number where it is known (the generic table's, which x86-64 shares).
-_CACHESTAT = 451 if platform.system() == "Linux" else 0
+# ``cachestat(2)``'s number on the architectures where it is 451 (the generic table's, which
+# x86-64 shares); elsewhere the tier does not ask, and reads by O_DIRECT.
+_CACHESTAT_ARCHES = ("x86_64", "aarch64", "arm64", "riscv64")
+_CACHESTAT = 451 if platform.system() == "Linux" and platform.machine() in _CACHESTAT_ARCHES else 0
 _syscall = ctypes.CDLL(None, use_errno=True).syscall if _CACHESTAT else None
 
 
@@ -274,18 +276,6 @@ def _set_direct(fd: int, on: bool) -> None:
     ``F_SETFL`` changes is set); a file system that refuses it is read through the cache."""
     with contextlib.suppress(OSError):
         fcntl.fcntl(fd, fcntl.F_SETFL, O_DIRECT if on else 0)
-
-
-def _skip(views: list[memoryview], offset: int) -> list[memoryview]:
-    """``views`` less their first ``offset`` bytes."""
-    out = []
-    for view in views:
-        if offset >= view.nbytes:
-            offset -= view.nbytes
-            continue
-        out.append(view[offset:])
-        offset = 0
-    return out
 
 
 def _checked_header(
