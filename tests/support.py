@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, ParamSpec, Protocol, TypedDict, TypeVar
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 
 from devtools.weed_server import ACCESS_KEY, BUCKET, REGION, SECRET_KEY
@@ -28,6 +29,7 @@ from kvtier import (
 )
 from kvtier._buffers import BlockBuffer
 from kvtier._cli import main
+from kvtier.pools._base import PrimaryPool
 from kvtier.testing import StallingTier
 from kvtier.tiers.fs._layout import name_of, path_of
 
@@ -262,3 +264,13 @@ def s3_tier(
         "aws_secret_access_key": SECRET_KEY,
     }
     return S3Tier(bucket, **(settings | overrides))
+
+
+async def given_back(pool: PrimaryPool, most: int = 1000) -> None:
+    """Let the loop run the give-backs of slots lent to reads that have now returned (each
+    a callback a worker thread queued on the loop): yields, never sleeps."""
+    for _ in range(most):
+        if not pool.table.lent:
+            return
+        await anyio.lowlevel.checkpoint()
+    raise AssertionError(f"{pool.table.lent} slot(s) still lent")

@@ -128,7 +128,8 @@ class Promotions:
         if self._open.get(batch.tier) is batch:
             del self._open[batch.tier]  # started: later promotions open the next batch
         tier, started = batch.tier, time.perf_counter()
-        load = functools.partial(tier.load_many, batch.keys, timeout=self.timeout)
+        lender = self.pool.lender(batch.slots)  # the tier may read straight into them
+        load = functools.partial(tier.load_many, batch.keys, timeout=self.timeout, lender=lender)
         outcomes: Sequence[BaseException | None] = ()
         try:
             with anyio.fail_after(self.timeout + _GRACE):

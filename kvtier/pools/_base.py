@@ -13,6 +13,7 @@ import anyio
 
 from kvtier._buffers import BlockBuffer
 from kvtier._describe import describe
+from kvtier._lending import Lender
 from kvtier._lookup import LookupResult
 from kvtier._settings import positive_int
 from kvtier.pools._policy import EvictionPolicy, make_policy
@@ -111,6 +112,11 @@ class PrimaryPool(ABC):
             for i, slot in enumerate(slots):
                 tg.start_soon(one, i, slot)
         return outcomes
+
+    def lender(self, slots: Sequence[int]) -> Lender | None:
+        """What lends ``slots`` to the tier that ``fill_many`` writes them (see
+        ``kvtier._lending``), or None when the views it hands out are not the slots."""
+        return None
 
     @abstractmethod
     async def drain(self, slot: int, source: ByteSource) -> None:

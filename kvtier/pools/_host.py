@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import mmap
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -10,9 +13,11 @@ import anyio.to_thread
 
 from kvtier._buffers import BlockBuffer
 from kvtier._errors import InvalidArgumentError
+from kvtier._lending import Lender, Release
 from kvtier.pools._base import BatchSink, ByteSink, ByteSource, PrimaryPool
 from kvtier.pools._device import DeviceArray, current_stream, device_array, host_device_copy
 from kvtier.pools._policy import EvictionPolicy
+from kvtier.pools._slots import SlotTable
 
 __all__ = ["HostPool"]
 
@@ -59,9 +64,15 @@ class HostPool(PrimaryPool):
         await sink(self.slot_view(slot))
 
     async def fill_many(self, slots: Sequence[int], sink: BatchSink) -> Sequence[Exception | None]:
-        """The slots themselves, in one call: a tier that does not pin them writes each
-        through a buffer of its own, so a deadline never leaves a write into a slot behind."""
+        """The slots themselves, in one call: a tier either writes each through a buffer of
+        its own, so a deadline never leaves a write into a slot behind, or is lent the slots
+        (``lender``) and keeps any it still writes into."""
         return await sink([self.slot_view(slot) for slot in slots])
+
+    def lender(self, slots: Sequence[int]) -> Lender:
+        """The WRITING ``slots`` lent to a tier's reads: the views ``fill_many`` hands out
+        are the slots themselves, so a read that outlives its caller keeps its slot."""
+        return _SlotLoan(self.table, slots, asyncio.get_running_loop())
 
     async def drain(self, slot: int, source: ByteSource) -> None:
         await source(self.slot_view(slot).toreadonly())
@@ -132,3 +143,27 @@ async def _copy_all(pairs: Sequence[tuple[_End, _End]], nbytes: int) -> None:
         _copy_pairs(pairs)
     else:  # big copies and every CUDA copy (it synchronises) run off the event loop
         await anyio.to_thread.run_sync(_copy_pairs, pairs)
+
+
+class _SlotLoan:
+    """``HostPool.lender``: a kept slot is lent in the table; giving it back runs on the loop."""
+
+    __slots__ = ("_loop", "_slots", "_table")
+
+    def __init__(
+        self, table: SlotTable, slots: Sequence[int], loop: asyncio.AbstractEventLoop
+    ) -> None:
+        self._table, self._slots, self._loop = table, slots, loop
+
+    def keep(self, index: int) -> Release:
+        slot, table, loop = self._slots[index], self._table, self._loop
+        table.lend(slot)
+        once = threading.Lock()
+
+        def release() -> None:
+            if not once.acquire(blocking=False):
+                return
+            with contextlib.suppress(RuntimeError):  # the loop has closed: so has the pool
+                loop.call_soon_threadsafe(table.give_back, slot)
+
+        return release

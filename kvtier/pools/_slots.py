@@ -6,7 +6,9 @@ tested without an event loop.
 
 Slot life: FREE -> WRITING (reserved for a key) -> READY (readable) -> FREE (evicted or
 dropped); WRITING -> FREE when the write fails. Readers pin READY slots; only unpinned READY
-slots are evictable.
+slots are evictable. A WRITING slot may be *lent* (``lend``): something outside the table
+(a worker thread a deadline walked away from) may still write into it, so when its write is
+aborted the key leaves at once but the slot is reused only once it is given back.
 
 The table tells its policy which keys form one request's chain, so that the tail of a chain
 leaves before its head (see ``kvtier.pools._policy``): the prefix scan touches a request's
@@ -67,6 +69,8 @@ class SlotTable:
         # WRITING and READY keys. Public (read-only) so that a lookup past the READY keys asks
         # whether a block is being written with one dict lookup.
         self.held: dict[bytes, int] = {}
+        # Lent slots -> whether their write was aborted (then free once given back).
+        self._lent: dict[int, bool] = {}
         # READY keys only. Public so the manager's hit path is one dict lookup; read-only.
         self.ready: dict[bytes, int] = {}
         # READY keys with no pin: what may be evicted. The policy asks about each key it
@@ -192,6 +196,7 @@ class SlotTable:
     def commit(self, slot: int) -> None:
         """The write into ``slot`` finished: its key becomes readable."""
         assert self._state[slot] is SlotState.WRITING, "commit of a slot not WRITING"
+        assert slot not in self._lent, "commit of a slot still lent"
         key = self._key[slot]
         assert key is not None
         self._state[slot] = SlotState.READY
@@ -204,7 +209,32 @@ class SlotTable:
         """The write into ``slot`` failed or was cancelled: free it."""
         assert self._state[slot] is SlotState.WRITING, "abort of a slot not WRITING"
         self._aborts += 1
+        if slot in self._lent:  # still written into: the key goes now, the slot later
+            self._lent[slot] = True
+            key = self._key[slot]
+            assert key is not None
+            del self.held[key]
+            self._state[slot] = SlotState.FREE
+            self._key[slot] = None
+            return
         self._release(slot)
+
+    def lend(self, slot: int) -> None:
+        """Something may still write into the WRITING ``slot`` after its writer has given up;
+        until ``give_back``, the slot can be aborted but not committed nor reused."""
+        assert self._state[slot] is SlotState.WRITING, "lend of a slot not WRITING"
+        assert slot not in self._lent, "slot lent twice"
+        self._lent[slot] = False
+
+    def give_back(self, slot: int) -> None:
+        """Nothing writes into the lent ``slot`` any more: free it if its write was aborted."""
+        if self._lent.pop(slot):
+            self._free.append(slot)
+
+    @property
+    def lent(self) -> int:
+        """Slots lent out (their writes aborted or not)."""
+        return len(self._lent)
 
     def pin(self, key: bytes) -> int | None:
         """Pin the READY slot of ``key`` so it cannot be evicted; None if not READY."""
@@ -272,12 +302,14 @@ class SlotTable:
         for slot in range(self.num_blocks):
             state, key = self._state[slot], self._key[slot]
             if state is SlotState.FREE:
-                assert key is None and slot in self._free and self._pins[slot] == 0
+                assert key is None and self._pins[slot] == 0
+                assert (slot in self._free) != self._lent.get(slot, False)
             else:
                 assert key is not None and self.held[key] == slot
                 assert (key in self.ready) == (state is SlotState.READY)
                 assert state is SlotState.READY or self._pins[slot] == 0
-        assert len(self.held) + len(self._free) == self.num_blocks
+        lent_free = sum(self._lent.values())
+        assert len(self.held) + len(self._free) + lent_free == self.num_blocks
         assert sum(1 for p in self._pins if p) == self._pinned_slots
         assert self._unpinned == {k for k, slot in self.ready.items() if not self._pins[slot]}
         if isinstance(self.policy, Sized):

@@ -14,6 +14,7 @@ import anyio
 
 from kvtier._describe import describe
 from kvtier._errors import InvalidArgumentError, TierError, TierTimeoutError
+from kvtier._lending import Lender
 from kvtier._logging import BurstLogger
 from kvtier._lookup import LookupResult, MissReason
 from kvtier._resource import AsyncResource
@@ -236,6 +237,7 @@ class SecondaryTier(AsyncResource):
         *,
         timeout: float | None = None,  # noqa: ASYNC109 - a per-batch bound with partial results
         pinned: bool = False,
+        lender: Lender | None = None,
     ) -> BatchResults:
         """Load ``keys[i]`` into ``dsts[i]``; return, per key, None or the ``TierError``.
 
@@ -250,9 +252,17 @@ class SecondaryTier(AsyncResource):
         their transfers (vLLM's ``drain_jobs``) can promise it; ``TieringManager``, whose
         deadlines must hold, does not. The default runs ``load`` for every key concurrently;
         a tier overrides it (or ``_load_batch``) to save per-block overhead.
+
+        ``lender`` (``kvtier._lending``): the buffers are lent, so a tier may read straight
+        into them and still return at the deadline, keeping through the lender each buffer
+        a read it left running may still write (``TieringManager`` lends a host pool's
+        slots this way). A tier that does not use it (``_load_lent``) loads as without it.
         """
         check_batch(keys, dsts, "dsts")
-        return await self._load_batch(keys, dsts, batch_deadline(timeout), pinned)
+        deadline = batch_deadline(timeout)
+        if lender is not None and not pinned:
+            return await self._load_lent(keys, dsts, deadline, lender)
+        return await self._load_batch(keys, dsts, deadline, pinned)
 
     async def store_many(
         self,
@@ -277,6 +287,12 @@ class SecondaryTier(AsyncResource):
         every key concurrently."""
         calls = [functools.partial(self.load, k, d) for k, d in zip(keys, dsts, strict=True)]
         return await run_each(keys, calls, deadline, self.name, "load")
+
+    async def _load_lent(
+        self, keys: Sequence[bytes], dsts: Sequence[memoryview], deadline: float, lender: Lender
+    ) -> BatchResults:
+        """``load_many`` into lent buffers; by default as into buffers that are not."""
+        return await self._load_batch(keys, dsts, deadline, False)
 
     async def _store_batch(
         self, keys: Sequence[bytes], srcs: Sequence[memoryview], deadline: float, pinned: bool

@@ -256,3 +256,40 @@ class SlotTableMachine(RuleBasedStateMachine):
 
 TestSlotTableMachine = SlotTableMachine.TestCase
 TestSlotTableMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_a_lent_slot_aborted_is_reused_only_once_given_back() -> None:
+    table = SlotTable(1, LRUPolicy(1))
+    slot = table.try_reserve(k(1))
+    assert slot is not None
+    table.lend(slot)
+    table.abort(slot)  # the writer gave up; something may still write into the slot
+    assert table.lookup(k(1)) is LookupResult.MISS
+    assert table.lent == 1 and table.statistics(1).free == 0
+    assert table.try_reserve(k(2)) is None
+    table.check_invariants()
+    table.give_back(slot)
+    assert table.lent == 0 and table.statistics(1).free == 1
+    assert table.try_reserve(k(2)) == slot
+    table.check_invariants()
+
+
+def test_a_lent_slot_given_back_before_its_abort_is_freed_by_the_abort() -> None:
+    table = SlotTable(1, LRUPolicy(1))
+    slot = table.try_reserve(k(1))
+    assert slot is not None
+    table.lend(slot)
+    table.give_back(slot)  # the read returned before its writer was settled
+    assert table.lookup(k(1)) is LookupResult.HIT_PENDING
+    table.abort(slot)
+    assert table.statistics(1).free == 1 and table.lent == 0
+    table.check_invariants()
+
+
+def test_a_lent_slot_is_never_committed() -> None:
+    table = SlotTable(1, LRUPolicy(1))
+    slot = table.try_reserve(k(1))
+    assert slot is not None
+    table.lend(slot)
+    with pytest.raises(AssertionError, match="lent"):
+        table.commit(slot)

@@ -29,7 +29,10 @@ What makes it trustworthy:
 - **Deadlines hold on a hung mount.** A caller whose deadline fires leaves the thread behind
   (a syscall on a dead NFS server cannot be interrupted); reads land in a private buffer and
   writes copy the pool slot out first, so an abandoned thread never touches pool memory (see
-  ``_calls``). At most ``max_stuck_threads`` abandoned threads may still be running; past
+  ``_calls``), unless the caller *lends* its buffers (``kvtier._lending``): the manager lends
+  a host pool's reserved slots to a promotion, which then reads straight into them, and a
+  read walked away from keeps its slot out of the pool, unpublished, until its thread
+  returns. At most ``max_stuck_threads`` abandoned threads may still be running; past
   that, operations fail at once (``unavailable``) instead of piling threads onto the mount.
 - **Batches cost a few thread hops.** ``load_many``/``store_many`` cut a batch into at most
   ``max_concurrency`` (``max_write_concurrency``) runs, each one worker-thread call that
@@ -47,10 +50,13 @@ What makes it trustworthy:
   memory already held, and write-back would compete with the engine for the disk. A block
   file whose payload is a whole number of pages (64 KiB and up) is written in format 2: its
   header padded to one page, so the payload sits at an aligned offset and a *pinned* batch
-  moves it straight between the disk and the caller's aligned memory, header page and
-  payload in one request each way, the checksum verified over the bytes where they landed.
-  Other blocks (and every unpinned call, which must never let a thread it may walk away from
-  touch the caller's memory) go through an aligned private buffer of the tier's. Smaller or
+  (or a lent one: a promotion) moves it straight between the disk and the caller's aligned
+  memory, header page and payload in one request each way, the checksum verified over the
+  bytes where they landed. Such a read goes through the page cache instead when the cache
+  holds the whole file (``cachestat``; something else read it): a memcpy, where O_DIRECT
+  would read the device again. Other blocks (and every call neither pinned nor lent, which
+  must never let a thread it may walk away from touch the caller's memory) go through an
+  aligned private buffer of the tier's. Smaller or
   odd-sized payloads keep the compact format 1, whose files older kvtiers wrote too; both
   read alike in either mode. Which buffer a block's bytes pass through, per block in a
   worker thread, is ``_blocks``'s.

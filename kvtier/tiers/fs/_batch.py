@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
 
 from kvtier._errors import InvalidArgumentError, TierError, TierNoSpaceError
+from kvtier._lending import Lender, Release
 from kvtier.tiers._base import BatchResults, run_each
 from kvtier.tiers.fs import _blocks
 from kvtier.tiers.fs import _io as io
@@ -46,6 +48,7 @@ class Batch:
     views: list[memoryview]
     results: BatchResults
     pinned: bool
+    lender: Lender | None = None  # lent views: read straight into, kept when left running
 
     @classmethod
     def of(
@@ -55,9 +58,10 @@ class Batch:
         keys: list[bytes],
         views: list[memoryview],
         pinned: bool,
+        lender: Lender | None = None,
     ) -> Batch:
         names = [name_of(k) for k in keys]
-        return cls(files, ledger, keys, names, views, [None] * len(keys), pinned)
+        return cls(files, ledger, keys, names, views, [None] * len(keys), pinned, lender)
 
 
 async def load_many(batch: Batch, deadline: float) -> BatchResults:
@@ -66,9 +70,8 @@ async def load_many(batch: Batch, deadline: float) -> BatchResults:
     wrong: list[str] = []
     with batch.ledger.catalog.watching() as since:
         with anyio.CancelScope(deadline=deadline):
-            async with anyio.create_task_group() as tg:
-                for run in _runs(len(batch.keys), batch.files.max_concurrency):
-                    tg.start_soon(_load_run, batch, run, wrong, since)
+            runs = _runs(len(batch.keys), batch.files.max_concurrency)
+            await _together([functools.partial(_load_run, batch, r, wrong, since) for r in runs])
     if wrong:
         raise InvalidArgumentError(wrong[0])
     return batch.results
@@ -78,20 +81,33 @@ async def _load_run(batch: Batch, run: range, wrong: list[str], since: int) -> N
     stop_at = _stop_at()
     local: list[object] = [_NOT_STARTED] * len(run)
     files, keys, names, views = batch.files, batch.keys, batch.names, batch.views
+    lender = batch.lender
+    # Lent views a thread left running still writes: their release, once it is done.
+    kept: dict[int, Release] = {}
 
     def read(call: Handoff) -> None:
         for j, i in enumerate(run):
             if time.monotonic() > stop_at:
                 return
-            outcome: object
+            with call.holding():
+                if lender is not None and call.abandoned:
+                    return  # a lent view is never touched once its caller has gone
+                local[j] = _RUNNING
+            outcome: object = _RUNNING
             try:
                 outcome = _blocks.read_block(
-                    files, call, keys[i], names[i], views[i], private=not batch.pinned
+                    files, call, keys[i], names[i], views[i], private=_private(batch)
                 )
             except (io.Corrupt, io.WrongSize, OSError) as exc:
                 outcome = exc
-            with call.holding():
-                local[j] = outcome
+            finally:
+                with call.holding():
+                    local[j] = outcome
+                    release = kept.pop(j, None)
+                if release is not None:
+                    release()
+            if release is not None:
+                return
 
     call = Handoff()
     started = time.perf_counter()
@@ -102,9 +118,16 @@ async def _load_run(batch: Batch, run: range, wrong: list[str], since: int) -> N
     finally:
         with call.holding():  # an abandoned thread may still be running: take a snapshot
             got = list(local)
+            if lender is not None and call.left_running:
+                kept.update((j, lender.keep(i)) for j, i in enumerate(run) if got[j] is _RUNNING)
         each = (time.perf_counter() - started) / len(run)
         for j, i in enumerate(run):
             batch.results[i] = _loaded(batch, i, got[j], since, wrong, each)
+
+
+def _private(batch: Batch) -> bool:
+    """Whether a batch's reads go through the tier's own buffers (see ``_blocks``)."""
+    return not batch.pinned and batch.lender is None
 
 
 def _loaded(
@@ -178,9 +201,10 @@ async def _store_mine(
     with anyio.CancelScope(deadline=deadline):
         while todo:  # in waves: a block can only evict blocks already published
             plan = _plan_wave(batch, todo)
-            async with anyio.create_task_group() as tg:
-                for run in _runs(len(plan), batch.files.max_write_concurrency):
-                    tg.start_soon(_store_run, batch, [plan[j] for j in run])
+            runs = _runs(len(plan), batch.files.max_write_concurrency)
+            await _together(
+                [functools.partial(_store_run, batch, [plan[j] for j in r]) for r in runs]
+            )
     for i in todo:  # the deadline passed before their wave
         batch.results[i] = batch.ledger.timed_out(batch.keys[i], "store")
 
@@ -271,6 +295,17 @@ def _stored(
     if isinstance(outcome, OSError | Stuck):
         return ledger.error(outcome, "store", res.key)
     return ledger.timed_out(res.key, "store")
+
+
+async def _together(calls: list[Callable[[], Coroutine[Any, Any, None]]]) -> None:
+    """Await the calls concurrently; one alone in the caller's task (a task of its own costs
+    more loop time than a one-block job's own bookkeeping)."""
+    if len(calls) == 1:
+        await calls[0]()
+        return
+    async with anyio.create_task_group() as tg:
+        for call in calls:
+            tg.start_soon(call)
 
 
 def _runs(n: int, most: int) -> list[range]:

@@ -9,9 +9,11 @@ existence checks have their own few, so they are never queued behind write-throu
 ``read_block`` and ``write_block`` decide, for one block in a worker thread, whether the bytes
 go straight between the file and the caller's memory or through a private buffer of the
 tier's: always for a call that may be abandoned at a deadline (so an abandoned thread never
-touches pool memory), and always with O_DIRECT, whose header and payload must sit side by
-side in one aligned buffer. ``FSTier``'s ``load`` and ``store`` and the batch runs in
-``_batch`` all call them; the file format itself is ``_io``'s and ``_read``'s.
+touches pool memory) unless the caller lent its buffers (``kvtier._lending``: it keeps the
+ones a thread left running may still write), and always with O_DIRECT when header and payload
+must sit side by side in one aligned buffer (a format 1 file, an unaligned buffer).
+``FSTier``'s ``load`` and ``store`` and the batch runs in ``_batch`` all call them; the file
+format itself is ``_io``'s and ``_read``'s.
 """
 
 from __future__ import annotations
@@ -84,8 +86,8 @@ def read_block(
         )
     # Without a copy: an aligned buffer for the header page only. Else: one for the pieces.
     zero_copy = not private and files.zero_copy(view)
-    if zero_copy:
-        size = files.region_size(key, view.nbytes)
+    if zero_copy:  # and a page more, to tell a file longer than it should be
+        size = files.region_size(key, view.nbytes) + io.ALIGN
     else:
         size = _read.scratch_size(files.direct, files.header_size(key), view.nbytes)
     buf = files.buffers.take(size)

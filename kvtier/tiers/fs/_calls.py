@@ -15,6 +15,9 @@ Two things make that safe:
   lands in a private buffer and is copied into the pool slot in ``touching()``; a write copies
   the slot into a private buffer in ``touching()`` first and writes from that copy. (One
   thread hop per operation, not two: the copy cannot hang, so it needs no thread of its own.)
+  Two kinds of caller opt out, so the bytes move with no copy: a pinned batch waits for its
+  thread whatever happens (``abandon=False``), and a lent one (``kvtier._lending``) keeps
+  each buffer its abandoned thread may still write out of use until that thread returns.
 - **Abandoned threads are bounded.** Each one still holds an OS thread. Past
   ``max_abandoned`` still running, new calls fail at once (``Stuck``) instead of starting more
   threads into a hung mount; as the stuck calls return, the tier recovers by itself.
@@ -66,6 +69,11 @@ class Handoff:
     def started(self) -> bool:
         """The thread began the call (it may have touched the file system)."""
         return self._started
+
+    @property
+    def abandoned(self) -> bool:
+        """The caller gave up (read it under ``holding()`` to act on it)."""
+        return self._abandoned
 
     @property
     def left_running(self) -> bool:

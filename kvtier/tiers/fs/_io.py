@@ -293,20 +293,17 @@ def write_block(
     beside its final place, is optionally flushed, and is renamed into place. Whatever fails,
     the temporary file is gone when this returns or raises.
     """
-    try:  # one walk to the shard serves the check and the write
-        dir_fd: int | None = open_shard(root, name)
-    except FileNotFoundError:
-        dir_fd = None
+    # One walk to the shard serves the check and the write; a level that is missing (so is
+    # the block) is made on the way, rather than found missing and walked to again.
+    dir_fd = open_shard(root, name, create=True)
     try:
-        size = None if dir_fd is None else _size_in(dir_fd, name)
+        size = _size_in(dir_fd, name)
         if size is not None:
             return WriteOutcome.EXISTS, size
         for victim in victims:
             remove_block(root, victim)
         header = block_region(key, payload, integrity_key)
         total = len(header) + payload.nbytes
-        if dir_fd is None:
-            dir_fd = open_shard(root, name, create=True)
         tmp = tmp_name(name)
         try:
             _write_tmp(dir_fd, tmp, header, payload, fsync, staging, region)
@@ -318,8 +315,7 @@ def write_block(
         if fsync == "always":
             os.fsync(dir_fd)
     finally:
-        if dir_fd is not None:
-            os.close(dir_fd)
+        os.close(dir_fd)
     return WriteOutcome.WRITTEN, total
 
 

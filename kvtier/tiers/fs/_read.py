@@ -6,18 +6,28 @@ key, length) and the payload's checksum (or MAC) match; a file that fails is rem
 still the file that was read. ``_preadv`` is the one OS call that reads, named once so tests
 can inject a fault or a hang at exactly this boundary.
 
-A read never lands in the caller's buffer while a syscall is in flight: it lands in a private
-buffer and is copied into the caller's under ``Handoff.touching()`` (see ``_calls``), so a
-thread abandoned at a deadline cannot write into a pool slot that may hold another block by
-then. The one exception is a *pinned* batch, whose caller waits for the thread however long it
-takes: it reads into the caller's buffers directly.
+A read lands in the caller's buffer while a syscall is in flight only when the caller lets
+it: a *pinned* batch, whose caller waits for the thread however long it takes, or a *lent*
+one, whose caller keeps each buffer a thread it walked away from may still write
+(``kvtier._lending``). Otherwise it lands in a private buffer and is copied into the caller's
+under ``Handoff.touching()`` (see ``_calls``), so a thread abandoned at a deadline cannot write
+into a pool slot that may hold another block by then.
+
+A version 2 file read straight into the caller's buffer by O_DIRECT is read through the page
+cache instead when the cache holds all of it (``cachestat``, Linux 6.5 on): a memcpy, where
+O_DIRECT would read the device again. Asking costs one call that does no I/O; a buffered read
+that refuses to wait (``RWF_NOWAIT``) would say the same but starts the read-ahead of a file it
+does not find, which then competes with the O_DIRECT read for the device.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
+import mmap
 import os
+import platform
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -207,23 +217,65 @@ def _read_into(
     touching: Callable[[], AbstractContextManager[None]],
     integrity_key: IntegrityKey | None,
 ) -> None:
-    """A version 2 file read by O_DIRECT straight into ``dst`` (header into ``region``), then
-    verified where it landed; any other file is read again through the page cache."""
-    size = os.fstat(fd).st_size
+    """A version 2 file read by O_DIRECT (through the page cache if it holds the whole file)
+    straight into ``dst``, its header into ``region`` (whose last ``ALIGN`` bytes catch a
+    file longer than it should be), then verified where it landed; any other file is read
+    again through the page cache."""
+    head = region[:-ALIGN]
+    size = head.nbytes + dst.nbytes
+    buffered = _all_cached(fd, size)
+    if buffered:
+        _set_direct(fd, False)
+    got = _read_all(fd, [head, dst, region[-ALIGN:]], 0, least=size)
     hlen = header_size(len(key), integrity_key=integrity_key)
-    if size == region.nbytes + dst.nbytes:  # else not a version 2 file of this size
-        got = _read_all(fd, [region, dst], 0)
-        if got >= hlen:
-            header = _checked_header(region[:hlen], key, size, dst, integrity_key)
-            if header.payload_offset == region.nbytes:
-                if got != size:
-                    raise HeaderError(f"read {got} bytes of {size}")
-                check = PayloadCheck(key, header, integrity_key=integrity_key)
-                check.update(dst)
-                check.finish()
-                return
-    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~O_DIRECT)
+    if got == size:  # else not a version 2 file of this size
+        header = _checked_header(head[:hlen], key, size, dst, integrity_key)
+        if header.payload_offset == head.nbytes:
+            check = PayloadCheck(key, header, integrity_key=integrity_key)
+            check.update(dst)
+            check.finish()
+            return
+    if not buffered:
+        _set_direct(fd, False)
     _read_verified(fd, key, dst, None, touching, integrity_key)
+
+
+class _CacheRange(ctypes.Structure):
+    _fields_ = (("off", ctypes.c_uint64), ("len", ctypes.c_uint64))
+
+
+class _CacheStat(ctypes.Structure):
+    _fields_ = tuple(
+        (name, ctypes.c_uint64)
+        for name in ("cached", "dirty", "writeback", "evicted", "recently_evicted")
+    )
+
+
+# ``cachestat(2)``'s number on the architectures where it is 451 (the generic table's, which
+# x86-64 shares); elsewhere the tier does not ask, and reads by O_DIRECT.
+_CACHESTAT_ARCHES = ("x86_64", "aarch64", "arm64", "riscv64")
+_CACHESTAT = 451 if platform.system() == "Linux" and platform.machine() in _CACHESTAT_ARCHES else 0
+_syscall = ctypes.CDLL(None, use_errno=True).syscall if _CACHESTAT else None
+
+
+def _all_cached(fd: int, size: int) -> bool:
+    """Whether the page cache holds the first ``size`` bytes of ``fd``'s file (False when
+    the kernel cannot say: older than 6.5, or another system)."""
+    global _syscall
+    if _syscall is None:
+        return False
+    stat = _CacheStat()
+    if _syscall(_CACHESTAT, fd, ctypes.byref(_CacheRange(0, size)), ctypes.byref(stat), 0):
+        _syscall = None  # ENOSYS (or a seccomp filter): never ask again
+        return False
+    return bool(stat.cached * mmap.PAGESIZE >= size)
+
+
+def _set_direct(fd: int, on: bool) -> None:
+    """Turn O_DIRECT on or off for ``fd``, opened with ``READ_FLAGS`` (so no other flag that
+    ``F_SETFL`` changes is set); a file system that refuses it is read through the cache."""
+    with contextlib.suppress(OSError):
+        fcntl.fcntl(fd, fcntl.F_SETFL, O_DIRECT if on else 0)
 
 
 def _checked_header(
@@ -256,9 +308,11 @@ def _read_aligned(fd: int, view: memoryview, offset: int) -> int:
     return total
 
 
-def _read_all(fd: int, views: list[memoryview], offset: int) -> int:
+def _read_all(fd: int, views: list[memoryview], offset: int, least: int | None = None) -> int:
+    """Fill ``views`` from ``offset``, or stop once ``least`` bytes are in (a regular file's
+    read comes back short only at its end: a last view not filled then means the end)."""
     total = 0
-    while views:
+    while views and (least is None or total < least):
         got = _preadv(fd, views, offset)
         if got == 0:
             break  # end of file: a short (truncated) file

@@ -28,6 +28,7 @@ from kvtier._events import EventBuffer, EventKind
 from kvtier._format import IntegrityKey
 from kvtier._identity import CacheIdentity, scoped_name
 from kvtier._keys import check_key
+from kvtier._lending import Lender
 from kvtier._lookup import LookupResult, MissReason
 from kvtier.tiers._async_lookup import AsyncLookupManager
 from kvtier.tiers._base import (
@@ -335,6 +336,16 @@ class FSTier(SecondaryTier):
         keys = [check_key(k) for k in keys]
         views = [_writable_bytes(d) for d in dsts]
         batch = _batch.Batch.of(self._files, self._ledger, keys, views, pinned)
+        return await _batch.load_many(batch, deadline)
+
+    async def _load_lent(
+        self, keys: Sequence[bytes], dsts: Sequence[memoryview], deadline: float, lender: Lender
+    ) -> BatchResults:
+        """``_load_batch`` straight into ``dsts``, as pinned, yet walking away at the
+        deadline: a run left reading keeps its block's buffer through ``lender``."""
+        keys = [check_key(k) for k in keys]
+        views = [_writable_bytes(d) for d in dsts]
+        batch = _batch.Batch.of(self._files, self._ledger, keys, views, False, lender)
         return await _batch.load_many(batch, deadline)
 
     async def _store_batch(

@@ -5,6 +5,7 @@ moving an aligned payload straight into (and out of) the caller's buffer."""
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import logging
 import mmap
@@ -21,6 +22,7 @@ from kvtier._format import FORMAT_VERSION, IntegrityKey, encode_header, header_s
 from kvtier.tiers.fs import FSTier
 from kvtier.tiers.fs import _io as fs_io
 from kvtier.tiers.fs import _read as fs_read
+from kvtier.tiers.fs._io import ALIGN
 from kvtier.tiers.fs._layout import MARKER_NAME
 from tests.support import block_file, fresh_keys, run_cli
 
@@ -39,6 +41,16 @@ def aligned_buffer(n: int) -> memoryview:
     return memoryview(mmap.mmap(-1, n))
 
 
+def drop_cache(path: Path) -> None:
+    """Flush ``path`` and evict it from the page cache."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def address(view: memoryview) -> int:
     return int(np.frombuffer(view, np.uint8).ctypes.data)
 
@@ -49,9 +61,9 @@ def preadv_calls(monkeypatch: pytest.MonkeyPatch) -> list[list[tuple[int, int]]]
     calls: list[list[tuple[int, int]]] = []
     real = fs_read._preadv
 
-    def recording(fd: int, views: list[memoryview], offset: int) -> int:
+    def recording(fd: int, views: list[memoryview], offset: int, *flags: int) -> int:
         calls.append([(address(v), v.nbytes) for v in views])
-        return real(fd, views, offset)
+        return real(fd, views, offset, *flags)
 
     monkeypatch.setattr(fs_read, "_preadv", recording)
     return calls
@@ -125,9 +137,46 @@ async def test_direct_pinned_loads_and_stores_move_no_copy(
         assert await tier.load_many([key], [dst], pinned=True) == [None]
         assert bytes(dst) == data
     # One write and one read: the header's page and the payload, straight from the source and
-    # into the destination.
+    # into the destination (the read with a page more, which catches a longer file).
     assert writes == [[(writes[0][0][0], REGION), (address(src), LARGE)]]
-    assert preadv_calls == [[(preadv_calls[0][0][0], REGION), (address(dst), LARGE)]]
+    ((head, dest, tail),) = preadv_calls
+    assert head[1] == REGION and dest == (address(dst), LARGE) and tail[1] == ALIGN
+
+
+@pytest.mark.parametrize("cached", [True, False], ids=["cached", "cold"])
+async def test_a_file_the_page_cache_holds_is_read_from_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cached: bool
+) -> None:
+    """O_DIRECT would read a cached file from the device again: a zero-copy read of a file
+    the cache holds whole goes through the cache; any other by O_DIRECT."""
+    key, data = fresh_keys(1)[0], payload(LARGE, 9)
+    direct_reads: list[bool] = []
+    real = fs_read._preadv
+
+    def recording(fd: int, views: list[memoryview], offset: int, *flags: int) -> int:
+        direct_reads.append(bool(fcntl.fcntl(fd, fcntl.F_GETFL) & fs_io.O_DIRECT))
+        return real(fd, views, offset, *flags)
+
+    async with FSTier(tmp_path / "c", direct_io=True) as tier:
+        if not tier._files.direct:
+            pytest.skip(f"{tmp_path} does not take O_DIRECT")
+        await tier.store(key, memoryview(data))
+        path = block_file(tmp_path / "c", key)
+        drop_cache(path)
+        if cached:
+            path.read_bytes()
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                known = fs_read._all_cached(fd, len(data) + REGION)
+            finally:
+                os.close(fd)
+            if not known:
+                pytest.skip("this kernel cannot tell what the page cache holds (cachestat)")
+        monkeypatch.setattr(fs_read, "_preadv", recording)
+        dst = aligned_buffer(LARGE)
+        assert await tier.load_many([key], [dst], pinned=True) == [None]
+        assert bytes(dst) == data
+    assert direct_reads == [not cached]
 
 
 async def test_unpinned_loads_never_read_into_the_destination(
@@ -182,10 +231,11 @@ async def test_version_1_files_in_an_older_folder_still_load(
 @pytest.mark.parametrize("direct", [False, True], ids=["buffered", "direct"])
 @pytest.mark.parametrize("pinned", [False, True], ids=["unpinned", "pinned"])
 @pytest.mark.parametrize(
-    "damage", ["payload", "header", "truncated", "grown"], ids=lambda d: str(d)
+    "damage", ["payload", "header", "truncated", "grown", "grown-a-byte"], ids=lambda d: str(d)
 )
+@pytest.mark.parametrize("cached", [True, False], ids=["cached", "cold"])
 async def test_a_damaged_version_2_file_is_a_corrupt_miss_and_removed(
-    tmp_path: Path, direct: bool, pinned: bool, damage: str
+    tmp_path: Path, direct: bool, pinned: bool, damage: str, cached: bool
 ) -> None:
     key, data = fresh_keys(1)[0], payload(LARGE, 12)
     root = tmp_path / "c"
@@ -199,9 +249,13 @@ async def test_a_damaged_version_2_file_is_a_corrupt_miss_and_removed(
         raw[30] ^= 0x01
     elif damage == "truncated":
         del raw[-REGION:]
-    else:
+    elif damage == "grown":
         raw += bytes(REGION)
+    else:
+        raw += b"x"
     path.write_bytes(raw)
+    if not cached:  # read from the device (by O_DIRECT where the tier uses it)
+        drop_cache(path)
     code, out, _ = run_cli("verify", str(root))
     assert code != 0 and path.name in out
     async with FSTier(root, direct_io=direct) as tier:
