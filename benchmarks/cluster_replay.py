@@ -199,7 +199,7 @@ async def replay_fleet(
         refreshes = sum(s.refreshes - b[0] for s, b in zip(syncs, before, strict=True))
         upkeep = sum(sum(s.requests.values()) - b[1] for s, b in zip(syncs, before, strict=True))
         index_keys = [len(node.tier._index) for node in nodes]
-        bytes_read = sum(s.bytes_read for s in syncs)
+        bytes_read = sum(s.reader.bytes_read for s in syncs)
     stale = sorted(fleet.staleness)
     return {
         "nodes": n,
