@@ -12,8 +12,8 @@ interval; every other node reads that one object by its name, with no LIST
 
 A digest is ``MAGIC, u64 interval, u32 interval ms, writer (8 bytes), u32 count``, then
 ``count x (u16 length, segment name, u32 length, segment)`` in name order, then the xxh3-128
-of all before (``KVD1``) or, when the tier signs, the keyed MAC of ``IntegrityKey.mac`` over
-it and the digest folder's name (``KVD2``), so a digest copied from another prefix, or a
+of all before and the digest folder's name (``KVD1``) or, when the tier signs, the keyed MAC
+of ``IntegrityKey.mac`` over them (``KVD2``), so a digest copied from another prefix, or a
 journal segment passed off as a digest, does not verify. Segment names are stored without
 their folder and must have a segment name's exact shape: a reader rebuilds them under its
 own journal folder, so no digest can name an object elsewhere. The segments are kept as
@@ -88,8 +88,8 @@ def digest_name(prefix: str, interval_ms: int, interval: int) -> str:
 
 
 def _seal(body: bytes, prefix: str, integrity_key: IntegrityKey | None) -> bytes:
-    if integrity_key is None:
-        return xxhash.xxh3_128_digest(body)
+    if integrity_key is None:  # the folder too: a digest copied from another prefix fails
+        return xxhash.xxh3_128_digest(body + digest_dir(prefix).encode())
     return integrity_key.mac(body, digest_dir(prefix).encode())
 
 

@@ -193,9 +193,7 @@ class Digests:
         """Digest ``interval`` if it is this node's turn and nobody did; the digest this node
         published, or None. Raises only ``TierError``."""
         if interval <= self._made or not self.designated(interval, wall_ms):
-            return None
-        if self.next is not None and interval < self.next:
-            return None  # read already
+            return None  # tried, or read, already; or not this node's turn
         self._made = interval
         client = self._client()
         segments = await self._gather(client, interval)
