@@ -21,8 +21,9 @@ router:
 - ``hit``: prefix blocks served / blocks requested, fleet-wide; ``bound``: the same for one
   global cache that never forgets (what a perfect shared tier could do); ``alone``: the same
   fleet and router with no shared tier (each node its pool only), for contrast;
-- ``req/refresh``: index-upkeep requests (LIST, GET, PUT, DELETE of the journal, counted at
-  each tier) per node per refresh, and how they split;
+- ``req/refresh``: index-upkeep requests (LIST, GET, PUT, DELETE of the journal, its digests
+  with ``--digests on``, and the snapshots, counted at each tier) per node per refresh, and how
+  they split;
 - ``stale p50/p99``: seconds from a store landing on one node until a lookup on another node
   (picked at random, polling every ``refresh / 20``) answers HIT, over the stores probed;
 - ``index B/s``: journal bytes each node read per second, and the keys each index held.
@@ -173,6 +174,7 @@ async def replay_fleet(
                 name=f"s3-{i}",
                 index_refresh=args.refresh,
                 index_lookback=max(30.0, 4 * args.refresh),
+                index_digests=args.digests == "on",
             )
             pool = kvtier.HostPool(args.pool_blocks, PAYLOAD_BYTES)
             admission = kvtier.AdmissionPolicy(max_write_latency=None)
@@ -347,6 +349,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default="10000,100000,1000000",
         help="indexed blocks a new node opens against, from an index snapshot",
     )
+    parser.add_argument(
+        "--digests",
+        choices=("off", "on"),
+        default="off",
+        help="index_digests: read one digest per refresh instead of every writer's segments",
+    )
     parser.add_argument("--seed", type=int, default=0)
     add_s3_options(parser, "kvtier-bench")
     add_json_flag(parser)
@@ -364,7 +372,15 @@ async def main_async(args: argparse.Namespace, figures: dict[str, Any]) -> None:
     total = sum(len(k) for k in requests)
     bound = infinite_hits(requests) / total
     figures["settings"] = settings(
-        args, "requests", "nodes", "routers", "speed", "refresh", "pool_blocks", "probes"
+        args,
+        "requests",
+        "nodes",
+        "routers",
+        "speed",
+        "refresh",
+        "pool_blocks",
+        "probes",
+        "digests",
     )
     figures["bound"] = bound
     print(
