@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import itertools
 import logging
 from typing import Any
 
@@ -56,7 +57,7 @@ from kvtier.tiers.s3._journal import segment_time_ms, segment_writer
 from kvtier.tiers.s3._requests import body_of, get_bytes
 from kvtier.tiers.s3._segments import SegmentReader
 
-__all__ = ["CARRY_INTERVALS", "MAX_CATCH_UP", "Digests"]
+__all__ = ["CARRY_INTERVALS", "DELETE_BATCH", "MAX_CATCH_UP", "Digests"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,8 @@ logger = logging.getLogger(__name__)
 CARRY_INTERVALS = 2
 # A reader further behind than this many intervals reads the journal instead.
 MAX_CATCH_UP = 4
+# A writer deletes its old segments in batches of this many (one request for them all).
+DELETE_BATCH = 16
 _CONDITIONAL_ANSWERS = frozenset({Fault.PRECONDITION, Fault.CONFLICT, Fault.UNSUPPORTED})
 _GET_ANSWERS = frozenset({Fault.NOT_FOUND, Fault.REJECTED})
 _THREAD_BYTES = 256 << 10
@@ -186,6 +189,35 @@ class Digests:
         oldest = self.start_ms(digest.interval - CARRY_INTERVALS - 1)
         for name in [n for n, stamp in self._covered.items() if stamp < oldest]:
             del self._covered[name]
+
+    async def delete_own(
+        self, client: Any, own: collections.deque[tuple[int, str]], before_ms: int
+    ) -> None:
+        """Delete this node's segments stamped before ``before_ms`` with one DeleteObjects
+        once ``DELETE_BATCH`` of them are due (or the oldest is a lookback later still), so
+        a writer's deletes cost a fraction of its PUTs. Names the store could not delete
+        stay in ``own`` for the next try."""
+        due = [name for stamp, name in itertools.islice(own, 1000) if stamp < before_ms]
+        if not due or (len(due) < DELETE_BATCH and own[0][0] >= before_ms - self._lookback_ms):
+            return
+        self.requests["delete"] += 1
+        objects = [{"Key": name} for name in due]
+        request = functools.partial(
+            client.delete_objects,
+            Bucket=self._bucket,
+            Delete={"Objects": objects, "Quiet": True},
+        )
+        try:
+            answer = await self._call("journal", None, request)
+        except TierError as exc:  # kept: readers ignore old segments, the next round retries
+            self._log.warning(
+                "journal-delete", "%s: could not delete old segments (%s)", self.name, exc.reason
+            )
+            return
+        assert not isinstance(answer, Fault)
+        failed = {e.get("Key") for e in answer.get("Errors", ()) if isinstance(e, dict)}
+        kept = [item for item in (own.popleft() for _ in due) if item[1] in failed]
+        own.extendleft(reversed(kept))
 
     # -- writing ----------------------------------------------------------------------------
 

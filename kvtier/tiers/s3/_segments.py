@@ -60,8 +60,13 @@ class SegmentReader:
         integrity_key: IntegrityKey | None,
         requests: collections.Counter[str],
         skew: ClockSkew,
+        notify: Callable[[list[bytes]], None],
+        forgot: Callable[[list[bytes], str], None],
     ) -> None:
+        """Read segments of ``prefix`` into ``index``; ``notify(keys)`` and ``forgot(keys,
+        why)`` are told what they changed (``tell``)."""
         self._index, self.name = index, name
+        self._notify, self._forgot = notify, forgot
         self._bucket, self._prefix, self._call = bucket, prefix, call
         self._integrity_key = integrity_key
         self.requests = requests
@@ -156,6 +161,24 @@ class SegmentReader:
                 name,
             )
         return changes
+
+    def tell(self, changes: list[Change]) -> list[bytes]:
+        """Tell what the segments read changed, in their order: keys learnt (``notify``,
+        a run of them at once) and keys forgotten (``forgot``); the keys learnt."""
+        learnt: list[bytes] = []
+        run: list[bytes] = []
+        for why, keys in [*changes, ("", [])]:  # the empty last one tells the last run
+            if why is None:
+                run.extend(keys)
+                continue
+            if run:
+                self._index.learnt += len(run)
+                self._notify(run)
+                learnt += run
+                run = []
+            if keys:
+                self._forgot(keys, why)
+        return learnt
 
     def _forget(self, removals: list[tuple[bytes, str]]) -> list[Change]:
         """Drop the keys another node deleted; ``(why, keys dropped)`` per reason."""

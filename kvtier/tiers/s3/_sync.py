@@ -146,6 +146,8 @@ class IndexSync:
             integrity_key=link.integrity_key,
             requests=self.requests,
             skew=self._skew,
+            notify=self._notify,
+            forgot=self._forgot,
         )
         reads = self._read_journal
         self.snapshots = (
@@ -293,7 +295,7 @@ class IndexSync:
                     changes.extend(await self.reader.changes(name, data))
                 self._index.seen(name, segment_time_ms(name) or 0)
         finally:
-            self._tell(changes)
+            self.reader.tell(changes)
         self.digests.done(digest)
 
     async def _snapshot_round(self) -> None:
@@ -354,6 +356,9 @@ class IndexSync:
             return
         before_ms = int(self._wall() * 1000) - 2 * self._lookback_ms
         client = self._client()
+        if self.digests is not None:
+            await self.digests.delete_own(client, self._own, before_ms)
+            return
         while self._own and self._own[0][0] < before_ms:
             _, name = self._own[0]
             self.requests["delete"] += 1
@@ -404,7 +409,7 @@ class IndexSync:
                     changes.extend(await self.reader.changes(name, data) if data else ())
                 self._index.seen(name, stamp)
         finally:
-            learnt = self._tell(changes)  # what was applied is told, even if a GET failed
+            learnt = self.reader.tell(changes)  # what was applied is told, even if a GET failed
         self._index.forget_seen_before(oldest)
         if self.covered_ms is not None:
             self.covered_ms = max(self.covered_ms, min(now_ms, until_ms or now_ms))
@@ -423,21 +428,3 @@ class IndexSync:
                 self.name,
                 (now_ms - covered) / 1000,
             )
-
-    def _tell(self, changes: list[Change]) -> list[bytes]:
-        """Tell what the segments read changed, in their order: keys learnt (``notify``,
-        a run of them at once) and keys forgotten (``forgot``); the keys learnt."""
-        learnt: list[bytes] = []
-        run: list[bytes] = []
-        for why, keys in [*changes, ("", [])]:  # the empty last one tells the last run
-            if why is None:
-                run.extend(keys)
-                continue
-            if run:
-                self._index.learnt += len(run)
-                self._notify(run)
-                learnt += run
-                run = []
-            if keys:
-                self._forgot(keys, why)
-        return learnt

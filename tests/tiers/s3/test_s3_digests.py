@@ -22,8 +22,8 @@ from devtools.server_process import raw_client
 from devtools.weed_server import BUCKET, WeedServer
 from kvtier.tiers.s3 import S3Tier
 from kvtier.tiers.s3._digest import Digest, digest_dir, digest_name, encode_digest
-from kvtier.tiers.s3._digesting import MAX_CATCH_UP, Digests
-from kvtier.tiers.s3._journal import encode_segment, segment_name, segment_time_ms
+from kvtier.tiers.s3._digesting import DELETE_BATCH, MAX_CATCH_UP, Digests
+from kvtier.tiers.s3._journal import encode_segment, journal_prefix, segment_name, segment_time_ms
 from kvtier.tiers.s3._pack import Location, pack_name
 from tests.support import MakeS3Tier, ManualClock, fill, fresh_keys
 
@@ -286,3 +286,20 @@ async def test_a_node_that_predates_digests_shares_both_ways(make_tier: MakeS3Ti
         assert_knows(c, keys)
         assert_knows(old, keys[:2])
         assert digests_of(c).fallbacks == 1
+
+
+async def test_a_writer_deletes_its_old_segments_in_one_request(
+    make_tier: MakeS3Tier, weed_server: WeedServer, prefix: str
+) -> None:
+    clock = _clock()
+    async with nodes(make_tier, clock) as (a,):
+        for key in fresh_keys(DELETE_BATCH):
+            await fill(a, [key])
+            await publish(a)  # a segment each
+        clock.advance(2 * SETTINGS["index_lookback"] + 1)
+        deletes = a._sync.requests["delete"]
+        await publish(a)
+        assert a._sync.requests["delete"] == deletes + 1
+        async with raw_client(weed_server.endpoint_url) as client:
+            page = await client.list_objects_v2(Bucket=BUCKET, Prefix=journal_prefix(prefix))
+            assert not page.get("Contents")
