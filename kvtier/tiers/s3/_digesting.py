@@ -71,6 +71,9 @@ DELETE_BATCH = 16
 _CONDITIONAL_ANSWERS = frozenset({Fault.PRECONDITION, Fault.CONFLICT, Fault.UNSUPPORTED})
 _GET_ANSWERS = frozenset({Fault.NOT_FOUND, Fault.REJECTED})
 _THREAD_BYTES = 256 << 10
+# A digester reads the interval's segments this many at a time (the digest is due by the
+# time the readers' round comes, half an interval later).
+_PARALLEL_GETS = 16
 
 
 class Digests:
@@ -260,16 +263,25 @@ class Digests:
             self.note(name)
             if stamp < end and isinstance(size, int) and 0 < size <= reader.max_segment:
                 names.append(name)
+        fetched: dict[str, bytes] = {}
+
+        async def fetch(name: str, limiter: anyio.CapacityLimiter) -> None:
+            async with limiter:
+                data = await reader.fetch(client, name)
+                if data is not None and await reader.valid(name, data):
+                    fetched[name] = data
+
+        limiter = anyio.CapacityLimiter(_PARALLEL_GETS)
+        async with anyio.create_task_group() as tg:
+            for name in names[:MAX_DIGEST_SEGMENTS]:
+                tg.start_soon(fetch, name, limiter)
         segments: list[tuple[str, bytes]] = []
         total = 0
-        for name in names[:MAX_DIGEST_SEGMENTS]:
-            data = await reader.fetch(client, name)
-            if data is None or not await reader.valid(name, data):
-                continue
-            total += len(data) + 300
+        for name in sorted(fetched):
+            total += len(fetched[name]) + 300
             if total > MAX_DIGEST_BYTES - 4096:
                 break  # the rest waits for the next digest
-            segments.append((name, data))
+            segments.append((name, fetched[name]))
         return segments
 
     async def _put_new(self, client: Any, name: str, body: bytes) -> bool:

@@ -42,7 +42,8 @@ and, if its view is complete, compacts when one is due.
 Journal digests (``_digesting``, ``index_digests``): the refresh reads one digest per
 interval by name instead of listing the journal and reading every writer's segments, and
 falls back to that reading when a digest is missing for a whole interval or rejected; the
-loop refreshes at the middle of each interval, after the digester's turn at its start.
+loop reads at the middle of each interval, after the digester's turn at its start, and
+publishes at three quarters, so a segment is listable when the next digest is made.
 Segments are read, checked and applied by ``_segments`` for both paths.
 """
 
@@ -206,9 +207,10 @@ class IndexSync:
     # -- the journal loop ------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Publish and poll every ``index_refresh`` seconds until cancelled; with digests,
-        at the middle of each interval, and at its start a node whose turn it is digests the
-        interval that just ended (``_digesting``)."""
+        """Publish and poll every ``index_refresh`` seconds until cancelled. With digests
+        (``_digesting``), three turns an interval: at its start a node whose turn it is
+        digests the interval that just ended; at its middle every node reads that digest;
+        at three quarters it publishes, a quarter interval before the next digest lists."""
         while True:
             if self.digests is None:
                 await anyio.sleep(self.index_refresh)
@@ -219,16 +221,23 @@ class IndexSync:
             await anyio.sleep((length_ms - now_ms % length_ms) / 1000)
             await self._digest_turn()
             await anyio.sleep(length_ms / 2000)
-            await self.refresh_once()
+            await self.refresh_once(publish=False)
+            await anyio.sleep(length_ms / 4000)
+            await self.refresh_once(poll=False, count=False)
 
-    async def refresh_once(self, *, poll: bool = True) -> None:
-        """One round: publish this node's new keys, delete its old segments, read the
-        others' (unless ``poll`` is False or this tier does not read the journal): from the
-        digests when there are, else from the journal. Never raises an ``Exception``: a
-        failed round is logged once per burst and counted, and the next round tries again."""
+    async def refresh_once(
+        self, *, poll: bool = True, publish: bool = True, count: bool = True
+    ) -> None:
+        """One round: publish this node's new keys and delete its old segments (unless
+        ``publish`` is False), read the others' (unless ``poll`` is False or this tier does
+        not read the journal): from the digests when there are, else from the journal; a
+        round counts in ``refreshes`` unless ``count`` is False. Never raises an
+        ``Exception``: a failed round is logged once per burst and counted, and the next
+        round tries again."""
         try:
-            await self.publish()
-            await self._delete_old_own()
+            if publish:
+                await self.publish()
+                await self._delete_old_own()
             if poll and self._read_journal:
                 if self.digests is None:
                     await self.poll()
@@ -237,7 +246,7 @@ class IndexSync:
                 await self._snapshot_round()
         except Exception as exc:
             self._failed(exc)
-        self.refreshes += 1
+        self.refreshes += count
 
     def _failed(self, exc: Exception) -> None:
         self.refresh_failures += 1
