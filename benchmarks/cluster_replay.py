@@ -202,6 +202,11 @@ async def replay_fleet(
         upkeep = sum(sum(s.requests.values()) - b[1] for s, b in zip(syncs, before, strict=True))
         index_keys = [len(node.tier._index) for node in nodes]
         bytes_read = sum(s.reader.bytes_read for s in syncs)
+        digests = [s.digests for s in syncs if s.digests is not None]
+        digest_counts = {
+            what: sum(getattr(d, what) for d in digests)
+            for what in ("published", "read", "lost", "missing", "rejected", "fallbacks")
+        }
     stale = sorted(fleet.staleness)
     return {
         "nodes": n,
@@ -219,6 +224,7 @@ async def replay_fleet(
         "index_keys_per_node": statistics.mean(index_keys),
         "seconds": elapsed,
         "start_lag_p99": _quantile(sorted(fleet.lag), 0.99),
+        "digests": digest_counts if digests else None,
     }
 
 
@@ -413,6 +419,8 @@ async def main_async(args: argparse.Namespace, figures: dict[str, Any]) -> None:
                 f"{row['index_keys_per_node']:7.0f} {row['start_lag_p99']:7.2f}",
                 flush=True,
             )
+            if row["digests"]:
+                print(f"{'':>13}digests: {row['digests']}", flush=True)
     figures["fleets"] = rows
     opens = []
     for blocks in _ints(args.open_blocks):

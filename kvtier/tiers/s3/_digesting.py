@@ -53,7 +53,7 @@ from kvtier.tiers.s3._digest import (
     encode_digest,
 )
 from kvtier.tiers.s3._errors import Fault
-from kvtier.tiers.s3._journal import segment_time_ms, segment_writer
+from kvtier.tiers.s3._journal import segment_name, segment_time_ms, segment_writer
 from kvtier.tiers.s3._requests import body_of, get_bytes
 from kvtier.tiers.s3._segments import SegmentReader
 
@@ -100,6 +100,7 @@ class Digests:
         self._made = -1  # the newest interval this node tried to digest
         self._covered: dict[str, int] = {}  # segment names in digests read: their stamps
         self._writers: dict[str, int] = {}  # writer id: the newest stamp seen of it
+        self._own: dict[str, bytes] = {}  # segments published here and not yet digested
         self._swept_ms: int | None = None
         self.missing_last = False  # whether the last digest asked for was not there
         self.published = 0
@@ -115,11 +116,14 @@ class Digests:
     def start_ms(self, interval: int) -> int:
         return interval * self.interval_ms
 
-    def note(self, name: str) -> None:
-        """A segment seen (published, listed or read): its writer is alive."""
+    def note(self, name: str, body: bytes | None = None) -> None:
+        """A segment seen (published, listed or read): its writer is alive. ``body``: one
+        this node published, kept until digested so its digester need not GET it."""
         writer, stamp = segment_writer(name), segment_time_ms(name)
         if writer is not None and stamp is not None:
             self._writers[writer] = max(stamp, self._writers.get(writer, 0))
+        if body is not None:
+            self._own[name] = body
 
     def designated(self, interval: int, wall_ms: int) -> bool:
         """Whether it is this node's turn to digest ``interval``."""
@@ -192,6 +196,8 @@ class Digests:
         oldest = self.start_ms(digest.interval - CARRY_INTERVALS - 1)
         for name in [n for n, stamp in self._covered.items() if stamp < oldest]:
             del self._covered[name]
+        for name in [n for n in self._own if n in self._covered or n < self._first(oldest)]:
+            del self._own[name]
 
     async def delete_own(
         self, client: Any, own: collections.deque[tuple[int, str]], before_ms: int
@@ -221,6 +227,10 @@ class Digests:
         failed = {e.get("Key") for e in answer.get("Errors", ()) if isinstance(e, dict)}
         kept = [item for item in (own.popleft() for _ in due) if item[1] in failed]
         own.extendleft(reversed(kept))
+
+    def _first(self, wall_ms: int) -> str:
+        """The first segment name stamped at ``wall_ms`` (names sort by stamp)."""
+        return segment_name(self._prefix, wall_ms, "0" * 16, 0)
 
     # -- writing ----------------------------------------------------------------------------
 
@@ -267,7 +277,7 @@ class Digests:
 
         async def fetch(name: str, limiter: anyio.CapacityLimiter) -> None:
             async with limiter:
-                data = await reader.fetch(client, name)
+                data = self._own.get(name) or await reader.fetch(client, name)
                 if data is not None and await reader.valid(name, data):
                     fetched[name] = data
 

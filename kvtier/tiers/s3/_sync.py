@@ -354,7 +354,7 @@ class IndexSync:
         self.segments_published += 1
         self._own.append((now_ms, name))
         if self.digests is not None:
-            self.digests.note(name)
+            self.digests.note(name, body)
         self._skew.check(response)
 
     async def _delete_old_own(self) -> None:
