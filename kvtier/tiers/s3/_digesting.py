@@ -2,9 +2,9 @@
 has the format).
 
 No metadata service decides who digests. Time is cut into intervals of ``index_refresh``
-seconds by the wall clock; the writers a node knows (those whose segments it saw stamped
-within ``index_lookback``, itself included once it published) are sorted, and interval ``j``
-is digested by the ``j mod n``-th of them. Nodes reading the same digests know the same
+seconds by the wall clock; the writers a node knows with a segment stamped in the
+``index_lookback`` before interval ``j`` (itself included) are sorted, and ``j`` is digested
+by the ``j mod n``-th of them. Nodes reading the same digests know the same
 writers, so they agree; where views differ, two nodes may both digest ``j``: each writes the
 digest with a conditional PUT (``If-None-Match: *``), so one wins and the other reads the
 winner's. A node that digests ``j``:
@@ -30,6 +30,7 @@ that predate digests keep reading the journal.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import functools
 import itertools
@@ -99,7 +100,7 @@ class Digests:
         self.next: int | None = None  # the next interval whose digest this node reads
         self._made = -1  # the newest interval this node tried to digest
         self._covered: dict[str, int] = {}  # segment names in digests read: their stamps
-        self._writers: dict[str, int] = {}  # writer id: the newest stamp seen of it
+        self._writers: dict[str, list[int]] = {}  # writer id: stamps seen of it, sorted
         self._own: dict[str, bytes] = {}  # segments published here and not yet digested
         self._swept_ms: int | None = None
         self.missing_last = False  # whether the last digest asked for was not there
@@ -121,16 +122,28 @@ class Digests:
         this node published, kept until digested so its digester need not GET it."""
         writer, stamp = segment_writer(name), segment_time_ms(name)
         if writer is not None and stamp is not None:
-            self._writers[writer] = max(stamp, self._writers.get(writer, 0))
+            stamps = self._writers.setdefault(writer, [])
+            if stamp not in stamps:
+                bisect.insort(stamps, stamp)
         if body is not None:
             self._own[name] = body
 
     def designated(self, interval: int, wall_ms: int) -> bool:
-        """Whether it is this node's turn to digest ``interval``."""
-        since = wall_ms - self._lookback_ms
-        for writer in [w for w, stamp in self._writers.items() if stamp < since]:
-            del self._writers[writer]
-        writers = sorted(self._writers)
+        """Whether it is this node's turn to digest ``interval``: the writers counted are
+        those with a segment stamped in the lookback before the interval, which every node
+        that read the digests before it knows alike (a writer's newer segments, which it
+        knows before the others, do not count yet)."""
+        end = self.start_ms(interval)
+        start = end - self._lookback_ms
+        for writer, stamps in list(self._writers.items()):
+            del stamps[: bisect.bisect_left(stamps, min(start, wall_ms - 2 * self._lookback_ms))]
+            if not stamps:
+                del self._writers[writer]
+        writers = sorted(
+            writer
+            for writer, stamps in self._writers.items()
+            if (at := bisect.bisect_left(stamps, end)) > 0 and stamps[at - 1] >= start
+        )
         return bool(writers) and writers[interval % len(writers)] == self._writer
 
     # -- reading ----------------------------------------------------------------------------

@@ -75,6 +75,14 @@ def digests_of(tier: S3Tier) -> Digests:
     return digests
 
 
+def prime(tier: S3Tier, clock: ManualClock, *writers: S3Tier) -> None:
+    """Let ``tier`` know ``writers`` as if each had published in the interval before: the
+    digest's turn goes round them (a writer's first segment counts from the next interval)."""
+    for writer in writers:
+        name = segment_name(writer.prefix, ms(clock) - int(R * 1000), writer._sync._writer, 0)
+        digests_of(tier).note(name)
+
+
 async def publish(*tiers: S3Tier) -> None:
     for tier in tiers:
         await tier._sync.refresh_once(poll=False)
@@ -89,6 +97,8 @@ async def test_two_digesters_racing_publish_one_digest(make_tier: MakeS3Tier) ->
     clock = _clock()
     keys = fresh_keys(8)
     async with nodes(make_tier, clock, clock, clock) as (a, b, c):
+        prime(a, clock, a)  # each thinks itself the only writer: both take the turn
+        prime(b, clock, b)
         await fill(a, keys[:4])
         await fill(b, keys[4:])
         await publish(a, b)
@@ -116,6 +126,7 @@ async def test_removals_travel_in_digests(make_tier: MakeS3Tier) -> None:
     clock = _clock()
     keys = fresh_keys(3)
     async with nodes(make_tier, clock, clock) as (a, c):
+        prime(a, clock, a)
         await fill(a, keys)
         await publish(a)
         clock.advance(R)
@@ -138,6 +149,7 @@ async def test_a_digester_crashing_before_it_publishes_leaves_readers_correct(
     clock = _clock()
     keys = fresh_keys(4)
     async with nodes(make_tier, clock, clock) as (a, c):
+        prime(a, clock, a)
         await fill(a, keys)
         await publish(a)
         interval = digests_of(a).interval_of(ms(clock))
@@ -255,6 +267,7 @@ async def test_a_reader_behind_the_digests_catches_up_by_name(make_tier: MakeS3T
     clock = _clock()
     keys = fresh_keys(6)
     async with nodes(make_tier, clock, clock) as (a, c):
+        prime(a, clock, a)
         for i in range(3):
             await fill(a, keys[2 * i : 2 * i + 2])
             await a._sync.refresh_once()  # publishes, and digests the interval before
@@ -276,6 +289,7 @@ async def test_a_node_that_predates_digests_shares_both_ways(make_tier: MakeS3Ti
         nodes(make_tier, clock, clock) as (a, c),
         nodes(make_tier, clock, index_digests=False) as (old,),
     ):
+        prime(a, clock, a)
         await fill(a, keys[:2])
         await fill(old, keys[2:])
         await publish(a, old)
