@@ -130,10 +130,11 @@ class Digests:
 
     def designated(self, interval: int, wall_ms: int) -> bool:
         """Whether it is this node's turn to digest ``interval``: the writers counted are
-        those with a segment stamped in the lookback before the interval, which every node
-        that read the digests before it knows alike (a writer's newer segments, which it
-        knows before the others, do not count yet)."""
-        end = self.start_ms(interval)
+        those with a segment stamped in the lookback before interval ``interval -
+        CARRY_INTERVALS``, which every node has read (from the digests, or the journal) by
+        the time the turn comes, even after a missing digest or a late segment; a writer's
+        newer segments, which it knows before the others, do not count yet."""
+        end = self.start_ms(interval - CARRY_INTERVALS)
         start = end - self._lookback_ms
         for writer, stamps in list(self._writers.items()):
             del stamps[: bisect.bisect_left(stamps, min(start, wall_ms - 2 * self._lookback_ms))]

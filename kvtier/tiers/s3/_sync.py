@@ -207,23 +207,34 @@ class IndexSync:
     # -- the journal loop ------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Publish and poll every ``index_refresh`` seconds until cancelled. With digests
-        (``_digesting``), three turns an interval: at its start a node whose turn it is
-        digests the interval that just ended; at its middle every node reads that digest;
-        at three quarters it publishes, a quarter interval before the next digest lists."""
+        """Publish and poll every ``index_refresh`` seconds until cancelled (with digests,
+        ``_run_digests``)."""
+        if self.digests is not None:
+            await self._run_digests(self.digests.interval_ms)
         while True:
-            if self.digests is None:
-                await anyio.sleep(self.index_refresh)
-                await self.refresh_once()
-                continue
-            length_ms = self.digests.interval_ms
-            now_ms = int(self._wall() * 1000)
-            await anyio.sleep((length_ms - now_ms % length_ms) / 1000)
+            await anyio.sleep(self.index_refresh)
+            await self.refresh_once()
+
+    async def _run_digests(self, length_ms: int) -> None:
+        """Three turns an interval, in order: at its start a node whose turn it is digests
+        the interval that just ended (``_digesting``); at its middle every node reads that
+        digest; at three quarters it publishes, a quarter interval before the next digest
+        lists. A turn that comes late runs at once (none is skipped); a loop a whole
+        interval behind moves on to the current one."""
+        interval = int(self._wall() * 1000) // length_ms + 1
+        while True:
+            interval = max(interval, int(self._wall() * 1000) // length_ms)
+            start_ms = interval * length_ms
+            await self._sleep_until(start_ms)
             await self._digest_turn()
-            await anyio.sleep(length_ms / 2000)
+            await self._sleep_until(start_ms + length_ms // 2)
             await self.refresh_once(publish=False)
-            await anyio.sleep(length_ms / 4000)
+            await self._sleep_until(start_ms + 3 * length_ms // 4)
             await self.refresh_once(poll=False, count=False)
+            interval += 1
+
+    async def _sleep_until(self, wall_ms: int) -> None:
+        await anyio.sleep(max(wall_ms / 1000 - self._wall(), 0.0))
 
     async def refresh_once(
         self, *, poll: bool = True, publish: bool = True, count: bool = True

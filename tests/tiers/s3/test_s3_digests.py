@@ -22,7 +22,7 @@ from devtools.server_process import raw_client
 from devtools.weed_server import BUCKET, WeedServer
 from kvtier.tiers.s3 import S3Tier
 from kvtier.tiers.s3._digest import Digest, digest_dir, digest_name, encode_digest
-from kvtier.tiers.s3._digesting import DELETE_BATCH, MAX_CATCH_UP, Digests
+from kvtier.tiers.s3._digesting import CARRY_INTERVALS, DELETE_BATCH, MAX_CATCH_UP, Digests
 from kvtier.tiers.s3._journal import encode_segment, journal_prefix, segment_name, segment_time_ms
 from kvtier.tiers.s3._pack import Location, pack_name
 from tests.support import MakeS3Tier, ManualClock, fill, fresh_keys
@@ -76,10 +76,11 @@ def digests_of(tier: S3Tier) -> Digests:
 
 
 def prime(tier: S3Tier, clock: ManualClock, *writers: S3Tier) -> None:
-    """Let ``tier`` know ``writers`` as if each had published in the interval before: the
-    digest's turn goes round them (a writer's first segment counts from the next interval)."""
+    """Let ``tier`` know ``writers`` as if each had published a few intervals before: the
+    digest's turn goes round them (a writer's segments count from ``CARRY_INTERVALS`` on)."""
+    before = int((CARRY_INTERVALS + 1) * R * 1000)
     for writer in writers:
-        name = segment_name(writer.prefix, ms(clock) - int(R * 1000), writer._sync._writer, 0)
+        name = segment_name(writer.prefix, ms(clock) - before, writer._sync._writer, 0)
         digests_of(tier).note(name)
 
 
