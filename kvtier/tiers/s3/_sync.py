@@ -21,15 +21,11 @@ The loop catches every ``Exception`` (a botocore error kvtier does not translate
 failing credential provider, included) and counts it: it runs in a task group entered in the
 engine's task, which an escaping error would cancel.
 
-What the bucket holds is untrusted (``_journal``): a segment is read with one GET bounded
-by ``max_segment_bytes`` (one the listing shows as larger is not read at all), and segments
-and entries that are ignored are counted (``segments_rejected``, ``entries_rejected``).
-
-Clock skew: segment names carry the writer's wall time, so every journal response's ``Date``
-is compared with this node's clock (``_skew``); ``clock_skew`` keeps the last measure.
-
-A writer deletes its own segments once they are older than twice the lookback, at every
-refresh; one whose DELETE failed stays first in line and is tried again at the next refresh.
+What the bucket holds is untrusted (``_journal``, ``_segments``): a segment is read with one
+GET bounded by ``max_segment_bytes`` (one the listing shows as larger is not read at all).
+Clock skew: every journal response's ``Date`` is compared with this node's clock (``_skew``).
+A writer deletes its own segments once they are older than twice the lookback; one whose
+DELETE failed stays first in line and is tried again at the next refresh.
 
 Index snapshots (``_compaction``, ``index_snapshots``): at open the newest snapshot, when one is
 usable, replaces the listing, and the first poll lists from its cover minus the lookback. A
@@ -41,10 +37,10 @@ and, if its view is complete, compacts when one is due.
 
 Journal digests (``_digesting``, ``index_digests``): the refresh reads one digest per
 interval by name instead of listing the journal and reading every writer's segments, and
-falls back to that reading when a digest is missing for a whole interval or rejected; the
-loop reads at the middle of each interval, after the digester's turn at its start, and
-publishes at three quarters, so a segment is listable when the next digest is made.
-Segments are read, checked and applied by ``_segments`` for both paths.
+falls back to that reading when a digest is missing for a whole interval or rejected (and
+``refresh_once(full=True)`` reads the journal at once); the loop reads at the middle of each
+interval, after the digester's turn at its start, and publishes at three quarters, so a
+segment is listable when the next digest is made.
 """
 
 from __future__ import annotations
@@ -237,20 +233,20 @@ class IndexSync:
         await anyio.sleep(max(wall_ms / 1000 - self._wall(), 0.0))
 
     async def refresh_once(
-        self, *, poll: bool = True, publish: bool = True, count: bool = True
+        self, *, poll: bool = True, publish: bool = True, count: bool = True, full: bool = False
     ) -> None:
         """One round: publish this node's new keys and delete its old segments (unless
         ``publish`` is False), read the others' (unless ``poll`` is False or this tier does
         not read the journal): from the digests when there are, else from the journal; a
         round counts in ``refreshes`` unless ``count`` is False. Never raises an
         ``Exception``: a failed round is logged once per burst and counted, and the next
-        round tries again."""
+        round tries again. ``full``: read the journal even with digests (a fresh view now)."""
         try:
             if publish:
                 await self.publish()
                 await self._delete_old_own()
             if poll and self._read_journal:
-                if self.digests is None:
+                if self.digests is None or full:
                     await self.poll()
                 else:
                     await self._digest_round()

@@ -403,7 +403,7 @@ class S3Tier(SecondaryTier):
         """Publish this node's new keys and read the other nodes' journals now, instead of at
         the next ``index_refresh`` (tests, and a node that wants a fresh view at once)."""
         self._require_client("refresh_index")
-        await self._sync.refresh_once()
+        await self._sync.refresh_once(full=True)
 
     @property
     def breaker_state(self) -> BreakerState:
