@@ -133,19 +133,24 @@ class Digests:
         those with a segment stamped in the lookback before interval ``interval -
         CARRY_INTERVALS``, which every node has read (from the digests, or the journal) by
         the time the turn comes, even after a missing digest or a late segment; a writer's
-        newer segments, which it knows before the others, do not count yet."""
-        end = self.start_ms(interval - CARRY_INTERVALS)
-        start = end - self._lookback_ms
+        newer segments, which it knows before the others, do not count yet. A fleet that
+        has just started, with no such writer, counts the writers up to ``interval``."""
         for writer, stamps in list(self._writers.items()):
-            del stamps[: bisect.bisect_left(stamps, min(start, wall_ms - 2 * self._lookback_ms))]
+            del stamps[: bisect.bisect_left(stamps, wall_ms - 3 * self._lookback_ms)]
             if not stamps:
                 del self._writers[writer]
-        writers = sorted(
+        writers = self._writers_before(self.start_ms(interval - CARRY_INTERVALS))
+        writers = writers or self._writers_before(self.start_ms(interval + 1))
+        return bool(writers) and writers[interval % len(writers)] == self._writer
+
+    def _writers_before(self, end_ms: int) -> list[str]:
+        """The writers with a segment stamped in the lookback before ``end_ms``, sorted."""
+        start_ms = end_ms - self._lookback_ms
+        return sorted(
             writer
             for writer, stamps in self._writers.items()
-            if (at := bisect.bisect_left(stamps, end)) > 0 and stamps[at - 1] >= start
+            if (at := bisect.bisect_left(stamps, end_ms)) > 0 and stamps[at - 1] >= start_ms
         )
-        return bool(writers) and writers[interval % len(writers)] == self._writer
 
     # -- reading ----------------------------------------------------------------------------
 
@@ -248,6 +253,18 @@ class Digests:
 
     # -- writing ----------------------------------------------------------------------------
 
+    async def make_due(self, wall_ms: int) -> list[Digest]:
+        """Digest the intervals that ended lately whose turn is this node's and that it has
+        not tried (the last one, and the one before when this node's loop ran late); the
+        digests it published."""
+        current = self.interval_of(wall_ms)
+        made = []
+        for interval in range(max(self._made + 1, current - 2), current):
+            digest = await self.make(interval, wall_ms)
+            if digest is not None:
+                made.append(digest)
+        return made
+
     async def make(self, interval: int, wall_ms: int) -> Digest | None:
         """Digest ``interval`` if it is this node's turn and nobody did; the digest this node
         published, or None. Raises only ``TierError``."""
@@ -266,6 +283,7 @@ class Digests:
             self.lost += 1
             return None
         self.published += 1
+        self._covered.update((name, segment_time_ms(name) or 0) for name, _ in segments)
         old = digest_name(self._prefix, self.interval_ms, interval - self._keep)
         self.requests["delete"] += 1
         try:

@@ -266,18 +266,16 @@ class IndexSync:
         if not self._read_journal:
             return
         try:
-            now_ms = int(self._wall() * 1000)
-            made = await self.digests.make(self.digests.interval_of(now_ms) - 1, now_ms)
-            if made is not None:
+            for made in await self.digests.make_due(int(self._wall() * 1000)):
                 await self._apply(made)
         except Exception as exc:
             self._failed(exc)
 
     async def _digest_round(self) -> None:
         """Read the digests of the intervals that ended since the last round (digesting the
-        last one first if it is this node's turn). A digest missing for a whole interval,
-        or rejected, or a node too far behind, reads the journal instead; so does a look
-        every half lookback for segments no digest brought."""
+        last one first if it is this node's turn). A digest still missing an interval after
+        it was due, or rejected, or a node too far behind, reads the journal instead; so
+        does a look every half lookback for segments no digest brought."""
         digests = self.digests
         assert digests is not None
         await self._digest_turn()
@@ -286,8 +284,8 @@ class IndexSync:
         wanted = digests.to_read(target)
         for interval in wanted or ():
             digest = await digests.fetch(interval)
-            if digest is None and interval == target and digests.missing_last:
-                break  # its digester may be slow: look again at the next round
+            if digest is None and interval >= target - 1 and digests.missing_last:
+                break  # its digester may be late: look again at the next round
             if digest is None:
                 wanted = None
                 break

@@ -141,7 +141,7 @@ async def test_removals_travel_in_digests(make_tier: MakeS3Tier) -> None:
         await c._sync.refresh_once()
         assert keys[0] not in c._index
         assert_knows(c, keys[1:])
-        assert digests_of(a).published == 2 and digests_of(c).fallbacks == 1
+        assert digests_of(a).published >= 2 and digests_of(c).fallbacks == 1
 
 
 async def test_a_digester_crashing_before_it_publishes_leaves_readers_correct(
@@ -165,14 +165,17 @@ async def test_a_digester_crashing_before_it_publishes_leaves_readers_correct(
         async with raw_client(weed_server.endpoint_url) as client:
             page = await client.list_objects_v2(Bucket=BUCKET, Prefix=digest_dir(prefix))
             assert not page.get("Contents")
-        await c._sync.refresh_once()  # the digester may be slow: it waits an interval
+        await c._sync.refresh_once()  # the digester may be late: it waits
         assert digests_of(c).missing == 1 and keys[0] not in c._index
         clock.advance(R)
-        await c._sync.refresh_once()  # missing for a whole interval: reads the journal
+        await c._sync.refresh_once()  # an interval late: it still waits
+        assert digests_of(c).fallbacks == 1 and keys[0] not in c._index
+        clock.advance(R)
+        await c._sync.refresh_once()  # missing an interval after it was due: the journal
         assert_knows(c, keys)
         assert digests_of(c).fallbacks == 2
         monkeypatch.undo()
-        await a._sync.refresh_once()  # the next digest carries what the lost one held
+        await a._sync.refresh_once()  # the next digests carry what the lost one held
         carried = await digests_of(c).fetch(interval + 1)
         assert carried is not None
         stamps = [segment_time_ms(name) or 0 for name, _ in carried.segments]
