@@ -3,8 +3,9 @@ has the format).
 
 No metadata service decides who digests. Time is cut into intervals of ``index_refresh``
 seconds by the wall clock; the writers a node knows with a segment stamped in the
-``index_lookback`` before interval ``j`` (itself included) are sorted, and ``j`` is digested
-by the ``j mod n``-th of them. Nodes reading the same digests know the same
+``index_lookback`` before interval ``j - CARRY_INTERVALS`` (itself included; a fleet that has
+just started counts them up to ``j``) are sorted, and ``j`` is digested by the ``j mod n``-th
+of them. Nodes reading the same digests know the same
 writers, so they agree; where views differ, two nodes may both digest ``j``: each writes the
 digest with a conditional PUT (``If-None-Match: *``), so one wins and the other reads the
 winner's. A node that digests ``j``:
@@ -19,8 +20,10 @@ or the node whose turn it was never digested: it crashed, or it is a kvtier that
 digests) are carried by the next interval's digester, which is therefore ``j``'s backup.
 
 A reader GETs the digests of the intervals that ended since its last refresh, by name. When
-one is missing or rejected, or the reader is more than ``MAX_CATCH_UP`` intervals behind, it
-reads the journal as a node without digests does (a LIST and a GET per segment it has not
+one is rejected, or still missing an interval after it was due (its digester may be late: a
+loaded node's turn also takes the interval before, if that was its turn and it missed it),
+or the reader is more than ``MAX_CATCH_UP`` intervals behind, it reads the journal as a node
+without digests does (a LIST and a GET per segment it has not
 read), so the index never depends on a digester: it is at worst as fresh as without
 digests. Every ``index_lookback / 2`` it also lists the journal and reads the segments that
 no digest brought although their interval is digested (one LIST, and normally nothing to
