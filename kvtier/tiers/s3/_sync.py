@@ -60,7 +60,7 @@ from kvtier._logging import BurstLogger
 from kvtier.tiers.s3._compaction import SnapshotLink, Snapshots, delete_object
 from kvtier.tiers.s3._config import S3Config
 from kvtier.tiers.s3._digest import Digest
-from kvtier.tiers.s3._digesting import Digests
+from kvtier.tiers.s3._digesting import CARRY_INTERVALS, Digests
 from kvtier.tiers.s3._index import ExistenceIndex
 from kvtier.tiers.s3._journal import (
     MAX_SEGMENT_ENTRIES,
@@ -273,27 +273,32 @@ class IndexSync:
 
     async def _digest_round(self) -> None:
         """Read the digests of the intervals that ended since the last round (digesting the
-        last one first if it is this node's turn). A digest still missing an interval after
-        it was due, or rejected, or a node too far behind, reads the journal instead; so
-        does a look every half lookback for segments no digest brought."""
+        last one first if it is this node's turn). A missing digest whose segments a later
+        one carries is passed over; one no digest can carry any more, a rejected one, or a
+        node too far behind reads the journal instead; so does a look every half lookback
+        for segments no digest brought."""
         digests = self.digests
         assert digests is not None
         await self._digest_turn()
         now_ms = int(self._wall() * 1000)
         target = digests.interval_of(now_ms) - 1
-        wanted = digests.to_read(target)
+        wanted, gap = digests.to_read(target), None
         for interval in wanted or ():
             digest = await digests.fetch(interval)
-            if digest is None and interval >= target - 1 and digests.missing_last:
-                break  # its digester may be late: look again at the next round
-            if digest is None:
+            if digest is None and digests.missing_last:
+                gap = interval if gap is None else gap  # carried by a later one, perhaps
+            elif digest is None or (gap is not None and gap < interval - CARRY_INTERVALS):
                 wanted = None
                 break
-            await self._apply(digest)
-        if wanted is None:
+            else:
+                await self._apply(digest)
+                gap = None
+        if wanted is None or (gap is not None and gap < target - 1):
             digests.fallbacks += 1
             await self.poll()
             digests.skip_to(target + 1)
+        elif gap is not None:
+            digests.next = gap  # may still come: look again at the next round
         elif digests.sweep_due(now_ms):
             await self.poll(until_ms=digests.start_ms(digests.next or target))
         elif self.covered_ms is not None and digests.next is not None:
