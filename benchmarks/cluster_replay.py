@@ -35,6 +35,7 @@ bytes, never loaded): the listing at open reads exactly what it reads for real p
 
     python -m benchmarks.cluster_replay --s3-endpoint URL                  # 1-16 nodes
     python -m benchmarks.cluster_replay --s3-endpoint URL --nodes 1,2,4,8,16,32,64 --json
+    python -m benchmarks.cluster_replay --s3-endpoint URL --nodes 1,8,32,64 --digests on
     nox -s bench -- cluster_replay --nodes 1,4                             # starts a SeaweedFS
 """
 
