@@ -20,15 +20,16 @@ or the node whose turn it was never digested: it crashed, or it is a kvtier that
 digests) are carried by the next interval's digester, which is therefore ``j``'s backup.
 
 A reader GETs the digests of the intervals that ended since its last refresh, by name. When
-one is rejected, or still missing an interval after it was due (its digester may be late: a
-loaded node's turn also takes the interval before, if that was its turn and it missed it),
-or the reader is more than ``MAX_CATCH_UP`` intervals behind, it reads the journal as a node
-without digests does (a LIST and a GET per segment it has not
-read), so the index never depends on a digester: it is at worst as fresh as without
-digests. Every ``index_lookback / 2`` it also lists the journal and reads the segments that
-no digest brought although their interval is digested (one LIST, and normally nothing to
-read). Writers keep publishing and deleting their own segments as before, so kvtier nodes
-that predate digests keep reading the journal.
+one is missing, the reader passes over it if a later digest carries its segments, and looks
+again at the next round while one still may (its digester may be late: a loaded node's turn
+also takes the interval before, if that was its turn and it missed it). When one is
+rejected, or missing with no digest left that can carry it, or the reader is more than
+``MAX_CATCH_UP`` intervals behind, it reads the journal as a node without digests does (a
+LIST and a GET per segment it has not read), so the index never depends on a digester.
+Every ``index_lookback / 2`` it also lists the journal and reads the segments that no digest
+brought although their interval is digested (one LIST, and normally nothing to read).
+Writers keep publishing and deleting their own segments as before, so kvtier nodes that
+predate digests keep reading the journal.
 """
 
 from __future__ import annotations

@@ -321,3 +321,26 @@ async def test_a_writer_deletes_its_old_segments_in_one_request(
         async with raw_client(weed_server.endpoint_url) as client:
             page = await client.list_objects_v2(Bucket=BUCKET, Prefix=journal_prefix(prefix))
             assert not page.get("Contents")
+
+
+async def test_a_reader_passes_over_a_lost_digest_that_the_next_one_carries(
+    make_tier: MakeS3Tier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = _clock()
+    keys = fresh_keys(4)
+    async with nodes(make_tier, clock, clock) as (a, c):
+        prime(a, clock, a)
+        await fill(a, keys[:2])
+        await publish(a)
+        interval = digests_of(a).interval_of(ms(clock))
+        clock.advance(R)
+        monkeypatch.setattr(digests_of(a), "designated", lambda i, now: i != interval)
+        await a._sync._digest_turn()  # not its turn: nobody digests the interval
+        await c._sync.refresh_once()  # missing: it may still come
+        await fill(a, keys[2:])
+        await publish(a)
+        clock.advance(R)
+        await a._sync._digest_turn()  # the next digest carries the lost one's segments
+        await c._sync.refresh_once()
+        assert_knows(c, keys)
+        assert digests_of(c).missing == 2 and digests_of(c).fallbacks == 1  # the first round's
