@@ -21,8 +21,9 @@ router:
 - ``hit``: prefix blocks served / blocks requested, fleet-wide; ``bound``: the same for one
   global cache that never forgets (what a perfect shared tier could do); ``alone``: the same
   fleet and router with no shared tier (each node its pool only), for contrast;
-- ``req/refresh``: index-upkeep requests (LIST, GET, PUT, DELETE of the journal, counted at
-  each tier) per node per refresh, and how they split;
+- ``req/refresh``: index-upkeep requests (LIST, GET, PUT, DELETE of the journal, its digests
+  with ``--digests on``, and the snapshots, counted at each tier) per node per refresh, and how
+  they split;
 - ``stale p50/p99``: seconds from a store landing on one node until a lookup on another node
   (picked at random, polling every ``refresh / 20``) answers HIT, over the stores probed;
 - ``index B/s``: journal bytes each node read per second, and the keys each index held.
@@ -34,6 +35,7 @@ bytes, never loaded): the listing at open reads exactly what it reads for real p
 
     python -m benchmarks.cluster_replay --s3-endpoint URL                  # 1-16 nodes
     python -m benchmarks.cluster_replay --s3-endpoint URL --nodes 1,2,4,8,16,32,64 --json
+    python -m benchmarks.cluster_replay --s3-endpoint URL --nodes 1,8,32,64 --digests on
     nox -s bench -- cluster_replay --nodes 1,4                             # starts a SeaweedFS
 """
 
@@ -173,6 +175,7 @@ async def replay_fleet(
                 name=f"s3-{i}",
                 index_refresh=args.refresh,
                 index_lookback=max(30.0, 4 * args.refresh),
+                index_digests=args.digests == "on",
             )
             pool = kvtier.HostPool(args.pool_blocks, PAYLOAD_BYTES)
             admission = kvtier.AdmissionPolicy(max_write_latency=None)
@@ -199,7 +202,12 @@ async def replay_fleet(
         refreshes = sum(s.refreshes - b[0] for s, b in zip(syncs, before, strict=True))
         upkeep = sum(sum(s.requests.values()) - b[1] for s, b in zip(syncs, before, strict=True))
         index_keys = [len(node.tier._index) for node in nodes]
-        bytes_read = sum(s.bytes_read for s in syncs)
+        bytes_read = sum(s.reader.bytes_read for s in syncs)
+        digests = [s.digests for s in syncs if s.digests is not None]
+        digest_counts = {
+            what: sum(getattr(d, what) for d in digests)
+            for what in ("published", "read", "lost", "missing", "rejected", "fallbacks")
+        }
     stale = sorted(fleet.staleness)
     return {
         "nodes": n,
@@ -217,6 +225,7 @@ async def replay_fleet(
         "index_keys_per_node": statistics.mean(index_keys),
         "seconds": elapsed,
         "start_lag_p99": _quantile(sorted(fleet.lag), 0.99),
+        "digests": digest_counts if digests else None,
     }
 
 
@@ -347,6 +356,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default="10000,100000,1000000",
         help="indexed blocks a new node opens against, from an index snapshot",
     )
+    parser.add_argument(
+        "--digests",
+        choices=("off", "on"),
+        default="off",
+        help="index_digests: read one digest per refresh instead of every writer's segments",
+    )
     parser.add_argument("--seed", type=int, default=0)
     add_s3_options(parser, "kvtier-bench")
     add_json_flag(parser)
@@ -364,7 +379,15 @@ async def main_async(args: argparse.Namespace, figures: dict[str, Any]) -> None:
     total = sum(len(k) for k in requests)
     bound = infinite_hits(requests) / total
     figures["settings"] = settings(
-        args, "requests", "nodes", "routers", "speed", "refresh", "pool_blocks", "probes"
+        args,
+        "requests",
+        "nodes",
+        "routers",
+        "speed",
+        "refresh",
+        "pool_blocks",
+        "probes",
+        "digests",
     )
     figures["bound"] = bound
     print(
@@ -397,6 +420,8 @@ async def main_async(args: argparse.Namespace, figures: dict[str, Any]) -> None:
                 f"{row['index_keys_per_node']:7.0f} {row['start_lag_p99']:7.2f}",
                 flush=True,
             )
+            if row["digests"]:
+                print(f"{'':>13}digests: {row['digests']}", flush=True)
     figures["fleets"] = rows
     opens = []
     for blocks in _ints(args.open_blocks):

@@ -18,6 +18,9 @@ Choices where the contract leaves room:
   (reason ``not_found``): the request path never waits on the object store for a block that
   cannot be there. Another node's write becomes a HIT here within about ``2 x
   index_refresh`` seconds. An indexed key whose GET finds nothing is a miss that removes it.
+  With ``index_digests``, one node per interval copies the interval's segments into one
+  digest that the others read by name (``_digest``, ``_digesting``), so a node's requests per
+  refresh do not grow with the fleet; a missing or bad digest falls back to the journal.
   Keys a node deletes (on request, or as corrupt) go in the journal too, in removal segments
   of their own, and leave the other nodes' indexes within the same bound.
   ``lookup_mode="ask"`` keeps asking the server: it composes an ``AsyncLookupManager``
@@ -89,7 +92,10 @@ the way httpcore's pool is a state machine with I/O outside it.
 - ``_index`` (the existence index), ``_journal`` (the format, no I/O), ``_listing`` (the
   listing at open) and ``_sync`` (the journal loop; ``_skew``, its clock check);
   ``_snapshot`` (the index snapshot format, no I/O) and ``_compaction`` (writing and reading
-  snapshots, so a node opens from one instead of listing the prefix; see docs/scaling.md).
+  snapshots, so a node opens from one instead of listing the prefix; see docs/scaling.md);
+  ``_segments`` (reading and applying segments, for the poll and the digests), ``_digest``
+  (the journal digest format, no I/O) and ``_digesting`` (who digests an interval, and
+  reading digests).
 - ``_integrity``: the prefix's integrity marker.
 """
 

@@ -157,6 +157,10 @@ class S3Config(Section):
     index_snapshot_every: float | None = field(default=None, metadata=spec(optional(parse_seconds)))
     # The largest snapshot a node reads; a larger one is ignored and the prefix listed.
     index_snapshot_max_bytes: int = field(default=1 << 30, metadata=spec(parse_positive_size))
+    # Each interval of index_refresh, one node copies the journal segments stamped in it into
+    # one digest, which the others read by name instead of listing the journal and reading
+    # every writer's segments: a node's upkeep stays flat as nodes are added (``_digesting``).
+    index_digests: bool = field(default=False, metadata=spec(parse_bool))
     # Blocks stored together per object (a pack, ``_pack``); None: 8 in the index mode, 1
     # in the ask mode (a HEAD by key cannot see a block inside a pack). See ``pack_blocks``.
     pack_blocks: int | None = field(default=None, metadata=spec(optional(parse_positive_int)))
@@ -263,5 +267,6 @@ class S3Overrides(TypedDict, total=False):
     index_snapshots: bool
     index_snapshot_every: float | None
     index_snapshot_max_bytes: int
+    index_digests: bool
     pack_blocks: int | None
     separate_identities: bool

@@ -21,15 +21,11 @@ The loop catches every ``Exception`` (a botocore error kvtier does not translate
 failing credential provider, included) and counts it: it runs in a task group entered in the
 engine's task, which an escaping error would cancel.
 
-What the bucket holds is untrusted (``_journal``): a segment is read with one GET bounded
-by ``max_segment_bytes`` (one the listing shows as larger is not read at all), and segments
-and entries that are ignored are counted (``segments_rejected``, ``entries_rejected``).
-
-Clock skew: segment names carry the writer's wall time, so every journal response's ``Date``
-is compared with this node's clock (``_skew``); ``clock_skew`` keeps the last measure.
-
-A writer deletes its own segments once they are older than twice the lookback, at every
-refresh; one whose DELETE failed stays first in line and is tried again at the next refresh.
+What the bucket holds is untrusted (``_journal``, ``_segments``): a segment is read with one
+GET bounded by ``max_segment_bytes`` (one the listing shows as larger is not read at all).
+Clock skew: every journal response's ``Date`` is compared with this node's clock (``_skew``).
+A writer deletes its own segments once they are older than twice the lookback; one whose
+DELETE failed stays first in line and is tried again at the next refresh.
 
 Index snapshots (``_compaction``, ``index_snapshots``): at open the newest snapshot, when one is
 usable, replaces the listing, and the first poll lists from its cover minus the lookback. A
@@ -38,6 +34,13 @@ missed a few refreshes reads what it missed; one that missed more than the lookb
 lost segments their writers deleted, so its view has a gap (``view_complete``) until it loads
 a newer snapshot. Every ``index_snapshot_every`` seconds a node looks at the snapshot folder
 and, if its view is complete, compacts when one is due.
+
+Journal digests (``_digesting``, ``index_digests``): the refresh reads one digest per
+interval by name instead of listing the journal and reading every writer's segments, and
+falls back to that reading when a digest is missing for a whole interval or rejected (and
+``refresh_once(full=True)`` reads the journal at once); the loop reads at the middle of each
+interval, after the digester's turn at its start, and publishes at three quarters, so a
+segment is listable when the next digest is made.
 """
 
 from __future__ import annotations
@@ -47,47 +50,34 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import anyio
-import anyio.to_thread
 
 from kvtier._errors import TierError
 from kvtier._format import IntegrityKey
 from kvtier._logging import BurstLogger
 from kvtier.tiers.s3._compaction import SnapshotLink, Snapshots, delete_object
 from kvtier.tiers.s3._config import S3Config
-from kvtier.tiers.s3._errors import Fault
+from kvtier.tiers.s3._digest import Digest
+from kvtier.tiers.s3._digesting import CARRY_INTERVALS, Digests
 from kvtier.tiers.s3._index import ExistenceIndex
 from kvtier.tiers.s3._journal import (
     MAX_SEGMENT_ENTRIES,
-    SegmentError,
-    decode_removals,
-    decode_segment,
     encode_removals,
     encode_segment,
-    is_removal_segment,
-    journal_prefix,
-    max_segment_bytes,
     segment_name,
     segment_time_ms,
     segment_writer,
-    start_after,
 )
 from kvtier.tiers.s3._listing import Listing
-from kvtier.tiers.s3._requests import Call, get_bytes
+from kvtier.tiers.s3._requests import Call
+from kvtier.tiers.s3._segments import Change, SegmentReader
 from kvtier.tiers.s3._skew import ClockSkew
 
 __all__ = ["IndexSync"]
 
 logger = logging.getLogger(__name__)
-
-# Decoding a segment is a Python loop over its entries: segments above this size are decoded
-# in a worker thread, so the event loop never spends more than about a millisecond on one.
-_THREAD_DECODE_BYTES = 64 << 10
-_T = TypeVar("_T")
-# What one segment changed in the index: (None, keys learnt) or (why, keys forgotten).
-_Change = tuple[str | None, list[bytes]]
 
 
 class IndexSync:
@@ -121,10 +111,7 @@ class IndexSync:
         self._lookback_ms = int(lookback * 1000)
         self._list_timeout = config.index_list_timeout
         self._wall = wall
-        self._read_journal = read_journal
-        self._integrity_key = integrity_key
-        self._journal = journal_prefix(self._prefix)
-        self._max_segment = max_segment_bytes(self._prefix)
+        self._read_journal, self._integrity_key = read_journal, integrity_key
         self._seq = 0
         self._last_ms = 0  # the stamp of this node's newest segment: the next one is later
         # (wall ms, name) of segments published here and not deleted yet, the oldest first
@@ -134,24 +121,42 @@ class IndexSync:
         self.refreshes = 0
         self.refresh_failures = 0  # rounds that failed (logged once per burst)
         self.segments_published = 0
-        self.segments_read = 0
-        self.segments_rejected = 0  # segments ignored: unparsable, unauthenticated, too large
-        self.entries_rejected = 0  # entries ignored: naming no pack of this prefix, bad key
         self.listing_complete = False
         # Index upkeep sent by the journal loop: requests by kind ("list", "get", "put",
-        # "delete"), and the bytes of the segments it read.
+        # "delete"); the reader counts the segments and bytes it read.
         self.requests: collections.Counter[str] = collections.Counter()
-        self.bytes_read = 0
-        # Snapshots (``_compaction``): the wall ms up to which the index holds every segment
-        # (the last poll's start, the listing's, a snapshot's cover), and whether it has
-        # held them without a gap since the tier opened.
-        snapshots = read_journal and config.index_snapshots
-        link = SnapshotLink(name, writer, call, client, integrity_key)
-        self.snapshots = (
-            Snapshots(index, config, link=link, requests=self.requests) if snapshots else None
-        )
+        self._build_readers(config, SnapshotLink(name, writer, call, client, integrity_key))
         self.covered_ms: int | None = None
         self.view_complete = False
+
+    def _build_readers(self, config: S3Config, link: SnapshotLink) -> None:
+        """The segment reader, and the snapshots and digests when this tier uses them.
+        Snapshots (``_compaction``) rely on ``covered_ms``: the wall ms up to which the index
+        holds every segment (the last poll's start, the listing's, a snapshot's cover), and
+        ``view_complete``: whether it has held them without a gap since the tier opened."""
+        self.reader = SegmentReader(
+            self._index,
+            name=self.name,
+            bucket=self._bucket,
+            prefix=self._prefix,
+            call=link.call,
+            integrity_key=link.integrity_key,
+            requests=self.requests,
+            skew=self._skew,
+            notify=self._notify,
+            forgot=self._forgot,
+        )
+        reads = self._read_journal
+        self.snapshots = (
+            Snapshots(self._index, config, link=link, requests=self.requests)
+            if reads and config.index_snapshots
+            else None
+        )
+        self.digests = (
+            Digests(config, link=link, reader=self.reader, requests=self.requests)
+            if reads and config.index_digests
+            else None
+        )
 
     @property
     def clock_skew(self) -> float:
@@ -198,29 +203,119 @@ class IndexSync:
     # -- the journal loop ------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Publish and poll every ``index_refresh`` seconds until cancelled."""
+        """Publish and poll every ``index_refresh`` seconds until cancelled (with digests,
+        ``_run_digests``)."""
+        if self.digests is not None:
+            await self._run_digests(self.digests.interval_ms)
         while True:
             await anyio.sleep(self.index_refresh)
             await self.refresh_once()
 
-    async def refresh_once(self, *, poll: bool = True) -> None:
-        """One round: publish this node's new keys, delete its old segments, read the
-        others' (unless ``poll`` is False or this tier does not read the journal). Never
-        raises an ``Exception``: a failed round is logged once per burst and counted, and
-        the next round tries again."""
+    async def _run_digests(self, length_ms: int) -> None:
+        """Three turns an interval, in order: at its start a node whose turn it is digests
+        the interval that just ended (``_digesting``); at its middle every node reads that
+        digest; at three quarters it publishes, a quarter interval before the next digest
+        lists. A turn that comes late runs at once (none is skipped); a loop a whole
+        interval behind moves on to the current one."""
+        interval = int(self._wall() * 1000) // length_ms + 1
+        while True:
+            interval = max(interval, int(self._wall() * 1000) // length_ms)
+            start_ms = interval * length_ms
+            await self._sleep_until(start_ms)
+            await self._digest_turn()
+            await self._sleep_until(start_ms + length_ms // 2)
+            await self.refresh_once(publish=False)
+            await self._sleep_until(start_ms + 3 * length_ms // 4)
+            await self.refresh_once(poll=False, count=False)
+            interval += 1
+
+    async def _sleep_until(self, wall_ms: int) -> None:
+        await anyio.sleep(max(wall_ms / 1000 - self._wall(), 0.0))
+
+    async def refresh_once(
+        self, *, poll: bool = True, publish: bool = True, count: bool = True, full: bool = False
+    ) -> None:
+        """One round: publish this node's new keys and delete its old segments (unless
+        ``publish`` is False), read the others' (unless ``poll`` is False or this tier does
+        not read the journal): from the digests when there are, else from the journal; a
+        round counts in ``refreshes`` unless ``count`` is False. Never raises an
+        ``Exception``: a failed round is logged once per burst and counted, and the next
+        round tries again. ``full``: read the journal even with digests (a fresh view now)."""
         try:
-            await self.publish()
-            await self._delete_old_own()
+            if publish:
+                await self.publish()
+                await self._delete_old_own()
             if poll and self._read_journal:
-                await self.poll()
+                if self.digests is None or full:
+                    await self.poll()
+                else:
+                    await self._digest_round()
                 await self._snapshot_round()
         except Exception as exc:
-            self.refresh_failures += 1
-            reason = exc.reason if isinstance(exc, TierError) else type(exc).__name__
-            self._log.warning(
-                "refresh", "%s: index refresh failed (%s); retrying", self.name, reason
-            )
-        self.refreshes += 1
+            self._failed(exc)
+        self.refreshes += count
+
+    def _failed(self, exc: Exception) -> None:
+        self.refresh_failures += 1
+        reason = exc.reason if isinstance(exc, TierError) else type(exc).__name__
+        self._log.warning("refresh", "%s: index refresh failed (%s); retrying", self.name, reason)
+
+    async def _digest_turn(self) -> None:
+        """Digest the interval that just ended if it is this node's turn; never raises."""
+        assert self.digests is not None
+        if not self._read_journal:
+            return
+        try:
+            for made in await self.digests.make_due(int(self._wall() * 1000)):
+                await self._apply(made)
+        except Exception as exc:
+            self._failed(exc)
+
+    async def _digest_round(self) -> None:
+        """Read the digests of the intervals that ended since the last round (digesting the
+        last one first if it is this node's turn). A missing digest whose segments a later
+        one carries is passed over; one no digest can carry any more, a rejected one, or a
+        node too far behind reads the journal instead; so does a look every half lookback
+        for segments no digest brought."""
+        digests = self.digests
+        assert digests is not None
+        await self._digest_turn()
+        now_ms = int(self._wall() * 1000)
+        target = digests.interval_of(now_ms) - 1
+        wanted, gap = digests.to_read(target), None
+        for interval in wanted or ():
+            digest = await digests.fetch(interval)
+            if digest is None and digests.missing_last:
+                gap = interval if gap is None else gap  # carried by a later one, perhaps
+            elif digest is None or (gap is not None and gap < interval - CARRY_INTERVALS):
+                wanted = None
+                break
+            else:
+                await self._apply(digest)
+                gap = None
+        if wanted is None or (gap is not None and gap < target - 1):
+            digests.fallbacks += 1
+            await self.poll()
+            digests.skip_to(target + 1)
+        elif gap is not None:
+            digests.next = gap  # may still come: look again at the next round
+        elif digests.sweep_due(now_ms):
+            await self.poll(until_ms=digests.start_ms(digests.next or target))
+        elif self.covered_ms is not None and digests.next is not None:
+            self.covered_ms = max(self.covered_ms, digests.start_ms(digests.next))
+
+    async def _apply(self, digest: Digest) -> None:
+        """Apply a digest's segments that this node has not read, in name order."""
+        assert self.digests is not None
+        changes: list[Change] = []
+        try:
+            for name, data in digest.segments:
+                if name in self._index.unseen([name]) and segment_writer(name) != self._writer:
+                    changes.extend(await self.reader.changes(name, data))
+                self._index.seen(name, segment_time_ms(name) or 0)
+        finally:
+            self.reader.tell(changes)
+        self.digests.done(digest)
 
     async def _snapshot_round(self) -> None:
         """Every ``index_snapshot_every`` seconds: catch up from a newer snapshot if this
@@ -268,6 +363,8 @@ class IndexSync:
             raise
         self.segments_published += 1
         self._own.append((now_ms, name))
+        if self.digests is not None:
+            self.digests.note(name, body)
         self._skew.check(response)
 
     async def _delete_old_own(self) -> None:
@@ -278,6 +375,9 @@ class IndexSync:
             return
         before_ms = int(self._wall() * 1000) - 2 * self._lookback_ms
         client = self._client()
+        if self.digests is not None:
+            await self.digests.delete_own(client, self._own, before_ms)
+            return
         while self._own and self._own[0][0] < before_ms:
             _, name = self._own[0]
             self.requests["delete"] += 1
@@ -294,13 +394,50 @@ class IndexSync:
                 return
             self._own.popleft()
 
-    async def poll(self) -> list[bytes]:
-        """Read the segments other writers published within the lookback; the new keys."""
+    async def poll(self, *, until_ms: int | None = None) -> list[bytes]:
+        """Read the segments other writers published within the lookback (those stamped
+        before ``until_ms`` only, when given); the new keys."""
         client = self._client()
         now_ms = int(self._wall() * 1000)
         covered = now_ms if self.covered_ms is None else min(self.covered_ms, now_ms)
+        self._check_gap(now_ms, covered)
+        # From the last poll's start (or a snapshot's cover) minus the lookback: a poll
+        # after a short outage reads what it missed, while the writers keep it.
+        oldest = covered - self._lookback_ms
+        sizes = await self.reader.list_since(client, oldest)
+        changes: list[Change] = []
+        try:
+            for name in self._index.unseen(sizes):
+                stamp = segment_time_ms(name)
+                if (
+                    stamp is None  # not a segment's name
+                    or not self.reader.in_journal(name)
+                    or segment_writer(name) == self._writer  # our own
+                ):
+                    self._index.seen(name, stamp or now_ms)
+                    continue
+                if self.digests is not None:
+                    self.digests.note(name)
+                if until_ms is not None and stamp >= until_ms:
+                    continue  # a digest brings it
+                size = sizes[name]
+                if not isinstance(size, int) or not 0 <= size <= self.reader.max_segment:
+                    self.reader.reject(name, f"{size} bytes")
+                else:
+                    data = await self.reader.fetch(client, name)
+                    changes.extend(await self.reader.changes(name, data) if data else ())
+                self._index.seen(name, stamp)
+        finally:
+            learnt = self.reader.tell(changes)  # what was applied is told, even if a GET failed
+        self._index.forget_seen_before(oldest)
+        if self.covered_ms is not None:
+            self.covered_ms = max(self.covered_ms, min(now_ms, until_ms or now_ms))
+        return learnt
+
+    def _check_gap(self, now_ms: int, covered: int) -> None:
+        """A view not refreshed for the lookback may miss segments since deleted: a gap."""
         if now_ms - covered >= self._lookback_ms and self.view_complete:
-            self.view_complete = False  # segments older than this may be deleted: a gap
+            self.view_complete = False
             if self.snapshots is not None:
                 self.snapshots.look_now()
             self._log.warning(
@@ -310,139 +447,3 @@ class IndexSync:
                 self.name,
                 (now_ms - covered) / 1000,
             )
-        # From the last poll's start (or a snapshot's cover) minus the lookback: a poll
-        # after a short outage reads what it missed, while the writers keep it.
-        oldest = covered - self._lookback_ms
-        sizes = await self._list_segments(client, oldest)
-        changes: list[_Change] = []
-        try:
-            for name in self._index.unseen(sizes):
-                stamp = segment_time_ms(name)
-                if (
-                    stamp is None  # not a segment's name
-                    or not name.startswith(self._journal)
-                    or "/" in name[len(self._journal) :]
-                    or segment_writer(name) == self._writer  # our own
-                ):
-                    self._index.seen(name, stamp or now_ms)
-                    continue
-                size = sizes[name]
-                if not isinstance(size, int) or not 0 <= size <= self._max_segment:
-                    self._reject_segment(name, f"{size} bytes")
-                else:
-                    changes.extend(await self._read_segment(client, name))
-                self._index.seen(name, stamp)
-        finally:
-            learnt = self._tell(changes)  # what was applied is told, even if a GET failed
-        self._index.forget_seen_before(oldest)
-        if self.covered_ms is not None:
-            self.covered_ms = max(self.covered_ms, now_ms)
-        return learnt
-
-    def _tell(self, changes: list[_Change]) -> list[bytes]:
-        """Tell what the segments read changed, in their order: keys learnt (``notify``,
-        a run of them at once) and keys forgotten (``forgot``); the keys learnt."""
-        learnt: list[bytes] = []
-        run: list[bytes] = []
-        for why, keys in [*changes, ("", [])]:  # the empty last one tells the last run
-            if why is None:
-                run.extend(keys)
-                continue
-            if run:
-                self._index.learnt += len(run)
-                self._notify(run)
-                learnt += run
-                run = []
-            if keys:
-                self._forgot(keys, why)
-        return learnt
-
-    async def _list_segments(self, client: Any, oldest: int) -> dict[str, object]:
-        """Name -> size of every journal segment named after ``oldest`` (wall ms); the first
-        page's Date checks this node's clock against the server's."""
-        kwargs: dict[str, Any] = {
-            "Bucket": self._bucket,
-            "Prefix": self._journal,
-            "StartAfter": start_after(self._prefix, oldest),
-        }
-        sizes: dict[str, object] = {}
-        first = True
-        while True:
-            self.requests["list"] += 1
-            page = await self._call(
-                "journal", None, functools.partial(client.list_objects_v2, **kwargs)
-            )
-            assert not isinstance(page, Fault)
-            if first:
-                self._skew.check(page)
-                first = False
-            for item in page.get("Contents", ()):
-                sizes[item["Key"]] = item.get("Size")
-            token = page.get("NextContinuationToken")
-            if not page.get("IsTruncated") or not token:
-                return sizes
-            kwargs["ContinuationToken"] = token
-
-    async def _read_segment(self, client: Any, name: str) -> list[_Change]:
-        """What a segment changed in this index, once applied: ``(None, keys learnt)`` for
-        a store segment, ``(why, keys dropped)`` per reason for a removal segment. A segment
-        that does not parse or verify changes nothing and is counted."""
-        data = await self._fetch_segment(client, name)
-        if data is None:
-            return []
-        try:
-            if is_removal_segment(data):
-                removals, rejected = await self._decode(decode_removals, data)
-                changes = self._forget(removals)
-            else:
-                entries, rejected = await self._decode(decode_segment, data)
-                changes = [(None, self._index.add_many(entries))]
-        except SegmentError as exc:
-            self._reject_segment(name, str(exc))
-            return []
-        if rejected:
-            self.entries_rejected += rejected
-            self._log.warning(
-                "journal-entry",
-                "%s: ignoring %d entries of journal segment %s (naming no pack of this prefix, "
-                "a bad key or reason)",
-                self.name,
-                rejected,
-                name,
-            )
-        return changes
-
-    def _forget(self, removals: list[tuple[bytes, str]]) -> list[_Change]:
-        """Drop the keys another node deleted; ``(why, keys dropped)`` per reason."""
-        by_why: dict[str, list[bytes]] = {}
-        for key, why in removals:
-            by_why.setdefault(why, []).append(key)
-        return [(why, self._index.forget(keys)) for why, keys in by_why.items()]
-
-    async def _fetch_segment(self, client: Any, name: str) -> bytes | None:
-        """One GET of at most ``max_segment_bytes`` (the object may have grown since the
-        listing); None when there is nothing to read."""
-        expected = frozenset({Fault.NOT_FOUND, Fault.REJECTED})
-        get = functools.partial(get_bytes, client, self._bucket, name, 0, self._max_segment)
-        self.requests["get"] += 1
-        data = await self._call("journal", None, get, expected=expected)
-        if isinstance(data, Fault):
-            # Deleted by its writer meanwhile (older than the lookback anyway), or empty (a
-            # range past the end).
-            if data is Fault.REJECTED:
-                self._reject_segment(name, "empty")
-            return None
-        self.segments_read += 1
-        self.bytes_read += len(data)
-        return bytes(data)
-
-    async def _decode(self, decode: Callable[..., _T], data: bytes) -> _T:
-        """``decode(data)`` for this prefix and key, in a worker thread when it is large."""
-        call = functools.partial(decode, data, self._prefix, integrity_key=self._integrity_key)
-        if len(data) > _THREAD_DECODE_BYTES:
-            return await anyio.to_thread.run_sync(call)
-        return call()
-
-    def _reject_segment(self, name: str, why: str) -> None:
-        self.segments_rejected += 1
-        self._log.warning("segment", "%s: ignoring journal segment %s: %s", self.name, name, why)

@@ -403,7 +403,7 @@ class S3Tier(SecondaryTier):
         """Publish this node's new keys and read the other nodes' journals now, instead of at
         the next ``index_refresh`` (tests, and a node that wants a fresh view at once)."""
         self._require_client("refresh_index")
-        await self._sync.refresh_once()
+        await self._sync.refresh_once(full=True)
 
     @property
     def breaker_state(self) -> BreakerState:
@@ -416,15 +416,15 @@ class S3Tier(SecondaryTier):
             index_listing_complete=sync.listing_complete,
             index_refreshes=sync.refreshes,
             journal_segments_published=sync.segments_published,
-            journal_segments_read=sync.segments_read,
+            journal_segments_read=sync.reader.segments_read,
             packs_written=packer.packs,
             blocks_packed=packer.packed_blocks,
             pack_gets=reads.gets,
             pack_sections_read=reads.sections,
             pack_bytes_read=reads.bytes,
             index_refresh_failures=sync.refresh_failures,
-            journal_segments_rejected=sync.segments_rejected,
-            journal_entries_rejected=sync.entries_rejected,
+            journal_segments_rejected=sync.reader.segments_rejected,
+            journal_entries_rejected=sync.reader.entries_rejected,
             journal_clock_skew=sync.clock_skew,
         )
 

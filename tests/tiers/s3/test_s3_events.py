@@ -15,7 +15,7 @@ from kvtier._events import EventKind, TierEvent
 from kvtier._lookup import LookupResult
 from kvtier.testing import resolve_lookup
 from kvtier.tiers.s3 import S3Tier
-from kvtier.tiers.s3 import _sync as s3_sync
+from kvtier.tiers.s3 import _segments as s3_segments
 from tests.support import INDEX_BY_HAND, MakeS3Tier, fresh_keys, s3_tier
 
 BLOCK = 512
@@ -200,7 +200,7 @@ async def test_a_reader_that_predates_removals_ignores_them_and_keeps_the_stores
         await writer.store(keys[2], block())
         await writer.refresh_index()  # a store segment and a removal segment
         assert writer.statistics().journal_segments_published == 3
-        monkeypatch.setattr(s3_sync, "is_removal_segment", lambda data: False)
+        monkeypatch.setattr(s3_segments, "is_removal_segment", lambda data: False)
         await old.refresh_index()
         stats = old.statistics()
         assert stats.journal_segments_read == 3 and stats.journal_segments_rejected == 1

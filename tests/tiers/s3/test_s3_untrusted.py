@@ -18,6 +18,7 @@ from typing import Any
 
 import anyio
 import pytest
+import xxhash
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
@@ -31,6 +32,13 @@ from kvtier._format import MAX_KEY_BYTES, IntegrityKey, header_size
 from kvtier._keys import block_keys
 from kvtier._lookup import LookupResult
 from kvtier.tiers.s3._config import MAX_PACK_BLOCKS
+from kvtier.tiers.s3._digest import (
+    MAX_DIGEST_SEGMENTS,
+    Digest,
+    DigestError,
+    decode_digest,
+    encode_digest,
+)
 from kvtier.tiers.s3._index import key_from_object
 from kvtier.tiers.s3._journal import (
     MAX_SEGMENT_ENTRIES,
@@ -41,6 +49,7 @@ from kvtier.tiers.s3._journal import (
     encode_removals,
     encode_segment,
     is_removal_segment,
+    journal_prefix,
     segment_name,
     segment_time_ms,
     segment_writer,
@@ -348,6 +357,106 @@ def test_mutated_segments_never_name_anything_outside_the_prefix(
         assert len(found) + rejected == len(entries)
         for key, where in found:
             assert (key, where.pack if where else "") in {(k, n) for k, n, _, _ in entries}
+
+
+digest_names = st.one_of(
+    st.sampled_from(
+        [
+            "000000000001000-0123456789abcdef-1",
+            "000000000001999-fedcba9876543210-7",
+            "000000000002000-0123456789abcdef-2",  # stamped after the interval
+            "../../models/llama.bin",
+            "000000000001000-0123456789abcdef-1/../x",
+            "models/llama.bin",
+        ]
+    ),
+    st.text(max_size=40),
+)
+
+
+def _forged_digest(interval: int, parts: list[tuple[str, bytes]], *, magic: bytes) -> bytes:
+    """A digest as a hostile writer could put it: any names, any segments, a valid xxh3."""
+    body = [magic, struct.pack("<QI8sI", interval, 1000, bytes(8), len(parts))]
+    for name, data in parts:
+        raw = name.encode()[:65535]
+        body.append(struct.pack("<H", len(raw)) + raw + struct.pack("<I", len(data)) + data)
+    joined = b"".join(body)
+    return joined + xxhash.xxh3_128_digest(joined + f"{PREFIX}/_kvtier_digests/".encode())
+
+
+@FAST
+@given(
+    names=st.lists(digest_names, max_size=4),
+    entries=st.lists(entry, max_size=6),
+    signed=st.booleans(),
+    flipped=flips,
+    cut=st.none() | st.integers(0, 1 << 20),
+)
+def test_mutated_digests_are_refused_or_name_only_this_prefixs_segments(
+    names: list[str],
+    entries: list[tuple[bytes, str, int, int]],
+    signed: bool,
+    flipped: list[tuple[int, int]],
+    cut: int | None,
+) -> None:
+    """A digest read from the bucket, whatever it holds, is refused whole or names only
+    segments of this prefix's journal stamped in its interval; a signed one survives no
+    change; its segments then get a segment's checks."""
+    key = KEY if signed else None
+    segment = forged_segment(entries)
+    if signed:
+        valid = sorted({f"{journal_prefix(PREFIX)}{n}" for n in names if _is_short_name(n)})
+        digest = Digest(1, 1000, _WRITER, [(n, segment) for n in valid])
+        original = encode_digest(digest, PREFIX, integrity_key=key)
+    else:
+        original = _forged_digest(1, [(n, segment) for n in names], magic=b"KVD1")
+    data = _mutate(original, flipped, cut)
+    try:
+        found = decode_digest(data, PREFIX, 1, 1000, integrity_key=key)
+    except DigestError:
+        return
+    assert not signed or data == original
+    assert found.interval == 1 and len(found.segments) <= MAX_DIGEST_SEGMENTS
+    for name, inner in found.segments:
+        short = name.removeprefix(journal_prefix(PREFIX))
+        assert name.startswith(journal_prefix(PREFIX)) and "/" not in short
+        assert (segment_time_ms(name) or 1 << 60) < 2000
+        try:
+            usable, _ = decode_segment(inner, PREFIX, integrity_key=key)
+        except SegmentError:
+            continue
+        _assert_usable(usable, PREFIX)
+
+
+def _is_short_name(name: str) -> bool:
+    stamp = segment_time_ms(name)
+    return "/" not in name and stamp is not None and stamp < 2000 and name.isascii()
+
+
+def test_digests_verify_only_under_their_key_prefix_and_interval() -> None:
+    segment = encode_segment([(b"k" * 16, None)], PREFIX, integrity_key=KEY)
+    name = f"{journal_prefix(PREFIX)}000000000001500-{_WRITER}-3"
+    digest = Digest(1, 1000, _WRITER, [(name, segment)])
+    signed = encode_digest(digest, PREFIX, integrity_key=KEY)
+    assert decode_digest(signed, PREFIX, 1, 1000, integrity_key=KEY) == digest
+    refused: dict[str, Callable[[], Digest]] = {
+        "another key": lambda: decode_digest(
+            signed, PREFIX, 1, 1000, integrity_key=IntegrityKey(SECRET[::-1])
+        ),
+        "another prefix": lambda: decode_digest(signed, "u/q", 1, 1000, integrity_key=KEY),
+        "another interval": lambda: decode_digest(signed, PREFIX, 2, 1000, integrity_key=KEY),
+        "another length": lambda: decode_digest(signed, PREFIX, 1, 2000, integrity_key=KEY),
+        "unsigned": lambda: decode_digest(
+            encode_digest(digest, PREFIX), PREFIX, 1, 1000, integrity_key=KEY
+        ),
+        "signed, read unsigned": lambda: decode_digest(signed, PREFIX, 1, 1000),
+        "a segment": lambda: decode_digest(segment, PREFIX, 1, 1000, integrity_key=KEY),
+        "truncated": lambda: decode_digest(signed[:30], PREFIX, 1, 1000, integrity_key=KEY),
+    }
+    for case, decode in refused.items():
+        with pytest.raises(DigestError):  # noqa: PT012 - names the case that was accepted
+            decode()
+            pytest.fail(case)
 
 
 tables = st.lists(
