@@ -37,10 +37,8 @@ and, if its view is complete, compacts when one is due.
 
 Journal digests (``_digesting``, ``index_digests``): the refresh reads one digest per
 interval by name instead of listing the journal and reading every writer's segments, and
-falls back to that reading when a digest is missing for a whole interval or rejected (and
-``refresh_once(full=True)`` reads the journal at once); the loop reads at the middle of each
-interval, after the digester's turn at its start, and publishes at three quarters, so a
-segment is listable when the next digest is made.
+falls back to that reading when a digest is missing for a whole interval or rejected
+(``refresh_once(full=True)`` reads the journal at once); see ``_run_digests`` for when.
 """
 
 from __future__ import annotations
@@ -203,28 +201,31 @@ class IndexSync:
     # -- the journal loop ------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Publish and poll every ``index_refresh`` seconds until cancelled (with digests,
-        ``_run_digests``)."""
+        """Publish and poll every ``index_refresh`` seconds until cancelled (or digests)."""
         if self.digests is not None:
-            await self._run_digests(self.digests.interval_ms)
+            await self._run_digests(self.digests)
         while True:
             await anyio.sleep(self.index_refresh)
             await self.refresh_once()
 
-    async def _run_digests(self, length_ms: int) -> None:
+    async def _run_digests(self, digests: Digests) -> None:
         """Three turns an interval, in order: at its start a node whose turn it is digests
-        the interval that just ended (``_digesting``); at its middle every node reads that
-        digest; at three quarters it publishes, a quarter interval before the next digest
-        lists. A turn that comes late runs at once (none is skipped); a loop a whole
-        interval behind moves on to the current one."""
+        the interval that just ended (``_digesting``); at a quarter every node reads that
+        digest (again at the middle if it was late), so a key waits on average what it waits
+        without digests; at three quarters it publishes, before the next digest lists. A
+        late turn runs at once; a loop a whole interval behind moves on to the current one."""
+        length_ms = digests.interval_ms
         interval = int(self._wall() * 1000) // length_ms + 1
         while True:
             interval = max(interval, int(self._wall() * 1000) // length_ms)
             start_ms = interval * length_ms
             await self._sleep_until(start_ms)
             await self._digest_turn()
-            await self._sleep_until(start_ms + length_ms // 2)
+            await self._sleep_until(start_ms + length_ms // 4)
             await self.refresh_once(publish=False)
+            if digests.missing_last:
+                await self._sleep_until(start_ms + length_ms // 2)
+                await self.refresh_once(publish=False, count=False)
             await self._sleep_until(start_ms + 3 * length_ms // 4)
             await self.refresh_once(poll=False, count=False)
             interval += 1
