@@ -77,7 +77,7 @@ _CONDITIONAL_ANSWERS = frozenset({Fault.PRECONDITION, Fault.CONFLICT, Fault.UNSU
 _GET_ANSWERS = frozenset({Fault.NOT_FOUND, Fault.REJECTED})
 _THREAD_BYTES = 256 << 10
 # A digester reads the interval's segments this many at a time (the digest is due by the
-# time the readers' round comes, half an interval later).
+# time the readers' round comes, a quarter interval later).
 _PARALLEL_GETS = 16
 
 
