@@ -290,7 +290,8 @@ class Snapshots:
         if generation > MAX_GENERATION:
             return False
         client = self._client()
-        if not await self._put_new(client, claim_name(self._prefix, generation), b""):
+        claim = claim_name(self._prefix, generation)
+        if not await self._put_new(client, claim, b""):
             self.lost += 1
             return False
         entries = self._index.entries_reader()
@@ -327,27 +328,9 @@ class Snapshots:
         return True
 
     async def _put_new(self, client: Any, name: str, body: bytes) -> bool:
-        """A conditional PUT: False if the object was there (or being written). A server
-        that does not take the condition gets a plain PUT: two compactors may then both
-        publish, each a correct snapshot, and the later manifest stands."""
-        self.requests["put"] += 1
-        result = await self._call(
-            "snapshot",
-            None,
-            lambda: client.put_object(
-                Bucket=self._bucket, Key=name, Body=body_of(body), IfNoneMatch="*"
-            ),
-            expected=_CONDITIONAL_ANSWERS,
+        return await put_if_absent(
+            self._call, client, self._bucket, name, body, "snapshot", self.requests
         )
-        if result is Fault.UNSUPPORTED:
-            self.requests["put"] += 1
-            await self._call(
-                "snapshot",
-                None,
-                lambda: client.put_object(Bucket=self._bucket, Key=name, Body=body_of(body)),
-            )
-            return True
-        return result not in _LOST
 
     async def _delete_older(self, client: Any, survey: Survey, generation: int) -> None:
         """Delete what the survey listed of generations before ``generation - 1`` (and
@@ -370,6 +353,34 @@ class Snapshots:
                 name,
                 exc.reason,
             )
+
+
+async def put_if_absent(
+    call: Call,
+    client: Any,
+    bucket: str,
+    name: str,
+    body: bytes,
+    operation: str,
+    requests: dict[str, int],
+) -> bool:
+    """A conditional PUT (``If-None-Match: *``): False if the object was there (or being
+    written), so that of two nodes publishing one name only one wins. A server that does not
+    take the condition gets a plain PUT: both then publish, and the caller's object must be
+    correct whichever stands."""
+    requests["put"] += 1
+    result = await call(
+        operation,
+        None,
+        lambda: client.put_object(Bucket=bucket, Key=name, Body=body_of(body), IfNoneMatch="*"),
+        expected=_CONDITIONAL_ANSWERS,
+    )
+    if result is Fault.UNSUPPORTED:
+        requests["put"] += 1
+        put = functools.partial(client.put_object, Bucket=bucket, Key=name, Body=body_of(body))
+        await call(operation, None, put)
+        return True
+    return result not in _LOST
 
 
 async def delete_object(call: Call, client: Any, bucket: str, name: str, operation: str) -> None:

@@ -46,7 +46,7 @@ import anyio.to_thread
 
 from kvtier._errors import TierError
 from kvtier._logging import BurstLogger
-from kvtier.tiers.s3._compaction import SnapshotLink, delete_object
+from kvtier.tiers.s3._compaction import SnapshotLink, delete_object, put_if_absent
 from kvtier.tiers.s3._config import S3Config
 from kvtier.tiers.s3._digest import (
     MAX_DIGEST_BYTES,
@@ -59,7 +59,7 @@ from kvtier.tiers.s3._digest import (
 )
 from kvtier.tiers.s3._errors import Fault
 from kvtier.tiers.s3._journal import segment_name, segment_time_ms, segment_writer
-from kvtier.tiers.s3._requests import body_of, get_bytes
+from kvtier.tiers.s3._requests import get_bytes
 from kvtier.tiers.s3._segments import SegmentReader
 
 __all__ = ["CARRY_INTERVALS", "DELETE_BATCH", "MAX_CATCH_UP", "Digests"]
@@ -73,7 +73,6 @@ CARRY_INTERVALS = 2
 MAX_CATCH_UP = 4
 # A writer deletes its old segments in batches of this many (one request for them all).
 DELETE_BATCH = 16
-_CONDITIONAL_ANSWERS = frozenset({Fault.PRECONDITION, Fault.CONFLICT, Fault.UNSUPPORTED})
 _GET_ANSWERS = frozenset({Fault.NOT_FOUND, Fault.REJECTED})
 _THREAD_BYTES = 256 << 10
 # A digester reads the interval's segments this many at a time (the digest is due by the
@@ -331,23 +330,8 @@ class Digests:
         return segments
 
     async def _put_new(self, client: Any, name: str, body: bytes) -> bool:
-        """A conditional PUT: False if the digest was there. A server that does not take the
-        condition gets a plain PUT: two digests of one interval are both correct."""
-        self.requests["put"] += 1
-        result = await self._call(
-            "digest",
-            None,
-            lambda: client.put_object(
-                Bucket=self._bucket, Key=name, Body=body_of(body), IfNoneMatch="*"
-            ),
-            expected=_CONDITIONAL_ANSWERS,
+        """Publish a digest unless another node did (two digests of one interval, on a
+        server without the condition, are both correct)."""
+        return await put_if_absent(
+            self._call, client, self._bucket, name, body, "digest", self.requests
         )
-        if result is Fault.UNSUPPORTED:
-            self.requests["put"] += 1
-            await self._call(
-                "digest",
-                None,
-                lambda: client.put_object(Bucket=self._bucket, Key=name, Body=body_of(body)),
-            )
-            return True
-        return result not in (Fault.PRECONDITION, Fault.CONFLICT)
