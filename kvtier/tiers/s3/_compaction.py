@@ -69,7 +69,7 @@ from kvtier.tiers.s3._snapshot import (
     snapshot_dir,
 )
 
-__all__ = ["SnapshotLink", "Snapshots", "Survey", "delete_object"]
+__all__ = ["SnapshotLink", "Snapshots", "Survey", "delete_object", "put_if_absent"]
 
 logger = logging.getLogger(__name__)
 
