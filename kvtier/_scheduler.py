@@ -10,8 +10,6 @@ from dataclasses import dataclass
 from itertools import islice
 from typing import Protocol
 
-import anyio
-
 from kvtier._buffers import check_keys
 from kvtier._cost import CostModel, ScanBudget
 from kvtier._describe import describe
@@ -303,26 +301,25 @@ class OffloadScheduler:
             result = scan.start()
             if result is not None:  # answered without waiting: no cancel scope to build
                 return result
-            with anyio.move_on_after(limit) as scope:
-                while result is None:
-                    self._deferred_scans += 1
-                    patience = self._patience(budget, cost)
-                    if patience is not None and patience <= 0:
-                        self._waits_cut += 1  # recomputing is expected to be cheaper: stop here
-                        return self._hits_now(keys, window, scan.lease, budget)
-                    manager.watch(scan.take_watches(), changes)
-                    self._waits += 1
-                    if patience is None:
-                        await changes.wait()
-                    else:
-                        with anyio.move_on_after(patience):
-                            await changes.wait()
-                    self._scans += 1
-                    result = scan.resume(changes.take())
-                return result
-            assert scope.cancelled_caught
-            self._timeouts += 1
-            return self._hits_now(keys, window, scan.lease)  # as ever (design §2.3)
+            deadline = time.monotonic() + limit
+            while result is None:
+                self._deferred_scans += 1
+                patience = self._patience(budget, cost)
+                if patience is not None and patience <= 0:
+                    self._waits_cut += 1  # recomputing is expected to be cheaper: stop here
+                    return self._hits_now(keys, window, scan.lease, budget)
+                manager.watch(scan.take_watches(), changes)
+                self._waits += 1
+                left = deadline - time.monotonic()
+                if left <= 0 or not (
+                    await changes.wait(left if patience is None else min(patience, left))
+                    or time.monotonic() < deadline
+                ):
+                    self._timeouts += 1
+                    return self._hits_now(keys, window, scan.lease)  # as ever (design §2.3)
+                self._scans += 1
+                result = scan.resume(changes.take())
+            return result
         finally:
             manager.unwatch(scan.watched, changes)
             self._release(scan.lease)

@@ -21,41 +21,53 @@ __all__ = ["KeyWatch", "Watchers"]
 class KeyWatch:
     """Collects the keys fired since the last ``take`` and wakes whoever waits on it.
 
-    The event a waiter sleeps on is made only when one is about to sleep: a request answered
-    without waiting, or woken by keys that had already fired, never builds one. It is
-    asyncio's own event (kvtier runs on asyncio): anyio's asks which event loop runs at every
-    construction, a cost each waiting request paid once per wake.
+    A waiter sleeps on a bare asyncio future made only when it is about to sleep: a request
+    answered without waiting, or woken by keys that had already fired, never builds one.
+    kvtier runs on asyncio, and an event or a cancel scope per wait cost a waiting request
+    more loop time than its own bookkeeping (anyio's ask which event loop runs at every
+    construction); a time bound is one timer on the loop (``wait``'s ``timeout``).
     """
 
-    __slots__ = ("_changed", "_event")
+    __slots__ = ("_changed", "_waiter")
 
     def __init__(self) -> None:
         self._changed: list[bytes] = []
-        self._event: asyncio.Event | None = None
+        self._waiter: asyncio.Future[None] | None = None
 
     def fire(self, key: bytes) -> None:
         """``key`` may answer differently now (called by the manager)."""
         self._changed.append(key)
-        if self._event is not None:
-            self._event.set()
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
-    async def wait(self) -> None:
+    async def wait(self, timeout: float | None = None) -> bool:  # noqa: ASYNC109 - one timer, no scope
         """Return once a key has fired since the last ``take`` (at once if one has; a
-        checkpoint either way)."""
+        checkpoint either way), or once ``timeout`` seconds have passed (None: no bound).
+        True when a key has fired."""
         if self._changed:
             await asyncio.sleep(0)
-            return
-        event = self._event
-        if event is None:
-            event = self._event = asyncio.Event()
-        elif event.is_set():  # set by keys already taken
-            event.clear()
-        await event.wait()
+            return True
+        loop = asyncio.get_running_loop()
+        waiter = self._waiter = loop.create_future()
+        timer = None if timeout is None else loop.call_later(timeout, _wake, waiter)
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+            if timer is not None:
+                timer.cancel()
+        return bool(self._changed)
 
     def take(self) -> list[bytes]:
         """The keys fired since the last call, in firing order."""
         changed, self._changed = self._changed, []
         return changed
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 class Watchers:

@@ -19,7 +19,7 @@ from kvtier._settings import positive_int
 from kvtier.pools._policy import EvictionPolicy, make_policy
 from kvtier.pools._slots import PoolStatistics, SlotState, SlotTable
 
-__all__ = ["BatchSink", "ByteSink", "ByteSource", "PrimaryPool"]
+__all__ = ["BatchSink", "BatchSource", "ByteSink", "ByteSource", "PrimaryPool"]
 
 ByteSink = Callable[[memoryview], Awaitable[None]]
 """Fills the view it is given (a tier's ``load`` into a slot or a staging buffer)."""
@@ -28,6 +28,9 @@ ByteSource = Callable[[memoryview], Awaitable[None]]
 BatchSink = Callable[[Sequence[memoryview]], Awaitable[Sequence[Exception | None]]]
 """Fills the views it is given, each on its own: per view, None or why it failed (a tier's
 ``load_many`` into slots or staging buffers)."""
+BatchSource = Callable[[Sequence[int], Sequence[memoryview]], Awaitable[None]]
+"""Reads the views it is given, of the slots at the given positions of a batch (a
+write-through's ``store_many`` from slots or staging buffers)."""
 
 
 class PrimaryPool(ABC):
@@ -121,6 +124,32 @@ class PrimaryPool(ABC):
     @abstractmethod
     async def drain(self, slot: int, source: ByteSource) -> None:
         """Hand the bytes of a pinned READY slot to ``source`` (a write-through to a tier)."""
+
+    async def drain_many(
+        self, slots: Sequence[int], source: BatchSource
+    ) -> Sequence[Exception | None]:
+        """Hand the bytes of several pinned READY slots to ``source`` (a batch of
+        write-throughs); per slot, None or why its bytes could not be handed over. The
+        default drains each slot through ``drain``, concurrently, each as a batch of one; a
+        pool whose slots the tier can read directly hands it them all in one call."""
+        outcomes: list[Exception | None] = [None] * len(slots)
+
+        async def one(i: int, slot: int) -> None:
+            async def single(view: memoryview) -> None:
+                await source((i,), (view,))
+
+            try:
+                await self.drain(slot, single)
+            except Exception as exc:
+                outcomes[i] = exc
+
+        if len(slots) == 1:
+            await one(0, slots[0])
+            return outcomes
+        async with anyio.create_task_group() as tg:
+            for i, slot in enumerate(slots):
+                tg.start_soon(one, i, slot)
+        return outcomes
 
     @abstractmethod
     async def copy_in(self, slots: Sequence[int], blocks: Sequence[BlockBuffer]) -> None:

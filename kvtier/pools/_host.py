@@ -14,7 +14,7 @@ import anyio.to_thread
 from kvtier._buffers import BlockBuffer
 from kvtier._errors import InvalidArgumentError
 from kvtier._lending import Lender, Release
-from kvtier.pools._base import BatchSink, ByteSink, ByteSource, PrimaryPool
+from kvtier.pools._base import BatchSink, BatchSource, ByteSink, ByteSource, PrimaryPool
 from kvtier.pools._device import DeviceArray, current_stream, device_array, host_device_copy
 from kvtier.pools._policy import EvictionPolicy
 from kvtier.pools._slots import SlotTable
@@ -76,6 +76,13 @@ class HostPool(PrimaryPool):
 
     async def drain(self, slot: int, source: ByteSource) -> None:
         await source(self.slot_view(slot).toreadonly())
+
+    async def drain_many(
+        self, slots: Sequence[int], source: BatchSource
+    ) -> Sequence[Exception | None]:
+        """The slots themselves, read-only, in one call."""
+        await source(range(len(slots)), [self.slot_view(slot).toreadonly() for slot in slots])
+        return [None] * len(slots)
 
     async def copy_in(self, slots: Sequence[int], blocks: Sequence[BlockBuffer]) -> None:
         pairs = [(self.slot_view(s), _host(b, "store")) for s, b in zip(slots, blocks, strict=True)]

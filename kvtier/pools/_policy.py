@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
+from itertools import islice, takewhile
+from operator import not_
 from typing import Protocol, runtime_checkable
 
 from kvtier._errors import InvalidArgumentError
@@ -56,17 +58,18 @@ def _first_evictable(
 ) -> bytes | None:
     """The oldest evictable key of ``order``. Pinned keys met on the way move to the young
     end: a pinned block is in use, and the next search need not walk past it again, so a
-    burst of pins (write-through in flight) costs O(1) per eviction instead of O(pins)."""
-    for oldest in order:  # the common case, without building a range and an iterator more
+    burst of pins (write-through in flight) costs O(1) per eviction instead of O(pins). The
+    walk and the moves run at C speed (no Python frame per key): in a small pool under load
+    the pins of requests in flight sit in runs of hundreds at the old end."""
+    for oldest in order:  # the common case, without building the walk below
         if can_evict(oldest):
             return oldest
         break
-    for _ in range(len(order)):
-        key = next(iter(order))
-        if can_evict(key):
-            return key
-        order.move_to_end(key)
-    return None
+    pinned = len(list(takewhile(not_, map(can_evict, order))))
+    if pinned == len(order):
+        return None
+    deque(map(order.move_to_end, list(islice(order, pinned))), maxlen=0)
+    return next(iter(order))
 
 
 class LRUPolicy:

@@ -16,6 +16,7 @@ rather than going out one by one ahead of it.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Literal
 
 import anyio.abc
 
@@ -85,24 +86,36 @@ class WriteThrough(WriteAccount):
         the write-back tiers. A tier that refuses one block of the store is not asked about
         the rest: they are refused for the same cause (counted each, said once)."""
         refused: set[str] = set()
-        for i, key in enumerate(keys):
-            if self._refused_by_all(refused):  # so are the rest: counted at once
-                for name in refused:
-                    self.admission.refuse_again(name, len(keys) - i)
-                return
-            if self.deferred:  # a rate limit refills with time: older deferred writes go first
-                self.drain_deferred(task_group)
-            if self.write_back_tiers and key not in self.write_back:
-                slot = self.pool.pin(key)  # not evictable until written back
-                if slot is not None:
-                    self.write_back.add(key, slot)
-            if (
-                self.through_tiers
-                and self._write(task_group, key, self.through_tiers, refused=refused) is None
-            ):
-                continue
-            if self.write_back:  # while closing (a store that raced aclose), write back at once
-                self.flush(task_group, everything=closing)
+        groups: dict[tuple[SecondaryTier, ...], tuple[list[bytes], list[int]]] = {}
+        try:
+            for i, key in enumerate(keys):
+                if self._refused_by_all(refused):  # so are the rest: counted at once
+                    for name in refused:
+                        self.admission.refuse_again(name, len(keys) - i)
+                    return
+                if self.deferred:  # a rate limit refills with time: older deferred ones first
+                    self.drain_deferred(task_group)
+                if self.write_back_tiers and key not in self.write_back:
+                    slot = self.pool.pin(key)  # not evictable until written back
+                    if slot is not None:
+                        self.write_back.add(key, slot)
+                if self.through_tiers:
+                    routed = self._route(task_group, key, self.through_tiers, refused=refused)
+                    if routed is None:
+                        continue
+                    if routed:
+                        targets, pinned = routed
+                        assert isinstance(pinned, int)
+                        group = groups.get(targets)
+                        if group is None:
+                            group = groups[targets] = ([], [])
+                        group[0].append(key)
+                        group[1].append(pinned)
+                if self.write_back:  # while closing (a store that raced aclose): at once
+                    self.flush(task_group, everything=closing)
+        finally:  # one cascade per group of blocks bound for the same tiers
+            for targets, (group_keys, slots) in groups.items():
+                self._cascades.launch(task_group, group_keys, targets, slots=slots)
 
     def _refused_by_all(self, refused: set[str]) -> bool:
         """Whether every tier of a store refused one of its blocks, and nothing more is to be
@@ -134,8 +147,17 @@ class WriteThrough(WriteAccount):
         given promoted blocks. ``copy``: the block is leaving the pool (evicted), so it is
         written from a copy taken now instead of its pinned slot."""
         targets = self._above.get(id(source))
-        if targets and self._write(task_group, key, targets, copy):
-            self.written_up += 1
+        if not targets:
+            return
+        routed = self._route(task_group, key, targets, copy)
+        if not routed:
+            return
+        admitted, slot = routed
+        if isinstance(slot, int):
+            self._cascades.launch(task_group, [key], admitted, slots=[slot])
+        else:
+            self._cascades.launch(task_group, [key], admitted, copy=slot)
+        self.written_up += 1
 
     def flush(self, task_group: anyio.abc.TaskGroup, *, everything: bool = False) -> None:
         """Start the write-backs the queue says are due (see ``WriteBackQueue.due``)."""
@@ -143,8 +165,17 @@ class WriteThrough(WriteAccount):
         writes, unpin = self.write_back.due(
             self.admission, list(by_name), self.pool.block_bytes, everything=everything
         )
+        groups: dict[tuple[str, ...], tuple[list[bytes], list[int]]] = {}
         for key, slot, names in writes:
-            self._cascades.launch(task_group, key, slot, [by_name[name] for name in names])
+            group = groups.get(tuple(names))
+            if group is None:
+                group = groups[tuple(names)] = ([], [])
+            group[0].append(key)
+            group[1].append(slot)
+        for wanted, (keys, slots) in groups.items():
+            self.take(len(keys))
+            targets = [by_name[name] for name in wanted]
+            self._cascades.launch(task_group, keys, targets, slots=slots)
         for slot in unpin:
             self.pool.unpin(slot)
 
@@ -154,7 +185,7 @@ class WriteThrough(WriteAccount):
 
     # -- routing one block ----------------------------------------------------------------
 
-    def _write(
+    def _route(
         self,
         task_group: anyio.abc.TaskGroup,
         key: bytes,
@@ -162,10 +193,11 @@ class WriteThrough(WriteAccount):
         copy: Callable[[], bytes | None] | None = None,
         *,
         refused: set[str] | None = None,
-    ) -> bool | None:
-        """Start writing ``key``'s block (its pinned slot, or what ``copy`` returns) to those
-        of ``tiers`` that admit it now: True if started, False if every tier dropped it, None
-        if the global in-flight limit or an eviction skipped it (counted in ``skipped``).
+    ) -> tuple[tuple[SecondaryTier, ...], int | bytes] | Literal[False] | None:
+        """Decide which of ``tiers`` take ``key``'s block now, pin its slot (or take the
+        copy ``copy`` returns) and take its bytes in flight: the tiers admitted and the slot
+        (or the copy), for the caller to launch; False if every tier dropped it, None if the
+        global in-flight limit or an eviction skipped it (counted in ``skipped``).
         ``refused``: the tiers that refused an earlier block of the same store (added to)."""
         nbytes = self.pool.block_bytes
         if self.in_flight_bytes + nbytes > self.max_in_flight_bytes:
@@ -193,8 +225,8 @@ class WriteThrough(WriteAccount):
                 self.admission.cancel(tier.name, nbytes)
             self.skipped += 1
             return None
-        self._cascades.launch(task_group, key, slot, targets)
-        return True
+        self.take()
+        return tuple(targets), slot
 
     def _refused(
         self, task_group: anyio.abc.TaskGroup, tier: str, key: bytes, *, said: bool = False

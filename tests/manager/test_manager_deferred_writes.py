@@ -4,6 +4,7 @@ every block at the pace it can take, without pinning the pool."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import anyio
@@ -19,6 +20,7 @@ from kvtier import (
     TieringManager,
 )
 from kvtier.testing import StallingTier
+from kvtier.tiers._base import BatchResults
 from kvtier.tiers.fs import FSTier
 from kvtier.writes._deferred import DeferredWrites
 from tests.support import assert_holds, random_blocks
@@ -275,7 +277,13 @@ async def test_a_deferred_write_waits_for_the_faster_tier_still_writing_the_bloc
 
 class HeldFSTier(FSTier):
     """An FSTier whose stores can be held in flight (the key taken, its file not written
-    yet), and whose lookups of ``watched`` keys set ``watch.asked``."""
+    yet), and whose lookups of ``watched`` keys set ``watch.asked``. Its batches store key
+    by key (``SecondaryTier``'s own ``store_many``), so each block's store can be held."""
+
+    async def _store_batch(
+        self, keys: Sequence[bytes], srcs: Sequence[memoryview], deadline: float, pinned: bool
+    ) -> BatchResults:
+        return await SecondaryTier._store_batch(self, keys, srcs, deadline, pinned)
 
     def __init__(self, root: Path, *, shared: bool, watched: list[bytes]) -> None:
         super().__init__(root, shared=shared)

@@ -18,7 +18,7 @@ from kvtier import (
     SlotState,
     TieringManager,
 )
-from kvtier.pools._base import ByteSource
+from kvtier.pools._base import ByteSource, PrimaryPool
 from kvtier.testing import StallingTier
 from tests.support import GatedPool, ManualClock, random_blocks
 
@@ -167,7 +167,10 @@ async def test_a_block_stored_while_the_manager_closes_is_written_back_not_left_
 
 
 class FailingDrainPool(HostPool):
-    """A HostPool whose drains fail before handing the bytes to any tier."""
+    """A HostPool whose drains fail before handing the bytes to any tier; it drains a batch
+    slot by slot, as a pool without direct views does (``PrimaryPool.drain_many``)."""
+
+    drain_many = PrimaryPool.drain_many
 
     async def drain(self, slot: int, source: ByteSource) -> None:
         await anyio.lowlevel.checkpoint()
