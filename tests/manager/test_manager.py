@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import anyio
 import numpy as np
 import pytest
@@ -10,7 +12,8 @@ import torch
 import kvtier
 from kvtier import HostPool, MemoryTier, MissReason, TieringManager
 from kvtier.testing import FailingTier, StallingTier, resolve_lookup
-from tests.support import H, M, P, R, fill, random_blocks
+from kvtier.tiers._base import BatchResults
+from tests.support import H, M, P, R, assert_holds, fill, random_blocks
 
 BB = 4096
 
@@ -136,6 +139,50 @@ async def test_store_writes_through_to_every_tier(keys: list[bytes]) -> None:
     assert stats.cascades_started == stats.cascades_succeeded == 4
     assert stats.stores_skipped_present == 4
     assert stats.pool.pinned == 0 and stats.in_flight_bytes == 0
+
+
+class BatchRecordingTier(MemoryTier):
+    """A MemoryTier that records the keys of each ``store_many`` and fails the stores of
+    the keys in ``refuse`` (each on its own, the rest of the batch lands)."""
+
+    def __init__(self, name: str, refuse: Sequence[bytes] = ()) -> None:
+        super().__init__(name)
+        self.batches: list[list[bytes]] = []
+        self.refuse = set(refuse)
+
+    async def _store_batch(
+        self, keys: Sequence[bytes], srcs: Sequence[memoryview], deadline: float, pinned: bool
+    ) -> BatchResults:
+        self.batches.append(list(keys))
+        results = await super()._store_batch(keys, srcs, deadline, pinned)
+        for i, key in enumerate(keys):
+            if key in self.refuse:
+                await self.delete(key)
+                results[i] = kvtier.TierNoSpaceError(
+                    "refused", tier=self.name, operation="store", key=key
+                )
+        return results
+
+
+async def test_a_store_is_written_through_in_one_batch_per_tier(keys: list[bytes]) -> None:
+    """One cascade per store: each tier takes the store's blocks in one ``store_many``; a
+    block a tier fails is counted on its own, and the tier's listeners hear of the rest."""
+    a, b = BatchRecordingTier("a"), BatchRecordingTier("b", refuse=keys[1:3])
+    heard: list[bytes] = []
+    b.add_listener(heard.append)
+    data = random_blocks(6)
+    async with TieringManager(HostPool(8, BB), [a, b]) as manager:
+        assert await manager.store(keys[:6], data) == 6
+        await manager.wait_idle()
+    assert a.batches == b.batches == [keys[:6]]
+    await assert_holds(a, keys[:6], data)
+    assert sorted(heard) == sorted(keys[:1] + keys[3:6])
+    stats = manager.statistics()
+    assert stats.cascades_started == 6
+    assert stats.cascades_succeeded == 4
+    assert stats.cascade_failures_by_reason == {"no_space": 2}
+    assert stats.pool.pinned == 0 and stats.in_flight_bytes == 0
+    assert [s.in_flight_bytes for s in stats.admission] == [0, 0]
 
 
 async def test_write_through_is_bounded_by_in_flight_bytes(keys: list[bytes]) -> None:

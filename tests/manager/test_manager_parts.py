@@ -7,6 +7,7 @@ import dataclasses
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 import pytest
 
@@ -233,3 +234,29 @@ async def test_a_key_watch_wakes_for_keys_fired_before_and_during_the_wait() -> 
     with anyio.move_on_after(0.02) as scope:
         await watch.wait()  # nothing fired since the take: it sleeps
     assert scope.cancelled_caught
+
+
+async def test_a_key_watch_wait_ends_at_a_fire_or_at_its_timeout() -> None:
+    """``wait`` says whether a key fired (True) or its time bound passed first (False), and
+    returns at once, after a checkpoint, for keys fired before it was called."""
+    watch = KeyWatch()
+    assert await watch.wait(0.01) is False
+    assert watch.take() == []
+
+    async def fire_later() -> None:
+        await anyio.lowlevel.checkpoint()
+        watch.fire(k(1))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(fire_later)
+        with anyio.fail_after(10):
+            assert await watch.wait(60) is True
+    assert watch.take() == [k(1)]
+    watch.fire(k(2))
+    assert await watch.wait(0) is True
+    assert watch.take() == [k(2)]
+    with anyio.move_on_after(0.01) as scope:  # cancelled from outside: no answer, no leak
+        await watch.wait()
+    assert scope.cancelled_caught
+    watch.fire(k(3))  # nothing waits now: only collected
+    assert watch.take() == [k(3)]
