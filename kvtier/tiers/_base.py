@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import math
@@ -342,14 +343,15 @@ def check_batch(keys: Sequence[bytes], views: Sequence[memoryview], what: str) -
 
 
 def batch_deadline(timeout: float | None) -> float:
-    """The ``anyio.current_time()`` deadline of a batch bounded by ``timeout`` seconds."""
+    """The ``anyio.current_time()`` deadline of a batch bounded by ``timeout`` seconds (the
+    loop's own clock, which anyio's is on asyncio, read without asking which loop runs)."""
     if timeout is None:
         return math.inf
     if not isinstance(timeout, int | float) or not timeout > 0:
         raise InvalidArgumentError(
             f"timeout must be a positive number of seconds or None, got {timeout!r}"
         )
-    return anyio.current_time() + timeout
+    return asyncio.get_running_loop().time() + timeout
 
 
 async def run_each(

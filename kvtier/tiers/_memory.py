@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-
-import anyio.lowlevel
 
 from kvtier._errors import BlockNotFoundError, InvalidArgumentError, TierError, TierNoSpaceError
 from kvtier._lookup import LookupResult, MissReason
@@ -50,11 +49,11 @@ class MemoryTier(SecondaryTier):
         return LookupResult.MISS
 
     async def contains_many(self, keys: list[bytes]) -> list[bool]:
-        await anyio.lowlevel.checkpoint()
+        await asyncio.sleep(0)
         return [key in self._blocks for key in keys]
 
     async def load(self, key: bytes, dst: memoryview) -> None:
-        await anyio.lowlevel.checkpoint()
+        await asyncio.sleep(0)
         self._load(key, dst)
 
     def _load(self, key: bytes, dst: memoryview) -> None:
@@ -72,7 +71,7 @@ class MemoryTier(SecondaryTier):
         self._meter.read(len(data), time.perf_counter() - started)
 
     async def store(self, key: bytes, src: memoryview) -> None:
-        await anyio.lowlevel.checkpoint()
+        await asyncio.sleep(0)
         self._store(key, src)
 
     def _store(self, key: bytes, src: memoryview) -> None:
@@ -113,7 +112,7 @@ class MemoryTier(SecondaryTier):
         return await _each(self._store, keys, srcs)
 
     async def delete(self, key: bytes) -> None:
-        await anyio.lowlevel.checkpoint()
+        await asyncio.sleep(0)
         data = self._blocks.pop(key, None)
         if data is not None:
             self._bytes -= len(data)
@@ -139,7 +138,7 @@ async def _each(
     views: Sequence[memoryview],
 ) -> BatchResults:
     """``operation`` on each block after one checkpoint; per block, None or the tier's error."""
-    await anyio.lowlevel.checkpoint()
+    await asyncio.sleep(0)
     outcomes: BatchResults = []
     for key, view in zip(keys, views, strict=True):
         try:
