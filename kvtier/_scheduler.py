@@ -296,6 +296,7 @@ class OffloadScheduler:
             scan = PrefixProgress(keys, lookup, self._pin, self._fast_prefix)
         else:
             scan = WindowProgress(keys, lookup, self._pin, window)
+        changes.lease = scan.lease  # blocks promoted for it are pinned as they land
         try:
             self._scans += 1
             result = scan.start()

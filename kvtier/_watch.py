@@ -28,11 +28,15 @@ class KeyWatch:
     construction); a time bound is one timer on the loop (``wait``'s ``timeout``).
     """
 
-    __slots__ = ("_changed", "_waiter")
+    __slots__ = ("_changed", "_waiter", "lease")
 
     def __init__(self) -> None:
         self._changed: list[bytes] = []
         self._waiter: asyncio.Future[None] | None = None
+        # The pins the waiter holds until it answers (a scheduler lookup's lease), or None.
+        # A block promoted for a key it waits on is pinned into it as it lands (see
+        # ``Watchers.leases``).
+        self.lease: list[int] | None = None
 
     def fire(self, key: bytes) -> None:
         """``key`` may answer differently now (called by the manager)."""
@@ -110,6 +114,15 @@ class Watchers:
                     current.remove(watch)
                 if not current:
                     del waiting[key]
+
+    def leases(self, key: bytes) -> list[list[int]]:
+        """The leases of the watches waiting on ``key`` that hold one (see ``KeyWatch``)."""
+        watches = self._waiting.get(key)
+        if watches is None:
+            return []
+        if isinstance(watches, list):
+            return [w.lease for w in watches if w.lease is not None]
+        return [] if watches.lease is None else [watches.lease]
 
     def after(self, blocker: bytes, key: bytes) -> None:
         """Fire ``key``'s watches too when ``blocker`` changes."""

@@ -16,6 +16,7 @@ nothing stays pending forever and leaving ``async with`` joins them all. The job
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 from collections.abc import Callable, Coroutine, Iterable, Sequence
@@ -332,7 +333,13 @@ class TieringManager(AsyncResource):
         in the background. Returns how many blocks were newly placed in the pool; keys already
         present are skipped, and so are keys for which no slot is free or evictable. ``keys``
         are one request's chain, head first (as a lookup takes them): the pool orders the
-        chain, with the prefix the request's scan served, so its tail is evicted first."""
+        chain, with the prefix the request's scan served, so its tail is evicted first. It
+        yields to the loop once before it places anything."""
+        task_group = self._check_open()
+        # A checkpoint first (a host pool's store never suspends otherwise): an engine that
+        # stores a request's blocks and then looks up the next request in the same step held
+        # the loop for both; cancelled here, nothing was stored.
+        await asyncio.sleep(0)
         task_group = self._check_open()
         placed = await self._transfers.store(keys, blocks, lambda: self._task_group is task_group)
         if placed:

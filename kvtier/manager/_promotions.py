@@ -154,6 +154,7 @@ class Promotions:
             failed = isinstance(outcome, Exception)
             if ok:
                 self._landed(key, tier, slot)
+                self._pin_for_waiters(key)
             else:
                 if isinstance(outcome, Exception):
                     self._failed_with(key, tier, outcome)
@@ -168,6 +169,17 @@ class Promotions:
                 )
             self.landing.pop(key, None)
             self.watchers.notify(key)
+
+    def _pin_for_waiters(self, key: bytes) -> None:
+        """Pin the landed block into the lease of each lookup waiting on it, as that lookup
+        would once it runs again. Until then the block is evictable like any other, and in
+        a pool that turns over faster than a busy loop resumes its waiters, the block was
+        promoted again and again, each time evicted before the lookup it was for could count
+        it."""
+        for lease in self.watchers.leases(key):
+            slot = self.pool.pin(key)
+            if slot is not None:
+                lease.append(slot)
 
     def _failed_with(self, key: bytes, tier: SecondaryTier, exc: Exception) -> None:
         reason = reason_of(exc)

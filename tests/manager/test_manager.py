@@ -11,6 +11,7 @@ import torch
 
 import kvtier
 from kvtier import HostPool, MemoryTier, MissReason, TieringManager
+from kvtier._watch import KeyWatch
 from kvtier.testing import FailingTier, StallingTier, resolve_lookup
 from kvtier.tiers._base import BatchResults
 from tests.support import H, M, P, R, assert_holds, fill, random_blocks
@@ -419,3 +420,27 @@ async def test_promotions_in_flight_are_counted_for_the_cost_model_and_given_bac
         assert manager.lookup(keys[3]) is R  # promoted, then the manager closes under it
     (tier,) = manager.statistics().cost.tiers
     assert tier.in_flight == 0
+
+
+async def test_a_promoted_block_is_pinned_for_the_lookup_waiting_on_it(keys: list[bytes]) -> None:
+    """A block lands in the lease of the lookup that waits on it, before that lookup runs
+    again: a pool that turns over faster than the loop resumes its waiters evicted it first,
+    and the block was promoted again and again without ever being counted."""
+    tier = MemoryTier()
+    data = random_blocks(1)
+    await tier.store(keys[0], memoryview(data[0].tobytes()))
+    async with TieringManager(HostPool(4, BB), [tier]) as manager:
+        watch = KeyWatch()
+        lease: list[int] = []
+        watch.lease = lease
+        manager.watch([keys[0]], watch)
+        assert manager.lookup(keys[0]) is R  # its promotion starts
+        await manager.wait_idle()  # landed; the waiter has not run since
+        assert len(lease) == 1 and manager.statistics().pool.pinned == 1
+        await manager.store(keys[1:8], random_blocks(7))  # the pool turns over
+        assert manager.lookup(keys[0]) is H  # still there, for the waiter to count
+        assert manager.statistics().pool.evictions == 0  # without the pin, it went first
+        manager.unpin_slots(lease)
+        manager.unwatch([keys[0]], watch)
+        await manager.wait_idle()
+        assert manager.statistics().pool.pinned == 0
