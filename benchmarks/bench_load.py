@@ -247,7 +247,7 @@ def report(idle: dict[str, float], runs: list[dict[str, Any]]) -> None:
     head = (
         f"{'in flight':>9} {'lookups/s':>9} {'lag p50':>8} {'lag p99':>8} {'p99/idle':>9} "
         f"{'loop ms/lookup':>15} {'(gc)':>6} {'cpu':>6} {'steps':>6} {'longest':>8} "
-        f"{'full gc/1k':>10} {'to oldest':>9}"
+        f"{'full gc/1k':>10} {'to oldest':>9} {'hits':>5} {'promoted':>8}"
     )
     print(head)
     for r in runs:
@@ -258,12 +258,14 @@ def report(idle: dict[str, float], runs: list[dict[str, Any]]) -> None:
             f"{loop['all']:>15.3f} {loop['collector']:>6.3f} {r['cpu_ms_per_lookup']:>6.3f} "
             f"{r['steps_per_lookup']:>6.1f} "
             f"{r['longest_step_ms']:>6.1f}ms {g['full_per_1000_lookups']:>10.2f} "
-            f"{g['promoted_to_oldest_per_lookup']:>9.1f}"
+            f"{g['promoted_to_oldest_per_lookup']:>9.1f} {r['prefix_hit_ratio']:>5.2f} "
+            f"{r['promotions'] / r['lookups']:>8.1f}"
         )
     print("loop ms/lookup: callbacks run per lookup (gc: the collector's share of it); cpu: CPU")
     print("time the loop's thread got per lookup (less than loop ms when other processes took")
     print("the CPU: lag and the longest step include that); steps: callbacks per lookup;")
-    print("to oldest: objects moved to the oldest generation per lookup")
+    print("to oldest: objects moved to the oldest generation per lookup; hits: the share of")
+    print("the keys asked that the lookups counted; promoted: blocks promoted per lookup")
 
 
 async def measure(args: argparse.Namespace, out: dict[str, Any]) -> None:
