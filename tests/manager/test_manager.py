@@ -444,3 +444,24 @@ async def test_a_promoted_block_is_pinned_for_the_lookup_waiting_on_it(keys: lis
         manager.unwatch([keys[0]], watch)
         await manager.wait_idle()
         assert manager.statistics().pool.pinned == 0
+
+
+async def test_a_store_yields_once_and_a_cancelled_one_stores_nothing(keys: list[bytes]) -> None:
+    """``store`` is a checkpoint even when its copy never waits: another task runs before
+    it returns, and a store cancelled there has placed nothing."""
+    order: list[str] = []
+
+    async def other() -> None:
+        order.append("other")
+
+    async with TieringManager(HostPool(8, BB), [MemoryTier()]) as manager:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(other)
+            assert await manager.store(keys[:2], random_blocks(2)) == 2
+            order.append("stored")
+        assert order == ["other", "stored"]
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            await manager.store(keys[2:4], random_blocks(2))
+        assert scope.cancelled_caught
+        assert manager.statistics().pool.ready == 2
