@@ -300,7 +300,7 @@ class OffloadScheduler:
         try:
             self._scans += 1
             result = scan.start()
-            if result is not None:  # answered without waiting: no cancel scope to build
+            if result is not None:  # answered without waiting: no timer to set
                 return result
             deadline = time.monotonic() + limit
             while result is None:
