@@ -3,6 +3,7 @@
     python -m benchmarks.bench_load                     # 256, 1,000 and 2,000 in flight
     python -m benchmarks.bench_load --quick             # 256 in flight, fewer lookups
     python -m benchmarks.bench_load --in-flight 256 --gc-freeze --json
+    python -m benchmarks.bench_load --rate 2000 3000     # open loop: lookups arriving per second
 
 An engine's decode loop shares kvtier's event loop, so kvtier's loop time is the engine's
 latency. Each run keeps ``--in-flight`` lookups going (closed-loop workers: one ends, the
@@ -12,6 +13,12 @@ Each tier starts with ``--cached-keys`` existence verdicts already cached, as a 
 run for a while has. Everything is set up before the measured window opens. A worker whose
 lookup and store did not suspend yields to the loop before its next lookup (one loop step,
 counted in the figures), as an engine that asks for each request from its own step does.
+
+``--rate`` runs an open loop instead: lookups arrive at that many per second whatever the loop
+does (each its own task, at most ``--max-in-flight`` at once), as requests reach an engine. A
+closed loop keeps the loop saturated, and its timer lag is then about two rounds of every ready
+worker whatever each lookup costs; below saturation the lag shows what each lookup's work
+costs the engine at that request rate.
 
 Per run it prints, beside the same loop idle (measured in the same process just before):
 
@@ -150,6 +157,63 @@ async def tiers_with_history(cached_keys: int) -> tuple[list[bytes], SlowTier, S
     return keys, fast, slow
 
 
+async def one_lookup(
+    scheduler: kvtier.OffloadScheduler,
+    manager: kvtier.TieringManager,
+    prefix: list[bytes],
+    zeros: np.ndarray,
+    outcome: dict[str, int],
+) -> None:
+    """One request: look its prefix up, then store what missed."""
+    try:
+        n = await scheduler.lookup(prefix, timeout=5.0)
+        await manager.store(prefix[n:], zeros[: len(prefix) - n])
+    except Exception:
+        outcome["errors"] += 1
+    else:
+        outcome["hits"] += n
+        outcome["keys"] += len(prefix)
+
+
+async def open_loop(
+    scheduler: kvtier.OffloadScheduler,
+    manager: kvtier.TieringManager,
+    keys: list[bytes],
+    rate: float,
+    lookups: int,
+    max_in_flight: int,
+) -> dict[str, int]:
+    """``lookups`` lookups arriving at ``rate`` per second, each in a task of its own; an
+    arrival finding ``max_in_flight`` lookups running is dropped (counted in ``dropped``)."""
+    rng = random.Random(int(rate))
+    outcome = {"errors": 0, "hits": 0, "keys": 0, "dropped": 0}
+    zeros = np.zeros((32, BB), np.uint8)
+    running = [0]
+
+    async def request(prefix: list[bytes]) -> None:
+        try:
+            await one_lookup(scheduler, manager, prefix, zeros, outcome)
+        finally:
+            running[0] -= 1
+
+    loop = asyncio.get_running_loop()
+    started_at, arrived = loop.time(), 0
+    async with anyio.create_task_group() as tg:
+        while arrived < lookups:
+            due = min(int((loop.time() - started_at) * rate) + 1, lookups)
+            for _ in range(due - arrived):  # the arrivals due since the last round
+                start = rng.randrange(0, KEY_SPACE - 32)
+                prefix = keys[start : start + rng.randrange(1, 32)]
+                if running[0] >= max_in_flight:
+                    outcome["dropped"] += 1
+                    continue
+                running[0] += 1
+                tg.start_soon(request, prefix)
+            arrived = due
+            await asyncio.sleep(max(started_at + arrived / rate - loop.time(), 0))
+    return outcome
+
+
 async def closed_loop(
     scheduler: kvtier.OffloadScheduler,
     manager: kvtier.TieringManager,
@@ -178,14 +242,7 @@ async def closed_loop(
             left[0] -= 1
             start = rng.randrange(0, KEY_SPACE - 32)
             prefix = keys[start : start + rng.randrange(1, 32)]
-            try:
-                n = await scheduler.lookup(prefix, timeout=5.0)
-                await manager.store(prefix[n:], zeros[: len(prefix) - n])
-            except Exception:
-                outcome["errors"] += 1
-            else:
-                outcome["hits"] += n
-                outcome["keys"] += len(prefix)
+            await one_lookup(scheduler, manager, prefix, zeros, outcome)
 
     async with anyio.create_task_group() as tg:
         for _ in range(in_flight):
@@ -193,8 +250,12 @@ async def closed_loop(
     return outcome
 
 
-async def run(in_flight: int, lookups: int, cached_keys: int) -> dict[str, Any]:
-    """One measured run, set up first; its figures."""
+async def run(
+    in_flight: int, lookups: int, cached_keys: int, rate: float | None = None
+) -> dict[str, Any]:
+    """One measured run, set up first; its figures. With ``rate``, an open loop of lookups
+    arriving at that many per second, at most ``in_flight`` at once; else a closed loop of
+    ``in_flight`` workers."""
     keys, fast, slow = await tiers_with_history(cached_keys)
     pool = kvtier.HostPool(2_000, BB)
     manager = kvtier.TieringManager(pool, [fast, slow], max_in_flight_bytes=64 * BB)
@@ -206,19 +267,25 @@ async def run(in_flight: int, lookups: int, cached_keys: int) -> dict[str, Any]:
             started, cpu_started = time.perf_counter(), time.thread_time()
             async with anyio.create_task_group() as tg:
                 tg.start_soon(timer_lag, stop, samples)
-                outcome = await closed_loop(
-                    scheduler, manager, keys, in_flight, lookups, lambda: probe.steps
-                )
+                if rate is None:
+                    outcome = await closed_loop(
+                        scheduler, manager, keys, in_flight, lookups, lambda: probe.steps
+                    )
+                else:
+                    outcome = await open_loop(scheduler, manager, keys, rate, lookups, in_flight)
                 stop.set()
             elapsed = time.perf_counter() - started
             cpu = time.thread_time() - cpu_started
         promotions = manager.statistics().promotions
-    per_lookup = 1e3 / lookups
+    done = lookups - outcome.get("dropped", 0)
+    per_lookup = 1e3 / max(done, 1)
     return {
         "in_flight": in_flight,
-        "lookups": lookups,
+        "rate": rate,
+        "lookups": done,
+        "dropped": outcome.get("dropped", 0),
         "elapsed_s": elapsed,
-        "lookups_per_s": lookups / elapsed,
+        "lookups_per_s": done / elapsed,
         "errors": outcome["errors"],
         "prefix_hit_ratio": outcome["hits"] / max(outcome["keys"], 1),
         "promotions": promotions.succeeded,
@@ -245,7 +312,7 @@ async def run(in_flight: int, lookups: int, cached_keys: int) -> dict[str, Any]:
 def report(idle: dict[str, float], runs: list[dict[str, Any]]) -> None:
     print(f"idle loop: timer lag p50 {idle['p50']:.2f} ms, p99 {idle['p99']:.2f} ms")
     head = (
-        f"{'in flight':>9} {'lookups/s':>9} {'lag p50':>8} {'lag p99':>8} {'p99/idle':>9} "
+        f"{'load':>9} {'lookups/s':>9} {'lag p50':>8} {'lag p99':>8} {'p99/idle':>9} "
         f"{'loop ms/lookup':>15} {'(gc)':>6} {'cpu':>6} {'steps':>6} {'longest':>8} "
         f"{'full gc/1k':>10} {'to oldest':>9} {'hits':>5} {'promoted':>8}"
     )
@@ -253,7 +320,7 @@ def report(idle: dict[str, float], runs: list[dict[str, Any]]) -> None:
     for r in runs:
         lag, loop, g = r["lag_ms"], r["loop_ms_per_lookup"], r["gc"]
         print(
-            f"{r['in_flight']:>9} {r['lookups_per_s']:>9.0f} {lag['p50']:>6.1f}ms "
+            f"{_load(r):>9} {r['lookups_per_s']:>9.0f} {lag['p50']:>6.1f}ms "
             f"{lag['p99']:>6.1f}ms {lag['p99'] / max(idle['p99'], 1e-3):>8.0f}x "
             f"{loop['all']:>15.3f} {loop['collector']:>6.3f} {r['cpu_ms_per_lookup']:>6.3f} "
             f"{r['steps_per_lookup']:>6.1f} "
@@ -261,6 +328,9 @@ def report(idle: dict[str, float], runs: list[dict[str, Any]]) -> None:
             f"{g['promoted_to_oldest_per_lookup']:>9.1f} {r['prefix_hit_ratio']:>5.2f} "
             f"{r['promotions'] / r['lookups']:>8.1f}"
         )
+    print("load: lookups in flight (closed loop), or arriving per second (open loop, /s)")
+    if any(r["dropped"] for r in runs):
+        print("dropped arrivals (in flight at the cap):", [r["dropped"] for r in runs])
     print("loop ms/lookup: callbacks run per lookup (gc: the collector's share of it); cpu: CPU")
     print("time the loop's thread got per lookup (less than loop ms when other processes took")
     print("the CPU: lag and the longest step include that); steps: callbacks per lookup;")
@@ -268,21 +338,30 @@ def report(idle: dict[str, float], runs: list[dict[str, Any]]) -> None:
     print("the keys asked that the lookups counted; promoted: blocks promoted per lookup")
 
 
+def _load(r: dict[str, Any]) -> str:
+    return str(r["in_flight"]) if r["rate"] is None else f"{r['rate']:.0f}/s"
+
+
 async def measure(args: argparse.Namespace, out: dict[str, Any]) -> None:
     idle = await idle_lag()
     runs = []
-    for in_flight in args.in_flight:
+    loads: list[tuple[int, float | None]] = (
+        [(n, None) for n in args.in_flight]
+        if args.rate is None
+        else [(args.max_in_flight, rate) for rate in args.rate]
+    )
+    for in_flight, rate in loads:
         if args.gc_freeze:
             gc.collect()
             gc.freeze()
-        runs.append(await run(in_flight, args.lookups, args.cached_keys))
+        runs.append(await run(in_flight, args.lookups, args.cached_keys, rate))
         if args.gc_freeze:
             gc.unfreeze()
     out["idle_lag_ms"] = idle
     out["runs"] = runs
     out["lag_p99_of_idle"] = {
         "baseline": "idle loop, same process",
-        "ratios": {str(r["in_flight"]): r["lag_ms"]["p99"] / max(idle["p99"], 1e-3) for r in runs},
+        "ratios": {_load(r): r["lag_ms"]["p99"] / max(idle["p99"], 1e-3) for r in runs},
     }
     report(idle, runs)
 
@@ -291,6 +370,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--in-flight", type=int, nargs="+", default=[256, 1_000, 2_000], help="lookups in flight"
+    )
+    parser.add_argument(
+        "--rate", type=float, nargs="+", help="open loop: lookups arriving per second (each run)"
+    )
+    parser.add_argument(
+        "--max-in-flight", type=int, default=4_000, help="open loop: lookups running at most"
     )
     parser.add_argument("--lookups", type=int, default=20_000, help="lookups per run")
     parser.add_argument("--quick", action="store_true", help="256 in flight, 3,000 lookups")
@@ -308,6 +393,8 @@ def main() -> None:
     with json_output(args.json) as out:
         out["settings"] = {
             "in_flight": args.in_flight,
+            "rate": args.rate,
+            "max_in_flight": args.max_in_flight,
             "lookups": args.lookups,
             "cached_keys": args.cached_keys,
             "gc_freeze": args.gc_freeze,
