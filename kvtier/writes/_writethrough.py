@@ -106,11 +106,9 @@ class WriteThrough(WriteAccount):
                     if routed:
                         targets, pinned = routed
                         assert isinstance(pinned, int)
-                        group = groups.get(targets)
-                        if group is None:
-                            group = groups[targets] = ([], [])
-                        group[0].append(key)
-                        group[1].append(pinned)
+                        group_keys, slots = groups.setdefault(targets, ([], []))
+                        group_keys.append(key)
+                        slots.append(pinned)
                 if self.write_back:  # while closing (a store that raced aclose): at once
                     self.flush(task_group, everything=closing)
         finally:  # one cascade per group of blocks bound for the same tiers
@@ -167,11 +165,9 @@ class WriteThrough(WriteAccount):
         )
         groups: dict[tuple[str, ...], tuple[list[bytes], list[int]]] = {}
         for key, slot, names in writes:
-            group = groups.get(tuple(names))
-            if group is None:
-                group = groups[tuple(names)] = ([], [])
-            group[0].append(key)
-            group[1].append(slot)
+            group_keys, slots = groups.setdefault(tuple(names), ([], []))
+            group_keys.append(key)
+            slots.append(slot)
         for wanted, (keys, slots) in groups.items():
             self.take(len(keys))
             targets = [by_name[name] for name in wanted]
