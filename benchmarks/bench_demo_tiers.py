@@ -19,7 +19,12 @@ with it, in the same round, medians over rounds. ``--no-prefetch-rows`` skips th
 
 Setups: ``fs`` (the demo's default), ``fs+s3`` (S3 below the file tier, its writes paced and
 deferred, the demo's default there), ``fs+s3-through`` (every block written through to S3 as
-it is stored), ``s3`` (S3 only).
+it is stored), ``s3`` (S3 only), ``memory`` (a ``MemoryTier`` instead of S3: it answers every
+lookup at once and loads without waiting, so no request waits for a block it holds). The
+memory setup is the ceiling of prefetch: prefetching can hide a tier's waits, and it has none.
+It runs once a round, without the prefetch rows; with it, each setup's p50 speedup is also
+given as a share of the memory setup's in the same round, and each setup's prefetch gain
+beside its bound, the memory setup's TTFT p50 against the setup's without prefetch.
 
 Needs the ``s3`` and ``torch`` extras and an S3 endpoint (``--s3-endpoint``; ``nox -s bench``
 starts a SeaweedFS on 127.0.0.1 and passes it with its process id, whose CPU is reported). The
@@ -51,7 +56,9 @@ SETUPS: dict[str, list[str]] = {
     "fs+s3": ["--s3"],  # the demo's default: S3 writes paced and deferred
     "fs+s3-through": ["--s3", "--s3-write-through"],
     "s3": ["--s3", "--fs-capacity-mb", "0"],
+    "memory": ["--fs-capacity-mb", "0"],  # and a MemoryTier: see `measure`
 }
+CEILING = "memory"
 
 
 async def measure(
@@ -61,12 +68,17 @@ async def measure(
     label: str,
     server_cpu: Callable[[], float],
     prefetch: bool = True,
+    *,
+    in_memory: bool = False,
 ) -> tuple[demo.RunResult, float]:
-    """One run of the workload with kvtier set up as ``demo_args`` say, from empty tiers, and
-    the CPU seconds SeaweedFS spent while it served (it runs on the engine's cores here)."""
+    """One run of the workload with kvtier set up as ``demo_args`` say (``in_memory``: a
+    ``MemoryTier`` as the one secondary tier), from empty tiers, and the CPU seconds SeaweedFS
+    spent while it served (it runs on the engine's cores here)."""
     async with AsyncExitStack() as stack:
         scratch = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-bench-demo-"))
-        tiers = demo.make_tiers(demo_args, scratch)
+        tiers: list[kvtier.SecondaryTier] = (
+            [kvtier.MemoryTier(CEILING)] if in_memory else demo.make_tiers(demo_args, scratch)
+        )
         pool = kvtier.HostPool(demo_args.pool_blocks, engine.config.block_bytes)
         manager = await stack.enter_async_context(
             demo.make_manager(demo_args, pool, tiers, kvtier.LatencyHistograms())
@@ -94,6 +106,7 @@ async def amain(
     without_prefetch: dict[str, list[tuple[float, float]]] = {name: [] for name in args.setups}
     gains: dict[str, list[tuple[float, float]]] = {name: [] for name in args.setups}
     server_cpu: dict[str, list[float]] = {name: [] for name in args.setups}
+    bounds: dict[str, list[float]] = {name: [] for name in args.setups}
     for round_ in range(args.rounds):
         base = await demo.run_workload(
             "without kvtier", engine, sessions, None, base_args.decode_tokens
@@ -103,9 +116,11 @@ async def amain(
             s3 = ["--s3-endpoint", args.s3_endpoint, "--s3-bucket", args.s3_bucket]
             setup = [flag for f in SETUPS[name] for flag in (s3 if f == "--s3" else [f])]
             flags = [*common, *setup, "--s3-prefix", f"bench-demo/{round_}/{name}/"]
-            if not args.prefetch_rows:
+            if not args.prefetch_rows or name == CEILING:
                 demo_args = demo.parse_args(flags)
-                run, cpu = await measure(demo_args, engine, sessions, name, seaweed_cpu)
+                run, cpu = await measure(
+                    demo_args, engine, sessions, name, seaweed_cpu, in_memory=name == CEILING
+                )
                 ratios[name].append(speedups(base, run))
                 server_cpu[name].append(cpu / run.wall)
                 continue
@@ -122,16 +137,26 @@ async def amain(
             ratios[name].append(speedups(base, runs[True]))
             without_prefetch[name].append(speedups(base, runs[False]))
             gains[name].append(speedups(runs[False], runs[True]))
+        if CEILING in ratios and args.prefetch_rows:
+            # The ceiling's speedup over this setup's without prefetch: all prefetch could gain.
+            ceiling = ratios[CEILING][-1][0]
+            for name in args.setups:
+                if name != CEILING:
+                    bounds[name].append(ceiling / without_prefetch[name][-1][0])
         line = ", ".join(f"{n} {ratios[n][-1][0]:.2f}x" for n in args.setups)
         if args.prefetch_rows:
             line += "; prefetch gain " + ", ".join(
-                f"{n} {gains[n][-1][0]:.2f}x" for n in args.setups
+                f"{n} {gains[n][-1][0]:.2f}x"
+                + (f" (bound {bounds[n][-1]:.2f}x)" if bounds[n] else "")
+                for n in args.setups
+                if n != CEILING
             )
         print(f"round {round_ + 1}/{args.rounds}: TTFT p50 speedup {line}", flush=True)
 
     print()
     print(
         f"{'setup':<16}{'TTFT p50':>10}{'TTFT p95':>10}{'p50 share of fs':>17}{'SeaweedFS CPU':>15}"
+        + (f"{'share of memory':>17}" if CEILING in ratios else "")
     )
     setups: dict[str, Any] = {}
     out["setups"] = setups
@@ -151,8 +176,13 @@ async def amain(
             share = f"{statistics.median(shares):.0%}"
         cores = statistics.median(server_cpu[name])
         setups[name]["server_cpu_cores"] = cores
-        print(f"{name:<16}{p50:>8.2f} x{p95:>8.2f} x{share:>17}{cores:>9.2f} cores")
-        if args.prefetch_rows:
+        of_memory = ""
+        if CEILING in ratios:
+            shares = [r[0] / c[0] for r, c in zip(ratios[name], ratios[CEILING], strict=True)]
+            setups[name]["p50_share_of_memory"] = statistics.median(shares)
+            of_memory = f"{statistics.median(shares):>17.0%}"
+        print(f"{name:<16}{p50:>8.2f} x{p95:>8.2f} x{share:>17}{cores:>9.2f} cores{of_memory}")
+        if args.prefetch_rows and name != CEILING:
             off = without_prefetch[name]
             setups[name]["no_prefetch"] = {
                 "ttft_p50_speedup": statistics.median(r[0] for r in off),
@@ -166,10 +196,14 @@ async def amain(
             setups[name]["prefetch_gain_rounds"] = [
                 {"ttft_p50": a, "ttft_p95": b} for a, b in gains[name]
             ]
+            bound = ""
+            if bounds[name]:
+                setups[name]["prefetch_gain_bound_p50"] = statistics.median(bounds[name])
+                bound = f" (bound p50 {statistics.median(bounds[name]):.2f} x)"
             print(
                 f"{'  no prefetch':<16}{setups[name]['no_prefetch']['ttft_p50_speedup']:>8.2f} x"
                 f"{setups[name]['no_prefetch']['ttft_p95_speedup']:>8.2f} x"
-                f"   prefetch gain p50 {gain_p50:.2f} x, p95 {gain_p95:.2f} x"
+                f"   prefetch gain p50 {gain_p50:.2f} x, p95 {gain_p95:.2f} x{bound}"
             )
     print(
         f"(medians over {args.rounds} rounds; each speedup against its own round's baseline; "

@@ -15,10 +15,12 @@ pytest.importorskip("torch", reason="the demo needs torch (the kvtier[torch] ext
 def test_one_quick_round_gives_each_setup_against_its_baseline(
     run_json: RunJson, store: Store
 ) -> None:
-    args = ("--quick", "--rounds", "1", "--setups", "fs", "fs+s3", *store.flags())
+    args = ("--quick", "--rounds", "1", "--setups", "fs", "fs+s3", "memory", *store.flags())
     out = run_json("-m", "benchmarks.bench_demo_tiers", *args).out
     setups = out["setups"]
-    assert set(setups) == {"fs", "fs+s3"}
+    assert set(setups) == {"fs", "fs+s3", "memory"}
+    ceiling = setups.pop("memory")  # the ceiling: a tier in memory, run once, no prefetch rows
+    assert ceiling["p50_share_of_memory"] == 1.0 and "no_prefetch" not in ceiling
     assert setups["fs"]["p50_share_of_fs"] == 1.0  # the FS-only setup is its own reference
     for setup in setups.values():
         assert setup["baseline"] == "without kvtier, same round"
@@ -35,3 +37,7 @@ def test_one_quick_round_gives_each_setup_against_its_baseline(
         # one round: the gain is the ratio of the two speedups against the same baseline
         ratio = setup["ttft_p50_speedup"] / off["ttft_p50_speedup"]
         assert abs(setup["prefetch_gain_p50"] - ratio) <= 1e-9 * ratio
+        # the bound: the ceiling's TTFT p50 against this setup's without prefetch
+        bound = ceiling["ttft_p50_speedup"] / off["ttft_p50_speedup"]
+        assert abs(setup["prefetch_gain_bound_p50"] - bound) <= 1e-9 * bound
+        assert positive(setup["p50_share_of_memory"])
