@@ -48,6 +48,7 @@ __all__ = [
     "parse_names",
     "parse_non_negative_int",
     "parse_non_negative_seconds",
+    "parse_non_negative_size",
     "parse_path",
     "parse_positive_int",
     "parse_positive_size",
@@ -154,13 +155,22 @@ def parse_non_negative_int(value: object, text: bool) -> int:
 
 def parse_positive_size(value: object, text: bool) -> int:
     """A positive number of bytes: an int or a size string (``parse_size``)."""
-    expected = "a positive size in bytes: an integer or a string such as '64MiB' or '2GB'"
-    python = "a positive int (bytes) or a size string such as '64MiB' or '2GB'"
+    return _size(value, 1, "a positive")
+
+
+def parse_non_negative_size(value: object, text: bool) -> int:
+    """A number of bytes, 0 included: an int or a size string (``parse_size``)."""
+    return _size(value, 0, "a")
+
+
+def _size(value: object, minimum: int, which: str) -> int:
+    expected = f"{which} size in bytes: an integer or a string such as '64MiB' or '2GB'"
+    python = f"{which} int (bytes) or a size string such as '64MiB' or '2GB'"
     try:
         size = parse_size(value)
     except ValueError:
         raise BadValue(expected, python) from None
-    if size <= 0:
+    if size < minimum:
         raise BadValue(expected, python)
     return size
 

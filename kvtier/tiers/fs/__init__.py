@@ -26,6 +26,10 @@ What makes it trustworthy:
   see ``_io`` and ``_read``. aiofiles would cost one thread hop per OS call
   (open, write, fsync, close, rename: five per store) and could be abandoned between them by a
   cancellation, leaving a temporary file behind; one hop per operation is faster and atomic.
+  One exception: a load reads a version 2 block whose file the page cache holds whole on
+  the event loop (up to ``loop_read_bytes`` per load, 1 MiB by default, as a host pool
+  copies on the loop up to 1 MiB), through calls that fail rather than wait for the device
+  (``_cached``): for such a block the two thread hops cost the loop as much as the copy.
 - **Deadlines hold on a hung mount.** A caller whose deadline fires leaves the thread behind
   (a syscall on a dead NFS server cannot be interrupted); reads land in a private buffer and
   writes copy the pool slot out first, so an abandoned thread never touches pool memory (see
@@ -111,7 +115,7 @@ around a synchronous core, the way httpcore's pool is a state machine with I/O o
 - ``_batch``: ``load_many``/``store_many`` in a few thread hops.
 - ``_blocks``: the worker threads, buffers and limits; whose memory a block passes through.
 - ``_io`` (open a root, write, check, remove) and ``_read`` (read and verify): the blocking
-  file work, one function per operation.
+  file work, one function per operation; ``_cached``: page-cached reads on the loop.
 - ``_layout``: names, shard folders, the marker and the descriptor-based walk.
 - ``_calls``: worker calls a deadline can walk away from; ``_index``: the owner's lookups;
   ``_ownership``: the folder's lock, and who owns or shares the folder.

@@ -69,15 +69,37 @@ async def load_many(batch: Batch, deadline: float) -> BatchResults:
     batch.files.calls.drain_late()
     wrong: list[str] = []
     with batch.ledger.catalog.watching() as since:
+        todo = _read_cached(batch, since)
         with anyio.CancelScope(deadline=deadline):
-            runs = _runs(len(batch.keys), batch.files.max_concurrency)
+            runs = [[todo[i] for i in r] for r in _runs(len(todo), batch.files.max_concurrency)]
             await _together([functools.partial(_load_run, batch, r, wrong, since) for r in runs])
     if wrong:
         raise InvalidArgumentError(wrong[0])
     return batch.results
 
 
-async def _load_run(batch: Batch, run: range, wrong: list[str], since: int) -> None:
+def _read_cached(batch: Batch, since: int) -> list[int]:
+    """Read on the loop the blocks the page cache holds, up to the tier's byte budget for
+    one load (``CachedReads``); the positions left for the worker threads."""
+    files = batch.files
+    cached = files.cached
+    if not cached.on:
+        return list(range(len(batch.keys)))
+    left = cached.budget
+    todo: list[int] = []
+    for i, (key, name, view) in enumerate(zip(batch.keys, batch.names, batch.views, strict=True)):
+        region = files.cached_region(key, view) if view.nbytes <= left else None
+        started = time.perf_counter()
+        if region is not None and cached.read(name, key, view, region):
+            left -= view.nbytes
+            seconds = time.perf_counter() - started
+            batch.results[i] = _loaded(batch, i, io.ReadOutcome.LOADED, since, [], seconds)
+        else:
+            todo.append(i)
+    return todo
+
+
+async def _load_run(batch: Batch, run: list[int], wrong: list[str], since: int) -> None:
     stop_at = _stop_at()
     local: list[object] = [_NOT_STARTED] * len(run)
     files, keys, names, views = batch.files, batch.keys, batch.names, batch.views

@@ -27,6 +27,7 @@ import anyio
 from kvtier._format import ALIGNED_FORMAT_VERSION, IntegrityKey, header_size
 from kvtier.tiers.fs import _io as io
 from kvtier.tiers.fs import _read
+from kvtier.tiers.fs._cached import CachedReads
 from kvtier.tiers.fs._calls import BufferPool, Handoff, WorkerCalls
 from kvtier.tiers.fs._config import FSConfig
 
@@ -60,6 +61,7 @@ class BlockFiles:
         # Queued behind write-through, checks would hold lookups in RETRY for as long as a
         # burst of stores takes.
         self.checks = anyio.CapacityLimiter(max(1, min(4, max_concurrency)))
+        self.cached = CachedReads(str(root), settings.loop_read_bytes, integrity_key)
 
     def header_size(self, key: bytes) -> int:
         return header_size(len(key), integrity_key=self.integrity_key)
@@ -67,6 +69,13 @@ class BlockFiles:
     def region_size(self, key: bytes, payload_bytes: int) -> int:
         """Bytes before the payload in the file this tier writes for the block."""
         return io.region_size(self.header_size(key), payload_bytes)
+
+    def cached_region(self, key: bytes, view: memoryview) -> int | None:
+        """Bytes before the payload when a block for ``view`` may be read from the page
+        cache on the loop (``CachedReads``): a version 2 file; None otherwise."""
+        if io.file_version(view.nbytes) != ALIGNED_FORMAT_VERSION:
+            return None
+        return self.region_size(key, view.nbytes)
 
     def zero_copy(self, view: memoryview) -> bool:
         """Whether O_DIRECT moves the block between its file and ``view`` with no copy."""

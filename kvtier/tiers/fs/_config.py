@@ -20,6 +20,7 @@ from kvtier._settings import (
     described,
     optional,
     parse_bool,
+    parse_non_negative_size,
     parse_path,
     parse_positive_int,
     parse_positive_size,
@@ -79,6 +80,9 @@ class FSConfig(Section):
     # Threads a deadline walked away from (a hung mount) that may still run; past it, fail fast.
     max_stuck_threads: int = field(default=32, metadata=spec(parse_positive_int))
     direct_io: bool = field(default=True, metadata=spec(_DIRECT_IO))
+    # Bytes of page-cached blocks one load reads on the event loop instead of in a worker
+    # thread (0: never); a larger block always goes to a thread (see ``_cached``).
+    loop_read_bytes: int = field(default=1 << 20, metadata=spec(parse_non_negative_size))
     # With a cache identity: keep its blocks in root/id-<digest> (each identity its own
     # folder) instead of refusing a root that records another identity (``kvtier._identity``);
     # no effect on a tier without an identity.
@@ -100,4 +104,5 @@ class FSOverrides(TypedDict, total=False):
     shared: Sharing
     max_stuck_threads: int
     direct_io: bool
+    loop_read_bytes: int
     separate_identities: bool

@@ -64,6 +64,7 @@ __all__ = [
     "open_shard",
     "path_of",
     "remove_if_same",
+    "shard_path",
     "tmp_name",
     "walk",
 ]
@@ -151,6 +152,12 @@ def _shard_of(name: str) -> tuple[str, str]:
         raise AssertionError(f"refusing unsafe block file name {name!r}")
     last = name.rjust(4, "0")[-4:]
     return last[0:2], last[2:4]
+
+
+def shard_path(name: str) -> str:
+    """Where the block file ``name`` lives below the root: ``ab/cd/name``."""
+    first, second = _shard_of(name)
+    return f"{first}/{second}/{name}"
 
 
 def path_of(root: Path, name: str) -> Path:

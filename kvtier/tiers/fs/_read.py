@@ -54,7 +54,14 @@ from kvtier.tiers.fs._io import (
 )
 from kvtier.tiers.fs._layout import READ_FLAGS, open_shard, remove_if_same
 
-__all__ = ["DIRECT_CHUNK", "READ_CHUNK", "read_block", "scratch_size"]
+__all__ = [
+    "DIRECT_CHUNK",
+    "READ_CHUNK",
+    "all_cached",
+    "checked_header",
+    "read_block",
+    "scratch_size",
+]
 
 # The OS call that reads, named once so tests can inject a fault at exactly this boundary.
 _preadv = os.preadv
@@ -149,7 +156,7 @@ def _read_verified(
     got = _read_all(fd, [memoryview(header_buf)], 0)
     if got < len(header_buf):
         raise HeaderError(f"file is {size} bytes, shorter than its header")
-    header = _checked_header(header_buf, key, size, dst, integrity_key)
+    header = checked_header(header_buf, key, size, dst, integrity_key)
     start = header.payload_offset
     expected = start + header.payload_length
     check = PayloadCheck(key, header, integrity_key=integrity_key)
@@ -185,7 +192,7 @@ def _read_verified_direct(
     got = _read_aligned(fd, scratch, 0)
     if got < hlen:
         raise HeaderError(f"file is {size} bytes, shorter than its header")
-    header = _checked_header(scratch[:hlen], key, size, dst, integrity_key)
+    header = checked_header(scratch[:hlen], key, size, dst, integrity_key)
     payload_start = header.payload_offset
     expected = payload_start + header.payload_length
     check = PayloadCheck(key, header, integrity_key=integrity_key)
@@ -223,13 +230,13 @@ def _read_into(
     again through the page cache."""
     head = region[:-ALIGN]
     size = head.nbytes + dst.nbytes
-    buffered = _all_cached(fd, size)
+    buffered = all_cached(fd, size)
     if buffered:
         _set_direct(fd, False)
     got = _read_all(fd, [head, dst, region[-ALIGN:]], 0, least=size)
     hlen = header_size(len(key), integrity_key=integrity_key)
     if got == size:  # else not a version 2 file of this size
-        header = _checked_header(head[:hlen], key, size, dst, integrity_key)
+        header = checked_header(head[:hlen], key, size, dst, integrity_key)
         if header.payload_offset == head.nbytes:
             check = PayloadCheck(key, header, integrity_key=integrity_key)
             check.update(dst)
@@ -258,7 +265,7 @@ _CACHESTAT = 451 if platform.system() == "Linux" and platform.machine() in _CACH
 _syscall = ctypes.CDLL(None, use_errno=True).syscall if _CACHESTAT else None
 
 
-def _all_cached(fd: int, size: int) -> bool:
+def all_cached(fd: int, size: int) -> bool:
     """Whether the page cache holds the first ``size`` bytes of ``fd``'s file (False when
     the kernel cannot say: older than 6.5, or another system)."""
     global _syscall
@@ -278,7 +285,7 @@ def _set_direct(fd: int, on: bool) -> None:
         fcntl.fcntl(fd, fcntl.F_SETFL, O_DIRECT if on else 0)
 
 
-def _checked_header(
+def checked_header(
     raw: memoryview | bytearray,
     key: bytes,
     size: int,
