@@ -79,8 +79,9 @@ async def load_many(batch: Batch, deadline: float) -> BatchResults:
 
 
 def _read_cached(batch: Batch, since: int) -> list[int]:
-    """Read on the loop the blocks the page cache holds, up to the tier's byte budget for
-    one load (``CachedReads``); the positions left for the worker threads."""
+    """Read on the loop the blocks the page cache holds, trying blocks up to the tier's byte
+    budget for one load (``CachedReads``), so a batch the cache does not hold costs the
+    loop a few refused calls at most; the positions left for the worker threads."""
     files = batch.files
     cached = files.cached
     if not cached.on:
@@ -89,9 +90,12 @@ def _read_cached(batch: Batch, since: int) -> list[int]:
     todo: list[int] = []
     for i, (key, name, view) in enumerate(zip(batch.keys, batch.names, batch.views, strict=True)):
         region = files.cached_region(key, view) if view.nbytes <= left else None
+        if region is None:
+            todo.append(i)
+            continue
+        left -= view.nbytes
         started = time.perf_counter()
-        if region is not None and cached.read(name, key, view, region):
-            left -= view.nbytes
+        if cached.read(name, key, view, region):
             seconds = time.perf_counter() - started
             batch.results[i] = _loaded(batch, i, io.ReadOutcome.LOADED, since, [], seconds)
         else:

@@ -19,6 +19,7 @@ import pytest
 
 from kvtier import CorruptBlockError, FSConfig, InvalidArgumentError, TierError
 from kvtier.tiers.fs import FSTier
+from kvtier.tiers.fs import _cached as fs_cached
 from kvtier.tiers.fs import _read as fs_read
 from tests.support import block_file, drop_cache, fresh_keys
 
@@ -98,6 +99,26 @@ async def test_loop_read_bytes_bounds_what_one_load_reads_on_the_loop(
         assert outcomes[:2] == [None, None] and in_a_thread(outcomes[2:])
     async with FSTier(root, loop_read_bytes=0) as tier:
         assert in_a_thread(await tier.load_many(keys[:1], [slot(LARGE)], pinned=True))
+
+
+async def test_a_load_the_cache_does_not_hold_asks_it_for_the_budget_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each block tried on the loop costs it a few calls: a batch from the device tries as
+    many blocks as the budget covers, then goes to the worker threads whole."""
+    asked: list[int] = []
+    real = fs_read.all_cached
+
+    def counting(fd: int, size: int) -> bool:
+        asked.append(size)
+        return real(fd, size)
+
+    monkeypatch.setattr(fs_cached, "all_cached", counting)
+    root = tmp_path / "c"
+    async with FSTier(root, loop_read_bytes=2 * LARGE) as tier:
+        keys = await stored(tier, root, 8, LARGE, cached=False)
+        assert await tier.load_many(keys, [slot(LARGE) for _ in keys], pinned=True) == [None] * 8
+    assert len(asked) == 2
 
 
 async def test_a_cached_file_that_does_not_verify_is_reported_by_the_thread_read(
