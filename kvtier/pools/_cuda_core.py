@@ -22,6 +22,7 @@ import anyio
 import anyio.to_thread
 import numpy as np
 
+from kvtier._buffers import LOOP_COPY_BYTES
 from kvtier._errors import InvalidArgumentError, LifecycleError
 from kvtier.pools._cuda_stream import Completion, Lane, StagingBuffer, StagingPool
 from kvtier.pools._cupy import CudaRuntime
@@ -29,9 +30,6 @@ from kvtier.pools._cupy import CudaRuntime
 __all__ = ["CopyCore", "CopyLimits", "SlotSpan", "TransferStatistics"]
 
 logger = logging.getLogger("kvtier.pools._cuda_copies")
-
-# Host-side memcpy into or out of staging above this size runs in a worker thread.
-_INLINE_COPY_BYTES = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,7 +264,7 @@ class CopyCore:
                 del self._fences[slot]
 
     async def _host_copy(self, pairs: list[tuple[memoryview, memoryview]], nbytes: int) -> None:
-        if nbytes <= _INLINE_COPY_BYTES:
+        if nbytes <= LOOP_COPY_BYTES:
             _memcpy_pairs(pairs)
         else:  # not abandoned on cancel: the staging buffer is in use until it returns
             await anyio.to_thread.run_sync(_memcpy_pairs, pairs, limiter=self._limiter)

@@ -11,7 +11,7 @@ from typing import Any
 
 import anyio.to_thread
 
-from kvtier._buffers import BlockBuffer
+from kvtier._buffers import LOOP_COPY_BYTES, BlockBuffer
 from kvtier._errors import InvalidArgumentError
 from kvtier._lending import Lender, Release
 from kvtier.pools._base import BatchSink, BatchSource, ByteSink, ByteSource, PrimaryPool
@@ -20,10 +20,6 @@ from kvtier.pools._policy import EvictionPolicy
 from kvtier.pools._slots import SlotTable
 
 __all__ = ["HostPool"]
-
-# Copies above this size run in a worker thread so a big batch never stalls the event loop;
-# below it a thread hop costs more than the memcpy.
-_INLINE_COPY_BYTES = 1 << 20
 
 
 class HostPool(PrimaryPool):
@@ -91,7 +87,7 @@ class HostPool(PrimaryPool):
     def copy_in_now(self, slots: Sequence[int], blocks: Sequence[BlockBuffer]) -> bool:
         """A small copy from host memory is done here, on the loop (cheaper than a thread
         hop); anything else is left to ``copy_in``."""
-        if len(slots) * self.block_bytes > _INLINE_COPY_BYTES:
+        if len(slots) * self.block_bytes > LOOP_COPY_BYTES:
             return False
         hosts = [block.host for block in blocks]
         if not all(host is not None for host in hosts):
@@ -146,7 +142,7 @@ def _copy_pairs(pairs: Sequence[tuple[_End, _End]]) -> None:
 
 async def _copy_all(pairs: Sequence[tuple[_End, _End]], nbytes: int) -> None:
     on_device = any(isinstance(end, _DeviceEnd) for pair in pairs for end in pair)
-    if nbytes <= _INLINE_COPY_BYTES and not on_device:
+    if nbytes <= LOOP_COPY_BYTES and not on_device:
         _copy_pairs(pairs)
     else:  # big copies and every CUDA copy (it synchronises) run off the event loop
         await anyio.to_thread.run_sync(_copy_pairs, pairs)

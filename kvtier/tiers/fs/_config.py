@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, TypedDict
 
+from kvtier._buffers import LOOP_COPY_BYTES
 from kvtier._settings import (
     Section,
     choice,
@@ -82,7 +83,7 @@ class FSConfig(Section):
     direct_io: bool = field(default=True, metadata=spec(_DIRECT_IO))
     # Bytes of page-cached blocks one load reads on the event loop instead of in a worker
     # thread (0: never); a larger block always goes to a thread (see ``_cached``).
-    loop_read_bytes: int = field(default=1 << 20, metadata=spec(parse_non_negative_size))
+    loop_read_bytes: int = field(default=LOOP_COPY_BYTES, metadata=spec(parse_non_negative_size))
     # With a cache identity: keep its blocks in root/id-<digest> (each identity its own
     # folder) instead of refusing a root that records another identity (``kvtier._identity``);
     # no effect on a tier without an identity.

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvtier._buffers import LOOP_COPY_BYTES
 from kvtier._errors import CorruptBlockError
 from kvtier._events import EventBuffer, EventKind
 from kvtier._format import IntegrityKey, header_size
@@ -51,8 +52,8 @@ logger = logging.getLogger("kvtier.tiers.s3")
 # 512 KiB, which bounds the loop's time per object about as the unsigned limit does. A load
 # streamed from aiohttp checks each chunk as it lands and never hops (``_codec``); the verify
 # threshold applies to a body read whole.
-_THREAD_BUILD_BYTES = 1 << 20
-_THREAD_VERIFY_BYTES = (1 << 20) + 4096  # a 1 MiB payload and its header
+_THREAD_BUILD_BYTES = LOOP_COPY_BYTES
+_THREAD_VERIFY_BYTES = LOOP_COPY_BYTES + 4096  # a 1 MiB payload and its header
 _THREAD_SIGNED_BYTES = 512 << 10
 
 
