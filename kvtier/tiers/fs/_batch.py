@@ -79,13 +79,14 @@ async def load_many(batch: Batch, deadline: float) -> BatchResults:
 
 
 def _read_cached(batch: Batch, since: int) -> list[int]:
-    """Read on the loop the blocks the page cache holds, trying blocks up to the tier's byte
-    budget for one load (``CachedReads``), so a batch the cache does not hold costs the
-    loop a few refused calls at most; the positions left for the worker threads."""
+    """Read on the loop the blocks the page cache holds (``CachedReads``), up to the tier's
+    byte budget for one load; the positions left for the worker threads. The first block the
+    cache refuses ends it: a batch from the device costs the loop one refused try."""
     files = batch.files
     cached = files.cached
+    n = len(batch.keys)
     if not cached.on:
-        return list(range(len(batch.keys)))
+        return list(range(n))
     left = cached.budget
     todo: list[int] = []
     for i, (key, name, view) in enumerate(zip(batch.keys, batch.names, batch.views, strict=True)):
@@ -95,11 +96,10 @@ def _read_cached(batch: Batch, since: int) -> list[int]:
             continue
         left -= view.nbytes
         started = time.perf_counter()
-        if cached.read(name, key, view, region):
-            seconds = time.perf_counter() - started
-            batch.results[i] = _loaded(batch, i, io.ReadOutcome.LOADED, since, [], seconds)
-        else:
-            todo.append(i)
+        if not cached.read(name, key, view, region):
+            return [*todo, *range(i, n)]
+        seconds = time.perf_counter() - started
+        batch.results[i] = _loaded(batch, i, io.ReadOutcome.LOADED, since, [], seconds)
     return todo
 
 
