@@ -29,7 +29,7 @@ import platform
 from kvtier._format import HeaderError, IntegrityKey, PayloadCheck
 from kvtier.tiers.fs._io import WrongSize
 from kvtier.tiers.fs._layout import O_CLOEXEC, O_NOFOLLOW, shard_path
-from kvtier.tiers.fs._read import all_cached, checked_header
+from kvtier.tiers.fs._read import all_cached, checked_header, knows_cache
 
 __all__ = ["CachedReads"]
 
@@ -42,8 +42,9 @@ _RESOLVE_CACHED = 0x20
 _ARCHES = ("x86_64", "aarch64", "arm64", "riscv64")
 _O_PATH = getattr(os, "O_PATH", 0)
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
-# Errors that mean "not from the caches": the caller reads the block in a worker thread.
-_NOT_CACHED = (errno.EAGAIN, errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EXDEV)
+# Errors that mean this kernel (or a filter in front of it) will never take the call; any
+# other error means only that this block is not to be had from the caches.
+_UNSUPPORTED = (errno.ENOSYS, errno.EINVAL, errno.EPERM)
 
 
 class _OpenHow(ctypes.Structure):
@@ -63,7 +64,7 @@ class CachedReads:
 
     ``budget`` bounds the bytes one ``load_many`` reads this way (the rest go to the worker
     threads), so a batch of warm blocks holds the loop for about one block's copy at most.
-    Off for good after the kernel refuses ``openat2`` or ``cachestat`` once."""
+    Off for good once the kernel refuses ``openat2`` or ``cachestat``."""
 
     def __init__(self, root: str, budget: int, integrity_key: IntegrityKey | None) -> None:
         self._root = os.fsencode(root)
@@ -73,7 +74,6 @@ class CachedReads:
         self._head = bytearray(0)
         self._tail = bytearray(1)  # catches a file longer than its header says
         self._nowait = _RWF_NOWAIT
-        self.served = 0  # blocks served from the cache
 
     @property
     def on(self) -> bool:
@@ -105,13 +105,15 @@ class CachedReads:
             return -1
         how = _OpenHow(flags | O_CLOEXEC, 0, resolve | _RESOLVE_CACHED)
         fd = int(syscall(_OPENAT2, dir_fd, path, ctypes.byref(how), ctypes.sizeof(how)))
-        if fd < 0 and ctypes.get_errno() not in _NOT_CACHED:
-            self._syscall = None  # ENOSYS, EINVAL (no RESOLVE_CACHED), EPERM (a filter)
+        if fd < 0 and ctypes.get_errno() in _UNSUPPORTED:
+            self._syscall = None  # EINVAL: a kernel before RESOLVE_CACHED (5.12)
         return fd
 
     def _read_verified(self, fd: int, key: bytes, dst: memoryview, region: int) -> bool:
         size = region + dst.nbytes
         if not all_cached(fd, size):
+            if not knows_cache():
+                self._syscall = None  # no cachestat: nothing is known to be cached
             return False
         if len(self._head) != region:
             self._head = bytearray(region)
@@ -139,5 +141,4 @@ class CachedReads:
             check.finish()
         except (HeaderError, WrongSize):
             return False  # the worker thread reads it again, and reports it
-        self.served += 1
         return True

@@ -59,6 +59,7 @@ __all__ = [
     "READ_CHUNK",
     "all_cached",
     "checked_header",
+    "knows_cache",
     "read_block",
     "scratch_size",
 ]
@@ -263,6 +264,11 @@ class _CacheStat(ctypes.Structure):
 _CACHESTAT_ARCHES = ("x86_64", "aarch64", "arm64", "riscv64")
 _CACHESTAT = 451 if platform.system() == "Linux" and platform.machine() in _CACHESTAT_ARCHES else 0
 _syscall = ctypes.CDLL(None, use_errno=True).syscall if _CACHESTAT else None
+
+
+def knows_cache() -> bool:
+    """Whether ``all_cached`` can tell (this kernel answers ``cachestat``)."""
+    return _syscall is not None
 
 
 def all_cached(fd: int, size: int) -> bool:
