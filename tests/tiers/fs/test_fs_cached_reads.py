@@ -37,6 +37,26 @@ def slot(n: int) -> memoryview:
 
 
 @pytest.fixture
+def reads_cache(tmp_path: Path) -> None:
+    """Skip where the kernel cannot serve a read from the caches alone."""
+    probe = tmp_path / "probe"
+    probe.write_bytes(b"x" * 4096)
+    fd = os.open(probe, os.O_RDONLY)
+    try:
+        fs_read.all_cached(fd, 4096)
+    finally:
+        os.close(fd)
+    if not fs_read.knows_cache():
+        pytest.skip("this kernel cannot tell what the page cache holds (cachestat: Linux 6.5)")
+    reads = fs_cached.CachedReads(str(tmp_path), 4096, None)
+    fd = reads._open(-100, os.fsencode(probe), os.O_RDONLY, 0)
+    if fd >= 0:
+        os.close(fd)
+    if not reads.on:
+        pytest.skip("this kernel has no openat2 with RESOLVE_CACHED (Linux 5.12)")
+
+
+@pytest.fixture
 def no_thread_reads(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every read a worker thread makes fails: what loads is what the loop read."""
 
@@ -65,7 +85,7 @@ async def stored(tier: FSTier, root: Path, n: int, size: int, *, cached: bool) -
 
 
 async def test_a_page_cached_block_is_read_on_the_loop(
-    tmp_path: Path, no_thread_reads: None
+    tmp_path: Path, no_thread_reads: None, reads_cache: None
 ) -> None:
     root = tmp_path / "c"
     async with FSTier(root) as tier:
@@ -90,7 +110,7 @@ async def test_blocks_the_cache_does_not_hold_go_to_a_worker_thread(
 
 
 async def test_loop_read_bytes_bounds_what_one_load_reads_on_the_loop(
-    tmp_path: Path, no_thread_reads: None
+    tmp_path: Path, no_thread_reads: None, reads_cache: None
 ) -> None:
     root = tmp_path / "c"
     async with FSTier(root, loop_read_bytes=2 * LARGE) as tier:
@@ -102,7 +122,7 @@ async def test_loop_read_bytes_bounds_what_one_load_reads_on_the_loop(
 
 
 async def test_a_load_the_cache_does_not_hold_asks_it_once(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reads_cache: None
 ) -> None:
     """Each block tried on the loop costs it a few calls: a batch from the device stops
     trying at its first block, and goes to the worker threads whole."""
@@ -166,7 +186,9 @@ def shm_root() -> Iterator[Path]:
     shutil.rmtree(root, ignore_errors=True)
 
 
-async def test_a_tmpfs_folder_is_read_on_the_loop(shm_root: Path, no_thread_reads: None) -> None:
+async def test_a_tmpfs_folder_is_read_on_the_loop(
+    shm_root: Path, no_thread_reads: None, reads_cache: None
+) -> None:
     """tmpfs refuses reads that must not wait (RWF_NOWAIT); its pages are in memory."""
     async with FSTier(shm_root) as tier:
         keys = fresh_keys(1)
