@@ -31,10 +31,11 @@ from kvtier.tiers.fs._io import WrongSize
 from kvtier.tiers.fs._layout import O_CLOEXEC, O_NOFOLLOW, shard_path
 from kvtier.tiers.fs._read import all_cached, checked_header, knows_cache
 
-__all__ = ["CachedReads"]
+__all__ = ["AT_FDCWD", "CachedReads"]
 
 # ``openat2(2)``'s number where the generic table is used (x86-64 shares it), and its flags.
 _OPENAT2 = 437
+AT_FDCWD = -100  # a path relative to the working folder (or absolute)
 _RESOLVE_NO_MAGICLINKS = 0x02
 _RESOLVE_NO_SYMLINKS = 0x04
 _RESOLVE_BENEATH = 0x08
@@ -82,7 +83,7 @@ class CachedReads:
     def read(self, name: str, key: bytes, dst: memoryview, region: int) -> bool:
         """Read ``key``'s block (file ``name``, a version 2 file whose payload starts at
         ``region``) into ``dst`` and verify it, if it comes from the caches; else False."""
-        root = self._open(-100, self._root, os.O_RDONLY | os.O_DIRECTORY | _O_PATH, 0)
+        root = self._open(AT_FDCWD, self._root, os.O_RDONLY | os.O_DIRECTORY | _O_PATH, 0)
         if root < 0:
             return False
         try:

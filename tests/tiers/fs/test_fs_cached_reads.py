@@ -49,7 +49,7 @@ def reads_cache(tmp_path: Path) -> None:
     if not fs_read.knows_cache():
         pytest.skip("this kernel cannot tell what the page cache holds (cachestat: Linux 6.5)")
     reads = fs_cached.CachedReads(str(tmp_path), 4096, None)
-    fd = reads._open(-100, os.fsencode(probe), os.O_RDONLY, 0)
+    fd = reads._open(fs_cached.AT_FDCWD, os.fsencode(probe), os.O_RDONLY, 0)
     if fd >= 0:
         os.close(fd)
     if not reads.on:
