@@ -26,10 +26,11 @@ What makes it trustworthy:
   see ``_io`` and ``_read``. aiofiles would cost one thread hop per OS call
   (open, write, fsync, close, rename: five per store) and could be abandoned between them by a
   cancellation, leaving a temporary file behind; one hop per operation is faster and atomic.
-  One exception: a load reads a version 2 block whose file the page cache holds whole on
-  the event loop (up to ``loop_read_bytes`` per load, 1 MiB by default, as a host pool
-  copies on the loop up to 1 MiB), through calls that fail rather than wait for the device
-  (``_cached``): for such a block the two thread hops cost the loop as much as the copy.
+  One exception: ``load_many`` (what promotions call) reads a version 2 block whose file
+  the page cache holds whole on the event loop (up to ``loop_read_bytes`` per call, 1 MiB
+  by default, the limit of every copy kvtier makes on the loop), through calls that fail
+  rather than wait for the device (``_cached``): for such a block the two thread hops cost
+  the loop about as much as the copy, and the block's caller twice as long.
 - **Deadlines hold on a hung mount.** A caller whose deadline fires leaves the thread behind
   (a syscall on a dead NFS server cannot be interrupted); reads land in a private buffer and
   writes copy the pool slot out first, so an abandoned thread never touches pool memory (see

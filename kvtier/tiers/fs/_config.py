@@ -81,8 +81,8 @@ class FSConfig(Section):
     # Threads a deadline walked away from (a hung mount) that may still run; past it, fail fast.
     max_stuck_threads: int = field(default=32, metadata=spec(parse_positive_int))
     direct_io: bool = field(default=True, metadata=spec(_DIRECT_IO))
-    # Bytes of page-cached blocks one load reads on the event loop instead of in a worker
-    # thread (0: never); a larger block always goes to a thread (see ``_cached``).
+    # Bytes of page-cached blocks one ``load_many`` reads on the event loop instead of in a
+    # worker thread (0: never); a larger block always goes to a thread (see ``_cached``).
     loop_read_bytes: int = field(default=LOOP_COPY_BYTES, metadata=spec(parse_non_negative_size))
     # With a cache identity: keep its blocks in root/id-<digest> (each identity its own
     # folder) instead of refusing a root that records another identity (``kvtier._identity``);
