@@ -57,6 +57,7 @@ from kvtier import (
     block_keys,
 )
 from kvtier._format import checksum  # the aiofiles baseline verifies as FSTier does
+from kvtier._settings import parse_size
 
 MiB = 1 << 20
 
@@ -184,19 +185,25 @@ async def tier_run(
 
 
 async def promotion_latency(
-    root: Path, keys: Sequence[bytes], block_bytes: int, cold: bool, in_thread: bool = False
-) -> list[float]:
-    """One promotion per key, into a ``HostPool``; ``in_thread``: every read in a worker
-    thread (``loop_read_bytes=0``), where the default tier reads a page-cached block up to
-    its ``loop_read_bytes`` on the event loop."""
+    root: Path,
+    keys: Sequence[bytes],
+    block_bytes: int,
+    cold: bool,
+    loop_read_bytes: int | None = None,
+) -> tuple[list[float], list[float]]:
+    """One promotion per key, into a ``HostPool``: each one's latency, and the CPU time the
+    event loop's thread spent meanwhile. ``loop_read_bytes``: the tier's setting (None: its
+    default; 0: every read in a worker thread)."""
     pool = HostPool(len(keys) + 1, block_bytes)
     for slot in range(pool.num_blocks):
         # Touch every page first, as a serving pool's memory has been long before: the first
         # touch of fresh anonymous memory costs ~1 ms per MiB of page faults in a VM, which
         # would otherwise be billed to the promotion.
         pool.slot_view(slot)[:] = bytes(block_bytes)
-    tier = FSTier(root, loop_read_bytes=0) if in_thread else FSTier(root)
-    samples = []
+    tier = (
+        FSTier(root) if loop_read_bytes is None else FSTier(root, loop_read_bytes=loop_read_bytes)
+    )
+    samples, loop_cpu = [], []
     async with TieringManager(pool, [tier]) as manager:
         for k in keys:
             assert await tier.contains_many([k]) == [True]
@@ -207,10 +214,11 @@ async def promotion_latency(
             else:  # warm: the file is in the page cache, as the plain read's is
                 await anyio.to_thread.run_sync(tier_path(root, k).read_bytes)
             event = manager.watch([k])
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.thread_time()
             assert manager.lookup(k) is LookupResult.RETRY
             await event.wait()
             samples.append(time.perf_counter() - started)
+            loop_cpu.append(time.thread_time() - cpu)
             manager.unwatch([k], event)
             assert manager.lookup(k) is LookupResult.HIT
             pinned = pool.pin(k)
@@ -221,7 +229,7 @@ async def promotion_latency(
                     raise AssertionError("promotion did not deliver the block's bytes")
             finally:
                 pool.unpin(pinned)
-    return samples
+    return samples, loop_cpu
 
 
 def plain_latency(paths: Sequence[Path], block_bytes: int, cold: bool) -> list[float]:
@@ -477,28 +485,38 @@ async def latencies(
     block_bytes: int,
     out: dict[str, Any],
     repeat: int = 2,
+    loop_read_bytes: int | None = None,
 ) -> dict[str, float]:
     """Median promotion and plain-read latency, cold and warm, the two taking turns
-    ``repeat`` times (the machine drifts); each turn's medians go to ``out`` too."""
+    ``repeat`` times (the machine drifts), and warm promotions again with every read in a
+    worker thread, with the loop's CPU per promotion; each turn's medians go to ``out`` too."""
     turns: dict[str, list[float]] = {}
+
+    def add(label: str, values: list[float]) -> None:
+        turns.setdefault(label, []).append(statistics.median(values) * 1e3)
+
     for _ in range(repeat):
         for cold in (True, False):
             tag = "cold" if cold else "warm"
-            promo = await promotion_latency(root, keys, block_bytes, cold)
+            promo, cpu = await promotion_latency(root, keys, block_bytes, cold, loop_read_bytes)
             plain = await anyio.to_thread.run_sync(plain_latency, plain_paths, block_bytes, cold)
-            turns.setdefault(f"promotion {tag}", []).append(statistics.median(promo) * 1e3)
-            turns.setdefault(f"plain read {tag}", []).append(statistics.median(plain) * 1e3)
+            add(f"promotion {tag}", promo)
+            add(f"plain read {tag}", plain)
             if not cold:  # the same promotions, each read in a worker thread
-                threaded = await promotion_latency(root, keys, block_bytes, cold, in_thread=True)
-                turns.setdefault("promotion warm, in a thread", []).append(
-                    statistics.median(threaded) * 1e3
-                )
+                add("loop cpu warm", cpu)
+                promo, cpu = await promotion_latency(root, keys, block_bytes, cold, 0)
+                add("promotion warm, in a thread", promo)
+                add("loop cpu warm, in a thread", cpu)
     out["latency_ms_turns"] = turns
     return {label: statistics.median(values) for label, values in turns.items()}
 
 
 def report_latency(
-    latency: dict[str, float], samples: int, block_mib: int, out: dict[str, Any]
+    latency: dict[str, float],
+    samples: int,
+    block_mib: int,
+    out: dict[str, Any],
+    loop_read_bytes: int | None = None,
 ) -> None:
     out["latency_ms_median"] = latency
     out["latency_ratios"] = {
@@ -522,10 +540,16 @@ def report_latency(
             f"ratio {p_ms / r_ms:5.2f}x (aim <= {aims[tag]})"
         )
     warm = latency["promotion warm"]
+    limit = FSConfig(root=".").loop_read_bytes if loop_read_bytes is None else loop_read_bytes
     print(
         f"  warm, every read in a worker thread (loop_read_bytes=0) {threaded:7.2f} ms: "
-        f"the default {warm / threaded:5.2f}x of it (page-cached blocks up to "
-        f"{FSConfig(root='.').loop_read_bytes >> 10} KiB are read on the event loop)"
+        f"{warm / threaded:5.2f}x of it with page-cached blocks up to {limit >> 10} KiB "
+        "read on the event loop"
+    )
+    on_loop, in_thread = latency["loop cpu warm"], latency["loop cpu warm, in a thread"]
+    print(
+        f"  the event loop's CPU per warm promotion: {on_loop:5.2f} ms, in a thread "
+        f"{in_thread:5.2f} ms: {on_loop / in_thread:5.2f}x"
     )
 
 
@@ -546,8 +570,10 @@ async def latency_only(args: argparse.Namespace, out: dict[str, Any]) -> None:
             for k, b in zip(keys, blocks, strict=True):
                 await tier.store(k, b)
         print(f"bench_fs --latency-only: {n} blocks x {args.block_mib} MiB in {base}", flush=True)
-        latency = await latencies(root, keys, plain_paths, block_bytes, out, args.repeat)
-        report_latency(latency, n, args.block_mib, out)
+        latency = await latencies(
+            root, keys, plain_paths, block_bytes, out, args.repeat, args.loop_read_bytes
+        )
+        report_latency(latency, n, args.block_mib, out, args.loop_read_bytes)
     finally:
         with contextlib.suppress(OSError):
             shutil.rmtree(base)
@@ -567,6 +593,12 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--latency-only", action="store_true", help="only promotion vs plain read latency"
     )
     parser.add_argument("--repeat", type=int, default=2, help="latency turns (with --latency-only)")
+    parser.add_argument(
+        "--loop-read-bytes",
+        type=parse_size,
+        default=None,
+        help="the promoting tier's loop_read_bytes (with --latency-only; default: its default)",
+    )
     add_json_flag(parser)
     args = parser.parse_args(argv)
     if args.quick:
@@ -578,7 +610,9 @@ def run(argv: Sequence[str] | None = None) -> None:
     args = parse(argv)
     with json_output(args.json) as out:
         out["settings"] = settings(
-            args, "quick", "total_mib", "block_mib", "concurrency", "samples", "rounds", "fsync"
+            args,
+            *("quick", "total_mib", "block_mib", "concurrency", "samples", "rounds", "fsync"),
+            "loop_read_bytes",
         )
         asyncio.run((latency_only if args.latency_only else main)(args, out))
 

@@ -1,0 +1,21 @@
+"""benchmarks/bench_fs.py --latency-only: promotions against plain reads, and warm promotions
+against the same with every read in a worker thread, each with its baseline from the run."""
+
+from __future__ import annotations
+
+from tests.scripts.conftest import RunJson
+from tests.scripts.runner import positive
+
+
+def test_latency_only_gives_each_ratio_with_its_baseline(run_json: RunJson) -> None:
+    args = ("--latency-only", "--samples", "4", "--repeat", "1", "--block-mib", "1")
+    out = run_json("-m", "benchmarks.bench_fs", *args).out
+    assert out["settings"]["loop_read_bytes"] is None  # the tier's default
+    ratios = out["latency_ratios"]
+    assert ratios["cold"]["baseline"] == "plain read cold"
+    assert ratios["warm"]["baseline"] == "plain read warm"
+    assert ratios["warm on the loop"]["baseline"] == "promotion warm, in a thread"
+    assert all(positive(r["ratio"]) for r in ratios.values())
+    medians = out["latency_ms_median"]
+    assert positive(medians["loop cpu warm"]) and positive(medians["loop cpu warm, in a thread"])
+    assert all(len(turns) == 1 for turns in out["latency_ms_turns"].values())  # --repeat 1
