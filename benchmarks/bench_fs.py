@@ -271,8 +271,8 @@ def hash_speed(block_bytes: int) -> dict[str, float]:
 
 
 async def main(args: argparse.Namespace, out: dict[str, Any]) -> None:
-    block_bytes = args.block_mib * MiB
-    n = max(args.rounds, args.total_mib // args.block_mib)
+    block_bytes = int(args.block_mib * MiB)
+    n = max(args.rounds, int(args.total_mib // args.block_mib))
     total = n * block_bytes
     width = args.concurrency
     base = Path(tempfile.mkdtemp(prefix="kvtier-bench-fs-", dir=args.dir))
@@ -514,7 +514,7 @@ async def latencies(
 def report_latency(
     latency: dict[str, float],
     samples: int,
-    block_mib: int,
+    block_mib: float,
     out: dict[str, Any],
     loop_read_bytes: int | None = None,
 ) -> None:
@@ -543,7 +543,7 @@ def report_latency(
     limit = FSConfig(root=".").loop_read_bytes if loop_read_bytes is None else loop_read_bytes
     print(
         f"  warm, every read in a worker thread (loop_read_bytes=0) {threaded:7.2f} ms: "
-        f"{warm / threaded:5.2f}x of it with page-cached blocks up to {limit >> 10} KiB "
+        f"{warm / threaded:5.2f}x of it with page-cached loads up to {limit >> 10} KiB "
         "read on the event loop"
     )
     on_loop, in_thread = latency["loop cpu warm"], latency["loop cpu warm, in a thread"]
@@ -556,7 +556,7 @@ def report_latency(
 async def latency_only(args: argparse.Namespace, out: dict[str, Any]) -> None:
     """Only the promotion latencies: ``samples`` blocks stored by an FSTier at its defaults
     and the same bytes as plain files."""
-    block_bytes = args.block_mib * MiB
+    block_bytes = int(args.block_mib * MiB)
     n = args.samples
     base = Path(tempfile.mkdtemp(prefix="kvtier-bench-fs-", dir=args.dir))
     try:
@@ -583,7 +583,9 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="128 MiB and fewer samples")
     parser.add_argument("--total-mib", type=int, default=1024)
-    parser.add_argument("--block-mib", type=int, default=2)
+    parser.add_argument(
+        "--block-mib", type=float, default=2, help="block size in MiB (0.25: 256 KiB)"
+    )
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--samples", type=int, default=50, help="promotion latency samples")
     parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds per phase")

@@ -26,11 +26,10 @@ What makes it trustworthy:
   see ``_io`` and ``_read``. aiofiles would cost one thread hop per OS call
   (open, write, fsync, close, rename: five per store) and could be abandoned between them by a
   cancellation, leaving a temporary file behind; one hop per operation is faster and atomic.
-  One exception: ``load_many`` (what promotions call) reads a version 2 block whose file
-  the page cache holds whole on the event loop (up to ``loop_read_bytes`` per call, 1 MiB
-  by default, the limit of every copy kvtier makes on the loop), through calls that fail
-  rather than wait for the device (``_cached``): for such a block the two thread hops cost
-  the loop about as much as the copy, and the block's caller twice as long.
+  One exception: a ``load_many`` (what promotions call) of at most ``loop_read_bytes``
+  (256 KiB by default) whose version 2 files the page cache holds is read on the event
+  loop, through calls that fail rather than wait for the device (``_cached``): for such a
+  batch the two thread hops cost the loop about as much as the copy, and the caller longer.
 - **Deadlines hold on a hung mount.** A caller whose deadline fires leaves the thread behind
   (a syscall on a dead NFS server cannot be interrupted); reads land in a private buffer and
   writes copy the pool slot out first, so an abandoned thread never touches pool memory (see

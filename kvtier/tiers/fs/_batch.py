@@ -79,28 +79,23 @@ async def load_many(batch: Batch, deadline: float) -> BatchResults:
 
 
 def _read_cached(batch: Batch, since: int) -> list[int]:
-    """Read on the loop the blocks the page cache holds (``CachedReads``), up to the tier's
-    byte budget for one load; the positions left for the worker threads. The first block the
-    cache refuses ends it: a batch from the device costs the loop one refused try."""
-    files = batch.files
-    cached = files.cached
+    """Read the batch on the loop if the page cache holds it (``CachedReads``) and it fits
+    the tier's budget; the positions left for the worker threads. All or nothing: a batch
+    that needs a thread anyway is no sooner done for a block read on the loop, which would
+    only cost the loop more. The first block the cache refuses sends the rest to a thread:
+    a batch from the device costs the loop one refused try."""
+    files, cached = batch.files, batch.files.cached
     n = len(batch.keys)
-    if not cached.on:
+    if not cached.on or sum(view.nbytes for view in batch.views) > cached.budget:
         return list(range(n))
-    left = cached.budget
-    todo: list[int] = []
     for i, (key, name, view) in enumerate(zip(batch.keys, batch.names, batch.views, strict=True)):
-        region = files.cached_region(key, view) if view.nbytes <= left else None
-        if region is None:
-            todo.append(i)
-            continue
-        left -= view.nbytes
+        region = files.cached_region(key, view)
         started = time.perf_counter()
-        if not cached.read(name, key, view, region):
-            return [*todo, *range(i, n)]
+        if region is None or not cached.read(name, key, view, region):
+            return list(range(i, n))
         seconds = time.perf_counter() - started
         batch.results[i] = _loaded(batch, i, io.ReadOutcome.LOADED, since, [], seconds)
-    return todo
+    return []
 
 
 async def _load_run(batch: Batch, run: list[int], wrong: list[str], since: int) -> None:

@@ -63,8 +63,8 @@ def _supported() -> bool:
 class CachedReads:
     """Reads of page-cached block files under one root, on the calling thread.
 
-    ``budget`` bounds the bytes one ``load_many`` reads this way (the rest go to the worker
-    threads), so a batch of warm blocks holds the loop for about one block's copy at most.
+    ``budget``: the largest ``load_many``, in bytes, read this way (a larger one goes to the
+    worker threads whole).
     Off for good once the kernel refuses ``openat2`` or ``cachestat``."""
 
     def __init__(self, root: str, budget: int, integrity_key: IntegrityKey | None) -> None:

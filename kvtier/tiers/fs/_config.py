@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, TypedDict
 
-from kvtier._buffers import LOOP_COPY_BYTES
 from kvtier._settings import (
     Section,
     choice,
@@ -31,10 +30,16 @@ from kvtier._settings import (
 )
 from kvtier.tiers.fs._ownership import Sharing
 
-__all__ = ["FSYNC_POLICIES", "FSConfig", "FSOverrides"]
+__all__ = ["FSYNC_POLICIES", "LOOP_READ_BYTES", "FSConfig", "FSOverrides"]
 
 FSYNC_POLICIES = ("never", "data", "always")
 """What a store costs against what a crash of the machine can lose (see ``kvtier.tiers.fs``)."""
+
+LOOP_READ_BYTES = 256 << 10
+"""``loop_read_bytes``'s default. Reading a page-cached block on the loop and checking its
+checksum there costs the loop about what the hops to a worker thread and back cost it for a
+block this small, and more for larger ones, while the promotion waits less either way; so by
+default the loop reads only what costs it nothing more (measured in ``docs/benchmarks.md``)."""
 
 
 def _parse_sharing(value: object, text: bool) -> Sharing:
@@ -81,9 +86,9 @@ class FSConfig(Section):
     # Threads a deadline walked away from (a hung mount) that may still run; past it, fail fast.
     max_stuck_threads: int = field(default=32, metadata=spec(parse_positive_int))
     direct_io: bool = field(default=True, metadata=spec(_DIRECT_IO))
-    # Bytes of page-cached blocks one ``load_many`` reads on the event loop instead of in a
-    # worker thread (0: never); a larger block always goes to a thread (see ``_cached``).
-    loop_read_bytes: int = field(default=LOOP_COPY_BYTES, metadata=spec(parse_non_negative_size))
+    # A ``load_many`` of at most this many bytes whose files the page cache holds is read on
+    # the event loop instead of in a worker thread (0: never; see ``_cached``).
+    loop_read_bytes: int = field(default=LOOP_READ_BYTES, metadata=spec(parse_non_negative_size))
     # With a cache identity: keep its blocks in root/id-<digest> (each identity its own
     # folder) instead of refusing a root that records another identity (``kvtier._identity``);
     # no effect on a tier without an identity.

@@ -3,7 +3,8 @@
 What these pin: such a block is served with no worker thread (the tests break the thread's
 read, so only the loop's can serve it), and everything else still goes to a worker thread: a
 file the cache does not hold, a version 1 file, blocks past ``loop_read_bytes``, a file that
-does not verify (the thread's read reports it and removes it), a block reached through a link.
+does not verify (the thread's read reports it and removes it), a block reached through a link,
+and a batch larger than ``loop_read_bytes`` (all of it goes to a thread).
 """
 
 from __future__ import annotations
@@ -109,14 +110,16 @@ async def test_blocks_the_cache_does_not_hold_go_to_a_worker_thread(
         assert in_a_thread(await tier.load_many([old], [small], pinned=True))
 
 
-async def test_loop_read_bytes_bounds_what_one_load_reads_on_the_loop(
+async def test_a_load_is_read_on_the_loop_whole_within_loop_read_bytes_or_not_at_all(
     tmp_path: Path, no_thread_reads: None, reads_cache: None
 ) -> None:
+    """A batch that needs a thread anyway is no sooner done for blocks read on the loop."""
     root = tmp_path / "c"
     async with FSTier(root, loop_read_bytes=2 * LARGE) as tier:
         keys = await stored(tier, root, 3, LARGE, cached=True)
-        outcomes = await tier.load_many(keys, [slot(LARGE) for _ in keys], pinned=True)
-        assert outcomes[:2] == [None, None] and in_a_thread(outcomes[2:])
+        two = await tier.load_many(keys[:2], [slot(LARGE) for _ in keys[:2]], pinned=True)
+        assert two == [None, None]
+        assert in_a_thread(await tier.load_many(keys, [slot(LARGE) for _ in keys], pinned=True))
     async with FSTier(root, loop_read_bytes=0) as tier:
         assert in_a_thread(await tier.load_many(keys[:1], [slot(LARGE)], pinned=True))
 
@@ -125,7 +128,7 @@ async def test_a_load_the_cache_does_not_hold_asks_it_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reads_cache: None
 ) -> None:
     """Each block tried on the loop costs it a few calls: a batch from the device stops
-    trying at its first block, and goes to the worker threads whole."""
+    trying at its first block, and one larger than the budget is not tried at all."""
     asked: list[int] = []
     real = fs_read.all_cached
 
@@ -136,9 +139,11 @@ async def test_a_load_the_cache_does_not_hold_asks_it_once(
     monkeypatch.setattr(fs_cached, "all_cached", counting)
     root = tmp_path / "c"
     async with FSTier(root, loop_read_bytes=2 * LARGE) as tier:
-        keys = await stored(tier, root, 8, LARGE, cached=False)
-        assert await tier.load_many(keys, [slot(LARGE) for _ in keys], pinned=True) == [None] * 8
-    assert len(asked) == 1
+        keys = await stored(tier, root, 3, LARGE, cached=False)
+        assert await tier.load_many(keys[:2], [slot(LARGE), slot(LARGE)], pinned=True) == [None] * 2
+        assert len(asked) == 1
+        assert await tier.load_many(keys, [slot(LARGE) for _ in keys], pinned=True) == [None] * 3
+        assert len(asked) == 1
 
 
 async def test_a_cached_file_that_does_not_verify_is_reported_by_the_thread_read(
