@@ -70,9 +70,12 @@ async def load_many(batch: Batch, deadline: float) -> BatchResults:
     wrong: list[str] = []
     with batch.ledger.catalog.watching() as since:
         todo = _read_cached(batch, since)
-        with anyio.CancelScope(deadline=deadline):
-            runs = [[todo[i] for i in r] for r in _runs(len(todo), batch.files.max_concurrency)]
-            await _together([functools.partial(_load_run, batch, r, wrong, since) for r in runs])
+        if todo:  # what the page cache did not give the loop: in worker threads
+            with anyio.CancelScope(deadline=deadline):
+                runs = [[todo[i] for i in r] for r in _runs(len(todo), batch.files.max_concurrency)]
+                await _together(
+                    [functools.partial(_load_run, batch, r, wrong, since) for r in runs]
+                )
     if wrong:
         raise InvalidArgumentError(wrong[0])
     return batch.results
