@@ -46,7 +46,7 @@ import aiofiles
 import aiofiles.os
 import anyio
 
-from benchmarks.common import add_json_flag, json_output, settings
+from benchmarks.common import add_json_flag, drop_cache, json_output, settings
 from kvtier import (
     FSConfig,
     FSTier,
@@ -60,17 +60,6 @@ from kvtier._format import checksum  # the aiofiles baseline verifies as FSTier 
 from kvtier._settings import parse_size
 
 MiB = 1 << 20
-
-
-def drop_cache(paths: Sequence[Path]) -> None:
-    """Flush and evict ``paths`` from the page cache so the next read hits the device."""
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def gbps(nbytes: int, seconds: float) -> float:

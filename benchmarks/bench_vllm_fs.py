@@ -57,13 +57,13 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from benchmarks.common import add_json_flag, json_output
+from benchmarks.common import add_json_flag, drop_cache, json_output
 
 try:
     from vllm.v1.kv_offload.base import make_offload_key
@@ -168,16 +168,6 @@ def populate(region: mmap.mmap) -> None:
         np.frombuffer(region, dtype=np.uint8)[:: mmap.PAGESIZE] = 0
 
 
-def evict(paths: Iterable[Path]) -> None:
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def files_under(root: Path) -> list[Path]:
     return [p for p in root.rglob("*") if p.is_file() and not p.name.endswith(".json")]
 
@@ -222,7 +212,7 @@ def bench_case(
 
         os.sync()  # start from a clean page cache: no contender pays another's writeback
         store_s, store_cpu = run_jobs(tier, jobs(0, False, 0), tier.submit_store)
-        evict(files_under(root))
+        drop_cache(files_under(root))
         os.sync()
         load_s, load_cpu = run_jobs(tier, jobs(n_blocks, True, 10**6), tier.submit_load)
         if not np.array_equal(src[: n_blocks * BLOCK], src[n_blocks * BLOCK :]):

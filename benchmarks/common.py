@@ -1,4 +1,5 @@
-"""What the benchmarks share: the ``--json`` output and the S3 options.
+"""What the benchmarks share: the ``--json`` output, the S3 options, and evicting files from
+the page cache.
 
 The benchmarks are modules of the ``benchmarks`` package, run from the repository root with
 ``python -m benchmarks.<name>`` (``nox -s bench`` does), so they import each other, this
@@ -21,7 +22,8 @@ import contextlib
 import json
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import kvtier
@@ -128,3 +130,14 @@ def server_cpu_reader(pid: int | None) -> Callable[[], float] | None:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     return seconds
+
+
+def drop_cache(paths: Iterable[Path]) -> None:
+    """Flush ``paths`` and evict them from the page cache, so the next read hits the device."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)

@@ -1,8 +1,8 @@
 """What several test modules share beyond fixtures (those live in ``conftest.py``): key and
-block factories, where an FS tier keeps its files (and a file evicted from the page cache),
-the ``kvtier`` command run in-process, a clock moved by hand, a pool whose copies wait at a
-gate, an OS call that hangs, a request run against a held tier, an S3 tier on the run's
-SeaweedFS, and the check that a manager is idle."""
+block factories, where an FS tier keeps its files, the ``kvtier`` command run in-process, a
+clock moved by hand, a pool whose copies wait at a gate, an OS call that hangs, a request run
+against a held tier, an S3 tier on the run's SeaweedFS, and the check that a manager is
+idle."""
 
 from __future__ import annotations
 
@@ -83,16 +83,6 @@ def run_cli(*argv: str) -> tuple[int, str, str]:
 def block_file(root: Path, key: bytes) -> Path:
     """Where an FS tier rooted at ``root`` keeps the block of ``key``."""
     return path_of(root, name_of(key))
-
-
-def drop_cache(path: Path) -> None:
-    """Flush ``path`` and evict it from the page cache."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def block_files(root: Path) -> list[Path]:

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from benchmarks.common import drop_cache
 from kvtier._errors import CorruptBlockError
 from kvtier._format import FORMAT_VERSION, IntegrityKey, encode_header, header_size
 from kvtier.tiers.fs import FSTier
@@ -24,7 +25,7 @@ from kvtier.tiers.fs import _io as fs_io
 from kvtier.tiers.fs import _read as fs_read
 from kvtier.tiers.fs._io import ALIGN
 from kvtier.tiers.fs._layout import MARKER_NAME
-from tests.support import block_file, drop_cache, fresh_keys, run_cli
+from tests.support import block_file, fresh_keys, run_cli
 
 LARGE = 256 << 10  # a whole number of pages, written in version 2
 SMALL = 100  # written in version 1
@@ -153,7 +154,7 @@ async def test_a_file_the_page_cache_holds_is_read_from_it(
             pytest.skip(f"{tmp_path} does not take O_DIRECT")
         await tier.store(key, memoryview(data))
         path = block_file(tmp_path / "c", key)
-        drop_cache(path)
+        drop_cache([path])
         if cached:
             path.read_bytes()
             fd = os.open(path, os.O_RDONLY)
@@ -246,7 +247,7 @@ async def test_a_damaged_version_2_file_is_a_corrupt_miss_and_removed(
         raw += b"x"
     path.write_bytes(raw)
     if not cached:  # read from the device (by O_DIRECT where the tier uses it)
-        drop_cache(path)
+        drop_cache([path])
     code, out, _ = run_cli("verify", str(root))
     assert code != 0 and path.name in out
     async with FSTier(root, direct_io=direct) as tier:

@@ -18,11 +18,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from benchmarks.common import drop_cache
 from kvtier import CorruptBlockError, FSConfig, InvalidArgumentError, TierError
 from kvtier.tiers.fs import FSTier
 from kvtier.tiers.fs import _cached as fs_cached
 from kvtier.tiers.fs import _read as fs_read
-from tests.support import block_file, drop_cache, fresh_keys
+from tests.support import block_file, fresh_keys
 
 LARGE = 256 << 10  # a whole number of pages: a version 2 file
 SMALL = 4000  # not one: a version 1 file
@@ -79,7 +80,7 @@ async def stored(tier: FSTier, root: Path, n: int, size: int, *, cached: bool) -
     for i, key in enumerate(keys):
         await tier.store(key, memoryview(payload(size, i)))
         path = block_file(root, key)
-        drop_cache(path)
+        drop_cache([path])
         if cached:
             path.read_bytes()
     return keys
