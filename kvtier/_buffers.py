@@ -16,8 +16,8 @@ from kvtier._keys import check_key
 __all__ = ["LOOP_COPY_BYTES", "BlockBuffer", "check_keys", "dtype_name", "split_blocks"]
 
 LOOP_COPY_BYTES = 1 << 20
-"""The most bytes one step copies on the event loop (a pool's copy, a page-cached read, an
-S3 object built): below it the hop to a worker thread and back costs the loop about as much
+"""The most bytes one step copies on the event loop (a pool's copy in or out, an S3 object
+built or checked): below it the hop to a worker thread and back costs the loop about as much
 as the copy; above it the copy runs in a thread, so the loop is never held much longer."""
 
 

@@ -1,10 +1,10 @@
 """Page-cached blocks read on the event loop: a promotion without the two thread hops.
 
 A load normally runs in a worker thread, because a read from the device blocks for as long as
-the device takes. A block whose file the page cache already holds is a memcpy away, and the
-hop to a worker thread and back costs the loop about as much time as that copy (a futex wake,
-a queue, a wake-up of the loop), and the block's caller twice as long. ``read_cached`` reads
-such a block on the calling thread and never waits for the device:
+the device takes. A block whose file the page cache already holds is a copy away, and for a
+small block the hop to a worker thread and back (a futex wake, a queue, a wake-up of the loop)
+costs the loop about as much time as that copy and the checksum, and the block's caller more.
+``CachedReads.read`` reads such a block on the calling thread and never waits for the device:
 
 - the path is opened with ``openat2(2)`` and ``RESOLVE_CACHED``, which fails rather than read
   a folder from the device; from a descriptor of the root, beneath it and through no link,
@@ -64,8 +64,8 @@ class CachedReads:
     """Reads of page-cached block files under one root, on the calling thread.
 
     ``budget``: the largest ``load_many``, in bytes, read this way (a larger one goes to the
-    worker threads whole).
-    Off for good once the kernel refuses ``openat2`` or ``cachestat``."""
+    worker threads whole). Off for good once the kernel refuses ``openat2`` or ``cachestat``.
+    """
 
     def __init__(self, root: str, budget: int, integrity_key: IntegrityKey | None) -> None:
         self._root = os.fsencode(root)
