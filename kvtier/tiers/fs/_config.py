@@ -30,12 +30,12 @@ from kvtier._settings import (
 )
 from kvtier.tiers.fs._ownership import Sharing
 
-__all__ = ["FSYNC_POLICIES", "LOOP_READ_BYTES", "FSConfig", "FSOverrides"]
+__all__ = ["FSYNC_POLICIES", "FSConfig", "FSOverrides"]
 
 FSYNC_POLICIES = ("never", "data", "always")
 """What a store costs against what a crash of the machine can lose (see ``kvtier.tiers.fs``)."""
 
-LOOP_READ_BYTES = 256 << 10
+_LOOP_READ_BYTES = 256 << 10
 """``loop_read_bytes``'s default. Reading a page-cached block on the loop and checking its
 checksum there costs the loop about what the hops to a worker thread and back cost it for a
 block this small, and more for larger ones, while the promotion waits less either way; so by
@@ -88,7 +88,7 @@ class FSConfig(Section):
     direct_io: bool = field(default=True, metadata=spec(_DIRECT_IO))
     # A ``load_many`` of at most this many bytes whose files the page cache holds is read on
     # the event loop instead of in a worker thread (0: never; see ``_cached``).
-    loop_read_bytes: int = field(default=LOOP_READ_BYTES, metadata=spec(parse_non_negative_size))
+    loop_read_bytes: int = field(default=_LOOP_READ_BYTES, metadata=spec(parse_non_negative_size))
     # With a cache identity: keep its blocks in root/id-<digest> (each identity its own
     # folder) instead of refusing a root that records another identity (``kvtier._identity``);
     # no effect on a tier without an identity.
