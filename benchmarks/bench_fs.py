@@ -18,7 +18,10 @@ Cold loads drop every file from the page cache first (fsync, then ``posix_fadvis
 POSIX_FADV_DONTNEED)``); warm loads read what the page cache already holds. Stores use
 ``fsync="data"`` (durable: fdatasync before the rename). Promotion latency is one
 ``TieringManager.lookup()`` -> HIT of a block that lives only in the FSTier (existence already
-known), into a ``HostPool``, beside one plain open + readinto of the same file.
+known), into a ``HostPool``, beside one plain open + readinto of the same file; warm ones are
+measured again with every read in a worker thread (``loop_read_bytes=0``, where the tier's
+default reads a small page-cached load on the event loop), each with the CPU time the event
+loop's thread spent per promotion (``--loop-read-bytes`` sets the default side's limit).
 
 The cost of the integrity key: a second FSTier with ``integrity_key`` set (every block signed
 with a keyed BLAKE3 MAC and verified on load instead of xxh3) takes its turn in the same
