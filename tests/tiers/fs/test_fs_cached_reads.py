@@ -20,6 +20,7 @@ import pytest
 
 from benchmarks.common import drop_cache
 from kvtier import CorruptBlockError, FSConfig, InvalidArgumentError, TierError
+from kvtier.testing import CHECKS
 from kvtier.tiers.fs import FSTier
 from kvtier.tiers.fs import _cached as fs_cached
 from kvtier.tiers.fs import _read as fs_read
@@ -202,6 +203,15 @@ async def test_a_tmpfs_folder_is_read_on_the_loop(
         dst = slot(LARGE)
         assert await tier.load_many(keys, [dst], pinned=True) == [None]
         assert bytes(dst) == payload(LARGE, 3)
+
+
+@pytest.mark.parametrize("check", sorted(CHECKS))
+async def test_conformance_with_page_cached_loads(
+    check: str, tmp_path: Path, reads_cache: None
+) -> None:
+    """The conformance kit on a tier whose files stay in the page cache (written through it),
+    with blocks of a version 2 file: its batch loads are read on the loop."""
+    await CHECKS[check](lambda: FSTier(tmp_path / "c", direct_io=False), 64 << 10)
 
 
 def test_loop_read_bytes_takes_a_size_and_refuses_a_negative() -> None:
