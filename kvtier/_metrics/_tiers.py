@@ -86,6 +86,12 @@ _FIGURES = (
     ),
     (
         COUNTER,
+        "loads_on_loop",
+        "stats.loads_on_loop",
+        "Loads read from the page cache on the event loop, with no worker thread.",
+    ),
+    (
+        COUNTER,
         "listener_failures",
         "listener_failures",
         "Change listeners that raised (contained and logged).",

@@ -72,6 +72,9 @@ class TierStatistics:
     # Requests sent to the storage because ``lookup()`` was asked about a key the tier's own
     # index does not hold (a remote tier answering from an existence index keeps this at 0).
     request_path_requests: int = 0
+    # Of ``loads``, those read on the event loop from the page cache, with no worker thread
+    # (a file tier's ``loop_read_bytes``).
+    loads_on_loop: int = 0
 
 
 class LookupCounts(ABC):
@@ -113,6 +116,7 @@ class TierMeter:
     read_seconds: float = 0.0
     write_seconds: float = 0.0
     evictions: int = 0
+    loads_on_loop: int = 0
     failures: dict[str, int] = field(default_factory=dict)
 
     def read(self, nbytes: int, seconds: float) -> None:

@@ -92,6 +92,7 @@ async def test_collector_reads_manager_pool_and_tiers_at_scrape_time() -> None:
     assert v("kvtier_tier_operations_total", tier="disk", op="store") == 3
     assert v("kvtier_tier_operations_total", tier="disk", op="load") == 1
     assert v("kvtier_tier_read_bytes_total", tier="disk") == BLOCK
+    assert v("kvtier_tier_loads_on_loop_total", tier="disk") == 0  # a memory tier never does
     assert v("kvtier_tier_written_bytes_total", tier="disk") == 3 * BLOCK
     assert v("kvtier_tier_blocks", tier="disk") == 3
     assert v("kvtier_tier_stored_bytes", tier="disk") == 3 * BLOCK

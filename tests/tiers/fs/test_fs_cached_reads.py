@@ -97,7 +97,8 @@ async def test_a_page_cached_block_is_read_on_the_loop(
         assert await tier.load_many(keys[:1], [pinned], pinned=True) == [None]
         assert await tier.load_many(keys[1:], [lent]) == [None]  # not pinned: the same
         assert bytes(pinned) == payload(LARGE, 0) and bytes(lent) == payload(LARGE, 1)
-        assert tier.statistics().loads == 2
+        stats = tier.statistics()
+        assert stats.loads == 2 and stats.loads_on_loop == 2
 
 
 async def test_blocks_the_cache_does_not_hold_go_to_a_worker_thread(
@@ -122,6 +123,7 @@ async def test_a_load_is_read_on_the_loop_whole_within_loop_read_bytes_or_not_at
         two = await tier.load_many(keys[:2], [slot(LARGE) for _ in keys[:2]], pinned=True)
         assert two == [None, None]
         assert in_a_thread(await tier.load_many(keys, [slot(LARGE) for _ in keys], pinned=True))
+        assert tier.statistics().loads_on_loop == 2
     async with FSTier(root, loop_read_bytes=0) as tier:
         assert in_a_thread(await tier.load_many(keys[:1], [slot(LARGE)], pinned=True))
 
@@ -146,6 +148,7 @@ async def test_a_load_the_cache_does_not_hold_asks_it_once(
         assert len(asked) == 1
         assert await tier.load_many(keys, [slot(LARGE) for _ in keys], pinned=True) == [None] * 3
         assert len(asked) == 1
+        assert tier.statistics().loads_on_loop == 0  # all five read in a worker thread
 
 
 async def test_a_cached_file_that_does_not_verify_is_reported_by_the_thread_read(
