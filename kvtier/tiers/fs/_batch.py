@@ -12,6 +12,7 @@ outcome through its ``Ledger`` (and so its ``Catalog``), as ``load`` and ``store
 from __future__ import annotations
 
 import functools
+import os
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
@@ -91,14 +92,22 @@ def _read_cached(batch: Batch, since: int) -> list[int]:
     n = len(batch.keys)
     if not cached.on or sum(view.nbytes for view in batch.views) > cached.budget:
         return list(range(n))
-    for i, (key, name, view) in enumerate(zip(batch.keys, batch.names, batch.views, strict=True)):
-        region = files.cached_region(key, view)
-        started = time.perf_counter()
-        if region is None or not cached.read(name, key, view, region):
-            return list(range(i, n))
-        seconds = time.perf_counter() - started
-        batch.results[i] = _loaded(batch, i, io.ReadOutcome.LOADED, since, [], seconds)
-        batch.ledger.meter.loads_on_loop += 1
+    root = cached.open_root()
+    if root < 0:
+        return list(range(n))
+    try:
+        for i, (key, name, view) in enumerate(
+            zip(batch.keys, batch.names, batch.views, strict=True)
+        ):
+            region = files.cached_region(key, view)
+            started = time.perf_counter()
+            if region is None or not cached.read(root, name, key, view, region):
+                return list(range(i, n))
+            seconds = time.perf_counter() - started
+            batch.results[i] = _loaded(batch, i, io.ReadOutcome.LOADED, since, [], seconds)
+            batch.ledger.meter.loads_on_loop += 1
+    finally:
+        os.close(root)
     return []
 
 

@@ -80,17 +80,17 @@ class CachedReads:
     def on(self) -> bool:
         return self._syscall is not None and self.budget > 0
 
-    def read(self, name: str, key: bytes, dst: memoryview, region: int) -> bool:
-        """Read ``key``'s block (file ``name``, a version 2 file whose payload starts at
-        ``region``) into ``dst`` and verify it, if it comes from the caches; else False."""
-        root = self._open(AT_FDCWD, self._root, os.O_RDONLY | os.O_DIRECTORY | _O_PATH, 0)
-        if root < 0:
-            return False
-        try:
-            resolve = _RESOLVE_BENEATH | _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS
-            fd = self._open(root, os.fsencode(shard_path(name)), os.O_RDONLY | O_NOFOLLOW, resolve)
-        finally:
-            os.close(root)
+    def open_root(self) -> int:
+        """A descriptor of the root for ``read`` (the caller closes it), from the caches only;
+        -1 when it cannot be had so."""
+        return self._open(AT_FDCWD, self._root, os.O_RDONLY | os.O_DIRECTORY | _O_PATH, 0)
+
+    def read(self, root: int, name: str, key: bytes, dst: memoryview, region: int) -> bool:
+        """Read ``key``'s block (file ``name`` below the descriptor ``root``, a version 2 file
+        whose payload starts at ``region``) into ``dst`` and verify it, if it comes from the
+        caches; else False."""
+        resolve = _RESOLVE_BENEATH | _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS
+        fd = self._open(root, os.fsencode(shard_path(name)), os.O_RDONLY | O_NOFOLLOW, resolve)
         if fd < 0:
             return False
         try:
