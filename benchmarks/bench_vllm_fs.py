@@ -22,6 +22,14 @@ Contenders, all in the same run on the same filesystem:
   default).
 - ``kvtier-buffered``: ``kvtier`` with ``"direct_io": false`` (the page cache on both sides).
 
+Two floors for loads, outside vLLM's tier API: the same number of 2 MiB files (no header, in
+folders two levels deep, as vLLM's are) read cold from 32 threads, each with one ``open`` (plus
+O_DIRECT where the filesystem takes it), one ``preadv`` into the primary region and a
+``close``: ``raw-read`` does nothing else, ``raw-read+xxh3`` also takes kvtier's checksum
+(xxh3) of each block where it landed. The second is the least CPU any reader that verifies
+what it read can spend; vLLM's fs tier verifies nothing, so its CPU per GiB sits near the
+first.
+
 The kvtier contenders read with 32 threads (the adapter's default, vLLM's fs tier's count)
 and write with 16.
 
@@ -48,6 +56,7 @@ turn and keeps each one's best.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import gc
 import mmap
@@ -64,6 +73,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.common import add_json_flag, drop_cache, json_output
+from kvtier._format import checksum
 
 try:
     from vllm.v1.kv_offload.base import make_offload_key
@@ -83,6 +93,7 @@ except ImportError:
 MiB = 1 << 20
 BLOCK = 2 * MiB
 POLL = 0.0002  # seconds between get_finished_jobs() polls, the same for every contender
+FLOOR_THREADS = 32  # vLLM's fs tier's 16 read and 16 write threads all take loads
 
 
 def offloading_spec(num_chunks: int) -> TieringOffloadingSpec:
@@ -228,6 +239,57 @@ def bench_case(
     return total / store_s, total / load_s, store_cpu * 1e3 / gib, load_cpu * 1e3 / gib
 
 
+def floors(n_blocks: int, root: Path) -> dict[str, tuple[float, float]]:
+    """(load MiB/s, load CPU ms/GiB) of ``raw-read`` and ``raw-read+xxh3`` (see above)."""
+    region = mmap.mmap(-1, n_blocks * BLOCK)
+    populate(region)
+    flat = memoryview(region)
+    slots = [flat[i * BLOCK : (i + 1) * BLOCK] for i in range(n_blocks)]
+    data = np.random.default_rng(n_blocks).integers(0, 256, BLOCK, dtype=np.uint8).tobytes()
+    paths = []
+    for _ in range(n_blocks):
+        name = os.urandom(16).hex()
+        folder = root / name[:2] / name[2:4]
+        folder.mkdir(parents=True, exist_ok=True)
+        paths.append(folder / name)
+        paths[-1].write_bytes(data)
+    direct = getattr(os, "O_DIRECT", 0)
+    try:  # O_DIRECT where the filesystem takes it, as vLLM's tier and kvtier's decide
+        os.close(os.open(paths[0], os.O_RDONLY | direct))
+    except OSError:
+        direct = 0
+    expected = checksum(data)
+
+    def read(i: int, verify: bool) -> None:
+        fd = os.open(paths[i], os.O_RDONLY | os.O_CLOEXEC | direct)
+        try:
+            if os.preadv(fd, [slots[i]], 0) != BLOCK:
+                raise RuntimeError(f"{paths[i]}: short read")
+        finally:
+            os.close(fd)
+        if verify and checksum(slots[i]) != expected:
+            raise RuntimeError(f"{paths[i]}: checksum mismatch")
+
+    figures = {}
+    gib = n_blocks * BLOCK / (1 << 30)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(FLOOR_THREADS) as pool:
+            list(pool.map(time.sleep, [0.001] * FLOOR_THREADS))  # every thread started
+            for name, verify in (("raw-read", False), ("raw-read+xxh3", True)):
+                drop_cache(paths)
+                os.sync()
+                cpu, started = time.process_time(), time.perf_counter()
+                list(pool.map(read, range(n_blocks), [verify] * n_blocks))
+                seconds = time.perf_counter() - started
+                figures[name] = (gib * 1024 / seconds, (time.process_time() - cpu) * 1e3 / gib)
+    finally:
+        for slot in slots:
+            slot.release()
+        flat.release()
+        region.close()
+    return figures
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="256 MiB per case")
@@ -263,6 +325,7 @@ def run_case(args: argparse.Namespace, base: Path, per_job: int, n_blocks: int) 
     """Every contender with ``per_job`` blocks per transfer job, the best of ``--repeat`` runs;
     printed, and returned with each throughput as a ratio of vLLM's own FS tier."""
     figures: dict[str, tuple[float, float, float, float]] = {}
+    floor_figures: dict[str, tuple[float, float]] = {}
     for _ in range(args.repeat):
         for name in contenders(base):
             root = Path(tempfile.mkdtemp(prefix="kvtier-bench-vllm-", dir=base))
@@ -278,6 +341,13 @@ def run_case(args: argparse.Namespace, base: Path, per_job: int, n_blocks: int) 
                 min(best[2], got[2]),
                 min(best[3], got[3]),
             )
+        root = Path(tempfile.mkdtemp(prefix="kvtier-bench-vllm-", dir=base))
+        try:
+            for name, (load, load_cpu) in floors(n_blocks, root).items():
+                best_floor = floor_figures.get(name, (0.0, float("inf")))
+                floor_figures[name] = (max(best_floor[0], load), min(best_floor[1], load_cpu))
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
     ref = figures["vllm-fs"]
     print(f"\n{per_job} block(s) per job (MiB/s: best run; CPU: ms of this process per GiB)")
     head = ("tier", "store MiB/s", "x vllm-fs", "load MiB/s", "x vllm-fs", "store CPU", "load CPU")
@@ -296,7 +366,25 @@ def run_case(args: argparse.Namespace, base: Path, per_job: int, n_blocks: int) 
             f"  {name:<18} {store:>12.0f} {store / ref[0]:>10.2f} "
             f"{load:>12.0f} {load / ref[1]:>10.2f} {store_cpu:>10.0f} {load_cpu:>10.0f}"
         )
-    return {"blocks_per_job": per_job, "contenders": rows}
+    floor_rows = {}
+    for name, (load, load_cpu) in floor_figures.items():
+        floor_rows[name] = {
+            "load_mib_s": load,
+            "load_of_vllm_fs": load / ref[1],
+            "load_cpu_ms_per_gib": load_cpu,
+            "load_cpu_of_vllm_fs": load_cpu / ref[3],
+        }
+        print(
+            f"  {name:<18} {'-':>12} {'-':>10} {load:>12.0f} {load / ref[1]:>10.2f} "
+            f"{'-':>10} {load_cpu:>10.0f}"
+        )
+    verified = floor_figures["raw-read+xxh3"][1]
+    print(
+        f"  load CPU per GiB over vllm-fs's: raw-read+xxh3 {verified / ref[3]:.2f}x, "
+        f"kvtier {figures['kvtier'][3] / ref[3]:.2f}x ({figures['kvtier'][3] / verified:.2f}x "
+        "raw-read+xxh3's)"
+    )
+    return {"blocks_per_job": per_job, "contenders": rows, "floors": floor_rows}
 
 
 if __name__ == "__main__":
