@@ -30,7 +30,7 @@ import os
 import secrets
 import stat
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -331,7 +331,9 @@ def _write_tmp(
     """Create ``tmp`` in its shard and write the block into it (see ``write_block``)."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC | O_NOFOLLOW
     want_direct = staging is not None or region is not None
-    fd, direct = open_maybe_direct(tmp, flags, want_direct, dir_fd)
+    fd, direct = open_maybe_direct(
+        lambda how: os.open(tmp, how, FILE_MODE, dir_fd=dir_fd), flags, want_direct
+    )
     try:
         if not direct:
             _write_all(fd, [header, payload])
@@ -364,15 +366,16 @@ def staging_size(header_bytes: int, payload_bytes: int) -> int:
     return -(-(header_bytes + payload_bytes) // ALIGN) * ALIGN
 
 
-def open_maybe_direct(path: str, flags: int, direct: bool, dir_fd: int) -> tuple[int, bool]:
-    """Open with O_DIRECT when asked and the file system takes it (EINVAL: it does not)."""
+def open_maybe_direct(opener: Callable[[int], int], flags: int, direct: bool) -> tuple[int, bool]:
+    """``opener(flags)`` with O_DIRECT when asked and the file system takes it (EINVAL: it
+    does not); the descriptor and whether it has O_DIRECT."""
     if direct and O_DIRECT:
         try:
-            return os.open(path, flags | O_DIRECT, FILE_MODE, dir_fd=dir_fd), True
+            return opener(flags | O_DIRECT), True
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise
-    return os.open(path, flags, FILE_MODE, dir_fd=dir_fd), False
+    return opener(flags), False
 
 
 def direct_refused(root: Path) -> str | None:

@@ -10,9 +10,11 @@ put every block in one folder). Folders are 0700 and files 0600. A file being wr
 This module is the one place that knows that layout. ``FSTier`` (through ``_io`` and
 ``_read``) and the ``kvtier`` command line both reach the folder through here, with one
 posture: below the root, folders and files are opened one level at a time from a directory
-descriptor with ``O_NOFOLLOW``, so a shard folder, block file or marker that is a symbolic
-link (planted by whoever can write to a shared folder) is never followed: not for a read, a
-write, a removal or a walk, even when it is swapped in while a walk runs. (The batched
+descriptor with ``O_NOFOLLOW`` (a block file for reading in one ``openat2`` call that the
+kernel keeps beneath the root and off every link, ``open_block``), so a shard folder, block
+file or marker that is a symbolic link (planted by whoever can write to a shared folder) is
+never followed: not for a read, a write, a removal or a walk, even when it is swapped in while
+a walk runs. (The batched
 existence checks ``stat`` a block's ``path_of`` instead, one call per key: a link there can
 only make a key look present, and the load that follows refuses the link.) The root itself
 may be a link: naming it is the operator's choice. Plain functions; they block, so the tier
@@ -22,6 +24,7 @@ calls them in worker threads.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import enum
 import errno
 import hashlib
@@ -35,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier._format import ALIGNED_FORMAT_VERSION, FORMAT_VERSION
+from kvtier.tiers.fs._beneath import RESOLVE_NO_LINKS, UNSUPPORTED, Openat2
 
 __all__ = [
     "BLOCK_FORMATS",
@@ -60,6 +64,7 @@ __all__ = [
     "is_block_name",
     "key_of",
     "name_of",
+    "open_block",
     "open_folder",
     "open_shard",
     "path_of",
@@ -93,6 +98,9 @@ _ROOT_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | O_CLOEXEC
 _DIR_FLAGS = _ROOT_FLAGS | O_NOFOLLOW
 # How a block file (or the marker) is opened for reading: never through a link.
 READ_FLAGS = os.O_RDONLY | O_CLOEXEC | O_NOFOLLOW
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+# Off for the process once the kernel refuses it: then every open walks one level at a time.
+_OPENAT2 = Openat2()
 
 
 def _host_tag() -> str:
@@ -196,6 +204,33 @@ def open_shard(root: Path, name: str, *, create: bool = False) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def open_block(root: Path, name: str, flags: int) -> int:
+    """A descriptor of the block file ``name`` opened with ``flags`` (the caller closes it),
+    reached from ``root`` as ``open_shard`` reaches its folder: beneath the root, through no
+    link. One ``openat2`` call where the kernel has it, else the walk. ``FileNotFoundError``
+    when the file or its shard is missing, ``OSError`` (ELOOP) for a link or a file where a
+    shard folder should be, and (EINVAL) when the file system refuses ``O_DIRECT``."""
+    if _OPENAT2.on:
+        root_fd = os.open(root, _ROOT_FLAGS)
+        try:
+            fd = _OPENAT2.open(root_fd, os.fsencode(shard_path(name)), flags, RESOLVE_NO_LINKS)
+        finally:
+            os.close(root_fd)
+        if fd >= 0:
+            return fd
+        err = ctypes.get_errno()
+        if err == errno.ENOTDIR:
+            raise OSError(errno.ELOOP, f"a shard of {name} is not a folder")
+        if err not in UNSUPPORTED or (err == errno.EINVAL and flags & _O_DIRECT):
+            raise OSError(err, os.strerror(err), name)
+        _OPENAT2.off()  # this kernel (or a filter in front of it) never takes it
+    dir_fd = open_shard(root, name)
+    try:
+        return os.open(name, flags, FILE_MODE, dir_fd=dir_fd)
+    finally:
+        os.close(dir_fd)
 
 
 def open_folder(name: str, dir_fd: int) -> int | None:

@@ -52,7 +52,7 @@ from kvtier.tiers.fs._io import (
     open_maybe_direct,
     staging_size,
 )
-from kvtier.tiers.fs._layout import READ_FLAGS, open_shard, remove_if_same
+from kvtier.tiers.fs._layout import READ_FLAGS, open_block, open_shard, remove_if_same
 
 __all__ = [
     "DIRECT_CHUNK",
@@ -116,32 +116,35 @@ def read_block(
     the header, and the checksum runs over the bytes where they landed (an older, unaligned
     file is read through the page cache instead).
     """
+    use_direct = direct and (scratch is not None or region is not None)
     try:
-        dir_fd = open_shard(root, name)
+        fd, direct = open_maybe_direct(
+            lambda flags: open_block(root, name, flags), READ_FLAGS, use_direct
+        )
     except FileNotFoundError:
         return ReadOutcome.MISSING
     try:
-        try:
-            use_direct = direct and (scratch is not None or region is not None)
-            fd, direct = open_maybe_direct(name, READ_FLAGS, use_direct, dir_fd)
-        except FileNotFoundError:
-            return ReadOutcome.MISSING
-        try:
-            if direct and scratch is not None:
-                _read_verified_direct(fd, key, dst, scratch, touching, integrity_key)
-            elif direct and region is not None:
-                _read_into(fd, key, dst, region, touching, integrity_key)
-            else:
-                _read_verified(fd, key, dst, scratch, touching, integrity_key)
-        except HeaderError as exc:
-            with contextlib.suppress(OSError):
-                remove_if_same(dir_fd, name, fd)
-            raise Corrupt(str(exc)) from exc
-        finally:
-            os.close(fd)
+        if direct and scratch is not None:
+            _read_verified_direct(fd, key, dst, scratch, touching, integrity_key)
+        elif direct and region is not None:
+            _read_into(fd, key, dst, region, touching, integrity_key)
+        else:
+            _read_verified(fd, key, dst, scratch, touching, integrity_key)
+    except HeaderError as exc:
+        with contextlib.suppress(OSError):
+            _remove_if_same(root, name, fd)
+        raise Corrupt(str(exc)) from exc
+    finally:
+        os.close(fd)
+    return ReadOutcome.LOADED
+
+
+def _remove_if_same(root: Path, name: str, fd: int) -> None:
+    dir_fd = open_shard(root, name)
+    try:
+        remove_if_same(dir_fd, name, fd)
     finally:
         os.close(dir_fd)
-    return ReadOutcome.LOADED
 
 
 def _read_verified(

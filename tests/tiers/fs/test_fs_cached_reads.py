@@ -24,6 +24,7 @@ from kvtier.testing import CHECKS
 from kvtier.tiers.fs import FSTier
 from kvtier.tiers.fs import _cached as fs_cached
 from kvtier.tiers.fs import _read as fs_read
+from kvtier.tiers.fs._beneath import AT_FDCWD
 from tests.support import block_file, fresh_keys
 
 LARGE = 256 << 10  # a whole number of pages: a version 2 file
@@ -52,7 +53,7 @@ def reads_cache(tmp_path: Path) -> None:
     if not fs_read.knows_cache():
         pytest.skip("this kernel cannot tell what the page cache holds (cachestat: Linux 6.5)")
     reads = fs_cached.CachedReads(str(tmp_path), 4096, None)
-    fd = reads._open(fs_cached.AT_FDCWD, os.fsencode(probe), os.O_RDONLY, 0)
+    fd = reads._open(AT_FDCWD, os.fsencode(probe), os.O_RDONLY, 0)
     if fd >= 0:
         os.close(fd)
     if not reads.on:
