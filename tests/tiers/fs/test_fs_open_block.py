@@ -67,6 +67,12 @@ def read(root: Path) -> bytes:
         os.close(fd)
 
 
+def assert_refused(root: Path) -> None:
+    with pytest.raises(OSError) as refused:
+        read(root)
+    assert refused.value.errno == errno.ELOOP
+
+
 def test_a_block_file_opens(tmp_path: Path, opener: str) -> None:
     block(tmp_path)
     assert read(tmp_path) == b"block bytes"
@@ -89,9 +95,7 @@ def test_a_linked_shard_folder_is_refused(tmp_path: Path, opener: str) -> None:
         f.unlink()
     shard.rmdir()
     os.symlink(outside, shard)
-    with pytest.raises(OSError) as refused:
-        read(root)
-    assert refused.value.errno == errno.ELOOP
+    assert_refused(root)
 
 
 def test_a_linked_block_file_is_refused(tmp_path: Path, opener: str) -> None:
@@ -100,9 +104,7 @@ def test_a_linked_block_file_is_refused(tmp_path: Path, opener: str) -> None:
     target.write_bytes(b"outside the cache")
     path.unlink()
     os.symlink(target, path)
-    with pytest.raises(OSError) as refused:
-        read(tmp_path)
-    assert refused.value.errno == errno.ELOOP
+    assert_refused(tmp_path)
 
 
 def test_a_file_where_a_shard_folder_should_be_is_refused(tmp_path: Path, opener: str) -> None:
@@ -114,9 +116,7 @@ def test_a_file_where_a_shard_folder_should_be_is_refused(tmp_path: Path, opener
         d.rmdir()
     first.rmdir()
     first.write_bytes(b"not a folder")
-    with pytest.raises(OSError) as refused:
-        read(tmp_path)
-    assert refused.value.errno == errno.ELOOP
+    assert_refused(tmp_path)
 
 
 def test_a_kernel_that_refuses_openat2_turns_it_off_and_walks(
