@@ -19,8 +19,9 @@ What makes it trustworthy:
 - **Shares a folder.** Several processes may use one folder: publishing is a rename, removal is
   an unlink, and a reader holding a file open keeps reading it even if another process evicts
   it, so the worst another process can do is turn a hit into a miss. Files are reached from
-  the root one folder at a time without following links, so a shard folder replaced by a link
-  cannot make the tier write, read or delete outside its root.
+  the root without following links (one folder at a time, or in one ``openat2`` call that
+  the kernel keeps beneath the root), so a shard folder replaced by a link cannot make the
+  tier write, read or delete outside its root.
 - **Never blocks the loop.** Each operation is one call in a worker thread (``anyio.to_thread``,
   bounded by ``max_concurrency`` for reads and ``max_write_concurrency`` for write-through);
   see ``_io`` and ``_read``. aiofiles would cost one thread hop per OS call
