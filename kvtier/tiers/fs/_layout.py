@@ -14,11 +14,10 @@ descriptor with ``O_NOFOLLOW`` (a block file for reading in one ``openat2`` call
 kernel keeps beneath the root and off every link, ``open_block``), so a shard folder, block
 file or marker that is a symbolic link (planted by whoever can write to a shared folder) is
 never followed: not for a read, a write, a removal or a walk, even when it is swapped in while
-a walk runs. (The batched
-existence checks ``stat`` a block's ``path_of`` instead, one call per key: a link there can
-only make a key look present, and the load that follows refuses the link.) The root itself
-may be a link: naming it is the operator's choice. Plain functions; they block, so the tier
-calls them in worker threads.
+a walk runs. (The batched existence checks ``stat`` a block's ``path_of`` instead, one call per
+key: a link there can only make a key look present, and the load that follows refuses the
+link.) The root itself may be a link: naming it is the operator's choice. Plain functions;
+they block, so the tier calls them in worker threads.
 """
 
 from __future__ import annotations

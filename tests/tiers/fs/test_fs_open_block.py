@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -109,12 +110,7 @@ def test_a_linked_block_file_is_refused(tmp_path: Path, opener: str) -> None:
 
 def test_a_file_where_a_shard_folder_should_be_is_refused(tmp_path: Path, opener: str) -> None:
     first = block(tmp_path).parent.parent
-    for f in first.rglob("*"):
-        if f.is_file():
-            f.unlink()
-    for d in sorted(first.rglob("*"), reverse=True):
-        d.rmdir()
-    first.rmdir()
+    shutil.rmtree(first)
     first.write_bytes(b"not a folder")
     assert_refused(tmp_path)
 
@@ -143,8 +139,9 @@ async def test_the_tier_loads_and_refuses_links_either_way(tmp_path: Path, opene
         outside.mkdir()
         for f in shard.iterdir():
             os.rename(f, outside / f.name)
+        moved = sorted(p.name for p in outside.iterdir())
         shard.rmdir()
         os.symlink(outside, shard)
         with pytest.raises(TierUnavailableError, match="ELOOP"):
             await tier.load(key(2), memoryview(bytearray(BLOCK)))
-        assert len(list(outside.iterdir())) >= 1  # nothing removed through the link
+        assert moved and sorted(p.name for p in outside.iterdir()) == moved  # none removed
