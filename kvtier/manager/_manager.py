@@ -334,11 +334,12 @@ class TieringManager(AsyncResource):
         present are skipped, and so are keys for which no slot is free or evictable. ``keys``
         are one request's chain, head first (as a lookup takes them): the pool orders the
         chain, with the prefix the request's scan served, so its tail is evicted first. It
-        yields to the loop once before it places anything."""
+        yields to the loop once before it places anything (cancelled there, nothing is stored)
+        and once after (cancelled there, the blocks stay stored)."""
         task_group = self._check_open()
-        # A checkpoint first (a host pool's store never suspends otherwise): an engine that
-        # stores a request's blocks and then looks up the next request in the same step held
-        # the loop for both; cancelled here, nothing was stored.
+        # A host pool's store never suspends otherwise, and an engine that stores a request's
+        # blocks and looks up the next request in the same step would hold the loop for the
+        # step before, the store and the lookup in one go.
         await asyncio.sleep(0)
         task_group = self._check_open()
         placed = await self._transfers.store(keys, blocks, lambda: self._task_group is task_group)
@@ -346,6 +347,10 @@ class TieringManager(AsyncResource):
             self.pool.table.place_chain(keys)  # the chain's tail leaves the pool first
         closing = self._stack is None
         self._writer.after_store(task_group, placed, closing=closing)
+        # The write-through just started runs before the caller's next store or lookup: a
+        # caller that stores in a tight loop would otherwise fill the tiers' in-flight limit
+        # with writes not yet begun, and the rest would be dropped.
+        await asyncio.sleep(0)
         return len(placed)
 
     async def load(self, keys: Sequence[bytes], out: Any) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 import pytest
 import torch
@@ -299,6 +300,7 @@ async def test_bad_blocks_raise_before_anything_changes(
 ) -> None:
     async with TieringManager(HostPool(8, BB), [MemoryTier()]) as manager:
         await manager.store(keys[3:4], random_blocks(1))
+        await manager.wait_idle()  # its write-through done: the pool holds still
         before = manager.statistics()
         with pytest.raises(ValueError, match=message):
             await manager.store(keys[:3], make_blocks())  # type: ignore[operator]
@@ -446,20 +448,25 @@ async def test_a_promoted_block_is_pinned_for_the_lookup_waiting_on_it(keys: lis
         assert manager.statistics().pool.pinned == 0
 
 
-async def test_a_store_yields_once_and_a_cancelled_one_stores_nothing(keys: list[bytes]) -> None:
-    """``store`` is a checkpoint even when its copy never waits: another task runs before
-    it returns, and a store cancelled there has placed nothing."""
+async def test_a_store_yields_before_and_after_placing_and_a_cancelled_one_stores_nothing(
+    keys: list[bytes],
+) -> None:
+    """``store`` takes two loop steps even when its copy never waits: another task runs once
+    before it places anything and once after, before it returns, and a store cancelled at the
+    first has placed nothing."""
     order: list[str] = []
 
-    async def other() -> None:
-        order.append("other")
+    async def other(manager: TieringManager) -> None:
+        for _ in range(2):
+            order.append("hit" if manager.lookup(keys[0]) is H else "miss")
+            await anyio.lowlevel.checkpoint()
 
     async with TieringManager(HostPool(8, BB), [MemoryTier()]) as manager:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(other)
+            tg.start_soon(other, manager)
             assert await manager.store(keys[:2], random_blocks(2)) == 2
             order.append("stored")
-        assert order == ["other", "stored"]
+        assert order == ["miss", "hit", "stored"]
         with anyio.CancelScope() as scope:
             scope.cancel()
             await manager.store(keys[2:4], random_blocks(2))
