@@ -347,9 +347,8 @@ class TieringManager(AsyncResource):
             self.pool.table.place_chain(keys)  # the chain's tail leaves the pool first
         closing = self._stack is None
         self._writer.after_store(task_group, placed, closing=closing)
-        # The write-through just started runs before the caller's next store or lookup: a
-        # caller that stores in a tight loop would otherwise fill the tiers' in-flight limit
-        # with writes not yet begun, and the rest would be dropped.
+        # And after: whatever the caller does next (the next request's lookup, say) runs in
+        # a step of its own, after the write-through just started has had its first turn.
         await asyncio.sleep(0)
         return len(placed)
 
