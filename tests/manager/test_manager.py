@@ -472,3 +472,28 @@ async def test_a_store_yields_before_and_after_placing_and_a_cancelled_one_store
             await manager.store(keys[2:4], random_blocks(2))
         assert scope.cancelled_caught
         assert manager.statistics().pool.ready == 2
+
+
+async def test_a_store_cancelled_after_it_placed_its_blocks_keeps_them(keys: list[bytes]) -> None:
+    """Cancelled at its second yield, once the blocks are placed, a store raises and the
+    blocks stay stored, their write-through started."""
+    scope = anyio.CancelScope()
+
+    async def store(manager: TieringManager) -> None:
+        with scope:
+            await manager.store(keys[:2], random_blocks(2))
+
+    async def cancel_once_placed(manager: TieringManager) -> None:
+        while manager.lookup(keys[0]) is not H:
+            await anyio.lowlevel.checkpoint()
+        scope.cancel()
+
+    tier = MemoryTier()
+    async with TieringManager(HostPool(8, BB), [tier]) as manager:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(store, manager)
+            tg.start_soon(cancel_once_placed, manager)
+        assert scope.cancelled_caught
+        await manager.wait_idle()
+        assert manager.statistics().pool.ready == 2
+        assert all(tier.lookup(key) is H for key in keys[:2])
