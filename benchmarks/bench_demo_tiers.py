@@ -14,7 +14,7 @@ when a request joins the queue, the default) and without it (the prefetch rows; 
 alternates between rounds): the gain is the TTFT p50 (and p95) without prefetch over the TTFT
 with it, in the same round, medians over rounds. ``--no-prefetch-rows`` skips them.
 
-    python3 -m nox -s bench -- bench_demo_tiers          # 3 rounds, about 4 minutes
+    python3 -m nox -s bench -- bench_demo_tiers          # 3 rounds, about 5 minutes
     python3 -m nox -s bench -- bench_demo_tiers --rounds 5 --setups fs fs+s3 fs+s3-through
 
 Setups: ``fs`` (the demo's default), ``fs+s3`` (S3 below the file tier, its writes paced and
@@ -25,6 +25,11 @@ memory setup is the ceiling of prefetch: prefetching can hide a tier's waits, an
 It runs once a round, without the prefetch rows; with it, each setup's p50 speedup is also
 given as a share of the memory setup's in the same round, and each setup's prefetch gain
 beside its bound, the memory setup's TTFT p50 against the setup's without prefetch.
+``delayed`` (a ``DelayedTier`` over memory, the demo's ``--slow-tier``: every existence check,
+load and store waits ``DELAY_S``, and costs no CPU) splits that bound in two: an object store
+costs the engine both its waits and its CPU (here SeaweedFS and the S3 client run on the
+engine's cores), and prefetch can hide only the waits. The delayed setup has an object
+store's waits and none of its CPU, so its bound is what prefetch could gain from waits alone.
 
 Needs the ``s3`` and ``torch`` extras and an S3 endpoint (``--s3-endpoint``; ``nox -s bench``
 starts a SeaweedFS on 127.0.0.1 and passes it with its process id, whose CPU is reported). The
@@ -51,12 +56,17 @@ import kvtier
 from benchmarks.common import add_json_flag, add_s3_options, json_output, server_cpu_reader
 from examples import demo_engine as demo
 
+DELAY_S = 0.03
+"""Seconds per operation of the ``delayed`` setup's tier: about what one request to a
+regional object store waits before its first byte."""
+
 SETUPS: dict[str, list[str]] = {
     "fs": [],
     "fs+s3": ["--s3"],  # the demo's default: S3 writes paced and deferred
     "fs+s3-through": ["--s3", "--s3-write-through"],
     "s3": ["--s3", "--fs-capacity-mb", "0"],
     "memory": ["--fs-capacity-mb", "0"],  # and a MemoryTier: see `measure`
+    "delayed": ["--fs-capacity-mb", "0", "--slow-tier", str(DELAY_S)],
 }
 CEILING = "memory"
 

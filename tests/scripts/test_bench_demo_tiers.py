@@ -15,10 +15,11 @@ pytest.importorskip("torch", reason="the demo needs torch (the kvtier[torch] ext
 def test_one_quick_round_gives_each_setup_against_its_baseline(
     run_json: RunJson, store: Store
 ) -> None:
-    args = ("--quick", "--rounds", "1", "--setups", "fs", "fs+s3", "memory", *store.flags())
+    names = ("fs", "fs+s3", "delayed", "memory")
+    args = ("--quick", "--rounds", "1", "--setups", *names, *store.flags())
     out = run_json("-m", "benchmarks.bench_demo_tiers", *args).out
     setups = out["setups"]
-    assert set(setups) == {"fs", "fs+s3", "memory"}
+    assert set(setups) == set(names)
     ceiling = setups.pop("memory")  # the ceiling: a tier in memory, run once, no prefetch rows
     assert ceiling["p50_share_of_memory"] == 1.0 and "no_prefetch" not in ceiling
     assert setups["fs"]["p50_share_of_fs"] == 1.0  # the FS-only setup is its own reference
