@@ -14,7 +14,8 @@
         ├── CorruptBlockError        reason "corrupt"
         ├── TierTimeoutError         reason "timeout"
         ├── TierUnavailableError     reason "unavailable"
-        └── TierNoSpaceError         reason "no_space"
+        ├── TierNoSpaceError         reason "no_space"
+        └── TierContractError        reason "tier_error"
 
 Tier faults never escape ``lookup()`` or background work: they are turned into a miss with the
 ``reason`` of the error. They do escape direct calls such as ``tier.load()``.
@@ -33,6 +34,7 @@ __all__ = [
     "InvalidArgumentError",
     "KVTierError",
     "LifecycleError",
+    "TierContractError",
     "TierError",
     "TierNoSpaceError",
     "TierTimeoutError",
@@ -96,3 +98,10 @@ class TierUnavailableError(TierError):
 
 class TierNoSpaceError(TierError):
     reason = MissReason.NO_SPACE
+
+
+class TierContractError(TierError):
+    """A tier answered against its own contract (a batch call with one result too few, say):
+    a bug in the tier, not a fault of its storage, so its blocks fail and nothing else does."""
+
+    reason = MissReason.TIER_ERROR

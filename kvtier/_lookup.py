@@ -26,3 +26,4 @@ class MissReason(StrEnum):
     EVICTED = "evicted"
     NO_SPACE = "no_space"
     PRIMARY_FULL = "primary_full"
+    TIER_ERROR = "tier_error"  # a tier broke its own contract (a malformed answer)

@@ -33,7 +33,7 @@ from kvtier._logging import BurstLogger
 from kvtier._watch import Watchers
 from kvtier.manager._statistics import PromotionCounts
 from kvtier.pools._base import PrimaryPool
-from kvtier.tiers._base import SecondaryTier
+from kvtier.tiers._base import SecondaryTier, one_per_key
 from kvtier.writes._account import bump, reason_of
 from kvtier.writes._writethrough import WriteThrough
 
@@ -129,7 +129,11 @@ class Promotions:
             del self._open[batch.tier]  # started: later promotions open the next batch
         tier, started = batch.tier, time.perf_counter()
         lender = self.pool.lender(batch.slots)  # the tier may read straight into them
-        load = functools.partial(tier.load_many, batch.keys, timeout=self.timeout, lender=lender)
+
+        async def load(dsts: Sequence[memoryview]) -> Sequence[Exception | None]:
+            results = await tier.load_many(batch.keys, dsts, timeout=self.timeout, lender=lender)
+            return one_per_key(results, batch.keys, tier.name, "load_many")
+
         outcomes: Sequence[BaseException | None] = ()
         try:
             with anyio.fail_after(self.timeout + _GRACE):

@@ -228,7 +228,7 @@ class AsyncLookupManager(LookupCounts, AsyncResource):
                 reason = MissReason.UNAVAILABLE
                 self._log.warning("error", "%s: existence check failed: %r", self.name, exc)
             if reason is None and len(found) != len(batch):
-                reason = MissReason.UNAVAILABLE
+                reason = MissReason.TIER_ERROR
                 self._log.warning("answers", "%s: contains_many gave a wrong count", self.name)
             superseded = self._superseded
             if reason is not None:

@@ -9,12 +9,12 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Self
+from typing import Self, TypeVar
 
 import anyio
 
 from kvtier._describe import describe
-from kvtier._errors import InvalidArgumentError, TierError, TierTimeoutError
+from kvtier._errors import InvalidArgumentError, TierContractError, TierError, TierTimeoutError
 from kvtier._lending import Lender
 from kvtier._logging import BurstLogger
 from kvtier._lookup import LookupResult, MissReason
@@ -28,10 +28,12 @@ __all__ = [
     "SecondaryTier",
     "TierMeter",
     "TierStatistics",
+    "one_per_key",
     "settled_lookup",
 ]
 
 Listener = Callable[[bytes], None]
+_Result = TypeVar("_Result")
 # What a batch call returns: one entry per key, None where the block made it, else the error.
 BatchResults = list[TierError | None]
 
@@ -344,6 +346,22 @@ class SecondaryTier(AsyncResource):
 def check_batch(keys: Sequence[bytes], views: Sequence[memoryview], what: str) -> None:
     if len(keys) != len(views):
         raise InvalidArgumentError(f"{len(keys)} keys but {len(views)} {what}; pass one per key")
+
+
+def one_per_key(
+    results: Sequence[_Result], keys: Sequence[bytes], tier: str, operation: str
+) -> Sequence[_Result]:
+    """``results`` of a batch call, checked to hold one answer per key: a tier's answer is
+    zipped with the keys it was asked about, and a short or long one must fail its own
+    blocks rather than the task that settles them."""
+    if len(results) != len(keys):
+        raise TierContractError(
+            f"answered {len(results)} results for {len(keys)} keys; a batch call returns one "
+            "per key",
+            tier=tier,
+            operation=operation,
+        )
+    return results
 
 
 def batch_deadline(timeout: float | None) -> float:

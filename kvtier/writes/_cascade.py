@@ -27,7 +27,7 @@ import anyio
 import anyio.abc
 
 from kvtier._lookup import MissReason
-from kvtier.tiers._base import SecondaryTier
+from kvtier.tiers._base import SecondaryTier, one_per_key
 from kvtier.writes._account import WriteAccount, bump, reason_of
 
 __all__ = ["Cascades"]
@@ -195,7 +195,9 @@ class Cascades:
                 await tier.store(keys[0], views[0])
                 outcomes = (None,)
             else:
-                outcomes = await tier.store_many(keys, views)
+                outcomes = one_per_key(
+                    await tier.store_many(keys, views), keys, tier.name, "store_many"
+                )
         except Exception as exc:
             outcomes = [exc] * len(keys)
         finally:  # cancelled too (the cascade's deadline): the tier held the bytes this long

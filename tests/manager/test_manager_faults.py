@@ -6,6 +6,8 @@ before its fix."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from typing import Any
 
 import anyio
 import numpy as np
@@ -24,6 +26,7 @@ from kvtier import (
 from kvtier._cost import ScanBudget
 from kvtier._failures import RecentFailures
 from kvtier.testing import StallingTier
+from kvtier.tiers._base import BatchResults
 from tests.support import GatedPool, H, M, R, assert_idle
 
 BB = 4096
@@ -268,3 +271,58 @@ def test_recent_failures_expire_and_stay_bounded() -> None:
     now[0] = 10.0
     failures.remember("a", b"new", MissReason.NOT_FOUND)
     assert len(failures) == 1  # the expired ones went on the way
+
+
+# -- a tier that breaks its own contract -------------------------------------------------------
+
+
+class ShortBatchTier(MemoryTier):
+    """``load_many`` answers for one key fewer than it was asked: a tier with a bug."""
+
+    async def load_many(
+        self, keys: Sequence[bytes], dsts: Sequence[memoryview], **options: Any
+    ) -> BatchResults:
+        return list(await super().load_many(keys, dsts, **options))[:-1]
+
+
+async def test_a_short_batch_answer_fails_its_blocks_and_frees_their_slots(
+    keys: list[bytes], caplog: pytest.LogCaptureFixture
+) -> None:
+    tier = ShortBatchTier("short")
+    for key in keys[:3]:
+        await tier.store(key, memoryview(bytes(BB)))
+    manager = TieringManager(HostPool(8, BB), [tier])
+    with anyio.fail_after(10):
+        async with manager:
+            assert [manager.lookup(k) for k in keys[:3]] == [R, R, R]  # one batch of three
+            await manager.wait_idle()  # the engine's own task lives on through the batch
+            stats = manager.statistics()
+            assert stats.promotions_failed_by_reason == {"tier_error": 3}
+            assert [manager.lookup(k) for k in keys[:3]] == [M, M, M]
+            assert manager.statistics().misses_by_reason == {"tier_error": 3}
+            assert_idle(manager)
+    logged = [r for r in caplog.records if "tier_error" in r.getMessage()]
+    assert len(logged) == 1, "a failed batch is logged once, not per block"
+
+
+class ShortStoreTier(MemoryTier):
+    """``store_many`` stores every block but answers for one key fewer than it was asked."""
+
+    async def store_many(
+        self, keys: Sequence[bytes], srcs: Sequence[memoryview], **options: Any
+    ) -> BatchResults:
+        return list(await super().store_many(keys, srcs, **options))[:-1]
+
+
+async def test_a_short_batch_store_answer_fails_each_write_as_tier_error(
+    keys: list[bytes],
+) -> None:
+    tier = ShortStoreTier("short")
+    async with TieringManager(HostPool(8, BB), [tier]) as manager:
+        with anyio.fail_after(10):
+            await manager.store(keys[:3], np.zeros((3, BB), np.uint8))
+            await manager.wait_idle()
+        writes = manager.statistics().writes
+        assert writes.failures_by_reason == {"tier_error": 3}  # not one for some, none for others
+        assert writes.succeeded == 0
+        assert_idle(manager)

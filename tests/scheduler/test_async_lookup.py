@@ -127,6 +127,22 @@ async def test_a_failing_check_becomes_a_miss_with_its_reason(
         assert set(manager.statistics().misses_by_reason) == {reason}
 
 
+async def test_a_check_answering_one_verdict_too_few_is_a_tier_error_miss() -> None:
+    storage = Storage({k(1), k(2)})
+    short = storage.contains_many
+
+    async def one_too_few(keys: list[bytes]) -> list[bool]:
+        return (await short(keys))[:-1]
+
+    storage.contains_many = one_too_few  # type: ignore[method-assign]
+    async with manager_for(storage) as manager:
+        manager.lookup(k(1))
+        manager.lookup(k(2))
+        await settle(manager, [k(1), k(2)])
+        assert [manager.lookup(k(1)), manager.lookup(k(2))] == [LookupResult.MISS] * 2
+        assert set(manager.statistics().misses_by_reason) == {"tier_error"}
+
+
 async def test_misses_expire_after_their_ttl_but_hits_stay(clock: ManualClock) -> None:
     storage = Storage({k(1)})
     async with manager_for(storage, miss_ttl=2.0, clock=clock) as manager:
