@@ -38,7 +38,8 @@ import anyio
 
 from kvtier._cost import ScanBudget
 from kvtier._describe import describe
-from kvtier._lookup import LookupResult
+from kvtier._errors import LifecycleError
+from kvtier._lookup import LookupResult, MissReason
 from kvtier._progress import PrefixProgress
 from kvtier._snapshots import snapshot
 from kvtier._watch import KeyWatch
@@ -283,9 +284,14 @@ class Prefetches:
         handle = PrefetchHandle(self, keys, deadline, ttl)
         self.started += 1
         if keys:
+            try:
+                self.manager.run_soon(handle.run)
+            except LifecycleError:  # a hint to a closed manager (an engine racing its
+                handle.reason = MissReason.UNAVAILABLE.value  # shutdown): it ends at once
+                handle.cancel()
+                return handle
             self._active.add(handle)
             self._by_last.setdefault(keys[-1], []).append(handle)
-            self.manager.run_soon(handle.run)
         else:
             handle.prefix = 0
             handle._end(PrefetchState.EXPIRED)

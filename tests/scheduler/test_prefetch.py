@@ -183,6 +183,26 @@ async def test_closing_the_manager_ends_a_running_prefetch(keys: list[bytes]) ->
     tier.release("contains", "load")
 
 
+async def test_a_prefetch_on_a_closed_manager_ends_at_once_and_leaves_nothing(
+    keys: list[bytes],
+) -> None:
+    tier = MemoryTier("mem")
+    await fill(tier, keys[:2])
+    async with prefetching(tier) as (manager, scheduler):
+        pass
+    handle = scheduler.prefetch(keys[:2])  # an engine racing its own shutdown: no exception
+    assert handle.done and handle.state is PrefetchState.CANCELLED
+    assert handle.reason == "unavailable"
+    with anyio.fail_after(5):
+        assert await handle.wait() is None
+    stats = scheduler.statistics().prefetch
+    assert stats is not None and stats.held == 0 and stats.cancelled == 1
+    with anyio.fail_after(5):
+        assert await scheduler.lookup(keys[:2], timeout=1) == 0
+    assert handle.state is PrefetchState.CANCELLED  # no orphan left for a lookup to claim
+    assert_idle(manager)
+
+
 async def test_prefetch_arguments_are_checked(keys: list[bytes]) -> None:
     async with prefetching(MemoryTier("mem")) as (manager, scheduler):
         with pytest.raises(ValueError, match="deadline must be a positive number"):
