@@ -7,9 +7,11 @@ one wakeup per block. Within a buffer the order is the order the events happened
 buffers a batch lists them buffer by buffer.
 
 The stream is the buffers' one consumer (``EventBuffer`` explains why there is only one): it
-registers itself as their listener when created and lets go when closed. An emitter on another
-thread wakes the loop through ``call_soon_threadsafe``, and only when the stream is waiting, so
-a store pays nothing for a stream that is busy or gone.
+registers itself as their listener when created and lets go when closed, of the buffers it still
+listens to only: a newer stream that took a buffer over keeps it. An emitter on another thread
+wakes the loop through ``call_soon_threadsafe``, and only when the stream is waiting, so a store
+pays nothing for a stream that is busy or gone. Waking a loop that has since closed does
+nothing: nobody waits on it any more.
 
 Nothing is lost between batches: events queued while the consumer handles a batch wait in the
 buffers, which stay bounded (past their capacity the newest are dropped and counted there).
@@ -26,6 +28,10 @@ from typing import Protocol, Self
 from kvtier._events import EventBuffer, TierEvent
 
 __all__ = ["EventStream"]
+
+# Held while a stream takes or lets go of a buffer, so a stream closing on one thread never
+# detaches a newer stream that another thread is registering on the same buffer.
+_listening = threading.Lock()
 
 
 class HasEvents(Protocol):
@@ -54,14 +60,14 @@ class EventStream:
                 )
         self._buffers = tuple(buffers)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._loop_thread = 0
         self._wakeup: asyncio.Event | None = None
         self._waiting = False  # set only while __anext__ waits: emitters wake it then
         self._closed = False
         self.batches = 0  # batches handed out
         self.events = 0  # events in them
-        for buffer in self._buffers:
-            buffer.listen(self._queued)
+        with _listening:
+            for buffer in self._buffers:
+                buffer.listen(self._queued)
 
     @classmethod
     def from_tiers(cls, tiers: Iterable[object]) -> EventStream:
@@ -74,16 +80,26 @@ class EventStream:
 
     def _queued(self) -> None:
         """An event was queued (on any thread): wake the waiting consumer, if it waits."""
-        if not self._waiting or (loop := self._loop) is None or (wakeup := self._wakeup) is None:
+        if not self._waiting:
             return
         self._waiting = False
-        if threading.get_ident() == self._loop_thread:
-            wakeup.set()
-        else:
-            try:
+        self._wake()
+
+    def _wake(self) -> None:
+        """Set the consumer's wakeup from any thread, even after the consumer's loop ended."""
+        if (loop := self._loop) is None or (wakeup := self._wakeup) is None:
+            return
+        try:
+            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        try:
+            if running is loop:
+                wakeup.set()
+            else:
                 loop.call_soon_threadsafe(wakeup.set)
-            except RuntimeError:  # the loop closed: nobody is waiting any more
-                pass
+        except RuntimeError:  # the loop closed: nobody waits on it any more
+            pass
 
     def _take(self) -> list[TierEvent]:
         batch: list[TierEvent] = []
@@ -102,7 +118,6 @@ class EventStream:
                 return batch
             if self._wakeup is None:
                 self._loop = asyncio.get_running_loop()
-                self._loop_thread = threading.get_ident()
                 self._wakeup = asyncio.Event()
             self._wakeup.clear()
             self._waiting = True
@@ -117,17 +132,15 @@ class EventStream:
         raise StopAsyncIteration
 
     def close(self) -> None:
-        """End the iteration (a waiting ``__anext__`` returns) and let go of the buffers."""
+        """End the iteration (a waiting ``__anext__`` returns) and let go of the buffers this
+        stream still listens to. Safe from any thread, also after the consumer's loop ended."""
         if self._closed:
             return
         self._closed = True
-        for buffer in self._buffers:
-            buffer.listen(None)
-        if self._wakeup is not None and self._loop is not None:
-            if threading.get_ident() == self._loop_thread:
-                self._wakeup.set()
-            else:
-                self._loop.call_soon_threadsafe(self._wakeup.set)
+        with _listening:
+            for buffer in self._buffers:
+                buffer.unlisten(self._queued)  # a newer stream's stays
+        self._wake()
 
     async def __aenter__(self) -> Self:
         return self

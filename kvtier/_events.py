@@ -76,6 +76,12 @@ class EventBuffer:
         in the emitter's thread, inside a tier's store or load."""
         self._listener = callback
 
+    def unlisten(self, callback: Callable[[], None]) -> None:
+        """Stop running ``callback`` if it is still the listener: a newer one stays."""
+        with self._lock:
+            if self._listener == callback:
+                self._listener = None
+
     @property
     def enabled(self) -> bool:
         return self.capacity > 0

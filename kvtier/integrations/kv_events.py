@@ -24,8 +24,9 @@ The wire, as vLLM's ``ZmqEventPublisher`` speaks it (``vllm.distributed.kv_event
   payload)`` after the delimiter, then ``("", -1 as 8 signed bytes, "")``.
 
 Block hashes are kvtier's keys as bytes (vLLM accepts bytes or ints) unless ``block_hash``
-maps them; a key it maps to None is left out (counted in ``unmapped``). A router computes the
-same keys from a request's tokens with ``kvtier.block_keys``.
+maps them; a key it maps to None is left out (counted in ``unmapped``). What it returns is
+checked before encoding: bytes, or an int msgpack carries (64 bits). A router computes the same
+keys from a request's tokens with ``kvtier.block_keys``.
 
 Nothing here blocks the caller: ``publish`` encodes nothing and only queues the batch, or drops
 and counts it when ``queue_batches`` are already waiting. One thread owns both sockets,
@@ -33,12 +34,21 @@ encodes, sends without blocking (a PUB socket drops for a subscriber past its hi
 the replay socket drops the rest of a replay for a requester that does not read) and serves
 replays from the last ``replay_batches`` batches. Sockets always bind (a router connects).
 
+The thread serves every batch after it: a batch it cannot encode or send is dropped, counted
+(``failed``) and logged once per burst. ``close`` lets it send what is queued, but never waits
+on it for more than a bound: past that it closes the sockets itself (the endpoints are free once
+``close`` returns), and the thread drops what is left and ends at its next step (a
+``block_hash`` that is still running finishes first).
+
 Needs the ``events`` extra (pyzmq, msgspec).
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import contextlib
+import logging
 import queue
 import threading
 import time
@@ -47,11 +57,13 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Self
 
+import anyio
 import anyio.to_thread
 
 from kvtier._errors import ExtraNotInstalledError, InvalidArgumentError, LifecycleError
 from kvtier._event_stream import EventStream
 from kvtier._events import EventKind, TierEvent
+from kvtier._logging import BurstLogger
 
 __all__ = ["END_OF_REPLAY", "KVEventPublisher", "PublisherStatistics", "encode_event"]
 
@@ -59,6 +71,11 @@ __all__ = ["END_OF_REPLAY", "KVEventPublisher", "PublisherStatistics", "encode_e
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 _STOP = object()  # queued by close: the thread sends what came before and ends
 _IDLE_POLL_S = 0.05  # how long the thread waits for a batch before it looks for replay requests
+_CLOSE_S = 2.0  # how long close waits for the thread before it closes the sockets itself
+_UNBIND_S = 1.0  # how long closing a socket waits for ZMQ to close its listener
+_HASH_INTS = range(-(2**63), 2**64)  # the ints msgpack carries
+
+_logger = logging.getLogger(__name__)
 
 BlockHash = bytes | int
 
@@ -66,20 +83,22 @@ BlockHash = bytes | int
 @dataclass(frozen=True, slots=True)
 class PublisherStatistics:
     published: int  # batches sent on the PUB socket
-    dropped: int  # batches not queued: the thread was ``queue_batches`` behind
+    dropped: int  # batches not sent: the thread was ``queue_batches`` behind, or was closed
     unmapped: int  # keys ``block_hash`` mapped to None
     replays: int  # replay requests served
     bad_replay_requests: int  # replay messages of the wrong shape, ignored
+    failed: int = 0  # batches dropped because encoding or sending them raised (logged)
 
 
 def encode_event(
     event: TierEvent, block_size: int, block_hash: Callable[[bytes], BlockHash | None]
 ) -> tuple[dict[str, Any] | None, int]:
     """``event`` as vLLM's tagged event map, and how many of its keys had no hash (None when
-    none had one: nothing to say)."""
+    none had one: nothing to say). A hash msgpack cannot carry raises ``InvalidArgumentError``
+    (a ``ValueError``) that says what ``block_hash`` should return instead."""
     if event.kind is EventKind.CLEARED:
         return {"type": "AllBlocksCleared"}, 0
-    hashes = [h for h in map(block_hash, event.keys) if h is not None]
+    hashes = [_checked(h, key) for key in event.keys if (h := block_hash(key)) is not None]
     unmapped = len(event.keys) - len(hashes)
     if not hashes:
         return None, unmapped
@@ -125,8 +144,15 @@ class KVEventPublisher:
         self._queue: queue.Queue[object] = queue.Queue(maxsize=queue_batches)
         self._held: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=replay_batches)
         self._closed = False
+        self._on_close: set[Callable[[], None]] = set()  # wakes each ``publish_stream``
+        self._state_lock = threading.Lock()  # ``_closed`` and ``_on_close``
         self._published = self._dropped = self._unmapped = 0
         self._replays = self._bad_requests = 0
+        self._left = self._failed = 0  # the thread's: batches it dropped at close, or failed
+        self._log = BurstLogger(_logger)
+        # Held while a thread uses the sockets: the publisher's, or close taking them over.
+        self._sockets_lock = threading.Lock()
+        self._sockets_open = True
         context = zmq.Context.instance()
         self._pub = _bound(context.socket(zmq.PUB), endpoint, hwm, zmq.SNDHWM)
         self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -161,28 +187,56 @@ class KVEventPublisher:
         return True
 
     async def publish_stream(self, stream: EventStream) -> None:
-        """Publish every batch of ``stream`` until it ends (closed) or this publisher closes."""
-        async for batch in stream:
-            if self._closed:
+        """Publish every batch of ``stream`` until it ends (closed) or this publisher closes;
+        an idle stream does not hold it: closing the publisher from any thread ends it. The
+        stream stays open (it is the caller's)."""
+        loop = asyncio.get_running_loop()
+        with anyio.CancelScope() as scope:
+
+            def stop() -> None:
+                with contextlib.suppress(RuntimeError):  # that loop ended, and this call with it
+                    loop.call_soon_threadsafe(scope.cancel)
+
+            with self._state_lock:
+                if self._closed:
+                    return
+                self._on_close.add(stop)
+            try:
+                async for batch in stream:
+                    self.publish(batch)
+            except LifecycleError:  # closed on another thread since the batch came
                 return
-            self.publish(batch)
+            finally:
+                with self._state_lock:
+                    self._on_close.discard(stop)
 
     def statistics(self) -> PublisherStatistics:
         return PublisherStatistics(
-            self._published, self._dropped, self._unmapped, self._replays, self._bad_requests
+            self._published,
+            self._dropped + self._left,
+            self._unmapped,
+            self._replays,
+            self._bad_requests,
+            self._failed,
         )
 
     def close(self) -> None:
-        """Send what is queued, stop the thread and close the sockets (waits two seconds at most;
-        ``aclose`` waits in a worker thread instead of the loop)."""
-        if self._closed:
-            return
-        self._closed = True
-        try:  # behind the batches already queued: they are sent first
-            self._queue.put(_STOP, timeout=1.0)
-        except queue.Full:  # a block_hash that never returns holds the thread; it is a daemon
-            return
-        self._thread.join(timeout=1.0)  # it sends without blocking, so it ends at once
+        """Send what is queued, stop the thread and close the sockets: the endpoints are free
+        when it returns. It waits two seconds at most for the thread, then closes the sockets
+        itself and the thread drops what is left (``aclose`` waits in a worker thread instead
+        of the loop)."""
+        with self._state_lock:
+            if self._closed:
+                return
+            self._closed = True
+            waiting, self._on_close = self._on_close, set()
+        for stop in waiting:
+            stop()
+        with contextlib.suppress(queue.Full):  # a full queue: the thread is busy, not waiting
+            self._queue.put_nowait(_STOP)  # behind the batches already queued: sent first
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=_CLOSE_S)
+        self._close_sockets()  # the thread's already, unless it was held past the bound
 
     async def aclose(self) -> None:
         await anyio.to_thread.run_sync(self.close)
@@ -215,19 +269,40 @@ class KVEventPublisher:
     # -- the thread's side ---------------------------------------------------------------------
 
     def _run(self) -> None:
-        """Send queued batches in order and answer replay requests between them."""
-        while True:
-            if self._replay is not None:
-                self._serve_replays()
-            try:
-                batch = self._queue.get(timeout=_IDLE_POLL_S)
-            except queue.Empty:
-                continue
-            if batch is _STOP:
-                break
-            assert isinstance(batch, list)
-            self._send(batch)
-        self._close_sockets()
+        """Send queued batches in order and answer replay requests between them; once closed,
+        send what is still queued and end (or end at once if close took the sockets)."""
+        try:
+            while True:
+                with self._sockets_lock:
+                    if not self._sockets_open:
+                        break
+                    if self._replay is not None:
+                        self._serve_replays()
+                try:
+                    batch = self._queue.get(block=not self._closed, timeout=_IDLE_POLL_S)
+                except queue.Empty:
+                    if self._closed:
+                        break
+                    continue
+                if batch is _STOP:
+                    break
+                assert isinstance(batch, list)
+                try:
+                    self._send(batch)
+                except Exception as exc:  # one bad batch never ends the thread
+                    self._failed += 1
+                    self._log.warning(
+                        "batch", "dropped an event batch that cannot be encoded or sent: %s", exc
+                    )
+        finally:
+            self._close_sockets()
+            while True:  # queued behind the end: nobody will send them
+                try:
+                    left = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if left is not _STOP:
+                    self._left += 1
 
     def _send(self, batch: list[TierEvent]) -> None:
         events = []
@@ -242,10 +317,14 @@ class KVEventPublisher:
         if self._rank is not None:
             body.append(self._rank)
         payload = self._encoder(body)
-        sequence = self._published
-        self._pub.send_multipart((self._topic, sequence.to_bytes(8, "big"), payload))
-        self._held.append((sequence, payload))
-        self._published += 1
+        with self._sockets_lock:
+            if not self._sockets_open:  # close took the sockets while this batch was encoded
+                self._left += 1
+                return
+            sequence = self._published
+            self._pub.send_multipart((self._topic, sequence.to_bytes(8, "big"), payload))
+            self._held.append((sequence, payload))
+            self._published += 1
 
     def _serve_replays(self) -> None:
         zmq = self._zmq
@@ -275,9 +354,33 @@ class KVEventPublisher:
             self._replays += 1
 
     def _close_sockets(self) -> None:
-        self._pub.close(linger=0)
-        if self._replay is not None:
-            self._replay.close(linger=0)
+        """Unbind and close both sockets (once), from the thread or from ``close``."""
+        with self._sockets_lock:
+            if not self._sockets_open:
+                return
+            self._sockets_open = False
+            _unbind(self._zmq, self._pub, self.endpoint)
+            if self._replay is not None:
+                assert self.replay_endpoint is not None
+                _unbind(self._zmq, self._replay, self.replay_endpoint)
+
+
+def _checked(block_hash: object, key: bytes) -> BlockHash:
+    """``block_hash`` if msgpack carries it, else the error that says what to return."""
+    if isinstance(block_hash, bytes):
+        return block_hash
+    if isinstance(block_hash, int):
+        if block_hash in _HASH_INTS:
+            return block_hash
+        raise InvalidArgumentError(
+            f"block_hash returned an int of {block_hash.bit_length()} bits for a {len(key)}-byte "
+            "key, but msgpack carries ints of 64 bits at most: return bytes, or an int of 8 "
+            "bytes (e.g. int.from_bytes(key[:8], 'big'))"
+        )
+    raise InvalidArgumentError(
+        f"block_hash must return bytes or an int (or None to leave a key out), got "
+        f"{type(block_hash).__name__}"
+    )
 
 
 def _check_settings(block_size: int, replay_batches: int, hwm: int, queue_batches: int) -> None:
@@ -305,6 +408,23 @@ def _wire_modules() -> tuple[Any, Callable[[Any], bytes]]:
     except ImportError as exc:
         raise ExtraNotInstalledError("KVEventPublisher", "events", "msgspec") from exc
     return zmq, msgspec.msgpack.Encoder().encode
+
+
+def _unbind(zmq: Any, socket: Any, endpoint: str) -> None:
+    """Close ``socket``, with ``endpoint`` free again on return: ZMQ closes a listener on its
+    I/O thread after ``close`` returns, so this unbinds first and waits for the listener's
+    closed event (``_UNBIND_S`` at most; an ``inproc`` endpoint has no listener)."""
+    if not endpoint.startswith("inproc://"):
+        monitor = socket.get_monitor_socket(zmq.EVENT_CLOSED)
+        try:
+            socket.unbind(endpoint)
+            monitor.poll(_UNBIND_S * 1000)
+        except zmq.ZMQError:  # nothing bound there any more: nothing to wait for
+            pass
+        finally:
+            socket.disable_monitor()
+            monitor.close(linger=0)
+    socket.close(linger=0)
 
 
 def _bound(socket: Any, endpoint: str, hwm: int, option: int) -> Any:

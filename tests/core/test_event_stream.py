@@ -11,6 +11,8 @@ import pytest
 import kvtier
 from kvtier._events import EventBuffer, EventKind, TierEvent
 
+WAKE_S = 10  # a failsafe: a wakeup that should come never takes this long
+
 
 async def test_a_burst_queued_before_the_consumer_asks_is_one_batch() -> None:
     buffer = EventBuffer("fs", capacity=100)
@@ -81,6 +83,59 @@ async def test_close_ends_a_waiting_iteration_and_lets_go_of_the_buffers() -> No
     assert len(buffer) == 1
     with pytest.raises(StopAsyncIteration):
         await anext(stream)
+
+
+async def test_closing_an_older_stream_leaves_a_newer_one_listening() -> None:
+    buffer = EventBuffer("fs", capacity=10)
+    older = kvtier.EventStream(buffer)
+    got: list[list[TierEvent]] = []
+    arrived = anyio.Event()
+    async with kvtier.EventStream(buffer) as newer, anyio.create_task_group() as tg:
+
+        async def consume() -> None:
+            got.append(await anext(newer))
+            arrived.set()
+
+        tg.start_soon(consume)
+        await anyio.wait_all_tasks_blocked()  # the newer stream waits for an event
+        older.close()
+        await anyio.to_thread.run_sync(lambda: buffer.emit(EventKind.STORED, [b"k"]))
+        with anyio.fail_after(WAKE_S):  # the newer stream wakes, or this fails
+            await arrived.wait()
+    assert got == [[TierEvent(EventKind.STORED, (b"k",), "fs")]]
+
+
+def test_close_from_another_thread_after_the_consumers_loop_ended_is_quiet() -> None:
+    buffer = EventBuffer("fs", capacity=10)
+    stream = kvtier.EventStream(buffer)
+
+    async def wait_then_leave() -> None:
+        async with anyio.create_task_group() as tg:
+
+            async def consume() -> None:
+                await anext(stream)
+
+            tg.start_soon(consume)
+            await anyio.wait_all_tasks_blocked()  # the stream waits on this loop
+            tg.cancel_scope.cancel()
+
+    anyio.run(wait_then_leave)  # the consumer's loop ends (and closes) here
+    errors: list[BaseException] = []
+
+    def close() -> None:
+        try:
+            stream.close()
+        except BaseException as exc:  # what a caller's shutdown would see
+            errors.append(exc)
+
+    closer = threading.Thread(target=close)
+    closer.start()
+    closer.join(WAKE_S)
+    assert not closer.is_alive()
+    assert errors == []
+    assert "closed" in repr(stream)
+    buffer.emit(EventKind.STORED, [b"k"])  # the stream let go: the event is only queued
+    assert len(buffer) == 1
 
 
 def test_a_stream_refuses_what_cannot_give_events() -> None:

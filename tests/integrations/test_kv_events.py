@@ -4,6 +4,7 @@ never blocking its caller. Real sockets on 127.0.0.1; payloads decoded as plain 
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 from collections.abc import Iterator
@@ -17,10 +18,15 @@ import zmq
 
 import kvtier
 from kvtier._events import EventBuffer, EventKind, TierEvent
-from kvtier.integrations.kv_events import END_OF_REPLAY, KVEventPublisher
+from kvtier.integrations.kv_events import END_OF_REPLAY, KVEventPublisher, encode_event
 
 ANY_PORT = "tcp://127.0.0.1:0"
 RECEIVE_MS = 10_000  # a failsafe: a message that should come never takes this long
+TOO_WIDE = b"\xff" * 9  # a key that, read as one int, needs 72 bits: msgpack carries 64
+
+
+def as_int(key: bytes) -> int:
+    return int.from_bytes(key, "big")
 
 
 def stored(*keys: bytes, tier: str = "fs", locality: str = "LOCAL") -> TierEvent:
@@ -41,6 +47,18 @@ def subscriber(context: Any, endpoint: str, topic: bytes = b"") -> Any:
     sub.setsockopt(zmq.SUBSCRIBE, topic)
     sub.connect(endpoint)
     return sub
+
+
+def assert_released(context: Any, *endpoints: str | None) -> None:
+    """A fresh socket binds each endpoint: the publisher holds none of them any more."""
+    for endpoint in endpoints:
+        assert endpoint is not None
+        probe = context.socket(zmq.PUB)
+        probe.setsockopt(zmq.LINGER, 0)
+        try:
+            probe.bind(endpoint)
+        finally:
+            probe.close()
 
 
 def joined(publisher: KVEventPublisher, sub: Any) -> int:
@@ -214,6 +232,78 @@ async def test_a_stream_of_a_buffer_is_published_until_it_closes(context: Any) -
             stream.close()
         sub.close()
     assert msgspec.msgpack.decode(payload)[1][0]["block_hashes"] == [b"x"]
+
+
+def test_a_batch_that_cannot_be_encoded_is_dropped_and_counted_and_the_thread_goes_on(
+    context: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    publisher = KVEventPublisher(
+        ANY_PORT, block_size=4, replay_endpoint=ANY_PORT, block_hash=as_int
+    )
+    with (
+        subscriber(context, publisher.endpoint) as sub,
+        caplog.at_level(logging.WARNING, logger="kvtier.integrations.kv_events"),
+    ):
+        first = joined(publisher, sub)
+        publisher.publish([stored(TOO_WIDE)])
+        publisher.publish([stored(b"\x01", TOO_WIDE)])
+        publisher.publish([stored(b"\x07")])
+        _, sequence, payload = sub.recv_multipart()  # sent after the two bad ones
+    publisher.close()
+    assert int.from_bytes(sequence, "big") == first  # the dropped ones took no sequence
+    assert msgspec.msgpack.decode(payload)[1][0]["block_hashes"] == [7]
+    assert publisher.statistics().failed == 2
+    logged = [r for r in caplog.records if r.name == "kvtier.integrations.kv_events"]
+    assert len(logged) == 1 and "64 bits" in logged[0].getMessage()
+    assert not publisher._thread.is_alive()
+    assert_released(context, publisher.endpoint, publisher.replay_endpoint)
+
+
+def test_a_block_hash_msgpack_cannot_carry_is_refused_saying_what_to_return() -> None:
+    with pytest.raises(ValueError, match="64 bits"):
+        encode_event(stored(TOO_WIDE), 4, as_int)
+    with pytest.raises(ValueError, match="bytes or an int"):
+        encode_event(stored(b"k"), 4, bytes.hex)  # type: ignore[arg-type]
+    widest, _ = encode_event(stored(b"\xff" * 8), 4, as_int)
+    assert widest is not None and widest["block_hashes"] == [2**64 - 1]
+
+
+def test_close_with_a_busy_thread_and_a_full_queue_unbinds_and_stops_the_thread(
+    context: Any,
+) -> None:
+    busy, release = threading.Event(), threading.Event()
+
+    def held(key: bytes) -> bytes:
+        if key == b"held":
+            busy.set()
+            release.wait(RECEIVE_MS / 1000)
+        return key
+
+    publisher = KVEventPublisher(
+        ANY_PORT, block_size=4, queue_batches=2, replay_endpoint=ANY_PORT, block_hash=held
+    )
+    publisher.publish([stored(b"held")])
+    assert busy.wait(RECEIVE_MS / 1000)  # the thread is inside block_hash
+    assert publisher.publish([stored(b"1")]) and publisher.publish([stored(b"2")])
+    assert not publisher.publish([stored(b"3")])  # the queue is full
+    publisher.close()  # returns within its bound though the thread is still held
+    assert_released(context, publisher.endpoint, publisher.replay_endpoint)
+    release.set()
+    publisher._thread.join(RECEIVE_MS / 1000)
+    assert not publisher._thread.is_alive()
+    # Nothing went out after close: the full queue's one, the held batch and the two queued.
+    assert (publisher.statistics().dropped, publisher.statistics().published) == (4, 0)
+
+
+async def test_publish_stream_returns_when_the_publisher_closes_while_the_stream_is_idle() -> None:
+    publisher = KVEventPublisher(ANY_PORT, block_size=4)
+    async with kvtier.EventStream(EventBuffer("fs", capacity=10)) as stream:
+        with anyio.fail_after(RECEIVE_MS / 1000):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(publisher.publish_stream, stream)
+                await anyio.wait_all_tasks_blocked()  # it waits for a batch that never comes
+                await publisher.aclose()
+            await publisher.publish_stream(stream)  # closed already: returns at once
 
 
 def test_bad_settings_and_a_taken_port_say_what_to_change() -> None:
