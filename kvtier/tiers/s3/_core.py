@@ -38,7 +38,7 @@ from kvtier.tiers._async_lookup import AsyncLookupManager
 from kvtier.tiers._base import LookupStatistics, TierMeter, TierStatistics
 from kvtier.tiers.s3._codec import is_newer_format, is_signed
 from kvtier.tiers.s3._config import S3Config, pack_blocks
-from kvtier.tiers.s3._index import ExistenceIndex
+from kvtier.tiers.s3._index import ExistenceIndex, object_name
 from kvtier.tiers.s3._journal import writer_id
 from kvtier.tiers.s3._pack import Location, pack_name
 
@@ -74,6 +74,7 @@ class S3TierStatistics(TierStatistics):
     index_listed: int = 0
     index_learnt: int = 0
     index_forgotten: int = 0  # keys dropped because another node published their removal
+    index_removals_kept: int = 0  # removals not applied: the block was found stored again
     index_listing_complete: bool = False
     index_refreshes: int = 0
     journal_segments_published: int = 0
@@ -135,9 +136,7 @@ class S3Core:
 
     def object_key(self, key: bytes) -> str:
         """The object name of ``key``: ``<prefix>/<2 hex>/<hex key>``."""
-        hexkey = key.hex()
-        shard = f"{hexkey[:2]}/{hexkey}"
-        return f"{self.prefix}/{shard}" if self.prefix else shard
+        return object_name(self.prefix, key)
 
     def next_pack_name(self, first_key: bytes) -> str:
         """A name for this writer's next pack, unique to it (so never overwritten)."""
@@ -283,6 +282,7 @@ class S3Core:
             index_listed=self.index.listed,
             index_learnt=self.index.learnt,
             index_forgotten=self.index.forgotten,
+            index_removals_kept=self.index.removals_kept,
             index_evictions=self.index.evictions,
             index_locations_rejected=self.locations_rejected,
             **io,

@@ -22,8 +22,12 @@ authenticates) each exactly as it checks one read from the journal.
 
 What the bucket holds is untrusted: a digest larger than ``MAX_DIGEST_BYTES``, of more than
 ``MAX_DIGEST_SEGMENTS`` segments, of another interval or interval length than its name
-says, naming a segment stamped after its interval, or that does not parse or verify, is
-rejected whole (``DigestError``): the reader then reads the journal as before.
+says, naming a segment stamped outside its window, or that does not parse or verify, is
+rejected whole (``DigestError``): the reader then reads the journal as before. The window of
+interval ``j`` runs from the start of ``j - CARRY_INTERVALS`` (a digester lists the journal
+from there: it carries the segments of the intervals before that no digest holds) to the end
+of ``j``. Without the lower bound a digest could bring back a segment of any age, one its
+readers read long ago and have forgotten since (they remember names for the lookback only).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from kvtier._format import MAC_BYTES, IntegrityKey
 from kvtier.tiers.s3._journal import journal_prefix, max_segment_bytes, segment_time_ms
 
 __all__ = [
+    "CARRY_INTERVALS",
     "DIGEST_DIR",
     "MAX_DIGEST_BYTES",
     "MAX_DIGEST_SEGMENTS",
@@ -62,6 +67,10 @@ _SUM_BYTES = 16
 MAX_DIGEST_SEGMENTS = 4096
 MAX_DIGEST_BYTES = 64 << 20
 _SEGMENT_FILE_RE = re.compile(r"\d{15}-[0-9a-f]{16}-\d{1,20}")
+# A digester also takes the segments of this many intervals before its own that no digest
+# holds: the backup of a digester that did not publish, and of a slow PUT. No segment stamped
+# before them belongs in its digest.
+CARRY_INTERVALS = 2
 
 
 class DigestError(ValueError):
@@ -152,7 +161,7 @@ def decode_digest(
     if count > MAX_DIGEST_SEGMENTS:
         raise DigestError(f"digest claims {count} segments")
     folder, largest = journal_prefix(prefix), max_segment_bytes(prefix)
-    end_ms = (interval + 1) * interval_ms
+    start_ms, end_ms = (interval - CARRY_INTERVALS) * interval_ms, (interval + 1) * interval_ms
     segments: list[tuple[str, bytes]] = []
     at = _HEAD.size
     for _ in range(count):
@@ -169,8 +178,10 @@ def decode_digest(
             raise DigestError("digest has a segment past its end or too large")
         short = raw.decode("ascii", "replace")
         stamp = segment_time_ms(short)
-        if not _SEGMENT_FILE_RE.fullmatch(short) or stamp is None or stamp >= end_ms:
-            raise DigestError("digest names something that is not a segment of its interval")
+        if not _SEGMENT_FILE_RE.fullmatch(short) or stamp is None:
+            raise DigestError("digest names something that is not a segment")
+        if not start_ms <= stamp < end_ms:
+            raise DigestError(f"digest carries a segment stamped outside its window ({stamp})")
         segments.append((folder + short, body[at : at + length]))
         at += length
     if at != len(body):

@@ -49,6 +49,7 @@ from kvtier._logging import BurstLogger
 from kvtier.tiers.s3._compaction import SnapshotLink, delete_object, put_if_absent
 from kvtier.tiers.s3._config import S3Config
 from kvtier.tiers.s3._digest import (
+    CARRY_INTERVALS,
     MAX_DIGEST_BYTES,
     MAX_DIGEST_SEGMENTS,
     Digest,
@@ -66,9 +67,6 @@ __all__ = ["CARRY_INTERVALS", "DELETE_BATCH", "MAX_CATCH_UP", "Digests"]
 
 logger = logging.getLogger(__name__)
 
-# A digester also takes the segments of this many intervals before its own that no digest
-# holds: the backup of a digester that did not publish, and of a slow PUT.
-CARRY_INTERVALS = 2
 # A reader further behind than this many intervals reads the journal instead.
 MAX_CATCH_UP = 4
 # A writer deletes its old segments in batches of this many (one request for them all).
@@ -298,7 +296,8 @@ class Digests:
     async def _gather(self, client: Any, interval: int) -> list[tuple[str, bytes]]:
         """The segments of ``interval`` (and those carried) that no digest holds, checked."""
         reader = self._reader
-        sizes = await reader.list_since(client, self.start_ms(interval - CARRY_INTERVALS))
+        start = self.start_ms(interval - CARRY_INTERVALS)
+        sizes = await reader.list_since(client, start)
         end = self.start_ms(interval + 1)
         names = []
         for name, size in sorted(sizes.items()):
@@ -306,7 +305,8 @@ class Digests:
             if stamp is None or not reader.in_journal(name) or name in self._covered:
                 continue
             self.note(name)
-            if stamp < end and isinstance(size, int) and 0 < size <= reader.max_segment:
+            fits = isinstance(size, int) and 0 < size <= reader.max_segment
+            if start <= stamp < end and fits:  # the window a reader accepts (``_digest``)
                 names.append(name)
         fetched: dict[str, bytes] = {}
 

@@ -12,8 +12,19 @@ The index also keeps the journal's bookkeeping: keys this node wrote that are no
 yet, keys it deleted that are not published as removed yet, and which segments of other
 writers it has read (forgotten once older than the lookback). A key is in at most one of the
 two queues (the later of a store and a delete wins), so the order in which one refresh
-publishes them does not matter. A removal another node published drops the key (``forget``),
-unless this node wrote it since: its own segment, stamped later, says it is there.
+publishes them does not matter.
+
+A removal another node published does not drop the key at once: it is *doubted* (``doubt``),
+and dropped only once a check of the bucket finds its object gone (``take_doubts``, then
+``settle``; ``_rechecks`` sends the HEADs, off the lookup path). Segments are ordered by their
+names, which carry their writers' wall clocks and say when a segment was published, not when
+its delete or store happened: node A may delete K, node B store K again and publish first,
+and A's removal, read later, must not hide B's block. So rather than trusting an order, the
+check asks the one party that saw both acts in their real order, the object store, after
+the removal was read: an object there now was stored after that delete (or the delete
+failed), and stays; one gone now is dropped. No clock is compared, skewed or not. A key this
+node stores after the removal was read is not dropped by a check that raced with its PUT
+(``wrote`` ends the doubt); a key it deletes, or finds gone, is dropped at once as before.
 
 Memory: one Python ``bytes`` per key (about 80 bytes for a 32-byte key), its dict slot and
 its place in the insertion order (about 50 bytes), and for a key in a pack its ``Location``
@@ -48,7 +59,7 @@ from kvtier._verdicts import VerdictStore, code_of, reason_of
 from kvtier.tiers._base import LookupCounts, LookupStatistics
 from kvtier.tiers.s3._pack import Location
 
-__all__ = ["ExistenceIndex", "key_from_object"]
+__all__ = ["ExistenceIndex", "key_from_object", "object_name"]
 
 logger = logging.getLogger(__name__)
 # A key's state in ``ExistenceIndex._keys``: its places in the order times _PLACE, plus
@@ -58,6 +69,13 @@ _PLACE = 2
 # Bound once: an enum member read through its class costs as much as the rest of a lookup.
 HIT = LookupResult.HIT
 _V = TypeVar("_V")
+
+
+def object_name(prefix: str, key: bytes) -> str:
+    """The name of ``key``'s block object: ``<prefix>/<2 hex>/<hex key>``."""
+    hexkey = key.hex()
+    shard = f"{hexkey[:2]}/{hexkey}"
+    return f"{prefix}/{shard}" if prefix else shard
 
 
 def key_from_object(name: str, prefix: str) -> bytes | None:
@@ -102,6 +120,10 @@ class ExistenceIndex(LookupCounts):
         self._suppressed = VerdictStore(max_keys, clock=clock)
         self._unpublished: dict[bytes, Location | None] = {}
         self._removals: dict[bytes, str] = {}  # deleted here, not published yet: key -> why
+        # Removals other nodes published, of keys indexed here: key -> why, to check (both
+        # bounded by max_keys: only indexed keys enter, and a key leaving the index leaves).
+        self._doubts: dict[bytes, str] = {}
+        self._checking: dict[bytes, str] = {}  # taken for a check that has not settled
         self._seen: dict[str, int] = {}  # segment name -> its wall ms
         self.full = False  # max_keys reached at least once
         self.evictions = 0  # keys evicted to make room for newer ones
@@ -109,6 +131,7 @@ class ExistenceIndex(LookupCounts):
         self.listed = 0  # keys found by the listing at open
         self.learnt = 0  # keys learnt from other writers' journals
         self.forgotten = 0  # keys dropped because another writer published their removal
+        self.removals_kept = 0  # removals whose key's object was found in the bucket
 
     def __len__(self) -> int:
         return self._count
@@ -192,6 +215,7 @@ class ExistenceIndex(LookupCounts):
                 del self._keys[key]
                 self._where.pop(key, None)
                 self._suppressed.forget(key)
+                self._doubts.pop(key, None)
                 self._count -= 1
                 self.evictions += 1
                 break
@@ -217,9 +241,12 @@ class ExistenceIndex(LookupCounts):
         return [key for key, where in entries if self.add(key, where)]
 
     def wrote(self, key: bytes, where: Location | None = None) -> None:
-        """This node stored ``key``: index it and queue it for the next journal segment."""
+        """This node stored ``key``: index it and queue it for the next journal segment. A
+        removal read before the PUT ended is older than this store: no longer doubted."""
         self.add(key, where)
         self._removals.pop(key, None)
+        self._doubts.pop(key, None)
+        self._checking.pop(key, None)
         if len(self._unpublished) < self._max_keys or key in self._unpublished:
             self._unpublished[key] = where
         else:
@@ -235,14 +262,47 @@ class ExistenceIndex(LookupCounts):
         else:
             self.unpublished_dropped += 1
 
-    def forget(self, keys: Iterable[bytes]) -> list[bytes]:
-        """Another writer deleted ``keys``: drop those indexed (the ones returned), but not a
-        key this node wrote and has not published yet (its segment comes later)."""
-        dropped = [k for k in keys if k in self and k not in self._unpublished]
-        for key in dropped:
-            self.discard(key)
-        self.forgotten += len(dropped)
-        return dropped
+    def doubt(self, keys: Iterable[bytes], why: str) -> int:
+        """Another writer published the removal of ``keys`` (``why``: as it published): those
+        indexed here are checked before they are dropped (see the module docstring); how many.
+        A key being checked is checked again: that check may have started before this
+        delete."""
+        queued = 0
+        for key in keys:
+            if key in self:
+                self._doubts[key] = why
+                queued += 1
+        return queued
+
+    def take_doubts(self, limit: int) -> list[tuple[bytes, str, Location | None]]:
+        """The oldest ``limit`` doubted keys still indexed, each with why it was removed and
+        where the index finds it; each is being checked until ``settle``."""
+        taken, self._doubts = _take(self._doubts, limit)
+        batch = [(key, why, self._where.get(key)) for key, why in taken if key in self]
+        self._checking.update((key, why) for key, why, _ in batch)
+        return batch
+
+    def settle(self, key: bytes, exists: bool | None, stale: Location | None = None) -> str | None:
+        """The check of doubted ``key`` ended: its object ``exists``, or None when the check
+        failed (it is checked again later). ``stale``: a pack location found gone while the
+        key's own object is there (forgotten, unless a newer one replaced it). Returns why
+        the key was removed if the check dropped it; None if it stays, or if this node
+        stored, deleted or dropped it meanwhile (that is newer than the check)."""
+        why = self._checking.pop(key, None)
+        if why is None or key not in self:
+            return None
+        if exists is None:
+            self._doubts.setdefault(key, why)
+            return None
+        if exists:
+            if stale is not None and self._where.get(key) == stale:
+                del self._where[key]
+            self.removals_kept += 1
+            return None
+        self.discard(key)
+        self._unpublished.pop(key, None)  # gone since this node wrote it: not a store to tell
+        self.forgotten += 1
+        return why
 
     def discard(self, key: bytes) -> None:
         """The object is gone (a GET found nothing, it was corrupt, or deleted)."""
@@ -252,6 +312,8 @@ class ExistenceIndex(LookupCounts):
             self._count -= 1
         self._where.pop(key, None)
         self._suppressed.forget(key)
+        self._doubts.pop(key, None)
+        self._checking.pop(key, None)
 
     def suppress(self, key: bytes, reason: MissReason) -> None:
         """A load failed for ``reason``: answer MISS for ``key`` for ``miss_ttl`` seconds."""

@@ -11,18 +11,33 @@ time ``lookback`` seconds ago) and fetches those it has not read yet. A segment 
 ``MAGIC, u32 count, count x (u16 length, key), xxh3-64 of all before``; when any key was
 stored in a pack (``_pack``), the magic is ``KVJ2`` and each key is followed by its pack's
 name (``u16 length, name``; empty for a key stored as its own object) and the section's
-``u64 offset, u64 length``. A tier with an integrity key writes ``KVJ4``: the ``KVJ2`` layout
-with a keyed BLAKE3 MAC (``IntegrityKey.mac`` over the segment and the journal folder's name,
-so a segment copied from another prefix does not verify) in place of the xxh3 digest. It
-still reads ``KVJ3``, the same with the keyed BLAKE2b of kvtier before BLAKE3.
+``u64 offset, u64 length``. A tier with an integrity key writes ``KVJ5``: the ``KVJ2`` layout
+with a keyed BLAKE3 MAC (``IntegrityKey.mac`` over the segment and the segment's own object
+name, its length last) in place of the xxh3 digest. The name holds the journal folder (so a
+segment copied from another prefix does not verify) and the stamp, writer and sequence a
+reader orders and remembers segments by, so an authentic segment copied under another name
+(to be read again, or later than it was written) does not verify either.
+
+``KVJ4`` (the MAC over the segment and the journal folder's name only) and ``KVJ3`` (the same
+with the keyed BLAKE2b of kvtier before BLAKE3) are still read where the name is bound some
+other way: a snapshot's manifest and body chunks (``_snapshot``), which carry their
+generation and digest. From the journal a signing reader takes ``KVJ5`` only: accepting the
+older formats there would keep any copy of an old segment replayable under a fresh name for
+good, while an old-format store segment it ignores only costs it misses of those keys until
+a listing or a snapshot brings them (or it stores the block itself). A kvtier from before
+``KVJ5`` rejects these segments whole (an unknown magic, counted), as it rejects removal
+segments: in a signed fleet mid-upgrade, old and new nodes share blocks, listings and
+snapshots, not journal entries.
 
 Keys a writer deleted (on request, or because their object was corrupt) go in *removal
 segments* of their own, named alike: ``KVR1, u32 count, count x (u16 length, key, u8 why),
-xxh3-64`` (``why``: 1 deleted, 2 corrupt), or ``KVR2``, the same with the ``KVJ4`` MAC. They
-are separate so that a kvtier that predates them rejects those segments whole (an unknown
-magic, counted) and still reads every stored key; a store segment never carries a removal.
-A reader applies segments in name (time) order, so a key deleted and then stored again by a
-later segment stays indexed. A removal only drops an index entry: it never causes a request.
+xxh3-64`` (``why``: 1 deleted, 2 corrupt), or ``KVR3``, the same with the ``KVJ5`` MAC over its
+name (``KVR2``, signed without the name, is refused: a removal is the segment worth
+replaying). They are separate so that a kvtier that predates them rejects those segments
+whole (an unknown magic, counted) and still reads every stored key; a store segment never
+carries a removal. Segment names carry their writers' wall clocks, so their order says
+nothing about when a delete and a store on two nodes happened: a reader checks a removal
+against the bucket before it drops a key (``_rechecks``).
 
 A segment is untrusted input, read from a bucket others can write:
 
@@ -35,13 +50,15 @@ A segment is untrusted input, read from a bucket others can write:
   the integrity marker, a name with ``..``) is ignored and counted, so nothing a reader
   fetches or deletes because of the journal lies outside this prefix's blocks and packs;
 - a removal entry must hold a key of 1 to 255 bytes and a known ``why``; it is read under the
-  same bound and the same MAC rule, and a reader only drops the key from its index (a forged
-  removal costs a miss, as deleting the object would, and never a request).
+  same bound and the same MAC rule, and a reader drops the key from its index only once a
+  HEAD finds its object gone (a forged removal costs a bounded number of HEADs per refresh,
+  of keys the reader holds, and never a miss).
 
 Cost per refresh, per reader: one LIST request (one page while fewer than 1000 segments fall
 within ``lookback``) plus one small GET per segment another node published since the last
-refresh. Per writer: one small PUT per refresh interval in which it stored anything (and one
-more in an interval in which it deleted anything).
+refresh, and one HEAD per removed key it holds (``_rechecks``). Per writer: one small PUT per
+refresh interval in which it stored anything (and one more in an interval in which it deleted
+anything).
 
 ``lookback`` covers the time between a writer stamping a segment name and the segment
 becoming listable (its PUT) plus the clock skew between nodes; segments older than twice
@@ -81,11 +98,16 @@ __all__ = [
 JOURNAL_DIR = "_kvtier_journal"
 MAGIC = b"KVJ1"
 MAGIC_PACKS = b"KVJ2"  # each key also names its pack section (or none: its own object)
-MAGIC_SIGNED = b"KVJ4"  # the KVJ2 layout, authenticated with the integrity key (BLAKE3)
-MAGIC_SIGNED_LEGACY = b"KVJ3"  # the same, authenticated with keyed BLAKE2b (still read)
-_SIGNED = (MAGIC_SIGNED, MAGIC_SIGNED_LEGACY)
+MAGIC_SIGNED_NAMED = b"KVJ5"  # the KVJ2 layout, its MAC over the segment's name too
+MAGIC_SIGNED = b"KVJ4"  # the same, its MAC over the journal folder only (snapshots)
+MAGIC_SIGNED_LEGACY = b"KVJ3"  # KVJ4 with keyed BLAKE2b (snapshots; still read)
 MAGIC_REMOVALS = b"KVR1"  # keys deleted, each with why (xxh3-64, as KVJ1)
-MAGIC_REMOVALS_SIGNED = b"KVR2"  # the same, authenticated as KVJ4 is
+MAGIC_REMOVALS_SIGNED = b"KVR3"  # the same, authenticated as KVJ5 is
+MAGIC_REMOVALS_UNNAMED = b"KVR2"  # signed as KVJ4 is: refused (see the module docstring)
+# How each signed magic's MAC is keyed: over the segment and its own name ("named"), the
+# journal folder's ("folder"), or that with keyed BLAKE2b ("legacy").
+_SIGNED = {MAGIC_SIGNED_NAMED: "named", MAGIC_SIGNED: "folder", MAGIC_SIGNED_LEGACY: "legacy"}
+_SIGNED_REMOVALS = {MAGIC_REMOVALS_SIGNED: "named", MAGIC_REMOVALS_UNNAMED: "folder"}
 # What a removal entry's ``why`` byte means; any other value is rejected.
 REMOVAL_REASONS = {1: "deleted", 2: "corrupt"}
 _REASON_CODES = {reason: code for code, reason in REMOVAL_REASONS.items()}
@@ -145,8 +167,15 @@ def max_segment_bytes(prefix: str) -> int:
     return len(MAGIC) + _COUNT.size + MAX_SEGMENT_ENTRIES * entry + MAC_BYTES
 
 
-def _mac(body: bytes, prefix: str, integrity_key: IntegrityKey, legacy: bool = False) -> bytes:
-    return integrity_key.mac(body, journal_prefix(prefix).encode(), legacy=legacy)
+def _mac(
+    body: bytes, prefix: str, integrity_key: IntegrityKey, scheme: str, name: str | None
+) -> bytes:
+    """The MAC of a signed segment's ``body`` by ``scheme`` (see ``_SIGNED``)."""
+    if scheme == "named":
+        assert name is not None
+        raw = name.encode()  # its length last, so no name can be shifted into the body
+        return integrity_key.mac(body, raw + _COUNT.pack(len(raw)))
+    return integrity_key.mac(body, journal_prefix(prefix).encode(), legacy=scheme == "legacy")
 
 
 def encode_segment(
@@ -154,26 +183,30 @@ def encode_segment(
     prefix: str,
     *,
     integrity_key: IntegrityKey | None = None,
+    name: str | None = None,
 ) -> bytes:
     """A segment of ``(key, location)`` entries (at most ``MAX_SEGMENT_ENTRIES``); version 1
     (keys only) when no key is in a pack and nothing is signed, so a writer that packs
-    nothing stays readable by kvtier before packs; signed (``KVJ4``) with ``integrity_key``."""
+    nothing stays readable by kvtier before packs. With ``integrity_key``: signed over its
+    object ``name`` (``KVJ5``), or without a name, over the journal folder (``KVJ4``: a
+    snapshot's chunks, whose name is bound by their manifest)."""
     if len(entries) > MAX_SEGMENT_ENTRIES:
         raise ValueError(f"a segment holds at most {MAX_SEGMENT_ENTRIES} entries")
     signed = integrity_key is not None
     packed = signed or any(where is not None for _, where in entries)
-    magic = MAGIC_SIGNED if signed else MAGIC_PACKS if packed else MAGIC
+    named = MAGIC_SIGNED_NAMED if name is not None else MAGIC_SIGNED
+    magic = named if signed else MAGIC_PACKS if packed else MAGIC
     parts = [magic, _COUNT.pack(len(entries))]
     for key, where in entries:
         parts.append(struct.pack("<H", len(key)))
         parts.append(key)
         if packed:
-            name = where.pack.encode() if where is not None else b""
+            pack = where.pack.encode() if where is not None else b""
             offset, length = (where.offset, where.length) if where is not None else (0, 0)
-            parts.append(struct.pack("<H", len(name)) + name + _WHERE.pack(offset, length))
+            parts.append(struct.pack("<H", len(pack)) + pack + _WHERE.pack(offset, length))
     body = b"".join(parts)
     if integrity_key is not None:
-        return body + _mac(body, prefix, integrity_key)
+        return body + _mac(body, prefix, integrity_key, _SIGNED[magic], name)
     return body + _SUM.pack(xxhash.xxh3_64_intdigest(body))
 
 
@@ -181,10 +214,13 @@ def _authentic_body(
     data: bytes,
     prefix: str,
     integrity_key: IntegrityKey | None,
-    kinds: tuple[tuple[bytes, ...], tuple[bytes, ...]] = ((MAGIC, MAGIC_PACKS), _SIGNED),
+    name: str | None,
+    kinds: tuple[tuple[bytes, ...], dict[bytes, str]] = ((MAGIC, MAGIC_PACKS), _SIGNED),
 ) -> bytes:
     """The segment without its digest or MAC, once that verifies; else SegmentError.
-    ``kinds``: the magics read (unsigned, signed) of one kind of segment."""
+    ``kinds``: the magics read of one kind of segment (unsigned; signed, with their MAC's
+    scheme). Read under its object ``name``, a signed segment must be signed over it; read
+    without one (a snapshot's chunk), it must not be."""
     plain, signed = kinds
     magic = data[:4]
     if magic not in (*plain, *signed):
@@ -200,24 +236,35 @@ def _authentic_body(
         return body
     if magic not in signed:
         raise SegmentError("unsigned journal segment under a signing tier")
+    scheme = signed[magic]
+    if (scheme == "named") != (name is not None):
+        raise SegmentError(
+            "signed journal segment of an older format (its MAC does not cover its name)"
+            if name is not None
+            else "journal segment signed over a name, read without one"
+        )
     if len(data) < len(MAGIC) + _COUNT.size + MAC_BYTES:
         raise SegmentError("journal segment truncated")
     body, mac = data[:-MAC_BYTES], data[-MAC_BYTES:]
-    legacy = magic == MAGIC_SIGNED_LEGACY
-    if not hmac.compare_digest(_mac(body, prefix, integrity_key, legacy), mac):
+    if not hmac.compare_digest(_mac(body, prefix, integrity_key, scheme, name), mac):
         raise SegmentError("journal segment MAC does not verify under this tier's key")
     return body
 
 
 def decode_segment(
-    data: bytes, prefix: str, *, integrity_key: IntegrityKey | None = None
+    data: bytes,
+    prefix: str,
+    *,
+    integrity_key: IntegrityKey | None = None,
+    name: str | None = None,
 ) -> tuple[list[tuple[bytes, Location | None]], int]:
     """The entries of a segment of ``prefix`` that a reader may use, and how many it ignored
-    (see the module docstring). A segment that does not parse or verify raises
+    (see the module docstring); ``name``: the object it was read from (a journal segment;
+    None for a snapshot's chunk). A segment that does not parse or verify raises
     ``SegmentError``; nothing else is raised, whatever ``data`` holds."""
     if len(data) > max_segment_bytes(prefix):
         raise SegmentError(f"journal segment of {len(data)} bytes, more than any writer puts")
-    body = _authentic_body(bytes(data), prefix, integrity_key)
+    body = _authentic_body(bytes(data), prefix, integrity_key, name)
     packed = body[:4] != MAGIC
     (count,) = _COUNT.unpack_from(body, 4)
     if count > MAX_SEGMENT_ENTRIES:
@@ -283,7 +330,7 @@ def _section_may_exist(offset: int, length: int) -> bool:
 
 # -- removal segments ----------------------------------------------------------------------
 
-_REMOVALS = ((MAGIC_REMOVALS,), (MAGIC_REMOVALS_SIGNED,))
+_REMOVALS = ((MAGIC_REMOVALS,), _SIGNED_REMOVALS)
 # The most bytes a valid removal segment holds (fewer than a store segment's bound).
 _MAX_REMOVAL_BYTES = (
     len(MAGIC) + _COUNT.size + MAX_SEGMENT_ENTRIES * (3 + MAX_KEY_BYTES) + MAC_BYTES
@@ -292,35 +339,49 @@ _MAX_REMOVAL_BYTES = (
 
 def is_removal_segment(data: bytes) -> bool:
     """Whether ``data`` claims to be a removal segment (``decode_removals`` checks it)."""
-    return data[:4] in (MAGIC_REMOVALS, MAGIC_REMOVALS_SIGNED)
+    return data[:4] in (MAGIC_REMOVALS, *_SIGNED_REMOVALS)
 
 
 def encode_removals(
-    entries: list[tuple[bytes, str]], prefix: str, *, integrity_key: IntegrityKey | None = None
+    entries: list[tuple[bytes, str]],
+    prefix: str,
+    *,
+    integrity_key: IntegrityKey | None = None,
+    name: str | None = None,
 ) -> bytes:
     """A removal segment of ``(key, why)`` entries (at most ``MAX_SEGMENT_ENTRIES``; ``why``
-    one of ``REMOVAL_REASONS``' values); signed (``KVR2``) with ``integrity_key``."""
+    one of ``REMOVAL_REASONS``' values); with ``integrity_key``, signed over its object
+    ``name`` (``KVR3``), which it then needs."""
     if len(entries) > MAX_SEGMENT_ENTRIES:
         raise ValueError(f"a segment holds at most {MAX_SEGMENT_ENTRIES} entries")
+    if integrity_key is not None and name is None:
+        raise ValueError("a signed removal segment is signed over its object name: pass name")
     magic = MAGIC_REMOVALS if integrity_key is None else MAGIC_REMOVALS_SIGNED
     parts = [magic, _COUNT.pack(len(entries))]
     for key, why in entries:
         parts.append(_U16.pack(len(key)) + key + bytes((_REASON_CODES[why],)))
     body = b"".join(parts)
     if integrity_key is not None:
-        return body + _mac(body, prefix, integrity_key)
+        return body + _mac(body, prefix, integrity_key, "named", name)
     return body + _SUM.pack(xxhash.xxh3_64_intdigest(body))
 
 
 def decode_removals(
-    data: bytes, prefix: str, *, integrity_key: IntegrityKey | None = None
+    data: bytes,
+    prefix: str,
+    *,
+    integrity_key: IntegrityKey | None = None,
+    name: str | None = None,
 ) -> tuple[list[tuple[bytes, str]], int]:
-    """The ``(key, why)`` entries of a removal segment of ``prefix`` that a reader may use,
-    and how many it ignored (a key of no valid length, an unknown ``why``). A segment that
-    does not parse or verify raises ``SegmentError``; nothing else is raised."""
+    """The ``(key, why)`` entries of a removal segment of ``prefix`` read from the object
+    ``name`` that a reader may use, and how many it ignored (a key of no valid length, an
+    unknown ``why``). A segment that does not parse or verify (under a key: one not signed
+    over ``name``) raises ``SegmentError``; nothing else is raised."""
     if len(data) > _MAX_REMOVAL_BYTES:
         raise SegmentError(f"removal segment of {len(data)} bytes, more than any writer puts")
-    body = _authentic_body(bytes(data), prefix, integrity_key, _REMOVALS)
+    if integrity_key is not None and name is None:
+        raise SegmentError("a signed removal segment is only read under its object name")
+    body = _authentic_body(bytes(data), prefix, integrity_key, name, _REMOVALS)
     (count,) = _COUNT.unpack_from(body, 4)
     if count > MAX_SEGMENT_ENTRIES:
         raise SegmentError(f"journal segment claims {count} entries")

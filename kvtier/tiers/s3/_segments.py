@@ -2,8 +2,10 @@
 
 Shared by the journal poll (``_sync``) and the digests (``_digesting``): a segment read from
 the journal and one read from a digest get the same checks (``_journal``: bounded size,
-checksum or MAC, entries naming only this prefix's packs) and change the index the same way,
-in the order of the segments' names. Segments and entries that are ignored are counted
+checksum or MAC over the segment's own name, entries naming only this prefix's packs) and
+change the index the same way, in the order of the segments' names: a store segment's keys
+are learnt, a removal segment's keys are doubted (``ExistenceIndex.doubt``: dropped only once
+``_rechecks`` finds their objects gone). Segments and entries that are ignored are counted
 (``segments_rejected``, ``entries_rejected``) and logged once per burst.
 """
 
@@ -34,7 +36,7 @@ from kvtier.tiers.s3._journal import (
 from kvtier.tiers.s3._requests import Call, get_bytes
 from kvtier.tiers.s3._skew import ClockSkew
 
-__all__ = ["Change", "SegmentReader"]
+__all__ = ["SegmentReader"]
 
 logger = logging.getLogger("kvtier.tiers.s3._sync")
 
@@ -42,8 +44,6 @@ logger = logging.getLogger("kvtier.tiers.s3._sync")
 # in a worker thread, so the event loop never spends more than about a millisecond on one.
 _THREAD_DECODE_BYTES = 64 << 10
 _T = TypeVar("_T")
-# What one segment changed in the index: (None, keys learnt) or (why, keys forgotten).
-Change = tuple[str | None, list[bytes]]
 
 
 class SegmentReader:
@@ -61,12 +61,11 @@ class SegmentReader:
         requests: collections.Counter[str],
         skew: ClockSkew,
         notify: Callable[[list[bytes]], None],
-        forgot: Callable[[list[bytes], str], None],
     ) -> None:
-        """Read segments of ``prefix`` into ``index``; ``notify(keys)`` and ``forgot(keys,
-        why)`` are told what they changed (``tell``)."""
+        """Read segments of ``prefix`` into ``index``; ``notify(keys)`` is told the keys
+        they taught it (``tell``)."""
         self._index, self.name = index, name
-        self._notify, self._forgot = notify, forgot
+        self._notify = notify
         self._bucket, self._prefix, self._call = bucket, prefix, call
         self._integrity_key = integrity_key
         self.requests = requests
@@ -130,23 +129,23 @@ class SegmentReader:
         """Whether ``data`` is a segment this tier accepts (counted when it is not)."""
         try:
             decode = decode_removals if is_removal_segment(data) else decode_segment
-            await self._decode(decode, data)
+            await self._decode(decode, name, data)
         except SegmentError as exc:
             self.reject(name, str(exc))
             return False
         return True
 
-    async def changes(self, name: str, data: bytes) -> list[Change]:
-        """What a segment changes in this index, once applied: ``(None, keys learnt)`` for
-        a store segment, ``(why, keys dropped)`` per reason for a removal segment. A segment
-        that does not parse or verify changes nothing and is counted."""
+    async def changes(self, name: str, data: bytes) -> list[bytes]:
+        """Apply segment ``name`` to this index: the keys a store segment taught it (a
+        removal segment's keys are doubted, and teach nothing). A segment that does not
+        parse or verify changes nothing and is counted."""
         try:
             if is_removal_segment(data):
-                removals, rejected = await self._decode(decode_removals, data)
-                changes = self._forget(removals)
+                removals, rejected = await self._decode(decode_removals, name, data)
+                changes = self._doubt(removals)
             else:
-                entries, rejected = await self._decode(decode_segment, data)
-                changes = [(None, self._index.add_many(entries))]
+                entries, rejected = await self._decode(decode_segment, name, data)
+                changes = self._index.add_many(entries)
         except SegmentError as exc:
             self.reject(name, str(exc))
             return []
@@ -162,34 +161,28 @@ class SegmentReader:
             )
         return changes
 
-    def tell(self, changes: list[Change]) -> list[bytes]:
-        """Tell what the segments read changed, in their order: keys learnt (``notify``,
-        a run of them at once) and keys forgotten (``forgot``); the keys learnt."""
-        learnt: list[bytes] = []
-        run: list[bytes] = []
-        for why, keys in [*changes, ("", [])]:  # the empty last one tells the last run
-            if why is None:
-                run.extend(keys)
-                continue
-            if run:
-                self._index.learnt += len(run)
-                self._notify(run)
-                learnt += run
-                run = []
-            if keys:
-                self._forgot(keys, why)
+    def tell(self, learnt: list[bytes]) -> list[bytes]:
+        """Tell the keys the segments read taught this index (``notify``, all at once)."""
+        if learnt:
+            self._index.learnt += len(learnt)
+            self._notify(learnt)
         return learnt
 
-    def _forget(self, removals: list[tuple[bytes, str]]) -> list[Change]:
-        """Drop the keys another node deleted; ``(why, keys dropped)`` per reason."""
+    def _doubt(self, removals: list[tuple[bytes, str]]) -> list[bytes]:
+        """Doubt the keys another node deleted (see the module docstring); nothing learnt."""
         by_why: dict[str, list[bytes]] = {}
         for key, why in removals:
             by_why.setdefault(why, []).append(key)
-        return [(why, self._index.forget(keys)) for why, keys in by_why.items()]
+        for why, keys in by_why.items():
+            self._index.doubt(keys, why)
+        return []
 
-    async def _decode(self, decode: Callable[..., _T], data: bytes) -> _T:
-        """``decode(data)`` for this prefix and key, in a worker thread when it is large."""
-        call = functools.partial(decode, data, self._prefix, integrity_key=self._integrity_key)
+    async def _decode(self, decode: Callable[..., _T], name: str, data: bytes) -> _T:
+        """``decode(data)`` of segment ``name`` for this prefix and key, in a worker thread
+        when it is large."""
+        call = functools.partial(
+            decode, data, self._prefix, integrity_key=self._integrity_key, name=name
+        )
         if len(data) > _THREAD_DECODE_BYTES:
             return await anyio.to_thread.run_sync(call)
         return call()

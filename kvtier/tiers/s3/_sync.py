@@ -3,8 +3,8 @@
 The I/O around ``ExistenceIndex`` (a synchronous state machine): list the prefix once when
 the tier opens (``_listing``, bounded by ``index_list_timeout``), then every ``index_refresh``
 seconds publish this node's new keys as one journal segment (and the keys it deleted as one
-removal segment) and read the segments other nodes published (``_journal`` documents the
-names, the formats and the cost).
+removal segment: ``_publishing``) and read the segments other nodes published (``_journal``
+documents the names, the formats and the cost).
 
 Staleness bound: a block another node stores becomes a HIT here at most about
 ``2 x index_refresh`` seconds later (it waits up to ``index_refresh`` in the writer's buffer,
@@ -12,10 +12,11 @@ then up to ``index_refresh`` for this node's next poll), plus the two requests' 
 Faults are logged once per burst and retried at the next refresh: the index only ever lags,
 it is never wrong in the direction that matters (a stale HIT costs one GET and corrects
 itself). A block another node deletes (on request, or as corrupt) stops being a HIT here
-within the same bound: its removal is published at that node's next refresh and applied at
-this node's next poll, in the order of the segments' names, and told as a REMOTE removed
-event (``forgot``). A block deleted by anything but a kvtier node is never published: it
-stays a HIT here until a load finds it gone (one GET, a ``not_found`` removed event).
+within the same bound: its removal is published at that node's next refresh, read at this
+node's next poll, checked against the bucket in the same round (``_rechecks``: a block
+stored again since stays, whatever order the segments' names give), and told as a REMOTE
+removed event (``forgot``). A block deleted by anything but a kvtier node is never
+published: it stays a HIT here until a load finds it gone (one GET, a ``not_found`` event).
 
 The loop catches every ``Exception`` (a botocore error kvtier does not translate, such as a
 failing credential provider, included) and counts it: it runs in a task group entered in the
@@ -44,7 +45,6 @@ falls back to that reading when a digest is missing for a whole interval or reje
 from __future__ import annotations
 
 import collections
-import functools
 import logging
 import time
 from collections.abc import Callable
@@ -55,22 +55,17 @@ import anyio
 from kvtier._errors import TierError
 from kvtier._format import IntegrityKey
 from kvtier._logging import BurstLogger
-from kvtier.tiers.s3._compaction import SnapshotLink, Snapshots, delete_object
+from kvtier.tiers.s3._compaction import SnapshotLink, Snapshots
 from kvtier.tiers.s3._config import S3Config
 from kvtier.tiers.s3._digest import Digest
 from kvtier.tiers.s3._digesting import CARRY_INTERVALS, Digests
 from kvtier.tiers.s3._index import ExistenceIndex
-from kvtier.tiers.s3._journal import (
-    MAX_SEGMENT_ENTRIES,
-    encode_removals,
-    encode_segment,
-    segment_name,
-    segment_time_ms,
-    segment_writer,
-)
+from kvtier.tiers.s3._journal import segment_time_ms, segment_writer
 from kvtier.tiers.s3._listing import Listing
+from kvtier.tiers.s3._publishing import Publisher
+from kvtier.tiers.s3._rechecks import RemovalChecks
 from kvtier.tiers.s3._requests import Call
-from kvtier.tiers.s3._segments import Change, SegmentReader
+from kvtier.tiers.s3._segments import SegmentReader
 from kvtier.tiers.s3._skew import ClockSkew
 
 __all__ = ["IndexSync"]
@@ -99,10 +94,9 @@ class IndexSync:
         """Keep ``index`` for the bucket and prefix of ``config``, with its ``index_refresh``,
         ``index_lookback`` and ``index_list_timeout``; ``writer`` names this node's segments.
         ``notify(keys)``: keys other nodes stored, learnt at a poll; ``forgot(keys, why)``:
-        keys other nodes deleted, dropped from the index at a poll (told in segment order)."""
+        keys other nodes deleted, dropped from the index once checked (``_rechecks``)."""
         self._index, self.name, self._writer = index, name, writer
         self._call, self._client, self._notify = call, client, notify
-        self._forgot = forgot
         self._bucket, self._prefix = config.bucket, config.prefix
         self.index_refresh = config.index_refresh
         lookback = config.index_lookback
@@ -110,20 +104,38 @@ class IndexSync:
         self._list_timeout = config.index_list_timeout
         self._wall = wall
         self._read_journal, self._integrity_key = read_journal, integrity_key
-        self._seq = 0
-        self._last_ms = 0  # the stamp of this node's newest segment: the next one is later
-        # (wall ms, name) of segments published here and not deleted yet, the oldest first
-        self._own: collections.deque[tuple[int, str]] = collections.deque()
         self._log = BurstLogger(logger)
         self._skew = ClockSkew(name, lookback, lambda: self._wall())
         self.refreshes = 0
         self.refresh_failures = 0  # rounds that failed (logged once per burst)
-        self.segments_published = 0
         self.listing_complete = False
         # Index upkeep sent by the journal loop: requests by kind ("list", "get", "put",
-        # "delete"); the reader counts the segments and bytes it read.
+        # "delete", "head"); the reader counts the segments and bytes it read.
         self.requests: collections.Counter[str] = collections.Counter()
         self._build_readers(config, SnapshotLink(name, writer, call, client, integrity_key))
+        self.rechecks = RemovalChecks(
+            index,
+            name=name,
+            bucket=self._bucket,
+            prefix=self._prefix,
+            call=call,
+            requests=self.requests,
+            forgot=forgot,
+        )
+        self.publisher = Publisher(
+            index,
+            name=name,
+            writer=writer,
+            bucket=self._bucket,
+            prefix=self._prefix,
+            lookback_ms=self._lookback_ms,
+            call=call,
+            integrity_key=integrity_key,
+            requests=self.requests,
+            skew=self._skew,
+            digests=self.digests,
+            wall=lambda: self._wall(),
+        )
         self.covered_ms: int | None = None
         self.view_complete = False
 
@@ -142,7 +154,6 @@ class IndexSync:
             requests=self.requests,
             skew=self._skew,
             notify=self._notify,
-            forgot=self._forgot,
         )
         reads = self._read_journal
         self.snapshots = (
@@ -155,6 +166,10 @@ class IndexSync:
             if reads and config.index_digests
             else None
         )
+
+    @property
+    def segments_published(self) -> int:
+        return self.publisher.segments_published
 
     @property
     def clock_skew(self) -> float:
@@ -241,16 +256,18 @@ class IndexSync:
         not read the journal): from the digests when there are, else from the journal; a
         round counts in ``refreshes`` unless ``count`` is False. Never raises an
         ``Exception``: a failed round is logged once per burst and counted, and the next
-        round tries again. ``full``: read the journal even with digests (a fresh view now)."""
+        round tries again. ``full``: read the journal even with digests (a fresh view now).
+        The removals read are checked (``_rechecks``) before the snapshot round."""
         try:
             if publish:
-                await self.publish()
-                await self._delete_old_own()
+                await self.publisher.publish(self._client())
+                await self.publisher.delete_old(self._client())
             if poll and self._read_journal:
                 if self.digests is None or full:
                     await self.poll()
                 else:
                     await self._digest_round()
+                await self.rechecks.run(self._client())
                 await self._snapshot_round()
         except Exception as exc:
             self._failed(exc)
@@ -308,7 +325,7 @@ class IndexSync:
     async def _apply(self, digest: Digest) -> None:
         """Apply a digest's segments that this node has not read, in name order."""
         assert self.digests is not None
-        changes: list[Change] = []
+        changes: list[bytes] = []
         try:
             for name, data in digest.segments:
                 if name in self._index.unseen([name]) and segment_writer(name) != self._writer:
@@ -332,69 +349,6 @@ class IndexSync:
         if not self._index.full and self.listing_complete:
             await self.snapshots.tick(now_ms, self.covered_ms)
 
-    async def publish(self) -> None:
-        """Put this node's oldest unpublished keys (at most ``MAX_SEGMENT_ENTRIES``: a PUT
-        that keeps failing re-sends a bounded segment; the rest go in the next ones), then
-        its oldest unpublished removals likewise. A key is in one of the two at most."""
-        index, prefix, signer = self._index, self._prefix, self._integrity_key
-        stores = index.take_unpublished(MAX_SEGMENT_ENTRIES)
-        if stores:
-            body = encode_segment(stores, prefix, integrity_key=signer)
-            await self._put_segment(body, functools.partial(index.requeue, stores))
-        removals = index.take_removals(MAX_SEGMENT_ENTRIES)
-        if removals:
-            body = encode_removals(removals, prefix, integrity_key=signer)
-            await self._put_segment(body, functools.partial(index.requeue_removals, removals))
-
-    async def _put_segment(self, body: bytes, requeue: Callable[[], None]) -> None:
-        """One segment of this node's, named after its newest one; ``requeue`` on failure."""
-        client = self._client()
-        now_ms = self._last_ms = max(int(self._wall() * 1000), self._last_ms + 1)
-        self._seq += 1
-        name = segment_name(self._prefix, now_ms, self._writer, self._seq)
-        self.requests["put"] += 1
-        try:
-            response = await self._call(
-                "journal",
-                None,
-                lambda: client.put_object(Bucket=self._bucket, Key=name, Body=body),
-            )
-        except BaseException:
-            requeue()
-            raise
-        self.segments_published += 1
-        self._own.append((now_ms, name))
-        if self.digests is not None:
-            self.digests.note(name, body)
-        self._skew.check(response)
-
-    async def _delete_old_own(self) -> None:
-        """Delete the segments published here that no reader lists any more (older than
-        twice the lookback). A segment leaves the list only once its DELETE succeeded, so
-        one that failed is tried again at the next refresh (and the poll still runs)."""
-        if not self._own:
-            return
-        before_ms = int(self._wall() * 1000) - 2 * self._lookback_ms
-        client = self._client()
-        if self.digests is not None:
-            await self.digests.delete_own(client, self._own, before_ms)
-            return
-        while self._own and self._own[0][0] < before_ms:
-            _, name = self._own[0]
-            self.requests["delete"] += 1
-            try:
-                await delete_object(self._call, client, self._bucket, name, "journal")
-            except TierError as exc:  # kept: readers ignore it, the next refresh retries
-                self._log.warning(
-                    "journal-delete",
-                    "%s: could not delete old journal segment %s (%s); retrying later",
-                    self.name,
-                    name,
-                    exc.reason,
-                )
-                return
-            self._own.popleft()
-
     async def poll(self, *, until_ms: int | None = None) -> list[bytes]:
         """Read the segments other writers published within the lookback (those stamped
         before ``until_ms`` only, when given); the new keys."""
@@ -406,7 +360,7 @@ class IndexSync:
         # after a short outage reads what it missed, while the writers keep it.
         oldest = covered - self._lookback_ms
         sizes = await self.reader.list_since(client, oldest)
-        changes: list[Change] = []
+        changes: list[bytes] = []
         try:
             for name in self._index.unseen(sizes):
                 stamp = segment_time_ms(name)

@@ -220,6 +220,36 @@ async def test_a_bad_digest_is_ignored_and_counted(
         assert strangers[0] not in c._index
 
 
+async def test_a_digest_carrying_a_segment_stamped_before_its_window_is_rejected(
+    make_tier: MakeS3Tier, weed_server: WeedServer, prefix: str
+) -> None:
+    """A digester takes the segments stamped from ``CARRY_INTERVALS`` intervals before its
+    own: a digest carrying an older one (a segment replayed from long ago, which readers have
+    forgotten reading) is untrusted input out of bounds, refused whole like one stamped
+    after its interval; the reader reads the journal instead."""
+    clock = _clock()
+    keys, strangers = fresh_keys(4), fresh_keys(1)
+    async with nodes(make_tier, clock, clock) as (a, c):
+        await fill(a, keys)
+        await publish(a)
+        interval = digests_of(a).interval_of(ms(clock))
+        clock.advance(R)
+        stale = digests_of(c).start_ms(interval - CARRY_INTERVALS) - 1
+        name = segment_name(prefix, stale, "f" * 16, 1)
+        segment = encode_segment([(strangers[0], None)], prefix)
+        planted = encode_digest(
+            Digest(interval, int(R * 1000), "f" * 16, [(name, segment)]), prefix
+        )
+        async with raw_client(weed_server.endpoint_url) as client:
+            await client.put_object(
+                Bucket=BUCKET, Key=digest_name(prefix, int(R * 1000), interval), Body=planted
+            )
+        await c._sync.refresh_once()
+        assert digests_of(c).rejected == 1 and digests_of(c).fallbacks == 2
+        assert_knows(c, keys)
+        assert strangers[0] not in c._index
+
+
 async def test_a_hostile_digest_names_nothing_outside_the_prefix(
     make_tier: MakeS3Tier, weed_server: WeedServer, prefix: str
 ) -> None:

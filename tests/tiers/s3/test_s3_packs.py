@@ -102,6 +102,33 @@ async def test_stores_together_share_a_pack_and_another_node_loads_it_with_one_g
         assert (stats.loads, stats.pack_gets, stats.pack_sections_read) == (11, 3, 11)
 
 
+async def test_a_packed_block_stored_again_on_its_own_after_a_delete_stays_a_hit(
+    weed_server: WeedServer, prefix: str
+) -> None:
+    """Node A deletes a packed block (its pack goes with it); node B stores it again as its
+    own object. C knew it in the pack: the removal's check finds the pack gone and the
+    block's own object there, so C keeps the block, forgets the pack, and loads it."""
+    keys, blocks = _keys_and_blocks(2)
+    async with (
+        s3_tier(weed_server, prefix, name="a", pack_blocks=4, **INDEX_BY_HAND) as a,
+        s3_tier(weed_server, prefix, name="b", pack_blocks=1, **INDEX_BY_HAND) as b,
+        s3_tier(weed_server, prefix, name="c", **INDEX_BY_HAND) as c,
+    ):
+        await _store_together(a, keys, blocks)
+        await a.refresh_index()
+        await c.refresh_index()
+        assert c._index.location(keys[0]) is not None
+        await a.delete(keys[0])  # the pack too: keys[1] goes with it
+        await b.store(keys[0], memoryview(blocks[0]))
+        await b.refresh_index()
+        await a.refresh_index()
+        await c.refresh_index()
+        assert c.lookup(keys[0]) is LookupResult.HIT
+        assert c._index.location(keys[0]) is None
+        assert await _load_together(c, keys[:1]) == blocks[:1]
+        assert c.statistics().pack_gets == 0
+
+
 async def test_a_pack_written_after_open_is_learnt_from_the_journal(
     weed_server: WeedServer, prefix: str
 ) -> None:

@@ -79,6 +79,8 @@ SECTION = header_size(16) + BLOCK
 FAST = settings(max_examples=150, deadline=None)
 
 _WRITER = "0123456789abcdef"
+# The object a journal segment is read from (a signed one is signed over it).
+_NAME = segment_name(PREFIX, 1500, _WRITER, 3)
 _NAMES = [
     "",  # the key's own block object
     pack_name(PREFIX, bytes(16), _WRITER, 1),
@@ -226,24 +228,76 @@ def test_signed_segments_verify_only_under_their_key_and_prefix() -> None:
         (os.urandom(16), None),
         (os.urandom(16), Location(pack, 400, 4200)),
     ]
-    signed = encode_segment(entries, "p", integrity_key=key)
-    assert signed[:4] == b"KVJ4"
-    assert decode_segment(signed, "p", integrity_key=key) == (entries, 0)
+    name, other_name = segment_name("p", 1500, _WRITER, 3), segment_name("p", 2500, _WRITER, 4)
+    signed = encode_segment(entries, "p", integrity_key=key, name=name)
+    assert signed[:4] == b"KVJ5"
+    assert decode_segment(signed, "p", integrity_key=key, name=name) == (entries, 0)
+    unnamed = encode_segment(entries, "p", integrity_key=key)  # a snapshot's chunk
+    assert unnamed[:4] == b"KVJ4"
+    assert decode_segment(unnamed, "p", integrity_key=key) == (entries, 0)
     flipped = bytearray(signed)
     flipped[12] ^= 1
     other = IntegrityKey(SECRET[::-1])
+
+    def read(data: bytes, prefix: str = "p", **kw: Any) -> object:
+        given: dict[str, Any] = {"integrity_key": key, "name": name}
+        return decode_segment(data, prefix, **(given | kw))
+
     attempts: dict[str, Callable[[], object]] = {
-        "another key": lambda: decode_segment(signed, "p", integrity_key=other),
-        "another prefix": lambda: decode_segment(signed, "q", integrity_key=key),
-        "no key": lambda: decode_segment(signed, "p"),
-        "unsigned": lambda: decode_segment(encode_segment(entries, "p"), "p", integrity_key=key),
-        "damaged": lambda: decode_segment(bytes(flipped), "p", integrity_key=key),
-        "truncated": lambda: decode_segment(signed[:20], "p", integrity_key=key),
+        "another key": lambda: read(signed, integrity_key=other),
+        "another prefix": lambda: read(signed, "q", name=segment_name("q", 1500, _WRITER, 3)),
+        "another name": lambda: read(signed, name=other_name),
+        "no name": lambda: read(signed, name=None),
+        "no key": lambda: read(signed, integrity_key=None),
+        "unsigned": lambda: read(encode_segment(entries, "p")),
+        "unnamed, from the journal": lambda: read(unnamed),
+        "damaged": lambda: read(bytes(flipped)),
+        "truncated": lambda: read(signed[:20]),
     }
     for what, attempt in attempts.items():
         with pytest.raises(SegmentError):  # noqa: PT012 - the message names the case
             attempt()
             pytest.fail(what)
+
+
+@pytest.mark.parametrize("kind", ["store", "removal"])
+async def test_a_signed_segment_copied_under_another_name_is_refused(
+    weed_server: WeedServer, prefix: str, kind: str
+) -> None:
+    """Someone who can write the bucket, without the key, copies an authentic segment under
+    a newer name, one no reader has read: the MAC covers the name, so the copy does not
+    verify. It is ignored and counted, and replays neither the store of a block deleted
+    since nor the removal of a block stored since."""
+    key = block_keys(list(range(4)), 4, namespace=os.urandom(8))[0]
+    payload = memoryview(os.urandom(512))
+    signed: dict[str, Any] = {"integrity_key": SECRET, **INDEX_BY_HAND}
+    async with (
+        s3_tier(weed_server, prefix, name="a", **signed) as a,
+        s3_tier(weed_server, prefix, name="b", **signed) as b,
+    ):
+        await a.store(key, payload)
+        await a.refresh_index()  # its store segment
+        await a.delete(key)
+        await a.refresh_index()  # its removal segment
+        if kind == "removal":
+            await a.store(key, payload)
+            await a.refresh_index()  # stored again, in a later segment
+        await b.refresh_index()
+        held = LookupResult.HIT if kind == "removal" else LookupResult.MISS
+        assert b.lookup(key) is held
+        async with raw_client(weed_server.endpoint_url) as client:
+            listing = await client.list_objects_v2(Bucket=BUCKET, Prefix=journal_prefix(prefix))
+            names = sorted(item["Key"] for item in listing["Contents"])
+            original = names[0] if kind == "store" else names[1]
+            stamp, writer = segment_time_ms(names[-1]), segment_writer(original)
+            assert stamp is not None and writer is not None
+            copy = segment_name(prefix, stamp + 1000, writer, 999)
+            await client.copy_object(
+                Bucket=BUCKET, Key=copy, CopySource={"Bucket": BUCKET, "Key": original}
+            )
+        await b.refresh_index()
+        assert b.statistics().journal_segments_rejected == 1
+        assert b.lookup(key) is held
 
 
 def test_a_pack_table_claiming_more_than_any_writer_puts_is_refused() -> None:
@@ -259,7 +313,7 @@ def test_a_pack_table_claiming_more_than_any_writer_puts_is_refused() -> None:
 @given(
     data=st.binary(max_size=4096),
     signed=st.booleans(),
-    magic=st.sampled_from(["", "J1", "J2", "J3", "J4", "R1", "R2"]),
+    magic=st.sampled_from(["", "J1", "J2", "J3", "J4", "J5", "R1", "R2", "R3"]),
 )
 def test_random_bytes_are_refused_or_name_only_this_prefix(
     data: bytes, signed: bool, magic: str
@@ -269,11 +323,11 @@ def test_random_bytes_are_refused_or_name_only_this_prefix(
     key = KEY if signed else None
     try:
         if is_removal_segment(data):  # as the reader picks the decoder
-            removals, rejected = decode_removals(data, PREFIX, integrity_key=key)
+            removals, rejected = decode_removals(data, PREFIX, integrity_key=key, name=_NAME)
             entries: list[tuple[bytes, Location | None]] = [(k, None) for k, _ in removals]
             assert all(why in REMOVAL_REASONS.values() for _, why in removals)
         else:
-            entries, rejected = decode_segment(data, PREFIX, integrity_key=key)
+            entries, rejected = decode_segment(data, PREFIX, integrity_key=key, name=_NAME)
     except SegmentError:
         return
     assert not signed  # nobody forges a MAC by chance
@@ -306,15 +360,15 @@ def test_mutated_removal_segments_are_refused_or_read_exactly(
         if 1 <= len(k) <= MAX_KEY_BYTES and c in REMOVAL_REASONS
     ]
     if signed:
-        original = encode_removals(valid, PREFIX, integrity_key=KEY)
+        original = encode_removals(valid, PREFIX, integrity_key=KEY, name=_NAME)
     else:
         original = forged_removals(entries)
     data = _mutate(original, flipped, cut)
     key = KEY if signed else None
     with pytest.raises(SegmentError):  # never a store segment, whatever it holds
-        decode_segment(data, PREFIX, integrity_key=key)
+        decode_segment(data, PREFIX, integrity_key=key, name=_NAME)
     try:
-        found, rejected = decode_removals(data, PREFIX, integrity_key=key)
+        found, rejected = decode_removals(data, PREFIX, integrity_key=key, name=_NAME)
     except SegmentError:
         return
     assert not signed or data == original  # a signed segment survives no change
@@ -343,12 +397,13 @@ def test_mutated_segments_never_name_anything_outside_the_prefix(
             (key, Location(name, offset, length) if name else None)
             for key, name, offset, length in entries
         ]
-        original = encode_segment(located, PREFIX, integrity_key=KEY)
+        original = encode_segment(located, PREFIX, integrity_key=KEY, name=_NAME)
     else:
         original = forged_segment(entries)
     data = _mutate(original, flipped, cut)
     try:
-        found, rejected = decode_segment(data, PREFIX, integrity_key=KEY if signed else None)
+        signer = KEY if signed else None
+        found, rejected = decode_segment(data, PREFIX, integrity_key=signer, name=_NAME)
     except SegmentError:
         return
     assert not signed or data == original  # a signed segment survives no change
