@@ -175,7 +175,7 @@ class PrefetchHandle:
         they are only touched (the fast prefix made them the youngest), not held."""
         owner = self._owner
         room = owner.limit - owner.held()
-        if room <= 0:
+        if room <= 0 or self._ended.is_set():  # ended as its scan woke: nothing to hold for
             return []
         return owner.manager.pin_ready(keys[:room])
 
@@ -219,6 +219,8 @@ class PrefetchHandle:
                         await owner.wait_freed()
                         self._unpin()
                         self._answered(await self._scan())
+                if self._ended.is_set():  # ended while its last scan step ran: stays ended
+                    return
                 self.state = PrefetchState.HOLDING
                 self._scanned.set()
                 with anyio.move_on_after(ttl_at - anyio.current_time()):

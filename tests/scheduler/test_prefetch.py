@@ -14,11 +14,13 @@ from kvtier import (
     HostPool,
     MemoryTier,
     OffloadScheduler,
+    PrefetchHandle,
     PrefetchState,
     SecondaryTier,
     SlotState,
     TieringManager,
 )
+from kvtier._watch import KeyWatch
 from kvtier.testing import FailingTier, StallingTier
 from tests.support import BB, assert_idle, fill, random_blocks
 
@@ -108,6 +110,37 @@ async def test_a_cancelled_prefetch_releases_everything(keys: list[bytes]) -> No
         assert_idle(manager)  # nothing pinned, nothing left WRITING
         # what was in flight landed as ordinary cache entries
         assert all(manager.pool.state_of(k) is SlotState.READY for k in keys[:4])
+
+
+class CancelsOnFire(KeyWatch):
+    """A watch registered after a prefetch's: it ends the prefetch inside the very change
+    that has just woken the prefetch's scan (an engine aborting the request then)."""
+
+    def __init__(self, handle: PrefetchHandle) -> None:
+        super().__init__()
+        self.handle = handle
+
+    def fire(self, key: bytes) -> None:
+        super().fire(key)
+        self.handle.cancel()
+
+
+async def test_a_prefetch_cancelled_as_its_scan_wakes_pins_nothing_for_it(
+    keys: list[bytes],
+) -> None:
+    tier = await stalled(keys[:2], "load")
+    async with prefetching(tier) as (manager, scheduler):
+        handle = scheduler.prefetch(keys[:2])
+        with anyio.fail_after(10):
+            await tier.wait_stalled("load")  # the scan waits for its promotions to land
+        manager.watch(keys[:1], CancelsOnFire(handle))
+        tier.release("load")
+        with anyio.fail_after(10):
+            await handle.wait_ended()
+            await manager.wait_idle()
+        assert handle.state is PrefetchState.CANCELLED
+        assert all(manager.pool.state_of(k) is SlotState.READY for k in keys[:2])
+        assert_idle(manager)  # the woken scan pinned nothing into the ended prefetch
 
 
 async def test_an_unclaimed_prefetch_expires_and_its_blocks_stay_as_cache(
