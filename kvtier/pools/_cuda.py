@@ -14,9 +14,12 @@ as HostPool's (it lives in ``PrimaryPool``). Only the data movement differs, and
 
 Staging buffers are a bounded pool per use (``staging_buffers`` each for promotions,
 write-throughs and engine copies of host buffers), so a slow tier write-through can never
-starve promotions or hold up an engine load. The event loop never blocks: copies are enqueued
-asynchronously and a waiter thread per stream tells the loop when they finished
-(``kvtier.pools._cuda_stream``); no Python runs on a CUDA driver thread.
+starve promotions or hold up an engine load. The event loop never blocks and makes no CUDA
+call: the pool's own CUDA thread enqueues the copies (``kvtier.pools._cuda_caller``) and a
+waiter thread per stream tells the loop when they finished (``kvtier.pools._cuda_stream``);
+no Python runs on a CUDA driver thread. Threads the pool owns set its device once; elsewhere
+the previous device comes back only where a context was current before (``use_device``), so
+a pool never creates a context on a GPU it does not use.
 
 Cancellation: an operation cancelled while a copy runs waits for that copy (shielded, at most
 ``settle_timeout`` seconds) before its staging buffer goes back and before the manager can hand
@@ -44,7 +47,7 @@ from kvtier._settings import positive_number
 from kvtier.pools._base import BatchSink, ByteSink, ByteSource, PrimaryPool
 from kvtier.pools._cuda_copies import SlotCopies
 from kvtier.pools._cuda_core import CopyLimits, SlotSpan, TransferStatistics
-from kvtier.pools._cupy import CudaRuntime, cupy_runtime, device_count
+from kvtier.pools._cupy import CudaRuntime, cupy_runtime, device_count, use_device
 from kvtier.pools._device import stream_device, stream_handle
 from kvtier.pools._policy import EvictionPolicy
 
@@ -90,9 +93,7 @@ class CudaPool(PrimaryPool):
         self.staging_buffers = staging_buffers
         self._settle_timeout = float(settle_timeout)
         self._closed = False
-        previous = rt.getDevice()
-        rt.setDevice(device)
-        try:
+        with use_device(rt, device):
             nbytes = self.num_blocks * self.block_bytes
             try:
                 self._base: int | None = rt.malloc(nbytes)
@@ -102,28 +103,31 @@ class CudaPool(PrimaryPool):
                     f"{self.block_bytes}) on cuda:{device} ({exc}); reduce num_blocks"
                 ) from exc
             try:
+                _check_stream_context(rt, engine_stream, device)
                 span = SlotSpan(device, self._base, self.num_blocks, self.block_bytes)
                 limits = CopyLimits(staging_buffers, self._settle_timeout, float(copy_timeout))
                 self._copies = SlotCopies(rt, span, limits, engine_stream)
             except BaseException:
                 rt.free(self._base)
                 raise
-        finally:
-            rt.setDevice(previous)
 
     def _check_open(self) -> None:
         if self._closed:
             raise LifecycleError("this CudaPool is closed")
 
     def slot_bytes(self, slot: int) -> bytes:
-        """A copy of one slot's device memory, read synchronously (it blocks the calling
-        thread until the device is idle); for tests and tools, not the serving path."""
+        """A copy of one slot's device memory, read synchronously after every copy queued
+        on the pool's streams (it blocks the calling thread until they ran); for tests and
+        tools, not the serving path. The lanes are non-blocking streams, which a plain
+        ``cudaMemcpy`` on the legacy stream does not wait for, so they are synchronised
+        first."""
         self._check_open()
         out = bytearray(self.block_bytes)
         host = memoryview(out)
         import ctypes
 
         address = ctypes.addressof(ctypes.c_char.from_buffer(out))
+        self._copies.synchronize()
         with self._copies.on_device():
             self._rt.memcpy(
                 address, self._copies.ptr(slot), self.block_bytes, self._rt.memcpyDeviceToHost
@@ -242,4 +246,25 @@ def _check_engine_stream(engine_stream: Any, device: int) -> None:
         raise InvalidArgumentError(
             f"engine_stream is on cuda:{on} but this CudaPool is on cuda:{device}; "
             "pass the engine's stream on the pool's device"
+        )
+
+
+def _check_stream_context(rt: CudaRuntime, engine_stream: Any, device: int) -> None:
+    """The engine stream must live in the pool's context (call with the pool's device
+    current and its context made): a raw handle or ``__cuda_stream__`` object does not say
+    its device, and a stream of another device would pass here and fail every device copy
+    later (an event cannot be recorded on a stream of another context)."""
+    if engine_stream is None:
+        return
+    handle = stream_handle(engine_stream)
+    try:
+        same = rt.streamGetCtx(handle) == rt.ctxGetCurrent()
+    except Exception as exc:  # not a stream CUDA knows
+        raise InvalidArgumentError(
+            f"engine_stream {handle:#x} is not a CUDA stream ({exc}); pass the engine's stream"
+        ) from exc
+    if not same:
+        raise InvalidArgumentError(
+            f"engine_stream {handle:#x} is not on cuda:{device}: it belongs to another "
+            "device's context; pass the engine's stream on the pool's device"
         )

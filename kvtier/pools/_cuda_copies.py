@@ -10,9 +10,10 @@ numbers here:
 - write-through (``drain``): device-to-host into a staging buffer on the download stream, then
   the tier reads the staging buffer;
 - engine store/load (``copy``): device-to-device on the peer stream for GPU buffers (torch
-  CUDA tensors, CuPy arrays), ordered after the engine's stream; host buffers go through
-  staging buffers of their own (so write-throughs parked on a slow tier never stall an
-  engine load), pipelined in chunks.
+  CUDA tensors, CuPy arrays), ordered after the engine's stream; host buffers that are
+  already pinned (torch ``pin_memory()``, ``cudaHostAlloc``) one DMA each way on the upload
+  or download stream; other host buffers through staging buffers of their own (so
+  write-throughs parked on a slow tier never stall an engine load), pipelined in chunks.
 
 The rules that keep a DMA from ever touching memory someone else owns:
 
@@ -73,7 +74,7 @@ class SlotCopies(CopyCore):
             try:
                 await sink(buffers[0].view)
                 copy = (self.ptr(slot), buffers[0].ptr)
-                done = self._submit(self._upload, [copy], self._rt.memcpyHostToDevice, [slot])
+                done = await self._submit(self._upload, [copy], self._rt.memcpyHostToDevice, [slot])
                 self._to_device += self.block_bytes
                 await self._wait(done)
             finally:
@@ -98,7 +99,7 @@ class SlotCopies(CopyCore):
                 if ok:
                     copies = [(self.ptr(slot), buffer.ptr) for slot, buffer in ok]
                     kind = self._rt.memcpyHostToDevice
-                    done = self._submit(self._upload, copies, kind, [s for s, _ in ok])
+                    done = await self._submit(self._upload, copies, kind, [s for s, _ in ok])
                     self._to_device += len(ok) * self.block_bytes
                     await self._wait(done)
             except Exception as exc:
@@ -125,7 +126,9 @@ class SlotCopies(CopyCore):
             done: Completion | None = None
             try:
                 copy = (buffers[0].ptr, self.ptr(slot))
-                done = self._submit(self._download, [copy], self._rt.memcpyDeviceToHost, [slot])
+                done = await self._submit(
+                    self._download, [copy], self._rt.memcpyDeviceToHost, [slot]
+                )
                 self._to_host += self.block_bytes
                 await self._wait(done)
                 await source(buffers[0].view.toreadonly())
@@ -140,22 +143,36 @@ class SlotCopies(CopyCore):
         """Engine buffers into the slots (``to_pool``) or out of them: GPU buffers
         device-to-device, host buffers through staging."""
         with self.operation():
-            on_device, on_host = self._split(slots, buffers)
+            # What each buffer is takes CUDA calls (pointer attributes): off the loop too.
+            on_device, pinned, on_host = await self._caller.run(self._split, slots, buffers)
             if on_device:
                 await self._copy_peer(on_device, to_pool=to_pool)
+            if pinned:
+                await self._copy_pinned(pinned, to_pool=to_pool)
             if on_host:
                 await self._copy_staged(on_host, to_pool=to_pool)
 
     def _split(
         self, slots: Sequence[int], buffers: Sequence[BlockBuffer]
-    ) -> tuple[list[tuple[int, DeviceArray]], list[tuple[int, memoryview]]]:
+    ) -> tuple[
+        list[tuple[int, DeviceArray]],
+        list[tuple[int, int, memoryview]],
+        list[tuple[int, memoryview]],
+    ]:
+        """The copies by kind: GPU buffers, pinned host buffers (slot, address, view) and
+        pageable host buffers."""
         on_device: list[tuple[int, DeviceArray]] = []
+        pinned: list[tuple[int, int, memoryview]] = []
         on_host: list[tuple[int, memoryview]] = []
         for slot, buffer in zip(slots, buffers, strict=True):
             self.ptr(slot)  # checks the slot number
             if buffer.host is not None:
                 nbytes = buffer.host.nbytes
-                on_host.append((slot, buffer.host))
+                address = self._pinned_address(buffer.host)
+                if address is None:
+                    on_host.append((slot, buffer.host))
+                else:
+                    pinned.append((slot, address, buffer.host))
             else:
                 array = device_array(buffer.device, self._rt)
                 if array.device != self.device:
@@ -170,7 +187,21 @@ class SlotCopies(CopyCore):
                     f"an engine buffer holds {nbytes} bytes but this CudaPool's blocks are "
                     f"{self.block_bytes} bytes; pass exactly one block per slot"
                 )
-        return on_device, on_host
+        return on_device, pinned, on_host
+
+    def _pinned_address(self, view: memoryview) -> int | None:
+        """The address of ``view`` when all of it is page-locked host memory CUDA knows
+        (so a DMA can read or write it directly); None for pageable memory."""
+        if view.nbytes != self.block_bytes or not view.nbytes:
+            return None  # a wrong size is reported by the caller
+        address = int(np.frombuffer(view, np.uint8).ctypes.data)
+        host = self._rt.memoryTypeHost
+        try:  # older CUDA raises for memory it does not know
+            first = self._rt.pointerGetAttributes(address).type
+            last = self._rt.pointerGetAttributes(address + view.nbytes - 1).type
+        except Exception:
+            return None
+        return address if first == host and last == host else None
 
     def _engine_handles(self, pairs: list[tuple[int, DeviceArray]]) -> list[int]:
         """The streams the engine wrote (or will read) its buffers on; read on the loop
@@ -199,11 +230,35 @@ class SlotCopies(CopyCore):
                 for slot, array in pairs
             ]
             kind = self._rt.memcpyDeviceToDevice
-            done = self._submit(lane, copies, kind, slots, after=engine)
+            done = await self._submit(lane, copies, kind, slots, after=engine)
             self._peer_bytes += len(pairs) * self.block_bytes
             await self._wait(done)
         finally:
             await self._settle(done, lane, slots, None, [], engine, [a.obj for _, a in pairs])
+
+    async def _copy_pinned(
+        self, pairs: list[tuple[int, int, memoryview]], *, to_pool: bool
+    ) -> None:
+        """Pinned host buffers and slots: one DMA per run, no staging and no host copy; the
+        engine's buffers are kept until the copy landed, should it be abandoned."""
+        lane = self._upload if to_pool else self._download
+        slots = [slot for slot, _, _ in pairs]
+        kind = self._rt.memcpyHostToDevice if to_pool else self._rt.memcpyDeviceToHost
+        done: Completion | None = None
+        try:
+            copies = [
+                (self.ptr(slot), address) if to_pool else (address, self.ptr(slot))
+                for slot, address, _ in pairs
+            ]
+            done = await self._submit(lane, copies, kind, slots)
+            nbytes = len(pairs) * self.block_bytes
+            if to_pool:
+                self._to_device += nbytes
+            else:
+                self._to_host += nbytes
+            await self._wait(done)
+        finally:
+            await self._settle(done, lane, slots, None, [], keep=[v for _, _, v in pairs])
 
     async def _copy_staged(
         self,
@@ -244,7 +299,9 @@ class SlotCopies(CopyCore):
                     (self.ptr(slot), b.ptr) if to_pool else (b.ptr, self.ptr(slot))
                     for b, (slot, _) in ends
                 ]
-                batch.done = self._submit(lane, copies, kind, [slot for slot, _ in batch.pairs])
+                batch.done = await self._submit(
+                    lane, copies, kind, [slot for slot, _ in batch.pairs]
+                )
                 if to_pool:
                     self._to_device += nbytes
                 else:

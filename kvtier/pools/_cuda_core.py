@@ -24,8 +24,15 @@ import numpy as np
 
 from kvtier._buffers import LOOP_COPY_BYTES
 from kvtier._errors import InvalidArgumentError, LifecycleError
-from kvtier.pools._cuda_stream import Completion, Lane, StagingBuffer, StagingPool
-from kvtier.pools._cupy import CudaRuntime
+from kvtier.pools._cuda_caller import CudaCaller
+from kvtier.pools._cuda_stream import (
+    Completion,
+    Lane,
+    StagingBuffer,
+    StagingPool,
+    loop_scheduler,
+)
+from kvtier.pools._cupy import CudaRuntime, use_device
 
 __all__ = ["CopyCore", "CopyLimits", "SlotSpan", "TransferStatistics"]
 
@@ -93,6 +100,7 @@ class CopyCore:
         self._limiter = anyio.CapacityLimiter(2)
         self._lanes: list[Lane] = []
         self._staging: list[StagingPool] = []
+        self._caller = CudaCaller(runtime, self.device)  # every CUDA call of a copy
         try:
             self._upload = self._lane("upload")
             self._download = self._lane("download")
@@ -117,18 +125,16 @@ class CopyCore:
 
     # -- helpers -----------------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def on_device(self) -> Iterator[None]:
-        """The pool's device current for the block (switched only when it is not)."""
-        previous = self._rt.getDevice()
-        if previous == self.device:
-            yield
-            return
-        self._rt.setDevice(self.device)
-        try:
-            yield
-        finally:
-            self._rt.setDevice(previous)
+    def on_device(self) -> contextlib.AbstractContextManager[None]:
+        """The pool's device current for the block (see ``use_device``: switched only when
+        it is not, and back only where a context was current before)."""
+        return use_device(self._rt, self.device)
+
+    def synchronize(self) -> None:
+        """Block until every copy queued on the lanes ran (a worker thread, or tools)."""
+        with self.on_device():
+            for lane in self._lanes:
+                self._rt.streamSynchronize(lane.stream)
 
     @contextlib.contextmanager
     def operation(self) -> Iterator[None]:
@@ -162,7 +168,7 @@ class CopyCore:
             run_dst, run_src, run_len = dst, src, size
         self._rt.memcpyAsync(run_dst, run_src, run_len, kind, lane.stream)
 
-    def _submit(
+    async def _submit(
         self,
         lane: Lane,
         copies: list[tuple[int, int]],
@@ -171,24 +177,29 @@ class CopyCore:
         after: Sequence[int] = (),
     ) -> Completion:
         """Enqueue ``copies`` on ``lane`` after the fences of ``slots`` and the streams
-        ``after``; the completion covers whatever got enqueued, even when enqueueing failed
-        partway (it then reports that error once the stream drained). Raises, enqueueing
-        nothing, only when the pool is closing."""
+        ``after``, on the pool's CUDA thread; the completion covers whatever got enqueued,
+        even when enqueueing failed partway (it then reports that error once the stream
+        drained). Raises, enqueueing nothing, only when the pool is closing."""
         if self.closing:
             raise LifecycleError("this CudaPool is closed")
-        with self.on_device():
+        fences = [self._fences[slot][0] for slot in slots if slot in self._fences]
+        done, schedule = Completion(), loop_scheduler()
+
+        def enqueue() -> None:  # the CUDA thread
             try:
                 for handle in after:  # the event may be recorded again once waited on
                     self._rt.eventRecord(self._order, handle)
                     self._rt.streamWaitEvent(lane.stream, self._order, 0)
-                for slot in slots:
-                    fence = self._fences.get(slot)
-                    if fence is not None:
-                        self._rt.streamWaitEvent(lane.stream, fence[0], 0)
+                for fence in fences:
+                    self._rt.streamWaitEvent(lane.stream, fence, 0)
                 self._issue(lane, copies, kind)
             except Exception as exc:
-                return lane.mark(exc)
-            return lane.mark()
+                lane.mark(done, schedule, exc)
+                return
+            lane.mark(done, schedule)
+
+        await self._caller.run(enqueue)
+        return done
 
     async def _wait(self, done: Completion) -> None:
         """Until ``done``; a copy slower than ``copy_timeout`` fails the operation (and is
@@ -215,7 +226,7 @@ class CopyCore:
             with anyio.move_on_after(self.limits.settle_timeout, shield=True):
                 await done.settled()
             if not done.done():
-                self._abandon(done, lane, slots, engine)
+                await self._abandon(done, lane, slots, engine)
                 if staging is not None and buffers:
                     done.add_done_callback(functools.partial(staging.release, buffers))
                 if keep is not None:
@@ -224,7 +235,7 @@ class CopyCore:
         if staging is not None and buffers:
             staging.release(buffers)
 
-    def _abandon(
+    async def _abandon(
         self, done: Completion, lane: Lane, slots: Sequence[int], engine: Sequence[int]
     ) -> None:
         self._abandoned += 1
@@ -234,28 +245,36 @@ class CopyCore:
             self.limits.settle_timeout,
             len(slots),
         )
-        try:
-            with self.on_device():
-                fence = done.event
-                if fence is None:  # a stream-wide completion: a fence for all queued so far
-                    fence = self._rt.eventCreateWithFlags(self._rt.eventDisableTiming)
-                    done.add_done_callback(functools.partial(self._destroy_event, fence))
+
+        def fence_it() -> tuple[int, bool]:  # the CUDA thread: (fence event, made here)
+            fence, made = done.event, False
+            if fence is None:  # a stream-wide completion: a fence for all queued so far
+                fence = self._rt.eventCreateWithFlags(self._rt.eventDisableTiming)
+                made = True
+                try:
                     self._rt.eventRecord(fence, lane.stream)
-                for handle in engine:  # the engine must not reuse its buffers before it lands
-                    self._rt.streamWaitEvent(handle, fence, 0)
+                except BaseException:
+                    self._rt.eventDestroy(fence)
+                    raise
+            for handle in engine:  # the engine must not reuse its buffers before it lands
+                self._rt.streamWaitEvent(handle, fence, 0)
+            return fence, made
+
+        try:
+            fence, made = await self._caller.run(fence_it)
         except Exception:  # the context is failing: nothing queued will run any more
             logger.exception("fencing an abandoned CUDA copy on cuda:%d failed", self.device)
             return
+        if made:
+            done.add_done_callback(functools.partial(self._destroy_event, fence))
         for slot in slots:
             self._fences[slot] = (fence, done)
         done.add_done_callback(functools.partial(self._unfence, slots, fence))
 
     def _destroy_event(self, event: int) -> None:
-        try:
-            with self.on_device():
-                self._rt.eventDestroy(event)
-        except Exception:  # a dead context: the event goes with it
-            logger.debug("destroying a fence event on cuda:%d failed", self.device)
+        """Destroy a fence event on the CUDA thread, after every copy already asked to wait
+        on it was enqueued (a dead context takes the event with it)."""
+        self._caller.post(self._rt.eventDestroy, event)
 
     def _unfence(self, slots: Sequence[int], fence: int) -> None:
         for slot in slots:
@@ -279,12 +298,14 @@ class CopyCore:
             while self._in_flight:
                 self._idle = anyio.Event()
                 await self._idle.wait()
-            try:
-                with self.on_device():
-                    marks = [lane.mark() for lane in self._lanes]
-            except Exception:  # CUDA is failing: a dead context runs nothing more
-                logger.exception("CUDA failed while closing a CudaPool on cuda:%d", self.device)
-                return True
+            marks = [Completion() for _ in self._lanes]
+            schedule = loop_scheduler()
+
+            def mark_all() -> None:  # the CUDA thread
+                for lane, done in zip(self._lanes, marks, strict=True):
+                    lane.mark(done, schedule)
+
+            await self._caller.run(mark_all, shielded=False)  # within the bound above
             for done in marks:
                 await done.settled()
             return True
@@ -294,6 +315,8 @@ class CopyCore:
         """Stop the waiters and free the streams, events and pinned memory; blocking (a
         worker thread runs it), and only after ``drain_all`` returned True. False when a
         waiter is stuck on a copy (then nothing is freed)."""
+        if not self._caller.stop(self.limits.settle_timeout):
+            return False
         if not all(lane.stop(self.limits.settle_timeout) for lane in self._lanes):
             return False
         with self.on_device():

@@ -1,20 +1,29 @@
 """CUDA plumbing for CudaPool: bounded pinned staging buffers, copy lanes, and completions the
 event loop awaits without blocking and without Python running on a CUDA driver thread.
 
-How the loop learns that copies finished: ``Lane.mark`` records a blocking-sync event after
-them on the lane's stream and queues it for the lane's *waiter*, one ordinary Python thread
-per lane that takes the events in order (a stream completes them in order),
-``cudaEventSynchronize``-s each and hands the result to the loop with
-``call_soon_threadsafe``. No host function is ever enqueued on a stream: a Python host
-function runs on a driver thread and needs the GIL while the loop thread may hold it inside a
-CUDA call, which deadlocks, and it never runs at all after a context error. The waiter also
-holds no token of anyio's default thread limiter, which the tiers share.
+How the loop learns that copies finished: ``Lane.mark`` (on the pool's CUDA thread) records a
+blocking-sync event after them on the lane's stream and queues it for the lane's *waiter*, one
+ordinary Python thread per lane that takes the events in order (a stream completes them in
+order), ``cudaEventSynchronize``-s each and hands the result to the loop with
+``call_soon_threadsafe``. No host function is ever enqueued on a stream: a Python host function
+runs on a driver thread and needs the GIL while the loop thread may hold it inside a CUDA call,
+which deadlocks, and it never runs at all after a context error. The waiter also holds no token
+of anyio's default thread limiter, which the tiers share.
 
-Errors: a CUDA error seen by the waiter (a sticky context error makes every later call fail
-too) resolves the completion as failed; once the context is dead no copy can still run, so
-the caller may return its buffers. When recording the event fails, the completion waits for
-the whole stream instead (``cudaStreamSynchronize``) and then reports the recording's error:
-whatever was enqueued before is known to have finished either way.
+Graph captures: while an engine captures a CUDA graph in global mode (torch's default), the
+synchronising calls of every other thread in global mode are refused and invalidate the
+capture. A waiter therefore puts its thread in relaxed capture mode first, so it neither
+breaks the engine's capture nor gets refused.
+
+Errors: not every error of a wait means the copies will never run. A refusal (a capture, an
+injected or transient error) leaves them queued, and they land later. So a failed wait is
+checked with ``cudaEventQuery``: done means done; not ready, or a refusal, means the copies
+are still queued and the waiter waits again (backing off while it is refused). Only an error
+that persists (a sticky context error makes every later call fail too) resolves the
+completion as failed: then no copy can still run, and the caller may return its buffers. The
+event of a failed completion is destroyed, not dropped. When recording the event fails, the
+completion waits for the whole stream instead (``cudaStreamSynchronize``) and then reports
+the recording's error: whatever was enqueued before is known to have finished either way.
 """
 
 from __future__ import annotations
@@ -35,11 +44,16 @@ import numpy as np
 
 from kvtier.pools._cupy import CudaRuntime
 
-__all__ = ["Completion", "Lane", "StagingBuffer", "StagingPool"]
+__all__ = ["Completion", "Lane", "StagingBuffer", "StagingPool", "loop_scheduler"]
 
 logger = logging.getLogger(__name__)
 
 _Schedule = Callable[..., object]
+
+_NOT_READY = 600  # cudaErrorNotReady
+# cudaErrorStreamCapture*: refusals and capture faults, not sticky (the context lives on)
+_CAPTURE_ERRORS = frozenset(range(900, 909))
+_RETRY_FIRST, _RETRY_MOST = 0.001, 0.05  # seconds between waits while a wait is refused
 
 
 class StagingBuffer:
@@ -72,7 +86,9 @@ class StagingPool:
             StagingBuffer(i, self.ptr + i * nbytes, whole.data[i * nbytes : (i + 1) * nbytes])
             for i in range(count)
         ]
-        self._free = list(reversed(self._buffers))
+        # FIFO: buffers go back in the order they were taken and come out in that order, so
+        # a batch gets adjacent buffers and its copies merge (a stack would reverse them).
+        self._free = deque(self._buffers)
         self._semaphore = anyio.Semaphore(count)
         self.waits = 0
 
@@ -90,7 +106,7 @@ class StagingPool:
             return got
         self.waits += 1
         await self._semaphore.acquire()
-        got = [self._free.pop()]
+        got = [self._free.popleft()]
         got += self.try_acquire(most - 1)
         return got
 
@@ -101,7 +117,7 @@ class StagingPool:
                 self._semaphore.acquire_nowait()
             except anyio.WouldBlock:
                 break
-            got.append(self._free.pop())
+            got.append(self._free.popleft())
         return got
 
     def release(self, buffers: list[StagingBuffer]) -> None:
@@ -126,8 +142,8 @@ class Completion:
 
     __slots__ = ("_callbacks", "_error", "_event", "event")
 
-    def __init__(self, event: int | None) -> None:
-        self.event = event  # the CUDA event recorded after the copies; None: stream-wide
+    def __init__(self) -> None:
+        self.event: int | None = None  # the event recorded after the copies; None: stream-wide
         self._event = anyio.Event()
         self._callbacks: list[Callable[[], None]] = []
         self._error: BaseException | None = None
@@ -166,7 +182,7 @@ class Completion:
         await self._event.wait()
 
 
-def _scheduler() -> _Schedule:
+def loop_scheduler() -> _Schedule:
     """How a thread hands a call to the running event loop (asyncio or trio)."""
     try:
         return asyncio.get_running_loop().call_soon_threadsafe
@@ -192,29 +208,35 @@ class Lane:
         self._thread: threading.Thread | None = None
         self.pending = 0
 
-    def mark(self, error: BaseException | None = None) -> Completion:
-        """A completion for everything enqueued on the stream so far; call it on the loop
-        thread with the lane's device current. Never raises a CUDA error: one is reported by
-        the completion, after the stream drained. ``error``: enqueueing failed partway;
-        the completion reports it once what did get enqueued has run."""
+    def mark(
+        self, done: Completion, schedule: _Schedule, error: BaseException | None = None
+    ) -> None:
+        """Make ``done`` (made on the loop thread, as ``schedule``, which hands calls to the
+        loop) the completion of everything enqueued on the stream so far; call it on the
+        pool's CUDA thread. Never raises a CUDA error: one is reported by the completion,
+        after the stream drained. ``error``: enqueueing failed partway; the completion
+        reports it once what did get enqueued has run."""
         event: int | None = None
         if error is None:
             try:
-                event = self._events.pop() if self._events else self._new_event()
+                with self._cv:
+                    event = self._events.pop() if self._events else None
+                if event is None:
+                    event = self._new_event()
                 try:
                     self._runtime.eventRecord(event, self.stream)
                 except BaseException:
-                    self._events.append(event)
+                    with self._cv:
+                        self._events.append(event)
                     raise
             except Exception as exc:
                 event, error = None, exc
-        done = Completion(event)
+        done.event = event
         self._start()
         with self._cv:
-            self._queue.append((event, done, _scheduler(), error))
+            self._queue.append((event, done, schedule, error))
             self.pending += 1
             self._cv.notify()
-        return done
 
     def _new_event(self) -> int:
         return self._runtime.eventCreateWithFlags(self._event_flags)
@@ -229,8 +251,13 @@ class Lane:
             self._thread.start()
 
     def _wait_in_order(self) -> None:  # the waiter thread
+        # Its own thread: the device is set once and never switched back.
         with contextlib.suppress(Exception):  # a dead context: the waits below say so
             self._runtime.setDevice(self.device)
+        try:  # an engine's graph capture must neither refuse nor be broken by our waits
+            self._runtime.threadExchangeStreamCaptureMode(self._runtime.streamCaptureModeRelaxed)
+        except Exception:
+            logger.warning("cannot relax the CUDA capture mode of the cuda:%d waiter", self.device)
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: bool(self._queue) or self._stopping)
@@ -239,22 +266,51 @@ class Lane:
                 event, done, schedule, error = self._queue.popleft()
             failure = error
             try:
+                self._until_done(event)
+            except Exception as exc:
+                failure = exc
+                if event is not None:  # the context is dead: the event goes, not to reuse
+                    with contextlib.suppress(Exception):
+                        self._runtime.eventDestroy(event)
+            with contextlib.suppress(Exception):  # the loop has closed: nobody is waiting
+                schedule(self._resolved, done, event, failure)
+
+    def _until_done(self, event: int | None) -> None:
+        """Wait until what ``event`` follows ran (the whole stream when None); raises only an
+        error that persists, after which nothing queued will run."""
+        delay = _RETRY_FIRST
+        while True:
+            try:
                 if event is None:
                     self._runtime.streamSynchronize(self.stream)
                 else:
                     self._runtime.eventSynchronize(event)
+                return
             except Exception as exc:
-                failure = exc
-            with contextlib.suppress(Exception):  # the loop has closed: nobody is waiting
-                schedule(self._resolved, done, event, failure)
+                status = getattr(exc, "status", None)
+                if event is not None:
+                    status = self._runtime.eventQuery(event)
+                    if status == 0:  # it ran after all
+                        return
+                if status != _NOT_READY and status not in _CAPTURE_ERRORS:
+                    raise
+                logger.debug(
+                    "a CUDA wait on cuda:%d was refused (%s); waiting again", self.device, exc
+                )
+            with self._cv:  # refused, not failed: the copies are still queued
+                self._cv.wait(delay)
+            delay = min(2 * delay, _RETRY_MOST)
 
     def _resolved(self, done: Completion, event: int | None, error: BaseException | None) -> None:
         """On the loop thread: resolve ``done``, then reuse its event (callbacks first: a
-        fence on that event is dropped before the event is recorded again)."""
-        self.pending -= 1
+        fence on that event is dropped before the event is recorded again); the event of a
+        failed completion was destroyed by the waiter."""
+        with self._cv:
+            self.pending -= 1
         done.resolve(error)
         if event is not None and error is None:
-            self._events.append(event)
+            with self._cv:
+                self._events.append(event)
 
     def stop(self, timeout: float) -> bool:
         """End the waiter once its queue is empty (a worker thread calls this at close);
@@ -268,7 +324,8 @@ class Lane:
         return True
 
     def destroy(self) -> None:
-        """Destroy the stream and the events (after ``stop`` returned True)."""
+        """Destroy the stream and the events (after ``stop`` returned True; on a thread
+        with the lane's device current)."""
         for event in self._events:
             self._runtime.eventDestroy(event)
         self._events.clear()

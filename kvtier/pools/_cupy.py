@@ -6,16 +6,20 @@ which extra to install, or why no device is usable, when it cannot run.
 
 ``CudaRuntime`` is the one seam between CudaPool and CUDA: the handful of ``cudart`` calls the
 pool makes, named and typed as ``cupy.cuda.runtime`` names them (raw handles and pointers as
-ints). ``cupy_runtime()`` is that module; the tests pass a stand-in with the same calls
-(``devtools.fake_cuda``) so the pool's ordering, cancellation and close logic runs without a
-GPU.
+ints). ``cupy_runtime()`` is that module plus the few driver calls it lacks (the current
+context, a stream's context, the thread's graph-capture mode); the tests pass a stand-in with
+the same calls (``devtools.fake_cuda``) so the pool's ordering, cancellation and close logic
+runs without a GPU.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+import ctypes
+import sys
+from collections.abc import Iterable, Iterator
 from importlib import metadata
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from kvtier._errors import ExtraNotInstalledError, KVTierError
 
@@ -27,6 +31,7 @@ __all__ = [
     "cupy_runtime",
     "device_count",
     "import_cupy",
+    "use_device",
 ]
 
 
@@ -35,10 +40,14 @@ class CudaUnavailableError(KVTierError, RuntimeError):
 
 
 class CudaRuntime(Protocol):
-    """The CUDA runtime calls CudaPool makes (``cupy.cuda.runtime`` has them all).
+    """The CUDA runtime calls CudaPool makes (``cupy_runtime()`` has them all:
+    ``cupy.cuda.runtime`` plus three driver calls).
 
-    Blocking calls (``eventSynchronize``, ``streamSynchronize``, ``free``, ``freeHost``)
-    are only ever made off the event loop thread.
+    No call of a copy is made on the event loop thread: CuPy holds the GIL in most wrappers, so
+    even an enqueue call that blocks in the driver would freeze the loop. Copies are enqueued
+    on the pool's CUDA thread (``_cuda_caller``), waited for on the lanes' waiter threads.
+    ``eventQuery`` returns the raw status (0 done, 600 not ready, or an error code) instead of
+    raising.
     """
 
     memcpyHostToDevice: int
@@ -47,6 +56,8 @@ class CudaRuntime(Protocol):
     streamNonBlocking: int
     eventBlockingSync: int
     eventDisableTiming: int
+    memoryTypeHost: int
+    streamCaptureModeRelaxed: int
 
     @property
     def CUDARuntimeError(self) -> type[Exception]: ...
@@ -68,7 +79,35 @@ class CudaRuntime(Protocol):
     def eventDestroy(self, event: int) -> None: ...
     def eventRecord(self, event: int, stream: int) -> None: ...
     def eventSynchronize(self, event: int) -> None: ...
+    def eventQuery(self, event: int) -> int: ...
     def pointerGetAttributes(self, ptr: int) -> Any: ...
+    def ctxGetCurrent(self) -> int: ...
+    def streamGetCtx(self, stream: int) -> int: ...
+    def threadExchangeStreamCaptureMode(self, mode: int) -> int: ...
+
+
+@contextlib.contextmanager
+def use_device(runtime: CudaRuntime, device: int) -> Iterator[None]:
+    """``device`` current on the calling thread for the block.
+
+    The previous device is restored only when the thread had a context before: on a thread
+    that never chose a device, ``getDevice`` says 0 without any context existing, and
+    switching "back" to 0 would create device 0's primary context (``cudaSetDevice`` does
+    since CUDA 12), hundreds of MB of a GPU the pool never uses, in every process of a
+    multi-GPU host. Such a thread keeps ``device`` current instead."""
+    previous = runtime.getDevice()
+    if previous == device:
+        yield
+        return
+    had_context = runtime.ctxGetCurrent() != 0
+    runtime.setDevice(device)
+    if not had_context:
+        yield
+        return
+    try:
+        yield
+    finally:
+        runtime.setDevice(previous)
 
 
 def cupy_packages(names: Iterable[str]) -> list[str]:
@@ -99,10 +138,40 @@ def import_cupy() -> Any:
     return cupy
 
 
+class _CupyRuntime:
+    """``cupy.cuda.runtime`` plus the calls CudaPool needs that it does not wrap: the
+    current context and a stream's context (``cupy.cuda.driver``), and the calling thread's
+    graph-capture mode (``cuThreadExchangeStreamCaptureMode``, from the driver library)."""
+
+    def __init__(self, cupy: Any) -> None:
+        self._runtime = cupy.cuda.runtime
+        self._driver = cupy.cuda.driver
+        self._libcuda: Any = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._runtime, name)
+
+    def ctxGetCurrent(self) -> int:
+        return int(self._driver.ctxGetCurrent())
+
+    def streamGetCtx(self, stream: int) -> int:
+        return int(self._driver.streamGetCtx(stream))
+
+    def threadExchangeStreamCaptureMode(self, mode: int) -> int:
+        if self._libcuda is None:
+            name = "nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1"
+            self._libcuda = ctypes.CDLL(name)
+        value = ctypes.c_int(mode)
+        status = int(self._libcuda.cuThreadExchangeStreamCaptureMode(ctypes.byref(value)))
+        if status != 0:
+            raise self._runtime.CUDARuntimeError(status)
+        return value.value
+
+
 def cupy_runtime() -> CudaRuntime:
-    """``cupy.cuda.runtime``, the runtime CudaPool uses unless it is given another."""
-    runtime: CudaRuntime = import_cupy().cuda.runtime
-    return runtime
+    """``cupy.cuda.runtime`` (with the few driver calls it lacks), the runtime CudaPool uses
+    unless it is given another."""
+    return cast(CudaRuntime, _CupyRuntime(import_cupy()))
 
 
 def device_count(runtime: CudaRuntime) -> int:

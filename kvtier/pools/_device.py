@@ -195,7 +195,11 @@ def host_device_copy(host: memoryview, arr: DeviceArray, stream: Any, *, to_devi
         return
     import cupy
 
-    with cupy.cuda.Device(arr.device):
+    from kvtier.pools._cupy import cupy_runtime, use_device
+
+    # Not ``cupy.cuda.Device``: it switches back even on a worker thread that had no
+    # context, which creates device 0's (see ``use_device``).
+    with use_device(cupy_runtime(), arr.device):
         flat = cupy.asarray(arr.obj).reshape(-1).view(cupy.uint8)
         if to_device:
             flat.set(flat_host, stream=stream)
