@@ -15,7 +15,11 @@ What makes it trustworthy:
   which the next ``open()`` removes once its writer is gone; a new ``FSTier`` on the same folder
   rebuilds its index (and its usage) from the files, oldest first.
 - **Bounded.** With ``capacity_bytes`` the least recently used blocks are removed before a store
-  would pass the limit.
+  would pass the limit. A store that finds the disk full (with or without a capacity) removes
+  the least recently used blocks to make room and writes again, and says so in the log once
+  per burst (``ENOSPC``: a cache on a full disk gives up its oldest blocks, not every new
+  one); it fails as ``no_space`` only when the tier has nothing left to remove. A store that
+  fails removes the shard folders it made, if nothing else was put in them meanwhile.
 - **Shares a folder.** Several processes may use one folder: publishing is a rename, removal is
   an unlink, and a reader holding a file open keeps reading it even if another process evicts
   it, so the worst another process can do is turn a hit into a miss. Files are reached from
@@ -65,14 +69,22 @@ What makes it trustworthy:
   odd-sized payloads keep the compact format 1, whose files older kvtiers wrote too; both
   read alike in either mode. Which buffer a block's bytes pass through, per block in a
   worker thread, is ``_blocks``'s.
-- **A folder's owner answers without a stat.** A tier alone on its folder (it holds the
-  folder's lock, ``_ownership``) is its only writer, so ``lookup()`` answers from the index
-  at once: a key it holds is a ``HIT``, any other a ``MISS`` (``not_found``) (see
-  ``_index``). A tier that shares its folder with other processes checks unknown keys on the
-  disk in batches, because another process may have written them. ``shared="auto"`` (the
-  default) owns the folder when it can and shares it otherwise; ``shared=True`` always
-  shares (a folder several engines write, on NFS for one); ``shared=False`` must own it and
-  fails at open when another process holds it.
+- **A folder's owner answers without a stat.** Every process that uses a folder holds a
+  shared lock on it, so each sees the others (``_ownership``). A tier alone on its folder is
+  its only writer, so ``lookup()`` answers from the index at once: a key it holds is a
+  ``HIT``, any other a ``MISS`` (``not_found``) (see ``_index``). A tier that shares its
+  folder with other processes checks unknown keys on the disk in batches, because another
+  process may have written them; so does an owner from the moment it finds another process
+  on its folder (it checks every ``CHECK_SECONDS``, ``_keeper``). ``shared="auto"`` (the
+  default) owns the folder while no other process uses it and shares it otherwise;
+  ``shared=True`` always shares (a folder several engines write, on NFS for one);
+  ``shared=False`` must own it and fails at open when another process uses it.
+- **Keeps its folder.** The marker and the identity manifest are created exclusively, so of
+  two tiers that open an empty folder at once the second reads the first one's marker and
+  refuses it if they disagree (a signed and an unsigned tier never share a folder). A folder
+  emptied while the tier runs (``rm -rf cache/*``) gets its marker, manifest and lock file
+  back at the next check or the next store (which has to make a shard folder first), so it
+  opens again; a folder that another tier's marker took meanwhile is not used any more.
 - **A block being written is not a miss.** In either mode a key this tier is storing and
   does not hold yet answers ``RETRY``, and having answered so, its listeners hear the key
   when the store ends (landed or failed). A deferred write to a slower tier that copies
@@ -117,9 +129,12 @@ around a synchronous core, the way httpcore's pool is a state machine with I/O o
 - ``_blocks``: the worker threads, buffers and limits; whose memory a block passes through.
 - ``_io`` (open a root, write, check, remove) and ``_read`` (read and verify): the blocking
   file work, one function per operation; ``_cached``: page-cached reads on the loop.
-- ``_layout``: names, shard folders, the marker and the descriptor-based walk.
+- ``_layout``: names, shard folders, the marker and the descriptor-based walk; ``_root``:
+  making a root, clearing dead writers' temporary files, the O_DIRECT probe.
 - ``_calls``: worker calls a deadline can walk away from; ``_index``: the owner's lookups;
-  ``_ownership``: the folder's lock, and who owns or shares the folder.
+  ``_ownership``: the folder's locks, and who owns or shares the folder; ``_marker``: the
+  marker and the identity manifest; ``_keeper``: the folder's own files from open to
+  close; ``_upkeep``: the folder's checks on the event loop.
 """
 
 from __future__ import annotations

@@ -90,7 +90,9 @@ def _read_cached(batch: Batch, since: int) -> list[int]:
     a batch from the device costs the loop one refused try."""
     files, cached = batch.files, batch.files.cached
     n = len(batch.keys)
-    if not cached.on or sum(view.nbytes for view in batch.views) > cached.budget:
+    if files.keeper.refused or not cached.on:  # a refused folder: the threads say why
+        return list(range(n))
+    if sum(view.nbytes for view in batch.views) > cached.budget:
         return list(range(n))
     root = cached.open_root()
     if root < 0:
@@ -191,10 +193,12 @@ async def store_many(
     deadline: float,
     prepare: Callable[[], Awaitable[None]],
     store: Callable[[bytes, memoryview], Awaitable[None]],
+    again: Callable[[bytes, memoryview], Awaitable[None]],
 ) -> BatchResults:
     """``FSTier.store_many`` once its arguments are checked. ``prepare`` readies a root that
     is not (raising the error to report); ``store`` is the tier's own, for keys that are
-    being stored already: it waits for that store."""
+    being stored already: it waits for that store. ``again`` stores one block of the batch
+    that found the disk full, alone, making room as ``store`` does."""
     catalog, keys = batch.ledger.catalog, batch.keys
     mine: list[int] = []
     later: list[int] = []  # keys being stored already (or twice here): store() waits
@@ -205,7 +209,7 @@ async def store_many(
             catalog.begin_store(key, anyio.Event())
             mine.append(i)
     try:
-        await _store_mine(batch, mine, deadline, prepare)
+        await _store_mine(batch, mine, deadline, prepare, again)
     finally:
         for i in mine:
             catalog.end_store(keys[i]).set()
@@ -221,7 +225,11 @@ async def store_many(
 
 
 async def _store_mine(
-    batch: Batch, mine: list[int], deadline: float, prepare: Callable[[], Awaitable[None]]
+    batch: Batch,
+    mine: list[int],
+    deadline: float,
+    prepare: Callable[[], Awaitable[None]],
+    again: Callable[[bytes, memoryview], Awaitable[None]],
 ) -> None:
     batch.files.calls.drain_late()
     if not batch.ledger.catalog.ready:
@@ -232,14 +240,21 @@ async def _store_mine(
                 batch.results[i] = exc
             return
     todo = list(mine)
+    full: list[int] = []  # blocks that found the disk full: stored again alone
     with anyio.CancelScope(deadline=deadline):
         while todo:  # in waves: a block can only evict blocks already published
             plan = _plan_wave(batch, todo)
             runs = _runs(len(plan), batch.files.max_write_concurrency)
             await _together(
-                [functools.partial(_store_run, batch, [plan[j] for j in r]) for r in runs]
+                [functools.partial(_store_run, batch, [plan[j] for j in r], full) for r in runs]
             )
-    for i in todo:  # the deadline passed before their wave
+        while full:
+            try:
+                await again(batch.keys[full[0]], batch.views[full[0]])
+            except TierError as exc:
+                batch.results[full[0]] = exc
+            del full[0]
+    for i in todo + full:  # the deadline passed before their wave
         batch.results[i] = batch.ledger.timed_out(batch.keys[i], "store")
 
 
@@ -263,7 +278,7 @@ def _plan_wave(batch: Batch, todo: list[int]) -> list[tuple[int, Reservation]]:
     return plan
 
 
-async def _store_run(batch: Batch, part: list[tuple[int, Reservation]]) -> None:
+async def _store_run(batch: Batch, part: list[tuple[int, Reservation]], full: list[int]) -> None:
     stop_at = _stop_at()
     local: list[object] = [_NOT_STARTED] * len(part)
     files, views = batch.files, batch.views
@@ -313,19 +328,27 @@ async def _store_run(batch: Batch, part: list[tuple[int, Reservation]]) -> None:
                 # ``late`` settles its account when the thread returns.
                 batch.results[i] = batch.ledger.timed_out(res.key, "store")
                 continue
-            batch.results[i] = _stored(batch, part[j], got[j], each)
+            batch.results[i] = _stored(batch, part[j], got[j], each, full)
 
 
 def _stored(
-    batch: Batch, item: tuple[int, Reservation], outcome: object, seconds: float
+    batch: Batch,
+    item: tuple[int, Reservation],
+    outcome: object,
+    seconds: float,
+    full: list[int] | None = None,
 ) -> TierError | None:
-    """The bookkeeping of one block of a batch store, as ``store`` does it for one."""
+    """The bookkeeping of one block of a batch store, as ``store`` does it for one; a block
+    that found the disk full while there are blocks to evict goes to ``full``."""
     i, res = item
     ledger = batch.ledger
     if isinstance(outcome, tuple):
         ledger.stored(res, outcome, batch.views[i].nbytes, seconds)
         return None
     ledger.settle(res, None, touched=outcome is not _NOT_STARTED)
+    if full is not None and isinstance(outcome, OSError) and ledger.disk_full(outcome):
+        full.append(i)
+        return None
     if isinstance(outcome, OSError | Stuck):
         return ledger.error(outcome, "store", res.key)
     return ledger.timed_out(res.key, "store")

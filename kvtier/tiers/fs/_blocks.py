@@ -18,6 +18,7 @@ format itself is ``_io``'s and ``_read``'s.
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from kvtier.tiers.fs import _read
 from kvtier.tiers.fs._cached import CachedReads
 from kvtier.tiers.fs._calls import BufferPool, Handoff, WorkerCalls
 from kvtier.tiers.fs._config import FSConfig
+from kvtier.tiers.fs._keeper import FolderKeeper
 
 __all__ = ["BlockFiles", "read_block", "write_block"]
 
@@ -42,10 +44,12 @@ class BlockFiles:
         root: Path,
         settings: FSConfig,
         integrity_key: IntegrityKey | None,
+        keeper: FolderKeeper,
     ) -> None:
         """Files under ``root`` (already resolved), with the fsync mode, thread limits and
-        buffer count of ``settings``."""
+        buffer count of ``settings``; ``keeper`` keeps the folder's own files."""
         self.root = root
+        self.keeper = keeper
         self.fsync = settings.fsync
         self.integrity_key = integrity_key
         self.direct = False  # O_DIRECT asked for and taken by the file system (probed at open)
@@ -83,12 +87,21 @@ class BlockFiles:
         return self.direct and aligned_file and io.aligned(view)
 
 
+def _usable(files: BlockFiles) -> None:
+    """Raise ``OSError`` when the folder is no longer this tier's (another kvtier's marker
+    took it while the tier ran): its blocks are neither read, which could call another
+    format's blocks corrupt and remove them, nor written."""
+    if (refused := files.keeper.refused) is not None:
+        raise OSError(errno.ESTALE, refused)
+
+
 def read_block(
     files: BlockFiles, call: Handoff, key: bytes, name: str, view: memoryview, *, private: bool
 ) -> io.ReadOutcome:
     """Read and verify one block (in a worker thread). ``private``: through a buffer of
     the tier's, copied into ``view`` inside ``touching()``; else straight into ``view`` (with
     O_DIRECT when ``view`` is aligned, else through an aligned buffer anyway)."""
+    _usable(files)
     if not (private or files.direct):
         return _read.read_block(
             files.root, name, key, view, None, call.touching, integrity_key=files.integrity_key
@@ -131,6 +144,7 @@ def write_block(
     caller's memory first, inside ``touching()``; else write from it (with O_DIRECT straight
     from it when it is aligned, else through an aligned copy). ``started`` is called, under
     the call's lock, once the block may touch the file system."""
+    _usable(files)
     hlen = files.region_size(key, payload.nbytes)
     zero_copy = not private and files.zero_copy(payload)
     copied = (private or files.direct) and not zero_copy
@@ -155,6 +169,7 @@ def write_block(
             integrity_key=files.integrity_key,
             staging=staging if files.direct else None,
             region=region,
+            new_shard=files.keeper.shard_made,
         )
     finally:
         if buf is not None:

@@ -192,6 +192,25 @@ class Catalog(Generic[W]):
         self.reserved += size
         return Reservation(key, name, size, victims)
 
+    def evict_more(self, res: Reservation, size: int) -> int:
+        """The disk is full (whatever the capacity says): take least recently used files
+        out of the index as more victims of ``res``, at least ``size`` bytes of them while
+        there are any; how many were taken."""
+        taken = freed = 0
+        index = self._index
+        while freed < size and index:
+            victim, victim_size = index.popitem(last=False)
+            if victim == res.name:  # it is there already: it needs no room
+                index[victim] = victim_size
+                if len(index) == 1:
+                    break
+                continue
+            self.used -= victim_size
+            res.victims.append((victim, victim_size))
+            freed += victim_size
+            taken += 1
+        return taken
+
     def settle(
         self, res: Reservation, landed: int | None, *, written: bool, touched: bool
     ) -> list[tuple[str, int]]:

@@ -4,7 +4,8 @@ Each operation (open a root, store one block, stat a batch, remove a block) is o
 function, so an ``FSTier`` call costs one thread hop and a cancelled caller can never abandon a
 file half-written: the thread runs the whole operation (including cleanup of its temporary
 file) to the end, then the caller looks at the outcome. Reading a block back and verifying it
-is ``_read``'s; where files live and how they are named is ``_layout``'s.
+is ``_read``'s; where files live and how they are named is ``_layout``'s; making a root and
+probing it is ``_root``'s.
 
 Every OS call that moves bytes goes through the module-level names ``_writev`` (here) and
 ``_preadv`` (in ``_read``), and every existence check through ``_stat``: that is the single
@@ -25,9 +26,7 @@ import enum
 import errno
 import fcntl
 import logging
-import mmap
 import os
-import secrets
 import stat
 import time
 from collections.abc import Callable, Sequence
@@ -45,21 +44,20 @@ from kvtier._format import (
     payload_offset,
 )
 from kvtier.tiers.fs._layout import (
-    DIR_MODE,
     FILE_MODE,
-    HOST_TAG,
     MARKER,
     O_CLOEXEC,
     O_NOFOLLOW,
-    STALE_TMP_SECONDS,
     Entry,
     Kind,
     open_shard,
     path_of,
+    remove_made,
     tmp_name,
     walk,
 )
 from kvtier.tiers.fs._marker import check_marker
+from kvtier.tiers.fs._root import O_DIRECT, make_root, remove_if_stale
 
 __all__ = [
     "ALIGN",
@@ -72,9 +70,7 @@ __all__ = [
     "aligned",
     "block_region",
     "copy_bytes",
-    "direct_refused",
     "file_version",
-    "make_root",
     "open_maybe_direct",
     "prepare_root",
     "region_size",
@@ -84,7 +80,6 @@ __all__ = [
     "write_block",
 ]
 
-O_DIRECT = getattr(os, "O_DIRECT", 0)
 # O_DIRECT needs file offsets, lengths and memory aligned to the device's logical block; 4096
 # covers every common one. Buffers from ``BufferPool`` are page-aligned (mmap).
 ALIGN = PAYLOAD_ALIGN
@@ -146,34 +141,6 @@ class UnusableRootError(InvalidArgumentError, OSError):
         return self.message
 
 
-def make_root(root: Path) -> None:
-    """Create ``root`` and any missing parents, saying so in the log.
-
-    A missing parent may be a file system that is not mounted yet: creating it writes on the
-    disk beneath, as vLLM's own fs tier does. The tier goes ahead (a root that a config names
-    should work) and says, with a warning, which folders it had to create, so a mount that
-    came late is found in the log rather than as a full system disk."""
-    try:
-        os.mkdir(root, DIR_MODE)
-    except FileExistsError:
-        return
-    except FileNotFoundError:
-        missing = [root]
-        for parent in root.parents:
-            if os.path.lexists(parent):
-                break
-            missing.append(parent)
-        os.makedirs(root, DIR_MODE, exist_ok=True)
-        logger.warning(
-            "created the FS tier's root %s and its missing parent folder(s) %s: if a file "
-            "system should be mounted at one of them, it was not when the tier opened",
-            root,
-            ", ".join(str(p) for p in reversed(missing[1:])),
-        )
-        return
-    logger.info("created the FS tier's root %s", root)
-
-
 def prepare_root(root: Path, marker: dict[str, object] | None = None) -> list[Entry]:
     """Make ``root`` usable and list its blocks, oldest first.
 
@@ -188,36 +155,9 @@ def prepare_root(root: Path, marker: dict[str, object] | None = None) -> list[En
         if item.kind is Kind.BLOCK:
             entries.append(Entry(item.parts[-1], item.size, item.mtime))
         elif item.kind is Kind.TEMPORARY:
-            _maybe_remove_tmp(item.folder, item.parts[-1], now)
+            remove_if_stale(item.folder, item.parts[-1], now)
     entries.sort(key=lambda e: e.mtime)
     return entries
-
-
-def _maybe_remove_tmp(folder: int, name: str, now: float) -> None:
-    """Remove a temporary file left by a writer that is gone: one on this host whose process
-    is dead, or any older than ``STALE_TMP_SECONDS``."""
-    parts = name.split("-")  # .tmp-<host>-<pid>-<random>-<name>
-    stale = False
-    if len(parts) >= 5 and parts[1] == HOST_TAG and parts[2].isdigit():
-        pid = int(parts[2])
-        stale = pid != os.getpid() and not _pid_alive(pid)
-    if not stale:
-        with contextlib.suppress(OSError):
-            mtime = os.stat(name, dir_fd=folder, follow_symlinks=False).st_mtime
-            stale = now - mtime > STALE_TMP_SECONDS
-    if stale:
-        with contextlib.suppress(OSError):
-            os.unlink(name, dir_fd=folder)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 # -- blocks ------------------------------------------------------------------------------------
@@ -280,6 +220,7 @@ def write_block(
     integrity_key: IntegrityKey | None = None,
     staging: memoryview | None = None,
     region: memoryview | None = None,
+    new_shard: Callable[[], None] | None = None,
 ) -> tuple[WriteOutcome, int]:
     """Publish one block atomically; return the outcome and the file's size.
 
@@ -291,31 +232,71 @@ def write_block(
     An existing block is not rewritten (keys name content, so it holds the same bytes). Else
     ``victims`` are removed to make room, the block goes to a uniquely named temporary file
     beside its final place, is optionally flushed, and is renamed into place. Whatever fails,
-    the temporary file is gone when this returns or raises.
+    the temporary file is gone when this returns or raises, and so are the shard folders this
+    store made (if nothing else was put in them). ``new_shard`` is called when a shard folder
+    had to be made, which is also how a folder emptied under the tier is noticed.
+
+    A shard folder removed while the block was being written in it (an empty one, by a store
+    beside this one that failed) is made again, and the block written again, a few times.
     """
-    # One walk to the shard serves the check and the write; a level that is missing (so is
-    # the block) is made on the way, rather than found missing and walked to again.
-    dir_fd = open_shard(root, name, create=True)
-    try:
-        size = _size_in(dir_fd, name)
-        if size is not None:
-            return WriteOutcome.EXISTS, size
-        for victim in victims:
-            remove_block(root, victim)
-        header = block_region(key, payload, integrity_key)
-        total = len(header) + payload.nbytes
-        tmp = tmp_name(name)
+    for attempt in range(1, _ATTEMPTS + 1):
+        made: list[int] = []
         try:
-            _write_tmp(dir_fd, tmp, header, payload, fsync, staging, region)
-            os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            # One walk to the shard serves the check and the write; a level that is missing
+            # (so is the block) is made on the way, rather than found missing and walked to.
+            dir_fd = open_shard(root, name, create=True, made=made)
+            try:
+                if made and new_shard is not None:
+                    new_shard()
+                return _publish(
+                    dir_fd, root, name, key, payload, fsync, victims, integrity_key, staging, region
+                )
+            finally:
+                os.close(dir_fd)
+        except FileNotFoundError:
+            remove_made(root, name, made)
+            if attempt == _ATTEMPTS:
+                raise
         except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp, dir_fd=dir_fd)
+            remove_made(root, name, made)
             raise
-        if fsync == "always":
-            os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    raise AssertionError("unreachable")
+
+
+# How many times a store makes its shard folder again when it was removed under it.
+_ATTEMPTS = 3
+
+
+def _publish(
+    dir_fd: int,
+    root: Path,
+    name: str,
+    key: bytes,
+    payload: memoryview,
+    fsync: str,
+    victims: Sequence[str],
+    integrity_key: IntegrityKey | None,
+    staging: memoryview | None,
+    region: memoryview | None,
+) -> tuple[WriteOutcome, int]:
+    """``write_block`` in the shard folder open as ``dir_fd``."""
+    size = _size_in(dir_fd, name)
+    if size is not None:
+        return WriteOutcome.EXISTS, size
+    for victim in victims:
+        remove_block(root, victim)
+    header = block_region(key, payload, integrity_key)
+    total = len(header) + payload.nbytes
+    tmp = tmp_name(name)
+    try:
+        _write_tmp(dir_fd, tmp, header, payload, fsync, staging, region)
+        os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        raise
+    if fsync == "always":
+        os.fsync(dir_fd)
     return WriteOutcome.WRITTEN, total
 
 
@@ -376,29 +357,6 @@ def open_maybe_direct(opener: Callable[[int], int], flags: int, direct: bool) ->
             if exc.errno != errno.EINVAL:
                 raise
     return opener(flags), False
-
-
-def direct_refused(root: Path) -> str | None:
-    """Why files under ``root`` do not take O_DIRECT writes of ``ALIGN`` bytes (tmpfs before
-    Linux 6.6, some FUSE and network file systems refuse them), or None when they do."""
-    if not O_DIRECT:
-        return "this platform has no O_DIRECT"
-    probe = root / f".kvtier-fs-probe-{os.getpid()}-{secrets.token_hex(4)}"
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC | O_NOFOLLOW
-    try:
-        fd = os.open(probe, flags | O_DIRECT, FILE_MODE)
-    except OSError as exc:
-        return f"opening with O_DIRECT failed: {exc.strerror or exc}"
-    try:
-        with mmap.mmap(-1, ALIGN) as page:
-            os.write(fd, page)
-        return None
-    except OSError as exc:
-        return f"an O_DIRECT write failed: {exc.strerror or exc}"
-    finally:
-        os.close(fd)
-        with contextlib.suppress(OSError):
-            os.unlink(probe)
 
 
 def _size_in(dir_fd: int, name: str) -> int | None:

@@ -61,6 +61,7 @@ __all__ = [
     "ShardFolders",
     "fsync_folder",
     "is_block_name",
+    "is_shard_name",
     "key_of",
     "name_of",
     "open_block",
@@ -68,6 +69,7 @@ __all__ = [
     "open_shard",
     "path_of",
     "remove_if_same",
+    "remove_made",
     "shard_path",
     "tmp_name",
     "walk",
@@ -177,13 +179,17 @@ def path_of(root: Path, name: str) -> Path:
 # -- descriptors -------------------------------------------------------------------------------
 
 
-def open_shard(root: Path, name: str, *, create: bool = False) -> int:
+def open_shard(
+    root: Path, name: str, *, create: bool = False, made: list[int] | None = None
+) -> int:
     """A descriptor of ``name``'s shard folder, reached from ``root`` one level at a time
     without following a link. A link there raises ``OSError`` (ELOOP); a missing level
-    ``FileNotFoundError`` unless ``create``. The caller closes the descriptor."""
+    ``FileNotFoundError`` unless ``create``; the depth (0, 1) of each level made is appended
+    to ``made`` (even when a later step fails), for ``remove_made``. The caller closes the
+    descriptor."""
     fd = os.open(root, _ROOT_FLAGS)
     try:
-        for level in _shard_of(name):
+        for depth, level in enumerate(_shard_of(name)):
             try:
                 try:
                     inner = os.open(level, _DIR_FLAGS, dir_fd=fd)
@@ -192,8 +198,13 @@ def open_shard(root: Path, name: str, *, create: bool = False) -> int:
                         raise
                     # mkdir only where the level is missing: on a populated root an
                     # existing level costs no failing syscall and no exception.
-                    with contextlib.suppress(FileExistsError):
+                    try:
                         os.mkdir(level, DIR_MODE, dir_fd=fd)
+                    except FileExistsError:
+                        pass
+                    else:
+                        if made is not None:
+                            made.append(depth)
                     inner = os.open(level, _DIR_FLAGS, dir_fd=fd)
             except NotADirectoryError as exc:
                 raise OSError(errno.ELOOP, f"shard {level} is not a folder") from exc
@@ -203,6 +214,27 @@ def open_shard(root: Path, name: str, *, create: bool = False) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def remove_made(root: Path, name: str, made: list[int]) -> None:
+    """Remove the shard folders of ``name`` that a failed store made (``open_shard``'s
+    ``made``), innermost first, if they are still empty: only ``rmdir``, which leaves a
+    folder that another writer has put a file in meanwhile, and never through a link."""
+    if not made:
+        return
+    first, second = _shard_of(name)
+    with contextlib.suppress(OSError):
+        root_fd = os.open(root, _ROOT_FLAGS)
+        try:
+            if 1 in made and (first_fd := open_folder(first, root_fd)) is not None:
+                try:
+                    os.rmdir(second, dir_fd=first_fd)
+                finally:
+                    os.close(first_fd)
+            if 0 in made:
+                os.rmdir(first, dir_fd=root_fd)
+        finally:
+            os.close(root_fd)
 
 
 def open_block(root: Path, name: str, flags: int) -> int:
@@ -329,14 +361,14 @@ def walk(root: Path) -> Iterator[Item]:
     root_fd = os.open(root, _ROOT_FLAGS)
     try:
         for first, is_dir in _entries(root_fd):
-            first_fd = open_folder(first, root_fd) if is_dir and _is_shard(first) else None
+            first_fd = open_folder(first, root_fd) if is_dir and is_shard_name(first) else None
             if first_fd is None:
                 if first != MARKER_NAME and not first.startswith(OWN_PREFIX):
                     yield Item(Kind.FOREIGN, (first,), root_fd)
                 continue
             try:
                 for second, second_is_dir in _entries(first_fd):
-                    ok = second_is_dir and _is_shard(second)
+                    ok = second_is_dir and is_shard_name(second)
                     second_fd = open_folder(second, first_fd) if ok else None
                     if second_fd is None:
                         yield Item(Kind.FOREIGN, (first, second), first_fd)
@@ -352,7 +384,8 @@ def walk(root: Path) -> Iterator[Item]:
         os.close(root_fd)
 
 
-def _is_shard(name: str) -> bool:
+def is_shard_name(name: str) -> bool:
+    """Whether ``name`` is one a shard folder has (two hex digits)."""
     return _SHARD.fullmatch(name) is not None
 
 

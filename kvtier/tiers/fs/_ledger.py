@@ -51,6 +51,9 @@ __all__ = ["Ledger", "Verdicts"]
 logger = logging.getLogger("kvtier.tiers.fs")
 
 _NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})  # what removing files can cure
+# How many times one store makes room on a full disk, each time twice as much as before.
+_ROOM_ATTEMPTS = 4
 
 
 class Verdicts(Protocol):
@@ -70,6 +73,9 @@ class Ledger:
     integrity_key: IntegrityKey | None
     events: EventBuffer
     meter: TierMeter = field(default_factory=TierMeter, init=False)
+    # Blocks evicted because the disk was full (not the capacity): also in ``evictions``.
+    disk_full_evictions: int = field(default=0, init=False)
+    folder_check_failures: int = field(default=0, init=False)  # the folder's checks that raised
     _log: BurstLogger = field(default_factory=lambda: BurstLogger(logger), init=False)
 
     def file_size(self, key: bytes, nbytes: int) -> int:
@@ -146,6 +152,32 @@ class Ledger:
         if result[0] is WriteOutcome.WRITTEN:
             self.meter.wrote(nbytes, seconds)
 
+    def disk_full(self, exc: OSError) -> bool:
+        """Whether a store that failed with ``exc`` found the disk full while the tier holds
+        blocks it could evict to make room."""
+        return exc.errno in _FULL and self.catalog.blocks > 0
+
+    def make_room(self, res: Reservation, exc: OSError, attempt: int) -> bool:
+        """A write for ``res`` failed with ``exc``: on a full disk, evict more least recently
+        used blocks with it (twice as much at each ``attempt``, at most ``_ROOM_ATTEMPTS``)
+        and say so, once per burst; whether the write should be tried again. A cache on a
+        full disk gives up its oldest blocks rather than every new one."""
+        if attempt >= _ROOM_ATTEMPTS or not self.disk_full(exc):
+            return False
+        taken = self.catalog.evict_more(res, res.size << attempt)
+        if not taken:
+            return False
+        self.disk_full_evictions += taken
+        self._log.warning(
+            "disk_full",
+            "%s: its file system is full: evicted %d least recently used blocks to make room "
+            "and stored again (%s)",
+            self.name,
+            taken,
+            exc.strerror or exc,
+        )
+        return True
+
     def stores_ended(self, keys: Iterable[bytes]) -> None:
         """The stores of ``keys`` ended (the catalog no longer holds them as being stored):
         tell whoever was answered RETRY for one that it answers HIT or MISS now."""
@@ -211,6 +243,19 @@ class Ledger:
     def warn(self, kind: str, message: str, *args: object) -> None:
         """Log once per burst of ``kind``."""
         self._log.warning(kind, message, *args)
+
+    def refused(self, reason: str, operation: str) -> TierUnavailableError:
+        """The folder stopped being this tier's while it ran (``reason``: another tier's
+        marker or identity is there now): counted, logged once per burst, and the error to
+        raise for ``operation``."""
+        self.meter.failed(MissReason.UNAVAILABLE)
+        self._log.warning("refused", "%s: stopped using its folder: %s", self.name, reason)
+        return TierUnavailableError(reason, tier=self.name, operation=operation)
+
+    def folder_check_failed(self, exc: BaseException) -> None:
+        """A check of the folder raised: counted, logged once per burst."""
+        self.folder_check_failures += 1
+        self._log.warning("check", "%s: checking its folder failed: %r", self.name, exc)
 
     def error(self, exc: OSError | Stuck, operation: str, key: bytes | None = None) -> TierError:
         """The one place an ``OSError`` becomes a kvtier error; counts and logs it."""

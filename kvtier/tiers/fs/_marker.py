@@ -4,7 +4,9 @@
 Both are read before any block is, and both refuse rather than guess: a folder kvtier did not
 write, one in another format, one signed with another key or holding another cache identity
 is an error at open that names what differs; neither file is ever overwritten by a tier that
-disagrees with it.
+disagrees with it. Both are created exclusively (written aside, then linked to their name), so
+of two openers racing on an empty folder the first one's stands and the other checks it; and
+both are written back by a tier whose folder lost them while it ran (``_keeper``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from kvtier.tiers.fs._layout import (
     READ_FLAGS,
     IncompatibleRoot,
     fsync_folder,
+    is_shard_name,
 )
 
 __all__ = [
@@ -42,6 +45,7 @@ __all__ = [
     "marker_for",
     "read_identity",
     "read_marker",
+    "restore_marker",
 ]
 
 
@@ -77,41 +81,88 @@ def read_marker(root: Path) -> bytes:
         return f.read()
 
 
-def check_marker(root: Path, expected: dict[str, object]) -> None:
-    """Check the format marker of ``root``, or write it to an empty folder; raises
-    ``IncompatibleRoot`` for a folder kvtier did not create or wrote in another format."""
+def check_marker(root: Path, expected: dict[str, object], *, again: bool = False) -> None:
+    """Check the format marker of ``root``, or create it in an empty folder; raises
+    ``IncompatibleRoot`` for a folder kvtier did not create or wrote in another format.
+
+    The marker is created exclusively: of two openers that both find the folder empty, the
+    first one's marker stands and the other checks it (and refuses it if they disagree),
+    so a signed and an unsigned tier never both open one folder."""
     try:
         raw = read_marker(root)
     except FileNotFoundError:
         foreign = [n for n in os.listdir(root) if not n.startswith(OWN_PREFIX)]
-        if foreign == [MARKER_NAME]:  # another opener wrote it since: check that one
-            check_marker(root, expected)
+        if MARKER_NAME in foreign and not again:  # another opener wrote it since
+            check_marker(root, expected, again=True)
             return
         if foreign:
             raise IncompatibleRoot(
                 f"{root} is not empty and has no {MARKER_NAME} marker, so it is not a kvtier "
                 "folder; point FSTier at an empty folder or at one kvtier created"
             ) from None
-        _write_marker(root, expected)
+        if not _create_marker(root, expected):
+            _check_found(root, read_marker(root), expected, raced=True)
         return
+    _check_found(root, raw, expected)
+
+
+def restore_marker(root: Path, expected: dict[str, object]) -> bool:
+    """Write the marker of a folder this tier uses back when it is gone (someone emptied the
+    folder while the tier ran), so the folder opens again; whether it was written. Raises
+    ``IncompatibleRoot`` when the folder holds files kvtier did not write, or when another
+    tier wrote a marker that disagrees in the meantime."""
+    try:
+        os.lstat(root / MARKER_NAME)
+        return False
+    except FileNotFoundError:
+        pass
+    foreign = [
+        n
+        for n in os.listdir(root)
+        if not (n.startswith(OWN_PREFIX) or n == MARKER_NAME or is_shard_name(n))
+    ]
+    if foreign:
+        raise IncompatibleRoot(
+            f"{root} lost its {MARKER_NAME} marker while this tier used it and now holds files "
+            f"kvtier did not write ({', '.join(sorted(foreign)[:3])}): not writing it back"
+        )
+    if _create_marker(root, expected):
+        return True
+    _check_found(root, read_marker(root), expected, raced=True)
+    return False
+
+
+def _check_found(
+    root: Path, raw: bytes, expected: dict[str, object], *, raced: bool = False
+) -> None:
+    """Check the marker ``raw`` found in ``root`` against ``expected`` (``raced``: another
+    opener wrote it while this one was about to, which the error then says)."""
     try:
         found = json.loads(raw)
     except ValueError:
         found = None
     if isinstance(found, dict) and found != expected and _moved_up(found) == expected:
-        _write_marker(root, expected)  # an older block format or MAC, moved up
+        _replace_marker(root, expected)  # an older block format or MAC, moved up
         return
-    if found != expected:
-        if isinstance(found, dict) and {**found, "integrity": None} == {
-            **expected,
-            "integrity": None,
-        }:
-            raise IncompatibleRoot(_integrity_mismatch(root, found, expected))
-        raise IncompatibleRoot(
-            f"{root} holds kvtier-fs data in another format ({MARKER_NAME} says {found!r}; this "
-            f"kvtier writes {expected!r}); point FSTier at another folder, or empty this one to "
-            "start a fresh cache"
+    if found == expected:
+        return
+    if isinstance(found, dict) and {**found, "integrity": None} == {
+        **expected,
+        "integrity": None,
+    }:
+        message = _integrity_mismatch(root, found, expected)
+    else:
+        message = (
+            f"{root} holds kvtier-fs data in another format ({MARKER_NAME} says {found!r}; "
+            f"this kvtier writes {expected!r}); point FSTier at another folder, or empty this "
+            "one to start a fresh cache"
         )
+    if raced:
+        message += (
+            f" (another tier opened this empty folder at the same time and wrote its "
+            f"{MARKER_NAME} first)"
+        )
+    raise IncompatibleRoot(message)
 
 
 def _integrity_mismatch(root: Path, found: dict[str, object], expected: dict[str, object]) -> str:
@@ -142,7 +193,26 @@ def _write_new(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
-def _write_marker(root: Path, marker: dict[str, object]) -> None:
+def _create_marker(root: Path, marker: dict[str, object]) -> bool:
+    """Create ``root``'s marker whole unless one is there: written aside, then linked to its
+    name, which fails when another opener's is there (False: check that one)."""
+    data = json.dumps(marker).encode()
+    tmp = root / f"{OWN_PREFIX}.json.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    _write_new(tmp, data)
+    try:
+        _link_or_create(tmp, root / MARKER_NAME, data)
+    except FileExistsError:
+        return False
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+    fsync_folder(root)
+    return True
+
+
+def _replace_marker(root: Path, marker: dict[str, object]) -> None:
+    """Move an agreeing older marker up: replaced whole (renamed over), so a reader sees the
+    old one or the new one; another opener moving it up writes the same bytes."""
     tmp = root / f"{OWN_PREFIX}.json.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     _write_new(tmp, json.dumps(marker).encode())
     try:

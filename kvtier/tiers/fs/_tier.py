@@ -6,7 +6,9 @@ a worker thread (``_blocks``, ``_io``, ``_read``) between two synchronous steps:
 ``Catalog`` reserves room and marks the key being stored; after, the ``Ledger`` books the
 outcome (catalog, counters, verdicts, notices, errors). ``lookup`` is synchronous: a key
 being stored answers ``RETRY``, any other is the lookup helper's (``AsyncLookupManager`` for a
-shared folder, ``_index.IndexLookups`` for an exclusive one). Batches are ``_batch``'s.
+shared folder, ``_index.IndexLookups`` for an exclusive one). Batches are ``_batch``'s. The
+folder's own files (marker, manifest, locks) are the ``FolderKeeper``'s (``_keeper``), checked
+while the tier is open by ``_upkeep``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Unpack, cast
 
 import anyio
+import anyio.abc
 
 from kvtier._describe import describe
 from kvtier._errors import InvalidArgumentError
@@ -44,14 +47,12 @@ from kvtier.tiers.fs._calls import Abandoned, Handoff, OnLate, Stuck
 from kvtier.tiers.fs._catalog import Catalog, Reservation
 from kvtier.tiers.fs._config import FSConfig, FSOverrides
 from kvtier.tiers.fs._index import IndexLookups
-from kvtier.tiers.fs._layout import (
-    Entry,
-    IncompatibleRoot,
-    name_of,
-)
+from kvtier.tiers.fs._keeper import FolderKeeper
+from kvtier.tiers.fs._layout import IncompatibleRoot, name_of
 from kvtier.tiers.fs._ledger import Ledger
-from kvtier.tiers.fs._marker import claim_identity, marker_for
-from kvtier.tiers.fs._ownership import Claim, FolderBusy, claim
+from kvtier.tiers.fs._marker import marker_for
+from kvtier.tiers.fs._ownership import FolderBusy
+from kvtier.tiers.fs._upkeep import Upkeep
 
 __all__ = ["FSTier"]
 
@@ -93,34 +94,37 @@ class FSTier(SecondaryTier):
         self.shared, self.direct_io = settings.shared, settings.direct_io
         self.max_concurrency = settings.max_concurrency
         self.max_write_concurrency = settings.max_write_concurrency
-        self._marker = marker_for(self.integrity_key)
-        self._files = BlockFiles(self.root, settings, self.integrity_key)
+        self._keeper = keeper = FolderKeeper(
+            self.root, marker_for(self.integrity_key), identity, self._container, self.shared
+        )
+        self._files = BlockFiles(self.root, settings, self.integrity_key, keeper)
         self._catalog: Catalog[anyio.Event] = Catalog(settings.capacity_bytes)
-        self._claim: Claim | None = None  # the folder's lock, while open
-        self._lookups = self._new_lookups(owner=settings.shared is False)
+        # The owner answers lookups from the catalog; a shared writer checks the disk (another
+        # process may have written a key). Both are open while the tier is, so an owner that
+        # finds another process on its folder switches at once.
+        self._index = IndexLookups(self._catalog.holds, miss_ttl=settings.miss_ttl)
+        self._checks = existence_checks(self, self.contains_many, settings, most=4)
+        self._lookups: AsyncLookupManager | IndexLookups = (
+            self._index if settings.shared is False else self._checks
+        )
+        self._task_group: anyio.abc.TaskGroup | None = None  # the folder's checks
         # What it holds, for routers and engines (``kvtier._events``): stored, removed, cleared.
         self.events = EventBuffer(self.name)
         self._ledger = Ledger(
             self.name, self._catalog, self._lookups, self.notify, self.integrity_key, self.events
         )
-
-    def _new_lookups(self, *, owner: bool) -> AsyncLookupManager | IndexLookups:
-        """A shared folder checks unknown keys in batches (another process may have written
-        them); the owner's answers from the catalog at once."""
-        if owner:
-            return IndexLookups(self._catalog.holds, miss_ttl=self.config.miss_ttl)
-        return existence_checks(self, self.contains_many, self.config, most=4)
+        self._upkeep = Upkeep(self._files, self._ledger, settings.lookup_timeout, self._share)
 
     @property
     def owner(self) -> bool | None:
         """Whether this tier is the folder's only writer and answers lookups from its index
         (``shared``, see ``kvtier.tiers.fs._ownership``); None until it has opened its root."""
-        return None if self._claim is None else self._claim.owner
+        return self._keeper.owner
 
     # -- lifecycle -----------------------------------------------------------------------------
 
     async def open(self) -> None:
-        """Prepare the root and start the existence checks.
+        """Prepare the root, start the existence checks and the folder's checks.
 
         An incompatible or foreign root raises ``InvalidArgumentError``: nothing is touched.
         A root that cannot be created or written (permissions, a file in the way, a read-only
@@ -130,38 +134,43 @@ class FSTier(SecondaryTier):
         tier opens degraded (stores fail as ``unavailable``, lookups are misses) and tries
         again on the next store.
         """
-        if self._lookups.is_open:
+        if self._task_group is not None:
             return
         await self._prepare(raise_unavailable=False)
-        await self._lookups.__aenter__()
+        await self._index.__aenter__()
+        await self._checks.__aenter__()
+        self._task_group = tg = anyio.create_task_group()
+        await tg.__aenter__()
+        tg.start_soon(self._upkeep.run)
 
     async def aclose(self) -> None:
-        """Stop the existence checks and let go of the folder. The blocks stay; opening again
-        rescans the folder."""
-        await self._lookups.aclose()
+        """Stop the checks and let go of the folder. The blocks stay; opening again rescans
+        the folder."""
+        await self._index.aclose()  # holds no task group: nothing to leave
         self._catalog.ready = False
-        claim, self._claim = self._claim, None
-        if claim is not None:
-            with anyio.CancelScope(shield=True), contextlib.suppress(OSError, Stuck):
-                await self._files.calls.run(lambda _: claim.release(), limiter=self._files.reads)
+        tg, self._task_group = self._task_group, None
+        try:
+            if tg is not None:  # entered after the existence checks' group: left before it
+                tg.cancel_scope.cancel()
+                await tg.__aexit__(None, None, None)
+        finally:  # even when the caller is cancelled meanwhile (a manager's open_timeout)
+            held, files = self._keeper.close(), self._files
+            if held is not None:  # bounded: closing a lock on a dead mount may not return
+                with anyio.move_on_after(self.config.lookup_timeout, shield=True):
+                    with contextlib.suppress(OSError, Stuck):
+                        await files.calls.run(lambda _: held.release(), limiter=files.reads)
+            await self._checks.aclose()
 
     async def _prepare(self, *, raise_unavailable: bool) -> None:
-        root, marker, files = self.root, self._marker, self._files
-        probe, sharing = self.direct_io, None if self._claim else self.shared
-        container, identity = self._container, self.identity
-
-        def prepare(_: Handoff) -> tuple[list[Entry], str | bool | None, Claim | None]:
-            if container is not None:
-                io.make_root(container)
-            entries = io.prepare_root(root, marker)
-            if identity is not None:
-                claim_identity(root, identity)
-            refused = probe and io.direct_refused(root)
-            return entries, refused, None if sharing is None else claim(root, sharing)
-
+        keeper, files, probe = self._keeper, self._files, self.direct_io
+        generation = keeper.generation
         try:
-            entries, refused, claimed = await files.calls.run(prepare, limiter=files.reads)
+            ready = await files.calls.run(
+                lambda _: keeper.prepare(probe, generation), limiter=files.reads
+            )
         except (IncompatibleRoot, FolderBusy) as exc:
+            if raise_unavailable:  # at a store: the folder became another tier's
+                raise self._ledger.refused(str(exc), "store") from None
             raise InvalidArgumentError(str(exc)) from None
         except (OSError, Stuck) as exc:
             self._catalog.ready = False
@@ -173,36 +182,30 @@ class FSTier(SecondaryTier):
             if raise_unavailable:
                 raise self._ledger.error(exc, "store") from exc
             return
-        files.direct = probe and not refused
-        if refused:
-            self._ledger.warn(
-                "direct", "%s: %s: %s; through the page cache instead", self.name, root, refused
-            )
-        if claimed is not None:
-            await self._take(claimed)
-        self._ledger.rescanned((e.name, e.size) for e in entries)
-
-    async def _take(self, claimed: Claim) -> None:
-        """Answer lookups as the folder's owner or as one of its writers, as ``claimed`` says."""
-        self._claim = claimed
-        logger.info(
-            "%s: %s is %s: lookups %s",
-            self.name,
-            self.root,
-            claimed.why,
-            "answer from the index" if claimed.owner else "check the disk",
-        )
-        if claimed.owner == isinstance(self._lookups, IndexLookups):
-            return
-        old, new = self._lookups, self._new_lookups(owner=claimed.owner)
-        self._lookups = new
-        self._ledger.verdicts = new
-        if old.is_open:  # a tier that opened degraded, now taking its root at a store
-            await old.aclose()
-            await new.__aenter__()
+        files.direct = probe and not ready.direct_refused
+        if why := ready.direct_refused:
+            warning = "%s: %s: %s; through the page cache instead"
+            self._ledger.warn("direct", warning, self.name, self.root, why)
+        if (claimed := ready.claimed) is not None:  # owner, or one of the folder's writers
+            how = "answer from the index" if claimed.owner else "check the disk"
+            logger.info("%s: %s is %s: lookups %s", self.name, self.root, claimed.why, how)
+            self._lookups = self._ledger.verdicts = self._index if claimed.owner else self._checks
+        self._ledger.rescanned((e.name, e.size) for e in ready.entries)
 
     async def _prepare_for_store(self) -> None:
         await self._prepare(raise_unavailable=True)
+
+    # -- the folder ------------------------------------------------------------------------------
+
+    async def _check_folder(self) -> None:
+        """Check the folder once now, as the periodic check does (``_upkeep``)."""
+        await self._upkeep.check()
+
+    def _share(self, why: str) -> None:
+        """Another process uses the folder now: stop answering lookups from the index."""
+        if self._lookups is self._index:
+            logger.warning("%s: %s is %s: lookups check the disk", self.name, self.root, why)
+            self._lookups = self._ledger.verdicts = self._checks
 
     # -- lookup --------------------------------------------------------------------------------
 
@@ -273,21 +276,23 @@ class FSTier(SecondaryTier):
     async def store(self, key: bytes, src: memoryview) -> None:
         check_key(key)
         payload = _readable_bytes(src)
-        name = name_of(key)
         catalog = self._catalog
         while (busy := catalog.storing.get(key)) is not None:
             await busy.wait()  # the same key is being written: let that store decide
         done = anyio.Event()
         catalog.begin_store(key, done)
         try:
-            await self._store(key, name, payload)
+            await self._store(key, payload)
         finally:
             catalog.end_store(key)
             done.set()
             self._ledger.stores_ended([key])
+            self._upkeep.follow()
 
-    async def _store(self, key: bytes, name: str, payload: memoryview) -> None:
-        started = time.perf_counter()
+    async def _store(self, key: bytes, payload: memoryview) -> None:
+        """Reserve room, write, book the outcome; on a full disk, evict the least recently
+        used blocks with it and write again (``Ledger.make_room``)."""
+        started, name = time.perf_counter(), name_of(key)
         files, ledger = self._files, self._ledger
         files.calls.drain_late()
         if not self._catalog.ready:
@@ -301,18 +306,27 @@ class FSTier(SecondaryTier):
                 files, call, key, name, payload, res.victim_names, private=True
             )
 
-        call = Handoff()
-        try:
-            result = await files.calls.run(
-                write, limiter=files.writes, on_late=self._late_store(res), handoff=call
-            )
-        except BaseException as exc:
-            if not call.left_running:  # else the late hook settles it when it finishes
-                landed = cast("tuple[io.WriteOutcome, int] | None", call.result)  # cancelled late
-                ledger.settle(res, landed, touched=call.started)
-            if isinstance(exc, OSError | Stuck):
+        attempt = 0
+        while True:
+            call = Handoff()
+            try:
+                result = await files.calls.run(
+                    write, limiter=files.writes, on_late=self._late_store(res), handoff=call
+                )
+            except OSError as exc:  # the thread ran to its end: nothing is left running
+                if ledger.make_room(res, exc, attempt):
+                    attempt += 1
+                    continue
+                ledger.settle(res, None, touched=True)
                 raise ledger.error(exc, "store", key) from exc
-            raise
+            except BaseException as exc:
+                if not call.left_running:  # else the late hook settles it when it finishes
+                    landed = cast("tuple[io.WriteOutcome, int] | None", call.result)  # late
+                    ledger.settle(res, landed, touched=call.started)
+                if isinstance(exc, Stuck):
+                    raise ledger.error(exc, "store", key) from exc
+                raise
+            break
         ledger.stored(res, result, payload.nbytes, time.perf_counter() - started)
 
     def _late_store(self, res: Reservation) -> OnLate[tuple[io.WriteOutcome, int]]:
@@ -357,7 +371,12 @@ class FSTier(SecondaryTier):
         keys = [check_key(k) for k in keys]
         payloads = [_readable_bytes(s) for s in srcs]
         batch = _batch.Batch.of(self._files, self._ledger, keys, payloads, pinned)
-        return await _batch.store_many(batch, deadline, self._prepare_for_store, self.store)
+        try:  # a block that found the disk full is stored again alone, making room
+            return await _batch.store_many(
+                batch, deadline, self._prepare_for_store, self.store, self._store
+            )
+        finally:
+            self._upkeep.follow()
 
     async def delete(self, key: bytes) -> None:
         check_key(key)
@@ -403,6 +422,7 @@ class FSTier(SecondaryTier):
             signed=self.integrity_key is not None,
             storing=len(catalog.storing),
             stuck_threads=files.calls.stuck,
+            disk_full_evictions=self._ledger.disk_full_evictions,
         )
 
 

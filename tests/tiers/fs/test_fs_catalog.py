@@ -53,6 +53,20 @@ def test_without_a_capacity_nothing_is_evicted() -> None:
     assert catalog.reserved == 0 and catalog.used == 1200 and catalog.blocks == 3
 
 
+def test_a_full_disk_takes_the_least_recently_used_as_more_victims() -> None:
+    catalog = filled(None, 10, 20, 30, 40)  # no capacity: only the disk says it is full
+    catalog.loaded(name(0), 10)  # block 0 is the most recently used now
+    res = catalog.reserve(key(1), name(1), 25)  # block 1 is being stored again: never a victim
+    assert catalog.evict_more(res, 25) == 1  # past its own file: the oldest, enough
+    assert res.victims == [(name(2), 30)]
+    assert catalog.used == 70 and catalog.names() == [name(3), name(0), name(1)]
+    assert catalog.evict_more(res, 100) == 2  # as many as there are, short of 100 bytes
+    assert res.victims == [(name(2), 30), (name(3), 40), (name(0), 10)]
+    assert catalog.evict_more(res, 100) == 0  # only its own file is left
+    assert written(catalog, res) == [(name(2), 30), (name(3), 40), (name(0), 10)]
+    assert catalog.names() == [name(1)] and catalog.used == 25 and catalog.reserved == 0
+
+
 def test_a_reservation_that_fits_evicts_nothing_and_holds_its_room() -> None:
     catalog = filled(100, 30)
     res = catalog.reserve(key(1), name(1), 40)

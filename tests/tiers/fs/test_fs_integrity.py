@@ -30,8 +30,10 @@ from kvtier._format import (
 from kvtier._lookup import LookupResult
 from kvtier.testing import resolve_lookup
 from kvtier.tiers.fs import FSTier
+from kvtier.tiers.fs._layout import MARKER_NAME
 from tests.support import block_file, run_cli
-from tests.tiers.fs.fs_worker import key_and_data
+from tests.tiers.fs.fs_worker import key_and_data, served
+from tests.tiers.fs.fs_worker import key_of as worker_key
 
 BLOCK = 4096
 SECRET = "correct horse battery staple 0123456789"
@@ -135,6 +137,30 @@ async def test_nodes_must_agree_on_the_key(tmp_path: Path) -> None:
         out = bytearray(BLOCK)
         await tier.load(key(1), memoryview(out))
         assert out == data(1)
+
+
+async def test_two_first_opens_racing_on_an_empty_folder_never_both_open(
+    tmp_path: Path,
+) -> None:
+    """A signed and an unsigned tier both find the folder empty and both write a marker: the
+    first one's stands, and the other reads it and refuses, before touching a block."""
+    root = tmp_path / "c"
+    async with (
+        served(root, "auto", "--hold-marker", "--key", SECRET) as signed,
+        served(root, "auto", "--hold-marker") as plain,
+    ):
+        assert await signed.line() == "holding"
+        assert await plain.line() == "holding"  # both found it empty: neither wrote yet
+        assert await signed.ask("go") == "opened owner=True"
+        refused = await plain.ask("go")
+        assert refused.startswith("refused") and "set integrity_key" in refused, refused
+        assert "at the same time" in refused
+        assert await signed.ask("store 1") == "stored 1"
+        await signed.quit()
+    marker = json.loads((root / MARKER_NAME).read_text())
+    assert marker["integrity"]["key_id"] == IntegrityKey(SECRET).key_id
+    async with FSTier(root, integrity_key=SECRET) as tier:
+        assert await resolve_lookup(tier, worker_key("w", 1)) is LookupResult.HIT
 
 
 # -- configuration --------------------------------------------------------------------------

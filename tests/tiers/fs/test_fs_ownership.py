@@ -4,7 +4,9 @@ refused; the lock dies with its process, kill -9 included."""
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,12 +18,16 @@ import anyio.streams.buffered
 import pytest
 
 from kvtier._errors import InvalidArgumentError
+from kvtier._identity import CacheIdentity
 from kvtier._lookup import LookupResult
 from kvtier.testing._conformance import resolve_lookup
-from kvtier.tiers.fs import FSTier
+from kvtier.tiers.fs import FSTier, _ownership, _upkeep
 from kvtier.tiers.fs import _io as fs_io
+from kvtier.tiers.fs._layout import IDENTITY_NAME, MARKER_NAME
 from kvtier.tiers.fs._ownership import LOCK_NAME
 from tests.support import fresh_keys, run_cli
+from tests.tiers.fs.fs_worker import key_of as worker_key
+from tests.tiers.fs.fs_worker import served
 
 BLOCK = 4096
 
@@ -77,8 +83,9 @@ async def test_a_second_opener_joins_as_a_shared_writer_or_is_refused(tmp_path: 
             assert second.lookup(unknown) is LookupResult.RETRY  # it checks the disk
             assert await resolve_lookup(second, first_key) is LookupResult.HIT
             await second.store(second_key, memoryview(bytes(BLOCK)))
-        # The owner does not see another writer's blocks (a lost hit, never wrong bytes).
-        assert first.lookup(second_key) is LookupResult.MISS
+            await first._check_folder()  # as it does periodically: it finds the second
+            assert first.owner is False
+            assert await resolve_lookup(first, second_key) is LookupResult.HIT
     async with FSTier(root, shared=False) as third:  # the folder is free again
         assert third.owner is True
         assert third.lookup(second_key) is LookupResult.HIT  # rebuilt from the files
@@ -136,3 +143,125 @@ async def test_the_lock_file_is_neither_a_block_nor_foreign(tmp_path: Path) -> N
     assert code == 0, out + err
     code, out, err = run_cli("inspect", "--json", str(root))
     assert code == 0 and '"blocks": 1' in out, out + err
+
+
+# -- every user of a folder is seen by the others ------------------------------------------------
+
+
+async def test_a_writer_that_joined_an_owned_folder_keeps_the_next_opener_from_owning_it(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "c"
+    async with served(root, "auto") as first:
+        assert await first.line() == "opened owner=True"
+        async with served(root, "auto") as second:
+            assert await second.line() == "opened owner=False"
+            await first.quit()  # the owner goes; the second still writes
+            async with FSTier(root) as third:
+                assert third.owner is False  # the second is there: nobody owns the folder
+                assert await second.ask("store 1") == "stored 1"
+                assert await resolve_lookup(third, worker_key("w", 1)) is LookupResult.HIT
+            await second.quit()
+
+
+async def test_an_owner_that_finds_a_writer_appear_checks_the_disk(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    async with FSTier(root) as owner:
+        assert owner.owner is True
+        async with served(root, "auto") as writer:
+            assert await writer.line() == "opened owner=False"
+            assert await writer.ask("store 1") == "stored 1"
+            await owner._check_folder()
+            assert owner.owner is False
+            assert await resolve_lookup(owner, worker_key("w", 1)) is LookupResult.HIT
+            await writer.quit()
+
+
+async def test_a_deleted_lock_file_does_not_let_a_second_process_own_the_folder(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "c"
+    async with FSTier(root) as owner:
+        assert owner.owner is True
+        (root / LOCK_NAME).unlink()
+        async with served(root, "auto") as second:
+            assert await second.line() == "opened owner=False"
+            await second.quit()
+
+
+@pytest.mark.parametrize("first_check", ["owner", "newcomer"])
+async def test_a_lock_file_deleted_where_folders_take_no_lock_is_locked_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, first_check: str
+) -> None:
+    """Where only the lock file is locked (NFS), a check finds it gone or replaced and locks
+    the new one: whichever process checks first, both then see each other and neither owns."""
+
+    def refused(root: Path) -> Any:
+        raise OSError(errno.ENOLCK, "no locks on folders here")
+
+    monkeypatch.setattr(_ownership, "_lock_folder", refused)
+    monkeypatch.setattr(_upkeep, "CHECK_SECONDS", 3600.0)  # the test says when to check
+    root = tmp_path / "c"
+    async with FSTier(root) as owner:
+        assert owner.owner is True
+        (root / LOCK_NAME).unlink()
+        if first_check == "owner":
+            await owner._check_folder()
+            assert (root / LOCK_NAME).exists() and owner.owner is True
+        async with served(root, "auto", "--no-folder-lock") as second:
+            opened = await second.line()
+            if first_check == "owner":
+                assert opened == "opened owner=False"
+            else:  # the deleted file hid the owner until its next check
+                assert opened == "opened owner=True"
+            await owner._check_folder()
+            assert owner.owner is False
+            assert await second.ask("check") == "owner False"
+            await second.quit()
+
+
+# -- a folder emptied while in use ---------------------------------------------------------------
+
+
+def _empty(root: Path) -> None:
+    """``rm -rf root/*``, dot files included: blocks, marker, manifest and lock file."""
+    for entry in root.iterdir():
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+
+
+IDENTITY = CacheIdentity(model="m", kv_dtype="bfloat16", block_size=16)
+
+
+async def test_a_folder_emptied_while_in_use_is_marked_again_by_the_next_store(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "c"
+    first, second = fresh_keys(2)
+    async with FSTier(root, identity=IDENTITY) as tier:
+        await tier.store(first, memoryview(bytes(BLOCK)))
+        _empty(root)
+        await tier.store(second, memoryview(bytes(BLOCK)))  # into a missing shard
+        assert (root / MARKER_NAME).exists() and (root / IDENTITY_NAME).exists()
+        assert (root / LOCK_NAME).exists()
+    async with FSTier(root, identity=IDENTITY) as again:  # the folder opens again
+        assert again.statistics().blocks == 1
+        assert again.lookup(second) is LookupResult.HIT
+
+
+async def test_a_folder_emptied_while_in_use_is_marked_again_by_the_next_check(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "c"
+    async with FSTier(root, identity=IDENTITY) as tier:
+        await tier.store(fresh_keys(1)[0], memoryview(bytes(BLOCK)))
+        _empty(root)
+        await tier._check_folder()
+        assert sorted(p.name for p in root.iterdir()) == [IDENTITY_NAME, LOCK_NAME, MARKER_NAME]
+        async with served(root, "auto") as second:  # seen by the next opener, too
+            assert await second.line() == "opened owner=False"
+            await second.quit()
+    async with FSTier(root, identity=IDENTITY):
+        pass

@@ -498,34 +498,143 @@ def small_tmpfs(where: Path, size: str) -> Iterator[bool]:
             subprocess.run(["umount", "-l", str(where)], check=False)
 
 
-async def test_disk_full(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("batch", [False, True], ids=["store", "store_many"])
+async def test_a_full_disk_evicts_the_oldest_blocks_to_make_room(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, batch: bool
+) -> None:
     block = 64 << 10
     with small_tmpfs(tmp_path / "small", "1m") as real:
-        if not real:  # inject ENOSPC at the one write call, after a few good stores
+        root = tmp_path / "small" / "c"
+        if not real:  # a disk with room for 8 blocks: ENOSPC at the one write call past that
+            writev = _fs_io._writev
 
             def full(fd: int, bufs: Any) -> int:
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                if len(block_files(root)) >= 8:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                return writev(fd, bufs)
 
+            monkeypatch.setattr(_fs_io, "_writev", full)
+        async with FSTier(root) as tier:  # no capacity_bytes: the disk is the limit
+            if batch:
+                await tier.store_many(
+                    [key(i) for i in range(10)], [memoryview(data(i, block)) for i in range(10)]
+                )
+                got = await tier.store_many(
+                    [key(i) for i in range(10, 40)],
+                    [memoryview(data(i, block)) for i in range(10, 40)],
+                )
+                assert got == [None] * 30
+            else:
+                for i in range(40):
+                    await tier.store(key(i), memoryview(data(i, block)))
+            s = tier.statistics()
+            assert s.failures_by_reason == {}
+            assert 3 <= s.blocks < 40 and s.evictions == 40 - s.blocks
+            assert f"disk_full_evictions={s.evictions}" in repr(tier)  # counted as such
+            assert tmp_files(root) == []
+            kept = sorted(p.name for p in block_files(root))
+            assert len(kept) == s.blocks and key(0).hex() not in kept  # the oldest went
+            if not batch:  # one by one, exactly the oldest
+                assert kept == sorted(key(i).hex() for i in range(40 - s.blocks, 40))
+            for i in range(40):
+                if key(i).hex() in kept:
+                    assert await load(tier, key(i), block) == data(i, block)
+            with pytest.raises(BlockNotFoundError):
+                await load(tier, key(0), block)
+    assert caplog.text.count("is full: evicted") == 1  # said once, not per store
+
+
+async def test_a_full_disk_with_nothing_to_evict_fails_the_store_and_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    block = 64 << 10
+    with small_tmpfs(tmp_path / "small", "1m") as real:
         root = tmp_path / "small" / "c"
         async with FSTier(root) as tier:
-            stored = 0
-            with pytest.raises(TierNoSpaceError, match="ENOSPC"):  # noqa: PT012
-                for i in range(64):
-                    if not real and i == 5:
-                        monkeypatch.setattr(_fs_io, "_writev", full)
-                    await tier.store(key(i), memoryview(data(i, block)))
-                    stored += 1
-            failed = key(stored)
-            assert stored >= 3
-            assert tmp_files(root) == []  # nothing half-written left
+            filler = tmp_path / "small" / "filler"
+            if real:  # another program fills the disk
+                with contextlib.suppress(OSError), filler.open("wb") as f:
+                    while True:
+                        f.write(bytes(block))
+            else:
+
+                def full(fd: int, bufs: Any) -> int:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+                monkeypatch.setattr(_fs_io, "_writev", full)
+            with pytest.raises(TierNoSpaceError, match="ENOSPC"):
+                await tier.store(key(0), memoryview(data(0, block)))
             assert tier.statistics().failures_by_reason == {"no_space": 1}
-            assert await resolve_lookup(tier, failed) is LookupResult.MISS
-            for i in range(stored):
-                assert await load(tier, key(i), block) == data(i, block)
+            assert await resolve_lookup(tier, key(0)) is LookupResult.MISS
+            assert _shard_folders(root) == []  # nothing half-made left
+            filler.unlink(missing_ok=True)
             monkeypatch.undo()
-            await tier.delete(key(0))  # room again: stores work again
-            await tier.store(failed, memoryview(data(stored, block)))
-            assert await load(tier, failed, block) == data(stored, block)
+            await tier.store(key(0), memoryview(data(0, block)))  # room again: stores work
+            assert await load(tier, key(0), block) == data(0, block)
+
+
+def _shard_folders(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.glob("??*") if p.is_dir())
+
+
+async def test_a_failed_store_leaves_no_empty_shard_folders(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(fd: int, bufs: Any) -> int:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    async with FSTier(tmp_path / "c") as tier:
+        await tier.store(key(0), memoryview(data(0)))
+        kept = _shard_folders(tier.root)
+        monkeypatch.setattr(_fs_io, "_writev", broken)
+        for i in range(1, 5):
+            with pytest.raises(TierUnavailableError, match="EIO"):
+                await tier.store(key(i), memoryview(data(i)))
+        assert _shard_folders(tier.root) == kept  # those the good block needs, no more
+        assert tmp_files(tier.root) == []
+
+
+async def test_a_failed_store_removing_its_shard_never_fails_a_store_beside_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store that fails removes the shard folder it made, which another store may have
+    just opened to write in: that one makes the folder again and lands."""
+    failing, landing = (b"\x01" + os.urandom(13) + b"\xab\xcd" for _ in range(2))
+    name_of = _fs_layout.name_of
+    writing, beside, failed = threading.Event(), threading.Event(), threading.Event()
+    now = threading.local()
+    real_tmp, real_writev = _fs_layout.tmp_name, _fs_io._writev
+
+    def tmp_name(name: str) -> str:
+        now.name = name
+        if name == name_of(landing):  # its shard folder is open: wait for the failure
+            beside.set()
+            assert failed.wait(30)
+        return real_tmp(name)
+
+    def writev(fd: int, bufs: Any) -> int:
+        if getattr(now, "name", None) == name_of(failing):
+            writing.set()  # in the shard folder it made
+            assert beside.wait(30)
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real_writev(fd, bufs)
+
+    monkeypatch.setattr(_fs_io, "tmp_name", tmp_name)
+    monkeypatch.setattr(_fs_io, "_writev", writev)
+    async with FSTier(tmp_path / "c") as tier:
+
+        async def fail() -> None:
+            with pytest.raises(TierUnavailableError, match="EIO"):
+                await tier.store(failing, memoryview(data(0)))
+            failed.set()
+
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(fail)
+                assert await anyio.to_thread.run_sync(writing.wait, 30)
+                tg.start_soon(tier.store, landing, memoryview(data(1)))
+        assert await load(tier, landing) == data(1)
+        assert tier.statistics().failures_by_reason == {"unavailable": 1}
 
 
 async def test_read_only_filesystem_serves_loads_and_refuses_stores(tmp_path: Path) -> None:

@@ -1,0 +1,183 @@
+"""The files at the top of an FS tier's folder, from open to close: ``FolderKeeper``.
+
+At open the keeper makes the root, checks or writes the format marker and the identity
+manifest (``_marker``), lists the blocks, probes O_DIRECT and takes the folder's locks
+(``_ownership``). While the tier runs it keeps them, because the folder is shared with people
+and processes: someone may empty it (``rm -rf cache/*`` takes marker, manifest and lock file
+with the blocks), delete the lock file, or start another kvtier on it. A ``check`` writes
+back what is gone (created exclusively, as at open: a tier that took the folder meanwhile
+keeps its marker, and one that disagrees makes the folder refused), takes the locks again,
+and gives up ownership when another process uses the folder.
+
+``FSTier`` checks every ``CHECK_SECONDS`` (the bound on how long an owner may miss another
+writer's blocks, or a folder may go without its marker), and a store checks when it has to
+make a shard folder, which is the first thing a store into an emptied folder does, so a
+folder that is written to is marked again before its first new block lands.
+
+Synchronous and thread-safe: it runs in worker threads. What a check found is queued
+(``reports``) for the tier to act on, on the event loop: a log line, lookups that check the
+disk once the folder is shared, a folder refused.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvtier._errors import InvalidArgumentError
+from kvtier._identity import CacheIdentity
+from kvtier.tiers.fs import _io as io
+from kvtier.tiers.fs._layout import IDENTITY_NAME, MARKER_NAME, Entry, IncompatibleRoot
+from kvtier.tiers.fs._marker import check_marker, claim_identity, restore_marker
+from kvtier.tiers.fs._ownership import Claim, Sharing, claim
+from kvtier.tiers.fs._root import direct_refused, make_root
+
+__all__ = ["CHECK_SECONDS", "FolderKeeper", "Prepared", "Report"]
+
+CHECK_SECONDS = 1.0
+"""How often a running tier checks its folder (a ``stat`` or two and a lock query per lock)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A root made ready: its blocks (oldest first), why O_DIRECT is refused there (falsy:
+    it is not), and the claim taken now (None when the tier held one already)."""
+
+    entries: list[Entry]
+    direct_refused: str | bool | None
+    claimed: Claim | None
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """What a check found: files written back or locked again, why the tier stopped owning
+    the folder, why the folder is no longer this tier's to use, and why the check itself
+    failed, when a store made it (None: nothing)."""
+
+    restored: tuple[str, ...] = ()
+    gave_up: str | None = None
+    refused: str | None = None
+    failed: str | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.restored or self.gave_up or self.refused or self.failed)
+
+
+class FolderKeeper:
+    """Prepares an FS tier's root at open and keeps its marker, manifest and locks."""
+
+    def __init__(
+        self,
+        root: Path,
+        marker: dict[str, object],
+        identity: CacheIdentity | None,
+        container: Path | None,
+        shared: Sharing,
+    ) -> None:
+        self.root = root
+        self._marker = marker
+        self._identity = identity
+        self._container = container  # the root that holds one folder per identity
+        self._shared = shared
+        self._lock = threading.Lock()  # one prepare or check at a time
+        self.claim: Claim | None = None  # the folder's locks, once taken
+        self._generation = 0  # moved on at each close: a prepare begun before claims nothing
+        self._marker_inode: tuple[int, int] | None = None  # the marker checked last
+        self.refused: str | None = None  # why the folder stopped being this tier's
+        self.reports: deque[Report] = deque()  # for the tier, on the event loop
+
+    @property
+    def owner(self) -> bool | None:
+        """Whether the tier owns the folder (None: it has not claimed it)."""
+        held = self.claim
+        return None if held is None else held.owner
+
+    @property
+    def generation(self) -> int:
+        """Which open of the tier this is, for ``prepare`` (read it on the event loop)."""
+        return self._generation
+
+    def prepare(self, probe_direct: bool, generation: int) -> Prepared:
+        """Make the root ready (``_io.prepare_root``), check its identity, probe O_DIRECT,
+        and claim the folder unless this tier holds it already, or was closed since
+        ``generation`` (a prepare that hung until after the close claims nothing). Raises
+        ``OSError``, ``IncompatibleRoot``, ``FolderBusy`` and the identity errors."""
+        with self._lock:
+            if self._container is not None:
+                make_root(self._container)
+            entries = io.prepare_root(self.root, self._marker)
+            if self._identity is not None:
+                claim_identity(self.root, self._identity)
+            self._marker_inode = _inode(self.root / MARKER_NAME)
+            refused = probe_direct and direct_refused(self.root)
+            self.refused = None
+            if self.claim is not None or generation != self._generation:
+                return Prepared(entries, refused, None)
+            self.claim = claim(self.root, self._shared)
+            return Prepared(entries, refused, self.claim)
+
+    def check(self) -> Report:
+        """Write back the marker and manifest when they are gone, check a marker another
+        process replaced, take the locks again where the lock file was removed, and give up
+        ownership when another process uses the folder. The report is also queued. Raises
+        ``OSError`` when the folder cannot be reached."""
+        with self._lock:
+            held = self.claim
+            if held is None:
+                return Report()
+            restored: list[str] = []
+            try:
+                self._keep_marker(restored)
+                if self._identity is not None and not os.path.lexists(self.root / IDENTITY_NAME):
+                    claim_identity(self.root, self._identity)
+                    restored.append(IDENTITY_NAME)
+            except (IncompatibleRoot, InvalidArgumentError) as exc:
+                self.refused = str(exc)
+                return self._queued(Report(refused=self.refused))
+            renewed, gave_up = held.check()
+            return self._queued(Report((*restored, *renewed), gave_up))
+
+    def shard_made(self) -> None:
+        """A store made a shard folder (in its worker thread): ``check``, whose report is
+        queued; an error is queued too, never raised into the store."""
+        try:
+            self.check()
+        except OSError as exc:
+            self.reports.append(Report(failed=str(exc)))
+
+    def close(self) -> Claim | None:
+        """The tier closes (on the event loop, without waiting for a prepare or a check in
+        flight, which may hang on a dead mount): the claim to release, in a worker thread."""
+        self._generation += 1
+        held, self.claim = self.claim, None
+        return held
+
+    def _keep_marker(self, restored: list[str]) -> None:
+        """The marker: written back when gone, read and checked when another file took its
+        name since the last check (a tier that opened the folder emptied meanwhile)."""
+        path = self.root / MARKER_NAME
+        inode = _inode(path)
+        if inode is None:
+            if restore_marker(self.root, self._marker):
+                restored.append(MARKER_NAME)
+            inode = _inode(path)
+        elif inode != self._marker_inode:
+            check_marker(self.root, self._marker)
+        self._marker_inode = inode
+
+    def _queued(self, report: Report) -> Report:
+        if report:
+            self.reports.append(report)
+        return report
+
+
+def _inode(path: Path) -> tuple[int, int] | None:
+    """The file ``path`` names (device and inode), or None when there is none."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
