@@ -295,13 +295,13 @@ class HeldFSTier(FSTier):
     def lookup(self, key: bytes) -> LookupResult:
         return self.watch.seen(key, super().lookup(key))
 
-    async def _store(self, key: bytes, name: str, payload: memoryview) -> None:
+    async def _store(self, key: bytes, payload: memoryview) -> None:
         gate = self.gate
         if gate is not None:
             self.holding += 1
             self._more_held.set()
             await gate.wait()
-        await super()._store(key, name, payload)
+        await super()._store(key, payload)
 
     async def wait_held(self, n: int) -> None:
         while self.holding < n:
