@@ -70,6 +70,15 @@ def stress(session: nox.Session) -> None:
 
 
 @nox.session
+def soak(session: nox.Session) -> None:
+    """The seeded multi-process soak with fault injection and an oracle (benchmarks/soak):
+    30 minutes by default; `nox -s soak -- --quick` for two minutes, `-- --duration 600`,
+    `-- --replay FILE`. It starts its own SeaweedFS (`weed` from the test group)."""
+    install(session, "test", "bench")
+    session.run("python", "-m", "benchmarks.soak", *session.posargs)
+
+
+@nox.session
 def lint(session: nox.Session) -> None:
     session.install(*nox.project.dependency_groups(PYPROJECT, "lint"))
     session.run("ruff", "check", ".")
@@ -187,4 +196,6 @@ def gpu(session: nox.Session) -> None:
     ok, _, why = str(answer).strip().partition("|")
     if ok != "True":
         session.skip(f"SKIPPED the GPU tests and benchmark: {why}")
+    session.run("python", "-c", "import cupy; print('cupy', cupy.__version__)")
+    # Tests, copies, behaviour probes and the size sweep, within 8 minutes; a skip fails it.
     session.run("python", "-m", "benchmarks.gpu_check", *session.posargs)

@@ -9,6 +9,9 @@ Not a simulator of CUDA, a model of the parts the pool relies on, strict where C
   gave out, or the wrong side of a copy kind is not done and is recorded in ``violations``.
   ``pointerGetAttributes`` says what a pointer is: device memory, pinned host memory, or
   memory CUDA does not know (pageable: type ``memoryTypeUnregistered``, as CUDA 11+ answers).
+  ``hostRegister`` page-locks memory the caller owns: from then on it is pinned host memory
+  (copies may use it, ``pointerGetAttributes`` says so) until ``hostUnregister``; ranges may
+  not overlap, and ``freeHost`` refuses them.
 - Contexts: each thread has its own current device, none at first (``getDevice`` then says 0
   and ``ctxGetCurrent`` 0). ``setDevice`` makes a device current and creates its context the
   first time; any other call that needs a context, made on a thread without one, creates
@@ -49,17 +52,21 @@ from types import SimpleNamespace
 from typing import Any
 
 from devtools.fake_cuda_parts import (
+    ALREADY_REGISTERED,
     CAPTURE_GLOBAL,
     CAPTURE_RELAXED,
     INVALID_HANDLE,
     INVALID_VALUE,
     NOT_READY,
+    NOT_REGISTERED,
+    Allocation,
     Capture,
     Event,
     FakeCudaError,
     FakeDeviceArray,
     Hold,
     Stream,
+    at,
 )
 from devtools.fake_cuda_state import LEGACY, FakeCudaState
 
@@ -154,6 +161,30 @@ class FakeCuda(FakeCudaState):
         with self._api("hostAlloc", unsafe=True) as device:
             return self._allocation(size, None, device)
 
+    def hostRegister(self, ptr: int, size: int, flags: int) -> None:
+        """Page-lock ``size`` bytes the caller owns at ``ptr`` (``cudaHostRegister``)."""
+        with self._api("hostRegister", unsafe=True) as device:
+            for allocation in self._allocations.values():
+                start, end = allocation.start, allocation.start + allocation.array.nbytes
+                if not allocation.freed and start < ptr + size and ptr < end:
+                    raise FakeCudaError(ALREADY_REGISTERED, f"{ptr:#x}+{size} is known already")
+            self._allocations[ptr] = Allocation(at(ptr, size), None, device, registered=True)
+
+    def hostUnregister(self, ptr: int) -> None:
+        """Unlock memory ``hostRegister`` locked (``cudaHostUnregister``); it stays the
+        caller's, so a later copy touching it is recorded as outside any allocation."""
+        with self._api("hostUnregister", unsafe=True):
+            allocation = self._allocations.get(ptr)
+            if allocation is None or not allocation.registered:
+                raise FakeCudaError(NOT_REGISTERED, f"{ptr:#x} is not registered")
+            del self._allocations[ptr]
+            self.cv.notify_all()
+
+    def registered_bytes(self) -> int:
+        """How many bytes ``hostRegister`` holds locked now (tests)."""
+        with self.cv:
+            return sum(a.array.nbytes for a in self._allocations.values() if a.registered)
+
     def free(self, ptr: int) -> None:
         self._free("free", ptr, device=True)
 
@@ -163,7 +194,12 @@ class FakeCuda(FakeCudaState):
     def _free(self, name: str, ptr: int, *, device: bool) -> None:
         with self._api(name, unsafe=True):
             allocation = self._allocations.get(ptr)
-            if allocation is None or allocation.freed or (allocation.device is None) == device:
+            if (
+                allocation is None
+                or allocation.freed
+                or allocation.registered
+                or (allocation.device is None) == device
+            ):
                 raise FakeCudaError(INVALID_VALUE, f"{name} of {ptr:#x}: not allocated")
             # cudaFree and cudaFreeHost wait for the whole device first.
             self._block(lambda: all(s.idle() for s in self._all_streams()), fail=False)

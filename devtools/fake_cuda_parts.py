@@ -31,6 +31,8 @@ __all__ = [
 NOT_READY = 600  # cudaErrorNotReady
 INVALID_VALUE = 1  # cudaErrorInvalidValue
 INVALID_HANDLE = 400  # cudaErrorInvalidResourceHandle
+ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered
+NOT_REGISTERED = 713  # cudaErrorHostMemoryNotRegistered
 ILLEGAL_ADDRESS = 700  # cudaErrorIllegalAddress, sticky
 CAPTURE_UNSUPPORTED = 900  # cudaErrorStreamCaptureUnsupported: refused, not sticky
 CAPTURE_INVALIDATED = 901  # cudaErrorStreamCaptureInvalidated
@@ -91,6 +93,7 @@ class Allocation:
     device: int | None
     context: int
     freed: bool = False
+    registered: bool = False  # someone else's memory, page-locked by ``hostRegister``
 
     @property
     def start(self) -> int:

@@ -44,7 +44,7 @@ import numpy as np
 
 from kvtier.pools._cupy import CudaRuntime
 
-__all__ = ["Completion", "Lane", "StagingBuffer", "StagingPool", "loop_scheduler"]
+__all__ = ["Completion", "Lane", "StagingBuffer", "StagingPool", "loop_scheduler", "until_done"]
 
 logger = logging.getLogger(__name__)
 
@@ -190,6 +190,34 @@ def loop_scheduler() -> _Schedule:
         return functools.partial(anyio.from_thread.run_sync, token=anyio.lowlevel.current_token())
 
 
+def until_done(
+    runtime: CudaRuntime, stream: int, event: int | None, pause: Callable[[float], object]
+) -> None:
+    """Wait until what ``event`` follows on ``stream`` ran (the whole stream when None);
+    raises only an error that persists, after which nothing queued will run. A refused wait
+    (a graph capture, a transient error) says nothing about the copies, which are still
+    queued: ``pause`` (seconds) backs off between tries."""
+    delay = _RETRY_FIRST
+    while True:
+        try:
+            if event is None:
+                runtime.streamSynchronize(stream)
+            else:
+                runtime.eventSynchronize(event)
+            return
+        except Exception as exc:
+            status = getattr(exc, "status", None)
+            if event is not None:
+                status = runtime.eventQuery(event)
+                if status == 0:  # it ran after all
+                    return
+            if status != _NOT_READY and status not in _CAPTURE_ERRORS:
+                raise
+            logger.debug("a CUDA wait was refused (%s); waiting again", exc)
+        pause(delay)
+        delay = min(2 * delay, _RETRY_MOST)
+
+
 class Lane:
     """One copy direction: a non-blocking stream, a free list of events and the waiter
     thread that resolves the lane's completions in order."""
@@ -276,30 +304,11 @@ class Lane:
                 schedule(self._resolved, done, event, failure)
 
     def _until_done(self, event: int | None) -> None:
-        """Wait until what ``event`` follows ran (the whole stream when None); raises only an
-        error that persists, after which nothing queued will run."""
-        delay = _RETRY_FIRST
-        while True:
-            try:
-                if event is None:
-                    self._runtime.streamSynchronize(self.stream)
-                else:
-                    self._runtime.eventSynchronize(event)
-                return
-            except Exception as exc:
-                status = getattr(exc, "status", None)
-                if event is not None:
-                    status = self._runtime.eventQuery(event)
-                    if status == 0:  # it ran after all
-                        return
-                if status != _NOT_READY and status not in _CAPTURE_ERRORS:
-                    raise
-                logger.debug(
-                    "a CUDA wait on cuda:%d was refused (%s); waiting again", self.device, exc
-                )
-            with self._cv:  # refused, not failed: the copies are still queued
-                self._cv.wait(delay)
-            delay = min(2 * delay, _RETRY_MOST)
+        until_done(self._runtime, self.stream, event, self._pause)
+
+    def _pause(self, seconds: float) -> None:
+        with self._cv:  # woken early by stop(): it waits for the queue anyway
+            self._cv.wait(seconds)
 
     def _resolved(self, done: Completion, event: int | None, error: BaseException | None) -> None:
         """On the loop thread: resolve ``done``, then reuse its event (callbacks first: a

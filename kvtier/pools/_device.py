@@ -1,9 +1,10 @@
 """Engine buffers that live on a GPU (torch CUDA tensors, CuPy arrays, anything with
 ``__cuda_array_interface__``), seen as raw device pointers.
 
-Both pools use this: CudaPool copies device-to-device between the pointer and a slot, and
-HostPool copies host<->device with the array's own library. Nothing here imports torch or CuPy
-at module level: a buffer's library is already imported when the engine hands us its array.
+Both pools use this: CudaPool copies device-to-device between the pointer and a slot,
+HostPool host<->device, each through the CUDA runtime seam. Nothing here imports torch or
+CuPy at module level: a buffer's library is already imported when the engine hands us its
+array.
 
 Zero-copy: we never convert the engine's array; we read its data pointer (``data_ptr()`` for
 torch, ``.data.ptr`` for CuPy, ``__cuda_array_interface__`` otherwise) and copy bytes to or from
@@ -29,7 +30,7 @@ __all__ = [
     "device_array",
     "engine_stream_handle",
     "external_stream",
-    "host_device_copy",
+    "producer_stream",
     "stream_device",
     "stream_handle",
 ]
@@ -106,6 +107,24 @@ def engine_stream_handle(arr: DeviceArray) -> int | None:
     return stream_handle(current_stream(arr))
 
 
+def producer_stream(obj: Any) -> int | None:
+    """The raw handle of the stream the producer of GPU array ``obj`` works on now, read
+    without a CUDA call: torch's or CuPy's current stream on the array's device, the stream
+    a ``__cuda_array_interface__`` names (None when it names none). Call it on the engine's
+    thread (the event loop): current streams are thread-local."""
+    framework = _framework(obj)
+    if framework == "torch":
+        import torch
+
+        return int(torch.cuda.current_stream(obj.device.index).cuda_stream)
+    if framework == "cupy":
+        import cupy
+
+        return int(cupy.cuda.get_current_stream(obj.device.id).ptr)
+    stream = obj.__cuda_array_interface__.get("stream")
+    return None if stream is None else int(stream)
+
+
 def current_stream(arr: DeviceArray) -> Any:
     """The engine's current stream for ``arr``'s device, as its library's stream object.
 
@@ -172,37 +191,3 @@ def stream_device(stream: Any) -> int | None:
     if isinstance(device_id, int) and device_id >= 0:
         return device_id
     return None
-
-
-def host_device_copy(host: memoryview, arr: DeviceArray, stream: Any, *, to_device: bool) -> None:
-    """Copy one block between host memory and a GPU array, on the engine's ``stream`` (so it
-    is ordered after the engine's work) and wait for it. Blocking: run it in a worker thread.
-
-    ``host`` must be writable when ``to_device`` is false (it is a HostPool slot either way).
-    """
-    flat_host = np.frombuffer(host, np.uint8)
-    if arr.framework == "torch":
-        import torch
-
-        cpu = torch.from_numpy(flat_host)
-        gpu = arr.obj.detach().reshape(-1).view(torch.uint8)
-        with torch.cuda.stream(stream):
-            if to_device:
-                gpu.copy_(cpu)
-            else:
-                cpu.copy_(gpu)
-        stream.synchronize()
-        return
-    import cupy
-
-    from kvtier.pools._cupy import cupy_runtime, use_device
-
-    # Not ``cupy.cuda.Device``: it switches back even on a worker thread that had no
-    # context, which creates device 0's (see ``use_device``).
-    with use_device(cupy_runtime(), arr.device):
-        flat = cupy.asarray(arr.obj).reshape(-1).view(cupy.uint8)
-        if to_device:
-            flat.set(flat_host, stream=stream)
-        else:
-            flat.get(stream=stream, out=flat_host)
-        stream.synchronize()

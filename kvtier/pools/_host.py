@@ -4,22 +4,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import mmap
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 import anyio.to_thread
 
 from kvtier._buffers import LOOP_COPY_BYTES, BlockBuffer
-from kvtier._errors import InvalidArgumentError
 from kvtier._lending import Lender, Release
 from kvtier.pools._base import BatchSink, BatchSource, ByteSink, ByteSource, PrimaryPool
-from kvtier.pools._device import DeviceArray, current_stream, device_array, host_device_copy
 from kvtier.pools._policy import EvictionPolicy
 from kvtier.pools._slots import SlotTable
 
+if TYPE_CHECKING:
+    from kvtier.pools._cupy import CudaRuntime
+    from kvtier.pools._host_gpu import GpuCopies
+
 __all__ = ["HostPool"]
+
+logger = logging.getLogger(__name__)
+
+_Pairs = list[tuple[memoryview, memoryview]]
 
 
 class HostPool(PrimaryPool):
@@ -28,7 +35,12 @@ class HostPool(PrimaryPool):
 
     With ``prefault`` (the default) the constructor touches every page once, which takes
     about a second per few GiB: build large pools before the serving loop starts, or in a
-    worker thread (``await anyio.to_thread.run_sync(HostPool, n, size)``)."""
+    worker thread (``await anyio.to_thread.run_sync(HostPool, n, size)``).
+
+    Engine buffers on a GPU are copied through ``runtime`` (the CUDA runtime calls, CuPy's
+    when None, imported only when the first GPU buffer arrives): in batches on the engine's
+    stream, from the mapping page-locked once for it (``kvtier.pools._host_gpu``). A pool
+    that only ever sees host buffers makes no CUDA call."""
 
     def __init__(
         self,
@@ -37,6 +49,7 @@ class HostPool(PrimaryPool):
         *,
         policy: str | EvictionPolicy = "lru",
         prefault: bool = True,
+        runtime: CudaRuntime | None = None,
     ) -> None:
         super().__init__(num_blocks, block_bytes, policy=policy)
         # MAP_POPULATE faults every page in now, once, so the first write into a slot (often a
@@ -48,6 +61,8 @@ class HostPool(PrimaryPool):
             flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate,
         )
         self._view = memoryview(self._map)
+        self._runtime = runtime
+        self._gpu: GpuCopies | None = None
 
     def slot_view(self, slot: int) -> memoryview:
         start = slot * self.block_bytes
@@ -81,8 +96,11 @@ class HostPool(PrimaryPool):
         return [None] * len(slots)
 
     async def copy_in(self, slots: Sequence[int], blocks: Sequence[BlockBuffer]) -> None:
-        pairs = [(self.slot_view(s), _host(b, "store")) for s, b in zip(slots, blocks, strict=True)]
-        await _copy_all(pairs, len(pairs) * self.block_bytes)
+        pairs = [(self.slot_view(s), b.host) for s, b in zip(slots, blocks, strict=True)]
+        if any(host is None for _, host in pairs):
+            await self._gpu_copies().copy(slots, blocks, to_pool=True)
+            return
+        await _copy_all(cast(_Pairs, pairs), len(pairs) * self.block_bytes)
 
     def copy_in_now(self, slots: Sequence[int], blocks: Sequence[BlockBuffer]) -> bool:
         """A small copy from host memory is done here, on the loop (cheaper than a thread
@@ -100,51 +118,44 @@ class HostPool(PrimaryPool):
         return True
 
     async def copy_out(self, slots: Sequence[int], out: Sequence[BlockBuffer]) -> None:
-        pairs = [(_host(b, "load"), self.slot_view(s)) for s, b in zip(slots, out, strict=True)]
-        await _copy_all(pairs, len(pairs) * self.block_bytes)
+        pairs = [(b.host, self.slot_view(s)) for s, b in zip(slots, out, strict=True)]
+        if any(host is None for host, _ in pairs):
+            await self._gpu_copies().copy(slots, out, to_pool=False)
+            return
+        await _copy_all(cast(_Pairs, pairs), len(pairs) * self.block_bytes)
+
+    def _gpu_copies(self) -> GpuCopies:
+        """The copies of engine buffers on a GPU, made when the first one arrives."""
+        if self._gpu is None:
+            from kvtier.pools._host_gpu import GpuCopies
+
+            self._gpu = GpuCopies(self._runtime, self._view, self.block_bytes)
+        return self._gpu
+
+    async def aclose(self) -> None:
+        """Unregister the mapping from CUDA and destroy the events, if GPU buffers were ever
+        copied (the slots stay usable; a later GPU copy registers again). Kept while a copy
+        is in flight: its DMA may still touch the mapping."""
+        gpu = self._gpu
+        if gpu is None:
+            return
+        if gpu.in_flight:
+            logger.warning("HostPool closed with GPU copies in flight; its mapping stays pinned")
+            return
+        self._gpu = None
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(gpu.close)
 
 
-class _DeviceEnd:
-    """A GPU engine buffer plus the engine stream captured on the loop thread (current
-    streams are thread-local), so the copy in the worker is ordered after the engine's work."""
-
-    __slots__ = ("array", "stream")
-
-    def __init__(self, array: DeviceArray, stream: Any) -> None:
-        self.array = array
-        self.stream = stream
-
-
-_End = memoryview | _DeviceEnd
-
-
-def _host(buffer: BlockBuffer, operation: str) -> _End:
-    """The engine side of a copy: a host view, or a GPU array copied host<->device in a worker
-    thread (``operation`` names the caller in errors)."""
-    if buffer.host is not None:
-        return buffer.host
-    if buffer.device is None:
-        raise InvalidArgumentError(f"HostPool cannot {operation} a buffer with no memory")
-    array = device_array(buffer.device)
-    return _DeviceEnd(array, current_stream(array))
-
-
-def _copy_pairs(pairs: Sequence[tuple[_End, _End]]) -> None:
+def _copy_pairs(pairs: _Pairs) -> None:
     for dst, src in pairs:
-        if isinstance(dst, _DeviceEnd):
-            assert isinstance(src, memoryview)
-            host_device_copy(src, dst.array, dst.stream, to_device=True)
-        elif isinstance(src, _DeviceEnd):
-            host_device_copy(dst, src.array, src.stream, to_device=False)
-        else:
-            dst[:] = src  # both flat byte views of one block: one memcpy
+        dst[:] = src  # both flat byte views of one block: one memcpy
 
 
-async def _copy_all(pairs: Sequence[tuple[_End, _End]], nbytes: int) -> None:
-    on_device = any(isinstance(end, _DeviceEnd) for pair in pairs for end in pair)
-    if nbytes <= LOOP_COPY_BYTES and not on_device:
+async def _copy_all(pairs: _Pairs, nbytes: int) -> None:
+    if nbytes <= LOOP_COPY_BYTES:
         _copy_pairs(pairs)
-    else:  # big copies and every CUDA copy (it synchronises) run off the event loop
+    else:  # big copies run off the event loop
         await anyio.to_thread.run_sync(_copy_pairs, pairs)
 
 
