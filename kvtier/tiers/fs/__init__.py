@@ -84,7 +84,11 @@ What makes it trustworthy:
   refuses it if they disagree (a signed and an unsigned tier never share a folder). A folder
   emptied while the tier runs (``rm -rf cache/*``) gets its marker, manifest and lock file
   back at the next check or the next store (which has to make a shard folder first), so it
-  opens again; a folder that another tier's marker took meanwhile is not used any more.
+  opens again; a folder that another tier's marker took meanwhile is not used any more. A
+  tier that opens a folder whose marker is gone but which holds only kvtier's files waits
+  (a few ``CHECK_SECONDS``) for the process using it to write the marker back; when nobody
+  does, it writes marker and manifest itself, once the blocks it reads (a few, whole) were
+  written with its settings, and refuses the folder otherwise.
 - **A block being written is not a miss.** In either mode a key this tier is storing and
   does not hold yet answers ``RETRY``, and having answered so, its listeners hear the key
   when the store ends (landed or failed). A deferred write to a slower tier that copies

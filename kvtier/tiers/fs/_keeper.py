@@ -2,10 +2,15 @@
 
 At open the keeper makes the root, checks or writes the format marker and the identity
 manifest (``_marker``), lists the blocks, probes O_DIRECT and takes the folder's locks
-(``_ownership``). While the tier runs it keeps them, because the folder is shared with people
-and processes: someone may empty it (``rm -rf cache/*`` takes marker, manifest and lock file
-with the blocks), delete the lock file, or start another kvtier on it. A ``check`` writes
-back what is gone (created exclusively, as at open: a tier that took the folder meanwhile
+(``_ownership``). A folder that lost its marker but holds only kvtier's files is not foreign:
+the opener waits for the process that uses it to write the marker back, or, when nobody
+does, adopts it once a sample of its blocks shows they were written with this tier's
+settings (a tier of another configuration would call them corrupt and remove them).
+
+While the tier runs it keeps them, because the folder is shared with people and processes:
+someone may empty it (``rm -rf cache/*`` takes marker, manifest and lock file with the
+blocks), remove the marker, delete the lock file, or start another kvtier on it. A ``check``
+writes back what is gone (created exclusively, as at open: a tier that took the folder meanwhile
 keeps its marker, and one that disagrees makes the folder refused), takes the locks again,
 and gives up ownership when another process uses the folder.
 
@@ -21,24 +26,51 @@ disk once the folder is shared, a folder refused.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier._errors import InvalidArgumentError
+from kvtier._format import IntegrityKey
 from kvtier._identity import CacheIdentity
 from kvtier.tiers.fs import _io as io
 from kvtier.tiers.fs._layout import IDENTITY_NAME, MARKER_NAME, Entry, IncompatibleRoot
-from kvtier.tiers.fs._marker import check_marker, claim_identity, restore_marker
-from kvtier.tiers.fs._ownership import Claim, Sharing, claim
+from kvtier.tiers.fs._marker import (
+    Unmarked,
+    check_marker,
+    claim_identity,
+    marker_for,
+    read_identity,
+    restore_marker,
+)
+from kvtier.tiers.fs._ownership import Claim, Sharing, claim, in_use
+from kvtier.tiers.fs._read import unlike
 from kvtier.tiers.fs._root import direct_refused, make_root
 
-__all__ = ["CHECK_SECONDS", "FolderKeeper", "Prepared", "Report"]
+__all__ = [
+    "CHECK_SECONDS",
+    "MARKER_WAIT_SECONDS",
+    "SAMPLE_BLOCKS",
+    "FolderKeeper",
+    "Prepared",
+    "Report",
+]
+
+logger = logging.getLogger("kvtier.tiers.fs")
 
 CHECK_SECONDS = 1.0
 """How often a running tier checks its folder (a ``stat`` or two and a lock query per lock)."""
+MARKER_WAIT_SECONDS = 5 * CHECK_SECONDS
+"""How long an opener waits for the process that uses a folder to write its lost marker back
+(its next check, with room for a busy machine) before adopting the folder itself."""
+SAMPLE_BLOCKS = 4
+"""How many of its blocks an opener reads whole before adopting a folder that lost its marker:
+enough to tell another configuration's folder, bounded so an open stays quick."""
+_MARKER_POLL_SECONDS = CHECK_SECONDS / 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,13 +104,14 @@ class FolderKeeper:
     def __init__(
         self,
         root: Path,
-        marker: dict[str, object],
+        integrity_key: IntegrityKey | None,
         identity: CacheIdentity | None,
         container: Path | None,
         shared: Sharing,
     ) -> None:
         self.root = root
-        self._marker = marker
+        self._integrity_key = integrity_key
+        self._marker = marker_for(integrity_key)
         self._identity = identity
         self._container = container  # the root that holds one folder per identity
         self._shared = shared
@@ -108,7 +141,11 @@ class FolderKeeper:
         with self._lock:
             if self._container is not None:
                 make_root(self._container)
-            entries = io.prepare_root(self.root, self._marker)
+            try:
+                entries = io.prepare_root(self.root, self._marker)
+            except Unmarked:
+                self._unmarked(generation)
+                entries = io.prepare_root(self.root, self._marker)  # checks the marker now
             if self._identity is not None:
                 claim_identity(self.root, self._identity)
             self._marker_inode = _inode(self.root / MARKER_NAME)
@@ -155,6 +192,53 @@ class FolderKeeper:
         held, self.claim = self.claim, None
         return held
 
+    def _unmarked(self, generation: int) -> None:
+        """The folder lost its marker but holds only kvtier's files. While another process
+        uses it, that process writes the marker back within ``CHECK_SECONDS``: wait for it
+        (``MARKER_WAIT_SECONDS`` at most), so its marker is the one checked. Else (every user
+        is gone, or the marker was removed from an idle folder) adopt the folder: check a
+        few of its blocks against this tier's settings, then write the manifest and the
+        marker, exclusively as a first open does. Raises ``IncompatibleRoot`` when a block
+        was written with other settings (signed, unsigned, another key): such a tier would
+        call every block corrupt and remove it. A prepare that outlived the tier's close
+        (``generation``) writes nothing."""
+        root, path = self.root, self.root / MARKER_NAME
+        deadline = time.monotonic() + MARKER_WAIT_SECONDS
+        used = in_use(root, self.claim)
+        while used and not os.path.lexists(path) and time.monotonic() < deadline:
+            time.sleep(_MARKER_POLL_SECONDS)  # a worker thread: the event loop runs on
+            used = in_use(root, self.claim)
+        if os.path.lexists(path):
+            return  # written back by its user (or by another opener): checked as usual
+        if found := unlike(root, self._integrity_key, SAMPLE_BLOCKS):
+            where, why = found
+            raise IncompatibleRoot(
+                f"{root} lost its {MARKER_NAME} marker and holds blocks this tier cannot read "
+                f"as its own ({where}: {why}): not adopting the folder, whose blocks were "
+                "written with other settings. Open it with the integrity key (or none) its "
+                f"blocks were written with, which writes {MARKER_NAME} back, point FSTier at "
+                "another folder, or empty this one to start a fresh cache"
+            )
+        if generation != self._generation:
+            return  # the tier closed while this waited: prepare_root refuses the folder
+        written: list[str] = []
+        if self._identity is not None:  # another identity's manifest refuses the folder here
+            if read_identity(root) is None:
+                written.append(IDENTITY_NAME)
+            claim_identity(root, self._identity)
+        if restore_marker(root, self._marker):
+            written.append(MARKER_NAME)
+        logger.warning(
+            "FS tier adopted %s, which had lost its %s marker (%s): it holds only kvtier's "
+            "files and the blocks read match this tier's settings; wrote %s",
+            root,
+            MARKER_NAME,
+            "another process uses it and did not write the marker back in time"
+            if used
+            else "no other process uses it",
+            " and ".join(written) or "nothing (another opener wrote the marker first)",
+        )
+
     def _keep_marker(self, restored: list[str]) -> None:
         """The marker: written back when gone, read and checked when another file took its
         name since the last check (a tier that opened the folder emptied meanwhile)."""
@@ -165,7 +249,12 @@ class FolderKeeper:
                 restored.append(MARKER_NAME)
             inode = _inode(path)
         elif inode != self._marker_inode:
-            check_marker(self.root, self._marker)
+            try:
+                check_marker(self.root, self._marker)
+            except Unmarked:  # gone again since: written back, as above
+                if restore_marker(self.root, self._marker):
+                    restored.append(MARKER_NAME)
+            inode = _inode(path)
         self._marker_inode = inode
 
     def _queued(self, report: Report) -> Report:

@@ -32,7 +32,7 @@ import re
 import secrets
 import socket
 import stat
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -354,7 +354,7 @@ class Item:
     mtime: float = 0.0
 
 
-def walk(root: Path) -> Iterator[Item]:
+def walk(root: Path) -> Generator[Item, None, None]:
     """Everything under ``root`` by the layout, in name order, through descriptors opened
     without following links (a link anywhere below the root is ``FOREIGN``). The marker and
     kvtier's own dot files at the root are not reported."""

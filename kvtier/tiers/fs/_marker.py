@@ -6,7 +6,8 @@ write, one in another format, one signed with another key or holding another cac
 is an error at open that names what differs; neither file is ever overwritten by a tier that
 disagrees with it. Both are created exclusively (written aside, then linked to their name), so
 of two openers racing on an empty folder the first one's stands and the other checks it; and
-both are written back by a tier whose folder lost them while it ran (``_keeper``).
+both are written back by a tier whose folder lost them while it ran, or by an opener that
+adopts a folder which lost them (``_keeper``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import errno
 import json
 import os
 import secrets
+from collections.abc import Iterable
 from pathlib import Path
 
 from kvtier._format import (
@@ -40,13 +42,20 @@ from kvtier.tiers.fs._layout import (
 )
 
 __all__ = [
+    "Unmarked",
     "check_marker",
     "claim_identity",
+    "foreign_names",
     "marker_for",
     "read_identity",
     "read_marker",
     "restore_marker",
 ]
+
+
+class Unmarked(IncompatibleRoot):
+    """The folder has no marker, yet holds only what kvtier writes: it lost its marker (a
+    user removed it, or emptied the folder while kvtier ran), so it is not foreign."""
 
 
 def marker_for(integrity_key: IntegrityKey | None) -> dict[str, object]:
@@ -83,7 +92,9 @@ def read_marker(root: Path) -> bytes:
 
 def check_marker(root: Path, expected: dict[str, object], *, again: bool = False) -> None:
     """Check the format marker of ``root``, or create it in an empty folder; raises
-    ``IncompatibleRoot`` for a folder kvtier did not create or wrote in another format.
+    ``IncompatibleRoot`` for a folder kvtier did not create or wrote in another format, and
+    ``Unmarked`` for one that lost its marker but holds nothing kvtier did not write (its
+    keeper decides whether to wait for the marker or write it back, ``_keeper``).
 
     The marker is created exclusively: of two openers that both find the folder empty, the
     first one's marker stands and the other checks it (and refuses it if they disagree),
@@ -91,11 +102,16 @@ def check_marker(root: Path, expected: dict[str, object], *, again: bool = False
     try:
         raw = read_marker(root)
     except FileNotFoundError:
-        foreign = [n for n in os.listdir(root) if not n.startswith(OWN_PREFIX)]
-        if MARKER_NAME in foreign and not again:  # another opener wrote it since
+        names = [n for n in os.listdir(root) if not n.startswith(OWN_PREFIX)]
+        if MARKER_NAME in names and not again:  # another opener wrote it since
             check_marker(root, expected, again=True)
             return
-        if foreign:
+        if names and not foreign_names(names):
+            raise Unmarked(
+                f"{root} has no {MARKER_NAME} marker, yet holds only kvtier's shard folders "
+                "and files"
+            ) from None
+        if names:
             raise IncompatibleRoot(
                 f"{root} is not empty and has no {MARKER_NAME} marker, so it is not a kvtier "
                 "folder; point FSTier at an empty folder or at one kvtier created"
@@ -106,21 +122,26 @@ def check_marker(root: Path, expected: dict[str, object], *, again: bool = False
     _check_found(root, raw, expected)
 
 
+def foreign_names(names: Iterable[str]) -> list[str]:
+    """Which of the names at the top of a folder kvtier did not write: anything but the
+    marker, kvtier's own dot files and shard folders' names. A folder that holds none of
+    them may get its lost marker back (``restore_marker``); one that holds any never does."""
+    return [
+        n for n in names if not (n.startswith(OWN_PREFIX) or n == MARKER_NAME or is_shard_name(n))
+    ]
+
+
 def restore_marker(root: Path, expected: dict[str, object]) -> bool:
     """Write the marker of a folder this tier uses back when it is gone (someone emptied the
-    folder while the tier ran), so the folder opens again; whether it was written. Raises
-    ``IncompatibleRoot`` when the folder holds files kvtier did not write, or when another
-    tier wrote a marker that disagrees in the meantime."""
+    folder while the tier ran, or removed the marker), so the folder opens again; whether it
+    was written. Raises ``IncompatibleRoot`` when the folder holds files kvtier did not
+    write, or when another tier wrote a marker that disagrees in the meantime."""
     try:
         os.lstat(root / MARKER_NAME)
         return False
     except FileNotFoundError:
         pass
-    foreign = [
-        n
-        for n in os.listdir(root)
-        if not (n.startswith(OWN_PREFIX) or n == MARKER_NAME or is_shard_name(n))
-    ]
+    foreign = foreign_names(os.listdir(root))
     if foreign:
         raise IncompatibleRoot(
             f"{root} lost its {MARKER_NAME} marker while this tier used it and now holds files "

@@ -52,7 +52,7 @@ from typing import Literal
 
 from kvtier.tiers.fs._layout import FILE_MODE, O_CLOEXEC, O_NOFOLLOW
 
-__all__ = ["LOCK_NAME", "Claim", "FolderBusy", "Sharing", "claim"]
+__all__ = ["LOCK_NAME", "Claim", "FolderBusy", "Sharing", "claim", "in_use"]
 
 Sharing = bool | Literal["auto"]
 LOCK_NAME = ".kvtier-fs.lock"  # the layout's own prefix: not a block, not a foreign file
@@ -63,6 +63,7 @@ _SETLK = getattr(fcntl, "F_OFD_SETLK", None)
 _GETLK = getattr(fcntl, "F_OFD_GETLK", None)
 _FOLDER_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | O_CLOEXEC
 _FILE_FLAGS = os.O_RDWR | os.O_CREAT | O_CLOEXEC | O_NOFOLLOW
+_PEEK_FLAGS = os.O_RDONLY | O_CLOEXEC | O_NOFOLLOW  # asking about a lock file, never making it
 # Another open file holds a write lock there: a process that locks the file exclusively.
 _HELD = frozenset({errno.EAGAIN, errno.EACCES})
 # How often a lock is taken again when its path turned out to name another inode meanwhile.
@@ -89,10 +90,7 @@ class _Lock:
 
     def others(self) -> bool:
         """Whether another open file (another user) holds a lock here."""
-        assert _GETLK is not None
-        asked = _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 1, 0)
-        found = fcntl.fcntl(self.fd, _GETLK, asked)
-        return bool(_FLOCK.unpack(found)[0] != fcntl.F_UNLCK)
+        return _locked(self.fd)
 
     def moved(self) -> bool:
         """Whether the path no longer names the locked inode (removed, or replaced)."""
@@ -145,6 +143,11 @@ class Claim:
             return renewed, self.why
         return renewed, None
 
+    def others(self) -> bool:
+        """Whether another process uses the folder now (holds a lock beside this one's)."""
+        with self._mutex:
+            return not self._released and any(lock.others() for lock in self.locks)
+
     def release(self) -> None:
         """Let go of the locks (closing the files drops them)."""
         with self._mutex:
@@ -179,6 +182,38 @@ def claim(root: Path, shared: Sharing) -> Claim:
         return _busy(root, shared, locks, "shared with other processes")
     held.owner, held.why = True, "the only process using it"
     return held
+
+
+def in_use(root: Path, held: Claim | None = None) -> bool:
+    """Whether another process uses ``root``: holds a lock on the folder or on its lock file.
+    Asked without taking a lock or making the lock file, so a folder that turns out not to
+    be kvtier's is left as it was; through ``held``'s locks when this process holds a claim
+    (its own locks are not another user's)."""
+    if held is not None:
+        return held.others()
+    if _GETLK is None:
+        return False
+    for path, flags in ((root, _FOLDER_FLAGS), (root / LOCK_NAME, _PEEK_FLAGS)):
+        try:
+            fd = os.open(path, flags)
+        except OSError:  # no lock file: nobody locks it
+            continue
+        try:
+            if _locked(fd):
+                return True
+        except OSError:  # takes no lock (a folder on NFS): nobody holds one
+            continue
+        finally:
+            os.close(fd)
+    return False
+
+
+def _locked(fd: int) -> bool:
+    """Whether an open file other than ``fd`` holds a lock on the first byte of its file."""
+    assert _GETLK is not None
+    asked = _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 1, 0)
+    found = fcntl.fcntl(fd, _GETLK, asked)
+    return bool(_FLOCK.unpack(found)[0] != fcntl.F_UNLCK)
 
 
 def _busy(root: Path, shared: Sharing, locks: list[_Lock], why: str) -> Claim:

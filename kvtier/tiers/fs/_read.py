@@ -35,6 +35,7 @@ from pathlib import Path
 from kvtier._format import (
     ALIGNED_FORMAT_VERSION,
     FORMAT_VERSION,
+    PAYLOAD_ALIGN,
     BlockHeader,
     HeaderError,
     IntegrityKey,
@@ -52,7 +53,16 @@ from kvtier.tiers.fs._io import (
     open_maybe_direct,
     staging_size,
 )
-from kvtier.tiers.fs._layout import READ_FLAGS, open_block, open_shard, remove_if_same
+from kvtier.tiers.fs._layout import (
+    READ_FLAGS,
+    Kind,
+    key_of,
+    name_of,
+    open_block,
+    open_shard,
+    remove_if_same,
+    walk,
+)
 
 __all__ = [
     "DIRECT_CHUNK",
@@ -62,6 +72,7 @@ __all__ = [
     "knows_cache",
     "read_block",
     "scratch_size",
+    "unlike",
 ]
 
 # The OS call that reads, named once so tests can inject a fault at exactly this boundary.
@@ -137,6 +148,65 @@ def read_block(
     finally:
         os.close(fd)
     return ReadOutcome.LOADED
+
+
+def unlike(root: Path, integrity_key: IntegrityKey | None, most: int) -> tuple[str, str] | None:
+    """The first of (at most) ``most`` block files under ``root`` that a tier with
+    ``integrity_key`` (or none) cannot read as an intact block of its own: where it is and
+    why; None when every one it read is. Nothing is removed: a folder whose marker is lost is
+    checked so before it is adopted, and a block of another configuration (signed, unsigned,
+    another key) is a reason to refuse the folder, not a corrupt block."""
+    read = 0
+    with contextlib.closing(walk(root)) as items:
+        for item in items:
+            if item.kind is not Kind.BLOCK:
+                continue
+            name = item.parts[-1]
+            try:
+                fd = os.open(name, READ_FLAGS, dir_fd=item.folder)
+            except FileNotFoundError:
+                continue  # evicted while we looked
+            try:
+                problem = _unreadable(fd, name, integrity_key)
+            finally:
+                os.close(fd)
+            if problem is not None:
+                return "/".join(item.parts), problem
+            read += 1
+            if read >= most:
+                break
+    return None
+
+
+def _unreadable(fd: int, name: str, integrity_key: IntegrityKey | None) -> str | None:
+    """Why the block file ``name`` open at ``fd`` is not an intact block of a reader with
+    ``integrity_key``, or None when it is."""
+    try:
+        _verify_file(fd, name, integrity_key)
+    except HeaderError as exc:
+        return str(exc)
+    return None
+
+
+def _verify_file(fd: int, name: str, integrity_key: IntegrityKey | None) -> None:
+    """Read the block file ``name`` open at ``fd`` whole and verify it (``HeaderError``)."""
+    size = os.fstat(fd).st_size
+    head = os.pread(fd, PAYLOAD_ALIGN, 0)  # any header fits: a key is at most 255 bytes
+    header = decode_header(head, integrity_key=integrity_key, versions=VERSIONS)
+    key = key_of(name)
+    if key is None:  # named by a hash of its key: the name must be that hash
+        key = header.key if name_of(header.key) == name else b""
+    check = PayloadCheck(key, header, integrity_key=integrity_key)
+    offset, end = header.payload_offset, header.payload_offset + header.payload_length
+    if size != end:
+        raise HeaderError(f"file is {size} bytes, header says {end}")
+    while offset < end:
+        piece = os.pread(fd, min(READ_CHUNK, end - offset), offset)
+        if not piece:
+            raise HeaderError(f"read {offset} bytes of {end}")
+        check.update(piece)
+        offset += len(piece)
+    check.finish()
 
 
 def _remove_if_same(root: Path, name: str, fd: int) -> None:

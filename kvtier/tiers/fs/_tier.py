@@ -50,7 +50,6 @@ from kvtier.tiers.fs._index import IndexLookups
 from kvtier.tiers.fs._keeper import FolderKeeper
 from kvtier.tiers.fs._layout import IncompatibleRoot, name_of
 from kvtier.tiers.fs._ledger import Ledger
-from kvtier.tiers.fs._marker import marker_for
 from kvtier.tiers.fs._ownership import FolderBusy
 from kvtier.tiers.fs._upkeep import Upkeep
 
@@ -95,7 +94,7 @@ class FSTier(SecondaryTier):
         self.max_concurrency = settings.max_concurrency
         self.max_write_concurrency = settings.max_write_concurrency
         self._keeper = keeper = FolderKeeper(
-            self.root, marker_for(self.integrity_key), identity, self._container, self.shared
+            self.root, self.integrity_key, identity, self._container, self.shared
         )
         self._files = BlockFiles(self.root, settings, self.integrity_key, keeper)
         self._catalog: Catalog[anyio.Event] = Catalog(settings.capacity_bytes)

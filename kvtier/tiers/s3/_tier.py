@@ -255,19 +255,23 @@ class S3Tier(SecondaryTier):
     async def aclose(self) -> None:
         """Stop the background work, publish the last keys written here, close the client.
 
-        From the first line on, operations raise LifecycleError. The last publish and the
-        client's close each run shielded within a time bound of their own, and the close
-        runs whatever came before it: a publish hung on an endpoint that stopped answering
-        must not leave the client's session and sockets open."""
+        From the first line on, operations raise LifecycleError. Both task groups are left,
+        in the order they were entered, even when the caller is cancelled meanwhile: a group
+        left entered would keep its tasks running and break the caller's cancel scopes. The
+        last publish and the client's close each run shielded within a time bound of their
+        own, and the close runs whatever came before it: a publish hung on an endpoint that
+        stopped answering must not leave the client's session and sockets open."""
         stack, self._stack = self._stack, None
         if stack is None:
             return
         try:
             tg, self._task_group = self._task_group, None
-            if tg is not None:  # entered after the lookups' task group: left before it
-                tg.cancel_scope.cancel()
-                await tg.__aexit__(None, None, None)
-            await self._lookups.aclose()  # cancels its checks: returns promptly
+            try:
+                if tg is not None:  # entered after the lookups' task group: left before it
+                    tg.cancel_scope.cancel()  # nothing in it is shielded: returns promptly
+                    await tg.__aexit__(None, None, None)
+            finally:  # even when the caller is cancelled meanwhile (a manager's open_timeout)
+                await self._lookups.aclose()  # cancels its checks: returns promptly
             with anyio.move_on_after(_CLOSE_TIMEOUT, shield=True):
                 await self._sync.refresh_once(poll=False)  # publish the last keys written here
         finally:

@@ -10,6 +10,7 @@ not (it accepts any request).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import hashlib
@@ -900,6 +901,29 @@ async def test_closing_a_tier_whose_server_stopped_answering_closes_its_client(
                 await tier.refresh_index()
     finally:
         os.kill(pid, signal.SIGCONT)
+
+
+@pytest.mark.parametrize("index", [False, True], ids=["checks", "index"])
+async def test_a_cancelled_close_leaves_no_task_and_no_cancel_scope_behind(
+    make_tier: MakeS3Tier, index: bool
+) -> None:
+    """aclose whose caller is cancelled meanwhile (a manager's open_timeout firing while it
+    closes the tiers it opened): both of the tier's task groups are still left, in order, so
+    none of its tasks runs on, the caller's cancel scope exits cleanly, and the tier opens
+    again."""
+    tier = make_tier(**INDEX_BY_HAND) if index else make_tier()
+    before = asyncio.all_tasks()
+    with anyio.fail_after(60):
+        with anyio.CancelScope() as caller:
+            await tier.open()
+            caller.cancel()  # the caller's deadline fires while it closes the tier
+            await tier.aclose()
+        assert caller.cancelled_caught
+        assert not tier.is_open
+        left = [t for t in asyncio.all_tasks() - before if not t.done()]
+        assert left == [], f"tasks left running after the close: {left}"
+        async with tier:  # nothing of the first open is still entered
+            await tier.store(fresh_keys(1)[0], memoryview(os.urandom(BLOCK)))
 
 
 @pytest.mark.parametrize(
