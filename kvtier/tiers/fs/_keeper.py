@@ -67,7 +67,7 @@ CHECK_SECONDS = 1.0
 MARKER_WAIT_SECONDS = 5 * CHECK_SECONDS
 """How long an opener waits for the process that uses a folder to write its lost marker back
 (its next check, with room for a busy machine) before adopting the folder itself."""
-SAMPLE_BLOCKS = 4
+SAMPLE_BLOCKS = 16
 """How many of its blocks an opener reads whole before adopting a folder that lost its marker:
 enough to tell another configuration's folder, bounded so an open stays quick."""
 _MARKER_POLL_SECONDS = CHECK_SECONDS / 20

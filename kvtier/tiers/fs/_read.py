@@ -34,6 +34,7 @@ from pathlib import Path
 
 from kvtier._format import (
     ALIGNED_FORMAT_VERSION,
+    FLAG_MAC,
     FORMAT_VERSION,
     PAYLOAD_ALIGN,
     BlockHeader,
@@ -86,6 +87,8 @@ DIRECT_CHUNK = 4 << 20
 
 # The FS tier writes version 2 (the payload aligned for O_DIRECT) and still reads version 1.
 VERSIONS = (FORMAT_VERSION, ALIGNED_FORMAT_VERSION)
+# Any key: what decodes a signed header to read its flags, never to verify a MAC.
+_ANY_KEY = IntegrityKey(bytes(32))
 
 
 def scratch_size(direct: bool, header_bytes: int, payload_bytes: int) -> int:
@@ -151,12 +154,17 @@ def read_block(
 
 
 def unlike(root: Path, integrity_key: IntegrityKey | None, most: int) -> tuple[str, str] | None:
-    """The first of (at most) ``most`` block files under ``root`` that a tier with
-    ``integrity_key`` (or none) cannot read as an intact block of its own: where it is and
-    why; None when every one it read is. Nothing is removed: a folder whose marker is lost is
-    checked so before it is adopted, and a block of another configuration (signed, unsigned,
-    another key) is a reason to refuse the folder, not a corrupt block."""
-    read = 0
+    """Why a tier with ``integrity_key`` (or none) must not adopt ``root``, a folder that lost
+    its marker: where and why, or None when it may. Nothing is removed.
+
+    Up to ``most`` block files are read. One whose header is intact but signed the other way
+    (signed where this tier has no key, or unsigned and intact where it has one) was written
+    with other settings: refused at once, since adopting would call every such block corrupt
+    and remove it. A block that fails its checks otherwise may be damaged (a torn or flipped
+    file, which any tier would remove) or signed with another key, which cannot be told
+    apart one block at a time; so the folder is adopted only when at least one block read
+    verifies as this tier's own (or there are none)."""
+    read, first_failure = 0, None
     with contextlib.closing(walk(root)) as items:
         for item in items:
             if item.kind is not Kind.BLOCK:
@@ -168,14 +176,33 @@ def unlike(root: Path, integrity_key: IntegrityKey | None, most: int) -> tuple[s
                 continue  # evicted while we looked
             try:
                 problem = _unreadable(fd, name, integrity_key)
+                other = problem is not None and _other_settings(fd, name, integrity_key)
             finally:
                 os.close(fd)
-            if problem is not None:
-                return "/".join(item.parts), problem
+            where = "/".join(item.parts)
+            if problem is None:
+                return None  # one block of its own: the rest are its own or damaged
+            if other:
+                return where, f"{problem}; the block is intact under the other signing setting"
+            first_failure = first_failure or (where, problem)
             read += 1
             if read >= most:
                 break
-    return None
+    return first_failure
+
+
+def _other_settings(fd: int, name: str, integrity_key: IntegrityKey | None) -> bool:
+    """Whether the block file verifies as far as it can under the other signing setting:
+    signed with an intact header where this tier has no key (its MAC cannot be checked
+    without the key), or unsigned and whole where it has one."""
+    if integrity_key is None:
+        try:
+            head = os.pread(fd, PAYLOAD_ALIGN, 0)
+            header = decode_header(head, integrity_key=_ANY_KEY, versions=VERSIONS)
+        except HeaderError:
+            return False
+        return bool(header.flags & FLAG_MAC)
+    return _unreadable(fd, name, None) is None
 
 
 def _unreadable(fd: int, name: str, integrity_key: IntegrityKey | None) -> str | None:

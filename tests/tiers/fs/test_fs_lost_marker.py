@@ -20,6 +20,7 @@ from kvtier.testing import resolve_lookup
 from kvtier.tiers.fs import FSTier, _keeper, _ownership
 from kvtier.tiers.fs._layout import IDENTITY_NAME, MARKER_NAME
 from kvtier.tiers.fs._marker import marker_for
+from tests.support import block_files
 from tests.tiers.fs.fs_worker import key_and_data, served
 from tests.tiers.fs.fs_worker import key_of as worker_key
 
@@ -100,6 +101,25 @@ async def test_an_idle_folder_that_lost_its_marker_is_adopted(
     assert (root / IDENTITY_NAME).exists()
     assert f"{ADOPTED} {root}" in caplog.text and "no other process uses it" in caplog.text
     assert f"wrote {IDENTITY_NAME} and {MARKER_NAME}" in caplog.text
+
+
+@pytest.mark.parametrize("secret", [None, SECRET], ids=["unsigned", "signed"])
+async def test_a_folder_that_lost_its_marker_with_damaged_blocks_among_its_own_is_adopted(
+    tmp_path: Path, secret: str | None
+) -> None:
+    root = tmp_path / "c"
+    await _fill(root, secret)
+    (root / MARKER_NAME).unlink()
+    files = sorted(block_files(root))
+    files[0].write_bytes(files[0].read_bytes()[:100])  # torn
+    files[1].write_bytes(files[2].read_bytes())  # another key's block
+    damaged = bytearray(files[3].read_bytes())
+    damaged[-1] ^= 0xFF  # a flipped bit in the payload
+    files[3].write_bytes(damaged)
+    async with FSTier(root, integrity_key=secret) as tier:  # damage is not another setting
+        intact = [i for i in range(6) if await resolve_lookup(tier, key(i)) is LookupResult.HIT]
+        assert len(intact) >= 2
+    assert (root / MARKER_NAME).exists()
 
 
 async def test_a_user_that_never_writes_the_marker_back_delays_an_open_only_so_long(
