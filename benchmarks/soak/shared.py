@@ -53,6 +53,7 @@ COUNTERS = (
     "leak_checks",
     "kvtier_errors",
     "open_failures",
+    "open_failures_transient",
     "contract_errors",
     "seq_hw",
     "stop",

