@@ -138,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         print(table(summary))
         for result in results:
             if failed_run(result):
+                os.makedirs(args.repro_dir, exist_ok=True)
                 path = os.path.join(args.repro_dir, f"soak-repro-{result.settings.seed}.json")
                 reproducer(result, path)
                 summary.setdefault("reproducers", []).append(os.path.abspath(path))

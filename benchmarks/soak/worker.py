@@ -624,15 +624,6 @@ _OPS: dict[str, _Op] = {
 }
 
 
-def main(argv: list[str]) -> int:
-    spec = Spec.load(argv[0])
-    return asyncio.run(Run(spec).run())
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
-
-
 def _transient(exc: BaseException) -> bool:
     """An open that failed on a fault the soak injects and that passes by itself: the S3
     endpoint unavailable or slow, or the disk full."""
@@ -642,3 +633,12 @@ def _transient(exc: BaseException) -> bool:
     return isinstance(exc, kvtier.UnusableRootError) and (
         isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT)
     )
+
+
+def main(argv: list[str]) -> int:
+    spec = Spec.load(argv[0])
+    return asyncio.run(Run(spec).run())
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
