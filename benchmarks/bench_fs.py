@@ -59,8 +59,8 @@ from kvtier import (
     TieringManager,
     block_keys,
 )
-from kvtier._format import checksum  # the aiofiles baseline verifies as FSTier does
-from kvtier._settings import parse_size
+from kvtier.common._format import checksum  # the aiofiles baseline verifies as FSTier does
+from kvtier.common._settings import parse_size
 
 MiB = 1 << 20
 

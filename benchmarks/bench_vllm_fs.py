@@ -73,7 +73,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.common import add_json_flag, drop_cache, json_output
-from kvtier._format import checksum
+from kvtier.common._format import checksum
 
 try:
     from vllm.v1.kv_offload.base import make_offload_key

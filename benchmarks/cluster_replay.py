@@ -66,7 +66,7 @@ from benchmarks.common import (
     settings,
 )
 from benchmarks.replay_trace import DEFAULT_TRACE, infinite_hits, load_trace, payload_of
-from kvtier.tiers.s3._pack import Location, encode_table, pack_name
+from kvtier.tiers.s3._pack_format import Location, encode_table, pack_name
 
 PAYLOAD_BYTES = 64
 LOOKUP_TIMEOUT = 5.0

@@ -46,7 +46,7 @@ from tqdm import tqdm
 import kvtier
 from benchmarks.agent_trace import AgentWorkload, generate
 from benchmarks.common import add_json_flag, json_output
-from kvtier._format import header_size  # an FS file's header, for a capacity in blocks
+from kvtier.common._format import header_size  # an FS file's header, for a capacity in blocks
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_TRACE = REPO / "benchmarks" / "data" / "mooncake_trace_first1000.jsonl"

@@ -5,34 +5,6 @@ Everything public is imported from here; the modules behind it are private.
 
 from __future__ import annotations
 
-from kvtier import _version
-from kvtier._config import (
-    FSConfig,
-    IntegrityConfig,
-    KVTierConfig,
-    PoolConfig,
-    S3Config,
-)
-from kvtier._cost import CostModel, CostStatistics, TierCost
-from kvtier._errors import (
-    BlockNotFoundError,
-    CorruptBlockError,
-    ExtraNotInstalledError,
-    InvalidArgumentError,
-    KVTierError,
-    LifecycleError,
-    TierContractError,
-    TierError,
-    TierNoSpaceError,
-    TierTimeoutError,
-    TierUnavailableError,
-)
-from kvtier._event_stream import EventStream
-from kvtier._events import EventBuffer, EventKind, TierEvent
-from kvtier._format import IntegrityKey
-from kvtier._identity import CacheIdentity, IdentityMismatchError, ManifestError
-from kvtier._keys import block_keys
-from kvtier._lookup import LookupResult, MissReason
 from kvtier._metrics import (
     KVTierCollector,
     LatencyHistograms,
@@ -40,22 +12,71 @@ from kvtier._metrics import (
     metrics_asgi_app,
     serve_metrics,
 )
-from kvtier._prefetch import PrefetchHandle, PrefetchState, PrefetchStatistics
-from kvtier._scheduler import OffloadScheduler, SchedulerStatistics
-from kvtier.manager import ManagerConfig, ManagerStatistics, TieringManager
-from kvtier.pools._base import PrimaryPool
-from kvtier.pools._cuda import CudaPool
-from kvtier.pools._cupy import CudaUnavailableError, cuda_available
-from kvtier.pools._host import HostPool
-from kvtier.pools._policy import ARCPolicy, EvictionPolicy, LRUPolicy
-from kvtier.pools._slots import PoolStatistics, SlotState
-from kvtier.tiers._async_lookup import AsyncLookupManager
-from kvtier.tiers._base import LookupStatistics, SecondaryTier, TierStatistics
-from kvtier.tiers._memory import MemoryTier
-from kvtier.tiers.fs import FSTier
-from kvtier.tiers.fs._io import UnusableRootError
-from kvtier.tiers.s3 import S3Tier, S3TierStatistics
-from kvtier.writes._admission import AdmissionPolicy, AdmissionStatistics
+from kvtier.common import (
+    BlockNotFoundError,
+    CacheIdentity,
+    CorruptBlockError,
+    EventBuffer,
+    EventKind,
+    ExtraNotInstalledError,
+    IdentityMismatchError,
+    IntegrityConfig,
+    IntegrityKey,
+    InvalidArgumentError,
+    KVTierError,
+    LifecycleError,
+    LookupResult,
+    ManifestError,
+    MissReason,
+    TierContractError,
+    TierError,
+    TierEvent,
+    TierNoSpaceError,
+    TierTimeoutError,
+    TierUnavailableError,
+    _version,
+    block_keys,
+)
+from kvtier.integrations._event_stream import EventStream
+from kvtier.manager import (
+    CostModel,
+    CostStatistics,
+    KVTierConfig,
+    ManagerConfig,
+    ManagerStatistics,
+    TierCost,
+    TieringManager,
+)
+from kvtier.pools import (
+    ARCPolicy,
+    CudaPool,
+    CudaUnavailableError,
+    EvictionPolicy,
+    HostPool,
+    LRUPolicy,
+    PoolConfig,
+    PoolStatistics,
+    PrimaryPool,
+    SlotState,
+    cuda_available,
+)
+from kvtier.scheduler import (
+    OffloadScheduler,
+    PrefetchHandle,
+    PrefetchState,
+    PrefetchStatistics,
+    SchedulerStatistics,
+)
+from kvtier.tiers import (
+    AsyncLookupManager,
+    LookupStatistics,
+    MemoryTier,
+    SecondaryTier,
+    TierStatistics,
+)
+from kvtier.tiers.fs import FSConfig, FSTier, UnusableRootError
+from kvtier.tiers.s3 import S3Config, S3Tier, S3TierStatistics
+from kvtier.writes import AdmissionPolicy, AdmissionStatistics
 
 
 def __getattr__(name: str) -> str:

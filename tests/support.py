@@ -27,8 +27,8 @@ from kvtier import (
     TieringManager,
     block_keys,
 )
-from kvtier._buffers import BlockBuffer
 from kvtier._cli import main
+from kvtier.common._buffers import BlockBuffer
 from kvtier.pools._base import PrimaryPool
 from kvtier.testing import StallingTier
 from kvtier.tiers.fs._layout import name_of, path_of

@@ -4,7 +4,7 @@
   settings dataclass: the key, its environment variable, its type, its default, and the comment
   written above the field in the source. The table is read from the class at every build, so
   it cannot drift from the code; the page that has them must have one for every section the
-  loader (``kvtier._config``) reads.
+  loader (``kvtier.manager._stack_config``) reads.
 - ``<!-- api: kvtier -->`` becomes one ``::: kvtier.NAME`` block per name in ``kvtier.__all__``
   (read from the source with ``ast``, so the build does not depend on the import order).
 """

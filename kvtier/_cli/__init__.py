@@ -42,7 +42,7 @@ from typing import IO
 from kvtier._cli._bench import run_bench, show_config
 from kvtier._cli._common import EXIT_BAD_DATA, EXIT_USAGE, UsageError
 from kvtier._cli._folder import inspect, verify
-from kvtier._errors import ExtraNotInstalledError, InvalidArgumentError, KVTierError
+from kvtier.common._errors import ExtraNotInstalledError, InvalidArgumentError, KVTierError
 
 __all__ = ["main"]
 
@@ -64,7 +64,7 @@ def _positive(kind: Callable[[str], int]) -> Callable[[str], int]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from kvtier._config import parse_size
+    from kvtier.manager._stack_config import parse_size
 
     parser = argparse.ArgumentParser(
         prog="kvtier", description="Tools for operating a kvtier KV-cache."

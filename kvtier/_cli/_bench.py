@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from kvtier._cli._common import EXIT_BAD_DATA, EXIT_OK, UsageError, human_bytes
-from kvtier._errors import KVTierError
-from kvtier._logging import BurstLogger
+from kvtier.common._errors import KVTierError
+from kvtier.common._logging import BurstLogger
 
 __all__ = ["run_bench", "show_config"]
 
@@ -24,7 +24,7 @@ logger = logging.getLogger("kvtier._cli")
 
 
 def _load_config(path: str | None) -> Any:
-    from kvtier._config import ENV_PREFIX, KVTierConfig
+    from kvtier.manager._stack_config import ENV_PREFIX, KVTierConfig
 
     if path is not None:
         return KVTierConfig.from_toml(path)
@@ -161,7 +161,7 @@ async def _bench_pool(manager: Any, blocks: int, rounds: int) -> list[_Row]:
 def run_bench(args: argparse.Namespace, out: IO[str]) -> int:
     import anyio
 
-    from kvtier._config import FSConfig, KVTierConfig, PoolConfig
+    from kvtier.manager._stack_config import FSConfig, KVTierConfig, PoolConfig
 
     with contextlib.ExitStack() as stack:
         config = _load_config(args.config)

@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import IO, Any
 
 from kvtier._cli._common import EXIT_BAD_DATA, EXIT_OK, UsageError, human_bytes
-from kvtier._errors import InvalidArgumentError
-from kvtier._format import HeaderError, IntegrityKey, decode_header, verify_block
-from kvtier._identity import CacheIdentity, ManifestError
+from kvtier.common._errors import InvalidArgumentError
+from kvtier.common._format import HeaderError, IntegrityKey, decode_header, verify_block
+from kvtier.common._identity import CacheIdentity, ManifestError
 from kvtier.tiers.fs._layout import (
     BLOCK_FORMATS,
     LAYOUT_VERSION,

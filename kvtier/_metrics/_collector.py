@@ -13,19 +13,19 @@ import dataclasses
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Self
 
-from kvtier._errors import InvalidArgumentError
 from kvtier._metrics._families import Families, add_by, prometheus
 from kvtier._metrics._histograms import LatencyHistograms, samples_of
 from kvtier._metrics._tiers import collect_policies, collect_tiers
+from kvtier.common._errors import InvalidArgumentError
 from kvtier.manager._statistics import COUNTER, METRICS
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
     from prometheus_client.registry import CollectorRegistry
 
-    from kvtier._scheduler import OffloadScheduler, SchedulerStatistics
     from kvtier.manager import ManagerStatistics, TieringManager
     from kvtier.pools._slots import PoolStatistics
+    from kvtier.scheduler._scheduler import OffloadScheduler, SchedulerStatistics
 
 __all__ = ["KVTierCollector"]
 

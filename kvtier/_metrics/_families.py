@@ -7,7 +7,7 @@ import types
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvtier._errors import ExtraNotInstalledError
+from kvtier.common._errors import ExtraNotInstalledError
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric

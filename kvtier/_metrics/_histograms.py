@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from kvtier._errors import InvalidArgumentError
+from kvtier.common._errors import InvalidArgumentError
 
 __all__ = ["DEFAULT_BUCKETS", "HistogramSamples", "LatencyHistograms", "samples_of"]
 

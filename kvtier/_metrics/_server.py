@@ -30,18 +30,18 @@ import anyio.from_thread
 import anyio.lowlevel
 import anyio.to_thread
 
-from kvtier._errors import InvalidArgumentError
 from kvtier._metrics._collector import KVTierCollector
 from kvtier._metrics._families import prometheus
-from kvtier._resource import AsyncResource
+from kvtier.common._errors import InvalidArgumentError
+from kvtier.common._resource import AsyncResource
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
     from prometheus_client.registry import CollectorRegistry
 
     from kvtier._metrics._histograms import LatencyHistograms
-    from kvtier._scheduler import OffloadScheduler
     from kvtier.manager import TieringManager
+    from kvtier.scheduler._scheduler import OffloadScheduler
 
 __all__ = ["MetricsServer", "metrics_asgi_app", "serve_metrics"]
 

@@ -12,8 +12,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from kvtier._errors import InvalidArgumentError
-from kvtier._identity import CacheIdentity
+from kvtier.common._errors import InvalidArgumentError
+from kvtier.common._identity import CacheIdentity
 from kvtier.tiers._base import SecondaryTier
 from kvtier.tiers.fs import FSTier
 from kvtier.tiers.s3 import S3Tier
@@ -63,7 +63,7 @@ def tier_from_config(
         raise InvalidArgumentError(f"tier.kind must be one of {_KINDS}, got {kind!r}")
     for name, value in ADAPTER_DEFAULTS.get(kind, {}).items():
         settings.setdefault(name, value)
-    from kvtier._config import KVTierConfig
+    from kvtier.manager._stack_config import KVTierConfig
 
     # The pool section only satisfies KVTierConfig; the adapter builds no pool (vLLM's CPU
     # tier is the primary), but it does describe that primary truthfully.

@@ -60,10 +60,10 @@ from typing import Any, Self
 import anyio
 import anyio.to_thread
 
-from kvtier._errors import ExtraNotInstalledError, InvalidArgumentError, LifecycleError
-from kvtier._event_stream import EventStream
-from kvtier._events import EventKind, TierEvent
-from kvtier._logging import BurstLogger
+from kvtier.common._errors import ExtraNotInstalledError, InvalidArgumentError, LifecycleError
+from kvtier.common._events import EventKind, TierEvent
+from kvtier.common._logging import BurstLogger
+from kvtier.integrations._event_stream import EventStream
 
 __all__ = ["END_OF_REPLAY", "KVEventPublisher", "PublisherStatistics", "encode_event"]
 

@@ -76,12 +76,11 @@ from collections import OrderedDict
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from kvtier._errors import ExtraNotInstalledError, InvalidArgumentError
-from kvtier._events import EventKind
-from kvtier._identity import CacheIdentity, IdentityMismatchError
-from kvtier._lookup import LookupResult
-from kvtier._settings import positive_int
-from kvtier.integrations._bridge import BridgeStatistics, TierBridge
+from kvtier.common._errors import ExtraNotInstalledError, InvalidArgumentError
+from kvtier.common._events import EventKind
+from kvtier.common._identity import CacheIdentity, IdentityMismatchError
+from kvtier.common._lookup import LookupResult
+from kvtier.common._settings import positive_int
 from kvtier.integrations._vllm_setup import (
     ADAPTER_DEFAULTS,
     identity_from_spec,
@@ -89,6 +88,7 @@ from kvtier.integrations._vllm_setup import (
     tier_from_config,
     vllm_key_hasher,
 )
+from kvtier.integrations.bridge._bridge import BridgeStatistics, TierBridge
 from kvtier.tiers._base import SecondaryTier
 from kvtier.tiers.fs import FSTier
 from kvtier.tiers.fs._io import UnusableRootError

@@ -13,9 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, TypedDict
 
-from kvtier._cost import CostModel
-from kvtier._errors import InvalidArgumentError
-from kvtier._settings import (
+from kvtier.common._errors import InvalidArgumentError
+from kvtier.common._settings import (
     Section,
     optional,
     parse_bool,
@@ -27,6 +26,7 @@ from kvtier._settings import (
     parse_seconds,
     spec,
 )
+from kvtier.manager._cost import CostModel
 from kvtier.writes._admission import AdmissionPolicy
 
 __all__ = ["ManagerConfig", "ManagerOverrides"]

@@ -13,12 +13,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-from kvtier._cost import CostModel, ScanBudget
-from kvtier._errors import LifecycleError
-from kvtier._failures import RecentFailures
-from kvtier._lookup import LookupResult, MissReason
-from kvtier._watch import Watchers
+from kvtier.common._errors import LifecycleError
+from kvtier.common._lookup import LookupResult, MissReason
+from kvtier.manager._cost import CostModel, ScanBudget
+from kvtier.manager._failures import RecentFailures
 from kvtier.manager._statistics import LookupCounts
+from kvtier.manager._watch import Watchers
 from kvtier.pools._base import PrimaryPool
 from kvtier.tiers._base import SecondaryTier
 from kvtier.writes._admission import AdmissionPolicy

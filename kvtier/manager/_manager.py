@@ -9,7 +9,7 @@ nothing stays pending forever and leaving ``async with`` joins them all. The job
 - ``_promotions``: promotion tasks and the copy up of promoted blocks;
 - ``_transfers``: ``store`` and ``load``, the copies into the pool and out of it;
 - ``kvtier.writes._writethrough``: write-through, write-back and deferred writes after a store;
-- ``kvtier._watch``: who waits for which key (``watch``, ``wait_settled``);
+- ``kvtier.manager._watch``: who waits for which key (``watch``, ``wait_settled``);
 - ``_statistics``: the nested snapshot ``statistics()`` returns;
 - ``_config``: ``ManagerConfig``, every setting defined once.
 """
@@ -26,20 +26,20 @@ from typing import Any, Self, Unpack
 import anyio
 import anyio.abc
 
-from kvtier._background import Background, Callbacks
-from kvtier._buffers import dtype_name
-from kvtier._cost import CostModel, ScanBudget
-from kvtier._errors import InvalidArgumentError, LifecycleError, TierTimeoutError
-from kvtier._failures import RecentFailures
-from kvtier._logging import BurstLogger
-from kvtier._lookup import LookupResult
-from kvtier._resource import AsyncResource
-from kvtier._watch import KeyWatch, Watchers
+from kvtier.common._background import Background, Callbacks
+from kvtier.common._buffers import dtype_name
+from kvtier.common._errors import InvalidArgumentError, LifecycleError, TierTimeoutError
+from kvtier.common._logging import BurstLogger
+from kvtier.common._lookup import LookupResult
+from kvtier.common._resource import AsyncResource
 from kvtier.manager._config import ManagerConfig, ManagerOverrides
+from kvtier.manager._cost import CostModel, ScanBudget
 from kvtier.manager._decision import LookupDecision, not_open
+from kvtier.manager._failures import RecentFailures
 from kvtier.manager._promotions import PromotionObserver, Promotions
 from kvtier.manager._statistics import BackgroundCounts, ManagerStatistics, WriteCounts
 from kvtier.manager._transfers import Transfers
+from kvtier.manager._watch import KeyWatch, Watchers
 from kvtier.pools._base import PrimaryPool
 from kvtier.tiers._base import SecondaryTier
 from kvtier.writes._admission import AdmissionPolicy

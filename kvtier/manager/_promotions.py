@@ -26,12 +26,12 @@ from typing import Protocol
 import anyio
 import anyio.abc
 
-from kvtier._background import Background, Callbacks
-from kvtier._cost import CostModel
-from kvtier._failures import RecentFailures
-from kvtier._logging import BurstLogger
-from kvtier._watch import Watchers
+from kvtier.common._background import Background, Callbacks
+from kvtier.common._logging import BurstLogger
+from kvtier.manager._cost import CostModel
+from kvtier.manager._failures import RecentFailures
 from kvtier.manager._statistics import PromotionCounts
+from kvtier.manager._watch import Watchers
 from kvtier.pools._base import PrimaryPool
 from kvtier.tiers._base import SecondaryTier, one_per_key
 from kvtier.writes._account import bump, reason_of

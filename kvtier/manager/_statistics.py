@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar, overload
 
-from kvtier._cost import CostStatistics
+from kvtier.manager._cost import CostStatistics
 from kvtier.pools._slots import PoolStatistics
 from kvtier.tiers._base import TierStatistics
 from kvtier.writes._admission import AdmissionStatistics

@@ -14,10 +14,10 @@ from typing import Any
 
 import anyio
 
-from kvtier._buffers import BlockBuffer, check_keys, split_blocks
-from kvtier._errors import LifecycleError
-from kvtier._watch import Watchers
+from kvtier.common._buffers import BlockBuffer, check_keys, split_blocks
+from kvtier.common._errors import LifecycleError
 from kvtier.manager._statistics import StoreCounts
+from kvtier.manager._watch import Watchers
 from kvtier.pools._base import PrimaryPool
 
 __all__ = ["Transfers"]

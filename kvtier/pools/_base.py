@@ -11,11 +11,11 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import anyio
 
-from kvtier._buffers import BlockBuffer
-from kvtier._describe import describe
-from kvtier._lending import Lender
-from kvtier._lookup import LookupResult
-from kvtier._settings import positive_int
+from kvtier.common._buffers import BlockBuffer
+from kvtier.common._describe import describe
+from kvtier.common._lending import Lender
+from kvtier.common._lookup import LookupResult
+from kvtier.common._settings import positive_int
 from kvtier.pools._policy import EvictionPolicy, make_policy
 from kvtier.pools._slots import PoolStatistics, SlotState, SlotTable
 
@@ -118,7 +118,7 @@ class PrimaryPool(ABC):
 
     def lender(self, slots: Sequence[int]) -> Lender | None:
         """What lends ``slots`` to the tier that ``fill_many`` writes them (see
-        ``kvtier._lending``), or None when the views it hands out are not the slots."""
+        ``kvtier.common._lending``), or None when the views it hands out are not the slots."""
         return None
 
     @abstractmethod

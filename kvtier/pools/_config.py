@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
-from kvtier._settings import (
+from kvtier.common._settings import (
     Section,
     choice,
     parse_non_negative_int,

@@ -33,8 +33,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvtier._buffers import BlockBuffer
-from kvtier._errors import InvalidArgumentError
+from kvtier.common._buffers import BlockBuffer
+from kvtier.common._errors import InvalidArgumentError
 from kvtier.pools._base import BatchSink, ByteSink, ByteSource
 from kvtier.pools._cuda_core import CopyCore
 from kvtier.pools._cuda_stream import Completion, StagingBuffer, StagingPool

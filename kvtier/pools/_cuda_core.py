@@ -22,8 +22,8 @@ import anyio
 import anyio.to_thread
 import numpy as np
 
-from kvtier._buffers import LOOP_COPY_BYTES
-from kvtier._errors import InvalidArgumentError, LifecycleError
+from kvtier.common._buffers import LOOP_COPY_BYTES
+from kvtier.common._errors import InvalidArgumentError, LifecycleError
 from kvtier.pools._cuda_caller import CudaCaller
 from kvtier.pools._cuda_stream import (
     Completion,

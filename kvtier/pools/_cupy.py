@@ -21,7 +21,7 @@ from collections.abc import Iterable, Iterator
 from importlib import metadata
 from typing import Any, Protocol, cast
 
-from kvtier._errors import ExtraNotInstalledError, KVTierError
+from kvtier.common._errors import ExtraNotInstalledError, KVTierError
 
 __all__ = [
     "CudaRuntime",

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvtier._errors import InvalidArgumentError
+from kvtier.common._errors import InvalidArgumentError
 
 if TYPE_CHECKING:
     from kvtier.pools._cupy import CudaRuntime

@@ -33,8 +33,8 @@ from typing import Any
 import anyio.to_thread
 import numpy as np
 
-from kvtier._buffers import BlockBuffer
-from kvtier._errors import InvalidArgumentError
+from kvtier.common._buffers import BlockBuffer
+from kvtier.common._errors import InvalidArgumentError
 from kvtier.pools import _cupy
 from kvtier.pools._cuda_stream import until_done
 from kvtier.pools._cupy import CudaRuntime, use_device

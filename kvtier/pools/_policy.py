@@ -20,7 +20,7 @@ from itertools import islice, takewhile
 from operator import not_
 from typing import Protocol, runtime_checkable
 
-from kvtier._errors import InvalidArgumentError
+from kvtier.common._errors import InvalidArgumentError
 
 __all__ = ["POLICY_NAMES", "ARCPolicy", "EvictionPolicy", "LRUPolicy", "make_policy"]
 

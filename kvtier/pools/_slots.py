@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from enum import IntEnum
 from itertools import takewhile
 
-from kvtier._lookup import LookupResult
-from kvtier._snapshots import snapshot
+from kvtier.common._freeze import snapshot
+from kvtier.common._lookup import LookupResult
 from kvtier.pools._policy import EvictionPolicy
 
 __all__ = ["PoolStatistics", "SlotState", "SlotTable"]

@@ -12,9 +12,9 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import anyio
 
-from kvtier._errors import BlockNotFoundError, CorruptBlockError, KVTierError, TierError
-from kvtier._keys import block_keys
-from kvtier._lookup import LookupResult, MissReason
+from kvtier.common._errors import BlockNotFoundError, CorruptBlockError, KVTierError, TierError
+from kvtier.common._keys import block_keys
+from kvtier.common._lookup import LookupResult, MissReason
 from kvtier.manager import TieringManager
 from kvtier.pools._base import BatchSink, ByteSink
 from kvtier.pools._host import HostPool

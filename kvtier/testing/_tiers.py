@@ -8,8 +8,8 @@ from typing import TypedDict, Unpack
 
 import anyio
 
-from kvtier._errors import TierError, TierUnavailableError
-from kvtier._lookup import LookupResult, MissReason
+from kvtier.common._errors import TierError, TierUnavailableError
+from kvtier.common._lookup import LookupResult, MissReason
 from kvtier.tiers._async_lookup import AsyncLookupManager
 from kvtier.tiers._base import BatchResults, SecondaryTier, TierStatistics
 from kvtier.tiers._memory import MemoryTier

@@ -27,12 +27,12 @@ from typing import Self
 import anyio
 import anyio.abc
 
-from kvtier._errors import TierError
-from kvtier._logging import BurstLogger
-from kvtier._lookup import LookupResult, MissReason
-from kvtier._resource import AsyncResource
-from kvtier._settings import positive_int, positive_number
-from kvtier._verdicts import PRESENT, VerdictStore, code_of, reason_of
+from kvtier.common._errors import TierError
+from kvtier.common._logging import BurstLogger
+from kvtier.common._lookup import LookupResult, MissReason
+from kvtier.common._resource import AsyncResource
+from kvtier.common._settings import positive_int, positive_number
+from kvtier.common._verdicts import PRESENT, VerdictStore, code_of, reason_of
 from kvtier.tiers._base import LookupCounts, LookupStatistics
 
 __all__ = ["AsyncLookupManager"]

@@ -13,13 +13,18 @@ from typing import Self, TypeVar
 
 import anyio
 
-from kvtier._describe import describe
-from kvtier._errors import InvalidArgumentError, TierContractError, TierError, TierTimeoutError
-from kvtier._lending import Lender
-from kvtier._logging import BurstLogger
-from kvtier._lookup import LookupResult, MissReason
-from kvtier._resource import AsyncResource
-from kvtier._snapshots import snapshot
+from kvtier.common._describe import describe
+from kvtier.common._errors import (
+    InvalidArgumentError,
+    TierContractError,
+    TierError,
+    TierTimeoutError,
+)
+from kvtier.common._freeze import snapshot
+from kvtier.common._lending import Lender
+from kvtier.common._logging import BurstLogger
+from kvtier.common._lookup import LookupResult, MissReason
+from kvtier.common._resource import AsyncResource
 
 __all__ = [
     "BatchResults",
@@ -260,7 +265,7 @@ class SecondaryTier(AsyncResource):
         deadlines must hold, does not. The default runs ``load`` for every key concurrently;
         a tier overrides it (or ``_load_batch``) to save per-block overhead.
 
-        ``lender`` (``kvtier._lending``): the buffers are lent, so a tier may read straight
+        ``lender`` (``kvtier.common._lending``): the buffers are lent, so a tier may read straight
         into them and still return at the deadline, keeping through the lender each buffer
         a read it left running may still write (``TieringManager`` lends a host pool's
         slots this way). A tier that does not use it (``_load_lent``) loads as without it.

@@ -7,9 +7,14 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from kvtier._errors import BlockNotFoundError, InvalidArgumentError, TierError, TierNoSpaceError
-from kvtier._lookup import LookupResult, MissReason
-from kvtier._settings import positive_int
+from kvtier.common._errors import (
+    BlockNotFoundError,
+    InvalidArgumentError,
+    TierError,
+    TierNoSpaceError,
+)
+from kvtier.common._lookup import LookupResult, MissReason
+from kvtier.common._settings import positive_int
 from kvtier.tiers._base import (
     BatchResults,
     LookupStatistics,

@@ -8,3 +8,9 @@ writes one block to the tiers that took it; blocks for write-back tiers wait pin
 shares (the pool, the deadline, bytes in flight, counters) is ``_account``. The manager
 (``kvtier.manager``) is the only caller; nothing here imports it.
 """
+
+from __future__ import annotations
+
+from kvtier.writes._admission import AdmissionPolicy, AdmissionStatistics
+
+__all__ = ["AdmissionPolicy", "AdmissionStatistics"]

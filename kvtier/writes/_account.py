@@ -15,10 +15,10 @@ from collections.abc import Callable
 
 import anyio.abc
 
-from kvtier._background import Background, InFlight
-from kvtier._errors import TierError
-from kvtier._logging import BurstLogger
-from kvtier._lookup import MissReason
+from kvtier.common._background import Background, InFlight
+from kvtier.common._errors import TierError
+from kvtier.common._logging import BurstLogger
+from kvtier.common._lookup import MissReason
 from kvtier.pools._base import PrimaryPool
 from kvtier.writes._admission import AdmissionPolicy
 

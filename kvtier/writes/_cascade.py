@@ -7,7 +7,7 @@ them in every target tier at once, each tier with one ``store_many``, under one
 ``store_timeout``; it reports each block's store to the admission policy, tells the tier's
 listeners, and gives back the pins and the bytes in flight. A task per block, with its own
 cancel scope and timer, cost more loop time than the block's bookkeeping. A task cancelled
-before it ran gives everything back through its undo (``kvtier._background``).
+before it ran gives everything back through its undo (``kvtier.common._background``).
 
 A deferred copy of a block reads it from a faster tier, so it must not ask that tier before the
 block's own write-through has reached it: ``wait_begun`` waits until every store of the
@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import anyio
 import anyio.abc
 
-from kvtier._lookup import MissReason
+from kvtier.common._lookup import MissReason
 from kvtier.tiers._base import SecondaryTier, one_per_key
 from kvtier.writes._account import WriteAccount, bump, reason_of
 

@@ -29,7 +29,7 @@ from typing import Any
 import anyio
 import anyio.abc
 
-from kvtier._lookup import LookupResult, MissReason
+from kvtier.common._lookup import LookupResult, MissReason
 from kvtier.tiers._base import SecondaryTier, settled_lookup
 from kvtier.writes._account import WriteAccount, bump, reason_of
 from kvtier.writes._deferred import DeferredWrites

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvtier._settings import positive_int
+from kvtier.common._settings import positive_int
 from kvtier.writes._admission import AdmissionPolicy
 
 __all__ = ["WriteBackQueue"]

@@ -20,8 +20,8 @@ from typing import Literal
 
 import anyio.abc
 
-from kvtier._background import Background
-from kvtier._logging import BurstLogger
+from kvtier.common._background import Background
+from kvtier.common._logging import BurstLogger
 from kvtier.pools._base import PrimaryPool
 from kvtier.tiers._base import SecondaryTier
 from kvtier.writes._account import WriteAccount

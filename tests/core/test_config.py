@@ -13,11 +13,18 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvtier._config import FSConfig, KVTierConfig, ManagerConfig, PoolConfig, S3Config, parse_size
-from kvtier._cost import CostModel
-from kvtier._errors import InvalidArgumentError
-from kvtier._lookup import LookupResult
+from kvtier.common._errors import InvalidArgumentError
+from kvtier.common._lookup import LookupResult
 from kvtier.manager import TieringManager
+from kvtier.manager._cost import CostModel
+from kvtier.manager._stack_config import (
+    FSConfig,
+    KVTierConfig,
+    ManagerConfig,
+    PoolConfig,
+    S3Config,
+    parse_size,
+)
 from kvtier.pools._host import HostPool
 from kvtier.testing import resolve_lookup
 from kvtier.tiers.fs import FSTier

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from kvtier import CacheIdentity, InvalidArgumentError, ManifestError, block_keys
-from kvtier._identity import MAX_MANIFEST_BYTES, check_manifest, scoped_name
+from kvtier.common._identity import MAX_MANIFEST_BYTES, check_manifest, scoped_name
 
 BASE = CacheIdentity("org/model@rev", "bfloat16", 16, layout="NHD", extra={"b": "2", "a": "1"})
 CHANGES: list[dict[str, Any]] = [

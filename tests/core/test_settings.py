@@ -1,7 +1,7 @@
 """Every config-file key reaches its component under the same name, with the same default.
 
-Walks the loader's sections (``kvtier._config._SECTIONS``), so a section or a key added
-there is covered without touching this file. For each key it builds the stack from a config
+Walks the loader's sections (``kvtier.manager._stack_config._SECTIONS``), so a section or a key
+added there is covered without touching this file. For each key it builds the stack from a config
 that leaves the key out and checks the component's effective setting is the section's
 default, then builds it with a valid non-default value and checks the component got that.
 
@@ -11,7 +11,7 @@ component uses it (``EFFECTIVE``), else the component's own settings object
 component under the same name. A key none of these reach is an error, unless it is listed
 in ``UNCHECKED`` with the reason, or its section in ``PENDING``.
 
-Also: the parsers and the ``Section`` base (``kvtier._settings``), and ``FSTier``'s keyword
+Also: the parsers and the ``Section`` base (``kvtier.common._settings``), and ``FSTier``'s keyword
 arguments (the same names, defaults and checks as ``[fs]``).
 """
 
@@ -26,10 +26,9 @@ from typing import Any, ClassVar, get_type_hints
 
 import pytest
 
-from kvtier._config import _SECTIONS, KVTierConfig
-from kvtier._errors import InvalidArgumentError
-from kvtier._format import MIN_SECRET_BYTES, IntegrityConfig, IntegrityKey
-from kvtier._settings import (
+from kvtier.common._errors import InvalidArgumentError
+from kvtier.common._format import MIN_SECRET_BYTES, IntegrityConfig, IntegrityKey
+from kvtier.common._settings import (
     BadValue,
     Section,
     choice,
@@ -42,6 +41,7 @@ from kvtier._settings import (
     positive_int,
     spec,
 )
+from kvtier.manager._stack_config import _SECTIONS, KVTierConfig
 from kvtier.pools._base import PrimaryPool
 from kvtier.pools._config import PoolConfig
 from kvtier.tiers.fs import FSConfig, FSTier

@@ -16,7 +16,7 @@ import pytest
 
 import kvtier
 from kvtier import MissReason
-from kvtier.integrations._bridge import JobOutcome, TierBridge
+from kvtier.integrations.bridge._bridge import JobOutcome, TierBridge
 from kvtier.testing import StallingTier
 from kvtier.tiers.fs import _io as _fs_io
 from tests.support import Hang
@@ -27,7 +27,7 @@ WAIT = 30.0  # generous bound on a promised deadline, not a timing assertion
 
 def test_import_kvtier_never_imports_an_engine() -> None:
     code = (
-        "import sys, kvtier, kvtier.integrations, kvtier.integrations._bridge\n"
+        "import sys, kvtier, kvtier.integrations, kvtier.integrations.bridge._bridge\n"
         "assert not {'vllm', 'sglang', 'torch'} & set(sys.modules), sorted(sys.modules)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

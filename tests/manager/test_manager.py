@@ -12,7 +12,7 @@ import torch
 
 import kvtier
 from kvtier import HostPool, MemoryTier, MissReason, TieringManager
-from kvtier._watch import KeyWatch
+from kvtier.manager._watch import KeyWatch
 from kvtier.testing import FailingTier, StallingTier, resolve_lookup
 from kvtier.tiers._base import BatchResults
 from tests.support import H, M, P, R, assert_holds, fill, random_blocks

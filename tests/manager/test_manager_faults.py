@@ -23,8 +23,8 @@ from kvtier import (
     OffloadScheduler,
     TieringManager,
 )
-from kvtier._cost import ScanBudget
-from kvtier._failures import RecentFailures
+from kvtier.manager._cost import ScanBudget
+from kvtier.manager._failures import RecentFailures
 from kvtier.testing import StallingTier
 from kvtier.tiers._base import BatchResults
 from tests.support import GatedPool, H, M, R, assert_idle

@@ -13,14 +13,14 @@ import pytest
 
 import kvtier
 from kvtier import HostPool, InvalidArgumentError, LookupResult, MemoryTier, TieringManager
-from kvtier._cost import CostModel, ScanBudget
-from kvtier._errors import LifecycleError
-from kvtier._failures import RecentFailures
-from kvtier._lookup import MissReason
-from kvtier._scheduling import SupportsLookup, SupportsScheduling
-from kvtier._watch import KeyWatch, Watchers
+from kvtier.common._errors import LifecycleError
+from kvtier.common._lookup import MissReason
 from kvtier.manager import ManagerConfig
+from kvtier.manager._cost import CostModel, ScanBudget
 from kvtier.manager._decision import LookupDecision
+from kvtier.manager._failures import RecentFailures
+from kvtier.manager._watch import KeyWatch, Watchers
+from kvtier.scheduler._protocols import SupportsLookup, SupportsScheduling
 from kvtier.testing import StallingTier
 from kvtier.writes._admission import AdmissionPolicy
 from tests.support import H, M, P, R

@@ -12,7 +12,7 @@ from typing import Any
 import anyio
 import pytest
 
-from kvtier._format import header_size
+from kvtier.common._format import header_size
 from kvtier.tiers.fs import FSTier
 from kvtier.tiers.fs._layout import MARKER_NAME, name_of
 from tests.support import block_file, fresh_keys, run_cli

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvtier import CostModel, InvalidArgumentError, LookupResult
-from kvtier._cost import ScanBudget
+from kvtier.manager._cost import ScanBudget
 from tests.support import ManualClock
 
 

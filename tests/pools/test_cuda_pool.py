@@ -35,7 +35,7 @@ from kvtier import (
     TieringManager,
     block_keys,
 )
-from kvtier._buffers import BlockBuffer
+from kvtier.common._buffers import BlockBuffer
 from kvtier.pools import _cuda_core
 from kvtier.pools._base import PrimaryPool
 from kvtier.pools._cuda import CudaPool

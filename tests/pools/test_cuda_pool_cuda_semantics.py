@@ -20,7 +20,7 @@ import pytest
 
 from devtools.fake_cuda import FakeCuda, FakeCudaError, FakeDeviceArray
 from kvtier import InvalidArgumentError
-from kvtier._buffers import BlockBuffer
+from kvtier.common._buffers import BlockBuffer
 from kvtier.pools._cuda import CudaPool
 from tests.support import fresh_keys
 

@@ -18,7 +18,7 @@ import pytest
 
 from devtools.fake_cuda import FakeCuda, FakeCudaError, FakeDeviceArray
 from kvtier import InvalidArgumentError
-from kvtier._buffers import BlockBuffer
+from kvtier.common._buffers import BlockBuffer
 from kvtier.pools import _cupy
 from kvtier.pools._host import HostPool
 from tests.support import fresh_keys

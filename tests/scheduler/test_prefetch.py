@@ -20,7 +20,7 @@ from kvtier import (
     SlotState,
     TieringManager,
 )
-from kvtier._watch import KeyWatch
+from kvtier.manager._watch import KeyWatch
 from kvtier.testing import FailingTier, StallingTier
 from tests.support import BB, assert_idle, fill, random_blocks
 

@@ -9,7 +9,7 @@ import pytest
 
 import kvtier
 from kvtier import LookupResult, OffloadScheduler
-from kvtier._watch import KeyWatch
+from kvtier.manager._watch import KeyWatch
 from kvtier.testing import StallingTier
 from tests.support import H, M, P, R
 

@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 
 import kvtier
 from kvtier import HostPool, LookupResult, MemoryTier, OffloadScheduler, TieringManager
-from kvtier._cost import ScanBudget
-from kvtier._progress import PrefixProgress, WindowProgress
 from kvtier.manager import _promotions
+from kvtier.manager._cost import ScanBudget
+from kvtier.scheduler._progress import PrefixProgress, WindowProgress
 from tests.support import H, M, P, R
 
 BB = 256

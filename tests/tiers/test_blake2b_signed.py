@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from devtools.weed_server import BUCKET, WeedServer, raw_client
-from kvtier._format import (
+from kvtier.common._format import (
     FLAG_BLAKE3,
     FLAG_MAC,
     HeaderError,
@@ -25,9 +25,9 @@ from kvtier.tiers.fs import FSTier
 from kvtier.tiers.fs._layout import MARKER_NAME
 from kvtier.tiers.fs._marker import read_marker
 from kvtier.tiers.s3._integrity import marker_key
-from kvtier.tiers.s3._journal import decode_segment, encode_segment, journal_prefix
-from kvtier.tiers.s3._pack import Location
+from kvtier.tiers.s3._pack_format import Location
 from kvtier.tiers.s3._requests import get_bytes
+from kvtier.tiers.s3.index._journal_format import decode_segment, encode_segment, journal_prefix
 from tests.support import block_file, fresh_keys, s3_tier
 
 SECRET = "correct horse battery staple 0123456789"

@@ -38,7 +38,7 @@ What makes it trustworthy:
 - **Deadlines hold on a hung mount.** A caller whose deadline fires leaves the thread behind
   (a syscall on a dead NFS server cannot be interrupted); reads land in a private buffer and
   writes copy the pool slot out first, so an abandoned thread never touches pool memory (see
-  ``_calls``), unless the caller *lends* its buffers (``kvtier._lending``): the manager lends
+  ``_calls``), unless the caller *lends* its buffers (``kvtier.common._lending``): the manager lends
   a host pool's reserved slots to a promotion, which then reads straight into them, and a
   read walked away from keeps its slot out of the pool, unpublished, until its thread
   returns. At most ``max_stuck_threads`` abandoned threads may still be running; past
@@ -94,7 +94,8 @@ What makes it trustworthy:
   when the store ends (landed or failed). A deferred write to a slower tier that copies
   the block from here then waits for it instead of giving the block up
   (``settled_lookup``).
-- **Tells routers what it holds** (``events``, ``kvtier._events``): a block is stored once its
+- **Tells routers what it holds** (``events``, ``kvtier.common._events``): a block is stored once
+its
   file is in place, and removed when it is evicted, found corrupt, deleted, or found gone,
   only ever for a key the tier held (see ``_ledger``). A file another process removes is
   found gone (``not_found``) by the next load of it, by the rescan at the next open, or, in
@@ -106,7 +107,7 @@ What makes it trustworthy:
   blocks that verify are served (anything else is a ``corrupt`` miss): someone who can write
   to a shared folder can no longer publish a block for a key. The folder marker names the key's
   public fingerprint, so a node without the key, or with another, refuses the folder at open
-  rather than calling its peers' blocks corrupt. See ``kvtier._format``.
+  rather than calling its peers' blocks corrupt. See ``kvtier.common._format``.
 
 The ``fsync`` policy (what a store costs against what a crash of the *machine* can lose; a
 crash of the process, kill -9 included, loses nothing that ``store`` returned under any policy,
@@ -144,6 +145,7 @@ around a synchronous core, the way httpcore's pool is a state machine with I/O o
 from __future__ import annotations
 
 from kvtier.tiers.fs._config import FSYNC_POLICIES, FSConfig
+from kvtier.tiers.fs._io import UnusableRootError
 from kvtier.tiers.fs._tier import FSTier
 
-__all__ = ["FSYNC_POLICIES", "FSConfig", "FSTier"]
+__all__ = ["FSYNC_POLICIES", "FSConfig", "FSTier", "UnusableRootError"]

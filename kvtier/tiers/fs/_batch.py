@@ -20,8 +20,8 @@ from typing import Any
 
 import anyio
 
-from kvtier._errors import InvalidArgumentError, TierError, TierNoSpaceError
-from kvtier._lending import Lender, Release
+from kvtier.common._errors import InvalidArgumentError, TierError, TierNoSpaceError
+from kvtier.common._lending import Lender, Release
 from kvtier.tiers._base import BatchResults, run_each
 from kvtier.tiers.fs import _blocks
 from kvtier.tiers.fs import _io as io

@@ -9,7 +9,7 @@ existence checks have their own few, so they are never queued behind write-throu
 ``read_block`` and ``write_block`` decide, for one block in a worker thread, whether the bytes
 go straight between the file and the caller's memory or through a private buffer of the
 tier's: always for a call that may be abandoned at a deadline (so an abandoned thread never
-touches pool memory) unless the caller lent its buffers (``kvtier._lending``: it keeps the
+touches pool memory) unless the caller lent its buffers (``kvtier.common._lending``: it keeps the
 ones a thread left running may still write), and always with O_DIRECT when header and payload
 must sit side by side in one aligned buffer (a format 1 file, an unaligned buffer).
 ``FSTier``'s ``load`` and ``store`` and the batch runs in ``_batch`` all call them; the file
@@ -25,7 +25,7 @@ from typing import Any
 
 import anyio
 
-from kvtier._format import ALIGNED_FORMAT_VERSION, IntegrityKey, header_size
+from kvtier.common._format import ALIGNED_FORMAT_VERSION, IntegrityKey, header_size
 from kvtier.tiers.fs import _io as io
 from kvtier.tiers.fs import _read
 from kvtier.tiers.fs._cached import CachedReads

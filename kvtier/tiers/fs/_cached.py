@@ -25,7 +25,7 @@ import ctypes
 import errno
 import os
 
-from kvtier._format import HeaderError, IntegrityKey, PayloadCheck
+from kvtier.common._format import HeaderError, IntegrityKey, PayloadCheck
 from kvtier.tiers.fs._beneath import (
     AT_FDCWD,
     RESOLVE_CACHED,

@@ -16,7 +16,7 @@ Two things make that safe:
   the slot into a private buffer in ``touching()`` first and writes from that copy. (One
   thread hop per operation, not two: the copy cannot hang, so it needs no thread of its own.)
   Two kinds of caller opt out, so the bytes move with no copy: a pinned batch waits for its
-  thread whatever happens (``abandon=False``), and a lent one (``kvtier._lending``) keeps
+  thread whatever happens (``abandon=False``), and a lent one (``kvtier.common._lending``) keeps
   each buffer its abandoned thread may still write out of use until that thread returns.
 - **Abandoned threads are bounded.** Each one still holds an OS thread. Past
   ``max_abandoned`` still running, new calls fail at once (``Stuck``) instead of starting more

@@ -2,7 +2,7 @@
 
 The ``[fs]`` section of a config file, the ``KVTIER_FS_*`` variables and ``FSTier``'s keyword
 arguments all land here, under the same names: each field holds its default and its parser
-(``kvtier._settings``), so a setting is named, defaulted and checked in this one place. What
+(``kvtier.common._settings``), so a setting is named, defaulted and checked in this one place. What
 each setting trades is described in ``kvtier.tiers.fs``.
 
 The integrity key is not here: it is one secret for the whole stack (``[integrity] key``),
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, TypedDict
 
-from kvtier._settings import (
+from kvtier.common._settings import (
     Section,
     choice,
     described,
@@ -90,8 +90,8 @@ class FSConfig(Section):
     # the event loop instead of in a worker thread (0: never; see ``_cached``).
     loop_read_bytes: int = field(default=_LOOP_READ_BYTES, metadata=spec(parse_non_negative_size))
     # With a cache identity: keep its blocks in root/id-<digest> (each identity its own
-    # folder) instead of refusing a root that records another identity (``kvtier._identity``);
-    # no effect on a tier without an identity.
+    # folder) instead of refusing a root that records another identity
+    # (``kvtier.common._identity``); no effect on a tier without an identity.
     separate_identities: bool = field(default=False, metadata=spec(parse_bool))
 
 

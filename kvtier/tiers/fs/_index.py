@@ -25,9 +25,9 @@ import time
 from collections.abc import Callable
 from typing import Self
 
-from kvtier._lookup import LookupResult, MissReason
-from kvtier._resource import AsyncResource
-from kvtier._verdicts import VerdictStore, code_of, reason_of
+from kvtier.common._lookup import LookupResult, MissReason
+from kvtier.common._resource import AsyncResource
+from kvtier.common._verdicts import VerdictStore, code_of, reason_of
 from kvtier.tiers._base import LookupCounts, LookupStatistics
 
 __all__ = ["IndexLookups"]

@@ -34,8 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kvtier._errors import InvalidArgumentError
-from kvtier._format import (
+from kvtier.common._errors import InvalidArgumentError
+from kvtier.common._format import (
     ALIGNED_FORMAT_VERSION,
     FORMAT_VERSION,
     PAYLOAD_ALIGN,

@@ -34,9 +34,9 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvtier._errors import InvalidArgumentError
-from kvtier._format import IntegrityKey
-from kvtier._identity import CacheIdentity
+from kvtier.common._errors import InvalidArgumentError
+from kvtier.common._format import IntegrityKey
+from kvtier.common._identity import CacheIdentity
 from kvtier.tiers.fs import _io as io
 from kvtier.tiers.fs._layout import IDENTITY_NAME, MARKER_NAME, Entry, IncompatibleRoot
 from kvtier.tiers.fs._marker import (

@@ -1,8 +1,8 @@
 """The FS tier's folder layout: names, shard folders, the format marker, and the one walk.
 
 ``<root>/<2 hex>/<2 hex>/<name>`` plus ``<root>/kvtier-fs.json`` (and, for a tier given a cache
-identity, ``<root>/.kvtier-fs-identity.json``: ``kvtier._identity``): a block's file name is its
-key in hex (or ``h`` + a hash of a key too long for one name), and its two shard folders are
+identity, ``<root>/.kvtier-fs-identity.json``: ``kvtier.common._identity``): a block's file name is
+its key in hex (or ``h`` + a hash of a key too long for one name), and its two shard folders are
 the name's *last* four hex digits (keys start with a version byte, so the first digits would
 put every block in one folder). Folders are 0700 and files 0600. A file being written is
 ``.tmp-<host>-<pid>-<random>-<name>`` beside its final place.
@@ -36,7 +36,7 @@ from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvtier._format import ALIGNED_FORMAT_VERSION, FORMAT_VERSION
+from kvtier.common._format import ALIGNED_FORMAT_VERSION, FORMAT_VERSION
 from kvtier.tiers.fs._beneath import RESOLVE_NO_LINKS, UNSUPPORTED, Openat2
 
 __all__ = [
@@ -87,7 +87,9 @@ BLOCK_FORMATS = (FORMAT_VERSION, ALIGNED_FORMAT_VERSION)
 STALE_TMP_SECONDS = 3600.0
 TMP_PREFIX = ".tmp-"
 OWN_PREFIX = ".kvtier-fs"  # the marker's temporary file, the lock and the O_DIRECT probe
-IDENTITY_NAME = f"{OWN_PREFIX}-identity.json"  # the cache identity manifest (kvtier._identity)
+IDENTITY_NAME = (
+    f"{OWN_PREFIX}-identity.json"  # the cache identity manifest (kvtier.common._identity)
+)
 _SHARD = re.compile(r"[0-9a-f]{2}")
 _NAME = re.compile(r"[0-9a-f]{2,200}|h[0-9a-f]{64}")
 _MAX_HEX_KEY = 100  # longer keys are named by a hash so a file name stays under NAME_MAX

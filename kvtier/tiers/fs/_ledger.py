@@ -9,7 +9,7 @@ an event, and turns an ``OSError`` (or a hung file system) into the kvtier error
 raises, logging once per burst. It is the one place where native errors become kvtier errors.
 Synchronous: it runs on the event loop after the worker thread has returned.
 
-Events (``kvtier._events``): a block that landed (renamed into place: visible, as durable as
+Events (``kvtier.common._events``): a block that landed (renamed into place: visible, as durable as
 ``fsync`` makes it) is stored. A block the catalog held is removed when a store evicts it
 (``evicted``), a load finds it corrupt (``corrupt``; the file is removed) or gone
 (``not_found``), an existence check finds it gone, or a rescan of the folder (at open, or when
@@ -28,7 +28,7 @@ from typing import Protocol
 
 import anyio
 
-from kvtier._errors import (
+from kvtier.common._errors import (
     BlockNotFoundError,
     CorruptBlockError,
     TierError,
@@ -36,10 +36,10 @@ from kvtier._errors import (
     TierTimeoutError,
     TierUnavailableError,
 )
-from kvtier._events import EventBuffer, EventKind
-from kvtier._format import IntegrityKey, header_size
-from kvtier._logging import BurstLogger
-from kvtier._lookup import MissReason
+from kvtier.common._events import EventBuffer, EventKind
+from kvtier.common._format import IntegrityKey, header_size
+from kvtier.common._logging import BurstLogger
+from kvtier.common._lookup import MissReason
 from kvtier.tiers._base import TierMeter
 from kvtier.tiers.fs._calls import Stuck
 from kvtier.tiers.fs._catalog import Catalog, NoRoom, Reservation

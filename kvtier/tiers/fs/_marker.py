@@ -20,14 +20,14 @@ import secrets
 from collections.abc import Iterable
 from pathlib import Path
 
-from kvtier._format import (
+from kvtier.common._format import (
     ALIGNED_FORMAT_VERSION,
     FORMAT_VERSION,
     LEGACY_MAC_NAME,
     MAC_NAME,
     IntegrityKey,
 )
-from kvtier._identity import MAX_MANIFEST_BYTES, CacheIdentity, ManifestError, check_manifest
+from kvtier.common._identity import MAX_MANIFEST_BYTES, CacheIdentity, ManifestError, check_manifest
 from kvtier.tiers.fs._layout import (
     FILE_MODE,
     IDENTITY_NAME,
@@ -279,7 +279,8 @@ def claim_identity(root: Path, identity: CacheIdentity) -> None:
     """Check that ``root`` holds ``identity``'s blocks, recording it first in a folder that
     records none. The manifest is created whole or not at all (written aside, then linked to
     its name, which fails if another opener's is there: that one is then checked), and never
-    replaced. Raises ``IdentityMismatchError`` or ``ManifestError`` (``kvtier._identity``)."""
+    replaced. Raises ``IdentityMismatchError`` or ``ManifestError``
+    (``kvtier.common._identity``)."""
     where = str(root / IDENTITY_NAME)
     found = read_identity(root)
     if found is None:

@@ -9,7 +9,7 @@ can inject a fault or a hang at exactly this boundary.
 A read lands in the caller's buffer while a syscall is in flight only when the caller lets
 it: a *pinned* batch, whose caller waits for the thread however long it takes, or a *lent*
 one, whose caller keeps each buffer a thread it walked away from may still write
-(``kvtier._lending``). Otherwise it lands in a private buffer and is copied into the caller's
+(``kvtier.common._lending``). Otherwise it lands in a private buffer and is copied into the caller's
 under ``Handoff.touching()`` (see ``_calls``), so a thread abandoned at a deadline cannot write
 into a pool slot that may hold another block by then.
 
@@ -32,7 +32,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
 
-from kvtier._format import (
+from kvtier.common._format import (
     ALIGNED_FORMAT_VERSION,
     FLAG_MAC,
     FORMAT_VERSION,

@@ -13,7 +13,7 @@ import os
 import secrets
 from pathlib import Path
 
-from kvtier._format import PAYLOAD_ALIGN
+from kvtier.common._format import PAYLOAD_ALIGN
 from kvtier.tiers.fs._layout import (
     DIR_MODE,
     FILE_MODE,

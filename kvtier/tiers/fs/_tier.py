@@ -25,14 +25,14 @@ from typing import Unpack, cast
 import anyio
 import anyio.abc
 
-from kvtier._describe import describe
-from kvtier._errors import InvalidArgumentError
-from kvtier._events import EventBuffer, EventKind
-from kvtier._format import IntegrityKey
-from kvtier._identity import CacheIdentity, scoped_name
-from kvtier._keys import check_key
-from kvtier._lending import Lender
-from kvtier._lookup import LookupResult, MissReason
+from kvtier.common._describe import describe
+from kvtier.common._errors import InvalidArgumentError
+from kvtier.common._events import EventBuffer, EventKind
+from kvtier.common._format import IntegrityKey
+from kvtier.common._identity import CacheIdentity, scoped_name
+from kvtier.common._keys import check_key
+from kvtier.common._lending import Lender
+from kvtier.common._lookup import LookupResult, MissReason
 from kvtier.tiers._async_lookup import AsyncLookupManager
 from kvtier.tiers._base import (
     BatchResults,
@@ -107,7 +107,8 @@ class FSTier(SecondaryTier):
             self._index if settings.shared is False else self._checks
         )
         self._task_group: anyio.abc.TaskGroup | None = None  # the folder's checks
-        # What it holds, for routers and engines (``kvtier._events``): stored, removed, cleared.
+        # What it holds, for routers and engines (``kvtier.common._events``): stored, removed,
+        # cleared.
         self.events = EventBuffer(self.name)
         self._ledger = Ledger(
             self.name, self._catalog, self._lookups, self.notify, self.integrity_key, self.events

@@ -3,23 +3,23 @@
 Several kvtier processes on several machines share one bucket: a prefix computed on one node
 is a hit on every other. Objects live at ``<prefix>/<2 hex>/<hex key>`` (the two hex digits
 spread keys over many key-name prefixes, which S3 partitions on) and hold the block format
-of ``kvtier._format``: a header naming the key, with an xxh3 checksum of the payload that is
+of ``kvtier.common._format``: a header naming the key, with an xxh3 checksum of the payload that is
 verified on every load. The checksum is also written to the object metadata. Stores that
 reach the tier together share one *pack* object instead, and loads of blocks of one pack that
-start together share one ranged GET (``_pack``, ``_packs``): on a small machine the
+start together share one ranged GET (``_pack_format``, ``_pack``): on a small machine the
 request, not the byte, is what an S3 block costs.
 
 Choices where the contract leaves room:
 
 - ``lookup`` answers from an existence index (``lookup_mode="index"``, the default;
-  ``_index``): this node's own writes, a listing made at open, and the keys other nodes
+  ``_existence``): this node's own writes, a listing made at open, and the keys other nodes
   publish in a small per-writer journal that this tier polls every ``index_refresh`` seconds
-  (``_journal``, ``_sync``). A key the index does not hold is a MISS at once
+  (``_journal_format``, ``_sync``). A key the index does not hold is a MISS at once
   (reason ``not_found``): the request path never waits on the object store for a block that
   cannot be there. Another node's write becomes a HIT here within about ``2 x
   index_refresh`` seconds. An indexed key whose GET finds nothing is a miss that removes it.
   With ``index_digests``, one node per interval copies the interval's segments into one
-  digest that the others read by name (``_digest``, ``_digesting``), so a node's requests per
+  digest that the others read by name (``_digest_format``, ``_digest``), so a node's requests per
   refresh do not grow with the fleet; a missing or bad digest falls back to the journal.
   Keys a node deletes (on request, or as corrupt) go in the journal too, in removal segments
   of their own, and leave the other nodes' indexes within the same bound.
@@ -56,18 +56,18 @@ Choices where the contract leaves room:
   retry wrapper (``_requests``) are trimmed for it; ``benchmarks/bench_s3_cpu.py``
   measures it beside raw aiobotocore.
 - Signed blocks: with ``integrity_key`` every object carries a keyed BLAKE2b MAC (see
-  ``kvtier._format``) and only objects that verify are served; anything else (unsigned, or
+  ``kvtier.common._format``) and only objects that verify are served; anything else (unsigned, or
   signed with another key) is a ``corrupt`` miss and is deleted. The prefix's marker
   (``_integrity``) names the key's public fingerprint, so a node with no key or another key
   refuses the prefix at open instead of deleting its peers' blocks; a signing tier refuses a
   prefix that already holds unsigned blocks.
-- Events for routers (``events``, ``kvtier._events``): this node's stores as ``LOCAL`` stored
+- Events for routers (``events``, ``kvtier.common._events``): this node's stores as ``LOCAL`` stored
   events, the blocks it held and found corrupt or gone, or deleted, as ``LOCAL`` removed
   events (``_core``); other nodes' stores and deletes, read from their journals, as
   ``REMOTE`` ones. A key this tier never held is never removed.
 - Faults: botocore's own retries are off; kvtier retries transient faults (unreachable,
   timeouts, 5xx, throttling) ``max_attempts`` times with full-jitter backoff, and every
-  attempt feeds a circuit breaker (``kvtier._resilience``). While it is open, requests
+  attempt feeds a circuit breaker (``kvtier.common._resilience``). While it is open, requests
   fail at once and ``lookup`` answers MISS (reason ``unavailable``) without queueing.
 - Credentials given as arguments live in a closure handed to ``create_client``, not in
   attributes; error messages are built from error codes only (``_errors``), so they
@@ -83,18 +83,18 @@ the way httpcore's pool is a state machine with I/O outside it.
   deletes in flight, names; ``S3TierStatistics``.
 - ``_config``: ``S3Config``, every setting defined once (name, default, check).
 - ``_client``: the shared botocore session and the client's configuration.
-- ``_requests``: one request with retries, backoff and the breaker (``kvtier._resilience``);
+- ``_requests``: one request with retries, backoff and the breaker (``kvtier.common._resilience``);
   what a GET or a PUT sends.
 - ``_errors``: where botocore and network errors become kvtier errors, once.
 - ``_blocks``: loads and stores of block objects and pack sections, around the core.
 - ``_codec``: the block format as an object (build, stream into a buffer and check).
-- ``_pack`` (the format, no I/O) and ``_packs`` (group commit of stores, coalesced reads).
-- ``_index`` (the existence index), ``_journal`` (the format, no I/O), ``_listing`` (the
+- ``_pack_format`` (the format, no I/O) and ``_pack`` (group commit of stores, coalesced reads).
+- ``_existence`` (the existence index), ``_journal_format`` (the format, no I/O), ``_listing`` (the
   listing at open) and ``_sync`` (the journal loop; ``_skew``, its clock check);
-  ``_snapshot`` (the index snapshot format, no I/O) and ``_compaction`` (writing and reading
+  ``_snapshot_format`` (the index snapshot format, no I/O) and ``_snapshot`` (writing and reading
   snapshots, so a node opens from one instead of listing the prefix; see docs/scaling.md);
-  ``_segments`` (reading and applying segments, for the poll and the digests), ``_digest``
-  (the journal digest format, no I/O) and ``_digesting`` (who digests an interval, and
+  ``_journal`` (reading and applying segments, for the poll and the digests), ``_digest_format``
+  (the journal digest format, no I/O) and ``_digest`` (who digests an interval, and
   reading digests).
 - ``_integrity``: the prefix's integrity marker.
 """

@@ -27,19 +27,19 @@ import anyio
 import anyio.abc
 import anyio.to_thread
 
-from kvtier._errors import (
+from kvtier.common._errors import (
     BlockNotFoundError,
     CorruptBlockError,
     TierError,
     TierUnavailableError,
 )
-from kvtier._format import FORMAT_VERSION
-from kvtier._lookup import MissReason
+from kvtier.common._format import FORMAT_VERSION
+from kvtier.common._lookup import MissReason
 from kvtier.tiers.s3._codec import META_FORMAT, build_object, read_block, verify_into
 from kvtier.tiers.s3._core import S3Core
 from kvtier.tiers.s3._errors import Fault
-from kvtier.tiers.s3._pack import Location, encode_table, pack_body
-from kvtier.tiers.s3._packs import PackReads, PackWriter, PendingStore
+from kvtier.tiers.s3._pack import PackReads, PackWriter, PendingStore
+from kvtier.tiers.s3._pack_format import Location, encode_table, pack_body
 from kvtier.tiers.s3._requests import Requests, body_of, get_bytes
 
 __all__ = ["BlockObjects"]
@@ -229,7 +229,7 @@ class BlockObjects:
 
     async def store(self, key: bytes, payload: memoryview) -> None:
         """Build ``key``'s object from ``payload`` (flat bytes) and send it, alone or packed
-        with the stores that arrive with it (``_packs``)."""
+        with the stores that arrive with it (``_pack``)."""
         core = self.core
         build = functools.partial(build_object, key, payload, integrity_key=core.integrity_key)
         if payload.nbytes > core.build_thread_bytes:
@@ -281,7 +281,7 @@ class BlockObjects:
         core.wrote(key)
 
     async def _put_pack(self, items: list[PendingStore]) -> None:
-        """Several blocks as one pack object (``_pack``); the caller holds a slot. A pack's
+        """Several blocks as one pack object (``_pack_format``); the caller holds a slot. A pack's
         name is unique to this writer, so it needs no conditional put."""
         core = self.core
         client = self._client("store")

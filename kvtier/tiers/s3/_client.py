@@ -15,7 +15,7 @@ import email.utils
 import threading
 from typing import Any
 
-from kvtier._version import version
+from kvtier.common._version import version
 from kvtier.tiers.s3._config import S3Config
 
 __all__ = [

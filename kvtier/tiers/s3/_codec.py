@@ -1,6 +1,6 @@
 """Blocks as S3 objects: building a put body and reading a GET body into a block buffer.
 
-The object is the block format of ``kvtier._format`` (header, then payload); the payload
+The object is the block format of ``kvtier.common._format`` (header, then payload); the payload
 checksum is also written to the object metadata. Reading checks the header in the first
 bytes of the body, then copies each chunk into the destination as it arrives, checking it
 there (``read_block``). Every way an object can be wrong is reported
@@ -21,8 +21,8 @@ from typing import Any
 
 import anyio.to_thread
 
-from kvtier._errors import InvalidArgumentError
-from kvtier._format import (
+from kvtier.common._errors import InvalidArgumentError
+from kvtier.common._format import (
     FLAG_BLAKE3,
     FLAG_MAC,
     FORMAT_VERSION,

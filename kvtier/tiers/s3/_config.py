@@ -2,7 +2,7 @@
 
 The ``[s3]`` section of a config file, the ``KVTIER_S3_*`` variables and ``S3Tier``'s keyword
 arguments all land here, under the same names: each field holds its default and its parser
-(``kvtier._settings``), and ``check_rules`` the rules across fields, so a setting is named,
+(``kvtier.common._settings``), and ``check_rules`` the rules across fields, so a setting is named,
 defaulted and checked in this one place. What each setting trades is described in
 ``kvtier.tiers.s3``.
 
@@ -20,8 +20,8 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import ClassVar, TypedDict
 
-from kvtier._errors import InvalidArgumentError
-from kvtier._settings import (
+from kvtier.common._errors import InvalidArgumentError
+from kvtier.common._settings import (
     BadValue,
     Section,
     choice,
@@ -49,7 +49,7 @@ __all__ = [
 ADDRESSING_STYLES = ("auto", "path", "virtual")
 LOOKUP_MODES = ("index", "ask")
 # A pack's blocks are fetched together; past 64 a GET of one block's neighbours would waste
-# more than packing saves, and the pack table grows past one probe (``_pack``).
+# more than packing saves, and the pack table grows past one probe (``_pack_format``).
 MAX_PACK_BLOCKS = 64
 DEFAULT_PACK_BLOCKS = 8  # 2 MiB objects for 256 KiB blocks
 _BUCKET_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{1,253}[A-Za-z0-9]$")
@@ -150,7 +150,7 @@ class S3Config(Section):
     index_list_timeout: float = field(default=60.0, metadata=spec(parse_seconds))
     index_max_keys: int = field(default=10_000_000, metadata=spec(parse_positive_int))
     # Nodes compact the index into shared snapshots, which a new node loads instead of
-    # listing the prefix (``_compaction``; about 140 bytes per key).
+    # listing the prefix (``_snapshot``; about 140 bytes per key).
     index_snapshots: bool = field(default=True, metadata=spec(parse_bool))
     # Seconds between snapshots, by the server's clock (None: a quarter of index_lookback;
     # at most half of it, the age past which a snapshot is not loaded).
@@ -159,14 +159,14 @@ class S3Config(Section):
     index_snapshot_max_bytes: int = field(default=1 << 30, metadata=spec(parse_positive_size))
     # Each interval of index_refresh, one node copies the journal segments stamped in it into
     # one digest, which the others read by name instead of listing the journal and reading
-    # every writer's segments: a node's upkeep stays flat as nodes are added (``_digesting``).
+    # every writer's segments: a node's upkeep stays flat as nodes are added (``_digest``).
     index_digests: bool = field(default=False, metadata=spec(parse_bool))
-    # Blocks stored together per object (a pack, ``_pack``); None: 8 in the index mode, 1
+    # Blocks stored together per object (a pack, ``_pack_format``); None: 8 in the index mode, 1
     # in the ask mode (a HEAD by key cannot see a block inside a pack). See ``pack_blocks``.
     pack_blocks: int | None = field(default=None, metadata=spec(optional(parse_positive_int)))
     # With a cache identity: keep its blocks under <prefix>/id-<digest> (each identity its own
-    # prefix) instead of refusing a prefix that records another identity (``kvtier._identity``);
-    # no effect on a tier without an identity.
+    # prefix) instead of refusing a prefix that records another identity
+    # (``kvtier.common._identity``); no effect on a tier without an identity.
     separate_identities: bool = field(default=False, metadata=spec(parse_bool))
 
     def check_rules(self) -> None:

@@ -3,7 +3,7 @@
 The core holds the tier's state and its rules, and never awaits: the existence index, the
 circuit breaker, the verdicts of the ask mode, the counters behind ``statistics()``, whether
 the server takes conditional puts, the corrupt objects being deleted, this writer's id and
-pack sequence, the names of objects, and the events it tells routers (``kvtier._events``).
+pack sequence, the names of objects, and the events it tells routers (``kvtier.common._events``).
 ``S3Tier`` and its helpers (``_blocks``, ``_sync``, ``_listing``) do the I/O around it and
 tell it what happened, so a cancellation cannot leave it half updated. The clock is injected
 (the index's suppressions, the breaker's reset, the ask mode's miss TTL), so it is tested
@@ -27,20 +27,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier._buffers import LOOP_COPY_BYTES
-from kvtier._errors import CorruptBlockError
-from kvtier._events import EventBuffer, EventKind
-from kvtier._format import IntegrityKey, header_size
-from kvtier._logging import BurstLogger
-from kvtier._lookup import MissReason
-from kvtier._resilience import CircuitBreaker
+from kvtier.common._buffers import LOOP_COPY_BYTES
+from kvtier.common._errors import CorruptBlockError
+from kvtier.common._events import EventBuffer, EventKind
+from kvtier.common._format import IntegrityKey, header_size
+from kvtier.common._logging import BurstLogger
+from kvtier.common._lookup import MissReason
+from kvtier.common._resilience import CircuitBreaker
 from kvtier.tiers._async_lookup import AsyncLookupManager
 from kvtier.tiers._base import LookupStatistics, TierMeter, TierStatistics
 from kvtier.tiers.s3._codec import is_newer_format, is_signed
 from kvtier.tiers.s3._config import S3Config, pack_blocks
-from kvtier.tiers.s3._index import ExistenceIndex, object_name
-from kvtier.tiers.s3._journal import writer_id
-from kvtier.tiers.s3._pack import Location, pack_name
+from kvtier.tiers.s3._pack_format import Location, pack_name
+from kvtier.tiers.s3.index._existence import ExistenceIndex, object_name
+from kvtier.tiers.s3.index._journal_format import writer_id
 
 __all__ = ["S3Core", "S3TierStatistics"]
 

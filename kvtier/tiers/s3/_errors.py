@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from kvtier._errors import (
+from kvtier.common._errors import (
     BlockNotFoundError,
     TierError,
     TierTimeoutError,

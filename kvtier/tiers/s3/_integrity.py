@@ -1,6 +1,6 @@
 """The S3 tier's integrity marker: which key, if any, signs the blocks under a prefix.
 
-With an integrity key (``kvtier._format``) every block an S3 tier stores carries a MAC, and
+With an integrity key (``kvtier.common._format``) every block an S3 tier stores carries a MAC, and
 a block that does not verify is a ``corrupt`` miss, which the tier deletes. A node with no key,
 or with another key, would therefore call every block its peers wrote corrupt and delete it.
 So a prefix whose blocks are signed says so in one small object,
@@ -44,11 +44,11 @@ import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from kvtier._errors import InvalidArgumentError, TierUnavailableError
-from kvtier._format import LEGACY_MAC_NAME, MAC_NAME, IntegrityKey
-from kvtier._identity import MAX_MANIFEST_BYTES, CacheIdentity, ManifestError, check_manifest
+from kvtier.common._errors import InvalidArgumentError, TierUnavailableError
+from kvtier.common._format import LEGACY_MAC_NAME, MAC_NAME, IntegrityKey
+from kvtier.common._identity import MAX_MANIFEST_BYTES, CacheIdentity, ManifestError, check_manifest
 from kvtier.tiers.s3._errors import Fault
-from kvtier.tiers.s3._pack import PACK_DIR
+from kvtier.tiers.s3._pack_format import PACK_DIR
 from kvtier.tiers.s3._requests import Call, get_bytes
 
 __all__ = [
@@ -65,7 +65,7 @@ __all__ = [
 ]
 
 MARKER_NAME = "_kvtier_integrity.json"
-IDENTITY_NAME = "_kvtier_identity.json"  # the cache identity manifest (kvtier._identity)
+IDENTITY_NAME = "_kvtier_identity.json"  # the cache identity manifest (kvtier.common._identity)
 _SHARD = re.compile(r"[0-9a-f]{2}/")
 
 
@@ -116,7 +116,7 @@ def unsigned_blocks_problem(where: str) -> str:
 
 def holds_blocks(listing: dict[str, Any], prefix: str) -> bool:
     """Whether a ``Delimiter="/"`` listing of the prefix shows a block shard folder or the
-    folder of packs (``_pack``)."""
+    folder of packs (``_pack_format``)."""
     start = len(prefix) + 1 if prefix else 0
     return any(
         _SHARD.fullmatch(folder := item.get("Prefix", "")[start:]) is not None
@@ -273,7 +273,7 @@ async def claim_identity(
     conditional_put: bool,
     tier: str,
 ) -> bool:
-    """Check that the prefix records ``identity`` (``kvtier._identity``), recording it first
+    """Check that the prefix records ``identity`` (``kvtier.common._identity``), recording it first
     with a conditional put where the prefix records none; raise ``IdentityMismatchError`` or
     ``ManifestError``. Requests: one bounded GET; a PUT and a GET again when there was no
     manifest yet. Returns whether conditional puts still look supported. A manifest is never

@@ -1,174 +1,219 @@
-"""Pack objects of the S3 tier: several blocks in one object (names, table, no I/O).
+"""Packing the S3 tier's stores and coalescing its loads (the I/O rules around ``_pack_format``).
 
-Why: on an object store every request costs CPU on both ends (signing, HTTP, the server's
-metadata lookup), and a small block can cost as much to fetch as to recompute; one GET of a
-large object costs far less CPU than several GETs of its parts (docs/design.md). Stores that
-reach the tier together (one request's new blocks, a batch of deferred writes) are therefore
-written as one *pack*, and a node that needs those blocks later (the same request's prefix)
-reads them with one ranged GET.
+``PackWriter`` is a group commit. Each ``store`` queues its block and then takes a PUT slot;
+whoever gets a slot sends everything queued by then (up to ``pack_blocks``) as one request. A
+store that arrives alone while slots are free goes out at once as a plain block object, so
+packing never adds latency; stores that arrive together (one request's new blocks, stored in
+one event-loop tick) or while every slot is busy (a burst) share a pack. No timer is involved:
+the only wait is one pass through the event loop, which lets the stores started in the same
+tick join the queue.
 
-A pack is named ``<prefix>/_kvtier_packs/<2 hex>/<hex first key>-<writer>-<sequence>`` (unique
-per writer, so it is never overwritten and needs no conditional put; the two hex digits are
-the first key's last byte, which spreads packs over S3's key-name partitions) and holds:
-
-    table:    MAGIC, u32 count, u32 table bytes,
-              count x (u16 key length, key, u64 offset, u64 length), xxh3-64 of all before
-    sections: count x one block object of ``_codec`` (header naming its key, payload)
-
-Offsets count from the start of the object. The table comes first, so the listing at open
-learns a pack's keys with one small ranged GET; each section carries its own header, so a
-wrong offset can never serve another key's bytes. A single block stored alone is still a
-plain block object (``<prefix>/<2 hex>/<hex key>``), which older kvtier versions read.
+``PackReads`` coalesces loads: the loads of several blocks of one pack that start in the same
+tick (the manager starts a request's promotions in one scan) share one ranged GET of the
+span they need. The first load leads the fetch; if it is cancelled, one of the others takes
+over, so a cancelled promotion never fails its neighbours. Locations come from the journal and
+from pack tables, which are untrusted: a load joins a fetch only with a section of the same
+length (the tier checks that length is a header and a block before any read) and only while
+the span stays within the bytes of the sections it serves, so a GET never reads more than a
+block's section per block it serves, however far apart the offsets claim the sections are.
 """
 
 from __future__ import annotations
 
-import base64
-import re
-import struct
-import zlib
-from dataclasses import dataclass
+import collections
+import enum
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 
-import xxhash
+import anyio
+import anyio.lowlevel
 
-from kvtier._format import MAX_KEY_BYTES
-from kvtier.tiers.s3._config import MAX_PACK_BLOCKS
+from kvtier.common._errors import TierError
+from kvtier.tiers.s3._pack_format import Location
+from kvtier.tiers.s3._requests import acquire
 
-__all__ = [
-    "MAX_TABLE_BYTES",
-    "PACK_DIR",
-    "TABLE_PROBE_BYTES",
-    "Location",
-    "PackTableError",
-    "decode_table",
-    "encode_table",
-    "is_pack_name",
-    "pack_body",
-    "pack_name",
-    "table_length",
-    "table_size",
-]
-
-PACK_DIR = "_kvtier_packs"
-MAGIC = b"KVP1"
-_HEAD = struct.Struct("<4sII")  # magic, count, table bytes
-_ENTRY = struct.Struct("<QQ")  # offset, length
-_SUM = struct.Struct("<Q")
-# The first GET of a listed pack asks for this many bytes: a table of 16 entries with
-# 16-byte keys is 12 + 16 x 34 + 8 = 564 bytes; longer tables cost a second GET.
-TABLE_PROBE_BYTES = 4096
-# What follows the pack folder in a pack's name: shard, first key, writer id, sequence.
-_NAME_TAIL = re.compile(r"([0-9a-f]{2})/((?:[0-9a-f]{2}){1,255})-[0-9a-f]{16}-[0-9]{1,20}")
+__all__ = ["PackReads", "PackWriter", "PendingStore"]
 
 
-@dataclass(frozen=True, slots=True)
-class Location:
-    """Where a packed block lives: its pack's object name and the section's byte range."""
-
-    pack: str
-    offset: int
-    length: int
+class _State(enum.Enum):
+    QUEUED = "queued"
+    TAKEN = "taken"  # in a PUT in flight
+    DONE = "done"
 
 
-class PackTableError(ValueError):
-    """A pack table that does not parse (the pack is ignored, never trusted)."""
+@dataclass(eq=False)
+class PendingStore:
+    """One block waiting to be sent: its object body (header + payload) and the metadata and
+    CRC32 a plain block object carries."""
+
+    key: bytes
+    body: bytes
+    metadata: dict[str, str]
+    crc: str
+    state: _State = _State.QUEUED
+    error: TierError | None = None
+    abandoned: bool = False  # its store was cancelled while another store's PUT carried it
+    changed: anyio.Event = field(default_factory=anyio.Event)
+
+    def move(self, state: _State) -> None:
+        self.state = state
+        changed, self.changed = self.changed, anyio.Event()
+        changed.set()
 
 
-def _pack_dir(prefix: str) -> str:
-    return f"{prefix}/{PACK_DIR}/" if prefix else f"{PACK_DIR}/"
+class PackWriter:
+    """Group commit of stores: one PUT for whatever is queued when a slot frees up.
+
+    ``put_single`` sends one block as a plain object and ``put_pack`` several as a pack; both
+    record what they wrote (index, statistics) themselves, whether or not anyone still waits,
+    and raise ``TierError`` on failure (every store of the request fails with it)."""
+
+    def __init__(
+        self,
+        *,
+        pack_blocks: int,
+        limiter: anyio.CapacityLimiter,
+        put_single: Callable[[PendingStore], Awaitable[None]],
+        put_pack: Callable[[list[PendingStore]], Awaitable[None]],
+    ) -> None:
+        self._pack_blocks = pack_blocks
+        self._limiter = limiter
+        self._put_single = put_single
+        self._put_pack = put_pack
+        self._queue: collections.deque[PendingStore] = collections.deque()
+        self.packs = 0  # PUTs of more than one block
+        self.packed_blocks = 0
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    async def store(self, item: PendingStore) -> None:
+        self._queue.append(item)
+        try:
+            await anyio.lowlevel.checkpoint()  # the stores started in this tick queue up too
+            while item.state is not _State.DONE:
+                if item.state is _State.TAKEN:
+                    await item.changed.wait()
+                    continue
+                await acquire(self._limiter)
+                try:
+                    if item.state is _State.QUEUED:
+                        await self._flush(item)
+                finally:
+                    self._limiter.release()
+        except BaseException:
+            if item.state is _State.QUEUED:
+                self._queue.remove(item)
+            elif item.state is _State.TAKEN:
+                item.abandoned = True  # not queued again if that PUT is cancelled
+            raise
+        if item.error is not None:
+            raise item.error
+
+    async def _flush(self, mine: PendingStore) -> None:
+        """Send the oldest queued stores (``mine`` among them, or ahead of it) in one PUT."""
+        batch = [self._queue.popleft() for _ in range(min(self._pack_blocks, len(self._queue)))]
+        for item in batch:
+            item.state = _State.TAKEN
+        error: TierError | None = None
+        try:
+            if len(batch) == 1:
+                await self._put_single(batch[0])
+            else:
+                await self._put_pack(batch)
+                self.packs += 1
+                self.packed_blocks += len(batch)
+        except TierError as exc:
+            error = exc
+        except BaseException:
+            # Cancelled with the PUT in flight: the others still waiting go back to the front
+            # of the queue, in order, and the first of them to wake sends them. (A store
+            # whose own wait was cancelled is dropped: nobody would ever send it.)
+            others = [item for item in batch if item is not mine and not item.abandoned]
+            self._queue.extendleft(reversed(others))
+            for item in batch:
+                item.move(_State.QUEUED if item in others else _State.DONE)
+            raise
+        for item in batch:
+            item.error = error
+            item.move(_State.DONE)
 
 
-def pack_name(prefix: str, first_key: bytes, writer: str, seq: int) -> str:
-    hexkey = first_key.hex()
-    return f"{_pack_dir(prefix)}{hexkey[-2:]}/{hexkey}-{writer}-{seq}"
+@dataclass(eq=False)
+class _Fetch:
+    """One ranged GET of a pack, shared by the loads that joined it before it was sent."""
+
+    lo: int
+    hi: int
+    length: int  # every section it serves has this length
+    sections: int = 1
+    data: bytes | None = None
+    error: TierError | None = None
+    abandoned: bool = False  # its leader was cancelled: the others start another
+    done: anyio.Event = field(default_factory=anyio.Event)
+
+    def want(self, where: Location) -> bool:
+        """Join ``where`` to this fetch if the span stays within the sections it serves."""
+        lo, hi = min(self.lo, where.offset), max(self.hi, where.offset + where.length)
+        if where.length != self.length or hi - lo > (self.sections + 1) * self.length:
+            return False
+        self.lo, self.hi = lo, hi
+        self.sections += 1
+        return True
+
+    def section(self, where: Location) -> memoryview | None:
+        """The bytes of ``where`` (short if the pack was shorter), or None: no such pack."""
+        if self.error is not None:
+            raise self.error
+        if self.data is None:
+            return None
+        start = where.offset - self.lo
+        return memoryview(self.data)[start : start + where.length]
 
 
-def is_pack_name(name: str, prefix: str) -> bool:
-    """Whether ``name`` is exactly the name of a pack of ``prefix`` (``pack_name``'s shape).
+class PackReads:
+    """Coalesced section reads: ``fetch(pack, lo, hi)`` returns bytes ``lo:hi`` of a pack, or
+    None when the pack does not exist."""
 
-    A name read from the bucket (a journal entry) is untrusted: anything else (another
-    prefix's object, the integrity marker, a name with ``..`` that an HTTP client or server
-    may resolve elsewhere) is not one of this prefix's packs, so it is never read or deleted
-    as one."""
-    folder = _pack_dir(prefix)
-    if not name.startswith(folder):
-        return False
-    match = _NAME_TAIL.fullmatch(name, len(folder))
-    return match is not None and match.group(2).endswith(match.group(1))
+    def __init__(self, fetch: Callable[[str, int, int], Awaitable[bytes | None]]) -> None:
+        self._fetch = fetch
+        self._open: dict[str, _Fetch] = {}
+        self.gets = 0  # ranged GETs sent
+        self.sections = 0  # sections they served
+        self.bytes = 0  # bytes they fetched
 
+    async def read(self, where: Location) -> memoryview | None:
+        while True:
+            fetch = self._open.get(where.pack)
+            if fetch is None or not fetch.want(where):
+                # The first load of this pack now, or one too far from the others: its own
+                # GET (later loads join the newest fetch).
+                fetch = _Fetch(where.offset, where.offset + where.length, where.length)
+                self._open[where.pack] = fetch
+                return await self._lead(where, fetch)
+            await fetch.done.wait()
+            if not fetch.abandoned:
+                self.sections += 1
+                return fetch.section(where)
 
-def table_length(count: int, key_bytes: int) -> int:
-    """Bytes of the table of ``count`` keys of ``key_bytes`` bytes each."""
-    return _HEAD.size + count * (2 + key_bytes + _ENTRY.size) + _SUM.size
-
-
-# No kvtier writes a longer table: a pack that claims one is not read (its table would be
-# a GET of up to 4 GiB).
-MAX_TABLE_BYTES = table_length(MAX_PACK_BLOCKS, MAX_KEY_BYTES)
-
-
-def encode_table(keys: list[bytes], lengths: list[int]) -> bytes:
-    """The table of a pack whose sections (in order) are ``lengths`` bytes long."""
-    size = _HEAD.size + sum(2 + len(k) + _ENTRY.size for k in keys) + _SUM.size
-    parts = [_HEAD.pack(MAGIC, len(keys), size)]
-    offset = size
-    for key, length in zip(keys, lengths, strict=True):
-        parts.append(struct.pack("<H", len(key)) + key + _ENTRY.pack(offset, length))
-        offset += length
-    body = b"".join(parts)
-    return body + _SUM.pack(xxhash.xxh3_64_intdigest(body))
-
-
-def table_size(head: bytes) -> int:
-    """The table's length, from the first 12 bytes of a pack."""
-    if len(head) < _HEAD.size:
-        raise PackTableError("pack shorter than its table header")
-    magic, count, size = _HEAD.unpack_from(head)
-    if magic != MAGIC:
-        raise PackTableError("not a kvtier pack")
-    if not (1 <= count <= MAX_PACK_BLOCKS and _HEAD.size + _SUM.size <= size <= MAX_TABLE_BYTES):
-        raise PackTableError(f"pack table claims {count} sections in {size} bytes")
-    return int(size)
-
-
-def decode_table(data: bytes, name: str) -> list[tuple[bytes, Location]]:
-    """Each key of the pack ``name`` with its location; ``data`` starts at the pack's first
-    byte and holds at least the whole table."""
-    size = table_size(data)
-    if len(data) < size:
-        raise PackTableError("pack table truncated")
-    body, (digest,) = data[: size - _SUM.size], _SUM.unpack_from(data, size - _SUM.size)
-    if xxhash.xxh3_64_intdigest(body) != digest:
-        raise PackTableError("pack table checksum mismatch")
-    _magic, count, _size = _HEAD.unpack_from(body)
-    out: list[tuple[bytes, Location]] = []
-    at = _HEAD.size
-    expected = size
-    for _ in range(count):
-        if at + 2 > len(body):
-            raise PackTableError("pack table truncated")
-        (klen,) = struct.unpack_from("<H", body, at)
-        at += 2
-        if not 1 <= klen <= MAX_KEY_BYTES:
-            raise PackTableError(f"pack table names a key of {klen} bytes")
-        if at + klen + _ENTRY.size > len(body):
-            raise PackTableError("pack table truncated")
-        key = bytes(body[at : at + klen])
-        offset, length = _ENTRY.unpack_from(body, at + klen)
-        at += klen + _ENTRY.size
-        if offset != expected or length <= 0:
-            raise PackTableError("pack table sections are not contiguous")
-        expected += length
-        out.append((key, Location(name, offset, length)))
-    if at != len(body):
-        raise PackTableError("pack table has trailing bytes")
-    return out
-
-
-def pack_body(table: bytes, bodies: list[bytes]) -> tuple[bytes, str]:
-    """The pack object (table, then each block object) and the base64 CRC32 of it, which
-    lets the server refuse a body that did not arrive whole (see ``build_object``). About
-    a millisecond per MiB: the tier runs it in a worker thread for large packs."""
-    body = b"".join([table, *bodies])
-    crc = base64.b64encode(zlib.crc32(body).to_bytes(4, "big")).decode("ascii")
-    return body, crc
+    async def _lead(self, where: Location, fetch: _Fetch) -> memoryview | None:
+        try:
+            try:
+                await anyio.lowlevel.checkpoint()  # the loads started in this tick join
+            finally:
+                if self._open.get(where.pack) is fetch:
+                    del self._open[where.pack]  # sent: later loads start their own
+            self.gets += 1
+            try:
+                fetch.data = await self._fetch(where.pack, fetch.lo, fetch.hi)
+                self.bytes += len(fetch.data or b"")
+            except TierError as exc:
+                fetch.error = exc
+        except BaseException:
+            fetch.abandoned = True
+            raise
+        finally:
+            fetch.done.set()
+        self.sections += 1
+        return fetch.section(where)

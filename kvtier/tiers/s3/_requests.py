@@ -16,8 +16,8 @@ from typing import Any, Protocol, TypeVar
 
 import anyio
 
-from kvtier._errors import KVTierError, TierError, TierUnavailableError
-from kvtier._resilience import CircuitBreaker, Permit, backoff_delay
+from kvtier.common._errors import KVTierError, TierError, TierUnavailableError
+from kvtier.common._resilience import CircuitBreaker, Permit, backoff_delay
 from kvtier.tiers.s3._errors import Fault, Translated, translate
 
 __all__ = ["BYTES_BODY_LIMIT", "Call", "Requests", "acquire", "body_of", "get_bytes"]

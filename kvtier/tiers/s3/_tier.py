@@ -14,20 +14,20 @@ import anyio
 import anyio.abc
 import anyio.to_thread
 
-from kvtier._describe import describe
-from kvtier._errors import (
+from kvtier.common._describe import describe
+from kvtier.common._errors import (
     ExtraNotInstalledError,
     InvalidArgumentError,
     LifecycleError,
     TierError,
     TierUnavailableError,
 )
-from kvtier._events import EventKind
-from kvtier._format import IntegrityKey
-from kvtier._identity import CacheIdentity, scoped_name
-from kvtier._keys import check_key
-from kvtier._lookup import LookupResult, MissReason
-from kvtier._resilience import BreakerState
+from kvtier.common._events import EventKind
+from kvtier.common._format import IntegrityKey
+from kvtier.common._identity import CacheIdentity, scoped_name
+from kvtier.common._keys import check_key
+from kvtier.common._lookup import LookupResult, MissReason
+from kvtier.common._resilience import BreakerState
 from kvtier.tiers._async_lookup import AsyncLookupManager
 from kvtier.tiers._base import SecondaryTier
 from kvtier.tiers._checks import existence_checks
@@ -43,7 +43,7 @@ from kvtier.tiers.s3._core import S3Core, S3TierStatistics
 from kvtier.tiers.s3._errors import Fault
 from kvtier.tiers.s3._integrity import check_marker, claim_identity
 from kvtier.tiers.s3._requests import Requests
-from kvtier.tiers.s3._sync import IndexSync
+from kvtier.tiers.s3.index._sync import IndexSync
 
 __all__ = ["S3Tier"]
 
@@ -114,7 +114,7 @@ class S3Tier(SecondaryTier):
         self._core = core = S3Core(
             config, integrity_key=self.integrity_key, lookups=self._lookups, clock=clock
         )
-        # What it holds, for routers (``kvtier._events``): this node's stores and removals
+        # What it holds, for routers (``kvtier.common._events``): this node's stores and removals
         # (``_core``), and other nodes' from their journals as REMOTE events (``_sync``).
         self.events = core.events
         # The core's parts that ``lookup`` reads, bound once: it costs about a dict lookup.

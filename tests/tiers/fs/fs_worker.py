@@ -37,7 +37,12 @@ import anyio
 import anyio.abc
 import anyio.streams.buffered
 
-from kvtier._errors import BlockNotFoundError, CorruptBlockError, InvalidArgumentError, TierError
+from kvtier.common._errors import (
+    BlockNotFoundError,
+    CorruptBlockError,
+    InvalidArgumentError,
+    TierError,
+)
 from kvtier.tiers.fs import FSTier, _marker, _ownership
 
 

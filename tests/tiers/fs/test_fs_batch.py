@@ -15,7 +15,7 @@ import anyio
 import anyio.to_thread
 import pytest
 
-from kvtier._errors import (
+from kvtier.common._errors import (
     BlockNotFoundError,
     CorruptBlockError,
     InvalidArgumentError,
@@ -23,8 +23,8 @@ from kvtier._errors import (
     TierTimeoutError,
     TierUnavailableError,
 )
-from kvtier._format import header_size
-from kvtier._lookup import LookupResult
+from kvtier.common._format import header_size
+from kvtier.common._lookup import LookupResult
 from kvtier.testing import resolve_lookup
 from kvtier.tiers.fs import FSTier
 from kvtier.tiers.fs import _io as _fs_io

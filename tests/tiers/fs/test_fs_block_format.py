@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from benchmarks.common import drop_cache
-from kvtier._errors import CorruptBlockError
-from kvtier._format import FORMAT_VERSION, IntegrityKey, encode_header, header_size
+from kvtier.common._errors import CorruptBlockError
+from kvtier.common._format import FORMAT_VERSION, IntegrityKey, encode_header, header_size
 from kvtier.tiers.fs import FSTier
 from kvtier.tiers.fs import _io as fs_io
 from kvtier.tiers.fs import _read as fs_read
@@ -270,7 +270,7 @@ async def test_a_version_2_file_an_older_reader_sees_is_refused_not_misread(
     async with FSTier(tmp_path / "c") as tier:
         await tier.store(key, memoryview(data))
     raw = block_file(tmp_path / "c", key).read_bytes()
-    from kvtier._format import HeaderError, decode_header
+    from kvtier.common._format import HeaderError, decode_header
 
     with pytest.raises(HeaderError, match="format version 2"):
         decode_header(raw[: header_size(16)])

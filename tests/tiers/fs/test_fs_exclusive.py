@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
-from kvtier._errors import InvalidArgumentError
-from kvtier._lookup import LookupResult, MissReason
-from kvtier._scheduler import OffloadScheduler
+from kvtier.common._errors import InvalidArgumentError
+from kvtier.common._lookup import LookupResult, MissReason
 from kvtier.manager import TieringManager
 from kvtier.pools._host import HostPool
+from kvtier.scheduler._scheduler import OffloadScheduler
 from kvtier.tiers.fs import FSTier
 from kvtier.tiers.fs import _io as _fs_io
 from tests.tiers.fs.fs_worker import key_and_data

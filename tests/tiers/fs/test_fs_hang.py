@@ -20,11 +20,11 @@ import anyio
 import anyio.to_thread
 import pytest
 
-from kvtier._format import header_size
-from kvtier._lookup import LookupResult
-from kvtier._scheduler import OffloadScheduler
+from kvtier.common._format import header_size
+from kvtier.common._lookup import LookupResult
 from kvtier.manager import TieringManager
 from kvtier.pools._host import HostPool
+from kvtier.scheduler._scheduler import OffloadScheduler
 from kvtier.testing import resolve_lookup
 from kvtier.tiers.fs import FSTier
 from kvtier.tiers.fs import _io as _fs_io

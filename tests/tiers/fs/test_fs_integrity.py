@@ -14,9 +14,8 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from kvtier._config import KVTierConfig
-from kvtier._errors import CorruptBlockError, InvalidArgumentError
-from kvtier._format import (
+from kvtier.common._errors import CorruptBlockError, InvalidArgumentError
+from kvtier.common._format import (
     FLAG_BLAKE3,
     FLAG_MAC,
     MAC_BYTES,
@@ -27,7 +26,8 @@ from kvtier._format import (
     header_size,
     verify_block,
 )
-from kvtier._lookup import LookupResult
+from kvtier.common._lookup import LookupResult
+from kvtier.manager._stack_config import KVTierConfig
 from kvtier.testing import resolve_lookup
 from kvtier.tiers.fs import FSTier
 from kvtier.tiers.fs._layout import MARKER_NAME

@@ -1,6 +1,6 @@
 """Promotions read straight into their pool slot, and a read left running keeps its slot.
 
-The manager lends a host pool's reserved slots to the tier (``kvtier._lending``): the FS tier
+The manager lends a host pool's reserved slots to the tier (``kvtier.common._lending``): the FS tier
 reads into them directly and verifies the checksum where the bytes landed. A deadline or a
 cancellation still walks away from a read in flight (a hung mount must not hold the
 manager), and the slot that read may still write stays out of the pool, unpublished, until
@@ -18,12 +18,12 @@ import anyio
 import anyio.to_thread
 import pytest
 
-from kvtier._errors import CorruptBlockError, TierTimeoutError
-from kvtier._lending import Release
-from kvtier._lookup import LookupResult
-from kvtier._scheduler import OffloadScheduler
+from kvtier.common._errors import CorruptBlockError, TierTimeoutError
+from kvtier.common._lending import Release
+from kvtier.common._lookup import LookupResult
 from kvtier.manager import TieringManager
 from kvtier.pools._host import HostPool
+from kvtier.scheduler._scheduler import OffloadScheduler
 from kvtier.tiers.fs import FSTier
 from kvtier.tiers.fs import _read as _fs_read
 from tests.support import Hang, block_file, fresh_keys, given_back

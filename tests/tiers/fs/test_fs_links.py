@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtier._errors import TierUnavailableError
-from kvtier._format import header_size
+from kvtier.common._errors import TierUnavailableError
+from kvtier.common._format import header_size
 from kvtier.tiers.fs import FSTier
 from kvtier.tiers.fs import _layout as _fs_layout
 from tests.tiers.fs.fs_worker import key_and_data

@@ -13,9 +13,9 @@ from pathlib import Path
 import anyio
 import pytest
 
-from kvtier._errors import InvalidArgumentError
-from kvtier._identity import CacheIdentity
-from kvtier._lookup import LookupResult
+from kvtier.common._errors import InvalidArgumentError
+from kvtier.common._identity import CacheIdentity
+from kvtier.common._lookup import LookupResult
 from kvtier.testing import resolve_lookup
 from kvtier.tiers.fs import FSTier, _keeper, _ownership
 from kvtier.tiers.fs._layout import IDENTITY_NAME, MARKER_NAME

@@ -17,9 +17,9 @@ import anyio
 import anyio.streams.buffered
 import pytest
 
-from kvtier._errors import InvalidArgumentError
-from kvtier._identity import CacheIdentity
-from kvtier._lookup import LookupResult
+from kvtier.common._errors import InvalidArgumentError
+from kvtier.common._identity import CacheIdentity
+from kvtier.common._lookup import LookupResult
 from kvtier.testing._conformance import resolve_lookup
 from kvtier.tiers.fs import FSTier, _ownership, _upkeep
 from kvtier.tiers.fs import _io as fs_io

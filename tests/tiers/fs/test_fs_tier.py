@@ -27,18 +27,18 @@ import anyio.streams.buffered
 import numpy as np
 import pytest
 
-from kvtier._errors import (
+from kvtier.common._errors import (
     BlockNotFoundError,
     CorruptBlockError,
     InvalidArgumentError,
     TierNoSpaceError,
     TierUnavailableError,
 )
-from kvtier._format import header_size
-from kvtier._lookup import LookupResult
-from kvtier._scheduler import OffloadScheduler
+from kvtier.common._format import header_size
+from kvtier.common._lookup import LookupResult
 from kvtier.manager import TieringManager
 from kvtier.pools._host import HostPool
+from kvtier.scheduler._scheduler import OffloadScheduler
 from kvtier.testing import CHECKS, resolve_lookup
 from kvtier.tiers.fs import FSTier
 from kvtier.tiers.fs import _blocks as _fs_block

@@ -1,6 +1,6 @@
 """What someone who can write a shared bucket can put in an S3 tier's journal: segments built
-by hand, byte by byte, from the documented format (``kvtier.tiers.s3._journal``), not with
-kvtier's encoder, so a test plays a writer that kvtier's own code does not constrain."""
+by hand, byte by byte, from the documented format (``kvtier.tiers.s3.index._journal_format``), not
+with kvtier's encoder, so a test plays a writer that kvtier's own code does not constrain."""
 
 from __future__ import annotations
 

@@ -25,10 +25,10 @@ from typing import Any
 import anyio
 import numpy as np
 
-from kvtier._keys import block_keys
-from kvtier._scheduler import OffloadScheduler
+from kvtier.common._keys import block_keys
 from kvtier.manager import TieringManager
 from kvtier.pools._host import HostPool
+from kvtier.scheduler._scheduler import OffloadScheduler
 from kvtier.tiers.s3 import S3Tier
 
 

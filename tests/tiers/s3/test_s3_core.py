@@ -8,15 +8,15 @@ import struct
 
 import pytest
 
-from kvtier._errors import CorruptBlockError, InvalidArgumentError
-from kvtier._events import EventKind, TierEvent
-from kvtier._format import FLAG_MAC, FORMAT_VERSION, MAGIC, IntegrityKey, header_size
-from kvtier._lookup import LookupResult, MissReason
+from kvtier.common._errors import CorruptBlockError, InvalidArgumentError
+from kvtier.common._events import EventKind, TierEvent
+from kvtier.common._format import FLAG_MAC, FORMAT_VERSION, MAGIC, IntegrityKey, header_size
+from kvtier.common._lookup import LookupResult, MissReason
 from kvtier.tiers._async_lookup import AsyncLookupManager
 from kvtier.tiers.s3 import S3Config, S3Tier
 from kvtier.tiers.s3._config import pack_blocks
 from kvtier.tiers.s3._core import S3Core
-from kvtier.tiers.s3._pack import Location
+from kvtier.tiers.s3._pack_format import Location
 from tests.support import ManualClock
 
 BLOCK = 4096

@@ -1,7 +1,7 @@
 """Journal digests on the run's SeaweedFS: two digesters racing, a digester crashing before
 it publishes, corrupt, hostile and foreign digests, a skewed clock, a reader behind the
 digests, and a node that predates digests, each ending with an index that holds every key
-the fleet stored (``kvtier.tiers.s3._digesting``).
+the fleet stored (``kvtier.tiers.s3.index._digest``).
 
 Nodes are real ``S3Tier`` instances on one prefix whose refresh loop sleeps for most of an
 interval (an hour): each test drives the rounds by hand and moves the nodes' wall clocks
@@ -21,10 +21,15 @@ import pytest
 from devtools.server_process import raw_client
 from devtools.weed_server import BUCKET, WeedServer
 from kvtier.tiers.s3 import S3Tier
-from kvtier.tiers.s3._digest import Digest, digest_dir, digest_name, encode_digest
-from kvtier.tiers.s3._digesting import CARRY_INTERVALS, DELETE_BATCH, MAX_CATCH_UP, Digests
-from kvtier.tiers.s3._journal import encode_segment, journal_prefix, segment_name, segment_time_ms
-from kvtier.tiers.s3._pack import Location, pack_name
+from kvtier.tiers.s3._pack_format import Location, pack_name
+from kvtier.tiers.s3.index._digest import CARRY_INTERVALS, DELETE_BATCH, MAX_CATCH_UP, Digests
+from kvtier.tiers.s3.index._digest_format import Digest, digest_dir, digest_name, encode_digest
+from kvtier.tiers.s3.index._journal_format import (
+    encode_segment,
+    journal_prefix,
+    segment_name,
+    segment_time_ms,
+)
 from tests.support import MakeS3Tier, ManualClock, fill, fresh_keys
 
 pytestmark = pytest.mark.anyio

@@ -10,12 +10,12 @@ import anyio.lowlevel
 import pytest
 
 from devtools.weed_server import BUCKET, WeedServer, raw_client
-from kvtier._errors import BlockNotFoundError, CorruptBlockError
-from kvtier._events import EventKind, TierEvent
-from kvtier._lookup import LookupResult
+from kvtier.common._errors import BlockNotFoundError, CorruptBlockError
+from kvtier.common._events import EventKind, TierEvent
+from kvtier.common._lookup import LookupResult
 from kvtier.testing import resolve_lookup
 from kvtier.tiers.s3 import S3Tier
-from kvtier.tiers.s3 import _segments as s3_segments
+from kvtier.tiers.s3.index import _journal as s3_segments
 from tests.support import INDEX_BY_HAND, MakeS3Tier, fresh_keys, s3_tier
 
 BLOCK = 512

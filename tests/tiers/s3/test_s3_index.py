@@ -27,22 +27,22 @@ from devtools.weed_server import (
     WeedServer,
     raw_client,
 )
-from kvtier._errors import BlockNotFoundError, InvalidArgumentError
-from kvtier._format import header_size
-from kvtier._lookup import LookupResult, MissReason
-from kvtier._resilience import CircuitBreaker
+from kvtier.common._errors import BlockNotFoundError, InvalidArgumentError
+from kvtier.common._format import header_size
+from kvtier.common._lookup import LookupResult, MissReason
+from kvtier.common._resilience import CircuitBreaker
 from kvtier.tiers.s3 import S3Config, S3Tier
-from kvtier.tiers.s3._index import ExistenceIndex
-from kvtier.tiers.s3._journal import (
+from kvtier.tiers.s3._pack_format import Location
+from kvtier.tiers.s3._requests import Requests
+from kvtier.tiers.s3.index._existence import ExistenceIndex
+from kvtier.tiers.s3.index._journal_format import (
     MAX_SEGMENT_ENTRIES,
     encode_segment,
     journal_prefix,
     segment_time_ms,
     writer_id,
 )
-from kvtier.tiers.s3._pack import Location
-from kvtier.tiers.s3._requests import Requests
-from kvtier.tiers.s3._sync import IndexSync
+from kvtier.tiers.s3.index._sync import IndexSync
 from tests.support import (
     CREDENTIALS_FROM_ENVIRONMENT,
     INDEX_BY_HAND,
@@ -122,7 +122,7 @@ def test_index_settings_are_checked(overrides: dict[str, object], message: str) 
 
 
 def test_index_settings_from_the_config_file() -> None:
-    from kvtier._config import KVTierConfig
+    from kvtier.manager._stack_config import KVTierConfig
 
     pool = {"num_blocks": 4, "block_bytes": 4096}
     config = KVTierConfig.from_dict(
@@ -322,7 +322,7 @@ async def test_a_failing_credential_provider_does_not_stop_the_refresh_loop(
     the refresh loop's LIST; the loop logs and counts it and goes on, and the task that opened
     the tier (the engine's) is not cancelled."""
     heard = _Heard("index refresh failed")
-    sync_logger = logging.getLogger("kvtier.tiers.s3._sync")
+    sync_logger = logging.getLogger("kvtier.tiers.s3.index._sync")
     sync_logger.addHandler(heard)
     try:
         prefix = f"idx/{uuid.uuid4().hex}"

@@ -23,17 +23,17 @@ from devtools.weed_server import (
     WeedServer,
     raw_client,
 )
-from kvtier._config import KVTierConfig
-from kvtier._errors import BlockNotFoundError, CorruptBlockError, InvalidArgumentError
-from kvtier._format import FLAG_MAC, MAC_BYTES, IntegrityKey, decode_header, encode_header
-from kvtier._lookup import LookupResult
-from kvtier._scheduler import OffloadScheduler
+from kvtier.common._errors import BlockNotFoundError, CorruptBlockError, InvalidArgumentError
+from kvtier.common._format import FLAG_MAC, MAC_BYTES, IntegrityKey, decode_header, encode_header
+from kvtier.common._lookup import LookupResult
 from kvtier.manager import TieringManager
+from kvtier.manager._stack_config import KVTierConfig
 from kvtier.pools._host import HostPool
+from kvtier.scheduler._scheduler import OffloadScheduler
 from kvtier.tiers.s3 import S3Tier
 from kvtier.tiers.s3._codec import build_object, verify_into
-from kvtier.tiers.s3._index import key_from_object
 from kvtier.tiers.s3._integrity import MARKER_NAME, marker_key
+from kvtier.tiers.s3.index._existence import key_from_object
 from tests.support import INDEX_BY_HAND, MakeS3Tier, fresh_keys
 from tests.tiers.s3.s3_forge import forged_segment, forged_segment_name
 

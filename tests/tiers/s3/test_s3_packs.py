@@ -15,17 +15,17 @@ from devtools.weed_server import (
     WeedServer,
     raw_client,
 )
-from kvtier._errors import (
+from kvtier.common._errors import (
     BlockNotFoundError,
     CorruptBlockError,
     InvalidArgumentError,
     TierUnavailableError,
 )
-from kvtier._lookup import LookupResult
+from kvtier.common._lookup import LookupResult
 from kvtier.tiers.s3 import S3Tier
-from kvtier.tiers.s3._journal import encode_segment, segment_name, writer_id
-from kvtier.tiers.s3._pack import PACK_DIR, Location, decode_table
-from kvtier.tiers.s3._packs import PackReads, PackWriter, PendingStore
+from kvtier.tiers.s3._pack import PackReads, PackWriter, PendingStore
+from kvtier.tiers.s3._pack_format import PACK_DIR, Location, decode_table
+from kvtier.tiers.s3.index._journal_format import encode_segment, segment_name, writer_id
 from tests.support import INDEX_BY_HAND, fresh_keys, s3_tier
 
 BLOCK = 4096
@@ -384,8 +384,8 @@ async def test_a_journal_location_longer_than_a_block_is_never_fetched(
     """A journal entry may claim any length; a load reads a section only if it is exactly a
     header and a block, so an entry claiming 2**40 bytes costs no GET (it would otherwise
     download the whole pack for one block) and leaves the pack alone."""
-    from kvtier._format import header_size
-    from kvtier.tiers.s3._pack import table_length
+    from kvtier.common._format import header_size
+    from kvtier.tiers.s3._pack_format import table_length
     from tests.tiers.s3.s3_forge import forged_segment, forged_segment_name
 
     keys, blocks = _keys_and_blocks(4)

@@ -12,13 +12,14 @@ from typing import Any
 import pytest
 
 from devtools.weed_server import WeedServer
-from kvtier._errors import BlockNotFoundError
-from kvtier._events import EventKind
-from kvtier._format import IntegrityKey
-from kvtier._lookup import LookupResult
+from kvtier.common._errors import BlockNotFoundError
+from kvtier.common._events import EventKind
+from kvtier.common._format import IntegrityKey
+from kvtier.common._lookup import LookupResult
 from kvtier.tiers.s3 import S3Tier
-from kvtier.tiers.s3._index import ExistenceIndex
-from kvtier.tiers.s3._journal import (
+from kvtier.tiers.s3._pack_format import Location, pack_name
+from kvtier.tiers.s3.index._existence import ExistenceIndex
+from kvtier.tiers.s3.index._journal_format import (
     MAX_SEGMENT_ENTRIES,
     SegmentError,
     decode_removals,
@@ -29,7 +30,6 @@ from kvtier.tiers.s3._journal import (
     journal_prefix,
     segment_name,
 )
-from kvtier.tiers.s3._pack import Location, pack_name
 from tests.support import INDEX_BY_HAND, ManualClock, fresh_keys, s3_tier
 from tests.tiers.s3.s3_forge import forged_removals
 

@@ -1,5 +1,5 @@
-"""The index snapshot format (``kvtier.tiers.s3._snapshot``): names and bytes read from an
-untrusted bucket are parsed exactly, and whatever a snapshot holds is refused whole or read
+"""The index snapshot format (``kvtier.tiers.s3.index._snapshot_format``): names and bytes read
+from an untrusted bucket are parsed exactly, and whatever a snapshot holds is refused whole or read
 within its bounds."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvtier._format import IntegrityKey
-from kvtier.tiers.s3._pack import Location, pack_name
-from kvtier.tiers.s3._snapshot import (
+from kvtier.common._format import IntegrityKey
+from kvtier.tiers.s3._pack_format import Location, pack_name
+from kvtier.tiers.s3.index._snapshot_format import (
     Manifest,
     SnapshotError,
     body_digest,

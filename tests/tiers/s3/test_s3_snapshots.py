@@ -1,6 +1,6 @@
 """Index snapshots on the run's SeaweedFS: compaction races, a crash mid-compaction, corrupt
 and hostile snapshots, skewed clocks and a reader with a gap, each ending with an index that
-holds every key the fleet stored (``kvtier.tiers.s3._compaction``).
+holds every key the fleet stored (``kvtier.tiers.s3.index._snapshot``).
 
 Nodes are real ``S3Tier`` instances on one prefix, with a refresh loop too slow to run during
 a test: each test drives the journal and the compaction by hand, and moves a node's wall
@@ -21,10 +21,10 @@ import pytest
 from devtools.server_process import raw_client
 from devtools.weed_server import BUCKET, WeedServer
 from kvtier.tiers.s3 import S3Tier
-from kvtier.tiers.s3 import _compaction as compaction
-from kvtier.tiers.s3._compaction import Survey
-from kvtier.tiers.s3._pack import Location, pack_name
-from kvtier.tiers.s3._snapshot import (
+from kvtier.tiers.s3._pack_format import Location, pack_name
+from kvtier.tiers.s3.index import _snapshot as compaction
+from kvtier.tiers.s3.index._snapshot import Survey
+from kvtier.tiers.s3.index._snapshot_format import (
     Manifest,
     body_digest,
     data_name,

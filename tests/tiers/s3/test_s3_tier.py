@@ -43,7 +43,7 @@ from devtools.weed_server import (
     ensure_bucket,
     raw_client,
 )
-from kvtier._errors import (
+from kvtier.common._errors import (
     BlockNotFoundError,
     CorruptBlockError,
     InvalidArgumentError,
@@ -51,13 +51,13 @@ from kvtier._errors import (
     TierTimeoutError,
     TierUnavailableError,
 )
-from kvtier._format import FORMAT_VERSION, MAGIC, encode_header
-from kvtier._keys import block_keys
-from kvtier._lookup import LookupResult, MissReason
-from kvtier._resilience import BreakerState, CircuitBreaker, Permit, backoff_delay
-from kvtier._scheduler import OffloadScheduler
+from kvtier.common._format import FORMAT_VERSION, MAGIC, encode_header
+from kvtier.common._keys import block_keys
+from kvtier.common._lookup import LookupResult, MissReason
+from kvtier.common._resilience import BreakerState, CircuitBreaker, Permit, backoff_delay
 from kvtier.manager import TieringManager
 from kvtier.pools._host import HostPool
+from kvtier.scheduler._scheduler import OffloadScheduler
 from kvtier.testing import resolve_lookup
 from kvtier.tiers.s3 import S3Tier
 from kvtier.tiers.s3._errors import Fault, translate

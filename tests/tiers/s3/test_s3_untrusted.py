@@ -27,20 +27,32 @@ from devtools.weed_server import (
     WeedServer,
     raw_client,
 )
-from kvtier._errors import KVTierError
-from kvtier._format import MAX_KEY_BYTES, IntegrityKey, header_size
-from kvtier._keys import block_keys
-from kvtier._lookup import LookupResult
+from kvtier.common._errors import KVTierError
+from kvtier.common._format import MAX_KEY_BYTES, IntegrityKey, header_size
+from kvtier.common._keys import block_keys
+from kvtier.common._lookup import LookupResult
 from kvtier.tiers.s3._config import MAX_PACK_BLOCKS
-from kvtier.tiers.s3._digest import (
+from kvtier.tiers.s3._pack import PackReads
+from kvtier.tiers.s3._pack_format import (
+    MAX_TABLE_BYTES,
+    Location,
+    PackTableError,
+    decode_table,
+    encode_table,
+    is_pack_name,
+    pack_name,
+    table_length,
+    table_size,
+)
+from kvtier.tiers.s3.index._digest_format import (
     MAX_DIGEST_SEGMENTS,
     Digest,
     DigestError,
     decode_digest,
     encode_digest,
 )
-from kvtier.tiers.s3._index import key_from_object
-from kvtier.tiers.s3._journal import (
+from kvtier.tiers.s3.index._existence import key_from_object
+from kvtier.tiers.s3.index._journal_format import (
     MAX_SEGMENT_ENTRIES,
     REMOVAL_REASONS,
     SegmentError,
@@ -55,18 +67,6 @@ from kvtier.tiers.s3._journal import (
     segment_writer,
     start_after,
 )
-from kvtier.tiers.s3._pack import (
-    MAX_TABLE_BYTES,
-    Location,
-    PackTableError,
-    decode_table,
-    encode_table,
-    is_pack_name,
-    pack_name,
-    table_length,
-    table_size,
-)
-from kvtier.tiers.s3._packs import PackReads
 from tests.support import INDEX_BY_HAND, s3_tier
 from tests.tiers.s3.s3_forge import forged_removals, forged_segment, forged_segment_name
 

@@ -1,0 +1,198 @@
+"""The listing at open: every block object and pack under the prefix, into the existence index.
+
+One LIST page after another (bounded by ``index_list_timeout``, progress in the log every few
+seconds), then each listed pack's table, with one small ranged GET each (two for a table past
+``TABLE_PROBE_BYTES``), ``_TABLE_READS`` at a time. What the bucket holds is untrusted: a
+name that is neither a block object's nor a pack's of this prefix is skipped, and a pack table
+that does not parse is ignored (``_pack_format``) and logged once per burst. A listing cut short by
+its bound still opens the tier: blocks not listed answer MISS until written again.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from dataclasses import KW_ONLY, dataclass, field
+from typing import Any
+
+import anyio
+
+from kvtier.common._errors import TierError
+from kvtier.common._logging import BurstLogger
+from kvtier.tiers.s3._errors import Fault
+from kvtier.tiers.s3._pack_format import (
+    TABLE_PROBE_BYTES,
+    Location,
+    PackTableError,
+    decode_table,
+    is_pack_name,
+    table_size,
+)
+from kvtier.tiers.s3._requests import Call, get_bytes
+from kvtier.tiers.s3.index._existence import ExistenceIndex, key_from_object
+from kvtier.tiers.s3.index._journal_format import journal_prefix
+
+__all__ = ["Listing"]
+
+logger = logging.getLogger(__name__)
+
+_PROGRESS_EVERY = 5.0  # seconds between progress lines of a long listing
+_TABLE_READS = 16  # pack tables read at once
+
+
+@dataclass(eq=False, repr=False)
+class Listing:
+    """One listing at open: what it found so far, and when to say so in the log."""
+
+    index: ExistenceIndex
+    call: Call
+    client: Any
+    _: KW_ONLY
+    name: str
+    bucket: str
+    prefix: str
+    found: int = field(default=0, init=False)
+    pages: int = field(default=0, init=False)
+    _log: BurstLogger = field(default_factory=lambda: BurstLogger(logger), init=False)
+    _started: float = field(default_factory=lambda: time.monotonic(), init=False)
+    _reported: float = field(init=False)
+    _where: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._where = f"s3://{self.bucket}/{self.prefix}"
+        self._reported = self._started
+
+    async def run(self, index_list_timeout: float) -> bool:
+        """Index every block object and packed block under the prefix within
+        ``index_list_timeout`` seconds; whether the listing completed. Sets
+        ``ExistenceIndex.listed``."""
+        with anyio.move_on_after(index_list_timeout) as scope:
+            packs = await self.list_pages()
+            await self.read_tables(packs)
+        self.index.listed = self.found
+        self.report(complete=not scope.cancelled_caught, timeout=index_list_timeout)
+        return not scope.cancelled_caught
+
+    def _progress_due(self) -> float | None:
+        """Seconds since the start if a progress line is due now, else None."""
+        now = time.monotonic()
+        if now - self._reported < _PROGRESS_EVERY:
+            return None
+        self._reported = now
+        return now - self._started
+
+    async def list_pages(self) -> list[str]:
+        """List every page, indexing block objects as they come; the packs' names."""
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "MaxKeys": 1000}
+        if self.prefix:
+            kwargs["Prefix"] = self.prefix + "/"
+        journal = journal_prefix(self.prefix)
+        packs: list[str] = []
+        while True:
+            page = await self.call(
+                "list", None, functools.partial(self.client.list_objects_v2, **kwargs)
+            )
+            assert not isinstance(page, Fault)
+            self.pages += 1
+            for item in page.get("Contents", ()):
+                name = item["Key"]
+                if name.startswith(journal):
+                    continue
+                if is_pack_name(name, self.prefix):
+                    packs.append(name)
+                    continue
+                key = key_from_object(name, self.prefix)
+                if key is not None and self.index.add(key):
+                    self.found += 1
+            if (elapsed := self._progress_due()) is not None:
+                logger.info(
+                    "%s: indexing %s: %d blocks after %.0f s (%d pages)",
+                    self.name,
+                    self._where,
+                    self.found,
+                    elapsed,
+                    self.pages,
+                )
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return packs
+            kwargs["ContinuationToken"] = token
+
+    async def read_tables(self, packs: list[str]) -> None:
+        """Index the keys of the listed ``packs`` from their tables, ``_TABLE_READS`` at a
+        time."""
+        done = 0
+        pending = iter(packs)
+
+        async def reader() -> None:
+            nonlocal done
+            for name in pending:
+                entries = await self._read_table(name)
+                self.found += len(self.index.add_many(entries))
+                done += 1
+                if (elapsed := self._progress_due()) is not None:
+                    logger.info(
+                        "%s: indexing %s: read %d of %d pack tables after %.0f s",
+                        self.name,
+                        self._where,
+                        done,
+                        len(packs),
+                        elapsed,
+                    )
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(min(_TABLE_READS, len(packs))):
+                tg.start_soon(reader)
+
+    async def _read_table(self, name: str) -> list[tuple[bytes, Location | None]]:
+        client, bucket = self.client, self.bucket
+        expected = frozenset({Fault.NOT_FOUND})
+        try:
+            data = await self.call(
+                "list",
+                None,
+                lambda: get_bytes(client, bucket, name, 0, TABLE_PROBE_BYTES),
+                expected=expected,
+            )
+            if isinstance(data, Fault):
+                return []  # deleted since the listing
+            size = table_size(data)
+            if size > len(data):
+                more = await self.call(
+                    "list",
+                    None,
+                    lambda: get_bytes(client, bucket, name, len(data), size),
+                    expected=expected,
+                )
+                if isinstance(more, Fault):
+                    return []
+                data += more
+            return list(decode_table(data, name))
+        except PackTableError as exc:
+            self._log.warning("pack", "%s: ignoring pack %s: %s", self.name, name, exc)
+        except TierError as exc:  # its keys miss until a journal or a store names them
+            self._log.warning(
+                "pack-table", "%s: could not read pack %s (%s)", self.name, name, exc.reason
+            )
+        return []
+
+    def report(self, *, complete: bool, timeout: float) -> None:
+        if not complete:
+            logger.warning(
+                "%s: listing %s stopped after %.0f s (index_list_timeout) with %d blocks "
+                "indexed; blocks not listed answer MISS until written again",
+                self.name,
+                self._where,
+                timeout,
+                self.found,
+            )
+            return
+        logger.info(
+            "%s: indexed %d blocks of %s in %.2f s (%d pages)",
+            self.name,
+            self.found,
+            self._where,
+            time.monotonic() - self._started,
+            self.pages,
+        )
