@@ -1,4 +1,5 @@
-"""The block format at rest (design §4), shared by every tier that writes bytes.
+"""The block format at rest (docs/design.md, "Data at rest"), shared by every tier that writes
+bytes.
 
 A block is a fixed header followed by its payload. The header names the key it belongs to, so
 a file or object renamed, truncated or swapped can never be served as another block, and

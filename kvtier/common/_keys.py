@@ -1,4 +1,5 @@
-"""Content keys for KV blocks, chained through the prefix (design §1).
+"""Content keys for KV blocks, chained through the prefix (docs/design.md, "Decisions worth
+knowing").
 
 A key must mean the same bytes on every process and machine that shares a tier, so it is a
 cryptographic hash of explicit bytes (never Python's ``hash()``), and it starts with a scheme

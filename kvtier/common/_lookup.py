@@ -1,4 +1,5 @@
-"""The lookup contract shared by pools, tiers, the manager and the scheduler (design §2)."""
+"""The lookup contract shared by pools, tiers, the manager and the scheduler (docs/design.md, "The
+lookup contract")."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ __all__ = ["LookupResult", "MissReason"]
 
 
 class LookupResult(Enum):
-    """What one ``lookup(key)`` knows right now; see design §2 for the exact meaning."""
+    """What one ``lookup(key)`` knows right now; see docs/design.md, "The lookup contract" for the
+    exact meaning."""
 
     MISS = "miss"
     HIT = "hit"

@@ -1,5 +1,5 @@
 """What waiting for a tier costs against what recomputing costs: kvtier's "never slower than
-recompute" rule, as a small synchronous model (design §5a).
+recompute" rule, as a small synchronous model (docs/design.md, "Tiers, writes and cost").
 
 The manager feeds it each promotion's duration and size, per tier; the engine feeds it what
 prefill costs (once, with ``set_recompute_cost``, or as it runs, with ``observe_recompute``).

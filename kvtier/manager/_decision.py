@@ -1,4 +1,5 @@
-"""The manager's lookup past a primary hit: a synchronous decision (design §2.1, §5a).
+"""The manager's lookup past a primary hit: a synchronous decision (docs/design.md, "The lookup
+contract").
 
 Given the pool's state, the failures the manager remembers, the tiers' answers and the scan's
 budget, ``LookupDecision.decide`` returns the answer and, for a tier hit it promotes, reserves
@@ -98,7 +99,8 @@ class LookupDecision:
         self.started = self.deferred = self.declined = 0
 
     def decide(self, key: bytes, budget: ScanBudget | None) -> LookupResult:
-        """HIT_PENDING, RETRY or MISS for a key that is not READY in the pool (design §2.1)."""
+        """HIT_PENDING, RETRY or MISS for a key that is not READY in the pool (docs/design.md, "The
+        lookup contract")."""
         if key in self._held:  # not READY (the caller asked first): being written
             self.pending += 1
             if budget is not None:

@@ -1,4 +1,5 @@
-"""The TieringManager: one primary pool over ordered secondary tiers (design §2.1, §3).
+"""The TieringManager: one primary pool over ordered secondary tiers (docs/design.md, "The lookup
+contract").
 
 This is the async shell. Its ``lookup`` answers a primary hit itself (one dict lookup) and
 hands every other key to the synchronous ``LookupDecision``; everything slow (promotions,
@@ -277,10 +278,11 @@ class TieringManager(AsyncResource):
             raise not_open()
         return self._task_group
 
-    # -- lookup (design §2.1) ------------------------------------------------------------------
+    # -- lookup (docs/design.md, "The lookup contract") --------------------------------------------
 
     def lookup(self, key: bytes, ctx: ScanBudget | None = None) -> LookupResult:
-        """MISS, HIT, HIT_PENDING or RETRY for ``key``, without waiting (design §2.1).
+        """MISS, HIT, HIT_PENDING or RETRY for ``key``, without waiting (docs/design.md, "The lookup
+        contract").
         ``ctx`` is the scheduler's budget for the scan that asks (lazy promotion, and no
         promotion from a tier expected later than recompute)."""
         if key in self._ready:

@@ -1,4 +1,5 @@
-"""The primary pool in GPU memory (design §3), over the CUDA runtime (CuPy's by default).
+"""The primary pool in GPU memory (docs/design.md, "Decisions worth knowing"), over the CUDA runtime
+(CuPy's by default).
 
 One device allocation cut into ``num_blocks`` slots; the bookkeeping is the same ``SlotTable``
 as HostPool's (it lives in ``PrimaryPool``). Only the data movement differs, and it lives in

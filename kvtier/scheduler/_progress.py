@@ -10,11 +10,11 @@ the scan has seen is watched, and the manager fires the watch at its next change
 fires a key can only move from RETRY to HIT_PENDING (a promotion started by the scan itself),
 and both defer, so the answer (``None``) does not depend on which one is remembered.
 
-The answers are those of the synchronous scans of design §2.2 (``OffloadScheduler``): a
-resumed scan answers what a fresh scan would answer, given the keys' current answers. One
-difference from rescanning: a hit stays pinned until the async lookup returns even if a later
-miss before it means the answer no longer counts it (a rescan would have let it go); the pins
-are the request's own keys and are given back with the answer.
+The answers are those of the synchronous scans of docs/design.md, "The lookup contract"
+(``OffloadScheduler``): a resumed scan answers what a fresh scan would answer, given the keys'
+current answers. One difference from rescanning: a hit stays pinned until the async lookup returns
+even if a later miss before it means the answer no longer counts it (a rescan would have let it go);
+the pins are the request's own keys and are given back with the answer.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ def _defers(result: LookupResult | None) -> bool:
 
 
 def _counts(result: LookupResult | None) -> bool:
-    """Counts toward a window streak (design §2.2): HIT and HIT_PENDING."""
+    """Counts toward a window streak (docs/design.md, "The lookup contract"): HIT and
+    HIT_PENDING."""
     return result is HIT or result is HIT_PENDING
 
 

@@ -19,7 +19,8 @@ __all__ = ["SupportsLookup", "SupportsPrefetch", "SupportsScheduling"]
 
 @runtime_checkable
 class SupportsLookup(Protocol):
-    """What every scan needs of a manager (design §2.2): ``lookup(key, ctx=None)``."""
+    """What every scan needs of a manager (docs/design.md, "The lookup contract"): ``lookup(key,
+    ctx=None)``."""
 
     def lookup(self, key: bytes, ctx: ScanBudget | None = None) -> LookupResult: ...
 

@@ -1,5 +1,5 @@
-"""The OffloadScheduler: prefix and sliding-window scans over any manager (design §2.2),
-and an async layer that waits for state changes instead of polling (design §2.3)."""
+"""The OffloadScheduler: prefix and sliding-window scans over any manager, and an async layer
+that waits for state changes instead of polling (docs/design.md, "The lookup contract")."""
 
 from __future__ import annotations
 
@@ -118,7 +118,7 @@ class OffloadScheduler:
         self._scans = self._deferred_scans = self._async_lookups = 0
         self._waits = self._timeouts = self._callback_failures = self._waits_cut = 0
 
-    # -- synchronous scans (design §2.2) -------------------------------------------------------
+    # -- synchronous scans (docs/design.md, "The lookup contract") ---------------------------------
 
     def maximal_prefix_lookup(
         self, keys: Sequence[bytes], ctx: ScanBudget | None = None
@@ -223,14 +223,14 @@ class OffloadScheduler:
             return None
         return streak
 
-    # -- async layer (design §2.3) -------------------------------------------------------------
+    # -- async layer (docs/design.md, "The lookup contract") ---------------------------------------
 
     async def lookup(
         self,
         keys: Sequence[bytes],
         *,
         sliding_window_size: int | None = None,
-        timeout: float | None = None,  # noqa: ASYNC109 - pinned API (design §2.3)
+        timeout: float | None = None,  # noqa: ASYNC109 - pinned API (docs/design.md)
     ) -> int:
         """Scan; while the scan defers, sleep until a key it waits on changes state.
 
@@ -317,7 +317,8 @@ class OffloadScheduler:
                     or time.monotonic() < deadline
                 ):
                     self._timeouts += 1
-                    return self._hits_now(keys, window, scan.lease)  # as ever (design §2.3)
+                    # as ever (docs/design.md, "The lookup contract")
+                    return self._hits_now(keys, window, scan.lease)
                 self._scans += 1
                 result = scan.resume(changes.take())
             return result

@@ -1,4 +1,5 @@
-"""Answering ``lookup()`` for a tier whose existence checks are slow (design §3).
+"""Answering ``lookup()`` for a tier whose existence checks are slow (docs/design.md, "The lookup
+contract").
 
 An unknown key is queued for the next batched ``contains_many`` and answered ``RETRY``; the
 verdict lands in a bounded cache and listeners are told so waiting schedulers wake. Misses

@@ -1,4 +1,5 @@
-"""The secondary tier interface (design §3) and the counters every tier keeps."""
+"""The secondary tier interface (docs/design.md, "Tiers, writes and cost") and the counters every
+tier keeps."""
 
 from __future__ import annotations
 

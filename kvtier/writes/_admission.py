@@ -1,4 +1,5 @@
-"""Which stored blocks each secondary tier is asked to write, and when (design §5a).
+"""Which stored blocks each secondary tier is asked to write, and when (docs/design.md, "Tiers,
+writes and cost").
 
 Write-through gives every tier every stored block at once. A tier that falls behind (a remote
 store under load, a hung mount) then holds pinned slots, in-flight bytes and worker time that

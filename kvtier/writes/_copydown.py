@@ -1,4 +1,5 @@
-"""Deferred writes, copied down to their tier from a faster one when it has room (design §5a).
+"""Deferred writes, copied down to their tier from a faster one when it has room (docs/design.md,
+"Tiers, writes and cost").
 
 A write that back-pressure dropped for a ``deferred`` tier waits, as a key, in the
 ``DeferredWrites`` queue; ``DeferredCopies`` drains that queue as the tier's admission and

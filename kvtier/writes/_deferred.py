@@ -1,4 +1,5 @@
-"""The keys waiting for deferred tiers (design §5a; the policy is ``kvtier.writes._admission``).
+"""The keys waiting for deferred tiers (docs/design.md, "Tiers, writes and cost"; the policy is
+``kvtier.writes._admission``).
 
 For a tier named in ``AdmissionPolicy``'s ``deferred``, a write that back-pressure drops is
 not forgotten: its key waits here, and once the tier has room again the manager copies the

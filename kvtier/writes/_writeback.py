@@ -1,4 +1,5 @@
-"""The blocks waiting for write-back tiers (design §5a; the policy is ``kvtier.writes._admission``).
+"""The blocks waiting for write-back tiers (docs/design.md, "Tiers, writes and cost"; the policy is
+``kvtier.writes._admission``).
 
 A tier named in ``AdmissionPolicy``'s ``write_back`` is not written on store: the block stays
 in the pool, pinned so that it cannot be evicted unwritten, until the manager must make room

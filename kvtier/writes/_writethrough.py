@@ -1,4 +1,5 @@
-"""Write-through: copying stored blocks from the pool to the secondary tiers (design §3).
+"""Write-through: copying stored blocks from the pool to the secondary tiers (docs/design.md,
+"Tiers, writes and cost").
 
 The manager hands each newly stored block to ``WriteThrough``, which asks the admission
 policy (``kvtier.writes._admission``) which tiers take it now, pins the slot and launches its write

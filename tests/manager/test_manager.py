@@ -1,4 +1,5 @@
-"""TieringManager: the lookup algorithm of design §2.1, store, load, write-through, limits."""
+"""TieringManager: the lookup algorithm (docs/design.md, "The lookup contract"), store, load,
+write-through, limits."""
 
 from __future__ import annotations
 

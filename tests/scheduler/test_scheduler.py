@@ -1,5 +1,5 @@
-"""The scheduler scans of design §2.2, one test per listed case, asserting the result and how
-many lookups were made; then the async layer of §2.3."""
+"""The scheduler scans (docs/design.md, "The lookup contract"), one test per listed case,
+asserting the result and how many lookups were made; then the async layer."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Lazy promotion: a scheduler's scan resolves existence first and promotes only the blocks
-it will count; the lookup results keep design §2's semantics."""
+it will count; the lookup results keep their meaning (docs/design.md, "The lookup contract")."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ async def test_the_synchronous_scans_keep_promoting_every_secondary_hit(keys: li
     await fill(holding, keys[1:4])
     checking.stall("contains")
     async with TieringManager(HostPool(8, BB), [checking, holding]) as manager:
-        # design §2.2 unchanged: RETRY does not stop the scan, and the manager of §2.1
+        # the scan unchanged: RETRY does not stop it, and the manager
         # promotes each secondary hit the scan meets.
         assert OffloadScheduler(manager).maximal_prefix_lookup(keys[:4]) is None
         assert manager.statistics().promotions_started == 3

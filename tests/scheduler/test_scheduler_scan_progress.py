@@ -119,7 +119,7 @@ def test_a_resumed_scan_answers_what_a_fresh_scan_answers(
 ) -> None:
     """After any change of the keys' answers (the changed key fires if the scan watches it,
     except RETRY -> HIT_PENDING, which the manager does not announce), the resumed scan
-    answers exactly what a fresh synchronous scan of design §2.2 answers."""
+    answers exactly what a fresh synchronous scan answers."""
     manager = Scripted(initial)
     fresh = OffloadScheduler(manager)
 

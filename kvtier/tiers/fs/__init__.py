@@ -1,4 +1,5 @@
-"""A secondary tier in a local or shared folder: one verified file per block (design §3-4).
+"""A secondary tier in a local or shared folder: one verified file per block (docs/design.md, "Data
+at rest").
 
 Layout: ``<root>/<2 hex>/<2 hex>/<hex key>`` plus ``<root>/kvtier-fs.json``, the format marker.
 The two shard folders are the key's *last* four hex digits (keys start with a version byte).

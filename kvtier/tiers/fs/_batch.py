@@ -1,4 +1,4 @@
-"""The batch half of ``FSTier``: ``load_many`` and ``store_many`` (design §3-4).
+"""The batch half of ``FSTier``: ``load_many`` and ``store_many`` (docs/design.md, "Data at rest").
 
 Why its own module: a batch is a job of its own beside the tier's single-block operations.
 It cuts a batch into at most ``max_concurrency`` (``max_write_concurrency``) runs, each one

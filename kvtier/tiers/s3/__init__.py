@@ -1,4 +1,5 @@
-"""A secondary tier on any S3-compatible object store, through aiobotocore (design §3-4).
+"""A secondary tier on any S3-compatible object store, through aiobotocore (docs/design.md, "Data at
+rest").
 
 Several kvtier processes on several machines share one bucket: a prefix computed on one node
 is a hit on every other. Objects live at ``<prefix>/<2 hex>/<hex key>`` (the two hex digits

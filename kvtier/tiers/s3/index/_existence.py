@@ -1,4 +1,5 @@
-"""The existence index of the S3 tier: ``lookup()`` without a round trip (design §5a).
+"""The existence index of the S3 tier: ``lookup()`` without a round trip (docs/design.md, "The S3
+tier shared by several nodes").
 
 A synchronous state machine, no I/O: which keys the bucket is known to hold, learnt from this
 node's own writes, the listing made at open and the journal segments other nodes publish
