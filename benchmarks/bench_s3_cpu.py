@@ -55,9 +55,8 @@ from benchmarks.common import (
     s3_tier,
     settings,
 )
-from kvtier import S3Tier, block_keys
+from kvtier import S3Config, S3Tier, block_keys
 from kvtier.tiers.s3._client import client_config, send_bodies_as_given, shared_session
-from kvtier.tiers.s3._config import S3Config
 
 KiB = 1 << 10
 SIDES = ("raw", "raw-tuned", "tier")

@@ -590,22 +590,22 @@ def run(
     out["hits_by_tier"] = main_run.hits_by_tier
     if s is not None:
         out["manager"] = {
-            "promotions_ok": s.promotions_succeeded,
-            "promotions_failed": sum(s.promotions_failed_by_reason.values()),
-            "stored": s.blocks_stored,
-            "cascades_ok": s.cascades_succeeded,
-            "cascades_skipped": s.cascades_skipped,
-            "cascades_failed": sum(s.cascade_failures_by_reason.values()),
-            "cascades_dropped": s.cascades_dropped,
+            "promotions_ok": s.promotions.succeeded,
+            "promotions_failed": sum(s.promotions.failed_by_reason.values()),
+            "stored": s.stores.stored,
+            "cascades_ok": s.writes.succeeded,
+            "cascades_skipped": s.writes.skipped,
+            "cascades_failed": sum(s.writes.failures_by_reason.values()),
+            "cascades_dropped": s.writes.dropped,
             "pool_evictions": s.pool.evictions,
         }
         print()
         print(
             f"kvtier {names}: {main_run.wall:.1f} s, {main_run.verified:,} loaded blocks verified "
-            f"byte for byte; promotions {s.promotions_succeeded:,} ok / "
-            f"{sum(s.promotions_failed_by_reason.values()):,} failed; stored {s.blocks_stored:,}; "
-            f"write-through {s.cascades_succeeded:,} ok / {s.cascades_skipped:,} skipped / "
-            f"{sum(s.cascade_failures_by_reason.values()):,} failed; "
+            f"byte for byte; promotions {s.promotions.succeeded:,} ok / "
+            f"{sum(s.promotions.failed_by_reason.values()):,} failed; stored {s.stores.stored:,}; "
+            f"write-through {s.writes.succeeded:,} ok / {s.writes.skipped:,} skipped / "
+            f"{sum(s.writes.failures_by_reason.values()):,} failed; "
             f"pool evictions {s.pool.evictions:,}"
         )
         for t in s.tiers:

@@ -158,9 +158,9 @@ async def stats(request: Request) -> JSONResponse:
     s = request.app.state.engine.manager.statistics()
     return JSONResponse(
         {
-            "blocks_loaded": s.blocks_loaded,
-            "blocks_stored": s.blocks_stored,
-            "promotions": s.promotions_succeeded,
+            "blocks_loaded": s.stores.loaded,
+            "blocks_stored": s.stores.stored,
+            "promotions": s.promotions.succeeded,
             "pool": {"ready": s.pool.ready, "free": s.pool.free, "evictions": s.pool.evictions},
             "tiers": {t.name: {"blocks": t.blocks, "loads": t.loads} for t in s.tiers},
         }

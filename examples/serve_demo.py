@@ -197,37 +197,37 @@ def report(
             f"({_per_op(tier.write_seconds, tier.stores)}): {_rate(moved, tiered.wall)} "
             f"over the run; {tier.evictions:,} evictions"
         )
-    failed = sum(stats.promotions_failed_by_reason.values())
+    failed = sum(stats.promotions.failed_by_reason.values())
     out["pool"] = {
         "blocks": stats.pool.num_blocks,
         "policy": stats.pool.policy,
         "evictions": stats.pool.evictions,
-        "promotions_ok": stats.promotions_succeeded,
+        "promotions_ok": stats.promotions.succeeded,
         "promotions_failed": failed,
     }
     print(
         f"  pool           {stats.pool.num_blocks:,} blocks ({stats.pool.policy}), "
-        f"evictions {stats.pool.evictions:,}, promotions {stats.promotions_succeeded:,} ok / "
+        f"evictions {stats.pool.evictions:,}, promotions {stats.promotions.succeeded:,} ok / "
         f"{failed:,} failed"
     )
     print(f"tiers            {', '.join(out['tiers'])}")
     dropped = {a.name: a.dropped for a in stats.admission if a.dropped}
     out["write_through"] = {
-        "started": stats.cascades_started,
-        "skipped": stats.cascades_skipped,
-        "dropped": stats.cascades_dropped,
+        "started": stats.writes.started,
+        "skipped": stats.writes.skipped,
+        "dropped": stats.writes.dropped,
         "dropped_by_tier": dropped,
-        "written_back": stats.written_back,
-        "promoted_written_up": stats.promotions_written_up,
+        "written_back": stats.writes.written_back,
+        "promoted_written_up": stats.promotions.written_up,
     }
     print(
-        f"write-through    {stats.cascades_started:,} started, {stats.cascades_skipped:,} "
-        f"skipped (in-flight limit), {stats.cascades_dropped:,} dropped by tier admission"
+        f"write-through    {stats.writes.started:,} started, {stats.writes.skipped:,} "
+        f"skipped (in-flight limit), {stats.writes.dropped:,} dropped by tier admission"
         + (f" {dropped}" if dropped else "")
-        + (f", {stats.written_back:,} written back" if stats.written_back else "")
+        + (f", {stats.writes.written_back:,} written back" if stats.writes.written_back else "")
         + (
-            f", {stats.promotions_written_up:,} promoted blocks copied to faster tiers"
-            if stats.promotions_written_up
+            f", {stats.promotions.written_up:,} promoted blocks copied to faster tiers"
+            if stats.promotions.written_up
             else ""
         )
     )
@@ -237,16 +237,16 @@ def report(
     out["cost_model"] = {
         "recompute_s_per_block": per_block,
         "promotion_latency_s": latencies,
-        "promotions_declined": stats.promotions_declined,
-        "promotions_deferred": stats.promotions_deferred,
+        "promotions_declined": stats.promotions.declined,
+        "promotions_deferred": stats.promotions.deferred,
         "waits_cut": waits_cut,
     }
     estimates = ", ".join(f"{name} {s * 1e3:.1f} ms" for name, s in latencies.items())
     print(
         "cost model       recompute "
         + ("not given" if per_block is None else f"{per_block * 1e3:.2f} ms/block")
-        + f"; promotion {estimates or 'not measured'}; {stats.promotions_declined:,} "
-        f"promotions declined (slower than recompute), {stats.promotions_deferred:,} deferred "
+        + f"; promotion {estimates or 'not measured'}; {stats.promotions.declined:,} "
+        f"promotions declined (slower than recompute), {stats.promotions.deferred:,} deferred "
         f"(lazy), {waits_cut:,} lookups stopped waiting (recompute was cheaper)"
     )
     if base is None:
@@ -335,15 +335,15 @@ async def amain(args: argparse.Namespace, out: dict[str, Any]) -> int:
         )
     closed = manager.statistics()  # deferred writes get kvtier's close_timeout at close
     out["deferred"] = {
-        "kept": closed.writes_deferred,
-        "written": closed.deferred_written,
-        "given_up": closed.deferred_lost,
+        "kept": closed.writes.deferred,
+        "written": closed.writes.deferred_written,
+        "given_up": closed.writes.deferred_lost,
     }
-    if closed.writes_deferred:
+    if closed.writes.deferred:
         print(
-            f"deferred         {closed.writes_deferred:,} writes dropped by back-pressure were "
-            f"kept: {closed.deferred_written:,} written from a faster tier by the time kvtier "
-            f"closed, {closed.deferred_lost:,} given up"
+            f"deferred         {closed.writes.deferred:,} writes dropped by back-pressure were "
+            f"kept: {closed.writes.deferred_written:,} written from a faster tier by the time "
+            f"kvtier closed, {closed.writes.deferred_lost:,} given up"
         )
     return 0 if ok else 1
 

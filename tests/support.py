@@ -22,6 +22,7 @@ from kvtier import (
     HostPool,
     LookupResult,
     OffloadScheduler,
+    PrimaryPool,
     S3Tier,
     SecondaryTier,
     TieringManager,
@@ -29,7 +30,6 @@ from kvtier import (
 )
 from kvtier._cli import main
 from kvtier.common._buffers import BlockBuffer
-from kvtier.pools._base import PrimaryPool
 from kvtier.testing import StallingTier
 from kvtier.tiers.fs._layout import name_of, path_of
 
@@ -186,7 +186,7 @@ def assert_idle(manager: TieringManager) -> None:
     assert pool.pinned == 0 and pool.pins == 0, "a slot was left pinned"
     assert pool.free + pool.ready == pool.num_blocks
     assert pool.reservations == pool.commits + pool.aborts
-    assert stats.background_tasks == 0 and stats.in_flight_bytes == 0
+    assert stats.background.tasks == 0 and stats.writes.in_flight_bytes == 0
     assert all(a.in_flight_bytes == 0 for a in stats.admission)
     manager.pool.table.check_invariants()
 

@@ -79,7 +79,7 @@ class TieringManager(AsyncResource):
     ``async with TieringManager(pool, tiers) as manager`` opens the tiers (the manager owns
     them) and a task group for background work; leaving the block lets in-flight write-through
     finish for up to ``close_timeout`` seconds, cancels the rest (counted in
-    ``cascades_cancelled``) and closes the tiers.
+    ``writes.cancelled``) and closes the tiers.
 
     Settings come from ``config`` (a ``kvtier.ManagerConfig``; the defaults without one) and
     keyword overrides of its fields (``promotion_timeout=5.0``, ...), each checked by it:
@@ -97,7 +97,7 @@ class TieringManager(AsyncResource):
     block only when it must leave the pool; up to ``write_back_limit`` blocks wait in the
     pool, pinned, for that. Tiers it names as deferred get the blocks their back-pressure
     dropped later, copied from a faster tier, when they have room again (counted in
-    ``writes_deferred`` and ``deferred_written``); closing gives the ones still waiting
+    ``writes.deferred`` and ``writes.deferred_written``); closing gives the ones still waiting
     ``close_timeout``, whatever the tier's latency.
 
     Entering opens each tier within ``open_timeout`` seconds (None: no bound); a tier that
@@ -106,7 +106,7 @@ class TieringManager(AsyncResource):
 
     With ``promote_write_up`` (the default), a block promoted from a tier is also written to
     the write-through tiers listed before it, under the same admission and in-flight limits
-    as a store's write-through (counted in ``promotions_written_up``): a node that reads a
+    as a store's write-through (counted in ``promotions.written_up``): a node that reads a
     block from a shared S3 tier keeps it on its own FS tier, and the next time the block
     leaves the pool it comes back from there, not from S3. With a pool in host memory the copy
     is made when the block is evicted, not when it arrives: the requests that wait for

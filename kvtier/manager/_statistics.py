@@ -2,8 +2,7 @@
 
 ``ManagerStatistics`` holds one group per job of the manager (``lookups``, ``promotions``,
 ``stores``, ``writes``, ``background``) next to the snapshots of what it drives (``pool``,
-``tiers``, ``cost``, ``admission``). The flat names of earlier releases (``lookups_hit``,
-``cascades_started``, ...) stay readable as properties.
+``tiers``, ``cost``, ``admission``).
 
 Each counter says, in its field's metadata, which Prometheus family it is exported under and
 with which label value (``METRICS`` lists the families), so the metrics collector walks these
@@ -13,7 +12,7 @@ groups instead of naming every field again.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar, overload
+from typing import Any, TypeVar
 
 from kvtier.manager._cost import CostStatistics
 from kvtier.pools._slots import PoolStatistics
@@ -84,26 +83,6 @@ METRICS: dict[str, tuple[str, str, str | None]] = {
 
 
 _T = TypeVar("_T")
-
-
-class _Flat(Generic[_T]):
-    """A flat attribute of earlier releases that reads one field of a group."""
-
-    __slots__ = ("_field", "_group")
-
-    def __init__(self, group: str, field: str) -> None:
-        self._group = group
-        self._field = field
-
-    @overload
-    def __get__(self, instance: None, owner: type[Any]) -> _Flat[_T]: ...
-    @overload
-    def __get__(self, instance: object, owner: type[Any]) -> _T: ...
-    def __get__(self, instance: object | None, owner: type[Any]) -> _Flat[_T] | _T:
-        if instance is None:
-            return self
-        value: _T = getattr(getattr(instance, self._group), self._field)
-        return value
 
 
 def _metric(family: str, label: str | None = None) -> dict[str, tuple[str, str | None]]:
@@ -200,37 +179,3 @@ class ManagerStatistics:
     def groups(self) -> tuple[Any, ...]:
         """The manager's own groups, in the order the metrics collector walks them."""
         return (self.lookups, self.promotions, self.stores, self.writes, self.background)
-
-    # -- the flat names of earlier releases, read through to their group ------------------
-    lookups_hit = _Flat[int]("lookups", "hit")
-    lookups_hit_pending = _Flat[int]("lookups", "hit_pending")
-    lookups_retry = _Flat[int]("lookups", "retry")
-    lookups_miss = _Flat[int]("lookups", "miss")
-    misses_by_reason = _Flat[dict[str, int]]("lookups", "misses_by_reason")
-    promotions_started = _Flat[int]("promotions", "started")
-    promotions_succeeded = _Flat[int]("promotions", "succeeded")
-    promotions_failed_by_reason = _Flat[dict[str, int]]("promotions", "failed_by_reason")
-    promotions_cancelled = _Flat[int]("promotions", "cancelled")
-    promotions_deferred = _Flat[int]("promotions", "deferred")
-    promotions_declined = _Flat[int]("promotions", "declined")
-    promotions_written_up = _Flat[int]("promotions", "written_up")
-    write_ups_waiting = _Flat[int]("promotions", "write_ups_waiting")
-    blocks_stored = _Flat[int]("stores", "stored")
-    stores_skipped_present = _Flat[int]("stores", "skipped_present")
-    stores_skipped_full = _Flat[int]("stores", "skipped_full")
-    blocks_loaded = _Flat[int]("stores", "loaded")
-    cascades_started = _Flat[int]("writes", "started")
-    cascades_succeeded = _Flat[int]("writes", "succeeded")
-    cascade_failures_by_reason = _Flat[dict[str, int]]("writes", "failures_by_reason")
-    cascades_skipped = _Flat[int]("writes", "skipped")
-    cascades_cancelled = _Flat[int]("writes", "cancelled")
-    cascades_dropped = _Flat[int]("writes", "dropped")
-    in_flight_bytes = _Flat[int]("writes", "in_flight_bytes")
-    written_back = _Flat[int]("writes", "written_back")
-    dirty_blocks = _Flat[int]("writes", "dirty_blocks")
-    writes_deferred = _Flat[int]("writes", "deferred")
-    deferred_written = _Flat[int]("writes", "deferred_written")
-    deferred_lost = _Flat[int]("writes", "deferred_lost")
-    deferred_pending = _Flat[int]("writes", "deferred_pending")
-    background_tasks = _Flat[int]("background", "tasks")
-    callback_failures = _Flat[int]("background", "callback_failures")

@@ -238,10 +238,10 @@ async def check_failed_promotion(make_tier: MakeTier, block_bytes: int) -> None:
                     manager.unwatch([key], changed)
         stats = manager.statistics()
         assert result is LookupResult.MISS, f"a failed promotion left the key at {result.name}"
-        assert stats.promotions_started == 1, (
-            f"a failed promotion was started {stats.promotions_started} times"
+        assert stats.promotions.started == 1, (
+            f"a failed promotion was started {stats.promotions.started} times"
         )
-        assert stats.promotions_failed_by_reason == {"corrupt": 1}
+        assert stats.promotions.failed_by_reason == {"corrupt": 1}
         assert manager.statistics().pool.writing == 0
 
 

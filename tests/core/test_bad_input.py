@@ -66,7 +66,7 @@ async def test_bad_calls_change_nothing(
         assert (out == data).all()
         after = manager.statistics()
         assert after.pool.ready == before.pool.ready
-        assert after.blocks_stored == before.blocks_stored
+        assert after.stores.stored == before.stores.stored
         await manager.wait_idle()
         assert snapshot(tmp_path) == files
 

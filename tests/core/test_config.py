@@ -13,22 +13,22 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvtier.common._errors import InvalidArgumentError
-from kvtier.common._lookup import LookupResult
-from kvtier.manager import TieringManager
-from kvtier.manager._cost import CostModel
-from kvtier.manager._stack_config import (
+from kvtier import (
+    AdmissionPolicy,
+    CostModel,
     FSConfig,
+    HostPool,
+    InvalidArgumentError,
     KVTierConfig,
+    LookupResult,
     ManagerConfig,
     PoolConfig,
     S3Config,
-    parse_size,
 )
-from kvtier.pools._host import HostPool
+from kvtier.manager import TieringManager
+from kvtier.manager._stack_config import parse_size
 from kvtier.testing import resolve_lookup
 from kvtier.tiers.fs import FSTier
-from kvtier.writes._admission import AdmissionPolicy
 
 POOL = {"num_blocks": 8, "block_bytes": 4096}
 

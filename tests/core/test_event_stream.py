@@ -9,7 +9,7 @@ import anyio
 import pytest
 
 import kvtier
-from kvtier.common._events import EventBuffer, EventKind, TierEvent
+from kvtier import EventBuffer, EventKind, TierEvent
 
 WAKE_S = 10  # a failsafe: a wakeup that should come never takes this long
 

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from kvtier.common._events import EventBuffer, EventKind, TierEvent
+from kvtier import EventBuffer, EventKind, TierEvent
 
 
 def test_drain_gives_every_event_in_order_then_nothing() -> None:

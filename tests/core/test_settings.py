@@ -26,8 +26,15 @@ from typing import Any, ClassVar, get_type_hints
 
 import pytest
 
-from kvtier.common._errors import InvalidArgumentError
-from kvtier.common._format import MIN_SECRET_BYTES, IntegrityConfig, IntegrityKey
+from kvtier import (
+    IntegrityConfig,
+    IntegrityKey,
+    InvalidArgumentError,
+    KVTierConfig,
+    PoolConfig,
+    PrimaryPool,
+)
+from kvtier.common._format import MIN_SECRET_BYTES
 from kvtier.common._settings import (
     BadValue,
     Section,
@@ -41,9 +48,7 @@ from kvtier.common._settings import (
     positive_int,
     spec,
 )
-from kvtier.manager._stack_config import _SECTIONS, KVTierConfig
-from kvtier.pools._base import PrimaryPool
-from kvtier.pools._config import PoolConfig
+from kvtier.manager._stack_config import _SECTIONS
 from kvtier.tiers.fs import FSConfig, FSTier
 from kvtier.tiers.fs._config import FSOverrides
 

@@ -8,9 +8,9 @@ import math
 import pytest
 
 import kvtier
-from kvtier.common._lookup import MissReason
+from kvtier import MissReason
 from kvtier.common._verdicts import MAX_CODE, PRESENT, VerdictStore, code_of, reason_of
-from kvtier.integrations.bridge._bridge import TierBridge
+from kvtier.integrations.bridge import TierBridge
 from kvtier.integrations.bridge._shared import CLOSED
 from tests.support import ManualClock
 

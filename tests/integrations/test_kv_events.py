@@ -17,7 +17,7 @@ import pytest
 import zmq
 
 import kvtier
-from kvtier.common._events import EventBuffer, EventKind, TierEvent
+from kvtier import EventBuffer, EventKind, TierEvent
 from kvtier.integrations.kv_events import END_OF_REPLAY, KVEventPublisher, encode_event
 
 ANY_PORT = "tcp://127.0.0.1:0"

@@ -16,7 +16,8 @@ import pytest
 
 import kvtier
 from kvtier import MissReason
-from kvtier.integrations.bridge._bridge import JobOutcome, TierBridge
+from kvtier.integrations.bridge import TierBridge
+from kvtier.integrations.bridge._bridge import JobOutcome
 from kvtier.testing import StallingTier
 from kvtier.tiers.fs import _io as _fs_io
 from tests.support import Hang

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from kvtier.common._events import EventKind, TierEvent
+from kvtier import EventKind, TierEvent
 from tests.integrations.test_kv_events import ANY_PORT, RECEIVE_MS, joined, subscriber
 
 with warnings.catch_warnings():

@@ -26,7 +26,7 @@ async def test_primary_hit_and_miss(keys: list[bytes]) -> None:
         assert manager.lookup(keys[0]) is M
         assert await manager.store(keys[:2], random_blocks(2)) == 2
         assert manager.lookup(keys[0]) is H
-        assert manager.statistics().misses_by_reason == {"not_found": 1}
+        assert manager.statistics().lookups.misses_by_reason == {"not_found": 1}
 
 
 async def test_secondary_hit_promotes_and_second_lookup_is_pending(keys: list[bytes]) -> None:
@@ -37,7 +37,7 @@ async def test_secondary_hit_promotes_and_second_lookup_is_pending(keys: list[by
         assert await resolve_lookup(slow, keys[0]) is H  # existence known
         assert manager.lookup(keys[0]) is R  # promotion started
         assert manager.lookup(keys[0]) is P  # the slot is reserved: no second promotion
-        assert manager.statistics().promotions_started == 1
+        assert manager.statistics().promotions.started == 1
         await slow.wait_stalled("load")
         slow.release("load")
         assert await manager.wait_settled(keys[0], timeout=5) is H
@@ -81,7 +81,7 @@ async def test_primary_full_answers_miss(keys: list[bytes]) -> None:
         await manager.wait_idle()  # write-through done: only our pins hold the slots
         pins = [pool.pin(key) for key in keys[:2]]
         assert manager.lookup(keys[4]) is M
-        assert manager.statistics().misses_by_reason == {"primary_full": 1}
+        assert manager.statistics().lookups.misses_by_reason == {"primary_full": 1}
         for slot in pins:
             assert slot is not None
             pool.unpin(slot)
@@ -108,7 +108,7 @@ async def test_failed_promotion_frees_the_slot_and_marks_a_miss(
         assert manager.lookup(keys[0]) is R
         assert await manager.wait_settled(keys[0], timeout=5) is M  # not a loop of retries
         stats = manager.statistics()
-        assert stats.promotions_failed_by_reason == {reason: 1}
+        assert stats.promotions.failed_by_reason == {reason: 1}
         assert stats.pool.free == 4 and stats.pool.writing == 0
         assert tier.statistics().lookups.misses_by_reason.get(reason, 0) >= 1
 
@@ -122,7 +122,7 @@ async def test_promotion_timeout_frees_the_slot(keys: list[bytes]) -> None:
         assert await resolve_lookup(slow, keys[0]) is H
         assert manager.lookup(keys[0]) is R
         assert await manager.wait_settled(keys[0], timeout=5) is M
-        assert manager.statistics().promotions_failed_by_reason == {"timeout": 1}
+        assert manager.statistics().promotions.failed_by_reason == {"timeout": 1}
         assert pool.statistics().writing == 0
         slow.release("load")
 
@@ -139,9 +139,9 @@ async def test_store_writes_through_to_every_tier(keys: list[bytes]) -> None:
             await tier.load(key, memoryview(out))
             assert out == block.tobytes()
     stats = manager.statistics()
-    assert stats.cascades_started == stats.cascades_succeeded == 4
-    assert stats.stores_skipped_present == 4
-    assert stats.pool.pinned == 0 and stats.in_flight_bytes == 0
+    assert stats.writes.started == stats.writes.succeeded == 4
+    assert stats.stores.skipped_present == 4
+    assert stats.pool.pinned == 0 and stats.writes.in_flight_bytes == 0
 
 
 class BatchRecordingTier(MemoryTier):
@@ -181,10 +181,10 @@ async def test_a_store_is_written_through_in_one_batch_per_tier(keys: list[bytes
     await assert_holds(a, keys[:6], data)
     assert sorted(heard) == sorted(keys[:1] + keys[3:6])
     stats = manager.statistics()
-    assert stats.cascades_started == 6
-    assert stats.cascades_succeeded == 4
-    assert stats.cascade_failures_by_reason == {"no_space": 2}
-    assert stats.pool.pinned == 0 and stats.in_flight_bytes == 0
+    assert stats.writes.started == 6
+    assert stats.writes.succeeded == 4
+    assert stats.writes.failures_by_reason == {"no_space": 2}
+    assert stats.pool.pinned == 0 and stats.writes.in_flight_bytes == 0
     assert [s.in_flight_bytes for s in stats.admission] == [0, 0]
 
 
@@ -194,9 +194,9 @@ async def test_write_through_is_bounded_by_in_flight_bytes(keys: list[bytes]) ->
     async with TieringManager(HostPool(8, BB), [slow], max_in_flight_bytes=2 * BB) as manager:
         await manager.store(keys[:5], random_blocks(5))
         stats = manager.statistics()
-        assert stats.cascades_started == 2
-        assert stats.cascades_skipped == 3
-        assert stats.in_flight_bytes == 2 * BB
+        assert stats.writes.started == 2
+        assert stats.writes.skipped == 3
+        assert stats.writes.in_flight_bytes == 2 * BB
         slow.release("store")
 
 
@@ -206,7 +206,7 @@ async def test_failed_write_through_is_counted_and_the_block_stays(keys: list[by
     async with TieringManager(HostPool(8, BB), [tier]) as manager:
         await manager.store(keys[:2], random_blocks(2))
     stats = manager.statistics()
-    assert stats.cascade_failures_by_reason == {"no_space": 2}
+    assert stats.writes.failures_by_reason == {"no_space": 2}
     assert stats.pool.ready == 2 and stats.pool.pinned == 0
 
 
@@ -217,9 +217,9 @@ async def test_exit_finishes_cascades_then_cancels_the_rest(keys: list[bytes]) -
     async with TieringManager(HostPool(8, BB), [fast, slow], close_timeout=0.05) as manager:
         await manager.store(keys[:3], random_blocks(3))
     stats = manager.statistics()
-    assert stats.cascades_cancelled == 3
-    assert stats.background_tasks == 0
-    assert stats.pool.pinned == 0 and stats.in_flight_bytes == 0
+    assert stats.writes.cancelled == 3
+    assert stats.background.tasks == 0
+    assert stats.pool.pinned == 0 and stats.writes.in_flight_bytes == 0
     assert fast.statistics().blocks == 3  # the healthy tier got its writes
 
 
@@ -231,7 +231,7 @@ async def test_exit_waits_for_cascades_that_finish_in_time(keys: list[bytes]) ->
         await manager.store(keys[:2], random_blocks(2))
         await slow.wait_stalled("store")
         tg.start_soon(lambda: _release_later(slow))
-    assert manager.statistics().cascades_cancelled == 0
+    assert manager.statistics().writes.cancelled == 0
     assert slow.inner.statistics().blocks == 2
 
 
@@ -367,11 +367,11 @@ async def test_statistics_add_up(keys: list[bytes]) -> None:
         await manager.wait_settled(keys[10], timeout=5)
         await manager.wait_settled(keys[11], timeout=5)
         stats = manager.statistics()
-    total = stats.lookups_hit + stats.lookups_hit_pending + stats.lookups_retry + stats.lookups_miss
+    total = stats.lookups.hit + stats.lookups.hit_pending + stats.lookups.retry + stats.lookups.miss
     assert total >= 6
-    assert stats.promotions_started == stats.promotions_succeeded == 2
+    assert stats.promotions.started == stats.promotions.succeeded == 2
     assert stats.pool.ready == 5 and stats.pool.commits == 5
-    assert stats.misses_by_reason == {MissReason.NOT_FOUND.value: 1}
+    assert stats.lookups.misses_by_reason == {MissReason.NOT_FOUND.value: 1}
 
 
 async def test_latency_observers_see_promotions_and_lookups(keys: list[bytes]) -> None:

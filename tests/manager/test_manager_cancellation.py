@@ -66,7 +66,7 @@ async def test_promotion_cancelled_by_exit_frees_its_slot(keys: list[bytes]) -> 
         await slow.wait_stalled("load")
         assert manager.statistics().pool.writing == 3
     stats = manager.statistics()
-    assert stats.promotions_cancelled == 3
+    assert stats.promotions.cancelled == 3
     assert slow.stalled["load"] == 0
     assert_idle(manager)
     assert_no_stray_tasks()

@@ -141,7 +141,7 @@ async def defer_a_group(
     await manager.store(keys[:n], data[:n])
     await manager.wait_idle()
     stats = manager.statistics()
-    assert stats.writes_deferred == GROUP and stats.deferred_pending == GROUP
+    assert stats.writes.deferred == GROUP and stats.writes.deferred_pending == GROUP
     return keys[rate:n]
 
 
@@ -165,7 +165,7 @@ async def test_a_group_is_loaded_whole_then_stored_all_at_once(
         await manager.wait_idle()
         stats = manager.statistics()
         assert remote.starts(group) == [1, 2, 3, 4]
-        assert stats.deferred_written == GROUP and stats.deferred_pending == 0
+        assert stats.writes.deferred_written == GROUP and stats.writes.deferred_pending == 0
     await assert_holds(remote, keys[:10], data)
 
 
@@ -182,21 +182,23 @@ async def test_a_rate_limit_lets_whole_groups_through_not_single_blocks(
         await manager.store(keys[8:9], data[8:9])  # joins the queue behind the group
         await manager.wait_idle()
         stats = manager.statistics()
-        assert stats.deferred_written == 0 and remote.starts(keys[4:9]) == []
-        assert stats.writes_deferred == 5 and stats.deferred_pending == 5
+        assert stats.writes.deferred_written == 0 and remote.starts(keys[4:9]) == []
+        assert stats.writes.deferred == 5 and stats.writes.deferred_pending == 5
         clock.now += 0.75  # a group's worth
         await manager.store(keys[9:10], data[9:10])
         await manager.wait_idle()
         stats = manager.statistics()
-        assert stats.deferred_written == GROUP and remote.starts(group) == [1, 2, 3, 4]
-        assert stats.deferred_pending == 2  # keys 8 and 9
+        assert stats.writes.deferred_written == GROUP and remote.starts(group) == [1, 2, 3, 4]
+        assert stats.writes.deferred_pending == 2  # keys 8 and 9
         clock.now += 0.5  # two blocks' worth, and two wait: fewer than a group, they go
         await manager.store(keys[10:11], data[10:11])
         await manager.wait_idle()
         stats = manager.statistics()
-        assert stats.deferred_written == GROUP + 2 and remote.starts(keys[8:10]) == [1, 2]
+        assert stats.writes.deferred_written == GROUP + 2 and remote.starts(keys[8:10]) == [1, 2]
     stats = manager.statistics()
-    assert stats.deferred_written == stats.writes_deferred and stats.deferred_lost == 0
+    assert (
+        stats.writes.deferred_written == stats.writes.deferred and stats.writes.deferred_lost == 0
+    )
     await assert_holds(remote, keys[:11], data)
 
 
@@ -215,9 +217,9 @@ async def test_a_block_no_faster_tier_gives_is_lost_and_the_rest_of_its_group_wr
         await manager.store(keys[9:10], data[9:10])
         await manager.wait_idle()
         stats = manager.statistics()
-    assert stats.deferred_lost == 2
-    assert stats.deferred_written == GROUP - 2 and stats.deferred_pending == 0
-    assert stats.cascade_failures_by_reason == {"unavailable": 1}
+    assert stats.writes.deferred_lost == 2
+    assert stats.writes.deferred_written == GROUP - 2 and stats.writes.deferred_pending == 0
+    assert stats.writes.failures_by_reason == {"unavailable": 1}
     assert all(a.in_flight_bytes == 0 for a in stats.admission)
     assert remote.lookup(group[1]) is LookupResult.MISS
     assert remote.lookup(group[2]) is LookupResult.MISS
@@ -235,13 +237,15 @@ async def test_closing_mid_group_accounts_for_every_key(
         await manager.store(keys[9:10], data[9:10])
         await remote.holding.wait()
     stats = manager.statistics()
-    assert stats.deferred_written == 1 and stats.deferred_lost == 3  # cancelled at close
-    assert stats.deferred_written + stats.deferred_lost == stats.writes_deferred
-    assert stats.deferred_pending == 0
-    assert stats.cascades_cancelled == 3
-    assert stats.pool.pinned == 0 and stats.in_flight_bytes == 0
+    assert (
+        stats.writes.deferred_written == 1 and stats.writes.deferred_lost == 3
+    )  # cancelled at close
+    assert stats.writes.deferred_written + stats.writes.deferred_lost == stats.writes.deferred
+    assert stats.writes.deferred_pending == 0
+    assert stats.writes.cancelled == 3
+    assert stats.pool.pinned == 0 and stats.writes.in_flight_bytes == 0
     assert all(a.in_flight_bytes == 0 for a in stats.admission)
-    assert stats.background_tasks == 0
+    assert stats.background.tasks == 0
     await assert_holds(remote, group[:1], data[5:6])
 
 
@@ -258,9 +262,9 @@ async def test_a_group_is_cut_to_what_the_tier_in_flight_limit_holds(
     async with TieringManager(HostPool(16, BB), [fast, remote], admission=admission) as manager:
         await manager.store(keys[:8], data)
         await remote.holding.wait()  # the first two fill the remote's room: six are deferred
-        assert manager.statistics().deferred_pending == 6
+        assert manager.statistics().writes.deferred_pending == 6
         remote.release.set()
         await manager.wait_idle()
         stats = manager.statistics()
-        assert stats.deferred_written == 6 and remote.starts(keys[2:8]) == [1, 2] * 3
+        assert stats.writes.deferred_written == 6 and remote.starts(keys[2:8]) == [1, 2] * 3
     await assert_holds(remote, keys[:8], data)

@@ -69,14 +69,14 @@ async def test_dropped_writes_reach_the_deferred_tier_once_it_has_room(
         await manager.store(keys[:4], data)
         await remote.wait_stalled("store")
         stats = manager.statistics()
-        assert stats.cascades_dropped == 3  # not written at store time ...
-        assert stats.writes_deferred == 3 and stats.deferred_pending == 3  # ... but kept
+        assert stats.writes.dropped == 3  # not written at store time ...
+        assert stats.writes.deferred == 3 and stats.writes.deferred_pending == 3  # ... but kept
         remote.release("store")
         await manager.wait_idle()
         stats = manager.statistics()
-    assert stats.deferred_written == 3 and stats.deferred_pending == 0
-    assert stats.deferred_lost == 0
-    assert stats.pool.pinned == 0 and stats.in_flight_bytes == 0
+    assert stats.writes.deferred_written == 3 and stats.writes.deferred_pending == 0
+    assert stats.writes.deferred_lost == 0
+    assert stats.pool.pinned == 0 and stats.writes.in_flight_bytes == 0
     await assert_holds(remote.inner, keys[:4], data)
 
 
@@ -89,7 +89,7 @@ async def test_without_deferred_the_dropped_writes_are_lost(keys: list[bytes]) -
         remote.release("store")
         await manager.wait_idle()
         stats = manager.statistics()
-    assert stats.writes_deferred == 0 and stats.deferred_written == 0
+    assert stats.writes.deferred == 0 and stats.writes.deferred_written == 0
     assert sum(remote.inner.lookup(k) is LookupResult.HIT for k in keys[:4]) == 1
 
 
@@ -105,8 +105,8 @@ async def test_a_deferred_write_whose_block_left_the_faster_tiers_is_given_up(
         remote.release("store")
         await manager.wait_idle()
         stats = manager.statistics()
-    assert stats.writes_deferred == 1 and stats.deferred_lost == 1
-    assert stats.deferred_written == 0
+    assert stats.writes.deferred == 1 and stats.writes.deferred_lost == 1
+    assert stats.writes.deferred_written == 0
     assert stats.admission[1].in_flight_bytes == 0
     assert remote.inner.lookup(keys[1]) is LookupResult.MISS
 
@@ -120,10 +120,10 @@ async def test_closing_gives_up_the_deferred_writes_and_leaves_nothing_behind(
         await manager.store(keys[:3], random_blocks(3))
         await remote.wait_stalled("store")
     stats = manager.statistics()
-    assert stats.writes_deferred == 2 and stats.deferred_lost == 2
-    assert stats.deferred_pending == 0
-    assert stats.pool.pinned == 0 and stats.in_flight_bytes == 0
-    assert stats.background_tasks == 0
+    assert stats.writes.deferred == 2 and stats.writes.deferred_lost == 2
+    assert stats.writes.deferred_pending == 0
+    assert stats.pool.pinned == 0 and stats.writes.in_flight_bytes == 0
+    assert stats.background.tasks == 0
 
 
 def test_the_queue_is_bounded() -> None:
@@ -170,9 +170,9 @@ async def test_closing_writes_what_waits_even_to_a_tier_closed_by_latency(
         await manager.wait_idle()
         stats = manager.statistics()
         # one probe write went through; the others wait, and no probe is due yet
-        assert stats.writes_deferred == 2 and stats.deferred_pending == 2
+        assert stats.writes.deferred == 2 and stats.writes.deferred_pending == 2
     stats = manager.statistics()
-    assert stats.deferred_written == 2 and stats.deferred_lost == 0
+    assert stats.writes.deferred_written == 2 and stats.writes.deferred_lost == 0
     assert all(remote.inner.lookup(k) is LookupResult.HIT for k in keys[:3])
 
 
@@ -207,14 +207,14 @@ async def test_rate_limited_writes_are_deferred_and_written_at_close(keys: list[
         await manager.store(keys[:4], random_blocks(4))
         await manager.wait_idle()
         stats = manager.statistics()
-        assert stats.writes_deferred == 3 and stats.deferred_pending == 3
+        assert stats.writes.deferred == 3 and stats.writes.deferred_pending == 3
         now[0] += 1.0  # room for one more block: the next store lets the oldest through
         await manager.store(keys[4:5], random_blocks(1))
         await manager.wait_idle()
         stats = manager.statistics()
-        assert stats.deferred_written == 1
+        assert stats.writes.deferred_written == 1
     stats = manager.statistics()
-    assert stats.deferred_written == 4 and stats.deferred_lost == 0
+    assert stats.writes.deferred_written == 4 and stats.writes.deferred_lost == 0
     assert all(remote.lookup(k) is LookupResult.HIT for k in keys[:5])
 
 
@@ -265,13 +265,13 @@ async def test_a_deferred_write_waits_for_the_faster_tier_still_writing_the_bloc
         fast.stall("store")
         await manager.store(keys[1:4], data[1:4])  # dropped for the remote: deferred
         await fast.wait_stalled("store")
-        assert manager.statistics().writes_deferred == 3
+        assert manager.statistics().writes.deferred == 3
         remote.release("store")  # room again: the deferred writes start ...
         await fast.watch.asked.wait()  # ... and ask the fast tier, which is still writing them
         fast.release("store")
         await manager.wait_idle()
         stats = manager.statistics()
-    assert stats.deferred_written == 3 and stats.deferred_lost == 0
+    assert stats.writes.deferred_written == 3 and stats.writes.deferred_lost == 0
     await assert_holds(remote.inner, keys[:4], data)
 
 
@@ -325,13 +325,13 @@ async def test_a_deferred_write_waits_for_the_file_tier_still_writing_the_block(
         fs.gate = gate = anyio.Event()
         await manager.store(keys[1:4], data[1:4])  # dropped for the remote: deferred
         await fs.wait_held(3)
-        assert manager.statistics().writes_deferred == 3
+        assert manager.statistics().writes.deferred == 3
         remote.release("store")  # room again: the deferred writes start ...
         await fs.watch.asked.wait()  # ... and ask FS, which is still writing them
         gate.set()
         await manager.wait_idle()
         stats = manager.statistics()
-    assert stats.deferred_written == 3 and stats.deferred_lost == 0
+    assert stats.writes.deferred_written == 3 and stats.writes.deferred_lost == 0
     await assert_holds(remote.inner, keys[:4], data)
 
 
@@ -351,8 +351,8 @@ async def test_a_burst_stored_just_before_close_reaches_the_deferred_tier(
     ) as manager:
         await manager.store(keys[:8], data)  # one block's worth of rate: 7 deferred
     stats = manager.statistics()
-    assert stats.writes_deferred == 7
-    assert stats.deferred_written == 7 and stats.deferred_lost == 0
+    assert stats.writes.deferred == 7
+    assert stats.writes.deferred_written == 7 and stats.writes.deferred_lost == 0
     await assert_holds(remote, keys[:8], data)
 
 
@@ -384,13 +384,13 @@ async def test_deferred_writes_drain_on_their_own_as_the_rate_budget_refills(
     landed = Landed(remote, keys[:16])
     async with TieringManager(HostPool(16, BB), [fast, remote], admission=admission) as manager:
         await manager.store(keys[:16], data)  # a second's worth goes at once, the rest waits
-        assert manager.statistics().writes_deferred > 0
+        assert manager.statistics().writes.deferred > 0
         with anyio.fail_after(10):  # about a second at this pace
             await landed.all.wait()
         await manager.wait_idle()
         stats = manager.statistics()
-        assert stats.deferred_pending == 0 and stats.deferred_lost == 0
-        assert stats.deferred_written == stats.writes_deferred
+        assert stats.writes.deferred_pending == 0 and stats.writes.deferred_lost == 0
+        assert stats.writes.deferred_written == stats.writes.deferred
     await assert_holds(remote, keys[:16], data)
 
 
@@ -408,8 +408,8 @@ async def test_closing_with_a_wake_up_pending_writes_what_waits_at_once(
         async with TieringManager(HostPool(8, BB), [fast, remote], admission=admission) as manager:
             await manager.store(keys[:4], data)
             await manager.wait_idle()
-            assert manager.statistics().deferred_pending == 3
+            assert manager.statistics().writes.deferred_pending == 3
     stats = manager.statistics()
-    assert stats.deferred_written == 3 and stats.deferred_lost == 0
-    assert stats.background_tasks == 0
+    assert stats.writes.deferred_written == 3 and stats.writes.deferred_lost == 0
+    assert stats.background.tasks == 0
     await assert_holds(remote, keys[:4], data)

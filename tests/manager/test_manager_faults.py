@@ -44,7 +44,7 @@ async def test_closed_manager_answers_miss_unavailable(keys: list[bytes]) -> Non
     assert manager.lookup(keys[0]) is H  # the pool outlives the manager's task group
     assert manager.lookup(keys[1]) is M  # in a tier, but nothing can promote it now
     assert manager.lookup(keys[2]) is M
-    assert manager.statistics().misses_by_reason.get("unavailable") == 2
+    assert manager.statistics().lookups.misses_by_reason.get("unavailable") == 2
 
 
 async def test_closing_while_a_request_waits_leaves_nothing_pinned(keys: list[bytes]) -> None:
@@ -136,7 +136,7 @@ async def test_a_store_that_outlives_aclose_fails_and_leaves_nothing(keys: list[
     async with manager:  # re-opened, it has nothing left to wait for
         with anyio.fail_after(5):
             await manager.wait_idle()
-        assert manager.statistics().background_tasks == 0
+        assert manager.statistics().background.tasks == 0
 
 
 # -- a failed promotion is remembered by the manager -------------------------------------------
@@ -159,21 +159,21 @@ async def test_a_failed_promotion_is_not_retried_at_every_wake(keys: list[bytes]
     async with TieringManager(HostPool(4, BB), [tier, good], failure_ttl=60) as manager:
         assert await manager.wait_settled(keys[0], timeout=10) is M
         stats = manager.statistics()
-        assert stats.promotions_started == 1
-        assert stats.promotions_failed_by_reason == {"corrupt": 1}
-        assert stats.misses_by_reason == {"corrupt": 1}  # the reason is kept, not not_found
+        assert stats.promotions.started == 1
+        assert stats.promotions.failed_by_reason == {"corrupt": 1}
+        assert stats.lookups.misses_by_reason == {"corrupt": 1}  # the reason is kept, not not_found
         assert tier.lookup(keys[0]) is H  # the tier itself still says HIT
         assert manager.lookup(keys[0]) is M
         # a scheduler waiting on the key answers at once, not at max_wait
         scheduler = OffloadScheduler(manager, max_wait=30)
         with anyio.fail_after(10):
             assert await scheduler.lookup(keys[:1]) == 0
-        assert manager.statistics().promotions_started == 1
+        assert manager.statistics().promotions.started == 1
         # the next tier down is still asked for a key that failed in the one above
         assert await manager.wait_settled(keys[1], timeout=10) is H
         stats = manager.statistics()
-        assert stats.promotions_started == 3  # keys[1]: from "corrupt" (failed), from "good"
-        assert stats.promotions_failed_by_reason == {"corrupt": 2}
+        assert stats.promotions.started == 3  # keys[1]: from "corrupt" (failed), from "good"
+        assert stats.promotions.failed_by_reason == {"corrupt": 2}
 
 
 async def test_a_remembered_failure_expires(keys: list[bytes]) -> None:
@@ -184,7 +184,7 @@ async def test_a_remembered_failure_expires(keys: list[bytes]) -> None:
         await manager.wait_idle()
         assert manager.lookup(keys[0]) is R  # expired at once: promoted again
         await manager.wait_idle()
-        assert manager.statistics().promotions_started == 2
+        assert manager.statistics().promotions.started == 2
 
 
 # -- a callback that raises in background work ----------------------------------------------
@@ -235,9 +235,9 @@ async def test_a_raising_callback_never_stops_the_engine(
     assert iterations == 5
     if callback == "listener":
         assert tier.listener_failures == 5
-        assert stats.cascades_succeeded == 5
+        assert stats.writes.succeeded == 5
     else:
-        assert stats.callback_failures == 5
+        assert stats.background.callback_failures == 5
     exploded = [r for r in caplog.records if "exploded" in r.getMessage()]
     assert len(exploded) == 1, "a burst of one fault logs once"
     assert_idle(manager)
@@ -297,9 +297,9 @@ async def test_a_short_batch_answer_fails_its_blocks_and_frees_their_slots(
             assert [manager.lookup(k) for k in keys[:3]] == [R, R, R]  # one batch of three
             await manager.wait_idle()  # the engine's own task lives on through the batch
             stats = manager.statistics()
-            assert stats.promotions_failed_by_reason == {"tier_error": 3}
+            assert stats.promotions.failed_by_reason == {"tier_error": 3}
             assert [manager.lookup(k) for k in keys[:3]] == [M, M, M]
-            assert manager.statistics().misses_by_reason == {"tier_error": 3}
+            assert manager.statistics().lookups.misses_by_reason == {"tier_error": 3}
             assert_idle(manager)
     logged = [r for r in caplog.records if "tier_error" in r.getMessage()]
     assert len(logged) == 1, "a failed batch is logged once, not per block"

@@ -12,17 +12,24 @@ import numpy as np
 import pytest
 
 import kvtier
-from kvtier import HostPool, InvalidArgumentError, LookupResult, MemoryTier, TieringManager
-from kvtier.common._errors import LifecycleError
-from kvtier.common._lookup import MissReason
+from kvtier import (
+    AdmissionPolicy,
+    CostModel,
+    HostPool,
+    InvalidArgumentError,
+    LifecycleError,
+    LookupResult,
+    MemoryTier,
+    MissReason,
+    TieringManager,
+)
 from kvtier.manager import ManagerConfig
-from kvtier.manager._cost import CostModel, ScanBudget
+from kvtier.manager._cost import ScanBudget
 from kvtier.manager._decision import LookupDecision
 from kvtier.manager._failures import RecentFailures
 from kvtier.manager._watch import KeyWatch, Watchers
 from kvtier.scheduler._protocols import SupportsLookup, SupportsScheduling
 from kvtier.testing import StallingTier
-from kvtier.writes._admission import AdmissionPolicy
 from tests.support import H, M, P, R
 
 BB = 4096
@@ -136,11 +143,11 @@ async def test_statistics_are_grouped_and_keep_their_flat_names() -> None:
         assert await manager.wait_settled(k(2)) is H
         await manager.wait_idle()
         stats = manager.statistics()
-    assert stats.lookups.hit == stats.lookups_hit == 1
-    assert stats.promotions.succeeded == stats.promotions_succeeded == 1
-    assert stats.stores.stored == stats.blocks_stored == 1
-    assert stats.writes.succeeded == stats.cascades_succeeded == 1
-    assert stats.background.tasks == stats.background_tasks == 0
+    assert stats.lookups.hit == stats.lookups.hit == 1
+    assert stats.promotions.succeeded == stats.promotions.succeeded == 1
+    assert stats.stores.stored == stats.stores.stored == 1
+    assert stats.writes.succeeded == stats.writes.succeeded == 1
+    assert stats.background.tasks == stats.background.tasks == 0
     for group in stats.groups():
         assert dataclasses.is_dataclass(group)
         with pytest.raises(dataclasses.FrozenInstanceError):

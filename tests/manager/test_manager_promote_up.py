@@ -15,10 +15,10 @@ from kvtier import (
     InvalidArgumentError,
     LookupResult,
     MemoryTier,
+    PrimaryPool,
     TieringManager,
 )
 from kvtier.manager import ManagerStatistics
-from kvtier.pools._base import PrimaryPool
 from kvtier.testing import StallingTier
 
 BB = 4096
@@ -58,13 +58,13 @@ async def test_a_block_promoted_from_a_lower_tier_lands_in_the_tiers_above_when_
         await manager.wait_idle()
         stats = manager.statistics()
         # In the pool, they are not copied anywhere yet: the engine may need them right now.
-        assert (stats.promotions_written_up, stats.write_ups_waiting) == (0, 2)
+        assert (stats.promotions.written_up, stats.promotions.write_ups_waiting) == (0, 2)
         assert fast.lookup(keys[0]) is LookupResult.MISS
         await promote(manager, keys[2])  # evicts keys[0]: copied up now
         await promote(manager, keys[3])  # evicts keys[1]
         await manager.wait_idle()
         stats = manager.statistics()
-    assert (stats.promotions_written_up, stats.write_ups_waiting) == (2, 0)
+    assert (stats.promotions.written_up, stats.promotions.write_ups_waiting) == (2, 0)
     out = bytearray(BB)
     for tier in (fast, middle):  # the block from the slowest tier reached both above it
         await tier.load(keys[0], memoryview(out))
@@ -72,8 +72,8 @@ async def test_a_block_promoted_from_a_lower_tier_lands_in_the_tiers_above_when_
     await fast.load(keys[1], memoryview(out))
     assert out == block(8)  # the bytes it had in the pool, copied before its slot was reused
     assert slow.lookup(keys[1]) is LookupResult.MISS  # never written down
-    assert stats.cascades_started == 2 and stats.cascades_succeeded == 2
-    assert stats.pool.pinned == 0 and stats.in_flight_bytes == 0
+    assert stats.writes.started == 2 and stats.writes.succeeded == 2
+    assert stats.pool.pinned == 0 and stats.writes.in_flight_bytes == 0
 
 
 async def test_a_promoted_block_still_in_the_pool_at_close_is_not_copied(
@@ -83,9 +83,9 @@ async def test_a_promoted_block_still_in_the_pool_at_close_is_not_copied(
     await slow.store(keys[0], block(5))
     async with TieringManager(HostPool(4, BB), [fast, slow]) as manager:
         await promote(manager, keys[0])
-        assert manager.statistics().write_ups_waiting == 1
+        assert manager.statistics().promotions.write_ups_waiting == 1
     stats = manager.statistics()
-    assert (stats.promotions_written_up, stats.write_ups_waiting) == (0, 0)
+    assert (stats.promotions.written_up, stats.promotions.write_ups_waiting) == (0, 0)
     assert fast.lookup(keys[0]) is LookupResult.MISS  # it is still in the slow tier
 
 
@@ -95,13 +95,13 @@ async def test_a_discarded_promoted_block_is_forgotten_not_copied(keys: list[byt
     await slow.store(keys[1], block(4))
     async with TieringManager(HostPool(1, BB), [fast, slow]) as manager:
         await promote(manager, keys[0])
-        assert manager.statistics().write_ups_waiting == 1
+        assert manager.statistics().promotions.write_ups_waiting == 1
         assert manager.pool.discard(keys[0])  # its bytes are known bad, say
-        assert manager.statistics().write_ups_waiting == 0
+        assert manager.statistics().promotions.write_ups_waiting == 0
         await promote(manager, keys[1])  # takes the slot keys[0] had: nothing to copy
         await manager.wait_idle()
         stats = manager.statistics()
-    assert (stats.promotions_written_up, stats.cascades_started) == (0, 0)
+    assert (stats.promotions.written_up, stats.writes.started) == (0, 0)
     assert fast.lookup(keys[0]) is LookupResult.MISS
 
 
@@ -127,7 +127,7 @@ async def test_a_pool_that_cannot_copy_at_eviction_writes_up_at_once(keys: list[
     fast, slow = MemoryTier("fast"), MemoryTier("slow")
     await slow.store(keys[0], block(6))
     stats = await promoted_once(_DeviceLikePool(4, BB), [fast, slow], keys[0])
-    assert (stats.promotions_written_up, stats.write_ups_waiting) == (1, 0)
+    assert (stats.promotions.written_up, stats.promotions.write_ups_waiting) == (1, 0)
     out = bytearray(BB)
     await fast.load(keys[0], memoryview(out))
     assert out == block(6)
@@ -139,7 +139,7 @@ async def test_a_block_promoted_from_the_first_tier_is_not_written_anywhere(
     fast, slow = MemoryTier("fast"), MemoryTier("slow")
     await fast.store(keys[0], block(1))
     stats = await promoted_once(HostPool(8, BB), [fast, slow], keys[0])
-    assert stats.promotions_written_up == 0 and stats.cascades_started == 0
+    assert stats.promotions.written_up == 0 and stats.writes.started == 0
     assert slow.lookup(keys[0]) is LookupResult.MISS
 
 
@@ -147,7 +147,7 @@ async def test_no_write_up_when_it_is_off(keys: list[bytes]) -> None:
     fast, slow = MemoryTier("fast"), MemoryTier("slow")
     await slow.store(keys[0], block(1))
     stats = await promoted_once(HostPool(8, BB), [fast, slow], keys[0], promote_write_up=False)
-    assert stats.promotions_written_up == 0 and stats.cascades_started == 0
+    assert stats.promotions.written_up == 0 and stats.writes.started == 0
     assert fast.lookup(keys[0]) is LookupResult.MISS
 
 
@@ -161,16 +161,16 @@ async def test_write_up_yields_to_back_pressure_and_counts_the_drops(keys: list[
         await promote(manager, keys[2])  # evicts keys[1]: no room, dropped
         await promote(manager, keys[3])  # evicts keys[2]: dropped
         stats = manager.statistics()
-        assert stats.promotions_written_up == 1
-        assert stats.cascades_dropped == 2
+        assert stats.promotions.written_up == 1
+        assert stats.writes.dropped == 2
         (fast_admission,) = [a for a in stats.admission if a.name == "fast"]
         assert fast_admission.dropped_by_cause == {"in_flight": 2}
         # Written from a copy: the evicted slot went straight back to work, unpinned.
-        assert stats.in_flight_bytes == BB and stats.pool.pinned == 0
+        assert stats.writes.in_flight_bytes == BB and stats.pool.pinned == 0
         fast.release("store")
         await manager.wait_idle()
         stats = manager.statistics()
-    assert stats.pool.pinned == 0 and stats.in_flight_bytes == 0
+    assert stats.pool.pinned == 0 and stats.writes.in_flight_bytes == 0
     assert fast.lookup(keys[0]) is not LookupResult.MISS
     assert fast.inner.lookup(keys[1]) is LookupResult.MISS
 
@@ -183,7 +183,7 @@ async def test_write_up_respects_the_global_in_flight_limit(keys: list[bytes]) -
         await fast.wait_stalled("store")
         await promote(manager, keys[2])  # evicts keys[1]: the in-flight limit skips it
         stats = manager.statistics()
-        assert stats.promotions_written_up == 1 and stats.cascades_skipped == 1
+        assert stats.promotions.written_up == 1 and stats.writes.skipped == 1
         fast.release("store")
 
 

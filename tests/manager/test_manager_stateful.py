@@ -44,11 +44,11 @@ from kvtier import (
     LookupResult,
     MemoryTier,
     OffloadScheduler,
+    SecondaryTier,
     TieringManager,
     block_keys,
 )
 from kvtier.testing import FailingTier, StallingTier
-from kvtier.tiers._base import SecondaryTier
 
 BB = 512
 KEYS = block_keys(list(range(24)), 1, namespace=b"stateful")
@@ -116,11 +116,15 @@ class ManagerMachine(RuleBasedStateMachine):
         """Every write queued for the deferred tier is written, lost (counted) or queued;
         once settled, none is in flight, so the three add up exactly."""
         stats = self.manager.statistics()
-        ended = stats.deferred_written + stats.deferred_lost + stats.deferred_pending
+        ended = (
+            stats.writes.deferred_written
+            + stats.writes.deferred_lost
+            + stats.writes.deferred_pending
+        )
         if settled:
-            assert ended == stats.writes_deferred, stats
+            assert ended == stats.writes.deferred, stats
         else:
-            assert ended <= stats.writes_deferred, stats
+            assert ended <= stats.writes.deferred, stats
 
     def tier_contents(self, tier: SecondaryTier) -> dict[bytes, bytes]:
         """What ``tier`` holds, read back block by block (a missing block is skipped)."""
@@ -218,17 +222,17 @@ class ManagerMachine(RuleBasedStateMachine):
         before = self.manager.statistics()
         promoted = self.portal.call(run)
         after = self.manager.statistics()
-        if not promoted or after.promotions_succeeded == before.promotions_succeeded:
+        if not promoted or after.promotions.succeeded == before.promotions.succeeded:
             return  # declined as too slow, failed (an injected fault), or still pending
         if key in self.manager._promotions.up_when_evicted:  # in the pool: copied when evicted
             assert key in self.manager.pool.table.ready
-        elif after.promotions_written_up > before.promotions_written_up:
+        elif after.promotions.written_up > before.promotions.written_up:
             # Evicted at once (by a later promotion in the same scan) and written up.
             held = self.tier_contents(self.stalling.inner)
             assert held.get(key) == payload(key).tobytes(), "a written-up block is missing"
         else:
-            dropped = after.cascades_dropped > before.cascades_dropped
-            skipped = after.cascades_skipped > before.cascades_skipped
+            dropped = after.writes.dropped > before.writes.dropped
+            skipped = after.writes.skipped > before.writes.skipped
             assert dropped or skipped, "a promoted block was neither written up nor dropped"
 
     @rule(ops=st.sets(st.sampled_from(["contains", "load", "store"]), min_size=1))
@@ -256,10 +260,10 @@ class ManagerMachine(RuleBasedStateMachine):
         assert self.entered is not None
         self.entered.__exit__(None, None, None)
         stats = self.manager.statistics()
-        assert stats.background_tasks == 0
+        assert stats.background.tasks == 0
         assert stats.pool.writing == 0 and stats.pool.pinned == 0
-        assert stats.dirty_blocks == 0  # written back at close
-        assert stats.deferred_pending == 0  # written within close_timeout, or counted lost
+        assert stats.writes.dirty_blocks == 0  # written back at close
+        assert stats.writes.deferred_pending == 0  # written within close_timeout, or counted lost
         self.check_deferred_accounting(settled=True)
         self.enter()
 
@@ -269,13 +273,15 @@ class ManagerMachine(RuleBasedStateMachine):
     def nothing_leaked(self) -> None:
         self.manager.pool.table.check_invariants()
         stats = self.manager.statistics()
-        assert stats.in_flight_bytes <= 6 * BB + 3 * BB  # write-back: its tier's own cap only
+        assert (
+            stats.writes.in_flight_bytes <= 6 * BB + 3 * BB
+        )  # write-back: its tier's own cap only
         pool = stats.pool
         assert pool.reservations == pool.commits + pool.aborts + pool.writing
-        assert stats.dirty_blocks <= pool.pinned  # a block waiting for write-back is held
+        assert stats.writes.dirty_blocks <= pool.pinned  # a block waiting for write-back is held
         # A promoted block waiting to be copied up when evicted is still in the pool.
         waiting = self.manager._promotions.up_when_evicted
-        assert stats.write_ups_waiting == len(waiting) <= pool.num_blocks
+        assert stats.promotions.write_ups_waiting == len(waiting) <= pool.num_blocks
         assert all(key in self.manager.pool.table.ready for key in waiting)
         for a in stats.admission:
             assert 0 <= a.in_flight_bytes <= 3 * BB or a.write_back
@@ -295,7 +301,7 @@ class ManagerMachine(RuleBasedStateMachine):
         stats = self.manager.statistics()
         pool = stats.pool
         # only blocks waiting for write-back stay pinned, one pin each
-        assert pool.writing == 0 and pool.pinned == stats.dirty_blocks == pool.pins
+        assert pool.writing == 0 and pool.pinned == stats.writes.dirty_blocks == pool.pins
         leftovers = list(self.folder.rglob(".tmp-*"))
         assert not leftovers, f"temporary files left: {leftovers}"
         self.check_deferred_accounting(settled=True)
@@ -320,8 +326,8 @@ class ManagerMachine(RuleBasedStateMachine):
                 assert self.scheduler.statistics().timeouts == timeouts, "a key never settled"
                 self.entered.__exit__(None, None, None)
                 stats = self.manager.statistics()
-                assert stats.background_tasks == 0 and stats.pool.pinned == 0
-                assert stats.deferred_pending == 0
+                assert stats.background.tasks == 0 and stats.pool.pinned == 0
+                assert stats.writes.deferred_pending == 0
                 self.check_deferred_accounting(settled=True)
         finally:
             self.portal_cm.__exit__(None, None, None)

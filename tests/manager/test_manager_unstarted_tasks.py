@@ -79,11 +79,11 @@ async def test_a_cascade_cancelled_before_it_starts_leaves_nothing_behind(
     with cancelled_at_creation() as cancelled:
         await manager.store(keys[:3], np.ones((3, BB), np.uint8))
     assert len(cancelled) == 1  # one cascade writes the store's three blocks
-    assert manager.statistics().in_flight_bytes == 3 * BB  # taken, and not given back
+    assert manager.statistics().writes.in_flight_bytes == 3 * BB  # taken, and not given back
     await manager.aclose()
     assert_nothing_left(manager)
     stats = manager.statistics()
-    assert stats.cascades_cancelled == 3
+    assert stats.writes.cancelled == 3
     assert stats.pool.ready == 3  # the stored blocks themselves stay
 
 
@@ -99,7 +99,7 @@ async def test_a_promotion_cancelled_before_it_starts_leaves_nothing_behind(
     await asyncio.sleep(0)
     await manager.aclose()
     assert_nothing_left(manager)
-    assert manager.statistics().promotions_cancelled == 1
+    assert manager.statistics().promotions.cancelled == 1
 
 
 class PackingTier(MemoryTier):
@@ -125,14 +125,16 @@ async def test_a_group_of_deferred_writes_cancelled_before_it_starts_leaves_noth
     await manager.__aenter__()
     await manager.store(keys[:9], np.ones((9, BB), np.uint8))
     await manager.wait_idle()
-    assert manager.statistics().deferred_pending == 4
+    assert manager.statistics().writes.deferred_pending == 4
     now[0] += 1.0
     with cancelled_at_creation() as cancelled:
         await manager.store(keys[9:10], np.ones((1, BB), np.uint8))  # the group comes due
     assert len(cancelled) == 2  # the group's one task, and the new block's
     stats = manager.statistics()
-    assert stats.deferred_pending == 0 and stats.in_flight_bytes == 5 * BB  # not given back
+    assert (
+        stats.writes.deferred_pending == 0 and stats.writes.in_flight_bytes == 5 * BB
+    )  # not given back
     await manager.aclose()
     assert_nothing_left(manager)
     stats = manager.statistics()
-    assert stats.deferred_lost == 4 and stats.deferred_written == 0
+    assert stats.writes.deferred_lost == 4 and stats.writes.deferred_written == 0

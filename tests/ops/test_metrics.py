@@ -15,18 +15,25 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvtier._metrics import KVTierCollector, LatencyHistograms, metrics_asgi_app, serve_metrics
-from kvtier.common._errors import CorruptBlockError, ExtraNotInstalledError, InvalidArgumentError
-from kvtier.common._lookup import LookupResult
+from kvtier import (
+    AdmissionPolicy,
+    CorruptBlockError,
+    CostModel,
+    ExtraNotInstalledError,
+    HostPool,
+    InvalidArgumentError,
+    KVTierCollector,
+    LatencyHistograms,
+    LookupResult,
+    MemoryTier,
+    OffloadScheduler,
+    TierStatistics,
+    metrics_asgi_app,
+    serve_metrics,
+)
 from kvtier.manager import TieringManager
-from kvtier.manager._cost import CostModel
-from kvtier.pools._host import HostPool
-from kvtier.scheduler._scheduler import OffloadScheduler
 from kvtier.testing import FailingTier
-from kvtier.tiers._base import TierStatistics
-from kvtier.tiers._memory import MemoryTier
 from kvtier.tiers.s3 import S3TierStatistics
-from kvtier.writes._admission import AdmissionPolicy
 
 BLOCK = 4096
 

@@ -14,11 +14,12 @@ from kvtier import (
     HostPool,
     LookupResult,
     MemoryTier,
+    PrimaryPool,
     SecondaryTier,
     SlotState,
     TieringManager,
 )
-from kvtier.pools._base import ByteSource, PrimaryPool
+from kvtier.pools._base import ByteSource
 from kvtier.testing import StallingTier
 from tests.support import GatedPool, ManualClock, random_blocks
 
@@ -42,7 +43,7 @@ async def test_a_slow_tier_is_skipped_counted_and_admitted_again_when_it_recover
             await manager.wait_idle()
         assert held(fast, keys[:3]) == [True, True, True]  # the fast tier is not held back
         assert held(slow, keys[:3]) == [True, False, False]  # one probe; two dropped
-        assert manager.statistics().cascades_dropped == 2
+        assert manager.statistics().writes.dropped == 2
         assert manager.statistics().admission[1].dropped_by_cause == {"latency": 2}
         # Each interval one probe measures it again; fast probes reopen it.
         i = 3
@@ -55,7 +56,7 @@ async def test_a_slow_tier_is_skipped_counted_and_admitted_again_when_it_recover
         await manager.store(keys[i : i + 3], random_blocks(3))
         await manager.wait_idle()
         assert held(slow, keys[i : i + 3]) == [True, True, True]
-        assert manager.statistics().cascades_dropped == 2
+        assert manager.statistics().writes.dropped == 2
 
 
 async def test_a_tier_at_its_in_flight_limit_drops_new_blocks_until_it_drains(
@@ -123,7 +124,7 @@ async def test_write_back_writes_on_eviction_and_loses_nothing(keys: list[bytes]
             await manager.wait_idle()
         assert held(near, keys[:3]) == [True] * 3  # write-through as ever
         assert held(remote, keys[:3]) == [True, False, False]  # only the oldest left
-        assert manager.statistics().dirty_blocks == 2
+        assert manager.statistics().writes.dirty_blocks == 2
         for i in range(3, 12):  # twice the pool: blocks must leave it to make room
             await manager.store(keys[i : i + 1], random_blocks(1))
             await manager.wait_idle()
@@ -132,7 +133,11 @@ async def test_write_back_writes_on_eviction_and_loses_nothing(keys: list[bytes]
         assert manager.statistics().pool.evictions > 0
     assert held(remote, keys[:12]) == [True] * 12  # the rest were written back at close
     stats = manager.statistics()
-    assert stats.written_back == 12 and stats.dirty_blocks == 0 and stats.cascades_dropped == 0
+    assert (
+        stats.writes.written_back == 12
+        and stats.writes.dirty_blocks == 0
+        and stats.writes.dropped == 0
+    )
 
 
 async def test_a_block_stored_while_the_manager_closes_is_written_back_not_left_pinned(
@@ -162,7 +167,7 @@ async def test_a_block_stored_while_the_manager_closes_is_written_back_not_left_
             engine.start_soon(while_it_closes)
             await manager.aclose()
     stats = manager.statistics()
-    assert stats.dirty_blocks == 0 and stats.pool.pinned == 0
+    assert stats.writes.dirty_blocks == 0 and stats.pool.pinned == 0
     assert held(remote, keys[:2]) == [True, True]
 
 
@@ -188,7 +193,7 @@ async def test_a_write_through_that_fails_before_any_tier_gives_its_admission_ba
             await manager.wait_idle()
         (stats,) = manager.statistics().admission
         assert stats.in_flight_bytes == 0 and stats.dropped == 0
-        assert manager.statistics().cascade_failures_by_reason == {"unavailable": 3}
+        assert manager.statistics().writes.failures_by_reason == {"unavailable": 3}
 
 
 async def test_a_store_every_tier_refuses_counts_its_later_blocks_for_each_tier(

@@ -47,12 +47,12 @@ async def test_a_tier_slower_than_recompute_is_not_promoted_and_not_waited_for(
         with anyio.fail_after(10):
             assert await scheduler.lookup(keys[:4]) == 1  # serve the resident block, now
         stats = manager.statistics()
-        assert stats.promotions_started == 0
-        assert stats.promotions_declined == 1
-        assert stats.misses_by_reason.get("too_slow") == 1
+        assert stats.promotions.started == 0
+        assert stats.promotions.declined == 1
+        assert stats.lookups.misses_by_reason.get("too_slow") == 1
         # Without a request's budget (a plain lookup), the seed's semantics are unchanged.
         assert manager.lookup(keys[1]).name == "RETRY"
-        assert manager.statistics().promotions_started == 1
+        assert manager.statistics().promotions.started == 1
         remote.release("load")
 
 
@@ -68,7 +68,7 @@ async def test_stop_waiting_once_waiting_costs_more_than_recomputing(keys: list[
         assert scheduler.statistics().waits_cut == 1
         assert scheduler.statistics().timeouts == 0
         # The promotions it started go on for the next request, and do not leak.
-        assert manager.statistics().promotions_started == 4
+        assert manager.statistics().promotions.started == 4
         remote.release("load")
         await manager.wait_idle()
         assert all(manager.pool.state_of(key) is SlotState.READY for key in keys[:4])
@@ -85,7 +85,7 @@ async def test_keep_waiting_when_the_tier_is_faster_than_recompute(keys: list[by
             # it waits on the promotions, then they land
             assert await lookup_while_held(scheduler, keys[:4], remote, "load") == 4
         assert scheduler.statistics().waits_cut == 0
-        assert manager.statistics().promotions_declined == 0
+        assert manager.statistics().promotions.declined == 0
 
 
 async def test_without_a_recompute_estimate_the_wait_lasts_until_the_timeout(
@@ -101,7 +101,7 @@ async def test_without_a_recompute_estimate_the_wait_lasts_until_the_timeout(
             assert await scheduler.lookup(keys[:2], timeout=0.05) == 0
         assert scheduler.statistics().timeouts == 1
         assert scheduler.statistics().waits_cut == 0
-        assert manager.statistics().promotions_started == 2  # today's behaviour
+        assert manager.statistics().promotions.started == 2  # today's behaviour
         remote.release("load")
 
 
@@ -114,7 +114,7 @@ async def test_the_engine_measured_recompute_cost_is_used(keys: list[bytes]) -> 
         await known(remote, keys[:2])
         with anyio.fail_after(10):
             assert await OffloadScheduler(manager).lookup(keys[:2]) == 0
-        assert manager.statistics().promotions_declined == 1
+        assert manager.statistics().promotions.declined == 1
 
 
 async def test_a_tier_known_only_by_its_slow_writes_is_not_waited_for(keys: list[bytes]) -> None:
@@ -128,7 +128,7 @@ async def test_a_tier_known_only_by_its_slow_writes_is_not_waited_for(keys: list
         with anyio.fail_after(10):
             assert await scheduler.lookup(keys[:4]) == 0
         assert scheduler.statistics().waits == 0  # it did not wait at all
-        assert manager.statistics().misses_by_reason.get("too_slow") == 1
+        assert manager.statistics().lookups.misses_by_reason.get("too_slow") == 1
         remote.release("contains")
 
 
@@ -148,5 +148,5 @@ async def test_the_request_waits_for_the_fast_tier_but_not_for_a_slow_tiers_chec
             # it waits for the fast tier's two blocks
             assert await lookup_while_held(scheduler, keys[:3], fast, "load") == 2
         assert scheduler.statistics().waits_cut == 0
-        assert manager.statistics().misses_by_reason.get("too_slow") == 1
+        assert manager.statistics().lookups.misses_by_reason.get("too_slow") == 1
         slow.release("contains")

@@ -27,26 +27,23 @@ import pytest
 
 from devtools.fake_cuda import FakeCuda, FakeCudaError, FakeDeviceArray, Hold
 from kvtier import (
+    CudaPool,
+    CudaUnavailableError,
     ExtraNotInstalledError,
+    HostPool,
     InvalidArgumentError,
     LifecycleError,
+    MemoryTier,
     OffloadScheduler,
+    PrimaryPool,
     SlotState,
     TieringManager,
     block_keys,
+    cuda_available,
 )
 from kvtier.common._buffers import BlockBuffer
 from kvtier.pools import _cuda_core
-from kvtier.pools._base import PrimaryPool
-from kvtier.pools._cuda import CudaPool
-from kvtier.pools._cupy import (
-    CudaUnavailableError,
-    cuda_available,
-    cupy_packages,
-    cupy_runtime,
-)
-from kvtier.pools._host import HostPool
-from kvtier.tiers._memory import MemoryTier
+from kvtier.pools._cupy import cupy_packages, cupy_runtime
 from tests.support import HUNG_FAILSAFE
 
 CUDA_OK, CUDA_REASON = cuda_available()
@@ -394,7 +391,7 @@ async def test_manager_store_write_through_promote_and_load(make_pool: MakePool)
     data = _blocks(len(keys))
     async with TieringManager(make_pool(16), [tier]) as manager:
         assert await manager.store(keys, data) == len(keys)
-    assert manager.statistics().cascades_succeeded == len(keys)
+    assert manager.statistics().writes.succeeded == len(keys)
 
     # A fresh pool: every block comes back by promotion from the tier.
     async with TieringManager(make_pool(16), [tier]) as manager:
@@ -403,7 +400,7 @@ async def test_manager_store_write_through_promote_and_load(make_pool: MakePool)
         out = np.zeros_like(data)
         assert await manager.load(keys, out) == len(keys)
         assert np.array_equal(out, data)
-        assert manager.statistics().promotions_succeeded == len(keys)
+        assert manager.statistics().promotions.succeeded == len(keys)
 
 
 # -- CudaPool on any runtime -------------------------------------------------------------------

@@ -19,9 +19,8 @@ import numpy as np
 import pytest
 
 from devtools.fake_cuda import FakeCuda, FakeCudaError, FakeDeviceArray
-from kvtier import InvalidArgumentError
+from kvtier import CudaPool, InvalidArgumentError
 from kvtier.common._buffers import BlockBuffer
-from kvtier.pools._cuda import CudaPool
 from tests.support import fresh_keys
 
 BLOCK = 64 * 1024

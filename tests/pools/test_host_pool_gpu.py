@@ -17,10 +17,9 @@ import numpy as np
 import pytest
 
 from devtools.fake_cuda import FakeCuda, FakeCudaError, FakeDeviceArray
-from kvtier import InvalidArgumentError
+from kvtier import HostPool, InvalidArgumentError
 from kvtier.common._buffers import BlockBuffer
 from kvtier.pools import _cupy
-from kvtier.pools._host import HostPool
 from tests.support import fresh_keys
 
 BLOCK = 64 * 1024

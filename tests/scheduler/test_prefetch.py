@@ -59,7 +59,7 @@ async def test_a_prefetched_prefix_is_a_hit_for_its_lookup(keys: list[bytes]) ->
         assert stats is not None
         assert (stats.started, stats.blocks_prefetched, stats.blocks_claimed) == (1, 6, 6)
         assert stats.bytes_prefetched == 6 * BB and stats.held == 0
-        assert manager.statistics().promotions_started == 6  # the lookup promoted nothing
+        assert manager.statistics().promotions.started == 6  # the lookup promoted nothing
         await manager.wait_idle()
         assert_idle(manager)
 
@@ -180,7 +180,7 @@ async def test_a_prefetch_racing_its_own_lookup_promotes_once(keys: list[bytes])
                 tier.release("load")
         assert answer == [5]
         assert handle.state is PrefetchState.CLAIMED
-        assert manager.statistics().promotions_started == 5
+        assert manager.statistics().promotions.started == 5
         assert tier.statistics().loads == 5
         await manager.wait_idle()
         assert_idle(manager)
@@ -198,7 +198,7 @@ async def test_a_failing_tier_during_prefetch_is_a_miss_with_a_reason(
             assert await handle.wait() == 0
         # the failure is counted with its reason, and the tier (told by record_miss) answers
         # a miss for the block from then on: the prefix ends there, with that reason
-        assert set(manager.statistics().promotions_failed_by_reason) == {"unavailable"}
+        assert set(manager.statistics().promotions.failed_by_reason) == {"unavailable"}
         assert handle.reason == "not_found"
         handle.cancel()
         await manager.wait_idle()
@@ -259,6 +259,6 @@ async def test_no_prefetch_from_a_tier_slower_than_recompute(keys: list[bytes]) 
         with anyio.fail_after(10):
             assert await handle.wait() == 0
         assert handle.reason == "too_slow"
-        assert manager.statistics().promotions_started == 0
+        assert manager.statistics().promotions.started == 0
         handle.cancel()
         assert_idle(manager)

@@ -192,7 +192,7 @@ async def test_async_lookup_returns_hit_count_at_the_deadline(keys: list[bytes])
             got = await scheduler.lookup(keys[:4], timeout=0.05)
         assert got == 2  # the two primary hits; the promotions are still stalled
         assert scheduler.statistics().timeouts == 1
-        assert manager.statistics().background_tasks == 1  # one batch of two, left running
+        assert manager.statistics().background.tasks == 1  # one batch of two, left running
         slow.release("load")
         with anyio.fail_after(5):
             assert await scheduler.lookup(keys[:4]) == 4
@@ -231,7 +231,7 @@ async def test_a_waiting_request_keeps_its_hits(keys: list[bytes]) -> None:
     async with kvtier.TieringManager(kvtier.HostPool(8, 4096), [slow, fast]) as manager:
         await manager.store(keys[:4], np.zeros((4, 4096), np.uint8))  # a's cached prefix
         await manager.wait_idle()
-        promotions_before = manager.statistics().promotions_started
+        promotions_before = manager.statistics().promotions.started
         slow.stall("load")
         scheduler = OffloadScheduler(manager, max_wait=5)
         results: dict[str, int] = {}
@@ -246,6 +246,6 @@ async def test_a_waiting_request_keeps_its_hits(keys: list[bytes]) -> None:
             slow.release("load")
         assert results["a"] == 6
         assert 0 < results["b"] < 6  # b got what was not leased to a
-        promotions = manager.statistics().promotions_started - promotions_before
+        promotions = manager.statistics().promotions.started - promotions_before
         assert promotions == 2 + results["b"]  # a's cached blocks were never promoted again
         assert manager.statistics().pool.pinned == 0  # the leases were given back

@@ -26,7 +26,7 @@ async def test_no_promotion_starts_beyond_the_first_miss_of_a_prefix(keys: list[
         scheduler = OffloadScheduler(manager)
 
         async def key_0_still_unknown() -> None:
-            assert manager.statistics().promotions_started == 0
+            assert manager.statistics().promotions.started == 0
 
         with anyio.fail_after(10):
             # released, key 0 is in no tier: the prefix ends there
@@ -35,8 +35,8 @@ async def test_no_promotion_starts_beyond_the_first_miss_of_a_prefix(keys: list[
             )
         assert answer == 0
         stats = manager.statistics()
-        assert stats.promotions_started == 0
-        assert stats.promotions_deferred >= 3
+        assert stats.promotions.started == 0
+        assert stats.promotions.deferred >= 3
         assert all(manager.pool.state_of(key) is SlotState.FREE for key in keys[:4])
 
 
@@ -50,7 +50,7 @@ async def test_once_the_prefix_resolves_the_whole_run_is_promoted(keys: list[byt
         scheduler = OffloadScheduler(manager)
         with anyio.fail_after(10):
             assert await lookup_while_held(scheduler, keys[:4], checking, "contains") == 4
-        assert manager.statistics().promotions_started == 4
+        assert manager.statistics().promotions.started == 4
 
 
 async def test_the_synchronous_scans_keep_promoting_every_secondary_hit(keys: list[bytes]) -> None:
@@ -62,7 +62,7 @@ async def test_the_synchronous_scans_keep_promoting_every_secondary_hit(keys: li
         # the scan unchanged: RETRY does not stop it, and the manager
         # promotes each secondary hit the scan meets.
         assert OffloadScheduler(manager).maximal_prefix_lookup(keys[:4]) is None
-        assert manager.statistics().promotions_started == 3
+        assert manager.statistics().promotions.started == 3
         checking.release("contains")
 
 
@@ -89,7 +89,7 @@ async def test_a_request_that_stopped_waiting_cannot_evict_what_a_waiting_one_co
                 scheduler, [w0, w1, wx], remote, "load", while_w0_w1_counted_and_wx_in_flight
             )
         assert answer == 3
-        assert manager.statistics().misses_by_reason.get("primary_full") == 1
+        assert manager.statistics().lookups.misses_by_reason.get("primary_full") == 1
 
 
 async def test_a_key_held_behind_an_unknown_one_wakes_when_both_change_at_once(

@@ -34,7 +34,7 @@ async def test_many_concurrent_lookups_stay_bounded() -> None:
             stats = tier.lookups.statistics()
             peaks["cached"] = max(peaks["cached"], stats.cached_verdicts)
             peaks["pending"] = max(peaks["pending"], stats.pending + stats.in_flight)
-        peaks["in_flight"] = max(peaks["in_flight"], manager.statistics().in_flight_bytes)
+        peaks["in_flight"] = max(peaks["in_flight"], manager.statistics().writes.in_flight_bytes)
 
     async with manager:
         scheduler = kvtier.OffloadScheduler(manager)
@@ -59,6 +59,6 @@ async def test_many_concurrent_lookups_stay_bounded() -> None:
     assert peaks["cached"] <= 1_000
     assert peaks["pending"] <= 300
     assert peaks["in_flight"] <= limit
-    assert stats.background_tasks == 0 and stats.pool.pinned == 0
-    assert stats.lookups_hit > 0 and stats.promotions_succeeded > 0
+    assert stats.background.tasks == 0 and stats.pool.pinned == 0
+    assert stats.lookups.hit > 0 and stats.promotions.succeeded > 0
     assert scheduler.statistics().timeouts == 0

@@ -77,7 +77,7 @@ async def test_replay_with_fs_tier(
     assert result.hits <= infinite
     assert result.verified == result.hits  # every served block was checked byte for byte
     assert sum(result.hits_by_tier.values()) == result.hits
-    assert result.stats.cascades_dropped == 0  # however busy the machine, every block was written
+    assert result.stats.writes.dropped == 0  # however busy the machine, every block was written
     assert result.hits_by_tier["fs"] > 0  # the pool is too small: the file tier served some
     assert result.hits > bench.lru_hits(requests, 256)  # and that beats the pool alone ...
     assert result.hits == infinite  # ... up to the bound: the file tier holds every block
@@ -85,9 +85,9 @@ async def test_replay_with_fs_tier(
     assert all(0 <= a <= b for a, b in zip(result.lookup_us, result.request_us, strict=True))
     stats = result.stats
     assert stats is not None
-    assert stats.promotions_succeeded >= result.hits_by_tier["fs"]
-    assert not stats.promotions_failed_by_reason
-    assert stats.background_tasks == 0
+    assert stats.promotions.succeeded >= result.hits_by_tier["fs"]
+    assert not stats.promotions.failed_by_reason
+    assert stats.background.tasks == 0
 
 
 @pytest.mark.parametrize("policy", ["lru", "arc"])

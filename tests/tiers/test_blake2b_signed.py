@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from devtools.weed_server import BUCKET, WeedServer, raw_client
+from kvtier import IntegrityKey
 from kvtier.common._format import (
     FLAG_BLAKE3,
     FLAG_MAC,
     HeaderError,
-    IntegrityKey,
     decode_header,
     encode_header,
     verify_block,

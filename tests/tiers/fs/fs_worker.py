@@ -37,12 +37,7 @@ import anyio
 import anyio.abc
 import anyio.streams.buffered
 
-from kvtier.common._errors import (
-    BlockNotFoundError,
-    CorruptBlockError,
-    InvalidArgumentError,
-    TierError,
-)
+from kvtier import BlockNotFoundError, CorruptBlockError, InvalidArgumentError, TierError
 from kvtier.tiers.fs import FSTier, _marker, _ownership
 
 

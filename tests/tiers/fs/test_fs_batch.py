@@ -15,16 +15,16 @@ import anyio
 import anyio.to_thread
 import pytest
 
-from kvtier.common._errors import (
+from kvtier import (
     BlockNotFoundError,
     CorruptBlockError,
     InvalidArgumentError,
+    LookupResult,
     TierNoSpaceError,
     TierTimeoutError,
     TierUnavailableError,
 )
 from kvtier.common._format import header_size
-from kvtier.common._lookup import LookupResult
 from kvtier.testing import resolve_lookup
 from kvtier.tiers.fs import FSTier
 from kvtier.tiers.fs import _io as _fs_io

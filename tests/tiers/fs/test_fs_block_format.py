@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from benchmarks.common import drop_cache
-from kvtier.common._errors import CorruptBlockError
-from kvtier.common._format import FORMAT_VERSION, IntegrityKey, encode_header, header_size
+from kvtier import CorruptBlockError, IntegrityKey
+from kvtier.common._format import FORMAT_VERSION, encode_header, header_size
 from kvtier.tiers.fs import FSTier
 from kvtier.tiers.fs import _io as fs_io
 from kvtier.tiers.fs import _read as fs_read

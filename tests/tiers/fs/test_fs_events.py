@@ -6,9 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.common._errors import BlockNotFoundError, CorruptBlockError
-from kvtier.common._events import EventKind, TierEvent
-from kvtier.common._lookup import LookupResult
+from kvtier import BlockNotFoundError, CorruptBlockError, EventKind, LookupResult, TierEvent
 from kvtier.testing import resolve_lookup
 from kvtier.tiers.fs import FSTier
 from kvtier.tiers.fs import _layout as _fs_layout

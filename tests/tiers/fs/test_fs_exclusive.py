@@ -12,11 +12,8 @@ from typing import Any
 
 import pytest
 
-from kvtier.common._errors import InvalidArgumentError
-from kvtier.common._lookup import LookupResult, MissReason
+from kvtier import HostPool, InvalidArgumentError, LookupResult, MissReason, OffloadScheduler
 from kvtier.manager import TieringManager
-from kvtier.pools._host import HostPool
-from kvtier.scheduler._scheduler import OffloadScheduler
 from kvtier.tiers.fs import FSTier
 from kvtier.tiers.fs import _io as _fs_io
 from tests.tiers.fs.fs_worker import key_and_data
@@ -86,6 +83,6 @@ async def test_scheduler_never_waits_on_unknown_keys(tmp_path: Path, stats: list
         keys = [key(i) for i in range(8)]
         # Key 4 is a miss at once, so only the promotions of the four held keys defer.
         assert await scheduler.lookup(keys, timeout=30) == 4
-        assert manager.statistics().lookups_retry <= 4
+        assert manager.statistics().lookups.retry <= 4
         assert manager.statistics().tiers[0].lookups.retries == 0
     assert stats == []

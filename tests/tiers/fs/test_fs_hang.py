@@ -20,11 +20,9 @@ import anyio
 import anyio.to_thread
 import pytest
 
+from kvtier import HostPool, LookupResult, OffloadScheduler
 from kvtier.common._format import header_size
-from kvtier.common._lookup import LookupResult
 from kvtier.manager import TieringManager
-from kvtier.pools._host import HostPool
-from kvtier.scheduler._scheduler import OffloadScheduler
 from kvtier.testing import resolve_lookup
 from kvtier.tiers.fs import FSTier
 from kvtier.tiers.fs import _io as _fs_io
@@ -111,7 +109,7 @@ async def test_promotion_fails_by_its_deadline(
         assert time.perf_counter() - started < BOUND
         assert hang.calls == 1 and not hang.release.is_set()
         assert manager.lookup(key(1)) is LookupResult.MISS
-        assert manager.statistics().promotions_failed_by_reason == {"timeout": 1}
+        assert manager.statistics().promotions.failed_by_reason == {"timeout": 1}
         # The hung read was lent the slot and may still write into it: not reusable yet.
         assert pool.table.lent == 1 and pool.statistics().writing == 1
         hang.release.set()
@@ -157,15 +155,15 @@ async def test_store_deadline_unpins_and_frees_in_flight_bytes(
             await manager.wait_idle()
         assert not hang.release.is_set()
         s = manager.statistics()
-        assert s.pool.pinned == 0 and s.in_flight_bytes == 0
-        assert s.cascade_failures_by_reason == {"timeout": 1}
+        assert s.pool.pinned == 0 and s.writes.in_flight_bytes == 0
+        assert s.writes.failures_by_reason == {"timeout": 1}
         # Write-through to the tier goes on: the stuck write holds no in-flight bytes.
         for i in (2, 3, 4):
             assert await manager.store([key(i)], [memoryview(data(i))]) == 1
             with anyio.fail_after(BOUND):
                 await manager.wait_idle()
         s = manager.statistics()
-        assert s.cascades_started == 4 and s.cascades_skipped == 0
+        assert s.writes.started == 4 and s.writes.skipped == 0
         # The mount comes back: the abandoned write lands and is accounted for, once.
         hang.release.set()
         assert await anyio.to_thread.run_sync(tier._files.calls.wait_unstuck, FAILSAFE)
@@ -189,7 +187,7 @@ async def test_close_honours_close_timeout(
     assert time.perf_counter() - started < BOUND
     assert not hang.release.is_set(), "closed only because the hang was released"
     s = manager.statistics()
-    assert s.cascades_cancelled == 1 and s.pool.pinned == 0 and s.in_flight_bytes == 0
+    assert s.writes.cancelled == 1 and s.pool.pinned == 0 and s.writes.in_flight_bytes == 0
 
 
 # -- a stale existence check (the FSTier half) ---------------------------------------------------

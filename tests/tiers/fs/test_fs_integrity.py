@@ -14,20 +14,17 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from kvtier.common._errors import CorruptBlockError, InvalidArgumentError
+from kvtier import CorruptBlockError, IntegrityKey, InvalidArgumentError, KVTierConfig, LookupResult
 from kvtier.common._format import (
     FLAG_BLAKE3,
     FLAG_MAC,
     MAC_BYTES,
     HeaderError,
-    IntegrityKey,
     decode_header,
     encode_header,
     header_size,
     verify_block,
 )
-from kvtier.common._lookup import LookupResult
-from kvtier.manager._stack_config import KVTierConfig
 from kvtier.testing import resolve_lookup
 from kvtier.tiers.fs import FSTier
 from kvtier.tiers.fs._layout import MARKER_NAME

@@ -18,12 +18,9 @@ import anyio
 import anyio.to_thread
 import pytest
 
-from kvtier.common._errors import CorruptBlockError, TierTimeoutError
+from kvtier import CorruptBlockError, HostPool, LookupResult, OffloadScheduler, TierTimeoutError
 from kvtier.common._lending import Release
-from kvtier.common._lookup import LookupResult
 from kvtier.manager import TieringManager
-from kvtier.pools._host import HostPool
-from kvtier.scheduler._scheduler import OffloadScheduler
 from kvtier.tiers.fs import FSTier
 from kvtier.tiers.fs import _read as _fs_read
 from tests.support import Hang, block_file, fresh_keys, given_back
@@ -68,7 +65,7 @@ async def test_a_promotion_past_its_deadline_keeps_its_slot_until_the_read_retur
         monkeypatch.setattr(_fs_read, "_preadv", hang.wrap(os.preadv))
         with anyio.fail_after(FAILSAFE):
             assert await OffloadScheduler(manager).lookup([key], timeout=FAILSAFE) == 0
-        assert manager.statistics().promotions_failed_by_reason == {"timeout": 1}
+        assert manager.statistics().promotions.failed_by_reason == {"timeout": 1}
         # The key is gone, but its slot is still lent to the hung read: not reusable.
         assert pool.lookup(key) is LookupResult.MISS
         assert pool.table.lent == 1 and pool.statistics().free == 0
@@ -156,7 +153,7 @@ async def test_a_checksum_failure_in_the_slot_is_a_corrupt_miss_and_frees_it(
     async with TieringManager(pool, [FSTier(root)]) as manager:
         with anyio.fail_after(FAILSAFE):
             assert await OffloadScheduler(manager).lookup([key], timeout=FAILSAFE) == 0
-        assert manager.statistics().promotions_failed_by_reason == {"corrupt": 1}
+        assert manager.statistics().promotions.failed_by_reason == {"corrupt": 1}
         assert manager.lookup(key) is LookupResult.MISS
         assert pool.table.lent == 0 and pool.statistics().free == 1
         pool.table.check_invariants()

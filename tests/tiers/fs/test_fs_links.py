@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.common._errors import TierUnavailableError
+from kvtier import TierUnavailableError
 from kvtier.common._format import header_size
 from kvtier.tiers.fs import FSTier
 from kvtier.tiers.fs import _layout as _fs_layout

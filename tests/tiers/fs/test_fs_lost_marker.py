@@ -13,9 +13,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from kvtier.common._errors import InvalidArgumentError
-from kvtier.common._identity import CacheIdentity
-from kvtier.common._lookup import LookupResult
+from kvtier import CacheIdentity, InvalidArgumentError, LookupResult
 from kvtier.testing import resolve_lookup
 from kvtier.tiers.fs import FSTier, _keeper, _ownership
 from kvtier.tiers.fs._layout import IDENTITY_NAME, MARKER_NAME

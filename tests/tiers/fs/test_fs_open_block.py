@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.common._errors import TierUnavailableError
+from kvtier import TierUnavailableError
 from kvtier.tiers.fs import FSTier
 from kvtier.tiers.fs import _layout as fs_layout
 from kvtier.tiers.fs._beneath import Openat2

@@ -17,10 +17,8 @@ import anyio
 import anyio.streams.buffered
 import pytest
 
-from kvtier.common._errors import InvalidArgumentError
-from kvtier.common._identity import CacheIdentity
-from kvtier.common._lookup import LookupResult
-from kvtier.testing._conformance import resolve_lookup
+from kvtier import CacheIdentity, InvalidArgumentError, LookupResult
+from kvtier.testing import resolve_lookup
 from kvtier.tiers.fs import FSTier, _ownership, _upkeep
 from kvtier.tiers.fs import _io as fs_io
 from kvtier.tiers.fs._layout import IDENTITY_NAME, MARKER_NAME

@@ -27,25 +27,25 @@ import anyio.streams.buffered
 import numpy as np
 import pytest
 
-from kvtier.common._errors import (
+from kvtier import (
     BlockNotFoundError,
     CorruptBlockError,
+    HostPool,
     InvalidArgumentError,
+    LookupResult,
+    OffloadScheduler,
     TierNoSpaceError,
     TierUnavailableError,
+    UnusableRootError,
 )
 from kvtier.common._format import header_size
-from kvtier.common._lookup import LookupResult
 from kvtier.manager import TieringManager
-from kvtier.pools._host import HostPool
-from kvtier.scheduler._scheduler import OffloadScheduler
 from kvtier.testing import CHECKS, resolve_lookup
 from kvtier.tiers.fs import FSTier
 from kvtier.tiers.fs import _blocks as _fs_block
 from kvtier.tiers.fs import _io as _fs_io
 from kvtier.tiers.fs import _layout as _fs_layout
 from kvtier.tiers.fs import _read as _fs_read
-from kvtier.tiers.fs._io import UnusableRootError
 from tests.support import BlockingCallError, block_files, tmp_files
 from tests.tiers.fs.fs_worker import key_of, payload_of
 

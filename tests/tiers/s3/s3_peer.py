@@ -25,10 +25,8 @@ from typing import Any
 import anyio
 import numpy as np
 
-from kvtier.common._keys import block_keys
+from kvtier import HostPool, OffloadScheduler, block_keys
 from kvtier.manager import TieringManager
-from kvtier.pools._host import HostPool
-from kvtier.scheduler._scheduler import OffloadScheduler
 from kvtier.tiers.s3 import S3Tier
 
 
@@ -73,8 +71,8 @@ async def main(args: dict[str, Any]) -> dict[str, Any]:
                 "digests": [hashlib.sha256(row.tobytes()).hexdigest() for row in out[:loaded]],
             }
     stats = manager.statistics()
-    result["cascades_succeeded"] = stats.cascades_succeeded
-    result["promotions_succeeded"] = stats.promotions_succeeded
+    result["cascades_succeeded"] = stats.writes.succeeded
+    result["promotions_succeeded"] = stats.promotions.succeeded
     tier_stats = tier.statistics()
     result["stores"] = tier_stats.stores
     result["stores_skipped_existing"] = tier_stats.stores_skipped_existing

@@ -8,11 +8,17 @@ import struct
 
 import pytest
 
-from kvtier.common._errors import CorruptBlockError, InvalidArgumentError
-from kvtier.common._events import EventKind, TierEvent
-from kvtier.common._format import FLAG_MAC, FORMAT_VERSION, MAGIC, IntegrityKey, header_size
-from kvtier.common._lookup import LookupResult, MissReason
-from kvtier.tiers._async_lookup import AsyncLookupManager
+from kvtier import (
+    AsyncLookupManager,
+    CorruptBlockError,
+    EventKind,
+    IntegrityKey,
+    InvalidArgumentError,
+    LookupResult,
+    MissReason,
+    TierEvent,
+)
+from kvtier.common._format import FLAG_MAC, FORMAT_VERSION, MAGIC, header_size
 from kvtier.tiers.s3 import S3Config, S3Tier
 from kvtier.tiers.s3._config import pack_blocks
 from kvtier.tiers.s3._core import S3Core

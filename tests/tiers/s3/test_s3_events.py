@@ -10,9 +10,7 @@ import anyio.lowlevel
 import pytest
 
 from devtools.weed_server import BUCKET, WeedServer, raw_client
-from kvtier.common._errors import BlockNotFoundError, CorruptBlockError
-from kvtier.common._events import EventKind, TierEvent
-from kvtier.common._lookup import LookupResult
+from kvtier import BlockNotFoundError, CorruptBlockError, EventKind, LookupResult, TierEvent
 from kvtier.testing import resolve_lookup
 from kvtier.tiers.s3 import S3Tier
 from kvtier.tiers.s3.index import _journal as s3_segments

@@ -27,14 +27,13 @@ from devtools.weed_server import (
     WeedServer,
     raw_client,
 )
-from kvtier.common._errors import BlockNotFoundError, InvalidArgumentError
+from kvtier import BlockNotFoundError, InvalidArgumentError, LookupResult, MissReason
 from kvtier.common._format import header_size
-from kvtier.common._lookup import LookupResult, MissReason
 from kvtier.common._resilience import CircuitBreaker
 from kvtier.tiers.s3 import S3Config, S3Tier
 from kvtier.tiers.s3._pack_format import Location
 from kvtier.tiers.s3._requests import Requests
-from kvtier.tiers.s3.index._existence import ExistenceIndex
+from kvtier.tiers.s3.index import ExistenceIndex, IndexSync
 from kvtier.tiers.s3.index._journal_format import (
     MAX_SEGMENT_ENTRIES,
     encode_segment,
@@ -42,7 +41,6 @@ from kvtier.tiers.s3.index._journal_format import (
     segment_time_ms,
     writer_id,
 )
-from kvtier.tiers.s3.index._sync import IndexSync
 from tests.support import (
     CREDENTIALS_FROM_ENVIRONMENT,
     INDEX_BY_HAND,

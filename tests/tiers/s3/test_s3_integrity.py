@@ -23,13 +23,18 @@ from devtools.weed_server import (
     WeedServer,
     raw_client,
 )
-from kvtier.common._errors import BlockNotFoundError, CorruptBlockError, InvalidArgumentError
-from kvtier.common._format import FLAG_MAC, MAC_BYTES, IntegrityKey, decode_header, encode_header
-from kvtier.common._lookup import LookupResult
+from kvtier import (
+    BlockNotFoundError,
+    CorruptBlockError,
+    HostPool,
+    IntegrityKey,
+    InvalidArgumentError,
+    KVTierConfig,
+    LookupResult,
+    OffloadScheduler,
+)
+from kvtier.common._format import FLAG_MAC, MAC_BYTES, decode_header, encode_header
 from kvtier.manager import TieringManager
-from kvtier.manager._stack_config import KVTierConfig
-from kvtier.pools._host import HostPool
-from kvtier.scheduler._scheduler import OffloadScheduler
 from kvtier.tiers.s3 import S3Tier
 from kvtier.tiers.s3._codec import build_object, verify_into
 from kvtier.tiers.s3._integrity import MARKER_NAME, marker_key
@@ -181,7 +186,7 @@ async def test_a_forged_object_is_a_corrupt_miss_through_the_manager(
         assert manager.lookup(keys[0]) is LookupResult.RETRY
         assert await OffloadScheduler(manager).lookup([keys[0]], timeout=20) == 0
         assert manager.lookup(keys[0]) is LookupResult.MISS
-        assert manager.statistics().promotions_failed_by_reason == {"corrupt": 1}
+        assert manager.statistics().promotions.failed_by_reason == {"corrupt": 1}
 
 
 # -- the prefix's marker --------------------------------------------------------------------

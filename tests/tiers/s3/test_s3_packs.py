@@ -15,13 +15,13 @@ from devtools.weed_server import (
     WeedServer,
     raw_client,
 )
-from kvtier.common._errors import (
+from kvtier import (
     BlockNotFoundError,
     CorruptBlockError,
     InvalidArgumentError,
+    LookupResult,
     TierUnavailableError,
 )
-from kvtier.common._lookup import LookupResult
 from kvtier.tiers.s3 import S3Tier
 from kvtier.tiers.s3._pack import PackReads, PackWriter, PendingStore
 from kvtier.tiers.s3._pack_format import PACK_DIR, Location, decode_table

@@ -12,13 +12,10 @@ from typing import Any
 import pytest
 
 from devtools.weed_server import WeedServer
-from kvtier.common._errors import BlockNotFoundError
-from kvtier.common._events import EventKind
-from kvtier.common._format import IntegrityKey
-from kvtier.common._lookup import LookupResult
+from kvtier import BlockNotFoundError, EventKind, IntegrityKey, LookupResult
 from kvtier.tiers.s3 import S3Tier
 from kvtier.tiers.s3._pack_format import Location, pack_name
-from kvtier.tiers.s3.index._existence import ExistenceIndex
+from kvtier.tiers.s3.index import ExistenceIndex
 from kvtier.tiers.s3.index._journal_format import (
     MAX_SEGMENT_ENTRIES,
     SegmentError,

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvtier.common._format import IntegrityKey
+from kvtier import IntegrityKey
 from kvtier.tiers.s3._pack_format import Location, pack_name
 from kvtier.tiers.s3.index._snapshot_format import (
     Manifest,

@@ -43,21 +43,22 @@ from devtools.weed_server import (
     ensure_bucket,
     raw_client,
 )
-from kvtier.common._errors import (
+from kvtier import (
     BlockNotFoundError,
     CorruptBlockError,
+    HostPool,
     InvalidArgumentError,
     LifecycleError,
+    LookupResult,
+    MissReason,
+    OffloadScheduler,
     TierTimeoutError,
     TierUnavailableError,
+    block_keys,
 )
 from kvtier.common._format import FORMAT_VERSION, MAGIC, encode_header
-from kvtier.common._keys import block_keys
-from kvtier.common._lookup import LookupResult, MissReason
 from kvtier.common._resilience import BreakerState, CircuitBreaker, Permit, backoff_delay
 from kvtier.manager import TieringManager
-from kvtier.pools._host import HostPool
-from kvtier.scheduler._scheduler import OffloadScheduler
 from kvtier.testing import resolve_lookup
 from kvtier.tiers.s3 import S3Tier
 from kvtier.tiers.s3._errors import Fault, translate
@@ -303,7 +304,7 @@ async def test_round_trip_through_tiering_manager(make_tier: MakeS3Tier) -> None
     writer = make_tier()
     async with TieringManager(HostPool(8, BLOCK), [writer]) as manager:
         assert await manager.store(keys, data) == len(keys)
-    assert manager.statistics().cascades_succeeded == len(keys)
+    assert manager.statistics().writes.succeeded == len(keys)
     # A fresh node: empty pool, a new tier instance on the same bucket and prefix.
     async with TieringManager(HostPool(8, BLOCK), [make_tier()]) as manager:
         assert manager.lookup(keys[0]) is LookupResult.RETRY
@@ -311,7 +312,7 @@ async def test_round_trip_through_tiering_manager(make_tier: MakeS3Tier) -> None
         out = np.zeros_like(data)
         assert await manager.load(keys, out) == len(keys)
         assert np.array_equal(out, data)
-        assert manager.statistics().promotions_succeeded == len(keys)
+        assert manager.statistics().promotions.succeeded == len(keys)
 
 
 # -- several processes share one bucket ---------------------------------------------------------
@@ -420,7 +421,7 @@ async def test_index_hit_whose_object_was_deleted(
             await client.delete_object(Bucket=BUCKET, Key=tier.object_key(keys[1]))
         # The promotion's GET finds nothing: a miss (not an error), and the index forgets it.
         assert await OffloadScheduler(manager).lookup(keys, timeout=20) == 1
-        assert manager.statistics().promotions_failed_by_reason == {"not_found": 1}
+        assert manager.statistics().promotions.failed_by_reason == {"not_found": 1}
         assert tier.lookup(keys[1]) is LookupResult.MISS
         assert tier.statistics().index_keys == 2
         assert manager.lookup(keys[1]) is LookupResult.MISS
@@ -483,7 +484,7 @@ async def test_conditional_put_race_between_two_processes(
 async def _settle(manager: TieringManager) -> None:
     """Let background work that fails fast (breaker open) run to its end."""
     with anyio.fail_after(10):
-        while manager.statistics().background_tasks:
+        while manager.statistics().background.tasks:
             await anyio.lowlevel.checkpoint()
 
 
@@ -517,7 +518,7 @@ async def test_server_killed_mid_run_and_restarted(own_weed: WeedServer) -> None
         # Stores fail, counted; the engine keeps going (the pool still takes the blocks).
         assert await manager.store(keys[8:10], blocks[8:10]) == 2
         await _settle(manager)
-        assert manager.statistics().cascade_failures_by_reason.get("unavailable", 0) >= 1
+        assert manager.statistics().writes.failures_by_reason.get("unavailable", 0) >= 1
         with pytest.raises(TierUnavailableError, match="circuit breaker open"):
             await tier.store(keys[10], memoryview(blocks[10]))
         assert tier.statistics().failures_by_reason.get("unavailable", 0) >= 2
@@ -565,7 +566,7 @@ async def test_index_mode_server_killed_and_restarted(own_weed: WeedServer, pack
         assert await scheduler.lookup(keys[:4], timeout=20) == 0
         assert [tier.lookup(k) for k in keys[:4]] == [LookupResult.MISS] * 4
         assert tier.lookup(keys[6]) is LookupResult.MISS  # not indexed: no request
-        failed = manager.statistics().promotions_failed_by_reason
+        failed = manager.statistics().promotions.failed_by_reason
         assert set(failed) <= {"unavailable", "timeout"} and failed
 
         await own_weed.astart()
@@ -610,7 +611,7 @@ async def test_corrupt_object_is_a_corrupt_miss_and_deleted(
         # The HEAD finds the object, the promotion's load finds it corrupt: a miss, not bytes.
         assert await OffloadScheduler(manager).lookup([key], timeout=20) == 0
         assert manager.lookup(key) is LookupResult.MISS
-        assert manager.statistics().promotions_failed_by_reason == {"corrupt": 1}
+        assert manager.statistics().promotions.failed_by_reason == {"corrupt": 1}
         stats = tier.statistics()
         assert stats.failures_by_reason == {"corrupt": 1}
         assert stats.index_keys == 0  # removed from the index with the object
@@ -743,7 +744,7 @@ async def test_a_slow_delete_of_a_corrupt_object_never_holds_its_promotion(
                 assert tier.lookup(key) is LookupResult.HIT  # listed at open
                 with anyio.fail_after(10):  # the promotion's deadline is 0.5 s, the DELETE's 30
                     assert await OffloadScheduler(manager).lookup([key], timeout=20) == 0
-                assert manager.statistics().promotions_failed_by_reason == {"corrupt": 1}
+                assert manager.statistics().promotions.failed_by_reason == {"corrupt": 1}
                 with anyio.fail_after(20):
                     await gate.held.wait()
                 assert await _exists(weed_server.endpoint_url, tier.object_key(key))

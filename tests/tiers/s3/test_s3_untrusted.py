@@ -27,10 +27,8 @@ from devtools.weed_server import (
     WeedServer,
     raw_client,
 )
-from kvtier.common._errors import KVTierError
-from kvtier.common._format import MAX_KEY_BYTES, IntegrityKey, header_size
-from kvtier.common._keys import block_keys
-from kvtier.common._lookup import LookupResult
+from kvtier import IntegrityKey, KVTierError, LookupResult, block_keys
+from kvtier.common._format import MAX_KEY_BYTES, header_size
 from kvtier.tiers.s3._config import MAX_PACK_BLOCKS
 from kvtier.tiers.s3._pack import PackReads
 from kvtier.tiers.s3._pack_format import (
