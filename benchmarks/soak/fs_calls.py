@@ -2,7 +2,7 @@
 
 A real disk that fails (EIO) or a mount that hangs cannot be had on demand, so a worker wraps
 the two OS calls through which its ``FSTier`` moves every block's bytes in worker threads
-(``kvtier.tiers.fs._io._writev`` and ``kvtier.tiers.fs._read._preadv``, the seams kvtier's
+(``kvtier.tiers.fs._write._writev`` and ``kvtier.tiers.fs._read._preadv``, the seams kvtier's
 own tests patch; a kvtier that renamed them runs without these faults and says so in its log).
 The coordinator arms faults through a small memory-mapped array (``CallControl``), one row
 per worker slot, each a cumulative request count, so arming never races the worker:
@@ -105,12 +105,12 @@ class CallFaults:
     def install(self) -> bool:
         """Wrap the tier's read and write calls; False if kvtier no longer has them."""
         try:
-            from kvtier.tiers.fs import _io, _read
+            from kvtier.tiers.fs import _read, _write
         except ImportError:
             return False
-        if not (hasattr(_io, "_writev") and hasattr(_read, "_preadv")):
+        if not (hasattr(_write, "_writev") and hasattr(_read, "_preadv")):
             return False
-        _io._writev = self._wrap(_io._writev, write=True)
+        _write._writev = self._wrap(_write._writev, write=True)
         _read._preadv = self._wrap(_read._preadv, write=False)
         self.installed = True
         return True

@@ -252,7 +252,7 @@ class Run:
             f"kvtier={kvtier.__file__}"
         )
         if not self.calls.install():
-            self.note("NO_CALL_FAULTS kvtier has no _io._writev / _read._preadv to wrap")
+            self.note("NO_CALL_FAULTS kvtier has no _write._writev / _read._preadv to wrap")
         first = True
         while not self.stopping:
             before = Resources.now()

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import anyio
 
 from kvtier.pools._cuda_stream import loop_scheduler
+from kvtier.pools._cuda_thread import QueueThread
 from kvtier.pools._cupy import CudaRuntime
 
 __all__ = ["CudaCaller"]
@@ -30,16 +31,14 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class CudaCaller:
+class CudaCaller(QueueThread):
     """One thread that runs the pool's CUDA calls in the order they were asked for."""
 
     def __init__(self, runtime: CudaRuntime, device: int) -> None:
+        super().__init__()
         self._runtime = runtime
         self.device = device
         self._jobs: deque[Callable[[], None]] = deque()
-        self._cv = threading.Condition()
-        self._stopping = False
-        self._thread: threading.Thread | None = None
 
     async def run(self, call: Callable[..., T], *args: Any, shielded: bool = True) -> T:
         """``call(*args)`` on the caller thread; its result or its error. Not abandoned on
@@ -98,14 +97,3 @@ class CudaCaller:
                     return
                 job = self._jobs.popleft()
             job()
-
-    def stop(self, timeout: float) -> bool:
-        """End the thread once its jobs ran (a worker thread calls this at close); False
-        when it is still in a call after ``timeout`` seconds."""
-        with self._cv:
-            self._stopping = True
-            self._cv.notify()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            return not self._thread.is_alive()
-        return True

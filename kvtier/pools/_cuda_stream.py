@@ -42,6 +42,7 @@ import anyio.from_thread
 import anyio.lowlevel
 import numpy as np
 
+from kvtier.pools._cuda_thread import QueueThread
 from kvtier.pools._cupy import CudaRuntime
 
 __all__ = ["Completion", "Lane", "StagingBuffer", "StagingPool", "loop_scheduler", "until_done"]
@@ -218,11 +219,12 @@ def until_done(
         delay = min(2 * delay, _RETRY_MOST)
 
 
-class Lane:
+class Lane(QueueThread):
     """One copy direction: a non-blocking stream, a free list of events and the waiter
     thread that resolves the lane's completions in order."""
 
     def __init__(self, runtime: CudaRuntime, device: int, name: str) -> None:
+        super().__init__()
         self._runtime = runtime
         self.device = device
         self.name = name
@@ -231,9 +233,6 @@ class Lane:
         self._events: list[int] = []  # recorded and completed: free to record again
         self._queue: deque[tuple[int | None, Completion, _Schedule, BaseException | None]]
         self._queue = deque()
-        self._cv = threading.Condition()
-        self._stopping = False
-        self._thread: threading.Thread | None = None
         self.pending = 0
 
     def mark(
@@ -320,17 +319,6 @@ class Lane:
         if event is not None and error is None:
             with self._cv:
                 self._events.append(event)
-
-    def stop(self, timeout: float) -> bool:
-        """End the waiter once its queue is empty (a worker thread calls this at close);
-        False when it is still waiting on a copy after ``timeout`` seconds."""
-        with self._cv:
-            self._stopping = True
-            self._cv.notify()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            return not self._thread.is_alive()
-        return True
 
     def destroy(self) -> None:
         """Destroy the stream and the events (after ``stop`` returned True; on a thread

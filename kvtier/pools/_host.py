@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import mmap
+import os
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, cast
@@ -13,7 +14,9 @@ from typing import TYPE_CHECKING, cast
 import anyio.to_thread
 
 from kvtier.common._buffers import LOOP_COPY_BYTES, BlockBuffer
+from kvtier.common._errors import InvalidArgumentError
 from kvtier.common._lending import Lender, Release
+from kvtier.common._settings import positive_int
 from kvtier.pools._base import BatchSink, BatchSource, ByteSink, ByteSource, PrimaryPool
 from kvtier.pools._policy import EvictionPolicy
 from kvtier.pools._slots import SlotTable
@@ -22,11 +25,39 @@ if TYPE_CHECKING:
     from kvtier.pools._cupy import CudaRuntime
     from kvtier.pools._host_gpu import GpuCopies
 
-__all__ = ["HostPool"]
+__all__ = ["HostPool", "check_host_memory", "host_memory_bytes"]
 
 logger = logging.getLogger(__name__)
 
 _Pairs = list[tuple[memoryview, memoryview]]
+
+
+def host_memory_bytes() -> tuple[int, str] | None:
+    """The machine's physical memory, and what that figure is; None where it cannot be read.
+    Physical, not available, memory: the page cache counts as used yet gives way to a pool,
+    so refusing above what is free today would refuse pools that fit. ``sysconf`` opens no
+    file, so the check may run on the event loop."""
+    try:
+        pages, page = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return (pages * page, "physical memory") if pages > 0 and page > 0 else None
+
+
+def check_host_memory(nbytes: int, limit: tuple[int, str] | None = None) -> None:
+    """Refuse a pool larger than the memory the machine has, before anything is allocated:
+    the mapping would otherwise fail with a bare ``ENOMEM``, or, prefaulted, bring in the OOM
+    killer, which ends the process without a word. ``limit`` stands in for the machine's
+    figure (tests)."""
+    have = host_memory_bytes() if limit is None else limit
+    if have is None or nbytes <= have[0]:
+        return
+    size, what = have
+    raise InvalidArgumentError(
+        f"a host pool of {nbytes:,} bytes ({nbytes / 2**30:.1f} GiB: num_blocks x block_bytes) "
+        f"does not fit in this machine's {what} of {size:,} bytes ({size / 2**30:.1f} GiB): "
+        "lower num_blocks or block_bytes"
+    )
 
 
 class HostPool(PrimaryPool):
@@ -51,6 +82,9 @@ class HostPool(PrimaryPool):
         prefault: bool = True,
         runtime: CudaRuntime | None = None,
     ) -> None:
+        check_host_memory(
+            positive_int(num_blocks, "num_blocks") * positive_int(block_bytes, "block_bytes")
+        )
         super().__init__(num_blocks, block_bytes, policy=policy)
         # MAP_POPULATE faults every page in now, once, so the first write into a slot (often a
         # promotion on the request path) does not pay for page faults.

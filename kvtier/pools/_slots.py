@@ -32,6 +32,8 @@ __all__ = ["PoolStatistics", "SlotState", "SlotTable"]
 
 
 class SlotState(IntEnum):
+    """Where a slot is in its life: free, being written, or ready to read."""
+
     FREE = 0
     WRITING = 1
     READY = 2
@@ -39,6 +41,8 @@ class SlotState(IntEnum):
 
 @dataclass(frozen=True, slots=True)
 class PoolStatistics:
+    """A pool's slots by state, its size, and what it counted since it opened."""
+
     num_blocks: int
     block_bytes: int
     free: int

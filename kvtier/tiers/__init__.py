@@ -1,4 +1,13 @@
-"""Secondary tiers: the interface, the async lookup helper, and the tiers kvtier ships."""
+"""Secondary tiers: the interface, the async lookup helper, and the tiers kvtier ships.
+
+- ``_base``: ``SecondaryTier``, the interface every tier implements, and its statistics;
+- ``_checks``: the batched existence checks the FS (shared) and S3 (ask) tiers build alike;
+- ``_async_lookup``: ``AsyncLookupManager``, batched existence checks that answer RETRY while
+  they are in flight;
+- ``_memory``: ``MemoryTier``, a tier in this process's memory (tests, examples);
+- ``fs``: the filesystem tier;
+- ``s3``: the S3 tier and its fleet index.
+"""
 
 from __future__ import annotations
 

@@ -27,26 +27,24 @@ from typing import Self
 
 import anyio
 import anyio.abc
+from anyio.abc import AsyncResource
 
+from kvtier.common._background import cancel_task_group, enter_task_group
 from kvtier.common._errors import TierError
 from kvtier.common._logging import BurstLogger
-from kvtier.common._lookup import LookupResult, MissReason
-from kvtier.common._resource import AsyncResource
+from kvtier.common._lookup import HIT, RETRY, LookupResult, MissReason
 from kvtier.common._settings import positive_int, positive_number
-from kvtier.common._verdicts import PRESENT, VerdictStore, code_of, reason_of
-from kvtier.tiers._base import LookupCounts, LookupStatistics
+from kvtier.common._verdicts import PRESENT, VerdictStore, code_of, reason_of_code
+from kvtier.tiers._base import CountedLookups, LookupStatistics
 
 __all__ = ["AsyncLookupManager"]
 
 logger = logging.getLogger(__name__)
 
 ContainsMany = Callable[[list[bytes]], Awaitable[list[bool]]]
-# Bound once: an enum member read through its class costs more than the rest of a cached
-# answer in ``lookup``.
-HIT, RETRY = LookupResult.HIT, LookupResult.RETRY
 
 
-class AsyncLookupManager(LookupCounts, AsyncResource):
+class AsyncLookupManager(CountedLookups, AsyncResource):
     """Batched, coalesced, cached existence checks behind a synchronous ``lookup()``."""
 
     def __init__(
@@ -108,9 +106,7 @@ class AsyncLookupManager(LookupCounts, AsyncResource):
     async def __aenter__(self) -> Self:
         if self._task_group is not None:
             raise RuntimeError("AsyncLookupManager is already open")
-        tg = anyio.create_task_group()
-        await tg.__aenter__()
-        self._task_group = tg
+        self._task_group = tg = await enter_task_group()
         tg.start_soon(self._run, tg)
         return self
 
@@ -119,8 +115,7 @@ class AsyncLookupManager(LookupCounts, AsyncResource):
         tg, self._task_group = self._task_group, None
         if tg is None:
             return
-        tg.cancel_scope.cancel()
-        await tg.__aexit__(None, None, None)  # children are cancelled: this returns promptly
+        await cancel_task_group(tg)
         dropped = list(self._pending)
         self._pending.clear()
         self._in_flight.clear()
@@ -135,7 +130,7 @@ class AsyncLookupManager(LookupCounts, AsyncResource):
             if code == PRESENT:
                 self._hits += 1
                 return HIT
-            return self._miss(reason_of(code))
+            return self._miss(reason_of_code(code))
         if key in self._pending or key in self._in_flight:
             self._retries += 1
             return RETRY

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Self, TypeVar
 
 import anyio
+from anyio.abc import AsyncResource
 
 from kvtier.common._describe import describe
 from kvtier.common._errors import (
@@ -24,12 +25,11 @@ from kvtier.common._errors import (
 from kvtier.common._freeze import snapshot
 from kvtier.common._lending import Lender
 from kvtier.common._logging import BurstLogger
-from kvtier.common._lookup import LookupResult, MissReason
-from kvtier.common._resource import AsyncResource
+from kvtier.common._lookup import MISS, LookupResult, MissReason
 
 __all__ = [
     "BatchResults",
-    "LookupCounts",
+    "CountedLookups",
     "LookupStatistics",
     "SecondaryTier",
     "TierMeter",
@@ -44,7 +44,6 @@ _Result = TypeVar("_Result")
 BatchResults = list[TierError | None]
 
 _log = BurstLogger(logging.getLogger(__name__))
-_MISS = LookupResult.MISS  # bound once: read through the enum it costs more than a miss
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +63,9 @@ class LookupStatistics:
 
 @dataclass(frozen=True, slots=True)
 class TierStatistics:
+    """What one tier has done and holds: lookups, loads, stores, deletes, bytes and seconds
+    each way, failures by reason, and its size; a snapshot from ``tier.statistics()``."""
+
     name: str
     lookups: LookupStatistics
     loads: int = 0
@@ -85,7 +87,7 @@ class TierStatistics:
     loads_on_loop: int = 0
 
 
-class LookupCounts(ABC):
+class CountedLookups(ABC):
     """The answers of a lookup helper (``AsyncLookupManager``, the FS index), counted, and
     the reason of its latest miss: a helper answers every ``MISS`` through ``_miss``, so
     ``lookup_with_reason`` has the reason at hand with the answer, at no cost to a hit."""
@@ -103,13 +105,13 @@ class LookupCounts(ABC):
     def lookup_with_reason(self, key: bytes) -> tuple[LookupResult, MissReason | None]:
         """``lookup(key)`` and, for a ``MISS``, the reason it was counted under."""
         result = self.lookup(key)
-        return result, (self._last_miss if result is _MISS else None)
+        return result, (self._last_miss if result is MISS else None)
 
     def _miss(self, reason: MissReason) -> LookupResult:
         self._misses += 1
         self._miss_reasons[reason.value] = self._miss_reasons.get(reason.value, 0) + 1
         self._last_miss = reason
-        return _MISS
+        return MISS
 
 
 @dataclass(slots=True)

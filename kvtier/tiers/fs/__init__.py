@@ -29,7 +29,7 @@ What makes it trustworthy:
   tier write, read or delete outside its root.
 - **Never blocks the loop.** Each operation is one call in a worker thread (``anyio.to_thread``,
   bounded by ``max_concurrency`` for reads and ``max_write_concurrency`` for write-through);
-  see ``_io`` and ``_read``. aiofiles would cost one thread hop per OS call
+  see ``_write`` and ``_read``. aiofiles would cost one thread hop per OS call
   (open, write, fsync, close, rename: five per store) and could be abandoned between them by a
   cancellation, leaving a temporary file behind; one hop per operation is faster and atomic.
   One exception: a ``load_many`` (what promotions call) of at most ``loop_read_bytes``
@@ -104,11 +104,12 @@ its
   not expire (only the bounded verdict cache drops the oldest), so that check rarely comes
   first: the bound is the next load, which the manager makes only of a block it is about to
   use, so a stale HIT costs one failed read. The owner's bound is the same (``_index``).
-- **Signed blocks.** With ``integrity_key`` every block carries a keyed BLAKE2b MAC and only
-  blocks that verify are served (anything else is a ``corrupt`` miss): someone who can write
-  to a shared folder can no longer publish a block for a key. The folder marker names the key's
-  public fingerprint, so a node without the key, or with another, refuses the folder at open
-  rather than calling its peers' blocks corrupt. See ``kvtier.common._format``.
+- **Signed blocks.** With ``integrity_key`` every block carries a keyed BLAKE3 MAC (blocks
+  signed with keyed BLAKE2b before still verify) and only blocks that verify are served
+  (anything else is a ``corrupt`` miss): someone who can write to a shared folder can no
+  longer publish a block for a key. The folder marker names the key's public fingerprint, so
+  a node without the key, or with another, refuses the folder at open rather than calling its
+  peers' blocks corrupt. See ``kvtier.common._format``.
 
 The ``fsync`` policy (what a store costs against what a crash of the *machine* can lose; a
 crash of the process, kill -9 included, loses nothing that ``store`` returned under any policy,
@@ -133,10 +134,15 @@ around a synchronous core, the way httpcore's pool is a state machine with I/O o
   to kvtier errors, once, for single blocks and batches alike.
 - ``_batch``: ``load_many``/``store_many`` in a few thread hops.
 - ``_blocks``: the worker threads, buffers and limits; whose memory a block passes through.
-- ``_io`` (open a root, write, check, remove) and ``_read`` (read and verify): the blocking
-  file work, one function per operation; ``_cached``: page-cached reads on the loop.
-- ``_layout``: names, shard folders, the marker and the descriptor-based walk; ``_root``:
-  making a root, clearing dead writers' temporary files, the O_DIRECT probe.
+- ``_write`` (publish a block, remove one), ``_read`` (read one back and verify it) and
+  ``_exists`` (a batch of existence checks): the blocking file work, one function per
+  operation; ``_cached``: page-cached reads on the loop.
+- ``_geometry``: where a block file's bytes sit (format version, header region) and the sizes
+  of the aligned buffers that carry them.
+- ``_layout``: names, shard folders, the marker, how files are opened (no links, O_DIRECT;
+  ``_beneath``: the ``openat2`` call that stays beneath the root) and the descriptor-based
+  walk; ``_root``: making a root, clearing dead writers' temporary files, listing its
+  blocks, the O_DIRECT probe, and ``UnusableRootError``.
 - ``_calls``: worker calls a deadline can walk away from; ``_index``: the owner's lookups;
   ``_ownership``: the folder's locks, and who owns or shares the folder; ``_marker``: the
   marker and the identity manifest; ``_keeper``: the folder's own files from open to
@@ -146,7 +152,7 @@ around a synchronous core, the way httpcore's pool is a state machine with I/O o
 from __future__ import annotations
 
 from kvtier.tiers.fs._config import FSYNC_POLICIES, FSConfig
-from kvtier.tiers.fs._io import UnusableRootError
+from kvtier.tiers.fs._root import UnusableRootError
 from kvtier.tiers.fs._tier import FSTier
 
 __all__ = ["FSYNC_POLICIES", "FSConfig", "FSTier", "UnusableRootError"]

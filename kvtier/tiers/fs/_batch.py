@@ -24,12 +24,12 @@ from kvtier.common._errors import InvalidArgumentError, TierError, TierNoSpaceEr
 from kvtier.common._lending import Lender, Release
 from kvtier.tiers._base import BatchResults, run_each
 from kvtier.tiers.fs import _blocks
-from kvtier.tiers.fs import _io as io
 from kvtier.tiers.fs._blocks import BlockFiles
 from kvtier.tiers.fs._calls import Handoff, Stuck
 from kvtier.tiers.fs._catalog import Reservation
 from kvtier.tiers.fs._layout import name_of
 from kvtier.tiers.fs._ledger import Ledger
+from kvtier.tiers.fs._read import Corrupt, ReadOutcome, WrongSize
 
 __all__ = ["Batch", "load_many", "store_many"]
 
@@ -106,7 +106,7 @@ def _read_cached(batch: Batch, since: int) -> list[int]:
             if region is None or not cached.read(root, name, key, view, region):
                 return list(range(i, n))
             seconds = time.perf_counter() - started
-            batch.results[i] = _loaded(batch, i, io.ReadOutcome.LOADED, since, [], seconds)
+            batch.results[i] = _loaded(batch, i, ReadOutcome.LOADED, since, [], seconds)
             batch.ledger.meter.loads_on_loop += 1
     finally:
         os.close(root)
@@ -131,10 +131,10 @@ async def _load_run(batch: Batch, run: list[int], wrong: list[str], since: int) 
                 local[j] = _RUNNING
             outcome: object = _RUNNING
             try:
-                outcome = _blocks.read_block(
+                outcome = _blocks.read_into_slot(
                     files, call, keys[i], names[i], views[i], private=_private(batch)
                 )
-            except (io.Corrupt, io.WrongSize, OSError) as exc:
+            except (Corrupt, WrongSize, OSError) as exc:
                 outcome = exc
             finally:
                 with call.holding():
@@ -171,14 +171,14 @@ def _loaded(
 ) -> TierError | None:
     """The bookkeeping of one block of a batch load, as ``load`` does it for one."""
     ledger, key, name, view = batch.ledger, batch.keys[i], batch.names[i], batch.views[i]
-    if outcome is io.ReadOutcome.LOADED:
+    if outcome is ReadOutcome.LOADED:
         ledger.loaded(key, name, view.nbytes, seconds)
         return None
-    if outcome is io.ReadOutcome.MISSING:
+    if outcome is ReadOutcome.MISSING:
         return ledger.missing(key, name, since)
-    if isinstance(outcome, io.Corrupt):
+    if isinstance(outcome, Corrupt):
         return ledger.corrupt(key, name, since, str(outcome))
-    if isinstance(outcome, io.WrongSize):
+    if isinstance(outcome, WrongSize):
         wrong.append(
             f"dst holds {view.nbytes} bytes but block {key.hex()} is {outcome.stored} bytes"
         )
@@ -289,7 +289,7 @@ async def _store_run(batch: Batch, part: list[tuple[int, Reservation]], full: li
                 return
             outcome: object
             try:
-                outcome = _blocks.write_block(
+                outcome = _blocks.write_from_slot(
                     files,
                     call,
                     res.key,

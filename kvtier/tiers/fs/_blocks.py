@@ -6,14 +6,15 @@ and one thread limiter per kind of work. Reads (promotions) and writes (write-th
 threads of their own, so a burst of stores never queues the loads a request waits on, and
 existence checks have their own few, so they are never queued behind write-through either.
 
-``read_block`` and ``write_block`` decide, for one block in a worker thread, whether the bytes
-go straight between the file and the caller's memory or through a private buffer of the
-tier's: always for a call that may be abandoned at a deadline (so an abandoned thread never
+``read_into_slot`` and ``write_from_slot`` decide, for one block in a worker thread, whether
+the bytes go straight between the file and the caller's memory or through a private buffer of
+the tier's: always for a call that may be abandoned at a deadline (so an abandoned thread never
 touches pool memory) unless the caller lent its buffers (``kvtier.common._lending``: it keeps the
 ones a thread left running may still write), and always with O_DIRECT when header and payload
 must sit side by side in one aligned buffer (a format 1 file, an unaligned buffer).
 ``FSTier``'s ``load`` and ``store`` and the batch runs in ``_batch`` all call them; the file
-format itself is ``_io``'s and ``_read``'s.
+work itself is ``_write``'s and ``_read``'s, and the sizes of files and buffers
+``_geometry``'s.
 """
 
 from __future__ import annotations
@@ -26,14 +27,15 @@ from typing import Any
 import anyio
 
 from kvtier.common._format import ALIGNED_FORMAT_VERSION, IntegrityKey, header_size
-from kvtier.tiers.fs import _io as io
-from kvtier.tiers.fs import _read
+from kvtier.tiers.fs import _geometry as geometry
 from kvtier.tiers.fs._cached import CachedReads
-from kvtier.tiers.fs._calls import BufferPool, Handoff, WorkerCalls
+from kvtier.tiers.fs._calls import BufferPool, Handoff, WorkerCalls, copy_bytes
 from kvtier.tiers.fs._config import FSConfig
 from kvtier.tiers.fs._keeper import FolderKeeper
+from kvtier.tiers.fs._read import ReadOutcome, read_verified
+from kvtier.tiers.fs._write import WriteOutcome, write_block
 
-__all__ = ["BlockFiles", "read_block", "write_block"]
+__all__ = ["BlockFiles", "read_into_slot", "write_from_slot"]
 
 
 class BlockFiles:
@@ -72,19 +74,19 @@ class BlockFiles:
 
     def region_size(self, key: bytes, payload_bytes: int) -> int:
         """Bytes before the payload in the file this tier writes for the block."""
-        return io.region_size(self.header_size(key), payload_bytes)
+        return geometry.region_size(self.header_size(key), payload_bytes)
 
     def cached_region(self, key: bytes, view: memoryview) -> int | None:
         """Bytes before the payload when a block for ``view`` may be read from the page
         cache on the loop (``CachedReads``): a version 2 file; None otherwise."""
-        if io.file_version(view.nbytes) != ALIGNED_FORMAT_VERSION:
+        if geometry.file_version(view.nbytes) != ALIGNED_FORMAT_VERSION:
             return None
         return self.region_size(key, view.nbytes)
 
     def zero_copy(self, view: memoryview) -> bool:
         """Whether O_DIRECT moves the block between its file and ``view`` with no copy."""
-        aligned_file = io.file_version(view.nbytes) == ALIGNED_FORMAT_VERSION
-        return self.direct and aligned_file and io.aligned(view)
+        aligned_file = geometry.file_version(view.nbytes) == ALIGNED_FORMAT_VERSION
+        return self.direct and aligned_file and geometry.aligned(view)
 
 
 def _usable(files: BlockFiles) -> None:
@@ -95,26 +97,26 @@ def _usable(files: BlockFiles) -> None:
         raise OSError(errno.ESTALE, refused)
 
 
-def read_block(
+def read_into_slot(
     files: BlockFiles, call: Handoff, key: bytes, name: str, view: memoryview, *, private: bool
-) -> io.ReadOutcome:
+) -> ReadOutcome:
     """Read and verify one block (in a worker thread). ``private``: through a buffer of
     the tier's, copied into ``view`` inside ``touching()``; else straight into ``view`` (with
     O_DIRECT when ``view`` is aligned, else through an aligned buffer anyway)."""
     _usable(files)
     if not (private or files.direct):
-        return _read.read_block(
+        return read_verified(
             files.root, name, key, view, None, call.touching, integrity_key=files.integrity_key
         )
     # Without a copy: an aligned buffer for the header page only. Else: one for the pieces.
     zero_copy = not private and files.zero_copy(view)
     if zero_copy:  # and a page more, to tell a file longer than it should be
-        size = files.region_size(key, view.nbytes) + io.ALIGN
+        size = files.region_size(key, view.nbytes) + geometry.ALIGN
     else:
-        size = _read.scratch_size(files.direct, files.header_size(key), view.nbytes)
+        size = geometry.scratch_size(files.direct, files.header_size(key), view.nbytes)
     buf = files.buffers.take(size)
     try:
-        return _read.read_block(
+        return read_verified(
             files.root,
             name,
             key,
@@ -129,7 +131,7 @@ def read_block(
         files.buffers.give(buf)
 
 
-def write_block(
+def write_from_slot(
     files: BlockFiles,
     call: Handoff,
     key: bytes,
@@ -139,7 +141,7 @@ def write_block(
     *,
     private: bool,
     started: Callable[[], None] | None = None,
-) -> tuple[io.WriteOutcome, int]:
+) -> tuple[WriteOutcome, int]:
     """Publish one block (in a worker thread). ``private``: copy the payload out of the
     caller's memory first, inside ``touching()``; else write from it (with O_DIRECT straight
     from it when it is aligned, else through an aligned copy). ``started`` is called, under
@@ -148,7 +150,7 @@ def write_block(
     hlen = files.region_size(key, payload.nbytes)
     zero_copy = not private and files.zero_copy(payload)
     copied = (private or files.direct) and not zero_copy
-    size = io.staging_size(hlen, payload.nbytes) if copied else hlen if zero_copy else 0
+    size = geometry.staging_size(hlen, payload.nbytes) if copied else hlen if zero_copy else 0
     buf = files.buffers.take(size) if size else None
     try:
         region = memoryview(buf) if zero_copy and buf is not None else None
@@ -156,10 +158,10 @@ def write_block(
         body = payload if staging is None else staging[hlen : hlen + payload.nbytes]
         with call.touching() if copied else call.holding():
             if staging is not None:
-                io.copy_bytes(body, payload)
+                copy_bytes(body, payload)
             if started is not None:
                 started()
-        return io.write_block(
+        return write_block(
             files.root,
             name,
             key,

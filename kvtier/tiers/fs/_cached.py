@@ -33,9 +33,8 @@ from kvtier.tiers.fs._beneath import (
     UNSUPPORTED,
     Openat2,
 )
-from kvtier.tiers.fs._io import WrongSize
 from kvtier.tiers.fs._layout import O_NOFOLLOW, shard_path
-from kvtier.tiers.fs._read import all_cached, checked_header, knows_cache
+from kvtier.tiers.fs._read import WrongSize, all_cached, checked_header, knows_cache
 
 __all__ = ["CachedReads"]
 

@@ -38,8 +38,9 @@ from typing import Generic, TypeVar
 
 import anyio
 import anyio.to_thread
+import numpy as np
 
-__all__ = ["Abandoned", "BufferPool", "Handoff", "OnLate", "Stuck", "WorkerCalls"]
+__all__ = ["Abandoned", "BufferPool", "Handoff", "OnLate", "Stuck", "WorkerCalls", "copy_bytes"]
 
 T = TypeVar("T")
 OnLate = Callable[[T | None, BaseException | None], None]
@@ -203,3 +204,9 @@ class BufferPool:
             free = self._free.setdefault(len(buf), [])
             if len(free) < self._keep and len(self._free) <= 4:
                 free.append(buf)
+
+
+def copy_bytes(dst: memoryview, src: memoryview | bytearray) -> None:
+    """memcpy without holding the GIL (numpy releases it), so copying threads run in parallel:
+    the one copy ``Handoff.touching()`` guards, between a private buffer and the caller's."""
+    np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8))

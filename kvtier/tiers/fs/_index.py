@@ -25,18 +25,16 @@ import time
 from collections.abc import Callable
 from typing import Self
 
-from kvtier.common._lookup import LookupResult, MissReason
-from kvtier.common._resource import AsyncResource
-from kvtier.common._verdicts import VerdictStore, code_of, reason_of
-from kvtier.tiers._base import LookupCounts, LookupStatistics
+from anyio.abc import AsyncResource
+
+from kvtier.common._lookup import HIT, LookupResult, MissReason
+from kvtier.common._verdicts import VerdictStore, code_of, reason_of_code
+from kvtier.tiers._base import CountedLookups, LookupStatistics
 
 __all__ = ["IndexLookups"]
 
-# Bound once: an enum member read through its class costs as much as the rest of a lookup.
-HIT = LookupResult.HIT
 
-
-class IndexLookups(LookupCounts, AsyncResource):
+class IndexLookups(CountedLookups, AsyncResource):
     """Synchronous existence answers from ``holds(key)``, plus remembered failures."""
 
     def __init__(
@@ -69,7 +67,7 @@ class IndexLookups(LookupCounts, AsyncResource):
     def lookup(self, key: bytes) -> LookupResult:
         code = self._failed.get(key)
         if code is not None:
-            return self._miss(reason_of(code))
+            return self._miss(reason_of_code(code))
         if not self._open:
             return self._miss(MissReason.UNAVAILABLE)
         if self._holds(key):

@@ -37,7 +37,7 @@ from pathlib import Path
 from kvtier.common._errors import InvalidArgumentError
 from kvtier.common._format import IntegrityKey
 from kvtier.common._identity import CacheIdentity
-from kvtier.tiers.fs import _io as io
+from kvtier.tiers.fs import _root
 from kvtier.tiers.fs._layout import IDENTITY_NAME, MARKER_NAME, Entry, IncompatibleRoot
 from kvtier.tiers.fs._marker import (
     Unmarked,
@@ -49,7 +49,6 @@ from kvtier.tiers.fs._marker import (
 )
 from kvtier.tiers.fs._ownership import Claim, Sharing, claim, in_use
 from kvtier.tiers.fs._read import unlike
-from kvtier.tiers.fs._root import direct_refused, make_root
 
 __all__ = [
     "CHECK_SECONDS",
@@ -134,22 +133,22 @@ class FolderKeeper:
         return self._generation
 
     def prepare(self, probe_direct: bool, generation: int) -> Prepared:
-        """Make the root ready (``_io.prepare_root``), check its identity, probe O_DIRECT,
+        """Make the root ready (``_root.prepare_root``), check its identity, probe O_DIRECT,
         and claim the folder unless this tier holds it already, or was closed since
         ``generation`` (a prepare that hung until after the close claims nothing). Raises
         ``OSError``, ``IncompatibleRoot``, ``FolderBusy`` and the identity errors."""
         with self._lock:
             if self._container is not None:
-                make_root(self._container)
+                _root.make_root(self._container)
             try:
-                entries = io.prepare_root(self.root, self._marker)
+                entries = _root.prepare_root(self.root, self._marker)
             except Unmarked:
                 self._unmarked(generation)
-                entries = io.prepare_root(self.root, self._marker)  # checks the marker now
+                entries = _root.prepare_root(self.root, self._marker)  # checks the marker now
             if self._identity is not None:
                 claim_identity(self.root, self._identity)
             self._marker_inode = _inode(self.root / MARKER_NAME)
-            refused = probe_direct and direct_refused(self.root)
+            refused = probe_direct and _root.direct_refused(self.root)
             self.refused = None
             if self.claim is not None or generation != self._generation:
                 return Prepared(entries, refused, None)

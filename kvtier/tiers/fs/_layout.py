@@ -7,7 +7,7 @@ the name's *last* four hex digits (keys start with a version byte, so the first 
 put every block in one folder). Folders are 0700 and files 0600. A file being written is
 ``.tmp-<host>-<pid>-<random>-<name>`` beside its final place.
 
-This module is the one place that knows that layout. ``FSTier`` (through ``_io`` and
+This module is the one place that knows that layout. ``FSTier`` (through ``_write`` and
 ``_read``) and the ``kvtier`` command line both reach the folder through here, with one
 posture: below the root, folders and files are opened one level at a time from a directory
 descriptor with ``O_NOFOLLOW`` (a block file for reading in one ``openat2`` call that the
@@ -32,7 +32,7 @@ import re
 import secrets
 import socket
 import stat
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +50,7 @@ __all__ = [
     "MARKER_NAME",
     "OWN_PREFIX",
     "O_CLOEXEC",
+    "O_DIRECT",
     "O_NOFOLLOW",
     "READ_FLAGS",
     "STALE_TMP_SECONDS",
@@ -66,6 +67,7 @@ __all__ = [
     "name_of",
     "open_block",
     "open_folder",
+    "open_maybe_direct",
     "open_shard",
     "path_of",
     "remove_if_same",
@@ -101,7 +103,7 @@ _ROOT_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | O_CLOEXEC
 _DIR_FLAGS = _ROOT_FLAGS | O_NOFOLLOW
 # How a block file (or the marker) is opened for reading: never through a link.
 READ_FLAGS = os.O_RDONLY | O_CLOEXEC | O_NOFOLLOW
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
+O_DIRECT = getattr(os, "O_DIRECT", 0)  # 0 where the platform has none
 # Off for the process once the kernel refuses it: then every open walks one level at a time.
 _OPENAT2 = Openat2()
 
@@ -256,7 +258,7 @@ def open_block(root: Path, name: str, flags: int) -> int:
         err = ctypes.get_errno()
         if err == errno.ENOTDIR:
             raise OSError(errno.ELOOP, f"a shard of {name} is not a folder")
-        if err not in UNSUPPORTED or (err == errno.EINVAL and flags & _O_DIRECT):
+        if err not in UNSUPPORTED or (err == errno.EINVAL and flags & O_DIRECT):
             raise OSError(err, os.strerror(err), name)
         _OPENAT2.off()  # this kernel (or a filter in front of it) never takes it
     dir_fd = open_shard(root, name)
@@ -264,6 +266,18 @@ def open_block(root: Path, name: str, flags: int) -> int:
         return os.open(name, flags, FILE_MODE, dir_fd=dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def open_maybe_direct(opener: Callable[[int], int], flags: int, direct: bool) -> tuple[int, bool]:
+    """``opener(flags)`` with O_DIRECT when asked and the file system takes it (EINVAL: it
+    does not); the descriptor and whether it has O_DIRECT."""
+    if direct and O_DIRECT:
+        try:
+            return opener(flags | O_DIRECT), True
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+    return opener(flags), False
 
 
 def open_folder(name: str, dir_fd: int) -> int | None:

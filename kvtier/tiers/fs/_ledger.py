@@ -43,8 +43,9 @@ from kvtier.common._lookup import MissReason
 from kvtier.tiers._base import TierMeter
 from kvtier.tiers.fs._calls import Stuck
 from kvtier.tiers.fs._catalog import Catalog, NoRoom, Reservation
-from kvtier.tiers.fs._io import WriteOutcome, region_size
+from kvtier.tiers.fs._geometry import region_size
 from kvtier.tiers.fs._layout import key_of
+from kvtier.tiers.fs._write import WriteOutcome
 
 __all__ = ["Ledger", "Verdicts"]
 

@@ -1,6 +1,6 @@
 """The blocking half of ``FSTier`` that reads: one block back from its file, verified.
 
-``read_block`` runs in a worker thread and reads a block piece by piece, hashing each piece
+``read_verified`` runs in a worker thread and reads a block piece by piece, hashing each piece
 while it is in the cache, so its bytes count as loaded only once the header (magic, version,
 key, length) and the payload's checksum (or MAC) match; a file that fails is removed, if it is
 still the file that was read. ``_preadv`` is the one OS call that reads, named once so tests
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import enum
 import fcntl
 import mmap
 import os
@@ -33,10 +34,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 
 from kvtier.common._format import (
-    ALIGNED_FORMAT_VERSION,
     FLAG_MAC,
-    FORMAT_VERSION,
-    PAYLOAD_ALIGN,
     BlockHeader,
     HeaderError,
     IntegrityKey,
@@ -44,61 +42,58 @@ from kvtier.common._format import (
     decode_header,
     header_size,
 )
-from kvtier.tiers.fs._io import (
-    ALIGN,
-    O_DIRECT,
-    Corrupt,
-    ReadOutcome,
-    WrongSize,
-    copy_bytes,
-    open_maybe_direct,
-    staging_size,
-)
+from kvtier.tiers.fs._calls import copy_bytes
+from kvtier.tiers.fs._geometry import ALIGN, READ_CHUNK, READ_VERSIONS
 from kvtier.tiers.fs._layout import (
+    O_DIRECT,
     READ_FLAGS,
     Kind,
     key_of,
     name_of,
     open_block,
+    open_maybe_direct,
     open_shard,
     remove_if_same,
     walk,
 )
 
 __all__ = [
-    "DIRECT_CHUNK",
-    "READ_CHUNK",
+    "Corrupt",
+    "ReadOutcome",
+    "WrongSize",
     "all_cached",
     "checked_header",
     "knows_cache",
-    "read_block",
-    "scratch_size",
+    "read_verified",
     "unlike",
 ]
 
 # The OS call that reads, named once so tests can inject a fault at exactly this boundary.
 _preadv = os.preadv
 
-READ_CHUNK = 256 << 10  # small enough to stay in a core's cache between read, hash and copy
-# O_DIRECT reads are synchronous device requests: small ones cost more CPU per byte than the
-# cache misses they save, so a block is read whole, up to this size.
-DIRECT_CHUNK = 4 << 20
+
+class Corrupt(Exception):
+    """The file failed verification; it has been removed."""
 
 
-# The FS tier writes version 2 (the payload aligned for O_DIRECT) and still reads version 1.
-VERSIONS = (FORMAT_VERSION, ALIGNED_FORMAT_VERSION)
+class WrongSize(Exception):
+    """The block is intact but the caller's buffer has another size."""
+
+    def __init__(self, stored: int) -> None:
+        super().__init__(stored)
+        self.stored = stored
+
+
+class ReadOutcome(enum.Enum):
+    LOADED = "loaded"
+    MISSING = "missing"
+
+
 # Any key: what decodes a signed header to read its flags, never to verify a MAC.
 _ANY_KEY = IntegrityKey(bytes(32))
 
 
-def scratch_size(direct: bool, header_bytes: int, payload_bytes: int) -> int:
-    """The private buffer a read of one block goes through (see ``read_block``)."""
-    if not direct:
-        return READ_CHUNK
-    return min(staging_size(header_bytes, payload_bytes), DIRECT_CHUNK)
-
-
-def read_block(
+def read_verified(
     root: Path,
     name: str,
     key: bytes,
@@ -139,11 +134,11 @@ def read_block(
         return ReadOutcome.MISSING
     try:
         if direct and scratch is not None:
-            _read_verified_direct(fd, key, dst, scratch, touching, integrity_key)
+            _read_direct(fd, key, dst, scratch, touching, integrity_key)
         elif direct and region is not None:
             _read_into(fd, key, dst, region, touching, integrity_key)
         else:
-            _read_verified(fd, key, dst, scratch, touching, integrity_key)
+            _read_buffered(fd, key, dst, scratch, touching, integrity_key)
     except HeaderError as exc:
         with contextlib.suppress(OSError):
             _remove_if_same(root, name, fd)
@@ -197,8 +192,8 @@ def _other_settings(fd: int, name: str, integrity_key: IntegrityKey | None) -> b
     without the key), or unsigned and whole where it has one."""
     if integrity_key is None:
         try:
-            head = os.pread(fd, PAYLOAD_ALIGN, 0)
-            header = decode_header(head, integrity_key=_ANY_KEY, versions=VERSIONS)
+            head = os.pread(fd, ALIGN, 0)
+            header = decode_header(head, integrity_key=_ANY_KEY, versions=READ_VERSIONS)
         except HeaderError:
             return False
         return bool(header.flags & FLAG_MAC)
@@ -218,8 +213,8 @@ def _unreadable(fd: int, name: str, integrity_key: IntegrityKey | None) -> str |
 def _verify_file(fd: int, name: str, integrity_key: IntegrityKey | None) -> None:
     """Read the block file ``name`` open at ``fd`` whole and verify it (``HeaderError``)."""
     size = os.fstat(fd).st_size
-    head = os.pread(fd, PAYLOAD_ALIGN, 0)  # any header fits: a key is at most 255 bytes
-    header = decode_header(head, integrity_key=integrity_key, versions=VERSIONS)
+    head = os.pread(fd, ALIGN, 0)  # any header fits: a key is at most 255 bytes
+    header = decode_header(head, integrity_key=integrity_key, versions=READ_VERSIONS)
     key = key_of(name)
     if key is None:  # named by a hash of its key: the name must be that hash
         key = header.key if name_of(header.key) == name else b""
@@ -244,7 +239,7 @@ def _remove_if_same(root: Path, name: str, fd: int) -> None:
         os.close(dir_fd)
 
 
-def _read_verified(
+def _read_buffered(
     fd: int,
     key: bytes,
     dst: memoryview,
@@ -277,7 +272,7 @@ def _read_verified(
     check.finish()
 
 
-def _read_verified_direct(
+def _read_direct(
     fd: int,
     key: bytes,
     dst: memoryview,
@@ -285,7 +280,7 @@ def _read_verified_direct(
     touching: Callable[[], AbstractContextManager[None]],
     integrity_key: IntegrityKey | None,
 ) -> None:
-    """``_read_verified`` for a file opened with O_DIRECT: reads start at aligned offsets,
+    """``_read_buffered`` for a file opened with O_DIRECT: reads start at aligned offsets,
     so the header arrives with the first piece of the payload."""
     size = os.fstat(fd).st_size
     hlen = header_size(len(key), integrity_key=integrity_key)
@@ -345,7 +340,7 @@ def _read_into(
             return
     if not buffered:
         _set_direct(fd, False)
-    _read_verified(fd, key, dst, None, touching, integrity_key)
+    _read_buffered(fd, key, dst, None, touching, integrity_key)
 
 
 class _CacheRange(ctypes.Structure):
@@ -399,7 +394,7 @@ def checked_header(
     integrity_key: IntegrityKey | None,
 ) -> BlockHeader:
     """The header of a file of ``size`` bytes meant to hold ``key``'s block for ``dst``."""
-    header = decode_header(raw, integrity_key=integrity_key, versions=VERSIONS)
+    header = decode_header(raw, integrity_key=integrity_key, versions=READ_VERSIONS)
     if header.key != key:
         raise HeaderError("block belongs to another key")
     expected = header.payload_offset + header.payload_length

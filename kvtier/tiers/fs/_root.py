@@ -1,33 +1,90 @@
-"""Opening an FS tier's root: make it, clear what dead writers left, probe O_DIRECT.
+"""Opening an FS tier's root: make it, clear what dead writers left, list its blocks, probe
+O_DIRECT; and the error an unusable root is at open.
 
-Plain functions that block; ``_io.prepare_root`` and the ``FolderKeeper`` (``_keeper``) call
-them in worker threads when a tier opens its root.
+Plain functions that block; the ``FolderKeeper`` (``_keeper``) calls them in worker threads
+when a tier opens its root.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import mmap
 import os
 import secrets
+import time
 from pathlib import Path
 
-from kvtier.common._format import PAYLOAD_ALIGN
+from kvtier.common._errors import InvalidArgumentError
+from kvtier.tiers.fs._geometry import ALIGN
 from kvtier.tiers.fs._layout import (
     DIR_MODE,
     FILE_MODE,
     HOST_TAG,
+    MARKER,
     O_CLOEXEC,
+    O_DIRECT,
     O_NOFOLLOW,
     STALE_TMP_SECONDS,
+    Entry,
+    Kind,
+    walk,
 )
+from kvtier.tiers.fs._marker import check_marker
 
-__all__ = ["O_DIRECT", "direct_refused", "make_root", "remove_if_stale"]
+__all__ = [
+    "UnusableRootError",
+    "direct_refused",
+    "make_root",
+    "prepare_root",
+    "remove_if_stale",
+]
 
 logger = logging.getLogger("kvtier.tiers.fs")
 
-O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+class UnusableRootError(InvalidArgumentError, OSError):
+    """An FS tier's root cannot be created or written when the tier opens: a configuration
+    error, raised at open with the path and the reason (an ``OSError`` too, as vLLM's own fs
+    tier raises). A root that goes away later (a mount lost) is a runtime fault instead: the
+    tier's operations fail as ``unavailable`` and lookups miss."""
+
+    def __init__(self, path: Path, exc: OSError) -> None:
+        code = errno.errorcode.get(exc.errno or 0, "")
+        reason = f"{code}: {exc.strerror}" if code and exc.strerror else str(exc)
+        self.message = (
+            f"cannot use {str(path)!r} as an FS tier's root: {reason}; give a folder "
+            "that this process can create and write"
+        )
+        InvalidArgumentError.__init__(self, self.message)
+        self.path = path
+        self.reason = reason
+        self.errno = exc.errno
+        self.strerror = exc.strerror
+        self.filename = str(path)
+
+    def __str__(self) -> str:  # OSError's would show only the errno and the path
+        return self.message
+
+
+def prepare_root(root: Path, marker: dict[str, object] | None = None) -> list[Entry]:
+    """Make ``root`` usable and list its blocks, oldest first.
+
+    Creates the root and its missing parents (``make_root``), checks or writes the format
+    marker, removes temporary files whose writer is gone, and lists every block file.
+    """
+    make_root(root)
+    check_marker(root, MARKER if marker is None else marker)
+    entries: list[Entry] = []
+    now = time.time()
+    for item in walk(root):
+        if item.kind is Kind.BLOCK:
+            entries.append(Entry(item.parts[-1], item.size, item.mtime))
+        elif item.kind is Kind.TEMPORARY:
+            remove_if_stale(item.folder, item.parts[-1], now)
+    entries.sort(key=lambda e: e.mtime)
+    return entries
 
 
 def make_root(root: Path) -> None:
@@ -97,7 +154,7 @@ def direct_refused(root: Path) -> str | None:
     except OSError as exc:
         return f"opening with O_DIRECT failed: {exc.strerror or exc}"
     try:
-        with mmap.mmap(-1, PAYLOAD_ALIGN) as page:
+        with mmap.mmap(-1, ALIGN) as page:
             os.write(fd, page)
         return None
     except OSError as exc:

@@ -2,7 +2,7 @@
 
 The shell takes its settings from one ``FSConfig`` (``_config``: names, defaults and checks),
 opens and closes, and for each operation awaits the file work in
-a worker thread (``_blocks``, ``_io``, ``_read``) between two synchronous steps: before, the
+a worker thread (``_blocks``, ``_write``, ``_read``) between two synchronous steps: before, the
 ``Catalog`` reserves room and marks the key being stored; after, the ``Ledger`` books the
 outcome (catalog, counters, verdicts, notices, errors). ``lookup`` is synchronous: a key
 being stored answers ``RETRY``, any other is the lookup helper's (``AsyncLookupManager`` for a
@@ -25,6 +25,7 @@ from typing import Unpack, cast
 import anyio
 import anyio.abc
 
+from kvtier.common._background import cancel_task_group, enter_task_group
 from kvtier.common._describe import describe
 from kvtier.common._errors import InvalidArgumentError
 from kvtier.common._events import EventBuffer, EventKind
@@ -41,17 +42,20 @@ from kvtier.tiers._base import (
 )
 from kvtier.tiers._checks import existence_checks
 from kvtier.tiers.fs import _batch, _blocks
-from kvtier.tiers.fs import _io as io
 from kvtier.tiers.fs._blocks import BlockFiles
 from kvtier.tiers.fs._calls import Abandoned, Handoff, OnLate, Stuck
 from kvtier.tiers.fs._catalog import Catalog, Reservation
 from kvtier.tiers.fs._config import FSConfig, FSOverrides
+from kvtier.tiers.fs._exists import stat_many
 from kvtier.tiers.fs._index import IndexLookups
 from kvtier.tiers.fs._keeper import FolderKeeper
 from kvtier.tiers.fs._layout import IncompatibleRoot, name_of
 from kvtier.tiers.fs._ledger import Ledger
 from kvtier.tiers.fs._ownership import FolderBusy
+from kvtier.tiers.fs._read import Corrupt, ReadOutcome, WrongSize
+from kvtier.tiers.fs._root import UnusableRootError
 from kvtier.tiers.fs._upkeep import Upkeep
+from kvtier.tiers.fs._write import WriteOutcome, remove_block
 
 __all__ = ["FSTier"]
 
@@ -139,8 +143,7 @@ class FSTier(SecondaryTier):
         await self._prepare(raise_unavailable=False)
         await self._index.__aenter__()
         await self._checks.__aenter__()
-        self._task_group = tg = anyio.create_task_group()
-        await tg.__aenter__()
+        self._task_group = tg = await enter_task_group()
         tg.start_soon(self._upkeep.run)
 
     async def aclose(self) -> None:
@@ -151,8 +154,7 @@ class FSTier(SecondaryTier):
         tg, self._task_group = self._task_group, None
         try:
             if tg is not None:  # entered after the existence checks' group: left before it
-                tg.cancel_scope.cancel()
-                await tg.__aexit__(None, None, None)
+                await cancel_task_group(tg)
         finally:  # even when the caller is cancelled meanwhile (a manager's open_timeout)
             held, files = self._keeper.close(), self._files
             if held is not None:  # bounded: closing a lock on a dead mount may not return
@@ -175,7 +177,7 @@ class FSTier(SecondaryTier):
         except (OSError, Stuck) as exc:
             self._catalog.ready = False
             if isinstance(exc, OSError) and not raise_unavailable:  # at open: a setting
-                raise io.UnusableRootError(self.root, exc) from exc
+                raise UnusableRootError(self.root, exc) from exc
             self._ledger.warn(
                 "root", "%s: cannot use root %s (%s); tier degraded", self.name, self.root, exc
             )
@@ -236,7 +238,7 @@ class FSTier(SecondaryTier):
         with catalog.watching() as since:
             try:
                 sizes: list[int | None] = await files.calls.run(
-                    lambda _: io.stat_many(root, names), limiter=files.checks
+                    lambda _: stat_many(root, names), limiter=files.checks
                 )
             except (OSError, Stuck) as exc:
                 raise self._ledger.error(exc, "contains") from exc
@@ -253,23 +255,23 @@ class FSTier(SecondaryTier):
         files, ledger = self._files, self._ledger
         files.calls.drain_late()
 
-        def read(call: Handoff) -> io.ReadOutcome:
+        def read(call: Handoff) -> ReadOutcome:
             # Through a private buffer: a thread abandoned mid-read must never write into a
             # pool slot that may already hold another block.
-            return _blocks.read_block(files, call, key, name, view, private=True)
+            return _blocks.read_into_slot(files, call, key, name, view, private=True)
 
         with self._catalog.watching() as since:
             try:
                 outcome = await files.calls.run(read, limiter=files.reads)
-            except io.WrongSize as exc:
+            except WrongSize as exc:
                 raise InvalidArgumentError(
                     f"dst holds {view.nbytes} bytes but block {key.hex()} is {exc.stored} bytes"
                 ) from None
-            except io.Corrupt as exc:
+            except Corrupt as exc:
                 raise ledger.corrupt(key, name, since, str(exc)) from exc
             except (OSError, Stuck) as exc:
                 raise ledger.load_failed(exc, key) from exc
-        if outcome is io.ReadOutcome.MISSING:
+        if outcome is ReadOutcome.MISSING:
             raise ledger.missing(key, name, since)
         ledger.loaded(key, name, view.nbytes, time.perf_counter() - started)
 
@@ -299,10 +301,10 @@ class FSTier(SecondaryTier):
             await self._prepare(raise_unavailable=True)  # counts its own failure
         res = ledger.reserve(key, name, payload.nbytes)
 
-        def write(call: Handoff) -> tuple[io.WriteOutcome, int]:
+        def write(call: Handoff) -> tuple[WriteOutcome, int]:
             # Copy out of the caller's memory (a pool slot) first: once the caller's deadline
             # fires it unpins the slot, and an abandoned write must not read it any more.
-            return _blocks.write_block(
+            return _blocks.write_from_slot(
                 files, call, key, name, payload, res.victim_names, private=True
             )
 
@@ -321,7 +323,7 @@ class FSTier(SecondaryTier):
                 raise ledger.error(exc, "store", key) from exc
             except BaseException as exc:
                 if not call.left_running:  # else the late hook settles it when it finishes
-                    landed = cast("tuple[io.WriteOutcome, int] | None", call.result)  # late
+                    landed = cast("tuple[WriteOutcome, int] | None", call.result)  # late
                     ledger.settle(res, landed, touched=call.started)
                 if isinstance(exc, Stuck):
                     raise ledger.error(exc, "store", key) from exc
@@ -329,11 +331,11 @@ class FSTier(SecondaryTier):
             break
         ledger.stored(res, result, payload.nbytes, time.perf_counter() - started)
 
-    def _late_store(self, res: Reservation) -> OnLate[tuple[io.WriteOutcome, int]]:
+    def _late_store(self, res: Reservation) -> OnLate[tuple[WriteOutcome, int]]:
         """Settles a write abandoned at a deadline once it has finished."""
         ledger = self._ledger
 
-        def late(result: tuple[io.WriteOutcome, int] | None, error: BaseException | None) -> None:
+        def late(result: tuple[WriteOutcome, int] | None, error: BaseException | None) -> None:
             ledger.settle(res, result, touched=not isinstance(error, Abandoned))
 
         return late
@@ -383,9 +385,7 @@ class FSTier(SecondaryTier):
         name = name_of(key)
         root, files = self.root, self._files
         try:
-            removed = await files.calls.run(
-                lambda _: io.remove_block(root, name), limiter=files.reads
-            )
+            removed = await files.calls.run(lambda _: remove_block(root, name), limiter=files.reads)
         except (OSError, Stuck) as exc:
             raise self._ledger.error(exc, "delete", key) from exc
         held = self._catalog.drop(name)

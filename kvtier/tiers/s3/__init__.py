@@ -43,21 +43,22 @@ Choices where the contract leaves room:
   remembered and gets plain puts from then on: the idempotent overwrite is harmless because
   a key always names the same bytes and S3 puts are atomic.
 - Loads copy each socket chunk of the body straight into ``dst`` and check the xxh3
-  checksum over what was written there, chunk by chunk (``_codec.read_block``): one copy
+  checksum over what was written there, chunk by chunk (``_codec.verify_response_into``): one copy
   of the block and no worker-thread hop, so a load costs less client CPU than a raw GET and
   ``read()``. Stores build one ``bytes`` of
   header + payload (one copy of the block, one xxh3 pass, one CRC32 pass), sent as it is up
   to 1 MiB and through a ``BytesIO`` above (``_client.send_bodies_as_given``); the payload
   is not SHA-256 signed (the block carries its own checksum) and botocore adds checksums
-  only where the operation requires them. Building runs on the event loop for blocks up to
-  1 MiB (64 KiB when signed) and in a worker thread above, as does a signed load's MAC
-  check: the hop costs as much CPU as the work on a 256 KiB block.
+  only where the operation requires them. Building runs on the event loop for small blocks
+  and in a worker thread above a size (lower when signed), as does a signed load's MAC
+  check, where the hop costs less CPU than the work (``_core``).
 - Client CPU per request is what decides whether an S3 load beats recomputing the block on a
   machine with few cores: the client's configuration (``_client.client_config``) and the
   retry wrapper (``_requests``) are trimmed for it; ``benchmarks/bench_s3_cpu.py``
   measures it beside raw aiobotocore.
-- Signed blocks: with ``integrity_key`` every object carries a keyed BLAKE2b MAC (see
-  ``kvtier.common._format``) and only objects that verify are served; anything else (unsigned, or
+- Signed blocks: with ``integrity_key`` every object carries a keyed BLAKE3 MAC (see
+  ``kvtier.common._format``; blocks signed with the keyed BLAKE2b of earlier releases still
+  verify) and only objects that verify are served; anything else (unsigned, or
   signed with another key) is a ``corrupt`` miss and is deleted. The prefix's marker
   (``_integrity``) names the key's public fingerprint, so a node with no key or another key
   refuses the prefix at open instead of deleting its peers' blocks; a signing tier refuses a
@@ -90,14 +91,15 @@ the way httpcore's pool is a state machine with I/O outside it.
 - ``_blocks``: loads and stores of block objects and pack sections, around the core.
 - ``_codec``: the block format as an object (build, stream into a buffer and check).
 - ``_pack_format`` (the format, no I/O) and ``_pack`` (group commit of stores, coalesced reads).
-- ``_existence`` (the existence index), ``_journal_format`` (the format, no I/O), ``_listing`` (the
-  listing at open) and ``_sync`` (the journal loop; ``_skew``, its clock check);
+- ``index``, the fleet index: ``_existence`` (the existence index), ``_journal_format`` (the
+  format, no I/O), ``_listing`` (the listing at open) and ``_sync`` (the journal loop;
+  ``_skew``, its clock check);
   ``_snapshot_format`` (the index snapshot format, no I/O) and ``_snapshot`` (writing and reading
   snapshots, so a node opens from one instead of listing the prefix; see docs/scaling.md);
   ``_journal`` (reading and applying segments, for the poll and the digests), ``_digest_format``
   (the journal digest format, no I/O) and ``_digest`` (who digests an interval, and
   reading digests).
-- ``_integrity``: the prefix's integrity marker.
+- ``_integrity``: the prefix's integrity marker; ``_names``: names under the prefix.
 """
 
 from __future__ import annotations

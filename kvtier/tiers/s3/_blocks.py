@@ -35,7 +35,7 @@ from kvtier.common._errors import (
 )
 from kvtier.common._format import FORMAT_VERSION
 from kvtier.common._lookup import MissReason
-from kvtier.tiers.s3._codec import META_FORMAT, build_object, read_block, verify_into
+from kvtier.tiers.s3._codec import META_FORMAT, build_object, verify_into, verify_response_into
 from kvtier.tiers.s3._core import S3Core
 from kvtier.tiers.s3._errors import Fault
 from kvtier.tiers.s3._pack import PackReads, PackWriter, PendingStore
@@ -115,7 +115,7 @@ class BlockObjects:
         core = self.core
         response = await client.get_object(Bucket=core.bucket, Key=core.object_key(key))
         try:
-            problem, head = await read_block(
+            problem, head = await verify_response_into(
                 response,
                 key,
                 dst,

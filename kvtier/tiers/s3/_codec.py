@@ -3,7 +3,7 @@
 The object is the block format of ``kvtier.common._format`` (header, then payload); the payload
 checksum is also written to the object metadata. Reading checks the header in the first
 bytes of the body, then copies each chunk into the destination as it arrives, checking it
-there (``read_block``). Every way an object can be wrong is reported
+there (``verify_response_into``). Every way an object can be wrong is reported
 as a ``problem`` string (the tier turns it into a corrupt miss); a destination of the wrong
 size for an intact block is the caller's error (``InvalidArgumentError``).
 
@@ -43,8 +43,8 @@ __all__ = [
     "build_object",
     "is_newer_format",
     "is_signed",
-    "read_block",
     "verify_into",
+    "verify_response_into",
 ]
 
 META_CHECKSUM = "kvtier-checksum"
@@ -145,7 +145,7 @@ def verify_into(
     return None, head
 
 
-async def read_block(
+async def verify_response_into(
     response: Any,
     key: bytes,
     dst: memoryview,

@@ -150,7 +150,8 @@ class S3Config(Section):
     index_list_timeout: float = field(default=60.0, metadata=spec(parse_seconds))
     index_max_keys: int = field(default=10_000_000, metadata=spec(parse_positive_int))
     # Nodes compact the index into shared snapshots, which a new node loads instead of
-    # listing the prefix (``_snapshot``; about 140 bytes per key).
+    # listing the prefix (``_snapshot``; their size per key: docs/design.md, "Measurements
+    # behind the defaults").
     index_snapshots: bool = field(default=True, metadata=spec(parse_bool))
     # Seconds between snapshots, by the server's clock (None: a quarter of index_lookback;
     # at most half of it, the age past which a snapshot is not loaded).

@@ -47,9 +47,8 @@ __all__ = ["S3Core", "S3TierStatistics"]
 logger = logging.getLogger("kvtier.tiers.s3")
 
 # Building and verifying objects: on the event loop when small, in a worker thread above
-# these sizes. A hop costs about as much CPU as building a 256 KiB object, so unsigned blocks
-# up to 1 MiB stay on the loop; signed ones (the keyed BLAKE3 MAC adds about two thirds) up to
-# 512 KiB, which bounds the loop's time per object about as the unsigned limit does. A load
+# these sizes, where the hop costs less than the work; signed objects cost more to build, so
+# their limit is lower (figures: docs/design.md, "Measurements behind the defaults"). A load
 # streamed from aiohttp checks each chunk as it lands and never hops (``_codec``); the verify
 # threshold applies to a body read whole.
 _THREAD_BUILD_BYTES = LOOP_COPY_BYTES

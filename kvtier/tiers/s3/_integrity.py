@@ -42,18 +42,21 @@ import functools
 import json
 import re
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from kvtier.common._errors import InvalidArgumentError, TierUnavailableError
 from kvtier.common._format import LEGACY_MAC_NAME, MAC_NAME, IntegrityKey
 from kvtier.common._identity import MAX_MANIFEST_BYTES, CacheIdentity, ManifestError, check_manifest
 from kvtier.tiers.s3._errors import Fault
+from kvtier.tiers.s3._names import under_prefix
 from kvtier.tiers.s3._pack_format import PACK_DIR
 from kvtier.tiers.s3._requests import Call, get_bytes
 
 __all__ = [
     "IDENTITY_NAME",
     "MARKER_NAME",
+    "OpenPlace",
     "check_marker",
     "claim_identity",
     "holds_blocks",
@@ -69,8 +72,20 @@ IDENTITY_NAME = "_kvtier_identity.json"  # the cache identity manifest (kvtier.c
 _SHARD = re.compile(r"[0-9a-f]{2}/")
 
 
+@dataclass(frozen=True, slots=True)
+class OpenPlace:
+    """Where a tier opening checks its prefix's markers, and how: its request sender and
+    client, the bucket and prefix, and the tier's name for the errors it raises."""
+
+    call: Call
+    client: Any
+    bucket: str
+    prefix: str
+    tier: str
+
+
 def marker_key(prefix: str) -> str:
-    return f"{prefix}/{MARKER_NAME}" if prefix else MARKER_NAME
+    return under_prefix(prefix, MARKER_NAME)
 
 
 def marker_body(integrity_key: IntegrityKey) -> bytes:
@@ -126,14 +141,10 @@ def holds_blocks(listing: dict[str, Any], prefix: str) -> bool:
 
 
 async def check_marker(
-    call: Call,
-    client: Any,
+    place: OpenPlace,
     *,
-    bucket: str,
-    prefix: str,
     integrity_key: IntegrityKey | None,
     conditional_put: bool,
-    tier: str,
     where: str,
 ) -> bool:
     """Check (and with a key, claim) the prefix's marker at open; raise
@@ -144,6 +155,13 @@ async def check_marker(
     again only when another node won the race. Returns whether conditional puts still look
     supported (False once the server rejected one as not implemented).
     """
+    call, client, bucket, prefix, tier = (
+        place.call,
+        place.client,
+        place.bucket,
+        place.prefix,
+        place.tier,
+    )
     name = marker_key(prefix)
 
     async def get() -> bytes | None:
@@ -260,18 +278,11 @@ async def _get_bounded(client: Any, bucket: str, name: str, most: int) -> bytes:
 
 
 def identity_key(prefix: str) -> str:
-    return f"{prefix}/{IDENTITY_NAME}" if prefix else IDENTITY_NAME
+    return under_prefix(prefix, IDENTITY_NAME)
 
 
 async def claim_identity(
-    call: Call,
-    client: Any,
-    *,
-    bucket: str,
-    prefix: str,
-    identity: CacheIdentity,
-    conditional_put: bool,
-    tier: str,
+    place: OpenPlace, *, identity: CacheIdentity, conditional_put: bool
 ) -> bool:
     """Check that the prefix records ``identity`` (``kvtier.common._identity``), recording it first
     with a conditional put where the prefix records none; raise ``IdentityMismatchError`` or
@@ -279,7 +290,8 @@ async def claim_identity(
     manifest yet. Returns whether conditional puts still look supported. A manifest is never
     replaced; without conditional puts two openers racing on a new prefix may both write,
     and each reads back what stands."""
-    name = identity_key(prefix)
+    call, client, bucket, tier = place.call, place.client, place.bucket, place.tier
+    name = identity_key(place.prefix)
     found = await _get(call, client, bucket, name, MAX_MANIFEST_BYTES)
     if found is None:
         put = functools.partial(client.put_object, Bucket=bucket, Key=name)

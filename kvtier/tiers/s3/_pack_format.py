@@ -33,6 +33,7 @@ import xxhash
 
 from kvtier.common._format import MAX_KEY_BYTES
 from kvtier.tiers.s3._config import MAX_PACK_BLOCKS
+from kvtier.tiers.s3._names import under_prefix
 
 __all__ = [
     "MAX_TABLE_BYTES",
@@ -75,7 +76,7 @@ class PackTableError(ValueError):
 
 
 def _pack_dir(prefix: str) -> str:
-    return f"{prefix}/{PACK_DIR}/" if prefix else f"{PACK_DIR}/"
+    return under_prefix(prefix, f"{PACK_DIR}/")
 
 
 def pack_name(prefix: str, first_key: bytes, writer: str, seq: int) -> str:

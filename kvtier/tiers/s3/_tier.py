@@ -14,6 +14,7 @@ import anyio
 import anyio.abc
 import anyio.to_thread
 
+from kvtier.common._background import cancel_task_group, enter_task_group
 from kvtier.common._describe import describe
 from kvtier.common._errors import (
     ExtraNotInstalledError,
@@ -41,7 +42,7 @@ from kvtier.tiers.s3._client import (
 from kvtier.tiers.s3._config import S3Config, S3Overrides, check_bucket_name
 from kvtier.tiers.s3._core import S3Core, S3TierStatistics
 from kvtier.tiers.s3._errors import Fault
-from kvtier.tiers.s3._integrity import check_marker, claim_identity
+from kvtier.tiers.s3._integrity import OpenPlace, check_marker, claim_identity
 from kvtier.tiers.s3._requests import Requests
 from kvtier.tiers.s3.index._sync import IndexSync
 
@@ -207,9 +208,7 @@ class S3Tier(SecondaryTier):
         # Entered outside the exit stack: task groups must be left in the task that entered
         # them and outside the shielded scope that bounds closing the client.
         await self._lookups.__aenter__()
-        tg = anyio.create_task_group()
-        await tg.__aenter__()
-        self._task_group = tg
+        self._task_group = tg = await enter_task_group()
         tg.start_soon(self._sync.run)
 
     async def _probe(self) -> None:
@@ -228,25 +227,16 @@ class S3Tier(SecondaryTier):
                 tier=self.name,
                 operation="open",
             )
+        place = OpenPlace(self._requests.call, client, self.bucket, self.prefix, self.name)
         core.conditional_put = await check_marker(
-            self._requests.call,
-            client,
-            bucket=self.bucket,
-            prefix=self.prefix,
+            place,
             integrity_key=self.integrity_key,
             conditional_put=core.conditional_put,
-            tier=self.name,
             where=core.where,
         )
         if self.identity is not None:
             core.conditional_put = await claim_identity(
-                self._requests.call,
-                client,
-                bucket=self.bucket,
-                prefix=self.prefix,
-                identity=self.identity,
-                conditional_put=core.conditional_put,
-                tier=self.name,
+                place, identity=self.identity, conditional_put=core.conditional_put
             )
 
     async def _forget_client(self) -> None:
@@ -268,8 +258,7 @@ class S3Tier(SecondaryTier):
             tg, self._task_group = self._task_group, None
             try:
                 if tg is not None:  # entered after the lookups' task group: left before it
-                    tg.cancel_scope.cancel()  # nothing in it is shielded: returns promptly
-                    await tg.__aexit__(None, None, None)
+                    await cancel_task_group(tg)  # nothing in it is shielded: returns promptly
             finally:  # even when the caller is cancelled meanwhile (a manager's open_timeout)
                 await self._lookups.aclose()  # cancels its checks: returns promptly
             with anyio.move_on_after(_CLOSE_TIMEOUT, shield=True):

@@ -1,7 +1,7 @@
 """FSTier's batch calls (``load_many``/``store_many``): partial failures, a corrupt block in
 the middle, capacity, deadlines (pinned and not), and the promises ``load``/``store`` keep.
 
-Real files; where a test needs a hung or failing syscall it replaces ``_fs_io``'s single
+Real files; where a test needs a hung or failing syscall it replaces ``_fs_write``'s single
 boundary (``_preadv``/``_writev``), released by an event, never a sleep.
 """
 
@@ -27,8 +27,9 @@ from kvtier import (
 from kvtier.common._format import header_size
 from kvtier.testing import resolve_lookup
 from kvtier.tiers.fs import FSTier
-from kvtier.tiers.fs import _io as _fs_io
+from kvtier.tiers.fs import _geometry as _fs_geometry
 from kvtier.tiers.fs import _read as _fs_read
+from kvtier.tiers.fs import _write as _fs_write
 from tests.support import Hang, block_files, tmp_files
 from tests.tiers.fs.fs_worker import key_and_data
 
@@ -133,14 +134,14 @@ async def test_capacity_is_kept_block_by_block(tmp_path: Path) -> None:
 async def test_a_failing_write_fails_only_its_block(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = _fs_io._writev
+    real = _fs_write._writev
 
     def flaky(fd: int, buffers: Any) -> int:
         if key(1).hex() in os.readlink(f"/proc/self/fd/{fd}"):  # key 1's temporary file
             raise OSError(5, "Input/output error")
         return real(fd, buffers)
 
-    monkeypatch.setattr(_fs_io, "_writev", flaky)
+    monkeypatch.setattr(_fs_write, "_writev", flaky)
     root = tmp_path / "c"
     async with FSTier(root, max_write_concurrency=1) as tier:
         got = await tier.store_many(
@@ -189,7 +190,7 @@ async def test_pinned_store_deadline_waits_for_io_and_stops_the_rest(
 ) -> None:
     root = tmp_path / "c"
     async with FSTier(root, max_write_concurrency=1) as tier:
-        monkeypatch.setattr(_fs_io, "_writev", hang.wrap(os.writev))
+        monkeypatch.setattr(_fs_write, "_writev", hang.wrap(os.writev))
         result: list[Any] = []
 
         async def store() -> None:
@@ -222,7 +223,7 @@ async def test_unpinned_store_deadline_settles_the_write_it_left(
 ) -> None:
     root = tmp_path / "c"
     async with FSTier(root, max_write_concurrency=1, capacity_bytes=10 * FILE) as tier:
-        monkeypatch.setattr(_fs_io, "_writev", hang.wrap(os.writev))
+        monkeypatch.setattr(_fs_write, "_writev", hang.wrap(os.writev))
         with anyio.fail_after(FAILSAFE / 2):
             got = await tier.store_many(
                 [key(0), key(1)], [memoryview(data(0)), memoryview(data(1))], timeout=0.2
@@ -249,7 +250,7 @@ async def test_direct_and_buffered_write_the_same_files(
     """Files written with O_DIRECT are byte for byte those written through the page cache
     (the format is unchanged), whatever the size's alignment, and each mode reads the
     other's. Small direct pieces make a 20000-byte block take several reads."""
-    monkeypatch.setattr(_fs_read, "DIRECT_CHUNK", 8192)
+    monkeypatch.setattr(_fs_geometry, "DIRECT_CHUNK", 8192)
     blocks = {i: os.urandom(payload) for i in range(4)}
     direct, buffered = tmp_path / "direct", tmp_path / "buffered"
     async with FSTier(direct, direct_io=True) as tier:
@@ -281,7 +282,7 @@ async def test_direct_and_buffered_write_the_same_files(
 async def test_a_corrupt_block_is_caught_by_direct_reads(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_fs_read, "DIRECT_CHUNK", 8192)
+    monkeypatch.setattr(_fs_geometry, "DIRECT_CHUNK", 8192)
     root = tmp_path / "c"
     async with FSTier(root, direct_io=True) as tier:
         if not tier._files.direct:

@@ -21,10 +21,11 @@ from benchmarks.common import drop_cache
 from kvtier import CorruptBlockError, IntegrityKey
 from kvtier.common._format import FORMAT_VERSION, encode_header, header_size
 from kvtier.tiers.fs import FSTier
-from kvtier.tiers.fs import _io as fs_io
+from kvtier.tiers.fs import _geometry as fs_geometry
 from kvtier.tiers.fs import _read as fs_read
-from kvtier.tiers.fs._io import ALIGN
-from kvtier.tiers.fs._layout import MARKER_NAME
+from kvtier.tiers.fs import _write as fs_write
+from kvtier.tiers.fs._geometry import ALIGN
+from kvtier.tiers.fs._layout import MARKER_NAME, O_DIRECT
 from tests.support import block_file, fresh_keys, run_cli
 
 LARGE = 256 << 10  # a whole number of pages, written in version 2
@@ -110,13 +111,13 @@ async def test_direct_pinned_loads_and_stores_move_no_copy(
     tmp_path: Path, preadv_calls: list[list[tuple[int, int]]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     writes: list[list[tuple[int, int]]] = []
-    real_writev = fs_io._writev
+    real_writev = fs_write._writev
 
     def recording(fd: int, views: list[memoryview]) -> int:
         writes.append([(address(v), v.nbytes) for v in views])
         return real_writev(fd, views)
 
-    monkeypatch.setattr(fs_io, "_writev", recording)
+    monkeypatch.setattr(fs_write, "_writev", recording)
     key, data = fresh_keys(1)[0], payload(LARGE, 7)
     async with FSTier(tmp_path / "c", direct_io=True) as tier:
         if not tier._files.direct:
@@ -146,7 +147,7 @@ async def test_a_file_the_page_cache_holds_is_read_from_it(
     real = fs_read._preadv
 
     def recording(fd: int, views: list[memoryview], offset: int, *flags: int) -> int:
-        direct_reads.append(bool(fcntl.fcntl(fd, fcntl.F_GETFL) & fs_io.O_DIRECT))
+        direct_reads.append(bool(fcntl.fcntl(fd, fcntl.F_GETFL) & O_DIRECT))
         return real(fd, views, offset, *flags)
 
     async with FSTier(tmp_path / "c", direct_io=True, loop_read_bytes=0) as tier:
@@ -274,7 +275,7 @@ async def test_a_version_2_file_an_older_reader_sees_is_refused_not_misread(
 
     with pytest.raises(HeaderError, match="format version 2"):
         decode_header(raw[: header_size(16)])
-    assert fs_io.file_version(LARGE) == 2 and fs_io.file_version(SMALL) == 1
+    assert fs_geometry.file_version(LARGE) == 2 and fs_geometry.file_version(SMALL) == 1
 
 
 async def test_a_file_system_that_refuses_o_direct_falls_back_with_a_reason(
@@ -285,7 +286,7 @@ async def test_a_file_system_that_refuses_o_direct_falls_back_with_a_reason(
     real_open = os.open
 
     def refusing(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
-        if flags & fs_io.O_DIRECT:
+        if flags & O_DIRECT:
             raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
         return real_open(path, flags, *args, **kwargs)
 

@@ -15,7 +15,7 @@ import pytest
 from kvtier import HostPool, InvalidArgumentError, LookupResult, MissReason, OffloadScheduler
 from kvtier.manager import TieringManager
 from kvtier.tiers.fs import FSTier
-from kvtier.tiers.fs import _io as _fs_io
+from kvtier.tiers.fs import _exists as _fs_exists
 from tests.tiers.fs.fs_worker import key_and_data
 
 BLOCK = 4096
@@ -32,7 +32,7 @@ def stats(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
         calls.append(path)
         return os.stat(path, *args, **kwargs)
 
-    monkeypatch.setattr(_fs_io, "_stat", counted)
+    monkeypatch.setattr(_fs_exists, "_stat", counted)
     return calls
 
 

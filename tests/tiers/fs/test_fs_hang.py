@@ -1,7 +1,7 @@
 """FSTier on a hung mount: every deadline holds; and stale existence checks.
 
 A real FSTier on real files; the one blocking OS call of the operation under test
-(``_fs_io._stat``, ``_fs_read._preadv`` or ``_fs_io._writev``) is replaced by a call that
+(``_fs_exists._stat``, ``_fs_read._preadv`` or ``_fs_write._writev``) is replaced by a call that
 blocks until the test releases it, standing in for a syscall on a dead NFS server. The
 release happens at teardown (the ``hang`` fixture's failsafe timer releases it after
 ``HUNG_FAILSAFE`` seconds, so a regression fails an assertion instead of hanging the run).
@@ -25,8 +25,9 @@ from kvtier.common._format import header_size
 from kvtier.manager import TieringManager
 from kvtier.testing import resolve_lookup
 from kvtier.tiers.fs import FSTier
-from kvtier.tiers.fs import _io as _fs_io
+from kvtier.tiers.fs import _exists as _fs_exists
 from kvtier.tiers.fs import _read as _fs_read
+from kvtier.tiers.fs import _write as _fs_write
 from tests.support import Hang, block_file, given_back
 from tests.tiers.fs.fs_worker import key_and_data
 
@@ -53,7 +54,7 @@ async def test_existence_check_misses_by_its_deadline(
     tmp_path: Path, hang: Hang, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     async with FSTier(tmp_path / "c", lookup_timeout=DEADLINE, shared=True) as tier:
-        monkeypatch.setattr(_fs_io, "_stat", hang.wrap(os.stat))
+        monkeypatch.setattr(_fs_exists, "_stat", hang.wrap(os.stat))
         assert tier.lookup(key(1)) is LookupResult.RETRY
         started = time.perf_counter()
         with anyio.fail_after(BOUND):
@@ -74,7 +75,7 @@ async def test_stuck_threads_are_bounded_then_checks_fail_at_once(
         shared=True,
     )
     async with tier:
-        monkeypatch.setattr(_fs_io, "_stat", hang.wrap(os.stat))
+        monkeypatch.setattr(_fs_exists, "_stat", hang.wrap(os.stat))
         for i in range(2):  # each check times out and leaves its thread in the hung call
             assert await resolve_lookup(tier, key(i), timeout=BOUND) is LookupResult.MISS
         assert hang.calls == 2
@@ -148,7 +149,7 @@ async def test_store_deadline_unpins_and_frees_in_flight_bytes(
     tier = FSTier(tmp_path / "c", capacity_bytes=16 * FILE)
     manager = TieringManager(pool, [tier], store_timeout=DEADLINE, max_in_flight_bytes=2 * BLOCK)
     async with manager:
-        monkeypatch.setattr(_fs_io, "_writev", hang.wrap(os.writev))
+        monkeypatch.setattr(_fs_write, "_writev", hang.wrap(os.writev))
         assert await manager.store([key(1)], [memoryview(data(1))]) == 1
         await hang.wait_entered()
         with anyio.fail_after(BOUND):
@@ -179,7 +180,7 @@ async def test_close_honours_close_timeout(
     pool = HostPool(4, BLOCK)
     manager = TieringManager(pool, [FSTier(tmp_path / "c")], close_timeout=DEADLINE)
     await manager.__aenter__()
-    monkeypatch.setattr(_fs_io, "_writev", hang.wrap(os.writev))
+    monkeypatch.setattr(_fs_write, "_writev", hang.wrap(os.writev))
     assert await manager.store([key(1)], [memoryview(data(1))]) == 1
     await hang.wait_entered()
     started = time.perf_counter()
@@ -214,7 +215,7 @@ async def test_a_stale_check_does_not_drop_a_newer_store(
 
     async with FSTier(root, capacity_bytes=2 * FILE, lookup_timeout=30, shared=True) as tier:
         monkeypatch.setattr(
-            _fs_io,
+            _fs_exists,
             "_stat",
             lambda p, *a, **k: stale_stat(p, *a, **k) if str(p) == target else os.stat(p, *a, **k),
         )

@@ -20,7 +20,7 @@ import pytest
 from kvtier import CacheIdentity, InvalidArgumentError, LookupResult
 from kvtier.testing import resolve_lookup
 from kvtier.tiers.fs import FSTier, _ownership, _upkeep
-from kvtier.tiers.fs import _io as fs_io
+from kvtier.tiers.fs import _exists as fs_exists
 from kvtier.tiers.fs._layout import IDENTITY_NAME, MARKER_NAME
 from kvtier.tiers.fs._ownership import LOCK_NAME
 from tests.support import fresh_keys, run_cli
@@ -46,13 +46,13 @@ anyio.run(main)
 def stats(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """Every existence check the FS tier makes on the disk."""
     calls: list[Any] = []
-    real = fs_io._stat
+    real = fs_exists._stat
 
     def counted(path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
         calls.append(path)
         return real(path, *args, **kwargs)
 
-    monkeypatch.setattr(fs_io, "_stat", counted)
+    monkeypatch.setattr(fs_exists, "_stat", counted)
     return calls
 
 

@@ -1,7 +1,7 @@
 """FSTier: conformance, layout, crash safety, corruption, capacity, faults, sharing.
 
 Real files throughout. Disk-full and read-only faults use a real small tmpfs where this
-machine lets root mount one; otherwise ENOSPC is injected at ``_fs_io``'s single write call.
+machine lets root mount one; otherwise ENOSPC is injected at ``_fs_write``'s single write call.
 A guard fixture fails any test in which a file-system call runs on the event loop thread.
 """
 
@@ -43,9 +43,9 @@ from kvtier.manager import TieringManager
 from kvtier.testing import CHECKS, resolve_lookup
 from kvtier.tiers.fs import FSTier
 from kvtier.tiers.fs import _blocks as _fs_block
-from kvtier.tiers.fs import _io as _fs_io
 from kvtier.tiers.fs import _layout as _fs_layout
 from kvtier.tiers.fs import _read as _fs_read
+from kvtier.tiers.fs import _write as _fs_write
 from tests.support import BlockingCallError, block_files, tmp_files
 from tests.tiers.fs.fs_worker import key_of, payload_of
 
@@ -213,23 +213,23 @@ async def test_lookup_retries_then_caches_and_misses_expire(tmp_path: Path) -> N
 
 class HeldWrites:
     """Holds every block write of the tier in its worker thread (wrapping ``_fs_block``'s
-    ``write_block``, which ``store`` and ``store_many`` both call) until released; ``fail``
+    ``write_from_slot``, which ``store`` and ``store_many`` both call) until released; ``fail``
     makes the released writes fail as an I/O error would."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.held = threading.Event()
         self.released = threading.Event()
         self.fail = False
-        write_block = _fs_block.write_block
+        write_block = _fs_block.write_from_slot
 
-        def held(*args: Any, **kwargs: Any) -> tuple[_fs_io.WriteOutcome, int]:
+        def held(*args: Any, **kwargs: Any) -> tuple[_fs_write.WriteOutcome, int]:
             self.held.set()
             self.released.wait(30)
             if self.fail:
                 raise OSError(errno.EIO, "injected")
             return write_block(*args, **kwargs)
 
-        monkeypatch.setattr(_fs_block, "write_block", held)
+        monkeypatch.setattr(_fs_block, "write_from_slot", held)
 
     async def wait_held(self) -> None:
         assert await anyio.to_thread.run_sync(self.held.wait, 10)
@@ -506,14 +506,14 @@ async def test_a_full_disk_evicts_the_oldest_blocks_to_make_room(
     with small_tmpfs(tmp_path / "small", "1m") as real:
         root = tmp_path / "small" / "c"
         if not real:  # a disk with room for 8 blocks: ENOSPC at the one write call past that
-            writev = _fs_io._writev
+            writev = _fs_write._writev
 
             def full(fd: int, bufs: Any) -> int:
                 if len(block_files(root)) >= 8:
                     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
                 return writev(fd, bufs)
 
-            monkeypatch.setattr(_fs_io, "_writev", full)
+            monkeypatch.setattr(_fs_write, "_writev", full)
         async with FSTier(root) as tier:  # no capacity_bytes: the disk is the limit
             if batch:
                 await tier.store_many(
@@ -561,7 +561,7 @@ async def test_a_full_disk_with_nothing_to_evict_fails_the_store_and_leaves_noth
                 def full(fd: int, bufs: Any) -> int:
                     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-                monkeypatch.setattr(_fs_io, "_writev", full)
+                monkeypatch.setattr(_fs_write, "_writev", full)
             with pytest.raises(TierNoSpaceError, match="ENOSPC"):
                 await tier.store(key(0), memoryview(data(0, block)))
             assert tier.statistics().failures_by_reason == {"no_space": 1}
@@ -586,7 +586,7 @@ async def test_a_failed_store_leaves_no_empty_shard_folders(
     async with FSTier(tmp_path / "c") as tier:
         await tier.store(key(0), memoryview(data(0)))
         kept = _shard_folders(tier.root)
-        monkeypatch.setattr(_fs_io, "_writev", broken)
+        monkeypatch.setattr(_fs_write, "_writev", broken)
         for i in range(1, 5):
             with pytest.raises(TierUnavailableError, match="EIO"):
                 await tier.store(key(i), memoryview(data(i)))
@@ -603,7 +603,7 @@ async def test_a_failed_store_removing_its_shard_never_fails_a_store_beside_it(
     name_of = _fs_layout.name_of
     writing, beside, failed = threading.Event(), threading.Event(), threading.Event()
     now = threading.local()
-    real_tmp, real_writev = _fs_layout.tmp_name, _fs_io._writev
+    real_tmp, real_writev = _fs_layout.tmp_name, _fs_write._writev
 
     def tmp_name(name: str) -> str:
         now.name = name
@@ -619,8 +619,8 @@ async def test_a_failed_store_removing_its_shard_never_fails_a_store_beside_it(
             raise OSError(errno.EIO, os.strerror(errno.EIO))
         return real_writev(fd, bufs)
 
-    monkeypatch.setattr(_fs_io, "tmp_name", tmp_name)
-    monkeypatch.setattr(_fs_io, "_writev", writev)
+    monkeypatch.setattr(_fs_write, "tmp_name", tmp_name)
+    monkeypatch.setattr(_fs_write, "_writev", writev)
     async with FSTier(tmp_path / "c") as tier:
 
         async def fail() -> None:
@@ -694,7 +694,7 @@ async def test_io_error_on_store_leaves_nothing(
         raise OSError(errno.EIO, os.strerror(errno.EIO))
 
     async with FSTier(tmp_path / "c") as tier:
-        monkeypatch.setattr(_fs_io, "_writev", broken)
+        monkeypatch.setattr(_fs_write, "_writev", broken)
         with pytest.raises(TierUnavailableError, match="EIO"):
             await tier.store(key(0), memoryview(data(0)))
         assert block_files(tier.root) == tmp_files(tier.root) == []

@@ -12,6 +12,7 @@ module that reads or writes them:
   compacted into a new one;
 - ``_digest_format`` / ``_digest``: one interval's segments in one object;
 - ``_skew``: this node's clock against the object store's;
+- ``_upkeep``: how the journal loop's helpers reach the bucket and count their requests;
 - ``_sync``: ``IndexSync``, which keeps the index current from all of the above.
 """
 

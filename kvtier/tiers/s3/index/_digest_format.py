@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import xxhash
 
 from kvtier.common._format import MAC_BYTES, IntegrityKey
+from kvtier.tiers.s3._names import under_prefix
 from kvtier.tiers.s3.index._journal_format import journal_prefix, max_segment_bytes, segment_time_ms
 
 __all__ = [
@@ -89,7 +90,7 @@ class Digest:
 
 
 def digest_dir(prefix: str) -> str:
-    return f"{prefix}/{DIGEST_DIR}/" if prefix else f"{DIGEST_DIR}/"
+    return under_prefix(prefix, f"{DIGEST_DIR}/")
 
 
 def digest_name(prefix: str, interval_ms: int, interval: int) -> str:

@@ -55,9 +55,9 @@ from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 from kvtier.common._logging import BurstLogger
-from kvtier.common._lookup import LookupResult, MissReason
-from kvtier.common._verdicts import VerdictStore, code_of, reason_of
-from kvtier.tiers._base import LookupCounts, LookupStatistics
+from kvtier.common._lookup import HIT, LookupResult, MissReason
+from kvtier.common._verdicts import VerdictStore, code_of, reason_of_code
+from kvtier.tiers._base import CountedLookups, LookupStatistics
 from kvtier.tiers.s3._pack_format import Location
 
 __all__ = ["ExistenceIndex", "key_from_object", "object_name"]
@@ -67,8 +67,6 @@ logger = logging.getLogger(__name__)
 # _INDEXED while it is indexed. A key with neither is not in the dict.
 _INDEXED = 1
 _PLACE = 2
-# Bound once: an enum member read through its class costs as much as the rest of a lookup.
-HIT = LookupResult.HIT
 _V = TypeVar("_V")
 
 
@@ -95,9 +93,9 @@ def key_from_object(name: str, prefix: str) -> bytes | None:
         return None
 
 
-class ExistenceIndex(LookupCounts):
+class ExistenceIndex(CountedLookups):
     """Known keys, short suppressions and the journal's bookkeeping; its answers are counted
-    (``LookupCounts``), so ``lookup_with_reason`` says why a miss is one."""
+    (``CountedLookups``), so ``lookup_with_reason`` says why a miss is one."""
 
     def __init__(
         self,
@@ -163,7 +161,7 @@ class ExistenceIndex(LookupCounts):
         if self._keys.get(key, 0) & _INDEXED:
             code = self._suppressed.get(key)
             if code is not None:
-                return self._miss(reason_of(code))
+                return self._miss(reason_of_code(code))
             self._hits += 1
             return HIT
         return self._miss(MissReason.NOT_FOUND)

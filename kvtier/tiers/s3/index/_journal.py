@@ -11,7 +11,6 @@ are learnt, a removal segment's keys are doubted (``ExistenceIndex.doubt``: drop
 
 from __future__ import annotations
 
-import collections
 import functools
 import logging
 from collections.abc import Callable
@@ -23,7 +22,7 @@ import anyio.to_thread
 from kvtier.common._format import IntegrityKey
 from kvtier.common._logging import BurstLogger
 from kvtier.tiers.s3._errors import Fault
-from kvtier.tiers.s3._requests import Call, get_bytes
+from kvtier.tiers.s3._requests import get_bytes
 from kvtier.tiers.s3.index._existence import ExistenceIndex
 from kvtier.tiers.s3.index._journal_format import (
     SegmentError,
@@ -35,13 +34,15 @@ from kvtier.tiers.s3.index._journal_format import (
     start_after,
 )
 from kvtier.tiers.s3.index._skew import ClockSkew
+from kvtier.tiers.s3.index._upkeep import Upkeep
 
 __all__ = ["SegmentReader"]
 
 logger = logging.getLogger("kvtier.tiers.s3.index._sync")
 
 # Decoding a segment is a Python loop over its entries: segments above this size are decoded
-# in a worker thread, so the event loop never spends more than about a millisecond on one.
+# in a worker thread, so no one segment holds the event loop (docs/design.md, "Measurements
+# behind the defaults").
 _THREAD_DECODE_BYTES = 64 << 10
 _T = TypeVar("_T")
 
@@ -52,26 +53,22 @@ class SegmentReader:
     def __init__(
         self,
         index: ExistenceIndex,
+        upkeep: Upkeep,
         *,
-        name: str,
-        bucket: str,
-        prefix: str,
-        call: Call,
         integrity_key: IntegrityKey | None,
-        requests: collections.Counter[str],
         skew: ClockSkew,
         notify: Callable[[list[bytes]], None],
     ) -> None:
-        """Read segments of ``prefix`` into ``index``; ``notify(keys)`` is told the keys
-        they taught it (``tell``)."""
-        self._index, self.name = index, name
+        """Read segments of ``upkeep.prefix`` into ``index``; ``notify(keys)`` is told the
+        keys they taught it (``tell``)."""
+        self._index, self.name = index, upkeep.name
         self._notify = notify
-        self._bucket, self._prefix, self._call = bucket, prefix, call
+        self._bucket, self._prefix, self._call = upkeep.bucket, upkeep.prefix, upkeep.call
         self._integrity_key = integrity_key
-        self.requests = requests
+        self.requests = upkeep.requests
         self._skew = skew
-        self._journal = journal_prefix(prefix)
-        self.max_segment = max_segment_bytes(prefix)
+        self._journal = journal_prefix(self._prefix)
+        self.max_segment = max_segment_bytes(self._prefix)
         self._log = BurstLogger(logger)
         self.segments_read = 0
         self.segments_rejected = 0  # segments ignored: unparsable, unauthenticated, too large

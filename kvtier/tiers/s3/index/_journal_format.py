@@ -75,6 +75,7 @@ import struct
 import xxhash
 
 from kvtier.common._format import MAC_BYTES, MAX_KEY_BYTES, IntegrityKey
+from kvtier.tiers.s3._names import under_prefix
 from kvtier.tiers.s3._pack_format import Location, is_pack_name, pack_name, table_length
 
 __all__ = [
@@ -133,7 +134,7 @@ def writer_id() -> str:
 
 
 def journal_prefix(prefix: str) -> str:
-    return f"{prefix}/{JOURNAL_DIR}/" if prefix else f"{JOURNAL_DIR}/"
+    return under_prefix(prefix, f"{JOURNAL_DIR}/")
 
 
 def segment_name(prefix: str, wall_ms: int, writer: str, seq: int) -> str:

@@ -29,7 +29,6 @@ removal costs HEADs of keys the reader holds, never a miss.
 
 from __future__ import annotations
 
-import collections
 import functools
 import logging
 from collections.abc import Callable
@@ -41,8 +40,8 @@ from kvtier.common._errors import TierError
 from kvtier.common._logging import BurstLogger
 from kvtier.tiers.s3._errors import Fault
 from kvtier.tiers.s3._pack_format import Location
-from kvtier.tiers.s3._requests import Call
 from kvtier.tiers.s3.index._existence import ExistenceIndex, object_name
+from kvtier.tiers.s3.index._upkeep import Upkeep
 
 __all__ = ["MAX_CHECKS_PER_ROUND", "RemovalChecks"]
 
@@ -62,19 +61,15 @@ class RemovalChecks:
     def __init__(
         self,
         index: ExistenceIndex,
+        upkeep: Upkeep,
         *,
-        name: str,
-        bucket: str,
-        prefix: str,
-        call: Call,
-        requests: collections.Counter[str],
         forgot: Callable[[list[bytes], str], None],
     ) -> None:
-        """Check ``index``'s doubted keys in ``bucket`` under ``prefix``; ``forgot(keys,
-        why)`` is told the keys a check dropped."""
-        self._index, self.name = index, name
-        self._bucket, self._prefix, self._call = bucket, prefix, call
-        self.requests, self._forgot = requests, forgot
+        """Check ``index``'s doubted keys in the bucket and prefix of ``upkeep``;
+        ``forgot(keys, why)`` is told the keys a check dropped."""
+        self._index, self.name = index, upkeep.name
+        self._bucket, self._prefix, self._call = upkeep.bucket, upkeep.prefix, upkeep.call
+        self.requests, self._forgot = upkeep.requests, forgot
         self._log = BurstLogger(logger)
         self.checks_failed = 0  # HEADs that failed: their keys are checked again later
 

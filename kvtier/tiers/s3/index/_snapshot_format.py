@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import xxhash
 
 from kvtier.common._format import IntegrityKey
+from kvtier.tiers.s3._names import under_prefix
 from kvtier.tiers.s3._pack_format import Location
 from kvtier.tiers.s3.index._journal_format import (
     MAX_SEGMENT_ENTRIES,
@@ -103,7 +104,7 @@ class SnapshotName:
 
 
 def snapshot_dir(prefix: str) -> str:
-    return f"{prefix}/{SNAPSHOT_DIR}/" if prefix else f"{SNAPSHOT_DIR}/"
+    return under_prefix(prefix, f"{SNAPSHOT_DIR}/")
 
 
 def claim_name(prefix: str, generation: int) -> str:

@@ -67,6 +67,7 @@ from kvtier.tiers.s3.index._publishing import Publisher
 from kvtier.tiers.s3.index._rechecks import RemovalChecks
 from kvtier.tiers.s3.index._skew import ClockSkew
 from kvtier.tiers.s3.index._snapshot import SnapshotLink, Snapshots
+from kvtier.tiers.s3.index._upkeep import Upkeep
 
 __all__ = ["IndexSync"]
 
@@ -112,16 +113,9 @@ class IndexSync:
         # Index upkeep sent by the journal loop: requests by kind ("list", "get", "put",
         # "delete", "head"); the reader counts the segments and bytes it read.
         self.requests: collections.Counter[str] = collections.Counter()
+        self._upkeep = Upkeep(name, self._bucket, self._prefix, call, self.requests)
         self._build_readers(config, SnapshotLink(name, writer, call, client, integrity_key))
-        self.rechecks = RemovalChecks(
-            index,
-            name=name,
-            bucket=self._bucket,
-            prefix=self._prefix,
-            call=call,
-            requests=self.requests,
-            forgot=forgot,
-        )
+        self.rechecks = RemovalChecks(index, self._upkeep, forgot=forgot)
         self.publisher = Publisher(
             index,
             name=name,
@@ -146,12 +140,8 @@ class IndexSync:
         ``view_complete``: whether it has held them without a gap since the tier opened."""
         self.reader = SegmentReader(
             self._index,
-            name=self.name,
-            bucket=self._bucket,
-            prefix=self._prefix,
-            call=link.call,
+            self._upkeep,
             integrity_key=link.integrity_key,
-            requests=self.requests,
             skew=self._skew,
             notify=self._notify,
         )
