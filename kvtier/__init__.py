@@ -1,9 +1,37 @@
 """kvtier: an asyncio-native KV-cache offloading runtime for LLM serving.
 
-Everything public is imported from here; the modules behind it are private.
+Everything public is imported from here; the modules behind it are private. The wings:
+
+- ``common``: the lookup contract, errors, block format and the plumbing every wing shares;
+- ``pools``: primary pools (host memory, CUDA) and their eviction policies;
+- ``tiers``: secondary tiers, the filesystem and S3 tiers among them;
+- ``manager``: the ``TieringManager`` that answers lookups and promotes hits;
+- ``writes``: what happens to a block after the manager stored it in the pool;
+- ``scheduler``: the engine's side, the ``OffloadScheduler`` and its prefetches;
+- ``integrations``: adapters for serving engines and the event stream routers read;
+- ``testing``: conformance suites and tiers for code built on kvtier;
+- ``_metrics``: Prometheus metrics (the ``metrics`` extra);
+- ``_cli``: the ``kvtier`` command line.
 """
 
 from __future__ import annotations
+
+import importlib.util as _importlib_util
+import sys as _sys
+
+# A clear word before the first import that would fail deep inside a wing.
+_MISSING = [
+    name
+    for name in ("anyio", "blake3", "numpy", "xxhash")
+    if _importlib_util.find_spec(name) is None
+]
+if _MISSING:
+    raise ImportError(
+        f"kvtier needs {', '.join(_MISSING)}, which this Python ({_sys.executable}) does not "
+        "have: install kvtier with pip (pip install -e . in a clone) so its dependencies come "
+        "with it"
+    )
+del _MISSING, _importlib_util, _sys
 
 from kvtier._metrics import (
     KVTierCollector,
@@ -37,7 +65,7 @@ from kvtier.common import (
     _version,
     block_keys,
 )
-from kvtier.integrations._event_stream import EventStream
+from kvtier.integrations import EventStream
 from kvtier.manager import (
     CostModel,
     CostStatistics,

@@ -19,8 +19,9 @@ from typing import Any
 import pytest
 
 from devtools.weed_server import WeedServer, find_weed, serve_own, serve_session
-from kvtier.tiers.fs import _io as _fs_io
+from kvtier.tiers.fs import _exists as _fs_exists
 from kvtier.tiers.fs import _read as _fs_read
+from kvtier.tiers.fs import _write as _fs_write
 from tests.support import HUNG_FAILSAFE, BlockingCallError, Hang, ManualClock, fresh_keys
 
 RunScript = Callable[..., subprocess.CompletedProcess[str]]
@@ -117,8 +118,8 @@ def no_blocking(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[lis
         monkeypatch.setattr(os, name, guard(getattr(os, name), f"os.{name}"))
     monkeypatch.setattr(builtins, "open", guard(builtins.open, "open"))
     monkeypatch.setattr(stdio, "open", guard(stdio.open, "io.open"))
-    monkeypatch.setattr(_fs_io, "_writev", guard(_fs_io._writev, "os.writev"))
+    monkeypatch.setattr(_fs_write, "_writev", guard(_fs_write._writev, "os.writev"))
     monkeypatch.setattr(_fs_read, "_preadv", guard(_fs_read._preadv, "os.preadv"))
-    monkeypatch.setattr(_fs_io, "_stat", guard(_fs_io._stat, "os.stat"))
+    monkeypatch.setattr(_fs_exists, "_stat", guard(_fs_exists._stat, "os.stat"))
     yield caught
     assert not caught, f"blocking calls on the event loop: {sorted(set(caught))}"

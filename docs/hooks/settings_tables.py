@@ -35,10 +35,10 @@ def on_page_markdown(markdown: str, **_: Any) -> str:
 def every_section_has_a_table(tables: list[tuple[str, str]]) -> None:
     """The page with settings tables shows one for each section ``KVTierConfig`` reads, so a
     section added to the loader fails the build until it is documented."""
-    from kvtier import _config
+    from kvtier.manager import _stack_config
 
     shown = {getattr(importlib.import_module(module), name) for module, name in tables}
-    missing = [name for name, cls in _config._SECTIONS.items() if cls not in shown]
+    missing = [name for name, cls in _stack_config._SECTIONS.items() if cls not in shown]
     if missing:
         raise RuntimeError(f"docs: no settings table for the config sections {missing}")
 

@@ -6,6 +6,7 @@
     kvtier verify ROOT [--remove]  check every block's header and checksum
     kvtier bench [--config FILE]   a short self-benchmark of the configured tiers
     kvtier config [--config FILE]  print the validated configuration (secrets hidden)
+    kvtier --version               the installed kvtier's version
 
 Exit codes: 0 all good, 1 something is wrong with the data (corrupt or unreadable blocks, a
 failing tier), 2 a usage error (bad arguments, bad configuration, not a kvtier folder).
@@ -42,6 +43,7 @@ from typing import IO
 from kvtier._cli._bench import run_bench, show_config
 from kvtier._cli._common import EXIT_BAD_DATA, EXIT_USAGE, UsageError
 from kvtier._cli._folder import inspect, verify
+from kvtier.common import _version
 from kvtier.common._errors import ExtraNotInstalledError, InvalidArgumentError, KVTierError
 
 __all__ = ["main"]
@@ -63,13 +65,33 @@ def _positive(kind: Callable[[str], int]) -> Callable[[str], int]:
     return parse
 
 
-def _parser() -> argparse.ArgumentParser:
+def _version_action(out: IO[str]) -> type[argparse.Action]:
+    """``--version``, written to ``out`` (the caller's stdout, so tests can read it)."""
+
+    class Version(argparse.Action):
+        def __call__(
+            self,
+            parser: argparse.ArgumentParser,
+            namespace: argparse.Namespace,
+            values: object,
+            option_string: str | None = None,
+        ) -> None:
+            out.write(f"kvtier {_version.version()}\n")
+            parser.exit()
+
+    return Version
+
+
+def _parser(out: IO[str]) -> argparse.ArgumentParser:
     from kvtier.manager._stack_config import parse_size
 
     parser = argparse.ArgumentParser(
         prog="kvtier", description="Tools for operating a kvtier KV-cache."
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument(
+        "--version", nargs=0, action=_version_action(out), help="print the version and exit"
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("inspect", help="summarise an FS tier folder (read-only)")
@@ -118,7 +140,7 @@ def main(
     """Run the command line; returns the exit code (0 ok, 1 bad data, 2 usage error)."""
     out = sys.stdout if stdout is None else stdout
     err = sys.stderr if stderr is None else stderr
-    parser = _parser()
+    parser = _parser(out)
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse has printed the usage

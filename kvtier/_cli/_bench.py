@@ -24,13 +24,26 @@ logger = logging.getLogger("kvtier._cli")
 
 
 def _load_config(path: str | None) -> Any:
-    from kvtier.manager._stack_config import ENV_PREFIX, KVTierConfig
+    """The configuration both commands use, checked as far as ``bench`` would check it before
+    building anything, so ``config`` never accepts what ``bench`` then refuses."""
+    from kvtier.manager._stack_config import ENV_CONFIG_FILE, ENV_PREFIX, KVTierConfig
+    from kvtier.tiers.s3._config import check_bucket_name
 
-    if path is not None:
-        return KVTierConfig.from_toml(path)
-    if any(k.startswith(ENV_PREFIX) for k in os.environ):
-        return KVTierConfig.from_env()
-    return None
+    try:
+        if path is not None:
+            config = KVTierConfig.from_toml(path)
+        elif any(k.startswith(ENV_PREFIX) for k in os.environ):
+            config = KVTierConfig.from_env()
+        else:
+            return None
+    except UnicodeDecodeError as exc:  # tomllib reads UTF-8 only
+        where = path if path is not None else os.environ.get(ENV_CONFIG_FILE, "the config file")
+        raise UsageError(
+            f"{where} is not UTF-8 text (byte {exc.start}): save it as UTF-8"
+        ) from None
+    if config.s3 is not None:
+        check_bucket_name(config.s3.bucket)
+    return config
 
 
 def show_config(args: argparse.Namespace, out: IO[str]) -> int:

@@ -29,11 +29,11 @@ import anyio
 import anyio.from_thread
 import anyio.lowlevel
 import anyio.to_thread
+from anyio.abc import AsyncResource
 
 from kvtier._metrics._collector import KVTierCollector
 from kvtier._metrics._families import prometheus
 from kvtier.common._errors import InvalidArgumentError
-from kvtier.common._resource import AsyncResource
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric

@@ -7,6 +7,10 @@ task that has not run yet without running any of it (anyio never does this, asyn
 shutdown and anyone calling ``Task.cancel`` directly do), and then no ``finally`` runs. So
 each task is started with an ``undo``; a task that starts drops its undo at once, and what
 is left after the task group has ended is undone by ``undo_unstarted``.
+
+The task group such tasks run in lives from a component's ``__aenter__`` to its ``aclose``,
+so it is entered and left by hand; ``enter_task_group`` and ``cancel_task_group`` are the one
+way every component does that.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import anyio.abc
 
 from kvtier.common._logging import BurstLogger
 
-__all__ = ["Background", "Callbacks", "InFlight"]
+__all__ = ["Background", "Callbacks", "InFlight", "cancel_task_group", "enter_task_group"]
 
 
 class InFlight:
@@ -106,3 +110,20 @@ class Callbacks:
             self._log.warning(
                 "callback:" + what, "%s raised in kvtier background work: %r", what, exc
             )
+
+
+async def enter_task_group() -> anyio.abc.TaskGroup:
+    """A task group entered by hand, for a component whose background tasks live from its
+    ``__aenter__`` to its ``aclose`` (no ``async with`` spans the two). Leave it with
+    ``cancel_task_group``, in the task that entered it."""
+    task_group = anyio.create_task_group()
+    await task_group.__aenter__()
+    return task_group
+
+
+async def cancel_task_group(task_group: anyio.abc.TaskGroup) -> None:
+    """Cancel every task in ``task_group`` and leave it: its tasks are cancelled, so this
+    returns as soon as their own (shielded, bounded) cleanup ends; an exception one of them
+    raised comes out of here, as it would out of ``async with``."""
+    task_group.cancel_scope.cancel()
+    await task_group.__aexit__(None, None, None)

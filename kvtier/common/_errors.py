@@ -81,22 +81,32 @@ class TierError(KVTierError):
 
 
 class BlockNotFoundError(TierError):
+    """The tier does not hold the block (it was never stored, or was evicted or deleted)."""
+
     reason = MissReason.NOT_FOUND
 
 
 class CorruptBlockError(TierError):
+    """The stored bytes failed verification: the block is dropped, never served."""
+
     reason = MissReason.CORRUPT
 
 
 class TierTimeoutError(TierError):
+    """The tier did not answer within its deadline; the caller counts a miss and goes on."""
+
     reason = MissReason.TIMEOUT
 
 
 class TierUnavailableError(TierError):
+    """The tier cannot be reached or refused the call (a dead endpoint, a lost disk)."""
+
     reason = MissReason.UNAVAILABLE
 
 
 class TierNoSpaceError(TierError):
+    """The tier has no room for the block, even after evicting what it may."""
+
     reason = MissReason.NO_SPACE
 
 

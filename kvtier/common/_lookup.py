@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from enum import Enum, StrEnum
 
-__all__ = ["LookupResult", "MissReason"]
+__all__ = ["HIT", "HIT_PENDING", "MISS", "RETRY", "LookupResult", "MissReason"]
 
 
 class LookupResult(Enum):
@@ -29,3 +29,13 @@ class MissReason(StrEnum):
     NO_SPACE = "no_space"
     PRIMARY_FULL = "primary_full"
     TIER_ERROR = "tier_error"  # a tier broke its own contract (a malformed answer)
+    TOO_SLOW = "too_slow"  # a scheduler's scan: no tier can deliver it before recompute would
+
+
+# The answers bound once as module globals, for the modules on the hit path to import: a global
+# read is cheaper than an enum member read through its class, which costs as much as the rest
+# of a cached answer.
+HIT = LookupResult.HIT
+HIT_PENDING = LookupResult.HIT_PENDING
+RETRY = LookupResult.RETRY
+MISS = LookupResult.MISS

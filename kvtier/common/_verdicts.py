@@ -8,7 +8,7 @@ without an event loop.
 An entry is one plain ``int``: (expiry in whole microseconds of the clock) << ``CODE_BITS`` |
 code. Code ``PRESENT`` (0) means the key is there; any other code means it is absent, and
 says why: ``code_of(reason)`` numbers ``MissReason`` from 1 in declaration order and
-``reason_of`` reads it back; a user with reasons of its own numbers them after those, up to
+``reason_of_code`` reads it back; a user with reasons of its own numbers them after those, up to
 ``MAX_CODE``. An ``int`` is never tracked by the garbage collector, so a full map adds no work
 to its passes; a tuple or an object per key did, and full passes over a hundred thousand of
 them stalled the event loop for tens of milliseconds.
@@ -44,7 +44,7 @@ from typing import Final
 
 from kvtier.common._lookup import MissReason
 
-__all__ = ["CODE_BITS", "MAX_CODE", "PRESENT", "VerdictStore", "code_of", "reason_of"]
+__all__ = ["CODE_BITS", "MAX_CODE", "PRESENT", "VerdictStore", "code_of", "reason_of_code"]
 
 CODE_BITS: Final = 8
 MAX_CODE: Final = (1 << CODE_BITS) - 1
@@ -70,7 +70,7 @@ def code_of(reason: MissReason | str) -> int:
     return code
 
 
-def reason_of(code: int) -> MissReason:
+def reason_of_code(code: int) -> MissReason:
     """The ``MissReason`` of an absent verdict's ``code`` (one made by ``code_of``)."""
     return _REASONS[code - 1]
 

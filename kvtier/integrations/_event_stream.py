@@ -22,8 +22,9 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Iterable
-from types import TracebackType
 from typing import Protocol, Self
+
+from anyio.abc import AsyncResource
 
 from kvtier.common._events import EventBuffer, TierEvent
 
@@ -41,7 +42,7 @@ class HasEvents(Protocol):
     def events(self) -> EventBuffer: ...
 
 
-class EventStream:
+class EventStream(AsyncResource):
     """An async iterator of batches (``list[TierEvent]``) from the given buffers or tiers.
 
     ``async for batch in EventStream(fs_tier, s3_tier): ...`` ends once ``close()`` is called
@@ -142,16 +143,12 @@ class EventStream:
                 buffer.unlisten(self._queued)  # a newer stream's stays
         self._wake()
 
+    async def aclose(self) -> None:
+        """``close()``, for ``async with`` and callers that close resources by awaiting."""
+        self.close()
+
     async def __aenter__(self) -> Self:
         return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         tiers = ", ".join(repr(buffer.tier) for buffer in self._buffers)

@@ -54,11 +54,11 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any, Self
 
 import anyio
 import anyio.to_thread
+from anyio.abc import AsyncResource
 
 from kvtier.common._errors import ExtraNotInstalledError, InvalidArgumentError, LifecycleError
 from kvtier.common._events import EventKind, TierEvent
@@ -82,6 +82,8 @@ BlockHash = bytes | int
 
 @dataclass(frozen=True, slots=True)
 class PublisherStatistics:
+    """What a ``KVEventPublisher`` sent, dropped and served, for its operator."""
+
     published: int  # batches sent on the PUB socket
     dropped: int  # batches not sent: the thread was ``queue_batches`` behind, or was closed
     unmapped: int  # keys ``block_hash`` mapped to None
@@ -117,7 +119,7 @@ def encode_event(
     return stored | where, unmapped
 
 
-class KVEventPublisher:
+class KVEventPublisher(AsyncResource):
     """Publishes batches of ``TierEvent`` as vLLM's ``KVEventBatch`` (see the module doc)."""
 
     def __init__(
@@ -249,14 +251,6 @@ class KVEventPublisher:
 
     async def __aenter__(self) -> Self:
         return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     def __repr__(self) -> str:
         s = self.statistics()

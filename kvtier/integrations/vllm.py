@@ -91,7 +91,7 @@ from kvtier.integrations._vllm_setup import (
 from kvtier.integrations.bridge._bridge import BridgeStatistics, TierBridge
 from kvtier.tiers._base import SecondaryTier
 from kvtier.tiers.fs import FSTier
-from kvtier.tiers.fs._io import UnusableRootError
+from kvtier.tiers.fs._root import UnusableRootError
 from kvtier.tiers.s3 import S3Tier
 
 try:
@@ -150,7 +150,8 @@ _OPTIONS = (
     "tier",
 )
 # Events name vLLM's keys; a kvtier key maps back through the keys this instance stored or
-# looked up, the newest ``event_keys`` of them (about 100 bytes each).
+# looked up, the newest ``event_keys`` of them (their memory: docs/design.md, "Measurements
+# behind the defaults").
 EVENT_KEYS = 1 << 18
 # Where a job names a chunk outside vLLM's CPU tier, the job fails with this reason.
 OUT_OF_BOUNDS = "out_of_bounds"

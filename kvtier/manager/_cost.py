@@ -83,6 +83,9 @@ class TierCost:
 
 @dataclass(frozen=True, slots=True)
 class CostStatistics:
+    """What the cost model has learnt: the engine's recompute cost per block and each tier's
+    load cost, the figures that decide whether a promotion or a wait is worth it."""
+
     recompute_seconds_per_block: float | None
     recompute_observations: int
     waits_cut: int

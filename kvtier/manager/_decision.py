@@ -15,7 +15,7 @@ import math
 from collections.abc import Callable, Sequence
 
 from kvtier.common._errors import LifecycleError
-from kvtier.common._lookup import LookupResult, MissReason
+from kvtier.common._lookup import HIT, HIT_PENDING, MISS, RETRY, LookupResult, MissReason
 from kvtier.manager._cost import CostModel, ScanBudget
 from kvtier.manager._failures import RecentFailures
 from kvtier.manager._statistics import LookupCounts
@@ -26,10 +26,6 @@ from kvtier.writes._admission import AdmissionPolicy
 
 __all__ = ["LookupDecision", "StartPromotion", "not_open"]
 
-HIT = LookupResult.HIT
-HIT_PENDING = LookupResult.HIT_PENDING
-RETRY = LookupResult.RETRY
-MISS = LookupResult.MISS
 
 StartPromotion = Callable[[bytes, SecondaryTier, int, float], None]
 """Starts promoting ``key`` from ``tier`` into the reserved ``slot``, expected by ``ready_at``."""
@@ -154,7 +150,7 @@ class LookupDecision:
         self.retries += 1
         return RETRY
 
-    def _miss(self, reason: str) -> LookupResult:
+    def _miss(self, reason: MissReason) -> LookupResult:
         name = str(reason)  # a MissReason's value: statistics keys are plain strings
         self.last_reason = name
         self.misses += 1
@@ -191,7 +187,7 @@ class LookupDecision:
         """A budgeted scan's MISS for a block no tier can deliver before recompute would
         finish: the prefix ends there, and the request does not wait for it."""
         self.declined += 1
-        return self._miss("too_slow")
+        return self._miss(MissReason.TOO_SLOW)
 
     def counts(self, hits: int) -> LookupCounts:
         """The lookup counters, with the primary hits the manager counted itself."""

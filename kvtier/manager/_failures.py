@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Hashable
 
 from kvtier.common._lookup import MissReason
-from kvtier.common._verdicts import VerdictStore, code_of, reason_of
+from kvtier.common._verdicts import VerdictStore, code_of, reason_of_code
 
 __all__ = ["RecentFailures"]
 
@@ -49,7 +49,7 @@ class RecentFailures:
         if tag is None:
             return None
         code = self._store.get(tag + key)
-        return None if code is None else reason_of(code)
+        return None if code is None else reason_of_code(code)
 
     def remember(self, tier: Hashable, key: bytes, reason: MissReason) -> None:
         tag = self._tags.get(tier)

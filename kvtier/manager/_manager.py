@@ -26,13 +26,18 @@ from typing import Any, Self, Unpack
 
 import anyio
 import anyio.abc
+from anyio.abc import AsyncResource
 
-from kvtier.common._background import Background, Callbacks
+from kvtier.common._background import (
+    Background,
+    Callbacks,
+    cancel_task_group,
+    enter_task_group,
+)
 from kvtier.common._buffers import dtype_name
 from kvtier.common._errors import InvalidArgumentError, LifecycleError, TierTimeoutError
 from kvtier.common._logging import BurstLogger
-from kvtier.common._lookup import LookupResult
-from kvtier.common._resource import AsyncResource
+from kvtier.common._lookup import HIT, HIT_PENDING, RETRY, LookupResult
 from kvtier.manager._config import ManagerConfig, ManagerOverrides
 from kvtier.manager._cost import CostModel, ScanBudget
 from kvtier.manager._decision import LookupDecision, not_open
@@ -49,10 +54,6 @@ from kvtier.writes._writethrough import WriteThrough
 __all__ = ["TieringManager"]
 
 logger = logging.getLogger("kvtier.manager")
-
-HIT = LookupResult.HIT
-HIT_PENDING = LookupResult.HIT_PENDING
-RETRY = LookupResult.RETRY
 
 
 def _check_tiers(pool: PrimaryPool, tiers: Sequence[SecondaryTier]) -> tuple[SecondaryTier, ...]:
@@ -215,9 +216,7 @@ class TieringManager(AsyncResource):
                 stack.callback(tier.add_listener(self._watchers.notify))
             opening = None
             bound.deadline = math.inf
-            task_group = anyio.create_task_group()
-            await task_group.__aenter__()
-            self._opened(task_group)
+            self._opened(await enter_task_group())
             self._stack = stack.pop_all()
         if opening is not None:  # its open ran past open_timeout (the scope caught that)
             with anyio.move_on_after(self.config.close_timeout, shield=True):
@@ -258,8 +257,7 @@ class TieringManager(AsyncResource):
         self.pool.table.on_leave = None
         self._promotions.up_when_evicted.clear()  # still in the pool: still in their tier
         assert task_group is not None
-        task_group.cancel_scope.cancel()
-        await task_group.__aexit__(None, None, None)  # children are cancelled: returns promptly
+        await cancel_task_group(task_group)  # children are cancelled: returns promptly
         self._background.undo_unstarted()
         writer.deferred.clear()  # what the deferred tiers had not taken in time: given up
         writer.closing = False

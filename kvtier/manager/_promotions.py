@@ -34,7 +34,7 @@ from kvtier.manager._statistics import PromotionCounts
 from kvtier.manager._watch import Watchers
 from kvtier.pools._base import PrimaryPool
 from kvtier.tiers._base import SecondaryTier, one_per_key
-from kvtier.writes._account import bump, reason_of
+from kvtier.writes._account import bump, reason_of_failure
 from kvtier.writes._writethrough import WriteThrough
 
 __all__ = ["PromotionObserver", "Promotions"]
@@ -186,7 +186,7 @@ class Promotions:
                 lease.append(slot)
 
     def _failed_with(self, key: bytes, tier: SecondaryTier, exc: Exception) -> None:
-        reason = reason_of(exc)
+        reason = reason_of_failure(exc)
         bump(self.failures, reason)
         self.failed.remember(tier, key, reason)
         self.callbacks("record_miss", tier.record_miss, key, reason)

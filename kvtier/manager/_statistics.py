@@ -166,6 +166,10 @@ class BackgroundCounts:
 
 @dataclass(frozen=True, slots=True)
 class ManagerStatistics:
+    """One consistent snapshot of the manager and every part below it, in nested groups
+    (lookups, promotions, stores, writes, background work, the pool, each tier, the cost
+    model, the admission policies), so a dashboard reads one object, not many calls."""
+
     lookups: LookupCounts
     promotions: PromotionCounts
     stores: StoreCounts

@@ -39,7 +39,7 @@ import anyio
 from kvtier.common._describe import describe
 from kvtier.common._errors import LifecycleError
 from kvtier.common._freeze import snapshot
-from kvtier.common._lookup import LookupResult, MissReason
+from kvtier.common._lookup import MISS, RETRY, LookupResult, MissReason
 from kvtier.manager._cost import ScanBudget
 from kvtier.manager._watch import KeyWatch
 from kvtier.pools._slots import SlotState
@@ -49,10 +49,6 @@ if TYPE_CHECKING:
     from kvtier.scheduler._protocols import SupportsPrefetch
 
 __all__ = ["PrefetchHandle", "PrefetchState", "PrefetchStatistics", "Prefetches"]
-
-HIT = LookupResult.HIT
-RETRY = LookupResult.RETRY
-MISS = LookupResult.MISS
 
 
 @dataclass(frozen=True, slots=True)

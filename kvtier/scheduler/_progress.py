@@ -21,15 +21,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from kvtier.common._lookup import LookupResult
+from kvtier.common._lookup import HIT, HIT_PENDING, MISS, RETRY, LookupResult
 from kvtier.manager._cost import ScanBudget
 
 __all__ = ["PrefixProgress", "WindowProgress"]
 
-HIT = LookupResult.HIT
-HIT_PENDING = LookupResult.HIT_PENDING
-RETRY = LookupResult.RETRY
-MISS = LookupResult.MISS
 
 Lookup = Callable[[bytes, ScanBudget | None], LookupResult]
 Pin = Callable[[Sequence[bytes]], list[int]]

@@ -15,7 +15,7 @@ from kvtier.common._describe import describe
 from kvtier.common._errors import InvalidArgumentError
 from kvtier.common._freeze import snapshot
 from kvtier.common._logging import BurstLogger
-from kvtier.common._lookup import LookupResult
+from kvtier.common._lookup import HIT, HIT_PENDING, RETRY
 from kvtier.common._settings import positive_int, positive_number
 from kvtier.manager._cost import CostModel, ScanBudget
 from kvtier.manager._watch import KeyWatch
@@ -25,9 +25,6 @@ from kvtier.scheduler._protocols import SupportsLookup, SupportsPrefetch, Suppor
 
 __all__ = ["OffloadScheduler", "SchedulerStatistics"]
 
-HIT = LookupResult.HIT
-HIT_PENDING = LookupResult.HIT_PENDING
-RETRY = LookupResult.RETRY
 
 _log = BurstLogger(logging.getLogger(__name__))
 
@@ -40,6 +37,9 @@ class LookupObserver(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class SchedulerStatistics:
+    """What the scheduler has done since it opened: prefix scans, async lookups and their
+    waits, and its prefetches; a snapshot, taken by ``OffloadScheduler.statistics()``."""
+
     scans: int
     deferred_scans: int
     async_lookups: int

@@ -1,7 +1,9 @@
 """Tools for testing code built on kvtier, and tiers built for it.
 
-- ``check_tier(make_tier)``: the conformance kit every secondary tier must pass.
-- ``StallingTier``, ``FailingTier`` and ``SlowTier``: tiers that stall, fail or lag on demand.
+- ``_conformance``: ``check_tier(make_tier)``, the conformance kit every secondary tier must
+  pass;
+- ``_tiers``: ``StallingTier``, ``FailingTier`` and ``SlowTier``, tiers that stall, fail or lag
+  on demand.
 """
 
 from __future__ import annotations

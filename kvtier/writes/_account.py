@@ -22,14 +22,14 @@ from kvtier.common._lookup import MissReason
 from kvtier.pools._base import PrimaryPool
 from kvtier.writes._admission import AdmissionPolicy
 
-__all__ = ["WriteAccount", "bump", "reason_of"]
+__all__ = ["WriteAccount", "bump", "reason_of_failure"]
 
 
 def bump(counter: dict[str, int], reason: MissReason) -> None:
     counter[reason.value] = counter.get(reason.value, 0) + 1
 
 
-def reason_of(exc: BaseException) -> MissReason:
+def reason_of_failure(exc: BaseException) -> MissReason:
     """The miss reason a failed tier operation is counted and remembered under."""
     if isinstance(exc, TimeoutError):
         return MissReason.TIMEOUT

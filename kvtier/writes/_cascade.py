@@ -28,7 +28,7 @@ import anyio.abc
 
 from kvtier.common._lookup import MissReason
 from kvtier.tiers._base import SecondaryTier, one_per_key
-from kvtier.writes._account import WriteAccount, bump, reason_of
+from kvtier.writes._account import WriteAccount, bump, reason_of_failure
 
 __all__ = ["Cascades"]
 
@@ -131,11 +131,11 @@ class Cascades:
                     drained = await self.pool.drain_many(cascade.slots, write)
                     for i, outcome in enumerate(drained):
                         if outcome is not None:
-                            cascade.failures[i].append(reason_of(outcome))
+                            cascade.failures[i].append(reason_of_failure(outcome))
                 else:
                     await write((0,), (memoryview(cascade.copy),))
         except Exception as exc:
-            reason = reason_of(exc)
+            reason = reason_of_failure(exc)
             for failures in cascade.failures:
                 failures.append(reason)
         finally:
@@ -220,7 +220,7 @@ class Cascades:
     def _failed(
         self, cascade: _Cascade, position: int, tier: SecondaryTier, exc: BaseException
     ) -> None:
-        reason = reason_of(exc)
+        reason = reason_of_failure(exc)
         cascade.failures[position].append(reason)
         self.account.burst_log.warning(
             "store:" + tier.name,

@@ -32,7 +32,7 @@ import anyio.abc
 
 from kvtier.common._lookup import LookupResult, MissReason
 from kvtier.tiers._base import SecondaryTier, settled_lookup
-from kvtier.writes._account import WriteAccount, bump, reason_of
+from kvtier.writes._account import WriteAccount, bump, reason_of_failure
 from kvtier.writes._deferred import DeferredWrites
 
 __all__ = ["DEFERRED_LIMIT", "DeferredCopies"]
@@ -216,7 +216,7 @@ class DeferredCopies:
                 await _each(downs, load)
                 await _each([d for d in downs if not d.settled], store)
         except Exception as exc:  # the deadline: what has not ended has failed
-            failure = reason_of(exc)
+            failure = reason_of_failure(exc)
             self._failed(target, failure, exc)
             for down in downs:
                 self._settle(down, target, nbytes, failure)
@@ -234,7 +234,7 @@ class DeferredCopies:
                 await source.load(down.key, buffer)
                 down.buffer = buffer
         except Exception as exc:
-            failure = reason_of(exc)
+            failure = reason_of_failure(exc)
             self._failed(target, failure, exc)
             self._settle(down, target, nbytes, failure)
         else:
@@ -247,7 +247,7 @@ class DeferredCopies:
         try:
             await target.store(down.key, down.buffer)
         except Exception as exc:
-            failure = reason_of(exc)
+            failure = reason_of_failure(exc)
             self._failed(target, failure, exc)
             self._settle(down, target, nbytes, failure)
         else:

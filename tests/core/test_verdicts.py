@@ -9,7 +9,7 @@ import pytest
 
 import kvtier
 from kvtier import MissReason
-from kvtier.common._verdicts import MAX_CODE, PRESENT, VerdictStore, code_of, reason_of
+from kvtier.common._verdicts import MAX_CODE, PRESENT, VerdictStore, code_of, reason_of_code
 from kvtier.integrations.bridge import TierBridge
 from kvtier.integrations.bridge._shared import CLOSED
 from tests.support import ManualClock
@@ -95,7 +95,7 @@ def test_codes_name_every_miss_reason_and_reject_anything_else(clock: ManualCloc
     codes = {code_of(reason) for reason in MissReason}
     assert len(codes) == len(MissReason) and PRESENT not in codes
     for reason in MissReason:
-        assert reason_of(code_of(reason)) is reason
+        assert reason_of_code(code_of(reason)) is reason
         assert code_of(reason.value) == code_of(reason)
     with pytest.raises(ValueError, match="not a miss reason"):
         code_of("nope")

@@ -19,7 +19,7 @@ from kvtier import MissReason
 from kvtier.integrations.bridge import TierBridge
 from kvtier.integrations.bridge._bridge import JobOutcome
 from kvtier.testing import StallingTier
-from kvtier.tiers.fs import _io as _fs_io
+from kvtier.tiers.fs import _root as _fs_root
 from tests.support import Hang
 
 BLOCK = 4096
@@ -341,8 +341,8 @@ def test_a_malformed_batch_result_fails_only_its_batch(
 
 @pytest.fixture
 def hung_mount(hang: Hang, monkeypatch: pytest.MonkeyPatch) -> Hang:
-    """Makes ``_fs_io.prepare_root`` (FSTier's open) hang: a root on a dead NFS server."""
-    monkeypatch.setattr(_fs_io, "prepare_root", hang.wrap(_fs_io.prepare_root))
+    """Makes ``_fs_root.prepare_root`` (FSTier's open) hang: a root on a dead NFS server."""
+    monkeypatch.setattr(_fs_root, "prepare_root", hang.wrap(_fs_root.prepare_root))
     return hang
 
 

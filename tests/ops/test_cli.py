@@ -317,6 +317,34 @@ aws_secret_access_key = "wJalrXUtnFEMI-very-secret"
     assert "very-secret" not in out and "AKIDEXAMPLE" not in out
 
 
+@pytest.mark.parametrize("command", ["config", "bench"])
+def test_config_and_bench_reject_the_same_bucket_name(
+    tmp_path: Path, root: Path, command: str
+) -> None:
+    config = write_config(tmp_path / "kvtier.toml", root, '[s3]\nbucket = "b"\n')
+    code, out, err = run_cli(command, "--config", str(config))
+    assert code == 2 and out == ""
+    assert err.startswith(f"kvtier {command}: error: bucket 'b' is not a valid bucket name")
+
+
+def test_config_names_a_file_that_is_not_utf8(tmp_path: Path) -> None:
+    config = tmp_path / "latin1.toml"
+    config.write_bytes("[pool]\nnum_blocks = 16 # caf\u00e9\n".encode("latin-1"))
+    code, out, err = run_cli("config", "--config", str(config))
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and f"{config} is not UTF-8 text" in err
+
+
+def test_version_in_process_and_as_a_module() -> None:
+    from kvtier.common._version import version
+
+    assert run_cli("--version") == (0, f"kvtier {version()}\n", "")
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvtier", "--version"], capture_output=True, text=True, check=False
+    )
+    assert (proc.returncode, proc.stdout) == (0, f"kvtier {version()}\n"), proc.stderr
+
+
 # -- links out of the root -----------------------------------------------------------------------
 
 

@@ -86,6 +86,9 @@ def test_serve_demo_quick(run_json: RunJson, tmp_path: Path) -> None:
     assert set(promoted) == {"fs"}
     assert blocks["resident"] <= blocks["served"]
     assert blocks["served"] <= blocks["resident"] + sum(promoted.values()) + blocks["meanwhile"]
+    # and the parts add up to the blocks served: a prefetched block is counted once
+    assert blocks["resident"] + blocks["from_tiers"] + blocks["meanwhile"] == blocks["served"]
+    assert 0 <= blocks["from_tiers"] <= sum(promoted.values()) and blocks["meanwhile"] >= 0
     assert out["tiers"] == ["host pool", "fs"]
     assert_logits_match(out)
     # the demo wrote its blocks through to the file tier it was given

@@ -23,14 +23,12 @@ import asyncio
 import math
 import time
 
-from kvtier.common._lookup import LookupResult, MissReason
+from kvtier.common._lookup import HIT, MISS, RETRY, LookupResult, MissReason
 from kvtier.common._verdicts import MAX_CODE, PRESENT, VerdictStore
 from kvtier.integrations.bridge._shared import ACCEPTING, CLOSED, OVERLOAD, TIER_ERROR, Shared
 
 __all__ = ["LookupSnapshot"]
 
-# Bound once: an enum member read through its class costs more than a snapshot's answer.
-HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
 TIMEOUT = MissReason.TIMEOUT.value
 
 
