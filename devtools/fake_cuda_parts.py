@@ -11,12 +11,9 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from devtools.fake_cuda_state import FakeCudaState
 
 __all__ = [
     "CAPTURE_GLOBAL",
@@ -27,6 +24,21 @@ __all__ = [
     "FakeDeviceArray",
     "Hold",
 ]
+
+
+class DeviceState(Protocol):
+    """What the parts read of the device model (``fake_cuda_state.FakeCudaState``): named
+    here so the model imports its parts and not the other way round."""
+
+    cv: threading.Condition
+    error: FakeCudaError | None
+
+    def peek(self, ptr: int, size: int) -> bytes: ...
+
+    def poke(self, ptr: int, data: bytes) -> None: ...
+
+    def allocate_quietly(self, size: int, device: int | None) -> int: ...
+
 
 NOT_READY = 600  # cudaErrorNotReady
 INVALID_VALUE = 1  # cudaErrorInvalidValue
@@ -133,7 +145,7 @@ class Stream:
     device's legacy stream); ``legacy``: the device's legacy default stream (handle 0)."""
 
     def __init__(
-        self, cuda: FakeCudaState, handle: int, device: int, *, blocking: bool, legacy: bool = False
+        self, cuda: DeviceState, handle: int, device: int, *, blocking: bool, legacy: bool = False
     ) -> None:
         self.cuda = cuda
         self.handle = handle
@@ -196,7 +208,7 @@ class FakeDeviceArray:
 
     def __init__(
         self,
-        cuda: FakeCudaState,
+        cuda: DeviceState,
         nbytes: int,
         *,
         stream: int | None,

@@ -1,21 +1,24 @@
 """What several test modules share beyond fixtures (those live in ``conftest.py``): key and
 block factories, where an FS tier keeps its files, the ``kvtier`` command run in-process, a
 clock moved by hand, a pool whose copies wait at a gate, an OS call that hangs, a request run
-against a held tier, an S3 tier on the run's SeaweedFS, and the check that a manager is
-idle."""
+against a held tier, an S3 tier on the run's SeaweedFS, the check that a manager is idle, and
+the imports of a vLLM test module, skipped where vLLM is not installed."""
 
 from __future__ import annotations
 
 import io
 import os
 import threading
-from collections.abc import Awaitable, Callable, Sequence
+import warnings
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, ParamSpec, Protocol, TypedDict, TypeVar
 
 import anyio
 import anyio.lowlevel
 import numpy as np
+import pytest
 
 from devtools.weed_server import ACCESS_KEY, BUCKET, REGION, SECRET_KEY
 from kvtier import (
@@ -274,3 +277,19 @@ async def given_back(pool: PrimaryPool, most: int = 1000) -> None:
             return
         await anyio.lowlevel.checkpoint()
     raise AssertionError(f"{pool.table.lent} slot(s) still lent")
+
+
+@contextmanager
+def vllm_imports(module: str) -> Iterator[None]:
+    """Around a test module's imports of vLLM: skips the module when vLLM's ``module`` does not
+    import, except under ``nox -s vllm`` (``KVTIER_VLLM_REQUIRED=1``), where the imports must
+    fail instead; and hides the deprecation warnings vLLM and torch raise while importing (not
+    ours to fix)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        if os.environ.get("KVTIER_VLLM_REQUIRED") != "1":
+            pytest.importorskip(
+                module,
+                reason="vLLM is not installed here; `nox -s vllm` installs it and runs these tests",
+            )
+        yield

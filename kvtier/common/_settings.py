@@ -37,6 +37,7 @@ __all__ = [
     "Parser",
     "Section",
     "check_fields",
+    "check_type",
     "choice",
     "described",
     "did_you_mean",
@@ -65,6 +66,12 @@ __all__ = [
 
 
 # -- plain argument checks -------------------------------------------------------------------
+
+
+def check_type(value: object, kind: type, expected: str) -> None:
+    """Refuse a ``value`` that is not a ``kind``, saying what was ``expected`` and what came."""
+    if not isinstance(value, kind):
+        raise InvalidArgumentError(f"{expected}, got {type(value).__name__}")
 
 
 def positive_int(value: object, name: str, hint: str = "") -> int:

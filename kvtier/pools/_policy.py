@@ -21,6 +21,7 @@ from operator import not_
 from typing import Protocol, runtime_checkable
 
 from kvtier.common._errors import InvalidArgumentError
+from kvtier.common._settings import check_type
 
 __all__ = ["POLICY_NAMES", "ARCPolicy", "EvictionPolicy", "LRUPolicy", "make_policy"]
 
@@ -204,8 +205,5 @@ def make_policy(policy: str | EvictionPolicy, capacity: int) -> EvictionPolicy:
                 f"unknown eviction policy {policy!r}; use one of {sorted(_POLICIES)} "
                 "or pass an object implementing kvtier.EvictionPolicy"
             ) from None
-    if not isinstance(policy, EvictionPolicy):
-        raise InvalidArgumentError(
-            f"policy must be a name or an EvictionPolicy, got {type(policy).__name__}"
-        )
+    check_type(policy, EvictionPolicy, "policy must be a name or an EvictionPolicy")
     return policy

@@ -16,7 +16,7 @@ from kvtier.common._errors import InvalidArgumentError
 from kvtier.common._freeze import snapshot
 from kvtier.common._logging import BurstLogger
 from kvtier.common._lookup import HIT, HIT_PENDING, RETRY
-from kvtier.common._settings import positive_int, positive_number
+from kvtier.common._settings import check_type, positive_int, positive_number
 from kvtier.manager._cost import CostModel, ScanBudget
 from kvtier.manager._watch import KeyWatch
 from kvtier.scheduler._prefetch import Prefetches, PrefetchHandle, PrefetchStatistics
@@ -80,10 +80,7 @@ class OffloadScheduler:
         prefetch_share: float = 0.25,
         prefetch_ttl: float = 60.0,
     ) -> None:
-        if not isinstance(manager, SupportsLookup):
-            raise InvalidArgumentError(
-                f"manager must have a lookup(key, ctx=None) method, got {type(manager).__name__}"
-            )
+        check_type(manager, SupportsLookup, "manager must have a lookup(key, ctx=None) method")
         positive_number(max_wait, "max_wait")
         positive_number(prefetch_ttl, "prefetch_ttl")
         if (

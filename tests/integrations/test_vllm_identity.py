@@ -8,18 +8,15 @@ import dataclasses
 import logging
 import os
 import uuid
-import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 import kvtier
+from tests.support import vllm_imports
 
-if os.environ.get("KVTIER_VLLM_REQUIRED") != "1":  # in `nox -s vllm` it must fail, not skip
-    pytest.importorskip("vllm.v1.kv_offload.tiering.spec", reason="needs vLLM: `nox -s vllm`")
-with warnings.catch_warnings():  # vLLM's and torch's own deprecation warnings on import
-    warnings.simplefilter("ignore", DeprecationWarning)
+with vllm_imports("vllm.v1.kv_offload.tiering.spec"):
     from vllm.v1.kv_offload import config as vllm_config
     from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
     from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager

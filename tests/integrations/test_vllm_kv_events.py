@@ -4,9 +4,7 @@ read it (``nox -s vllm``)."""
 
 from __future__ import annotations
 
-import os
 import socket
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,14 +12,9 @@ import pytest
 
 from kvtier import EventKind, TierEvent
 from tests.integrations.test_kv_events import ANY_PORT, RECEIVE_MS, joined, subscriber
+from tests.support import vllm_imports
 
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore", DeprecationWarning)
-    if os.environ.get("KVTIER_VLLM_REQUIRED") != "1":  # in `nox -s vllm` it must fail, not skip
-        pytest.importorskip(
-            "vllm.distributed.kv_events",
-            reason="vLLM is not installed here; `nox -s vllm` installs it and runs these tests",
-        )
+with vllm_imports("vllm.distributed.kv_events"):
     import msgspec  # type: ignore[import-not-found, unused-ignore]
     import zmq  # type: ignore[import-not-found, unused-ignore]
     from vllm.distributed.kv_events import (

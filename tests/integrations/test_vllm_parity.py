@@ -7,7 +7,6 @@ parallel layouts exactly where vLLM shares them."""
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,9 +30,9 @@ from tests.integrations.test_vllm_tier import (
 )
 from tests.integrations.test_vllm_tier import engines as engines  # the fixtures, shared
 from tests.integrations.test_vllm_tier import s3_endpoint as s3_endpoint
+from tests.support import vllm_imports
 
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore", DeprecationWarning)
+with vllm_imports("vllm.v1.kv_offload.tiering.spec"):
     import msgspec  # type: ignore[import-not-found, unused-ignore]  # vLLM brings it
     from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import (
@@ -62,6 +61,17 @@ with warnings.catch_warnings():
 
 def fs(root: Path, **settings: Any) -> dict[str, Any]:
     return {"kind": "fs", "root": str(root), **settings}
+
+
+def block_file_bytes(engines: Callable[..., Engine], root: Path) -> int:
+    """What one stored block takes in an FS tier, as a probe engine of its own on ``root``
+    (shut down after) counts it."""
+    probe = engines(kvtier_tier(tier=fs(root)))
+    probe.store(offload_keys(1), payloads(1))
+    probe.settle()
+    file_bytes = probe.tier.statistics().tier.bytes_stored  # type: ignore[union-attr]
+    probe.shutdown()
+    return file_bytes
 
 
 def storage_events(engine: Engine) -> list[OffloadingEvent]:
@@ -142,12 +152,7 @@ def test_events_need_the_tiers_switch_and_vllms(
 def test_capacity_evictions_and_corrupt_blocks_are_removed_events_vllm_can_publish(
     engines: Callable[..., Engine], tmp_path: Path
 ) -> None:
-    probe = engines(kvtier_tier(tier=fs(tmp_path / "probe")))
-    probe.store(offload_keys(1), payloads(1))
-    probe.settle()
-    file_bytes = probe.tier.statistics().tier.bytes_stored  # type: ignore[union-attr]
-    probe.shutdown()
-
+    file_bytes = block_file_bytes(engines, tmp_path / "probe")
     engine = engines(
         kvtier_tier(tier=fs(tmp_path / "c", capacity_bytes=3 * file_bytes), enable_kv_events=True),
         enable_kv_cache_events=True,
@@ -175,10 +180,7 @@ def test_capacity_evictions_and_corrupt_blocks_are_removed_events_vllm_can_publi
 def test_events_name_only_the_newest_event_keys_and_count_the_rest(
     engines: Callable[..., Engine], tmp_path: Path
 ) -> None:
-    probe = engines(kvtier_tier(tier=fs(tmp_path / "probe")))
-    probe.store(offload_keys(1), payloads(1))
-    probe.settle()
-    file_bytes = probe.tier.statistics().tier.bytes_stored  # type: ignore[union-attr]
+    file_bytes = block_file_bytes(engines, tmp_path / "probe")
     engine = engines(
         kvtier_tier(
             tier=fs(tmp_path / "c", capacity_bytes=2 * file_bytes),

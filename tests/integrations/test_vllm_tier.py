@@ -16,7 +16,6 @@ import os
 import re
 import threading
 import uuid
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,15 +25,9 @@ import pytest
 import kvtier
 from devtools.weed_server import ACCESS_KEY, BUCKET, REGION, SECRET_KEY, WeedServer
 from kvtier.testing import FailingTier, StallingTier
+from tests.support import vllm_imports
 
-with warnings.catch_warnings():
-    # vLLM and torch warn about their own deprecations while importing: not ours to fix.
-    warnings.simplefilter("ignore", DeprecationWarning)
-    if os.environ.get("KVTIER_VLLM_REQUIRED") != "1":  # in `nox -s vllm` it must fail, not skip
-        pytest.importorskip(
-            "vllm.v1.kv_offload.tiering.spec",
-            reason="vLLM is not installed here; `nox -s vllm` installs it and runs these tests",
-        )
+with vllm_imports("vllm.v1.kv_offload.tiering.spec"):
     from vllm.v1.kv_offload.base import (
         LookupResult,
         OffloadKey,

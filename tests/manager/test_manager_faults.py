@@ -276,19 +276,32 @@ def test_recent_failures_expire_and_stay_bounded() -> None:
 # -- a tier that breaks its own contract -------------------------------------------------------
 
 
-class ShortBatchTier(MemoryTier):
-    """``load_many`` answers for one key fewer than it was asked: a tier with a bug."""
+class ShortAnswerTier(MemoryTier):
+    """A tier with a bug: its batch call ``short`` (``load_many`` or ``store_many``) does all
+    its work but answers for one key fewer than it was asked."""
+
+    def __init__(self, short: str) -> None:
+        super().__init__("short")
+        self.short = short
+
+    def _answer(self, call: str, results: BatchResults) -> BatchResults:
+        return list(results)[:-1] if call == self.short else results
 
     async def load_many(
         self, keys: Sequence[bytes], dsts: Sequence[memoryview], **options: Any
     ) -> BatchResults:
-        return list(await super().load_many(keys, dsts, **options))[:-1]
+        return self._answer("load_many", await super().load_many(keys, dsts, **options))
+
+    async def store_many(
+        self, keys: Sequence[bytes], srcs: Sequence[memoryview], **options: Any
+    ) -> BatchResults:
+        return self._answer("store_many", await super().store_many(keys, srcs, **options))
 
 
 async def test_a_short_batch_answer_fails_its_blocks_and_frees_their_slots(
     keys: list[bytes], caplog: pytest.LogCaptureFixture
 ) -> None:
-    tier = ShortBatchTier("short")
+    tier = ShortAnswerTier("load_many")
     for key in keys[:3]:
         await tier.store(key, memoryview(bytes(BB)))
     manager = TieringManager(HostPool(8, BB), [tier])
@@ -305,19 +318,10 @@ async def test_a_short_batch_answer_fails_its_blocks_and_frees_their_slots(
     assert len(logged) == 1, "a failed batch is logged once, not per block"
 
 
-class ShortStoreTier(MemoryTier):
-    """``store_many`` stores every block but answers for one key fewer than it was asked."""
-
-    async def store_many(
-        self, keys: Sequence[bytes], srcs: Sequence[memoryview], **options: Any
-    ) -> BatchResults:
-        return list(await super().store_many(keys, srcs, **options))[:-1]
-
-
 async def test_a_short_batch_store_answer_fails_each_write_as_tier_error(
     keys: list[bytes],
 ) -> None:
-    tier = ShortStoreTier("short")
+    tier = ShortAnswerTier("store_many")
     async with TieringManager(HostPool(8, BB), [tier]) as manager:
         with anyio.fail_after(10):
             await manager.store(keys[:3], np.zeros((3, BB), np.uint8))

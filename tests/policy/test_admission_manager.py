@@ -5,6 +5,8 @@ StallingTier; nothing here asserts a duration."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
@@ -28,6 +30,33 @@ BB = 4096
 
 def held(tier: SecondaryTier, keys: list[bytes]) -> list[bool]:
     return [tier.lookup(key) is LookupResult.HIT for key in keys]
+
+
+class CountingAdmission(AdmissionPolicy):
+    """Admission that counts, by tier, the times it was asked to admit."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.asked: dict[str, int] = {}
+
+    def admit(self, tier: str, nbytes: int, *, count: int = 1) -> bool:
+        self.asked[tier] = self.asked.get(tier, 0) + 1
+        return super().admit(tier, nbytes, count=count)
+
+
+@asynccontextmanager
+async def slow_at_two_blocks() -> AsyncIterator[
+    tuple[TieringManager, CountingAdmission, MemoryTier, StallingTier]
+]:
+    """A manager that writes through to a memory tier ``fast`` and to a tier ``slow`` whose
+    stores are held until the test releases them, admitting at most two blocks in flight to
+    ``slow`` (and never dropping one for its latency)."""
+    policy = CountingAdmission(max_in_flight_bytes={"slow": 2 * BB}, max_write_latency=None)
+    fast = MemoryTier("fast")
+    slow = StallingTier(name="slow")
+    slow.stall("store")
+    async with TieringManager(HostPool(32, BB), [fast, slow], admission=policy) as manager:
+        yield manager, policy, fast, slow
 
 
 async def test_a_slow_tier_is_skipped_counted_and_admitted_again_when_it_recovers(
@@ -62,11 +91,7 @@ async def test_a_slow_tier_is_skipped_counted_and_admitted_again_when_it_recover
 async def test_a_tier_at_its_in_flight_limit_drops_new_blocks_until_it_drains(
     keys: list[bytes],
 ) -> None:
-    policy = AdmissionPolicy(max_in_flight_bytes={"slow": 2 * BB}, max_write_latency=None)
-    fast = MemoryTier("fast")
-    slow = StallingTier(name="slow")
-    slow.stall("store")
-    async with TieringManager(HostPool(32, BB), [fast, slow], admission=policy) as manager:
+    async with slow_at_two_blocks() as (manager, _, fast, slow):
         await manager.store(keys[:4], random_blocks(4))
         with anyio.fail_after(10):
             while slow.stalled["store"] < 2:
@@ -85,24 +110,10 @@ async def test_a_tier_at_its_in_flight_limit_drops_new_blocks_until_it_drains(
         assert slow.inner.statistics().blocks == 4
 
 
-class CountingAdmission(AdmissionPolicy):
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.asked: dict[str, int] = {}
-
-    def admit(self, tier: str, nbytes: int, *, count: int = 1) -> bool:
-        self.asked[tier] = self.asked.get(tier, 0) + 1
-        return super().admit(tier, nbytes, count=count)
-
-
 async def test_a_tier_that_refuses_a_block_is_not_asked_about_the_rest_of_the_store(
     keys: list[bytes],
 ) -> None:
-    policy = CountingAdmission(max_in_flight_bytes={"slow": 2 * BB}, max_write_latency=None)
-    fast = MemoryTier("fast")
-    slow = StallingTier(name="slow")
-    slow.stall("store")
-    async with TieringManager(HostPool(32, BB), [fast, slow], admission=policy) as manager:
+    async with slow_at_two_blocks() as (manager, policy, fast, slow):
         await manager.store(keys[:6], random_blocks(6))
         assert policy.asked == {"fast": 6, "slow": 3}  # two admitted, the third refused
         stats = manager.statistics().admission[1]

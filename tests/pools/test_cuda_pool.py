@@ -572,15 +572,19 @@ async def test_close_frees_device_memory_pinned_staging_and_streams(fake: FakeCu
 # -- ordering, cancellation, close and errors (on the stand-in) --------------------------------
 
 
+@pytest.mark.parametrize("named_by", ["the buffer", "the pool's engine_stream"])
 async def test_device_copies_wait_for_the_engine_stream(
-    cuda: Cuda, fake: FakeCuda, keys: list[bytes]
+    cuda: Cuda, fake: FakeCuda, keys: list[bytes], named_by: str
 ) -> None:
-    """A store from a GPU buffer the engine is still writing copies what it wrote."""
+    """A store from a GPU buffer the engine is still writing copies what it wrote, whether
+    the buffer names the engine's stream or the pool's ``engine_stream`` option does (the
+    buffer then says nothing: the option decides)."""
     engine = fake.streamCreateWithFlags(fake.streamNonBlocking)
-    pool = cuda.pool(2)
+    by_option = named_by != "the buffer"
+    pool = cuda.pool(2, engine_stream=engine) if by_option else cuda.pool(2)
     slot = _reserve(pool, keys[0])
     old, new = _blocks(2)
-    [array] = cuda.device_blocks(old[None], stream=engine)
+    [array] = cuda.device_blocks(old[None], stream=None if by_option else engine)
     gate = fake.hold(stream=engine)
     fake.enqueue_write(engine, array.ptr, new.tobytes())  # the engine's own pending write
     async with anyio.create_task_group() as tg:
@@ -588,25 +592,6 @@ async def test_device_copies_wait_for_the_engine_stream(
         await _until(gate.reached)
         await _quiet(fake)
         assert fake.log == []  # the pool's copy waits behind the engine's write
-        fake.release(gate)
-    assert pool.slot_bytes(slot) == new.tobytes()
-    pool.abort(slot)
-
-
-async def test_an_explicit_engine_stream_orders_device_copies(
-    cuda: Cuda, fake: FakeCuda, keys: list[bytes]
-) -> None:
-    engine = fake.streamCreateWithFlags(fake.streamNonBlocking)
-    pool = cuda.pool(2, engine_stream=engine)
-    slot = _reserve(pool, keys[0])
-    old, new = _blocks(2)
-    [array] = cuda.device_blocks(old[None], stream=None)  # says nothing: the option decides
-    gate = fake.hold(stream=engine)
-    fake.enqueue_write(engine, array.ptr, new.tobytes())
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(pool.copy_in, [slot], [BlockBuffer(None, array)])
-        await _until(gate.reached)
-        await _quiet(fake)
         fake.release(gate)
     assert pool.slot_bytes(slot) == new.tobytes()
     pool.abort(slot)
@@ -783,6 +768,12 @@ async def test_an_abandoned_copy_without_an_event_gets_a_fence_of_its_own(
     destroyed = fake.calls.get("eventDestroy", 0)
     fake.release(gate)
     await pool.copy_in([slot], [BlockBuffer(_blocks(1)[0].data)])  # behind the fence
+    # The fence is destroyed by the thread that saw it complete, which may come after the
+    # copy behind it has returned.
+    await anyio.to_thread.run_sync(
+        fake.wait_until, lambda: fake.calls.get("eventDestroy", 0) > destroyed
+    )
+    await _quiet(fake)
     assert fake.calls.get("eventDestroy", 0) == destroyed + 1
     assert _all_staging_free(pool)
     pool.abort(slot)

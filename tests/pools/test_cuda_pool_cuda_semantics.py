@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -21,15 +22,11 @@ import pytest
 from devtools.fake_cuda import FakeCuda, FakeCudaError, FakeDeviceArray
 from kvtier import CudaPool, InvalidArgumentError
 from kvtier.common._buffers import BlockBuffer
+from tests.pools.stand_in import close_on_stand_in, threads_parked_at
 from tests.support import fresh_keys
 
 BLOCK = 64 * 1024
 PoolOf = Callable[..., CudaPool]
-
-
-@pytest.fixture
-def fake() -> FakeCuda:
-    return FakeCuda(devices=2)
 
 
 @pytest.fixture
@@ -44,12 +41,7 @@ async def pool_of(fake: FakeCuda) -> AsyncIterator[PoolOf]:
         return pool
 
     yield make
-    fake.release_all()
-    for pool in pools:
-        pool.table.check_invariants()
-        await pool.aclose()
-    assert fake.violations == []
-    fake.close()
+    await close_on_stand_in(fake, pools)
 
 
 def _blocks(n: int) -> np.ndarray:
@@ -311,18 +303,8 @@ async def test_a_cuda_call_that_blocks_never_blocks_the_event_loop(
     pool = pool_of(2)
     slot = _reserve(pool, fresh_keys(1)[0])
     data = _blocks(1)[0]
-    gate = fake.hold_call(call)
-    loop_thread = threading.get_ident()
-    failsafe = threading.Timer(5.0, fake.release_all)  # only a loop that blocked needs it
-    failsafe.start()
-    try:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(pool.copy_in, [slot], [BlockBuffer(data.data)])
-            await _until(gate.reached)  # the loop is free to wait for it
-            parked = list(gate.threads)
-            fake.release(gate)
-    finally:
-        failsafe.cancel()
-    assert loop_thread not in parked, f"{call} blocked the event loop thread"
+    copy = functools.partial(pool.copy_in, [slot], [BlockBuffer(data.data)])
+    parked = await threads_parked_at(fake, call, copy)
+    assert threading.get_ident() not in parked, f"{call} blocked the event loop thread"
     assert pool.slot_bytes(slot) == data.tobytes()
     pool.abort(slot)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -21,14 +21,6 @@ import pytest
 from devtools.fake_cuda import FakeCuda, FakeCudaError
 
 H2D, D2H = FakeCuda.memcpyHostToDevice, FakeCuda.memcpyDeviceToHost
-
-
-@pytest.fixture
-def fake() -> Iterator[FakeCuda]:
-    cuda = FakeCuda(devices=2)
-    yield cuda
-    cuda.release_all()
-    cuda.close()
 
 
 def _in_thread(fake: FakeCuda, call: Callable[[], Any]) -> Any:

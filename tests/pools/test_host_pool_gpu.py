@@ -7,8 +7,9 @@ pool that only sees host buffers, and no context on a GPU the buffers are not on
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio
@@ -20,18 +21,11 @@ from devtools.fake_cuda import FakeCuda, FakeCudaError, FakeDeviceArray
 from kvtier import HostPool, InvalidArgumentError
 from kvtier.common._buffers import BlockBuffer
 from kvtier.pools import _cupy
+from tests.pools.stand_in import close_on_stand_in, threads_parked_at
 from tests.support import fresh_keys
 
 BLOCK = 64 * 1024
 PoolOf = Callable[..., HostPool]
-
-
-@pytest.fixture
-def fake() -> Iterator[FakeCuda]:
-    cuda = FakeCuda(devices=2)
-    yield cuda
-    cuda.release_all()
-    cuda.close()
 
 
 @pytest.fixture
@@ -46,11 +40,7 @@ async def pool_of(fake: FakeCuda) -> AsyncIterator[PoolOf]:
         return pool
 
     yield make
-    fake.release_all()
-    for pool in pools:
-        pool.table.check_invariants()
-        await pool.aclose()
-    assert fake.violations == []
+    await close_on_stand_in(fake, pools)
     assert fake.registered_bytes() == 0
     assert fake.live_events() == 0
 
@@ -265,18 +255,8 @@ async def test_a_cuda_call_that_blocks_never_blocks_the_event_loop(
     (slot,) = _slots(pool, 1)
     data = _blocks(1)
     array = _engine(fake, data, stream)[0]
-    gate = fake.hold_call(call)
-    loop_thread = threading.get_ident()
-    failsafe = threading.Timer(5.0, fake.release_all)  # only a loop that blocked needs it
-    failsafe.start()
-    try:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(pool.copy_in, [slot], [BlockBuffer(None, array)])
-            await anyio.to_thread.run_sync(gate.reached.wait, 30)
-            parked = list(gate.threads)
-            fake.release(gate)
-    finally:
-        failsafe.cancel()
-    assert loop_thread not in parked, f"{call} blocked the event loop thread"
+    copy = functools.partial(pool.copy_in, [slot], [BlockBuffer(None, array)])
+    parked = await threads_parked_at(fake, call, copy)
+    assert threading.get_ident() not in parked, f"{call} blocked the event loop thread"
     assert pool.copy_slot(slot) == data.tobytes()
     pool.abort(slot)

@@ -26,6 +26,14 @@ def ready_table(n: int, policy: str = "lru") -> SlotTable:
     return table
 
 
+def writing_table() -> tuple[SlotTable, int]:
+    """A one-slot LRU table whose slot is WRITING the block of ``k(1)``."""
+    table = SlotTable(1, LRUPolicy(1))
+    slot = table.try_reserve(k(1))
+    assert slot is not None
+    return table, slot
+
+
 def test_slot_life_free_writing_ready() -> None:
     table = SlotTable(2, LRUPolicy(2))
     assert table.lookup(k(1)) is LookupResult.MISS
@@ -40,9 +48,7 @@ def test_slot_life_free_writing_ready() -> None:
 
 
 def test_abort_frees_the_slot() -> None:
-    table = SlotTable(1, LRUPolicy(1))
-    slot = table.try_reserve(k(1))
-    assert slot is not None
+    table, slot = writing_table()
     table.abort(slot)
     assert table.lookup(k(1)) is LookupResult.MISS
     assert table.statistics(1).free == 1
@@ -259,9 +265,7 @@ TestSlotTableMachine.settings = settings(max_examples=150, stateful_step_count=4
 
 
 def test_a_lent_slot_aborted_is_reused_only_once_given_back() -> None:
-    table = SlotTable(1, LRUPolicy(1))
-    slot = table.try_reserve(k(1))
-    assert slot is not None
+    table, slot = writing_table()
     table.lend(slot)
     table.abort(slot)  # the writer gave up; something may still write into the slot
     assert table.lookup(k(1)) is LookupResult.MISS
@@ -275,9 +279,7 @@ def test_a_lent_slot_aborted_is_reused_only_once_given_back() -> None:
 
 
 def test_a_lent_slot_given_back_before_its_abort_is_freed_by_the_abort() -> None:
-    table = SlotTable(1, LRUPolicy(1))
-    slot = table.try_reserve(k(1))
-    assert slot is not None
+    table, slot = writing_table()
     table.lend(slot)
     table.give_back(slot)  # the read returned before its writer was settled
     assert table.lookup(k(1)) is LookupResult.HIT_PENDING
@@ -287,9 +289,7 @@ def test_a_lent_slot_given_back_before_its_abort_is_freed_by_the_abort() -> None
 
 
 def test_a_lent_slot_is_never_committed() -> None:
-    table = SlotTable(1, LRUPolicy(1))
-    slot = table.try_reserve(k(1))
-    assert slot is not None
+    table, slot = writing_table()
     table.lend(slot)
     with pytest.raises(AssertionError, match="lent"):
         table.commit(slot)

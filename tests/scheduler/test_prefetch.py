@@ -33,6 +33,13 @@ async def stalled(keys: list[bytes], *operations: str) -> StallingTier:
     return tier
 
 
+async def holding(keys: list[bytes]) -> MemoryTier:
+    """A memory tier holding ``keys``."""
+    tier = MemoryTier("mem")
+    await fill(tier, keys)
+    return tier
+
+
 @asynccontextmanager
 async def prefetching(
     tier: SecondaryTier, blocks: int = 8, share: float = 0.5, cost: CostModel | None = None
@@ -42,8 +49,7 @@ async def prefetching(
 
 
 async def test_a_prefetched_prefix_is_a_hit_for_its_lookup(keys: list[bytes]) -> None:
-    tier = MemoryTier("mem")
-    await fill(tier, keys[:6])
+    tier = await holding(keys[:6])
     async with prefetching(tier, 16) as (manager, scheduler):
         handle = scheduler.prefetch(keys[:8])
         with anyio.fail_after(10):
@@ -67,8 +73,7 @@ async def test_a_prefetched_prefix_is_a_hit_for_its_lookup(keys: list[bytes]) ->
 async def test_prefetch_holds_at_most_its_share_and_never_evicts_a_pinned_block(
     keys: list[bytes],
 ) -> None:
-    tier = MemoryTier("mem")
-    await fill(tier, keys[4:12])
+    tier = await holding(keys[4:12])
     async with prefetching(tier, share=0.25) as (manager, scheduler):  # 2 of 8 slots
         await manager.store(keys[:4], random_blocks(4))
         running = manager.pin_ready(keys[:4])  # a running request's blocks
@@ -146,8 +151,7 @@ async def test_a_prefetch_cancelled_as_its_scan_wakes_pins_nothing_for_it(
 async def test_an_unclaimed_prefetch_expires_and_its_blocks_stay_as_cache(
     keys: list[bytes],
 ) -> None:
-    tier = MemoryTier("mem")
-    await fill(tier, keys[:3])
+    tier = await holding(keys[:3])
     async with prefetching(tier) as (manager, scheduler):
         handle = scheduler.prefetch(keys[:3], ttl=0.01)
         with anyio.fail_after(10):
@@ -219,8 +223,7 @@ async def test_closing_the_manager_ends_a_running_prefetch(keys: list[bytes]) ->
 async def test_a_prefetch_on_a_closed_manager_ends_at_once_and_leaves_nothing(
     keys: list[bytes],
 ) -> None:
-    tier = MemoryTier("mem")
-    await fill(tier, keys[:2])
+    tier = await holding(keys[:2])
     async with prefetching(tier) as (manager, scheduler):
         pass
     handle = scheduler.prefetch(keys[:2])  # an engine racing its own shutdown: no exception
@@ -249,8 +252,7 @@ async def test_prefetch_arguments_are_checked(keys: list[bytes]) -> None:
 
 
 async def test_no_prefetch_from_a_tier_slower_than_recompute(keys: list[bytes]) -> None:
-    tier = MemoryTier("mem")
-    await fill(tier, keys[:4])
+    tier = await holding(keys[:4])
     cost = CostModel(recompute_seconds_per_block=0.001, probe_interval=3600.0)
     for _ in range(5):  # the tier takes a second a promotion: far slower than recompute
         cost.observe_promotion("mem", 1.0, BB, True)

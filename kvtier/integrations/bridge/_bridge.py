@@ -47,11 +47,10 @@ from typing import TypeVar
 
 import anyio
 
-from kvtier.common._errors import InvalidArgumentError
 from kvtier.common._events import EventBuffer, EventKind, TierEvent
 from kvtier.common._logging import BurstLogger
 from kvtier.common._lookup import LookupResult
-from kvtier.common._settings import positive_int, positive_number
+from kvtier.common._settings import check_type, positive_int, positive_number
 from kvtier.integrations.bridge._answers import LookupSnapshot
 from kvtier.integrations.bridge._jobs import JobOutcome, Jobs, Operation
 from kvtier.integrations.bridge._loop import LoopThread
@@ -123,10 +122,7 @@ class TierBridge:
         start_timeout: float = 30.0,
         events: int = 0,
     ) -> None:
-        if not isinstance(tier, SecondaryTier):
-            raise InvalidArgumentError(
-                f"tier must be a kvtier SecondaryTier, got {type(tier).__name__}"
-            )
+        check_type(tier, SecondaryTier, "tier must be a kvtier SecondaryTier")
         for seconds, label in (
             (miss_ttl, "miss_ttl"),
             (op_timeout, "op_timeout"),

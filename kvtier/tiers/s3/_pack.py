@@ -111,6 +111,10 @@ class PackWriter:
         if item.error is not None:
             raise item.error
 
+    def counts(self) -> dict[str, int]:
+        """What packing did, by the ``S3TierStatistics`` names."""
+        return {"packs_written": self.packs, "blocks_packed": self.packed_blocks}
+
     async def _flush(self, mine: PendingStore) -> None:
         """Send the oldest queued stores (``mine`` among them, or ahead of it) in one PUT."""
         batch = [self._queue.popleft() for _ in range(min(self._pack_blocks, len(self._queue)))]
@@ -182,6 +186,14 @@ class PackReads:
         self.gets = 0  # ranged GETs sent
         self.sections = 0  # sections they served
         self.bytes = 0  # bytes they fetched
+
+    def counts(self) -> dict[str, int]:
+        """What the section reads did, by the ``S3TierStatistics`` names."""
+        return {
+            "pack_gets": self.gets,
+            "pack_sections_read": self.sections,
+            "pack_bytes_read": self.bytes,
+        }
 
     async def read(self, where: Location) -> memoryview | None:
         while True:

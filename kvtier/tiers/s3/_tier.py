@@ -403,22 +403,11 @@ class S3Tier(SecondaryTier):
         return self._breaker.state
 
     def statistics(self) -> S3TierStatistics:
-        sync, packer, reads = self._sync, self._blocks.packer, self._blocks.reads
         return self._core.statistics(
             retries=self._requests.retries,
-            index_listing_complete=sync.listing_complete,
-            index_refreshes=sync.refreshes,
-            journal_segments_published=sync.segments_published,
-            journal_segments_read=sync.reader.segments_read,
-            packs_written=packer.packs,
-            blocks_packed=packer.packed_blocks,
-            pack_gets=reads.gets,
-            pack_sections_read=reads.sections,
-            pack_bytes_read=reads.bytes,
-            index_refresh_failures=sync.refresh_failures,
-            journal_segments_rejected=sync.reader.segments_rejected,
-            journal_entries_rejected=sync.reader.entries_rejected,
-            journal_clock_skew=sync.clock_skew,
+            **self._sync.counts(),
+            **self._blocks.packer.counts(),
+            **self._blocks.reads.counts(),
         )
 
     def __repr__(self) -> str:

@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import anyio
 import anyio.streams.buffered
@@ -573,6 +573,11 @@ async def test_a_full_disk_with_nothing_to_evict_fails_the_store_and_leaves_noth
             assert await load(tier, key(0), block) == data(0, block)
 
 
+def _eio(*args: Any) -> NoReturn:
+    """A disk's I/O error, for a test to put in place of a read or write call."""
+    raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+
 def _shard_folders(root: Path) -> list[str]:
     return sorted(str(p.relative_to(root)) for p in root.glob("??*") if p.is_dir())
 
@@ -580,13 +585,10 @@ def _shard_folders(root: Path) -> list[str]:
 async def test_a_failed_store_leaves_no_empty_shard_folders(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def broken(fd: int, bufs: Any) -> int:
-        raise OSError(errno.EIO, os.strerror(errno.EIO))
-
     async with FSTier(tmp_path / "c") as tier:
         await tier.store(key(0), memoryview(data(0)))
         kept = _shard_folders(tier.root)
-        monkeypatch.setattr(_fs_write, "_writev", broken)
+        monkeypatch.setattr(_fs_write, "_writev", _eio)
         for i in range(1, 5):
             with pytest.raises(TierUnavailableError, match="EIO"):
                 await tier.store(key(i), memoryview(data(i)))
@@ -616,7 +618,7 @@ async def test_a_failed_store_removing_its_shard_never_fails_a_store_beside_it(
         if getattr(now, "name", None) == name_of(failing):
             writing.set()  # in the shard folder it made
             assert beside.wait(30)
-            raise OSError(errno.EIO, os.strerror(errno.EIO))
+            _eio()
         return real_writev(fd, bufs)
 
     monkeypatch.setattr(_fs_write, "tmp_name", tmp_name)
@@ -673,12 +675,9 @@ async def test_missing_parents_are_created_and_an_unusable_root_raises_at_open(
 async def test_io_error_on_load_is_a_counted_miss(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def broken(fd: int, bufs: Any, offset: int) -> int:
-        raise OSError(errno.EIO, os.strerror(errno.EIO))
-
     async with FSTier(tmp_path / "c") as tier:
         await tier.store(key(0), memoryview(data(0)))
-        monkeypatch.setattr(_fs_read, "_preadv", broken)
+        monkeypatch.setattr(_fs_read, "_preadv", _eio)
         with pytest.raises(TierUnavailableError, match="EIO"):
             await load(tier, key(0))
         assert tier.lookup(key(0)) is LookupResult.MISS
@@ -690,11 +689,8 @@ async def test_io_error_on_load_is_a_counted_miss(
 async def test_io_error_on_store_leaves_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def broken(fd: int, bufs: Any) -> int:
-        raise OSError(errno.EIO, os.strerror(errno.EIO))
-
     async with FSTier(tmp_path / "c") as tier:
-        monkeypatch.setattr(_fs_write, "_writev", broken)
+        monkeypatch.setattr(_fs_write, "_writev", _eio)
         with pytest.raises(TierUnavailableError, match="EIO"):
             await tier.store(key(0), memoryview(data(0)))
         assert block_files(tier.root) == tmp_files(tier.root) == []

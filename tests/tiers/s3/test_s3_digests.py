@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Sequence
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
@@ -31,6 +31,7 @@ from kvtier.tiers.s3.index._journal_format import (
     segment_time_ms,
 )
 from tests.support import MakeS3Tier, ManualClock, fill, fresh_keys
+from tests.tiers.s3.s3_fleet import assert_knows, fleet
 
 pytestmark = pytest.mark.anyio
 
@@ -63,12 +64,7 @@ async def nodes(
 ) -> AsyncIterator[list[S3Tier]]:
     """Open one tier per wall clock, each with that clock as its journal's, and run each
     one's first round (which reads the journal: its next digest is the current one's)."""
-    async with AsyncExitStack() as stack:
-        tiers = []
-        for i, wall in enumerate(walls):
-            tier = make_tier(name=f"node-{i}", **(SETTINGS | overrides))
-            tier._sync._wall = wall
-            tiers.append(await stack.enter_async_context(tier))
+    async with fleet(make_tier, walls, SETTINGS | overrides) as tiers:
         for tier in tiers:
             await tier._sync.refresh_once()
         yield tiers
@@ -94,9 +90,23 @@ async def publish(*tiers: S3Tier) -> None:
         await tier._sync.refresh_once(poll=False)
 
 
-def assert_knows(tier: S3Tier, keys: Sequence[bytes]) -> None:
-    missing = [key for key in keys if key not in tier._index]
-    assert not missing, f"{tier.name} misses {len(missing)} of {len(keys)} keys"
+@asynccontextmanager
+async def writer_and_reader(
+    make_tier: MakeS3Tier,
+    clock: ManualClock,
+    keys: Sequence[bytes],
+    *,
+    turn: bool = True,
+    **overrides: Any,
+) -> AsyncIterator[tuple[S3Tier, S3Tier]]:
+    """Two nodes on ``clock``: ``a`` has stored ``keys`` and published its segment (and, with
+    ``turn``, knows itself the only writer, so the digest's turn is its own); ``c`` reads."""
+    async with nodes(make_tier, clock, clock, **overrides) as (a, c):
+        if turn:
+            prime(a, clock, a)
+        await fill(a, keys)
+        await publish(a)
+        yield a, c
 
 
 async def test_two_digesters_racing_publish_one_digest(make_tier: MakeS3Tier) -> None:
@@ -131,10 +141,7 @@ async def test_two_digesters_racing_publish_one_digest(make_tier: MakeS3Tier) ->
 async def test_removals_travel_in_digests(make_tier: MakeS3Tier) -> None:
     clock = _clock()
     keys = fresh_keys(3)
-    async with nodes(make_tier, clock, clock) as (a, c):
-        prime(a, clock, a)
-        await fill(a, keys)
-        await publish(a)
+    async with writer_and_reader(make_tier, clock, keys) as (a, c):
         clock.advance(R)
         await a._sync.refresh_once()  # its turn: digests the interval that ended
         await c._sync.refresh_once()
@@ -154,10 +161,7 @@ async def test_a_digester_crashing_before_it_publishes_leaves_readers_correct(
 ) -> None:
     clock = _clock()
     keys = fresh_keys(4)
-    async with nodes(make_tier, clock, clock) as (a, c):
-        prime(a, clock, a)
-        await fill(a, keys)
-        await publish(a)
+    async with writer_and_reader(make_tier, clock, keys) as (a, c):
         interval = digests_of(a).interval_of(ms(clock))
         clock.advance(R)
 
@@ -195,6 +199,23 @@ def _hostile(prefix: str, interval: int, keys: Sequence[bytes]) -> bytes:
     return encode_digest(Digest(interval, int(R * 1000), "f" * 16, [(name, segment)]), prefix)
 
 
+async def plant(server: WeedServer, prefix: str, interval: int, digest: bytes) -> None:
+    """Put ``digest`` where the digest of ``interval`` goes, as anyone who can write the
+    bucket could."""
+    async with raw_client(server.endpoint_url) as client:
+        name = digest_name(prefix, int(R * 1000), interval)
+        await client.put_object(Bucket=BUCKET, Key=name, Body=digest)
+
+
+async def assert_refused(tier: S3Tier, keys: Sequence[bytes], strangers: Sequence[bytes]) -> None:
+    """``tier``'s next round refuses the planted digest whole and reads the journal instead:
+    it learns ``keys`` and not the first of ``strangers``."""
+    await tier._sync.refresh_once()
+    assert digests_of(tier).rejected == 1 and digests_of(tier).fallbacks == 2
+    assert_knows(tier, keys)
+    assert strangers[0] not in tier._index
+
+
 @pytest.mark.parametrize("case", ["garbage", "foreign", "another interval", "unsigned"])
 async def test_a_bad_digest_is_ignored_and_counted(
     make_tier: MakeS3Tier, weed_server: WeedServer, prefix: str, case: str
@@ -202,9 +223,7 @@ async def test_a_bad_digest_is_ignored_and_counted(
     clock = _clock()
     keys, strangers = fresh_keys(4), fresh_keys(1)
     signing = {"integrity_key": SECRET} if case == "unsigned" else {}
-    async with nodes(make_tier, clock, clock, **signing) as (a, c):
-        await fill(a, keys)
-        await publish(a)
+    async with writer_and_reader(make_tier, clock, keys, turn=False, **signing) as (a, c):
         interval = digests_of(a).interval_of(ms(clock))
         clock.advance(R)
         good = Digest(interval, int(R * 1000), "f" * 16, [])
@@ -216,13 +235,8 @@ async def test_a_bad_digest_is_ignored_and_counted(
             ),
             "unsigned": _hostile(prefix, interval, strangers),
         }[case]
-        async with raw_client(weed_server.endpoint_url) as client:
-            name = digest_name(prefix, int(R * 1000), interval)
-            await client.put_object(Bucket=BUCKET, Key=name, Body=planted)
-        await c._sync.refresh_once()
-        assert digests_of(c).rejected == 1 and digests_of(c).fallbacks == 2
-        assert_knows(c, keys)
-        assert strangers[0] not in c._index
+        await plant(weed_server, prefix, interval, planted)
+        await assert_refused(c, keys, strangers)
 
 
 async def test_a_digest_carrying_a_segment_stamped_before_its_window_is_rejected(
@@ -234,9 +248,7 @@ async def test_a_digest_carrying_a_segment_stamped_before_its_window_is_rejected
     after its interval; the reader reads the journal instead."""
     clock = _clock()
     keys, strangers = fresh_keys(4), fresh_keys(1)
-    async with nodes(make_tier, clock, clock) as (a, c):
-        await fill(a, keys)
-        await publish(a)
+    async with writer_and_reader(make_tier, clock, keys, turn=False) as (a, c):
         interval = digests_of(a).interval_of(ms(clock))
         clock.advance(R)
         stale = digests_of(c).start_ms(interval - CARRY_INTERVALS) - 1
@@ -245,14 +257,8 @@ async def test_a_digest_carrying_a_segment_stamped_before_its_window_is_rejected
         planted = encode_digest(
             Digest(interval, int(R * 1000), "f" * 16, [(name, segment)]), prefix
         )
-        async with raw_client(weed_server.endpoint_url) as client:
-            await client.put_object(
-                Bucket=BUCKET, Key=digest_name(prefix, int(R * 1000), interval), Body=planted
-            )
-        await c._sync.refresh_once()
-        assert digests_of(c).rejected == 1 and digests_of(c).fallbacks == 2
-        assert_knows(c, keys)
-        assert strangers[0] not in c._index
+        await plant(weed_server, prefix, interval, planted)
+        await assert_refused(c, keys, strangers)
 
 
 async def test_a_hostile_digest_names_nothing_outside_the_prefix(
@@ -265,11 +271,7 @@ async def test_a_hostile_digest_names_nothing_outside_the_prefix(
     async with nodes(make_tier, clock) as (c,):
         interval = digests_of(c).interval_of(ms(clock))
         clock.advance(R)
-        async with raw_client(weed_server.endpoint_url) as client:
-            name = digest_name(prefix, int(R * 1000), interval)
-            await client.put_object(
-                Bucket=BUCKET, Key=name, Body=_hostile(prefix, interval, strangers)
-            )
+        await plant(weed_server, prefix, interval, _hostile(prefix, interval, strangers))
         await c._sync.refresh_once()
         assert digests_of(c).read == 1 and c._sync.reader.entries_rejected == 1
         assert strangers[0] not in c._index
@@ -363,10 +365,7 @@ async def test_a_reader_passes_over_a_lost_digest_that_the_next_one_carries(
 ) -> None:
     clock = _clock()
     keys = fresh_keys(4)
-    async with nodes(make_tier, clock, clock) as (a, c):
-        prime(a, clock, a)
-        await fill(a, keys[:2])
-        await publish(a)
+    async with writer_and_reader(make_tier, clock, keys[:2]) as (a, c):
         interval = digests_of(a).interval_of(ms(clock))
         clock.advance(R)
         monkeypatch.setattr(digests_of(a), "designated", lambda i, now: i != interval)

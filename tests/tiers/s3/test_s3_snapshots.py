@@ -11,8 +11,7 @@ moving the survey's server time, never by sleeping.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Sequence
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import anyio
@@ -34,6 +33,7 @@ from kvtier.tiers.s3.index._snapshot_format import (
     snapshot_dir,
 )
 from tests.support import MakeS3Tier, ManualClock, fill, fresh_keys
+from tests.tiers.s3.s3_fleet import assert_knows, fleet
 
 pytestmark = pytest.mark.anyio
 
@@ -54,18 +54,11 @@ def _wall(offset: float = 0.0) -> ManualClock:
     return ManualClock(time.time() + offset)
 
 
-@asynccontextmanager
-async def nodes(
+def nodes(
     make_tier: MakeS3Tier, *walls: ManualClock, **overrides: Any
-) -> AsyncIterator[list[S3Tier]]:
+) -> AbstractAsyncContextManager[list[S3Tier]]:
     """Open one tier per wall clock, each with that clock as its journal's."""
-    async with AsyncExitStack() as stack:
-        tiers = []
-        for i, wall in enumerate(walls):
-            tier = make_tier(name=f"node-{i}", **(SETTINGS | overrides))
-            tier._sync._wall = wall
-            tiers.append(await stack.enter_async_context(tier))
-        yield tiers
+    return fleet(make_tier, walls, SETTINGS | overrides)
 
 
 async def survey(tier: S3Tier, *, later: float = 0.0) -> Survey:
@@ -90,11 +83,6 @@ async def share(*tiers: S3Tier) -> None:
         await tier._sync.refresh_once(poll=False)
     for tier in tiers:
         await tier._sync.refresh_once()
-
-
-def assert_knows(tier: S3Tier, keys: Sequence[bytes]) -> None:
-    missing = [key for key in keys if key not in tier._index]
-    assert not missing, f"{tier.name} misses {len(missing)} of {len(keys)} keys"
 
 
 def snapshots_of(tier: S3Tier) -> compaction.Snapshots:

@@ -166,6 +166,20 @@ class IndexSync:
         """This node's wall clock minus the server's, seconds (the last measure)."""
         return self._skew.last
 
+    def counts(self) -> dict[str, Any]:
+        """The listing's and the journal's counters, by their ``S3TierStatistics`` names."""
+        reader = self.reader
+        return {
+            "index_listing_complete": self.listing_complete,
+            "index_refreshes": self.refreshes,
+            "index_refresh_failures": self.refresh_failures,
+            "journal_segments_published": self.segments_published,
+            "journal_segments_read": reader.segments_read,
+            "journal_segments_rejected": reader.segments_rejected,
+            "journal_entries_rejected": reader.entries_rejected,
+            "journal_clock_skew": self.clock_skew,
+        }
+
     # -- the listing at open -------------------------------------------------------------------
 
     async def list_at_open(self) -> None:
