@@ -15,7 +15,12 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from kvtier._metrics._families import Families, add_by
 from kvtier.manager._statistics import COUNTER, GAUGE
 from kvtier.tiers._base import TierStatistics
-from kvtier.writes._admission import CAUSE_IN_FLIGHT, CAUSE_LATENCY, CAUSE_RATE
+from kvtier.writes._admission import (
+    CAUSE_IN_FLIGHT,
+    CAUSE_LATENCY,
+    CAUSE_RATE,
+    CAUSE_UNAVAILABLE,
+)
 
 if TYPE_CHECKING:
     from kvtier.manager import ManagerStatistics
@@ -28,7 +33,7 @@ _BASE_TIER_FIELDS = frozenset(f.name for f in dataclasses.fields(TierStatistics)
 
 # Every cause admission drops a write for: exported at 0 before the first drop, so a series
 # exists for each from the first scrape (rate() and alerts see a drop from its first one).
-_DROP_CAUSES = (CAUSE_IN_FLIGHT, CAUSE_LATENCY, CAUSE_RATE)
+_DROP_CAUSES = (CAUSE_IN_FLIGHT, CAUSE_LATENCY, CAUSE_RATE, CAUSE_UNAVAILABLE)
 
 # Counters with a second label: (name, help, label, its values for one tier).
 _BY_LABEL: tuple[tuple[str, str, str, Callable[[TierStatistics], Mapping[str, float]]], ...] = (

@@ -5,6 +5,8 @@
 - ``_decision``: the synchronous lookup decision past a primary hit;
 - ``_promotions``: promotion tasks and the copy up of promoted blocks;
 - ``_transfers``: ``store`` and ``load``, the copies into the pool and out of it;
+- ``_joining``: opening the tiers; a tier that cannot open is retried in the background and
+  joins when it opens;
 - ``_statistics``: the nested statistics snapshot;
 - ``_config``: ``ManagerConfig``, the manager's settings;
 - ``_cost``: the cost model behind "never slower than recompute", which the scheduler's scans

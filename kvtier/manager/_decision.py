@@ -12,7 +12,8 @@ is one dict lookup, and a call into this object would double its cost.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
+from typing import NamedTuple
 
 from kvtier.common._errors import LifecycleError
 from kvtier.common._lookup import HIT, HIT_PENDING, MISS, RETRY, LookupResult, MissReason
@@ -24,11 +25,23 @@ from kvtier.pools._base import PrimaryPool
 from kvtier.tiers._base import SecondaryTier
 from kvtier.writes._admission import AdmissionPolicy
 
-__all__ = ["LookupDecision", "StartPromotion", "not_open"]
+__all__ = ["LookupDecision", "StartPromotion", "TierHits", "not_open"]
 
 
 StartPromotion = Callable[[bytes, SecondaryTier, int, float], None]
 """Starts promoting ``key`` from ``tier`` into the reserved ``slot``, expected by ``ready_at``."""
+
+
+class TierHits(NamedTuple):
+    """What the decision did with the tier hits it saw: the promotions statistics count
+    them next to what the promotions themselves count."""
+
+    started: int
+    """Promotions started."""
+    deferred: int
+    """Not promoted yet: an earlier key of the scan was still unknown."""
+    declined: int
+    """Not promoted: the tier was expected later than recompute."""
 
 
 def not_open() -> LifecycleError:
@@ -40,31 +53,38 @@ def not_open() -> LifecycleError:
 class LookupDecision:
     """Answers ``lookup`` for keys that are not primary hits, and counts the answers.
 
-    ``open`` is set by the manager while it can promote; ``was_open`` once it has been
-    entered (closed after use, every tier hit is a MISS; never opened, asking is a misuse).
-    ``landing`` maps each key being promoted to when it should land (kept by the promotions).
+    The manager says when it can promote (``opened`` to ``stopped``): closed after use, every
+    tier hit is a MISS; never opened, asking is a misuse. ``landing`` maps each key being
+    promoted to when it should land (kept by the promotions).
+
+    The manager also says which tiers are open (``available``): a tier that could not open
+    yet is not asked at all (its ``lookup`` would answer for a tier that is not there), and a
+    key no open tier holds is then a miss for ``unavailable``, not ``not_found``: the block
+    may well be in the tier that is missing.
     """
 
     __slots__ = (
+        "_absent",
         "_admission",
+        "_all",
         "_cost",
         "_failed",
         "_held",
         "_landing",
+        "_open",
         "_pool",
         "_start",
         "_tiers",
+        "_was_open",
         "_watchers",
         "declined",
         "deferred",
         "last_reason",
         "miss_reasons",
         "misses",
-        "open",
         "pending",
         "retries",
         "started",
-        "was_open",
     )
 
     def __init__(
@@ -81,18 +101,35 @@ class LookupDecision:
     ) -> None:
         self._pool = pool
         self._held = pool.table.held
-        self._tiers = tuple(tiers)
+        self._all = self._tiers = tuple(tiers)
+        self._absent = MissReason.NOT_FOUND  # a miss's reason when no open tier has the key
         self._failed = failed
         self._cost = cost
         self._admission = admission
         self._watchers = watchers
         self._landing = landing
         self._start = start
-        self.open = self.was_open = False
+        self._open = self._was_open = False
         self.pending = self.retries = self.misses = 0
         self.miss_reasons: dict[str, int] = {}
         self.last_reason = ""  # the reason of the latest MISS (a prefetch reports where it ended)
         self.started = self.deferred = self.declined = 0
+
+    def opened(self) -> None:
+        """The manager is open: a tier hit may be promoted."""
+        self._open = self._was_open = True
+
+    def available(self, tiers: Collection[SecondaryTier]) -> None:
+        """Ask only ``tiers`` (those open), in the manager's order."""
+        ids = {id(tier) for tier in tiers}
+        self._tiers = tuple(tier for tier in self._all if id(tier) in ids)
+        missing = len(self._tiers) < len(self._all)
+        self._absent = MissReason.UNAVAILABLE if missing else MissReason.NOT_FOUND
+
+    def stopped(self) -> None:
+        """The manager is closing and nothing can promote any more: every tier hit is a MISS
+        from now on (a scheduler still asking gets an answer, not an error)."""
+        self._open = False
 
     def decide(self, key: bytes, budget: ScanBudget | None) -> LookupResult:
         """HIT_PENDING, RETRY or MISS for a key that is not READY in the pool (docs/design.md, "The
@@ -102,13 +139,13 @@ class LookupDecision:
             if budget is not None:
                 budget.expect(self._landing.get(key, -math.inf))
             return HIT_PENDING
-        if not self.open:
-            if not self.was_open:
+        if not self._open:
+            if not self._was_open:
                 raise not_open()  # never opened: a usage error, say so
             # Closed (or closing) while the engine still asks: nothing can promote now.
             return self._miss(MissReason.UNAVAILABLE)
         any_retry = False
-        reason = MissReason.NOT_FOUND
+        reason = self._absent
         soonest = math.inf  # of the tiers still checking: when the block could land
         for tier in self._tiers:
             result = tier.lookup(key)
@@ -188,6 +225,10 @@ class LookupDecision:
         finish: the prefix ends there, and the request does not wait for it."""
         self.declined += 1
         return self._miss(MissReason.TOO_SLOW)
+
+    def tier_hits(self) -> TierHits:
+        """What became of the tier hits so far (for the promotions statistics)."""
+        return TierHits(self.started, self.deferred, self.declined)
 
     def counts(self, hits: int) -> LookupCounts:
         """The lookup counters, with the primary hits the manager counted itself."""

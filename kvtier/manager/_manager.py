@@ -9,6 +9,7 @@ nothing stays pending forever and leaving ``async with`` joins them all. The job
 - ``_decision``: the lookup past a primary hit (pool state, failures, cost and budget);
 - ``_promotions``: promotion tasks and the copy up of promoted blocks;
 - ``_transfers``: ``store`` and ``load``, the copies into the pool and out of it;
+- ``_joining``: opening the tiers, and those that could not open joining later;
 - ``kvtier.writes._writethrough``: write-through, write-back and deferred writes after a store;
 - ``kvtier.manager._watch``: who waits for which key (``watch``, ``wait_settled``);
 - ``_statistics``: the nested snapshot ``statistics()`` returns;
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from contextlib import AsyncExitStack
 from typing import Any, Self, Unpack
@@ -35,15 +35,17 @@ from kvtier.common._background import (
     enter_task_group,
 )
 from kvtier.common._buffers import dtype_name
-from kvtier.common._errors import InvalidArgumentError, LifecycleError, TierTimeoutError
+from kvtier.common._errors import InvalidArgumentError, LifecycleError
 from kvtier.common._logging import BurstLogger
 from kvtier.common._lookup import HIT, HIT_PENDING, RETRY, LookupResult
+from kvtier.common._settings import check_type
 from kvtier.manager._config import ManagerConfig, ManagerOverrides
 from kvtier.manager._cost import CostModel, ScanBudget
 from kvtier.manager._decision import LookupDecision, not_open
 from kvtier.manager._failures import RecentFailures
+from kvtier.manager._joining import TierKeepers, open_every_tier
 from kvtier.manager._promotions import PromotionObserver, Promotions
-from kvtier.manager._statistics import BackgroundCounts, ManagerStatistics, WriteCounts
+from kvtier.manager._statistics import BackgroundCounts, ManagerStatistics
 from kvtier.manager._transfers import Transfers
 from kvtier.manager._watch import KeyWatch, Watchers
 from kvtier.pools._base import PrimaryPool
@@ -57,18 +59,12 @@ logger = logging.getLogger("kvtier.manager")
 
 
 def _check_tiers(pool: PrimaryPool, tiers: Sequence[SecondaryTier]) -> tuple[SecondaryTier, ...]:
-    if not isinstance(pool, PrimaryPool):
-        raise InvalidArgumentError(
-            f"pool must be a kvtier pool (HostPool or CudaPool), got {type(pool).__name__}"
-        )
+    check_type(pool, PrimaryPool, "pool must be a kvtier pool (HostPool or CudaPool)")
     if isinstance(tiers, SecondaryTier):
         raise InvalidArgumentError("tiers must be a list of tiers; wrap the tier in [...]")
     checked = tuple(tiers)
     for i, tier in enumerate(checked):
-        if not isinstance(tier, SecondaryTier):
-            raise InvalidArgumentError(
-                f"tiers[{i}] must be a kvtier.SecondaryTier, got {type(tier).__name__}"
-            )
+        check_type(tier, SecondaryTier, f"tiers[{i}] must be a kvtier.SecondaryTier")
     if len({id(t) for t in checked}) != len(checked):
         raise InvalidArgumentError("the same tier object is listed twice in tiers")
     return checked
@@ -101,9 +97,15 @@ class TieringManager(AsyncResource):
     ``writes.deferred`` and ``writes.deferred_written``); closing gives the ones still waiting
     ``close_timeout``, whatever the tier's latency.
 
-    Entering opens each tier within ``open_timeout`` seconds (None: no bound); a tier that
-    takes longer fails it with ``TierTimeoutError`` naming that tier, and every tier opened
-    before it is closed again. Keep it above an S3 tier's ``index_list_timeout``.
+    Entering opens every tier at once and waits up to ``tier_open_wait`` seconds; a tier not
+    open by then (its endpoint refuses or never answers, its credentials are refused) is
+    unavailable: lookups skip it (``unavailable`` misses), writes to it are dropped, and it
+    is opened again in the background, with backoff, until it joins (``statistics().opens``
+    says which). Each attempt is bounded by ``open_timeout`` (None: no bound; keep it above
+    an S3 tier's ``index_list_timeout``). A configuration error (``InvalidArgumentError``)
+    still fails the entry. With ``require_all_tiers`` the tiers open in turn and the first
+    that fails or passes ``open_timeout`` fails the entry (``TierTimeoutError`` naming it),
+    the tiers opened before it closed again.
 
     With ``promote_write_up`` (the default), a block promoted from a tier is also written to
     the write-through tiers listed before it, under the same admission and in-flight limits
@@ -158,6 +160,14 @@ class TieringManager(AsyncResource):
             start=self._promotions.start,
         )
         self._decide = self._decision.decide
+        self._keepers = TierKeepers(  # one keeper per tier, opening it until it joins
+            self.tiers,
+            open_timeout=settings.open_timeout,
+            close_timeout=settings.close_timeout,
+            listener=self._watchers.notify,
+            changed=self._tiers_changed,
+            log=self._log,
+        )
         self._transfers = Transfers(
             pool,
             self._watchers,
@@ -201,70 +211,69 @@ class TieringManager(AsyncResource):
     async def __aenter__(self) -> Self:
         if self._stack is not None:
             raise LifecycleError("this TieringManager is already entered")
-        opening: SecondaryTier | None = None
-        open_timeout = self.config.open_timeout
-        async with AsyncExitStack() as stack:
-            # Entered first, so left last: it bounds each tier's open, then stays entered
-            # (with no deadline) until aclose, because task groups a tier enters while
-            # opening must be left before the scope they were entered in.
-            bound = stack.enter_context(anyio.CancelScope())
-            for tier in self.tiers:
-                opening = tier
-                if open_timeout is not None:
-                    bound.deadline = anyio.current_time() + open_timeout
-                await stack.enter_async_context(tier)
-                stack.callback(tier.add_listener(self._watchers.notify))
-            opening = None
-            bound.deadline = math.inf
-            self._opened(await enter_task_group())
-            self._stack = stack.pop_all()
-        if opening is not None:  # its open ran past open_timeout (the scope caught that)
-            with anyio.move_on_after(self.config.close_timeout, shield=True):
-                await opening.aclose()  # whatever its open had set up before it was cut
-            raise TierTimeoutError(
-                f"did not open within open_timeout={open_timeout:g} s; check that the "
-                "tier is reachable (a hung mount, an endpoint that does not answer) or raise "
-                "open_timeout",
-                tier=opening.name,
-                operation="open",
+        settings = self.config
+        if settings.require_all_tiers:
+            stack = await open_every_tier(
+                self.tiers,
+                open_timeout=settings.open_timeout,
+                close_timeout=settings.close_timeout,
+                listener=self._watchers.notify,
             )
+        else:
+            stack = AsyncExitStack()
+            await self._keepers.open(settings.tier_open_wait)  # each joins as it opens
+            stack.push_async_callback(self._keepers.aclose)  # left after the task group
+        self._tiers_changed()
+        try:
+            self._opened(await enter_task_group())
+        except BaseException:
+            await stack.aclose()
+            raise
+        self._stack = stack
         return self
 
+    def _tiers_changed(self) -> None:
+        """A tier joined (or the manager opens): lookups ask the open tiers only, writes go
+        to them only, and the writes waiting for a tier that joined may start."""
+        every = self.config.require_all_tiers
+        available = self.tiers if every else self._keepers.available()
+        self._decision.available(available)
+        names = {tier.name for tier in available}
+        for tier in self.tiers:
+            self.admission.set_available(tier.name, tier.name in names)
+        self._writer.room_again()
+
     def _opened(self, task_group: anyio.abc.TaskGroup) -> None:
-        self._task_group = self._writer.task_group = task_group
-        promotions = self._promotions
-        promotions.task_group, promotions.closing = task_group, False
-        if promotions.copies_on_evict():
-            self.pool.table.on_leave = promotions.leaving
-        self._decision.open = self._decision.was_open = True
+        """Hand each part the task group its background work runs in."""
+        self._task_group = task_group
+        self._writer.opened(task_group)
+        self._promotions.opened(task_group)
+        self._decision.opened()
 
     async def aclose(self) -> None:
         """Finish write-through for up to ``close_timeout``, cancel the rest, close the tiers."""
         stack, self._stack = self._stack, None
         if stack is None:
             return
-        writer = self._writer
-        writer.closing = self._promotions.closing = True
-        if self._task_group is not None:
-            writer.flush(self._task_group, everything=True)
-            writer.drain_deferred(self._task_group)
-        with anyio.move_on_after(self.config.close_timeout, shield=True):
-            await writer.cascades.wait_zero()  # promotions are only reads: cancel them at once
-        writer.cancelled += writer.cascades.count
+        writer, promotions = self._writer, self._promotions
+        # Each part in steps: ``closing`` (no new work of its own), ``stopped`` (the task
+        # group is cancelled next), ``closed`` (what is left is given up).
+        promotions.closing()
+        writer.closing()
+        # Only the writes get close_timeout: promotions are only reads, cancelled at once.
+        await writer.finish(self.config.close_timeout)
         task_group, self._task_group = self._task_group, None
-        self._decision.open = False
-        writer.task_group = self._promotions.task_group = None
-        self.pool.table.on_leave = None
-        self._promotions.up_when_evicted.clear()  # still in the pool: still in their tier
+        self._decision.stopped()
+        writer.stopped()
+        promotions.stopped()
         assert task_group is not None
         await cancel_task_group(task_group)  # children are cancelled: returns promptly
         self._background.undo_unstarted()
-        writer.deferred.clear()  # what the deferred tiers had not taken in time: given up
-        writer.closing = False
+        writer.closed()
         # Not shielded here: each tier shields and bounds its own awaiting cleanup, and a
         # shield around a task group's exit is not allowed.
         await stack.aclose()
-        self._promotions.landing.clear()
+        promotions.closed()
         self._watchers.fire_all()  # wake schedulers: nothing will change any more
 
     async def wait_idle(self) -> None:
@@ -407,32 +416,17 @@ class TieringManager(AsyncResource):
     # -- observation -------------------------------------------------------------------------
 
     def statistics(self) -> ManagerStatistics:
-        writer, decision = self._writer, self._decision
-        deferred = writer.deferred
+        """One snapshot of every counter: each part of the manager gives its own group."""
+        decision = self._decision
         return ManagerStatistics(
             lookups=decision.counts(self._hits),
-            promotions=self._promotions.counts(
-                decision.started, decision.deferred, decision.declined
-            ),
+            promotions=self._promotions.counts(decision.tier_hits()),
             stores=self._transfers.counts(),
-            writes=WriteCounts(
-                started=writer.started,
-                succeeded=writer.succeeded,
-                failures_by_reason=dict(writer.failures),
-                skipped=writer.skipped,
-                cancelled=writer.cancelled,
-                dropped=self.admission.dropped(),
-                in_flight_bytes=writer.in_flight_bytes,
-                written_back=writer.write_back.written_back,
-                dirty_blocks=len(writer.write_back),
-                deferred=deferred.deferred,
-                deferred_written=deferred.written,
-                deferred_lost=deferred.lost,
-                deferred_pending=len(deferred),
-            ),
+            writes=self._writer.counts(),
             background=BackgroundCounts(
                 tasks=self._tasks.count, callback_failures=self._callback.failures
             ),
+            opens=self._keepers.counts(),
             pool=self.pool.statistics(),
             tiers=tuple(t.statistics() for t in self.tiers),
             cost=self.cost.statistics(),

@@ -29,6 +29,7 @@ import anyio.abc
 from kvtier.common._background import Background, Callbacks
 from kvtier.common._logging import BurstLogger
 from kvtier.manager._cost import CostModel
+from kvtier.manager._decision import TierHits
 from kvtier.manager._failures import RecentFailures
 from kvtier.manager._statistics import PromotionCounts
 from kvtier.manager._watch import Watchers
@@ -68,8 +69,9 @@ class PromotionObserver(Protocol):
 class Promotions:
     """Runs the promotions ``lookup`` starts and the copies up they lead to.
 
-    ``task_group`` is the manager's while it is open; ``closing`` is set once it begins to
-    close (no new copy up starts then: a block still in the pool is still in its tier).
+    The manager opens it (``opened``: the task group promotions run in, and the pool's hook
+    for evicted blocks) and closes it in steps (``closing``, ``stopped``, ``closed``); its
+    statistics come as one group (``counts``).
     """
 
     pool: PrimaryPool
@@ -84,8 +86,11 @@ class Promotions:
     burst_log: BurstLogger
     latency: PromotionObserver | None
     write_up: bool
-    task_group: anyio.abc.TaskGroup | None = field(default=None, init=False)
-    closing: bool = field(default=False, init=False)
+    # The manager's task group while it is open (``opened`` to ``stopped``).
+    _task_group: anyio.abc.TaskGroup | None = field(default=None, init=False)
+    # Set once the manager begins to close: no new copy up starts (a block still in the pool
+    # is still in its tier).
+    _shutting_down: bool = field(default=False, init=False)
     # key -> when its promotion should land
     landing: dict[bytes, float] = field(default_factory=dict, init=False)
     # Promoted blocks to copy up to the faster tiers when the pool evicts them.
@@ -96,6 +101,30 @@ class Promotions:
     # The batch per tier that new promotions still join (until its task starts).
     _open: dict[SecondaryTier, _Batch] = field(default_factory=dict, init=False)
 
+    def opened(self, task_group: anyio.abc.TaskGroup) -> None:
+        """The manager is open: promotions and copies up run in ``task_group``, and with a
+        pool that copies a slot out at once, promoted blocks are copied up as they leave."""
+        self._task_group, self._shutting_down = task_group, False
+        if self.copies_on_evict():
+            self.pool.table.on_leave = self.leaving
+
+    def closing(self) -> None:
+        """The manager begins to close: promotions go on (they are only reads), but no
+        new copy up starts."""
+        self._shutting_down = True
+
+    def stopped(self) -> None:
+        """The manager's task group is about to be cancelled: nothing starts in it any
+        more, and promoted blocks still in the pool are not copied up (they are still in
+        the tier they came from)."""
+        self._task_group = None
+        self.pool.table.on_leave = None
+        self.up_when_evicted.clear()
+
+    def closed(self) -> None:
+        """The tiers are closed: no promotion is expected to land any more."""
+        self.landing.clear()
+
     def copies_on_evict(self) -> bool:
         """Whether promoted blocks are copied up when evicted (a pool that can copy a slot
         out at once, such as the host pool) rather than as soon as they land."""
@@ -104,7 +133,7 @@ class Promotions:
     def start(self, key: bytes, tier: SecondaryTier, slot: int, ready_at: float) -> None:
         """Promote ``key`` from ``tier`` into the reserved ``slot`` in the background, in the
         batch of ``tier`` that is still open (a new one if none is)."""
-        task_group = self.task_group
+        task_group = self._task_group
         assert task_group is not None, "lookup promotes only while the manager is open"
         batch = self._open.get(tier)
         if batch is None or len(batch.keys) >= MAX_BATCH:
@@ -201,8 +230,8 @@ class Promotions:
     def _landed(self, key: bytes, tier: SecondaryTier, slot: int) -> None:
         self.pool.commit(slot)
         self.succeeded += 1
-        task_group = self.task_group
-        if self.write_up and task_group is not None and not self.closing:
+        task_group = self._task_group
+        if self.write_up and task_group is not None and not self._shutting_down:
             if self.pool.table.on_leave is None:
                 self.writer.write_up(task_group, key, tier)
             elif self.writer.writes_up(tier):
@@ -214,8 +243,8 @@ class Promotions:
         memcpy inside the ``lookup`` or ``store`` that evicts it; written in the background).
         Discarded (its bytes may be bad), it is only forgotten."""
         tier = self.up_when_evicted.pop(key, None)
-        task_group = self.task_group
-        if tier is None or not evicted or task_group is None or self.closing:
+        task_group = self._task_group
+        if tier is None or not evicted or task_group is None or self._shutting_down:
             return
         copy = functools.partial(self.pool.copy_slot, slot)
         self.writer.write_up(task_group, key, tier, copy=copy)
@@ -231,16 +260,17 @@ class Promotions:
             self.landing.pop(key, None)
             self.watchers.notify(key)
 
-    def counts(self, started: int, deferred: int, declined: int) -> PromotionCounts:
-        """The promotion counters, with those the lookup decision keeps."""
+    def counts(self, hits: TierHits) -> PromotionCounts:
+        """The ``promotions`` group of the manager's statistics: these counters, with what
+        the lookup decision did with the tier hits it saw (``hits``)."""
         return PromotionCounts(
-            started=started,
+            started=hits.started,
             succeeded=self.succeeded,
             failed=sum(self.failures.values()),
             failed_by_reason=dict(self.failures),
             cancelled=self.cancelled,
-            deferred=deferred,
-            declined=declined,
+            deferred=hits.deferred,
+            declined=hits.declined,
             written_up=self.writer.written_up,
             write_ups_waiting=len(self.up_when_evicted),
         )

@@ -1,23 +1,26 @@
 """What ``TieringManager.statistics()`` returns: frozen snapshots grouped by job.
 
 ``ManagerStatistics`` holds one group per job of the manager (``lookups``, ``promotions``,
-``stores``, ``writes``, ``background``) next to the snapshots of what it drives (``pool``,
-``tiers``, ``cost``, ``admission``).
+``stores``, ``writes``, ``background``, ``opens``) next to the snapshots of what it drives
+(``pool``, ``tiers``, ``cost``, ``admission``).
 
 Each counter says, in its field's metadata, which Prometheus family it is exported under and
 with which label value (``METRICS`` lists the families), so the metrics collector walks these
-groups instead of naming every field again.
+groups instead of naming every field again. Each part of the manager fills its own group
+(``counts()``); ``WriteCounts`` is defined beside the writer that fills it
+(``kvtier.writes._counts``), since the write path does not import the manager.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from kvtier.manager._cost import CostStatistics
 from kvtier.pools._slots import PoolStatistics
 from kvtier.tiers._base import TierStatistics
 from kvtier.writes._admission import AdmissionStatistics
+from kvtier.writes._counts import WriteCounts, metric
 
 __all__ = [
     "COUNTER",
@@ -28,6 +31,7 @@ __all__ = [
     "ManagerStatistics",
     "PromotionCounts",
     "StoreCounts",
+    "TierOpenCounts",
     "WriteCounts",
 ]
 
@@ -79,45 +83,44 @@ METRICS: dict[str, tuple[str, str, str | None]] = {
         "Promoted blocks in the pool to be copied to the faster tiers when evicted.",
         None,
     ),
+    "tiers_unavailable": (
+        GAUGE,
+        "Tiers that have not opened: skipped by lookups and writes, opened again in the "
+        "background.",
+        None,
+    ),
+    "tier_open_failures": (COUNTER, "Attempts to open a tier that failed.", None),
+    "tiers_joined_late": (COUNTER, "Tiers that opened after the manager did.", None),
 }
-
-
-_T = TypeVar("_T")
-
-
-def _metric(family: str, label: str | None = None) -> dict[str, tuple[str, str | None]]:
-    """The metadata of a field exported as ``family`` (with ``label`` as its label value,
-    if the family has a label; a dict field gives one label value per key)."""
-    return {"metric": (family, label)}
 
 
 @dataclass(frozen=True, slots=True)
 class LookupCounts:
     """``lookup`` answers since the manager was made (primary hits included)."""
 
-    hit: int = field(metadata=_metric("lookups", "hit"))
-    hit_pending: int = field(metadata=_metric("lookups", "hit_pending"))
-    retry: int = field(metadata=_metric("lookups", "retry"))
-    miss: int = field(metadata=_metric("lookups", "miss"))
-    misses_by_reason: dict[str, int] = field(metadata=_metric("misses"))
+    hit: int = field(metadata=metric("lookups", "hit"))
+    hit_pending: int = field(metadata=metric("lookups", "hit_pending"))
+    retry: int = field(metadata=metric("lookups", "retry"))
+    miss: int = field(metadata=metric("lookups", "miss"))
+    misses_by_reason: dict[str, int] = field(metadata=metric("misses"))
 
 
 @dataclass(frozen=True, slots=True)
 class PromotionCounts:
     """Tier hits copied into the pool, and those not promoted (yet)."""
 
-    started: int = field(metadata=_metric("promotions", "started"))
-    succeeded: int = field(metadata=_metric("promotions", "succeeded"))
-    failed: int = field(metadata=_metric("promotions", "failed"))
-    failed_by_reason: dict[str, int] = field(metadata=_metric("promotion_failures"))
-    cancelled: int = field(metadata=_metric("promotions", "cancelled"))
-    deferred: int = field(metadata=_metric("promotions_not_started", "deferred"))
+    started: int = field(metadata=metric("promotions", "started"))
+    succeeded: int = field(metadata=metric("promotions", "succeeded"))
+    failed: int = field(metadata=metric("promotions", "failed"))
+    failed_by_reason: dict[str, int] = field(metadata=metric("promotion_failures"))
+    cancelled: int = field(metadata=metric("promotions", "cancelled"))
+    deferred: int = field(metadata=metric("promotions_not_started", "deferred"))
     """Tier hits not promoted yet because an earlier key of the scan was still unknown."""
-    declined: int = field(metadata=_metric("promotions_not_started", "declined"))
+    declined: int = field(metadata=metric("promotions_not_started", "declined"))
     """Tier hits not promoted because the tier was expected later than recompute."""
-    written_up: int = field(metadata=_metric("promotions_written_up"))
+    written_up: int = field(metadata=metric("promotions_written_up"))
     """Promoted blocks whose write to the faster tiers above their source was started."""
-    write_ups_waiting: int = field(metadata=_metric("write_ups_waiting"))
+    write_ups_waiting: int = field(metadata=metric("write_ups_waiting"))
     """Promoted blocks in the pool to be copied to the faster tiers when they are evicted."""
 
 
@@ -125,56 +128,49 @@ class PromotionCounts:
 class StoreCounts:
     """``store`` and ``load``: blocks copied into and out of the pool."""
 
-    stored: int = field(metadata=_metric("blocks_stored"))
-    skipped_present: int = field(metadata=_metric("stores_skipped", "present"))
-    skipped_full: int = field(metadata=_metric("stores_skipped", "full"))
-    loaded: int = field(metadata=_metric("blocks_loaded"))
-
-
-@dataclass(frozen=True, slots=True)
-class WriteCounts:
-    """Write-through (cascades) to the tiers, write-back and deferred writes."""
-
-    started: int = field(metadata=_metric("write_through", "started"))
-    succeeded: int = field(metadata=_metric("write_through", "succeeded"))
-    failures_by_reason: dict[str, int] = field(metadata=_metric("write_through_failures"))
-    skipped: int = field(metadata=_metric("write_through", "skipped"))
-    cancelled: int = field(metadata=_metric("write_through", "cancelled"))
-    dropped: int
-    """Writes to a tier that its admission refused (back-pressure), all tiers together
-    (exported per tier with the admission statistics)."""
-    in_flight_bytes: int = field(metadata=_metric("in_flight_bytes"))
-    written_back: int = field(metadata=_metric("write_back_blocks"))
-    dirty_blocks: int = field(metadata=_metric("write_back_dirty_blocks"))
-    deferred: int = field(metadata=_metric("deferred_writes", "queued"))
-    """Writes to a ``deferred`` tier that back-pressure dropped and that were queued."""
-    deferred_written: int = field(metadata=_metric("deferred_writes", "written"))
-    """Deferred writes since copied to their tier from a faster one."""
-    deferred_lost: int = field(metadata=_metric("deferred_writes", "lost"))
-    """Deferred writes given up: the queue overflowed, no faster tier held the block any
-    more, the write failed, or the manager closed first."""
-    deferred_pending: int = field(metadata=_metric("deferred_writes_pending"))
+    stored: int = field(metadata=metric("blocks_stored"))
+    skipped_present: int = field(metadata=metric("stores_skipped", "present"))
+    skipped_full: int = field(metadata=metric("stores_skipped", "full"))
+    loaded: int = field(metadata=metric("blocks_loaded"))
 
 
 @dataclass(frozen=True, slots=True)
 class BackgroundCounts:
-    tasks: int = field(metadata=_metric("background_tasks"))
+    tasks: int = field(metadata=metric("background_tasks"))
     """Promotions and write-through running now."""
-    callback_failures: int = field(metadata=_metric("callback_failures"))
+    callback_failures: int = field(metadata=metric("callback_failures"))
     """Tier hooks and observers that raised in background work (contained and logged)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TierOpenCounts:
+    """Which tiers are open: a tier that cannot open does not stop the manager, it is
+    unavailable and opened again in the background until it joins."""
+
+    unavailable: tuple[str, ...]
+    """The tiers not open now, in the manager's order: lookups skip them (a miss no open
+    tier answers is ``unavailable``) and writes to them are dropped (admission cause
+    ``unavailable``)."""
+    unavailable_tiers: int = field(metadata=metric("tiers_unavailable"))
+    open_failures: int = field(metadata=metric("tier_open_failures"))
+    """Attempts to open a tier that failed (or passed ``open_timeout``), all tiers."""
+    joined_late: int = field(metadata=metric("tiers_joined_late"))
+    """Tiers that opened after the manager did (not within ``tier_open_wait``)."""
 
 
 @dataclass(frozen=True, slots=True)
 class ManagerStatistics:
     """One consistent snapshot of the manager and every part below it, in nested groups
-    (lookups, promotions, stores, writes, background work, the pool, each tier, the cost
-    model, the admission policies), so a dashboard reads one object, not many calls."""
+    (lookups, promotions, stores, writes, background work, which tiers are open, the pool,
+    each tier, the cost model, the admission policies), so a dashboard reads one object,
+    not many calls."""
 
     lookups: LookupCounts
     promotions: PromotionCounts
     stores: StoreCounts
     writes: WriteCounts
     background: BackgroundCounts
+    opens: TierOpenCounts
     pool: PoolStatistics
     tiers: tuple[TierStatistics, ...]
     cost: CostStatistics
@@ -182,4 +178,11 @@ class ManagerStatistics:
 
     def groups(self) -> tuple[Any, ...]:
         """The manager's own groups, in the order the metrics collector walks them."""
-        return (self.lookups, self.promotions, self.stores, self.writes, self.background)
+        return (
+            self.lookups,
+            self.promotions,
+            self.stores,
+            self.writes,
+            self.background,
+            self.opens,
+        )

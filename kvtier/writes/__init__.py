@@ -6,8 +6,8 @@ writes a group of stored blocks to the set of tiers that took them, one task per
 blocks for write-back tiers wait pinned in ``_writeback``; writes that back-pressure dropped
 for a deferred tier wait as keys in ``_deferred`` and are copied later from a faster tier by
 ``_copydown``. What every write shares (the pool, the deadline, bytes in flight, counters)
-is ``_account``. The manager (``kvtier.manager``) is the only caller; nothing here imports
-it.
+is ``_account``; the statistics group those counters make, ``_counts``. The manager
+(``kvtier.manager``) is the only caller; nothing here imports it.
 """
 
 from __future__ import annotations

@@ -5,14 +5,16 @@ Three kinds of writes share one account: the write-through of a stored or promot
 takes its bytes in flight against one global ``max_in_flight_bytes`` before its task starts
 and gives them back when it ends, counts itself in the counters the manager's statistics
 show, and runs in the manager's task group (``task_group``, None while closed) as one of the
-``cascades`` that closing waits for. ``WriteThrough`` is this account, with the routing of
-each block on top.
+``cascades`` that closing waits for. The manager opens and closes the account through its
+methods (``opened``, ``finish``, ``stopped``), so the fields they set stay the account's own.
+``WriteThrough`` is this account, with the routing of each block on top.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import anyio
 import anyio.abc
 
 from kvtier.common._background import Background, InFlight
@@ -69,8 +71,29 @@ class WriteAccount:
         self.cascades = InFlight()  # the writes running: what closing waits for
         self.started = self.succeeded = self.skipped = self.cancelled = 0
         self.failures: dict[str, int] = {}
-        self.task_group: anyio.abc.TaskGroup | None = None  # the manager's, while open
-        self.closing = False  # deferred writes then ignore latency: close_timeout bounds them
+        # The manager's task group, while open; None once it is stopped.
+        self.task_group: anyio.abc.TaskGroup | None = None
+        # Set while the manager closes: deferred writes then ignore latency, and
+        # close_timeout bounds them.
+        self.shutting_down = False
+
+    def opened(self, task_group: anyio.abc.TaskGroup) -> None:
+        """The manager is open: writes start in ``task_group`` until ``stopped``."""
+        self.task_group = task_group
+
+    async def finish(self, grace: float) -> None:
+        """Let the writes in flight end for up to ``grace`` seconds (the manager's
+        ``close_timeout``), shielded so that a cancelled ``aclose`` still gives them that
+        time; those still running are counted as cancelled, since the manager cancels them
+        next."""
+        with anyio.move_on_after(grace, shield=True):
+            await self.cascades.wait_zero()
+        self.cancelled += self.cascades.count
+
+    def stopped(self) -> None:
+        """The manager's task group is about to be cancelled: a write that ends from now on
+        starts nothing more in it."""
+        self.task_group = None
 
     def room(self) -> int:
         """How many more blocks the global in-flight limit takes now."""

@@ -32,6 +32,10 @@ the engine needs. This policy lets each tier yield instead:
   limit lets a group through when it has a group's worth instead of one block each time it
   refills.
 
+- **Unavailable tiers.** A tier the manager could not open yet (``set_available``) takes no
+  writes at all: each one is dropped (cause ``unavailable``), a write-back skips it, and
+  its deferred writes wait until it joins (only the manager saying so makes room).
+
 This module is the per-tier gates: the latency rule, the in-flight limit and the rate
 bucket of each tier. The interface is synchronous (``admit`` / ``finished``), with times from
 ``clock``, so every rule is tested without an event loop and with a fake clock; the queues
@@ -53,6 +57,7 @@ __all__ = [
     "CAUSE_IN_FLIGHT",
     "CAUSE_LATENCY",
     "CAUSE_RATE",
+    "CAUSE_UNAVAILABLE",
     "AdmissionPolicy",
     "AdmissionStatistics",
 ]
@@ -61,6 +66,7 @@ CAUSE_LATENCY = "latency"
 STUCK_FACTOR = 4.0
 CAUSE_IN_FLIGHT = "in_flight"
 CAUSE_RATE = "rate"
+CAUSE_UNAVAILABLE = "unavailable"
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +184,19 @@ class AdmissionPolicy:
         self.clock = clock
         # A tier's gate is made at its first write; ``get`` reads without making one.
         self._gates: defaultdict[str, _Gate] = defaultdict(_Gate)
+        self._unavailable: set[str] = set()  # tiers that are not open: no write goes there
+
+    def set_available(self, tier: str, available: bool) -> None:
+        """Whether ``tier`` is open and takes writes (the manager says so as a tier that
+        could not open is retried and joins). While it is not, ``admit`` drops every write
+        to it (cause ``unavailable``) and ``has_room`` says no, even at close."""
+        if available:
+            self._unavailable.discard(tier)
+        else:
+            self._unavailable.add(tier)
+
+    def is_available(self, tier: str) -> bool:
+        return tier not in self._unavailable
 
     def is_write_back(self, tier: str) -> bool:
         return tier in self.write_back_tiers
@@ -207,6 +226,8 @@ class AdmissionPolicy:
     ) -> bool:
         """Whether ``admit`` would take ``count`` writes of ``nbytes`` now (asking counts
         nothing); with ``ignore_latency``, whether the tier's in-flight limit would."""
+        if tier in self._unavailable:
+            return False
         gate = self._gates.get(tier)
         if gate is None:
             return True
@@ -224,7 +245,10 @@ class AdmissionPolicy:
         """Seconds until the passing of time alone lets ``has_room`` take ``count`` writes
         of ``nbytes`` (0: it does now): the rate budget refilling, a latency probe coming
         due. None when only a write ending can make room (the tier's in-flight limit, or a
-        tier closed by latency with a write in flight); the caller hears of those anyway."""
+        tier closed by latency with a write in flight, a tier not open yet); the caller
+        hears of those anyway."""
+        if tier in self._unavailable:
+            return None
         gate = self._gates.get(tier)
         if gate is None:
             return 0.0
@@ -274,6 +298,8 @@ class AdmissionPolicy:
         write's back with ``finished`` or ``cancel``); False counts ``count`` dropped writes.
         A tier the latency rule closed takes the group as its one probe."""
         gate = self._gates[tier]
+        if self._unavailable and tier in self._unavailable:
+            return self._drop(gate, CAUSE_UNAVAILABLE, count)
         cap = self._cap_of(tier)
         total = nbytes * count
         if cap is not None and gate.in_flight + total > cap:
@@ -368,6 +394,7 @@ class AdmissionPolicy:
         closed = [name for name in self._gates if self.is_closed(name)]
         return (
             f"<AdmissionPolicy write_back={sorted(self.write_back_tiers)} closed={closed} "
+            f"unavailable={sorted(self._unavailable)} "
             f"dropped={self.dropped()}>"
         )
 

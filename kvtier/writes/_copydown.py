@@ -131,7 +131,7 @@ class DeferredCopies:
         if room <= 0:
             return
         due = self.queue.due_groups(
-            self.admission, nbytes, room, sizes=self.batch, closing=account.closing
+            self.admission, nbytes, room, sizes=self.batch, closing=account.shutting_down
         )
         for name, keys in due:
             target = self._by_name[name]
@@ -150,7 +150,7 @@ class DeferredCopies:
         earlier if a sooner wake-up is needed, cancelled with the group at close. Nothing
         to do while closing (the rate and latency no longer apply) or when only a write
         ending makes room (every write ending drains)."""
-        if self.account.closing:
+        if self.account.shutting_down:
             return
         nbytes = self.account.block_bytes
         soonest = math.inf
@@ -197,6 +197,8 @@ class DeferredCopies:
         MISS or RETRY and the block would be lost for ``target``."""
         await self._wait_begun(key)
         for tier in self._sources[target.name]:
+            if not self.admission.is_available(tier.name):  # not open: never asked
+                continue
             if await settled_lookup(tier, key) is LookupResult.HIT:
                 return tier
         return None

@@ -44,20 +44,22 @@ class WriteBackQueue:
 
         Oldest first, while more than ``limit`` wait (all of them when ``everything``: at
         close, admission or not). A tier short of in-flight room stops the pass (the block
-        stays dirty, tried again when a write ends); a tier the latency rule closed drops
-        the block for that tier (counted by the policy)."""
+        stays dirty, tried again when a write ends); a tier the latency rule closed, or one
+        that is not open, drops the block for that tier (counted by the policy), even at
+        close."""
         writes: list[tuple[bytes, int, list[str]]] = []
         unpin: list[int] = []
         while self._dirty and (everything or len(self._dirty) > self.limit):
             key, slot = next(iter(self._dirty.items()))
             targets: list[str] = []
             for tier in tiers:
-                if everything:
+                if everything and admission.is_available(tier):
                     admission.force(tier, nbytes)
                     targets.append(tier)
                 elif admission.admit(tier, nbytes):
                     targets.append(tier)
-                elif not admission.is_closed(tier):  # full for now: retry later
+                elif not admission.is_closed(tier) and admission.is_available(tier):
+                    # full for now: retry later (a tier not open drops it, as a closed one)
                     for admitted in targets:
                         admission.cancel(admitted, nbytes)
                     return writes, unpin

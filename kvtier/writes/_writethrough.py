@@ -29,6 +29,7 @@ from kvtier.writes._account import WriteAccount
 from kvtier.writes._admission import AdmissionPolicy
 from kvtier.writes._cascade import Cascades
 from kvtier.writes._copydown import DeferredCopies
+from kvtier.writes._counts import WriteCounts
 from kvtier.writes._deferred import DeferredWrites
 from kvtier.writes._writeback import WriteBackQueue
 
@@ -38,9 +39,10 @@ __all__ = ["WriteThrough"]
 class WriteThrough(WriteAccount):
     """Writes stored blocks to the tiers, each tier as its admission allows.
 
-    It is the account of every write it starts (``WriteAccount``: the counters the manager
-    reads, ``cascades`` that closing waits for, ``closing`` and ``task_group`` that the
-    manager sets), and decides where each block goes.
+    It is the account of every write it starts (``WriteAccount``: the counters, the
+    ``cascades`` that closing waits for, the task group), and decides where each block goes.
+    The manager opens it (``opened``), closes it in steps (``closing``, ``finish``,
+    ``stopped``, ``closed``) and reads its statistics as one group (``counts``).
     """
 
     def __init__(
@@ -79,6 +81,40 @@ class WriteThrough(WriteAccount):
         self.written_up = 0  # promoted blocks whose write to the tiers above was started
 
     # -- what the manager calls ---------------------------------------------------------------
+
+    def closing(self) -> None:
+        """The manager begins to close: write back every dirty block and start the deferred
+        copies that fit, all with no regard to latency (``close_timeout`` bounds them)."""
+        self.shutting_down = True
+        task_group = self.task_group
+        if task_group is not None:
+            self.flush(task_group, everything=True)
+            self.drain_deferred(task_group)
+
+    def closed(self) -> None:
+        """The manager's background work is cancelled: the deferred writes still queued are
+        given up (counted as lost), and the next open starts afresh."""
+        self.deferred.clear()
+        self.shutting_down = False
+
+    def counts(self) -> WriteCounts:
+        """The ``writes`` group of the manager's statistics, from this writer's counters."""
+        deferred = self.deferred
+        return WriteCounts(
+            started=self.started,
+            succeeded=self.succeeded,
+            failures_by_reason=dict(self.failures),
+            skipped=self.skipped,
+            cancelled=self.cancelled,
+            dropped=self.admission.dropped(),
+            in_flight_bytes=self.in_flight_bytes,
+            written_back=self.write_back.written_back,
+            dirty_blocks=len(self.write_back),
+            deferred=deferred.deferred,
+            deferred_written=deferred.written,
+            deferred_lost=deferred.lost,
+            deferred_pending=len(deferred),
+        )
 
     def after_store(
         self, task_group: anyio.abc.TaskGroup, keys: Sequence[bytes], *, closing: bool

@@ -1,6 +1,7 @@
-"""Entering a TieringManager is bounded: a tier whose open() hangs (a hung mount, an S3
-endpoint that never answers) fails the entry after ``open_timeout`` with an error naming the
-tier, and leaves no tier open behind."""
+"""With ``require_all_tiers``, entering a TieringManager is bounded: a tier whose open() hangs
+(a hung mount, an S3 endpoint that never answers) fails the entry after ``open_timeout`` with
+an error naming the tier, and leaves no tier open behind. (Without it the manager opens with
+the other tiers: tests/manager/test_manager_late_tiers.py.)"""
 
 from __future__ import annotations
 
@@ -50,7 +51,9 @@ async def test_a_hung_open_fails_entry_naming_the_tier_and_closes_the_others() -
     first = RecordingTier("local")
     hung = RecordingTier("remote", hang=True)
     last = RecordingTier("never-reached")
-    manager = TieringManager(HostPool(4, BB), [first, hung, last], open_timeout=0.2)
+    manager = TieringManager(
+        HostPool(4, BB), [first, hung, last], open_timeout=0.2, require_all_tiers=True
+    )
     with anyio.fail_after(30), pytest.raises(TierTimeoutError) as caught:  # generous bound
         async with manager:
             pytest.fail("entered although a tier never opened")
@@ -70,7 +73,7 @@ async def test_a_hung_open_fails_entry_naming_the_tier_and_closes_the_others() -
 
 async def test_without_a_bound_entry_waits_for_the_tier() -> None:
     hung = RecordingTier("slow", hang=True)
-    manager = TieringManager(HostPool(4, BB), [hung], open_timeout=None)
+    manager = TieringManager(HostPool(4, BB), [hung], open_timeout=None, require_all_tiers=True)
     entered = anyio.Event()
 
     async def enter() -> None:
@@ -98,7 +101,7 @@ async def test_a_tier_with_its_own_task_group_before_the_hung_one_is_closed(
     it in order and leave no task of it running."""
     fs = FSTier(tmp_path / "fs")
     hung = RecordingTier("remote", hang=True)
-    manager = TieringManager(HostPool(4, BB), [fs, hung], open_timeout=0.2)
+    manager = TieringManager(HostPool(4, BB), [fs, hung], open_timeout=0.2, require_all_tiers=True)
     with anyio.fail_after(30), pytest.raises(TierTimeoutError, match="remote"):
         await manager.__aenter__()
     others = {t for t in asyncio.all_tasks() if t is not asyncio.current_task()}

@@ -51,7 +51,7 @@ class Answers:
 
 
 def decision(
-    tiers: list[Answers], pool: HostPool | None = None
+    tiers: list[Answers], pool: HostPool | None = None, *, opened: bool = True
 ) -> tuple[LookupDecision, list[Any], Watchers, HostPool]:
     pool = pool or HostPool(2, BB)
     started: list[Any] = []
@@ -66,7 +66,8 @@ def decision(
         landing={},
         start=lambda *args: started.append(args),
     )
-    made.open = made.was_open = True
+    if opened:
+        made.opened()
     return made, started, watchers, pool
 
 
@@ -98,10 +99,10 @@ def test_misses_say_why() -> None:
 
 def test_closed_answers_miss_and_never_opened_is_a_usage_error() -> None:
     d, started, _, _ = decision([Answers("t", {k(1): H})])
-    d.open = False
+    d.stopped()
     assert d.decide(k(1), None) is M
     assert d.miss_reasons == {"unavailable": 1} and not started
-    d.was_open = False
+    d, _, _, _ = decision([Answers("t", {k(1): H})], opened=False)
     with pytest.raises(LifecycleError, match="async with"):
         d.decide(k(1), None)
 

@@ -424,7 +424,8 @@ async def test_deferred_writes_promotions_written_up_and_rate_drops_are_exported
     first, second, third, fourth = (key() for _ in range(4))
     async with manager:
         got = samples(registry)
-        for cause in ("in_flight", "latency", "rate"):  # every cause has a series from the start
+        # every cause has a series from the start
+        for cause in ("in_flight", "latency", "rate", "unavailable"):
             labels = (("cause", cause), ("tier", "disk"))
             assert got["kvtier_tier_writes_dropped_total", labels] == 0
         assert manager.lookup(in_remote) is LookupResult.RETRY  # promoted into the pool

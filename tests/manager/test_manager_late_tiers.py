@@ -1,0 +1,352 @@
+"""A tier that cannot open does not stop the manager: it opens with the tiers that open, the
+others are ``unavailable`` (lookups skip them, writes to them are dropped) and are opened again
+in the background until they join, without a restart. ``require_all_tiers`` fails the open
+instead. Real parts only: a real SeaweedFS stopped and started, a real socket that never
+answers, real FS tiers."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+from devtools.weed_server import ACCESS_KEY, BUCKET, REGION, SECRET_KEY, WeedServer, ensure_bucket
+from kvtier import (
+    FSTier,
+    HostPool,
+    InvalidArgumentError,
+    LookupResult,
+    MemoryTier,
+    MissReason,
+    S3Tier,
+    TieringManager,
+    TierUnavailableError,
+)
+from tests.support import fresh_keys, s3_tier
+
+BLOCK = 4096
+UNAVAILABLE = MissReason.UNAVAILABLE.value
+# An S3 tier that gives up on a dead endpoint quickly: one attempt per request, short
+# timeouts, existence checks on the request path (so a block another node stored is found
+# whenever the tier joins, without waiting for a journal refresh).
+FAILS_FAST: dict[str, Any] = {
+    "connect_timeout": 0.5,
+    "read_timeout": 2.0,
+    "max_attempts": 1,
+    "lookup_mode": "ask",
+    "lookup_timeout": 5.0,
+}
+
+
+class WatchedS3Tier(S3Tier):
+    """The real S3 tier, with an event set when an open succeeds (the manager marks the
+    tier joined in the same step, before the test runs again)."""
+
+    def __init__(self, bucket: str, **settings: Any) -> None:
+        super().__init__(bucket, **settings)
+        self.opened = anyio.Event()
+
+    async def open(self) -> None:
+        await super().open()
+        self.opened.set()
+
+
+def watched_s3(endpoint_url: str, prefix: str, **overrides: Any) -> WatchedS3Tier:
+    settings: dict[str, Any] = {
+        "prefix": prefix,
+        "endpoint_url": endpoint_url,
+        "region_name": REGION,
+        "aws_access_key_id": ACCESS_KEY,
+        "aws_secret_access_key": SECRET_KEY,
+    }
+    return WatchedS3Tier(BUCKET, **(settings | overrides))
+
+
+def blocks(n: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    return np.frombuffer(os.urandom(n * BLOCK), dtype=np.uint8).reshape(n, BLOCK)
+
+
+async def fs_holding(root: Path, key: bytes, block: bytes) -> None:
+    """Store ``block`` under ``key`` in the FS folder at ``root`` (as an earlier run did)."""
+    async with FSTier(root, fsync="never") as fs:
+        await fs.store(key, memoryview(block))
+
+
+def tasks_left() -> set[asyncio.Task[Any]]:
+    return {t for t in asyncio.all_tasks() if t is not asyncio.current_task() and not t.done()}
+
+
+@asynccontextmanager
+async def silent_endpoint() -> AsyncIterator[str]:
+    """An endpoint that accepts connections and never answers a byte (a wedged load balancer,
+    a server stuck in a GC pause): its URL."""
+    release = asyncio.Event()
+    writers: list[asyncio.StreamWriter] = []
+    handlers: list[asyncio.Task[Any]] = []
+
+    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)
+        handlers.append(asyncio.current_task())  # type: ignore[arg-type]
+        await release.wait()
+
+    server = await asyncio.start_server(hold, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        release.set()
+        for writer in writers:
+            writer.close()
+        await asyncio.gather(*handlers)
+        server.close()
+        await server.wait_closed()
+
+
+class OpensWhenAllowed(MemoryTier):
+    """A MemoryTier whose open fails (``TierUnavailableError``) until ``allow`` is set: a
+    tier whose endpoint is down at start and comes back. ``failed`` counts the failed opens
+    and is set each time (``attempted``); ``joined`` is set once an open succeeds."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.allowed = False
+        self.failed = 0
+        self.attempted = anyio.Event()
+        self.joined = anyio.Event()
+
+    async def open(self) -> None:
+        await anyio.lowlevel.checkpoint()
+        if not self.allowed:
+            self.failed += 1
+            self.attempted.set()
+            raise TierUnavailableError("endpoint refused", tier=self.name, operation="open")
+        await super().open()
+        self.joined.set()
+
+
+async def test_s3_refusing_then_started_joins_without_a_restart(tmp_path: Path) -> None:
+    """FS + S3 with S3's endpoint refusing connections: the manager opens at once and serves
+    from FS, S3 is ``unavailable``; a real SeaweedFS then starts on that endpoint and the
+    same S3 tier joins: stores reach it and a block another node stored there is a HIT."""
+    server = WeedServer()  # its ports are chosen and free: nothing listens there yet
+    prefix = f"t/{uuid.uuid4().hex}"
+    keys = fresh_keys(4)
+    on_disk, only_in_s3, stored_down, stored_up = keys
+    data = blocks(4)
+    await fs_holding(tmp_path / "fs", on_disk, data[0].tobytes())
+    s3 = watched_s3(server.endpoint_url, prefix, name="s3", **FAILS_FAST)
+    fs = FSTier(tmp_path / "fs", fsync="never", name="fs")
+    manager = TieringManager(HostPool(8, BLOCK), [fs, s3], store_timeout=20.0)
+    try:
+        async with manager:  # opens without S3: its first attempt was refused
+            opens = manager.statistics().opens
+            assert opens.unavailable == ("s3",) and opens.unavailable_tiers == 1
+            assert opens.open_failures >= 1
+            # FS serves; a key no open tier holds is an ``unavailable`` miss
+            assert await manager.wait_settled(on_disk, timeout=30) is LookupResult.HIT
+            assert manager.lookup(only_in_s3) is LookupResult.MISS
+            assert manager.last_miss_reason == UNAVAILABLE
+            assert manager.statistics().lookups.misses_by_reason[UNAVAILABLE] >= 1
+            # a store reaches FS; S3's write is dropped, counted by its admission
+            assert await manager.store([stored_down], data[2:3]) == 1
+            await manager.wait_idle()
+            assert fs.lookup(stored_down) is LookupResult.HIT
+            (s3_admission,) = (a for a in manager.statistics().admission if a.name == "s3")
+            assert s3_admission.dropped_by_cause.get(UNAVAILABLE, 0) >= 1
+
+            # The endpoint comes up; another node stores a block there.
+            await server.astart()
+            await ensure_bucket(server.endpoint_url, BUCKET)
+            async with s3_tier(server, prefix, name="other") as other:
+                await other.store(only_in_s3, memoryview(data[1].tobytes()))
+                with anyio.fail_after(60):  # the next attempt, after its backoff
+                    await s3.opened.wait()
+                opens = manager.statistics().opens
+                assert opens.unavailable_tiers == 0 and opens.joined_late == 1
+                # the same tier instance serves now, without a restart
+                assert await manager.wait_settled(only_in_s3, timeout=30) is LookupResult.HIT
+                out = np.zeros((1, BLOCK), np.uint8)
+                assert await manager.load([only_in_s3], out) == 1
+                assert out.tobytes() == data[1].tobytes()
+                assert await manager.store([stored_up], data[3:4]) == 1
+                await manager.wait_idle()
+                assert await other.contains_many([stored_up]) == [True]
+        assert manager.statistics().opens.unavailable == ()  # closed: nothing is retried
+        assert not s3.is_open
+        assert not tasks_left()
+    finally:
+        await anyio.to_thread.run_sync(server.close)
+
+
+async def test_s3_endpoint_that_never_answers_does_not_hold_the_open_or_the_close(
+    tmp_path: Path,
+) -> None:
+    """An endpoint that accepts connections and never answers: the manager opens promptly
+    (not after the S3 tier's read timeout or open_timeout) and serves from FS; closing it
+    cancels the open still in progress and leaves nothing running."""
+    keys = fresh_keys(2)
+    data = blocks(1)
+    await fs_holding(tmp_path / "fs", keys[0], data[0].tobytes())
+    async with silent_endpoint() as url:
+        # Left alone, one attempt would wait 60 s for the bucket's answer.
+        s3 = s3_tier(url, f"t/{uuid.uuid4().hex}", name="s3", read_timeout=60.0, max_attempts=1)
+        fs = FSTier(tmp_path / "fs", fsync="never", name="fs")
+        manager = TieringManager(HostPool(8, BLOCK), [fs, s3], tier_open_wait=1.0)
+        # Bounded well below the 60 s one attempt would wait: neither the open nor the close
+        # may wait for the silent endpoint.
+        with anyio.fail_after(30):
+            async with manager:
+                assert manager.statistics().opens.unavailable == ("s3",)
+                assert await manager.wait_settled(keys[0], timeout=10) is LookupResult.HIT
+                assert manager.lookup(keys[1]) is LookupResult.MISS
+                assert manager.last_miss_reason == UNAVAILABLE
+        assert not s3.is_open
+    assert not tasks_left()
+
+
+async def test_require_all_tiers_fails_the_open_and_leaves_nothing_open(tmp_path: Path) -> None:
+    """``require_all_tiers``: a refused endpoint fails the open as before, naming the tier,
+    and the FS tier opened meanwhile is closed again (its folder is free for another)."""
+    server = WeedServer()  # nothing listens on its ports: refused
+    s3 = s3_tier(server, f"t/{uuid.uuid4().hex}", name="s3", **FAILS_FAST)
+    fs = FSTier(tmp_path / "fs", fsync="never", name="fs")
+    manager = TieringManager(HostPool(8, BLOCK), [fs, s3], require_all_tiers=True)
+    try:
+        with anyio.fail_after(30), pytest.raises(TierUnavailableError) as caught:
+            async with manager:
+                pytest.fail("entered although the S3 endpoint refused")
+        assert caught.value.tier == "s3" and caught.value.operation == "open"
+        assert not s3.is_open
+        assert not tasks_left()
+        async with FSTier(tmp_path / "fs", fsync="never", shared=False) as alone:
+            assert alone.owner  # nothing of the failed open still holds the folder
+    finally:
+        await anyio.to_thread.run_sync(server.close)
+
+
+async def test_a_tier_that_fails_to_open_joins_when_it_recovers() -> None:
+    """A tier whose open fails: its lookups are ``unavailable`` misses and its writes are
+    dropped (counted) until it recovers; then it joins, its blocks are hits and stores reach
+    it; closing leaves no task behind."""
+    keys = fresh_keys(4)
+    data = blocks(4)
+    late = OpensWhenAllowed("late")
+    await late.store(keys[0], memoryview(data[0].tobytes()))  # held before the manager
+    first = MemoryTier("first")
+    manager = TieringManager(HostPool(8, BLOCK), [first, late])
+    with anyio.fail_after(60):
+        async with manager:
+            assert late.failed >= 1  # its first attempt ended before the manager opened
+            assert manager.statistics().opens.unavailable == ("late",)
+            assert manager.lookup(keys[0]) is LookupResult.MISS
+            assert manager.last_miss_reason == UNAVAILABLE
+            assert manager.lookup(keys[0]) is LookupResult.MISS
+            misses = manager.statistics().lookups.misses_by_reason
+            assert misses == {UNAVAILABLE: 2}
+            assert await manager.store([keys[1]], data[1:2]) == 1
+            await manager.wait_idle()
+            assert first.lookup(keys[1]) is LookupResult.HIT
+            assert late.lookup(keys[1]) is LookupResult.MISS  # dropped, not written
+            # it is tried again in the background, and fails again meanwhile
+            failed = late.failed
+            late.attempted = anyio.Event()
+            await late.attempted.wait()
+            assert late.failed > failed
+            assert manager.statistics().opens.unavailable == ("late",)
+
+            late.allowed = True
+            await late.joined.wait()
+            opens = manager.statistics().opens
+            assert opens.unavailable == () and opens.joined_late == 1
+            assert opens.open_failures == late.failed
+            assert await manager.wait_settled(keys[0], timeout=10) is LookupResult.HIT
+            assert await manager.store([keys[2]], data[2:3]) == 1
+            await manager.wait_idle()
+            assert late.lookup(keys[2]) is LookupResult.HIT  # written through now
+            assert manager.lookup(keys[3]) is LookupResult.MISS
+            assert manager.last_miss_reason == MissReason.NOT_FOUND.value
+    assert not tasks_left()
+    assert manager.statistics().opens.unavailable == ()
+
+
+async def test_a_tier_that_opens_in_time_is_there_at_once() -> None:
+    """The open waits for the tiers that answer: a tier that opens within
+    ``tier_open_wait`` is in from the first lookup, and nothing is unavailable."""
+    tier = MemoryTier("disk")
+    keys = fresh_keys(1)
+    await tier.store(keys[0], memoryview(blocks(1)[0].tobytes()))
+    async with TieringManager(HostPool(4, BLOCK), [tier]) as manager:
+        assert manager.statistics().opens.unavailable == ()
+        assert manager.lookup(keys[0]) is LookupResult.RETRY  # its promotion started
+        assert await manager.wait_settled(keys[0], timeout=10) is LookupResult.HIT
+    assert manager.statistics().opens.joined_late == 0
+
+
+async def test_entered_again_a_tier_that_no_longer_opens_is_unavailable() -> None:
+    """Each entry starts afresh: a tier that opened last time but cannot now is not asked."""
+    tier = OpensWhenAllowed("again")
+    tier.allowed = True
+    key = fresh_keys(1)[0]
+    await tier.store(key, memoryview(blocks(1)[0].tobytes()))
+    manager = TieringManager(HostPool(4, BLOCK), [tier])
+    with anyio.fail_after(30):
+        async with manager:
+            assert manager.statistics().opens.unavailable == ()
+        tier.allowed = False
+        async with manager:
+            assert manager.statistics().opens.unavailable == ("again",)
+            assert manager.lookup(key) is LookupResult.MISS
+            assert manager.last_miss_reason == UNAVAILABLE
+    assert not tasks_left()
+
+
+class WrongIdentity(MemoryTier):
+    """A tier whose open finds a configuration error: retrying cannot fix it."""
+
+    async def open(self) -> None:
+        raise InvalidArgumentError("the folder holds another cache identity")
+
+
+async def test_a_configuration_error_still_fails_the_open() -> None:
+    """A configuration error (``InvalidArgumentError``) is not a tier that is down: the open
+    fails with it, and the tiers that did open are closed again."""
+    first = OpensWhenAllowed("first")
+    first.allowed = True
+    manager = TieringManager(HostPool(4, BLOCK), [first, WrongIdentity("wrong")])
+    with anyio.fail_after(30), pytest.raises(InvalidArgumentError, match="cache identity"):
+        async with manager:
+            pytest.fail("entered although a tier is misconfigured")
+    assert first._listeners == [], "the manager still listens to a tier it closed"
+    assert not tasks_left()
+
+
+async def test_a_failed_fs_open_can_be_opened_again(tmp_path: Path) -> None:
+    """An FS tier whose open failed (its root is a file) opens once the root is usable: a
+    failed open leaves nothing that blocks the next one."""
+    root = tmp_path / "fs"
+    root.write_bytes(b"not a folder")
+    tier = FSTier(root, fsync="never")
+    with pytest.raises(InvalidArgumentError):
+        await tier.open()
+    await tier.aclose()
+    root.unlink()
+    async with tier:
+        key = fresh_keys(1)[0]
+        await tier.store(key, memoryview(blocks(1)[0].tobytes()))
+        assert tier.lookup(key) is LookupResult.HIT
+    assert not tasks_left()
+
+
+def test_the_settings_are_checked() -> None:
+    with pytest.raises(InvalidArgumentError, match="tier_open_wait"):
+        TieringManager(HostPool(4, BLOCK), [MemoryTier()], tier_open_wait=-1.0)
+    with pytest.raises(InvalidArgumentError, match="require_all_tiers"):
+        TieringManager(HostPool(4, BLOCK), [MemoryTier()], require_all_tiers="yes")  # type: ignore[arg-type]
