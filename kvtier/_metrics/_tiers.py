@@ -15,12 +15,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from kvtier._metrics._families import Families, add_by
 from kvtier.manager._statistics import COUNTER, GAUGE
 from kvtier.tiers._base import TierStatistics
-from kvtier.writes._admission import (
-    CAUSE_IN_FLIGHT,
-    CAUSE_LATENCY,
-    CAUSE_RATE,
-    CAUSE_UNAVAILABLE,
-)
+from kvtier.writes._admission import DROP_CAUSES
 
 if TYPE_CHECKING:
     from kvtier.manager import ManagerStatistics
@@ -31,9 +26,6 @@ _TIER = ["tier"]
 
 _BASE_TIER_FIELDS = frozenset(f.name for f in dataclasses.fields(TierStatistics))
 
-# Every cause admission drops a write for: exported at 0 before the first drop, so a series
-# exists for each from the first scrape (rate() and alerts see a drop from its first one).
-_DROP_CAUSES = (CAUSE_IN_FLIGHT, CAUSE_LATENCY, CAUSE_RATE, CAUSE_UNAVAILABLE)
 
 # Counters with a second label: (name, help, label, its values for one tier).
 _BY_LABEL: tuple[tuple[str, str, str, Callable[[TierStatistics], Mapping[str, float]]], ...] = (
@@ -203,7 +195,7 @@ def _collect_admission(f: Families, s: ManagerStatistics) -> None:
     in_flight = f.gauge("tier_write_in_flight_bytes", "Bytes being written to a tier.", _TIER)
     for a in s.admission:
         admitted.add_metric([a.name], a.admitted)
-        add_by(dropped, dict.fromkeys(_DROP_CAUSES, 0) | a.dropped_by_cause, a.name)
+        add_by(dropped, dict.fromkeys(DROP_CAUSES, 0) | a.dropped_by_cause, a.name)
         if a.write_latency_seconds is not None:
             write_latency.add_metric([a.name], a.write_latency_seconds)
         closed.add_metric([a.name], float(a.closed))

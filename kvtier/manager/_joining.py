@@ -30,6 +30,7 @@ import anyio.abc
 from kvtier.common._background import enter_task_group
 from kvtier.common._errors import InvalidArgumentError, TierTimeoutError
 from kvtier.common._logging import BurstLogger
+from kvtier.manager._config import ManagerConfig
 from kvtier.manager._statistics import TierOpenCounts
 from kvtier.tiers._base import Listener, SecondaryTier
 
@@ -111,17 +112,16 @@ class TierKeepers:
     def __init__(
         self,
         tiers: Sequence[SecondaryTier],
+        settings: ManagerConfig,
         *,
-        open_timeout: float | None,
-        close_timeout: float,
         listener: Listener,
         changed: Callable[[], None],
         log: BurstLogger,
     ) -> None:
         self._tiers = tuple(tiers)
         self._keepers: list[_Keeper] = []  # made at each open (events need a running loop)
-        self._open_timeout = open_timeout
-        self._close_timeout = close_timeout
+        self._open_timeout = settings.open_timeout  # each attempt's bound
+        self._close_timeout = settings.close_timeout
         self._listener = listener
         self._changed = changed
         self._log = log

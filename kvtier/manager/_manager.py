@@ -162,8 +162,7 @@ class TieringManager(AsyncResource):
         self._decide = self._decision.decide
         self._keepers = TierKeepers(  # one keeper per tier, opening it until it joins
             self.tiers,
-            open_timeout=settings.open_timeout,
-            close_timeout=settings.close_timeout,
+            settings,
             listener=self._watchers.notify,
             changed=self._tiers_changed,
             log=self._log,

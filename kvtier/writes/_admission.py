@@ -58,6 +58,7 @@ __all__ = [
     "CAUSE_LATENCY",
     "CAUSE_RATE",
     "CAUSE_UNAVAILABLE",
+    "DROP_CAUSES",
     "AdmissionPolicy",
     "AdmissionStatistics",
 ]
@@ -67,6 +68,9 @@ STUCK_FACTOR = 4.0
 CAUSE_IN_FLIGHT = "in_flight"
 CAUSE_RATE = "rate"
 CAUSE_UNAVAILABLE = "unavailable"
+DROP_CAUSES = (CAUSE_IN_FLIGHT, CAUSE_LATENCY, CAUSE_RATE, CAUSE_UNAVAILABLE)
+"""Every cause admission drops a write for: the metrics export each at 0 before its first
+drop, so rate() and alerts see a drop from the first one."""
 
 
 @dataclass(frozen=True, slots=True)
