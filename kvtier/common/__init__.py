@@ -13,7 +13,8 @@ The contract:
 The plumbing: ``_buffers`` (engine arrays as byte views), ``_lending`` (a pool's slots lent to
 a tier's reads), ``_background`` (counted background tasks and the long-lived task groups
 of components that own them), ``_settings`` (value parsers and the settings base),
-``_verdicts`` (answers remembered for a while), ``_resilience`` (breaker and backoff),
+``_arguments`` (plain checks of constructor arguments), ``_verdicts`` (answers remembered for
+a while), ``_resilience`` (breaker and backoff),
 ``_logging`` (one log line per burst), ``_describe`` (the one-glance ``repr``), ``_freeze``
 (live counters into a statistics dataclass) and ``_version``.
 """

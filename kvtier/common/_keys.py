@@ -20,9 +20,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from kvtier.common._arguments import positive_int
 from kvtier.common._errors import InvalidArgumentError
 from kvtier.common._format import MAX_KEY_BYTES
-from kvtier.common._settings import positive_int
 
 __all__ = ["KEY_SCHEME_VERSION", "KEY_SIZE", "KeyNamespace", "block_keys", "check_key"]
 

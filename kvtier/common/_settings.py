@@ -16,8 +16,7 @@ parser serves the config file, the environment and a Python caller:
 - Secrets (``spec(..., secret=True)``) are never shown: not by ``repr``, not by ``as_dict``,
   not in an error message.
 
-``positive_int`` and ``positive_number`` are the plain argument checks the components use
-for arguments that are not settings of a config file section.
+The plain checks of constructor arguments that are not settings are ``_arguments``'.
 """
 
 from __future__ import annotations
@@ -37,7 +36,6 @@ __all__ = [
     "Parser",
     "Section",
     "check_fields",
-    "check_type",
     "choice",
     "described",
     "did_you_mean",
@@ -59,33 +57,8 @@ __all__ = [
     "parse_size",
     "parse_text",
     "parse_url",
-    "positive_int",
-    "positive_number",
     "spec",
 ]
-
-
-# -- plain argument checks -------------------------------------------------------------------
-
-
-def check_type(value: object, kind: type, expected: str) -> None:
-    """Refuse a ``value`` that is not a ``kind``, saying what was ``expected`` and what came."""
-    if not isinstance(value, kind):
-        raise InvalidArgumentError(f"{expected}, got {type(value).__name__}")
-
-
-def positive_int(value: object, name: str, hint: str = "") -> int:
-    """``value`` if it is an int above zero (not a bool); else say what ``name`` must be."""
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise InvalidArgumentError(f"{name} must be a positive int{hint}, got {value!r}")
-    return value
-
-
-def positive_number(value: object, name: str, hint: str = "") -> float:
-    """``value`` as a float if it is a number above zero (not a bool)."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise InvalidArgumentError(f"{name} must be a positive number{hint}, got {value!r}")
-    return float(value)
 
 
 # -- value parsers ---------------------------------------------------------------------------

@@ -76,11 +76,11 @@ from collections import OrderedDict
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from kvtier.common._arguments import positive_int
 from kvtier.common._errors import ExtraNotInstalledError, InvalidArgumentError
 from kvtier.common._events import EventKind
 from kvtier.common._identity import CacheIdentity, IdentityMismatchError
 from kvtier.common._lookup import LookupResult
-from kvtier.common._settings import positive_int
 from kvtier.integrations._vllm_setup import (
     ADAPTER_DEFAULTS,
     identity_from_spec,

@@ -36,9 +36,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from kvtier.common._arguments import positive_number
 from kvtier.common._errors import InvalidArgumentError
 from kvtier.common._lookup import LookupResult
-from kvtier.common._settings import positive_number
 
 __all__ = ["CostModel", "CostStatistics", "ScanBudget", "TierCost"]
 

@@ -28,6 +28,7 @@ import anyio
 import anyio.abc
 from anyio.abc import AsyncResource
 
+from kvtier.common._arguments import check_type
 from kvtier.common._background import (
     Background,
     Callbacks,
@@ -38,7 +39,6 @@ from kvtier.common._buffers import dtype_name
 from kvtier.common._errors import InvalidArgumentError, LifecycleError
 from kvtier.common._logging import BurstLogger
 from kvtier.common._lookup import HIT, HIT_PENDING, RETRY, LookupResult
-from kvtier.common._settings import check_type
 from kvtier.manager._config import ManagerConfig, ManagerOverrides
 from kvtier.manager._cost import CostModel, ScanBudget
 from kvtier.manager._decision import LookupDecision, not_open

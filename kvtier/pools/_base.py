@@ -11,11 +11,11 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import anyio
 
+from kvtier.common._arguments import positive_int
 from kvtier.common._buffers import BlockBuffer
 from kvtier.common._describe import describe
 from kvtier.common._lending import Lender
 from kvtier.common._lookup import LookupResult
-from kvtier.common._settings import positive_int
 from kvtier.pools._policy import EvictionPolicy, make_policy
 from kvtier.pools._slots import PoolStatistics, SlotState, SlotTable
 

@@ -42,9 +42,9 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
+from kvtier.common._arguments import positive_number
 from kvtier.common._buffers import BlockBuffer
 from kvtier.common._errors import InvalidArgumentError, LifecycleError
-from kvtier.common._settings import positive_number
 from kvtier.pools._base import BatchSink, ByteSink, ByteSource, PrimaryPool
 from kvtier.pools._cuda_copies import SlotCopies
 from kvtier.pools._cuda_core import CopyLimits, SlotSpan, TransferStatistics

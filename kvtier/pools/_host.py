@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, cast
 
 import anyio.to_thread
 
+from kvtier.common._arguments import positive_int
 from kvtier.common._buffers import LOOP_COPY_BYTES, BlockBuffer
 from kvtier.common._errors import InvalidArgumentError
 from kvtier.common._lending import Lender, Release
-from kvtier.common._settings import positive_int
 from kvtier.pools._base import BatchSink, BatchSource, ByteSink, ByteSource, PrimaryPool
 from kvtier.pools._policy import EvictionPolicy
 from kvtier.pools._slots import SlotTable

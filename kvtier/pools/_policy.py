@@ -20,8 +20,8 @@ from itertools import islice, takewhile
 from operator import not_
 from typing import Protocol, runtime_checkable
 
+from kvtier.common._arguments import check_type
 from kvtier.common._errors import InvalidArgumentError
-from kvtier.common._settings import check_type
 
 __all__ = ["POLICY_NAMES", "ARCPolicy", "EvictionPolicy", "LRUPolicy", "make_policy"]
 

@@ -10,13 +10,13 @@ from dataclasses import dataclass
 from itertools import islice
 from typing import Protocol
 
+from kvtier.common._arguments import check_type, positive_int, positive_number
 from kvtier.common._buffers import check_keys
 from kvtier.common._describe import describe
 from kvtier.common._errors import InvalidArgumentError
 from kvtier.common._freeze import snapshot
 from kvtier.common._logging import BurstLogger
 from kvtier.common._lookup import HIT, HIT_PENDING, RETRY
-from kvtier.common._settings import check_type, positive_int, positive_number
 from kvtier.manager._cost import CostModel, ScanBudget
 from kvtier.manager._watch import KeyWatch
 from kvtier.scheduler._prefetch import Prefetches, PrefetchHandle, PrefetchStatistics

@@ -29,11 +29,11 @@ import anyio
 import anyio.abc
 from anyio.abc import AsyncResource
 
+from kvtier.common._arguments import positive_int, positive_number
 from kvtier.common._background import cancel_task_group, enter_task_group
 from kvtier.common._errors import TierError
 from kvtier.common._logging import BurstLogger
 from kvtier.common._lookup import HIT, RETRY, LookupResult, MissReason
-from kvtier.common._settings import positive_int, positive_number
 from kvtier.common._verdicts import PRESENT, VerdictStore, code_of, reason_of_code
 from kvtier.tiers._base import CountedLookups, LookupStatistics
 

@@ -7,6 +7,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
+from kvtier.common._arguments import positive_int
 from kvtier.common._errors import (
     BlockNotFoundError,
     InvalidArgumentError,
@@ -14,7 +15,6 @@ from kvtier.common._errors import (
     TierNoSpaceError,
 )
 from kvtier.common._lookup import LookupResult, MissReason
-from kvtier.common._settings import positive_int
 from kvtier.tiers._base import (
     BatchResults,
     LookupStatistics,

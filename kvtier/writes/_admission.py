@@ -50,8 +50,8 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
+from kvtier.common._arguments import positive_int, positive_number
 from kvtier.common._errors import InvalidArgumentError
-from kvtier.common._settings import positive_int, positive_number
 
 __all__ = [
     "CAUSE_IN_FLIGHT",

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Collection, Mapping
 
-from kvtier.common._settings import positive_int
+from kvtier.common._arguments import positive_int
 from kvtier.writes._admission import AdmissionPolicy
 
 __all__ = ["DeferredWrites"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvtier.common._settings import positive_int
+from kvtier.common._arguments import positive_int
 from kvtier.writes._admission import AdmissionPolicy
 
 __all__ = ["WriteBackQueue"]

@@ -34,6 +34,7 @@ from kvtier import (
     PoolConfig,
     PrimaryPool,
 )
+from kvtier.common._arguments import positive_int
 from kvtier.common._format import MIN_SECRET_BYTES
 from kvtier.common._settings import (
     BadValue,
@@ -45,7 +46,6 @@ from kvtier.common._settings import (
     parse_positive_size,
     parse_rate,
     parse_seconds,
-    positive_int,
     spec,
 )
 from kvtier.manager._stack_config import _SECTIONS

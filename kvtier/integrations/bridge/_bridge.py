@@ -47,10 +47,10 @@ from typing import TypeVar
 
 import anyio
 
+from kvtier.common._arguments import check_type, positive_int, positive_number
 from kvtier.common._events import EventBuffer, EventKind, TierEvent
 from kvtier.common._logging import BurstLogger
 from kvtier.common._lookup import LookupResult
-from kvtier.common._settings import check_type, positive_int, positive_number
 from kvtier.integrations.bridge._answers import LookupSnapshot
 from kvtier.integrations.bridge._jobs import JobOutcome, Jobs, Operation
 from kvtier.integrations.bridge._loop import LoopThread
