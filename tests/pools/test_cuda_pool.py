@@ -617,10 +617,16 @@ async def test_a_cancelled_copy_delayed_on_the_engine_stream_waits_for_it(
             await pool.copy_in([slot], [BlockBuffer(None, array)])
         returned.set()
 
+    copies = fake.calls.get("memcpyAsync", 0)
     async with anyio.create_task_group() as tg:
         tg.start_soon(store)
         await _until(gate.reached)
-        await _quiet(fake)  # the pool's copy is queued behind the engine's write
+        # The pool's copy is queued behind the engine's write (its CUDA thread may still be
+        # enqueueing it when the streams are already quiet).
+        await anyio.to_thread.run_sync(
+            fake.wait_until, lambda: fake.calls.get("memcpyAsync", 0) > copies
+        )
+        await _quiet(fake)
         scope.cancel()
         await anyio.wait_all_tasks_blocked()
         waited, in_flight = not returned.is_set(), pool.transfer_statistics().operations_in_flight
