@@ -16,103 +16,97 @@ Everything public is imported from here; the modules behind it are private. The 
 
 from __future__ import annotations
 
-import importlib.util as _importlib_util
 import sys as _sys
 
-# A clear word before the first import that would fail deep inside a wing.
-_MISSING = [
-    name
-    for name in ("anyio", "blake3", "numpy", "xxhash")
-    if _importlib_util.find_spec(name) is None
-]
-if _MISSING:
-    raise ImportError(
-        f"kvtier needs {', '.join(_MISSING)}, which this Python ({_sys.executable}) does not "
-        "have: install kvtier with pip (pip install -e . in a clone) so its dependencies come "
-        "with it"
+# What kvtier needs at run time: missing, it is named here rather than failing deep in a wing.
+_DEPENDENCIES = frozenset({"anyio", "blake3", "numpy", "xxhash"})
+
+try:
+    from kvtier._metrics import (
+        KVTierCollector,
+        LatencyHistograms,
+        MetricsServer,
+        metrics_asgi_app,
+        serve_metrics,
     )
-del _MISSING, _importlib_util, _sys
+    from kvtier.common import (
+        BlockNotFoundError,
+        CacheIdentity,
+        CorruptBlockError,
+        EventBuffer,
+        EventKind,
+        ExtraNotInstalledError,
+        IdentityMismatchError,
+        IntegrityConfig,
+        IntegrityKey,
+        InvalidArgumentError,
+        KVTierError,
+        LifecycleError,
+        LookupResult,
+        ManifestError,
+        MissReason,
+        TierContractError,
+        TierError,
+        TierEvent,
+        TierNoSpaceError,
+        TierTimeoutError,
+        TierUnavailableError,
+        _version,
+        block_keys,
+    )
+    from kvtier.integrations import EventStream
+    from kvtier.manager import (
+        CostModel,
+        CostStatistics,
+        KVTierConfig,
+        ManagerConfig,
+        ManagerStatistics,
+        TierCost,
+        TieringManager,
+    )
+    from kvtier.pools import (
+        ARCPolicy,
+        CudaPool,
+        CudaUnavailableError,
+        EvictionPolicy,
+        HostPool,
+        LRUPolicy,
+        PoolConfig,
+        PoolStatistics,
+        PrimaryPool,
+        SlotState,
+        cuda_available,
+    )
+    from kvtier.scheduler import (
+        OffloadScheduler,
+        PrefetchHandle,
+        PrefetchState,
+        PrefetchStatistics,
+        SchedulerStatistics,
+    )
+    from kvtier.tiers import (
+        AsyncLookupManager,
+        LookupStatistics,
+        MemoryTier,
+        SecondaryTier,
+        TierStatistics,
+    )
+    from kvtier.tiers.fs import FSConfig, FSTier, UnusableRootError
+    from kvtier.tiers.s3 import S3Config, S3Tier, S3TierStatistics
+    from kvtier.writes import AdmissionPolicy, AdmissionStatistics
 
-from kvtier._metrics import (
-    KVTierCollector,
-    LatencyHistograms,
-    MetricsServer,
-    metrics_asgi_app,
-    serve_metrics,
-)
-from kvtier.common import (
-    BlockNotFoundError,
-    CacheIdentity,
-    CorruptBlockError,
-    EventBuffer,
-    EventKind,
-    ExtraNotInstalledError,
-    IdentityMismatchError,
-    IntegrityConfig,
-    IntegrityKey,
-    InvalidArgumentError,
-    KVTierError,
-    LifecycleError,
-    LookupResult,
-    ManifestError,
-    MissReason,
-    TierContractError,
-    TierError,
-    TierEvent,
-    TierNoSpaceError,
-    TierTimeoutError,
-    TierUnavailableError,
-    _version,
-    block_keys,
-)
-from kvtier.integrations import EventStream
-from kvtier.manager import (
-    CostModel,
-    CostStatistics,
-    KVTierConfig,
-    ManagerConfig,
-    ManagerStatistics,
-    TierCost,
-    TieringManager,
-)
-from kvtier.pools import (
-    ARCPolicy,
-    CudaPool,
-    CudaUnavailableError,
-    EvictionPolicy,
-    HostPool,
-    LRUPolicy,
-    PoolConfig,
-    PoolStatistics,
-    PrimaryPool,
-    SlotState,
-    cuda_available,
-)
-from kvtier.scheduler import (
-    OffloadScheduler,
-    PrefetchHandle,
-    PrefetchState,
-    PrefetchStatistics,
-    SchedulerStatistics,
-)
-from kvtier.tiers import (
-    AsyncLookupManager,
-    LookupStatistics,
-    MemoryTier,
-    SecondaryTier,
-    TierStatistics,
-)
-from kvtier.tiers.fs import FSConfig, FSTier, UnusableRootError
-from kvtier.tiers.s3 import S3Config, S3Tier, S3TierStatistics
-from kvtier.writes import AdmissionPolicy, AdmissionStatistics
-
-
-def __getattr__(name: str) -> str:
-    """``kvtier.__version__``, read from the package metadata on first use (``_version``)."""
-    if name == "__version__":
-        return _version.version()
-    raise AttributeError(f"module 'kvtier' has no attribute {name!r}")
-
+    def __getattr__(name: str) -> str:
+        """``kvtier.__version__``, read from the package metadata on first use (``_version``)."""
+        if name == "__version__":
+            return _version.version()
+        raise AttributeError(f"module 'kvtier' has no attribute {name!r}")
+except ModuleNotFoundError as exc:
+    if exc.name not in _DEPENDENCIES:
+        raise
+    raise ImportError(
+        f"kvtier needs {exc.name}, which this Python ({_sys.executable}) does not have: "
+        "install kvtier with pip (pip install -e . in a clone) so its dependencies come with it"
+    ) from exc
 
 __all__ = [
     "ARCPolicy",

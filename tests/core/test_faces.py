@@ -13,6 +13,8 @@ import dataclasses
 import importlib
 import inspect
 import pkgutil
+import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -171,3 +173,16 @@ def test_private_imports_only_where_no_face_exports_the_name() -> None:
                             f"{node.module}, exported as {place[1]}"
                         )
     assert not found, "import these from their faces:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("dependency", ["anyio", "blake3", "numpy", "xxhash"])
+def test_a_missing_dependency_is_named_at_import(dependency: str) -> None:
+    """Without one of its dependencies, ``import kvtier`` says which and how to install it,
+    instead of failing deep inside a wing."""
+    hide = f"import sys; sys.modules[{dependency!r}] = None; import kvtier"
+    proc = subprocess.run(
+        [sys.executable, "-c", hide], cwd=ROOT, capture_output=True, text=True, check=False
+    )
+    assert proc.returncode != 0
+    assert f"ImportError: kvtier needs {dependency}, which this Python" in proc.stderr
+    assert "pip install" in proc.stderr
