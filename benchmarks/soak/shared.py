@@ -71,8 +71,8 @@ class _Array:
         if create:
             with open(path, "wb") as f:
                 f.write(bytes(8 * n))
-        self._file = open(path, "r+b")  # noqa: SIM115 - held for the map's lifetime
-        self._map = mmap.mmap(self._file.fileno(), 8 * n)
+        with open(path, "r+b") as f:  # the map holds its own descriptor
+            self._map = mmap.mmap(f.fileno(), 8 * n)
 
     def get(self, i: int) -> int:
         value: int = _Q.unpack_from(self._map, 8 * i)[0]
@@ -83,7 +83,6 @@ class _Array:
 
     def close(self) -> None:
         self._map.close()
-        self._file.close()
 
 
 class Counters(_Array):

@@ -74,6 +74,7 @@ class Catalog(Generic[W]):
         self._epoch = 0
         self._watchers = 0
         self._added: dict[str, int] = {}
+        self._dropped: dict[str, int] = {}
 
     # -- contents ------------------------------------------------------------------------------
 
@@ -81,11 +82,26 @@ class Catalog(Generic[W]):
     def blocks(self) -> int:
         return len(self._index)
 
-    def reset(self, entries: Iterable[tuple[str, int]]) -> list[str]:
+    def reset(self, entries: Iterable[tuple[str, int]], since: int | None = None) -> list[str]:
         """The folder was (re)read: ``entries`` are its files, oldest first. Returns the
         names held before that the folder no longer has (removed while the tier was closed,
-        or while its root was unusable)."""
-        before, self._index = self._index, OrderedDict(entries)
+        or while its root was unusable).
+
+        ``since``: the epoch the read began at (``watch``). A store or load that added a
+        name after it, or a delete or eviction that dropped one, happened while the folder
+        was read and may be missing from ``entries`` or stale in them: the catalog's own
+        knowledge of such a name wins over the read."""
+        fresh = OrderedDict(entries)
+        if since is not None:
+            for name, epoch in self._dropped.items():
+                if epoch > since and self._added.get(name, -1) < epoch:
+                    fresh.pop(name, None)
+            for name, epoch in self._added.items():
+                size = self._index.get(name)
+                if epoch > since and size is not None:
+                    fresh.pop(name, None)
+                    fresh[name] = size  # the most recently used end, where it was put
+        before, self._index = self._index, fresh
         self.used = sum(self._index.values())
         self.ready = True
         return [name for name in before if name not in self._index]
@@ -113,6 +129,7 @@ class Catalog(Generic[W]):
     def drop(self, name: str) -> bool:
         """Forget ``name``'s file; whether it was held."""
         size = self._index.pop(name, None)
+        self._taken(name)
         if size is not None:
             self.used -= size
         return size is not None
@@ -134,6 +151,12 @@ class Catalog(Generic[W]):
             self.add(name, size)
         return False
 
+    def _taken(self, name: str) -> None:
+        """``name`` left the index: a folder read running meanwhile must not bring it back."""
+        if self._watchers:
+            self._epoch += 1
+            self._dropped[name] = self._epoch
+
     # -- watchers ------------------------------------------------------------------------------
 
     def watch(self) -> int:
@@ -146,6 +169,7 @@ class Catalog(Generic[W]):
         self._watchers -= 1
         if not self._watchers:
             self._added.clear()
+            self._dropped.clear()
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[int]:
@@ -188,6 +212,7 @@ class Catalog(Generic[W]):
                         break
                     continue
                 self.used -= victim_size
+                self._taken(victim)
                 victims.append((victim, victim_size))
         self.reserved += size
         return Reservation(key, name, size, victims)
@@ -206,6 +231,7 @@ class Catalog(Generic[W]):
                     break
                 continue
             self.used -= victim_size
+            self._taken(victim)
             res.victims.append((victim, victim_size))
             freed += victim_size
             taken += 1
@@ -231,6 +257,7 @@ class Catalog(Generic[W]):
                     self._index[victim] = victim_size
                     self._index.move_to_end(victim, last=False)
                     self.used += victim_size
+                    self._dropped.pop(victim, None)  # back as it was: a read's copy holds
         if landed is not None:
             self.add(res.name, landed)
         return gone

@@ -200,10 +200,12 @@ class Ledger:
         ]
         self.forget(gone)
 
-    def rescanned(self, entries: Iterable[tuple[str, int]]) -> None:
-        """The folder was (re)read: ``entries`` are its files, oldest first; a file the
-        catalog held that is not among them is removed."""
-        self.forget([k for name in self.catalog.reset(entries) if (k := key_of(name))])
+    def rescanned(self, entries: Iterable[tuple[str, int]], since: int) -> None:
+        """The folder was (re)read from epoch ``since`` on: ``entries`` are its files, oldest
+        first; a file the catalog held that is not among them (nor stored meanwhile) is
+        removed."""
+        gone = self.catalog.reset(entries, since)
+        self.forget([k for name in gone if (k := key_of(name))])
 
     def forget(self, keys: list[bytes]) -> None:
         """Files the catalog held are gone: misses from now on, removed (``not_found``)."""

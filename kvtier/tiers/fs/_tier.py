@@ -102,6 +102,7 @@ class FSTier(SecondaryTier):
         )
         self._files = BlockFiles(self.root, settings, self.integrity_key, keeper)
         self._catalog: Catalog[anyio.Event] = Catalog(settings.capacity_bytes)
+        self._reading_root = anyio.Lock()  # one read of the folder at a time
         # The owner answers lookups from the catalog; a shared writer checks the disk (another
         # process may have written a key). Both are open while the tier is, so an owner that
         # finds another process on its folder switches at once.
@@ -164,6 +165,14 @@ class FSTier(SecondaryTier):
             await self._checks.aclose()
 
     async def _prepare(self, *, raise_unavailable: bool) -> None:
+        """Make the root usable and read its files into the catalog. Stores that find the
+        root unusable all come here: the first reads the folder, the others find it ready."""
+        async with self._reading_root:
+            if not (raise_unavailable and self._catalog.ready):
+                with self._catalog.watching() as since:
+                    await self._read_root(raise_unavailable, since)
+
+    async def _read_root(self, raise_unavailable: bool, since: int) -> None:
         keeper, files, probe = self._keeper, self._files, self.direct_io
         generation = keeper.generation
         try:
@@ -192,7 +201,7 @@ class FSTier(SecondaryTier):
             how = "answer from the index" if claimed.owner else "check the disk"
             logger.info("%s: %s is %s: lookups %s", self.name, self.root, claimed.why, how)
             self._lookups = self._ledger.verdicts = self._index if claimed.owner else self._checks
-        self._ledger.rescanned((e.name, e.size) for e in ready.entries)
+        self._ledger.rescanned(((e.name, e.size) for e in ready.entries), since)
 
     async def _prepare_for_store(self) -> None:
         await self._prepare(raise_unavailable=True)

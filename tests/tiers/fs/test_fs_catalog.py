@@ -288,3 +288,43 @@ def test_delete_drops_and_a_second_drop_is_harmless() -> None:
     catalog.drop(name(0))
     assert catalog.names() == [name(1)] and catalog.used == 20
     assert "blocks=1" in repr(catalog)
+
+
+# -- a read of the folder while stores, deletes and evictions go on --------------------------------
+
+
+def test_a_read_of_the_folder_keeps_what_was_stored_while_it_ran() -> None:
+    catalog = filled(None, 10)
+    with catalog.watching() as since:
+        written(catalog, catalog.reserve(key(1), name(1), 20))  # lands after the read passed
+        gone = catalog.reset([(name(0), 10)], since)
+    assert gone == [] and catalog.names() == [name(0), name(1)] and catalog.used == 30
+
+
+def test_a_read_of_the_folder_does_not_bring_back_what_was_removed_while_it_ran() -> None:
+    catalog = filled(10, 10)
+    with catalog.watching() as since:
+        catalog.drop(name(0))  # deleted after the read saw its file
+        gone = catalog.reset([(name(0), 10)], since)
+    assert gone == [] and catalog.blocks == 0 and catalog.used == 0
+    with catalog.watching() as since:  # an eviction that took its file while the read ran
+        written(catalog, catalog.reserve(key(2), name(2), 10))
+        victims = written(catalog, catalog.reserve(key(3), name(3), 10))
+        assert victims == [(name(2), 10)]
+        catalog.reset([(name(2), 10), (name(3), 10)], since)
+    assert catalog.names() == [name(3)] and catalog.used == 10
+
+
+def test_a_victim_put_back_is_what_the_read_says() -> None:
+    catalog = filled(10, 10)
+    with catalog.watching() as since:
+        res = catalog.reserve(key(1), name(1), 10)  # takes block 0 out as its victim
+        assert catalog.settle(res, None, written=False, touched=False) == []  # put back
+        catalog.reset([(name(0), 10)], since)
+    assert catalog.names() == [name(0)]
+
+
+def test_a_read_without_an_epoch_is_the_whole_truth() -> None:
+    catalog = filled(None, 10, 20)
+    assert catalog.reset([(name(1), 20)]) == [name(0)]
+    assert catalog.names() == [name(1)] and catalog.used == 20

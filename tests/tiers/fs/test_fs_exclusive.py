@@ -7,9 +7,11 @@ No stat on the request path: a key the index does not hold is a MISS
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 from kvtier import HostPool, InvalidArgumentError, LookupResult, MissReason, OffloadScheduler
@@ -86,3 +88,34 @@ async def test_scheduler_never_waits_on_unknown_keys(tmp_path: Path, stats: list
         assert manager.statistics().lookups.retry <= 4
         assert manager.statistics().tiers[0].lookups.retries == 0
     assert stats == []
+
+
+async def test_a_store_that_lands_while_the_folder_is_read_again_stays_a_hit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A root that became unusable is read again by the next store; stores that land while
+    that read runs (it listed their shard before their file was there) stay in the index."""
+    async with FSTier(tmp_path / "c", shared=False) as tier:
+        await tier.store(key(1), memoryview(data(1)))
+        keeper = tier._keeper
+        real = keeper.prepare
+        listed, resume = threading.Event(), threading.Event()
+
+        def slow_prepare(*args: Any) -> Any:
+            ready = real(*args)  # the folder is listed now: key 2 is not in it
+            listed.set()
+            resume.wait(30)
+            return ready
+
+        monkeypatch.setattr(keeper, "prepare", slow_prepare)
+        tier._catalog.ready = False  # as after a check found the root unusable
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(tier.store, key(3), memoryview(data(3)))  # reads the folder again
+            await anyio.to_thread.run_sync(listed.wait, 30)
+            monkeypatch.setattr(keeper, "prepare", real)
+            tier._catalog.ready = True  # let key 2's store go ahead while the read is held
+            await tier.store(key(2), memoryview(data(2)))
+            tier._catalog.ready = False
+            resume.set()
+        for i in (1, 2, 3):
+            assert tier.lookup(key(i)) is LookupResult.HIT, i
