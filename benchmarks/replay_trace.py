@@ -46,6 +46,7 @@ from tqdm import tqdm
 import kvtier
 from benchmarks.agent_trace import AgentWorkload, generate
 from benchmarks.common import add_json_flag, json_output
+from benchmarks.session_replay import DEFAULT_TIERS, TierModel, run_sessions
 from kvtier.common._format import header_size  # an FS file's header, for a capacity in blocks
 
 REPO = Path(__file__).resolve().parent.parent
@@ -443,6 +444,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--agent-sessions", type=int, default=AgentWorkload().sessions)
     p.add_argument("--agent-seed", type=int, default=AgentWorkload().seed)
+    p.add_argument(
+        "--session-hints",
+        action="store_true",
+        help="with --agent: replay the sessions on the trace's clock against a time model of "
+        "each lower tier, without and with session hints (benchmarks.session_replay)",
+    )
+    p.add_argument(
+        "--tier-model",
+        action="append",
+        type=TierModel.parse,
+        metavar="NAME:LATENCY_MS:MB_PER_S",
+        help=f"a lower tier's time model for --session-hints, repeatable (default: "
+        f"{' '.join(DEFAULT_TIERS)})",
+    )
+    p.add_argument(
+        "--block-mib", type=float, default=4.0, help="bytes of KV per block, --session-hints"
+    )
     p.add_argument("--sweep", action="store_true", help="sweep the primary's size (JSON)")
     p.add_argument("--plot", metavar="FILE.png", help="sweep the primary's size and plot")
     p.add_argument("--no-progress", action="store_true")
@@ -464,6 +482,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--payload-bytes must be positive")
     if args.agent and args.agent_sessions <= 0:
         p.error("--agent-sessions must be positive")
+    if args.session_hints and not args.agent:
+        p.error("--session-hints replays the agent workload: add --agent")
+    if args.block_mib <= 0:
+        p.error("--block-mib must be positive")
+    args.tier_model = args.tier_model or [TierModel.parse(t) for t in DEFAULT_TIERS]
     args.sweep = args.sweep or bool(args.plot)
     return args
 
@@ -475,6 +498,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         name = f"agent(sessions={workload.sessions}, seed={workload.seed})"
         rows = generate(workload)[: args.limit]
         with json_output(args.json) as out:
+            if args.session_hints:
+                return run_sessions(args, name, rows, requests_of(rows), out)
             return run(args, name, requests_of(rows), out)
     trace = Path(args.trace)
     if not trace.is_file():

@@ -83,6 +83,9 @@ try:
         PrefetchState,
         PrefetchStatistics,
         SchedulerStatistics,
+        Session,
+        SessionSettings,
+        SessionStatistics,
     )
     from kvtier.tiers import (
         AsyncLookupManager,
@@ -158,6 +161,9 @@ __all__ = [
     "S3TierStatistics",
     "SchedulerStatistics",
     "SecondaryTier",
+    "Session",
+    "SessionSettings",
+    "SessionStatistics",
     "SlotState",
     "TierContractError",
     "TierCost",

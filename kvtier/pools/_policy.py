@@ -23,7 +23,14 @@ from typing import Protocol, runtime_checkable
 from kvtier.common._arguments import check_type
 from kvtier.common._errors import InvalidArgumentError
 
-__all__ = ["POLICY_NAMES", "ARCPolicy", "EvictionPolicy", "LRUPolicy", "make_policy"]
+__all__ = [
+    "POLICY_NAMES",
+    "ARCPolicy",
+    "Demotes",
+    "EvictionPolicy",
+    "LRUPolicy",
+    "make_policy",
+]
 
 
 @runtime_checkable
@@ -52,6 +59,18 @@ class EvictionPolicy(Protocol):
 
     def victim(self, incoming: bytes, can_evict: Callable[[bytes], bool]) -> bytes | None:
         """The key to evict to make room for ``incoming``, or None if nothing may go."""
+
+
+@runtime_checkable
+class Demotes(Protocol):
+    """An optional capability of a policy (both shipped ones have it): place keys as the
+    next to go. The pool demotes blocks fetched for a guess that did not come true, so a
+    wrong guess gives its slots back before anything a request used; a policy without it
+    lets those blocks age like any other."""
+
+    def demote(self, keys: Iterable[bytes]) -> None:
+        """``keys`` (all in the pool) become the least recently used, the last given the
+        oldest, without counting a use."""
 
 
 def _first_evictable(
@@ -90,6 +109,11 @@ class LRUPolicy:
         deque(map(self._order.move_to_end, keys), maxlen=0)
 
     reorder = touch_many  # a use and a reorder are the same move here
+
+    def demote(self, keys: Iterable[bytes]) -> None:
+        move = self._order.move_to_end
+        for key in keys:
+            move(key, last=False)
 
     def remove(self, key: bytes, *, evicted: bool) -> None:
         self._order.pop(key, None)
@@ -156,6 +180,11 @@ class ARCPolicy:
         t1, t2 = self._t1, self._t2
         for key in keys:
             (t1 if key in t1 else t2).move_to_end(key)
+
+    def demote(self, keys: Iterable[bytes]) -> None:
+        t1, t2 = self._t1, self._t2
+        for key in keys:
+            (t1 if key in t1 else t2).move_to_end(key, last=False)
 
     def remove(self, key: bytes, *, evicted: bool) -> None:
         if key in self._t1:

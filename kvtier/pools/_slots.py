@@ -26,7 +26,7 @@ from itertools import takewhile
 
 from kvtier.common._freeze import snapshot
 from kvtier.common._lookup import LookupResult
-from kvtier.pools._policy import EvictionPolicy
+from kvtier.pools._policy import Demotes, EvictionPolicy
 
 __all__ = ["PoolStatistics", "SlotState", "SlotTable"]
 
@@ -130,6 +130,18 @@ class SlotTable:
         if scanned is not None:
             chain = [*scanned[: scanned.index(keys[0])], *keys]
         self.policy.reorder(filter(self.ready.__contains__, reversed(chain)))
+
+    def demote(self, keys: Sequence[bytes]) -> int:
+        """Make the unpinned READY ``keys`` (head first) the next to be evicted, the tail
+        first; the others are left as they are. How many were demoted (0 with a policy that
+        cannot, see ``Demotes``)."""
+        policy = self.policy
+        if not isinstance(policy, Demotes):
+            return 0
+        ready, unpinned = self.ready, self._unpinned
+        chosen = [k for k in keys if k in ready and k in unpinned]
+        policy.demote(chosen)
+        return len(chosen)
 
     def state_of(self, key: bytes) -> SlotState:
         slot = self.held.get(key)

@@ -4,15 +4,20 @@
   waits for state changes instead of polling;
 - ``_protocols``: what the scheduler needs of a manager, as typed protocols;
 - ``_progress``: scans an async lookup resumes after each wake instead of starting over;
-- ``_prefetch``: fetching a queued request's prefix while it waits for the engine.
+- ``_prefetch``: fetching a queued request's prefix while it waits for the engine;
+- ``_sessions``: the session table, a synchronous state machine that predicts when an agent
+  session returns and plans bringing its prefix back;
+- ``_bringback``: the async driver that acts on that plan, and the engine's ``Session``.
 
 The cost model the scans consult belongs to the manager (``kvtier.manager``).
 """
 
 from __future__ import annotations
 
+from kvtier.scheduler._bringback import Session, SessionStatistics
 from kvtier.scheduler._prefetch import PrefetchHandle, PrefetchState, PrefetchStatistics
 from kvtier.scheduler._scheduler import OffloadScheduler, SchedulerStatistics
+from kvtier.scheduler._sessions import SessionSettings
 
 __all__ = [
     "OffloadScheduler",
@@ -20,4 +25,7 @@ __all__ = [
     "PrefetchState",
     "PrefetchStatistics",
     "SchedulerStatistics",
+    "Session",
+    "SessionSettings",
+    "SessionStatistics",
 ]

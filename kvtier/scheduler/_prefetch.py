@@ -30,7 +30,7 @@ answer (and has pinned what it counted).
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -151,9 +151,10 @@ class PrefetchHandle:
 
     # -- the owner's side --------------------------------------------------------------------
 
-    def _end(self, state: PrefetchState) -> bool:
-        """Move to an end ``state``, stop the task, release the pins; False if already
-        ended."""
+    def _end(self, state: PrefetchState, *, demote: bool = False) -> bool:
+        """Move to an end ``state``, stop the task, release the pins; with ``demote``, the
+        blocks it promoted become the next to be evicted (nobody used them). False if
+        already ended."""
         if self._ended.is_set():
             return False
         self.state = state
@@ -163,6 +164,10 @@ class PrefetchHandle:
             self._scope.cancel()
         self._owner.forget(self)
         self._unpin()
+        if demote and self._started:
+            started = self._started
+            table = self._owner.manager.pool.table
+            self._owner.blocks_demoted += table.demote([k for k in self.keys if k in started])
         self._owner.freed()
         return True
 
@@ -223,7 +228,7 @@ class PrefetchHandle:
                     await self._ended.wait()
                     return
                 owner.blocks_expired += self.fetched()
-                self._end(PrefetchState.EXPIRED)
+                self._end(PrefetchState.EXPIRED, demote=owner.demote_unused)
         finally:
             self._scanned.set()
             self._reasons.clear()
@@ -266,10 +271,23 @@ class PrefetchHandle:
 class Prefetches:
     """A scheduler's prefetches: starting them, claiming them at lookup, their counters."""
 
-    def __init__(self, manager: SupportsPrefetch, *, share: float, ttl: float) -> None:
+    def __init__(
+        self,
+        manager: SupportsPrefetch,
+        *,
+        share: float,
+        ttl: float,
+        demote_unused: bool = False,
+        on_freed: Callable[[], None] | None = None,
+    ) -> None:
         self.manager = manager
         self.share = share
         self.ttl = ttl
+        # Guesses (session bring-backs) demote what nobody claimed; queued requests' blocks
+        # stay as ordinary cache entries.
+        self.demote_unused = demote_unused
+        self._on_freed = on_freed
+        self.blocks_demoted = 0
         self.limit = max(int(manager.pool.num_blocks * share), 0)
         self._active: set[PrefetchHandle] = set()
         self._by_last: dict[bytes, list[PrefetchHandle]] = {}  # keyed by each one's last key
@@ -302,6 +320,14 @@ class Prefetches:
         """A prefetch gave back what it held: wake the ones waiting for the share."""
         self._freed.set()
         self._freed = anyio.Event()
+        if self._on_freed is not None:
+            self._on_freed()
+
+    def let_go(self, handle: PrefetchHandle) -> None:
+        """End ``handle`` as cancelled, its unclaimed blocks demoted (the guess it was made
+        for will not come true)."""
+        if handle._end(PrefetchState.CANCELLED, demote=self.demote_unused):
+            self.cancelled += 1
 
     async def wait_freed(self) -> None:
         await self._freed.wait()

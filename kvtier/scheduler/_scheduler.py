@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from typing import Protocol
@@ -19,9 +19,11 @@ from kvtier.common._logging import BurstLogger
 from kvtier.common._lookup import HIT, HIT_PENDING, RETRY
 from kvtier.manager._cost import CostModel, ScanBudget
 from kvtier.manager._watch import KeyWatch
+from kvtier.scheduler._bringback import BringBacks, Session, SessionStatistics
 from kvtier.scheduler._prefetch import Prefetches, PrefetchHandle, PrefetchStatistics
 from kvtier.scheduler._progress import PrefixProgress, WindowProgress
 from kvtier.scheduler._protocols import SupportsLookup, SupportsPrefetch, SupportsScheduling
+from kvtier.scheduler._sessions import SessionSettings
 
 __all__ = ["OffloadScheduler", "SchedulerStatistics"]
 
@@ -50,6 +52,8 @@ class SchedulerStatistics:
     """Async lookups that stopped waiting early: recomputing was expected to be cheaper."""
     prefetch: PrefetchStatistics | None = None
     """What ``prefetch`` did (None when the manager cannot prefetch)."""
+    sessions: SessionStatistics | None = None
+    """What session hints did (None when the manager cannot prefetch)."""
 
 
 def _check_window(size: object) -> int:
@@ -69,6 +73,11 @@ class OffloadScheduler:
     fetches a queued request's prefix before its lookup; all prefetches together hold at most
     ``prefetch_share`` of the pool, and what one holds unclaimed is let go after
     ``prefetch_ttl`` seconds.
+
+    ``session(id)`` (with the same manager) takes an agent session's hints: when a turn is
+    done, and when the session ends; kvtier brings the session's prefix back into the pool
+    before its predicted return, within a share of the pool of its own (``sessions``, a
+    ``kvtier.SessionSettings``).
     """
 
     def __init__(
@@ -79,6 +88,7 @@ class OffloadScheduler:
         latency: LookupObserver | None = None,
         prefetch_share: float = 0.25,
         prefetch_ttl: float = 60.0,
+        sessions: SessionSettings | None = None,
     ) -> None:
         check_type(manager, SupportsLookup, "manager must have a lookup(key, ctx=None) method")
         positive_number(max_wait, "max_wait")
@@ -107,11 +117,16 @@ class OffloadScheduler:
         self._unpin: Callable[[Sequence[int]], None] | None = (
             None if full is None else full.unpin_slots
         )
-        self._prefetches: Prefetches | None = (
-            Prefetches(manager, share=float(prefetch_share), ttl=float(prefetch_ttl))
-            if isinstance(manager, SupportsPrefetch)
-            else None
-        )
+        self._prefetches: Prefetches | None = None
+        self._bring_backs: BringBacks | None = None
+        # what a request's lookup claims: queued requests' prefetches, sessions' bring-backs
+        self._claimers: tuple[Prefetches | BringBacks, ...] = ()
+        if isinstance(manager, SupportsPrefetch):
+            self._prefetches = Prefetches(
+                manager, share=float(prefetch_share), ttl=float(prefetch_ttl)
+            )
+            self._bring_backs = BringBacks(manager, sessions or SessionSettings())
+            self._claimers = (self._prefetches, self._bring_backs)
         self._scans = self._deferred_scans = self._async_lookups = 0
         self._waits = self._timeouts = self._callback_failures = self._waits_cut = 0
 
@@ -125,8 +140,8 @@ class OffloadScheduler:
         lease: list[int] = []
         try:
             answer = self._prefix(keys, ctx, lease)
-            if answer is not None and self._prefetches is not None:
-                self._prefetches.release(self._prefetches.claim(keys))
+            if answer is not None:
+                self._give_back(self._claim(keys))
             return answer
         finally:
             self._release(lease)
@@ -139,11 +154,23 @@ class OffloadScheduler:
         lease: list[int] = []
         try:
             answer = self._window(keys, size, ctx, lease)
-            if answer is not None and self._prefetches is not None:
-                self._prefetches.release(self._prefetches.claim(keys))
+            if answer is not None:
+                self._give_back(self._claim(keys))
             return answer
         finally:
             self._release(lease)
+
+    def _claim(
+        self, keys: Sequence[bytes]
+    ) -> list[tuple[Prefetches | BringBacks, list[PrefetchHandle]]]:
+        """The prefetches and bring-backs of a prefix of ``keys``, stopped (pins kept)."""
+        return [(claimer, claimer.claim(keys)) for claimer in self._claimers]
+
+    @staticmethod
+    def _give_back(claims: list[tuple[Prefetches | BringBacks, list[PrefetchHandle]]]) -> None:
+        for claimer, handles in claims:
+            if handles:
+                claimer.release(handles)
 
     def _release(self, lease: list[int]) -> None:
         if lease and self._unpin is not None:
@@ -252,14 +279,11 @@ class OffloadScheduler:
         self._async_lookups += 1
         limit = self._max_wait if timeout is None else float(timeout)
         started = time.perf_counter()
-        prefetches = self._prefetches
-        claimed = [] if prefetches is None else prefetches.claim(keys)
+        claims = self._claim(keys)
         try:
             return await self._wait_for_answer(manager, keys, window, limit)
         finally:
-            if claimed:
-                assert prefetches is not None
-                prefetches.release(claimed)
+            self._give_back(claims)
             if self._latency is not None:
                 try:
                     self._latency.observe_lookup(time.perf_counter() - started)
@@ -353,6 +377,16 @@ class OffloadScheduler:
             prefetches.ttl if ttl is None else float(ttl),
         )
 
+    def session(self, session_id: Hashable) -> Session:
+        """The hints handle of the agent session ``session_id`` (any hashable id; two
+        handles of one id are the same session): call ``turn_done(keys)`` when a turn
+        ends and ``end()`` when the session does."""
+        if self._bring_backs is None:
+            raise InvalidArgumentError(
+                "session hints need a manager that offers SupportsPrefetch (TieringManager does)"
+            )
+        return Session(self._bring_backs, session_id)
+
     def _patience(self, budget: ScanBudget, cost: CostModel) -> float | None:
         """How much longer waiting can pay off (<= 0: stop now), or None without a recompute
         estimate (wait up to the caller's deadline, as always). A request never waits longer
@@ -399,12 +433,13 @@ class OffloadScheduler:
         return count if window is None else streak
 
     def statistics(self) -> SchedulerStatistics:
-        prefetches = self._prefetches
+        prefetches, bring_backs = self._prefetches, self._bring_backs
         return snapshot(
             SchedulerStatistics,
             self,
             "_",
             prefetch=None if prefetches is None else prefetches.statistics(),
+            sessions=None if bring_backs is None else bring_backs.statistics(),
         )
 
     def __repr__(self) -> str:

@@ -117,3 +117,23 @@ def test_arc_reorder_is_not_a_second_use() -> None:
     a = chain("a", 3)
     store(table, a)
     assert evictions(table, 4) == [*a[::-1], twice]
+
+
+@pytest.mark.parametrize("policy", [LRUPolicy, ARCPolicy])
+def test_demoted_blocks_are_the_next_to_go_tail_first(policy: type[LRUPolicy | ARCPolicy]) -> None:
+    table = SlotTable(4, policy(4))
+    keys = [bytes([i]) * 16 for i in range(6)]
+    for key in keys[:4]:
+        slot = table.try_reserve(key)
+        assert slot is not None
+        table.commit(slot)
+    pinned = table.pin(keys[2])
+    assert pinned is not None
+    # a guess fetched keys[1:4]; nobody used them: the pinned one stays, the rest go first
+    assert table.demote(keys[1:4]) == 2
+    evicted = []
+    table.on_leave = lambda key, slot, was_evicted: evicted.append(key)
+    for key in keys[4:]:
+        assert table.try_reserve(key) is not None
+    assert evicted == [keys[3], keys[1]]  # the tail of the guess before its head
+    table.unpin(pinned)

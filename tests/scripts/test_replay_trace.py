@@ -177,3 +177,22 @@ def test_agent_trace_shape() -> None:
     summary = agent_trace.summary(rows)
     assert summary["requests"] == len(rows)
     assert summary["blocks_distinct"] < summary["blocks_requested"]
+
+
+@pytest.mark.timeout(300)
+def test_cli_session_hints(run_json: RunJson) -> None:
+    args = ("--agent", "--session-hints", "--quick", "--agent-sessions", "6")
+    args += ("--primary-tokens", "200k", "--tier-model", "fs:0.5:3000")
+    out = run_json("-m", "benchmarks.replay_trace", *args).out
+    sessions = out["sessions"]
+    assert 0 <= sessions["hit_ratio_without_hints"] <= sessions["hit_ratio_ceiling"] <= 1
+    assert set(sessions["tiers"]) == {"fs"}
+    for mode in ("predicted", "return_hinted"):
+        figures = sessions["tiers"]["fs"][mode]
+        for name in ("hidden_fraction", "waste", "hit_ratio_with_hints", "bytes_promoted"):
+            assert isinstance(figures[name], int | float)
+        assert set(figures["checks"]) == {
+            "hidden_at_least_90pct",
+            "waste_at_most_10pct",
+            "hit_ratio_within_2_points_of_ceiling",
+        }
