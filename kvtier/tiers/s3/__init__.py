@@ -27,7 +27,12 @@ Choices where the contract leaves room:
   ``lookup_mode="ask"`` keeps asking the server: it composes an ``AsyncLookupManager``
   (unknown keys answer RETRY while batched HEADs run; misses expire after ``miss_ttl``).
   Either way ``statistics().request_path_requests`` counts the requests sent because
-  ``lookup()`` was asked about a key the index did not hold (0 in index mode).
+  ``lookup()`` was asked about a key the index did not hold (0 in index mode, but for the
+  next case). With ``index_background_load`` the tier opens without waiting for the listing
+  or snapshot: keys the load has brought answer from the index, the others are asked of the
+  bucket as in the ask mode (RETRY meanwhile; a HEAD by key cannot see a packed block) until
+  ``statistics().index_loading`` is false; keys found gone or deleted meanwhile are never
+  brought back by the older listing.
 - A corrupt object (bad header, wrong key, wrong length, checksum mismatch) is a miss with
   reason ``corrupt`` and is **deleted**, so no node keeps paying for it and the next store
   of that key repairs it. The DELETE runs in the tier's background, bounded by

@@ -162,6 +162,10 @@ class S3Config(Section):
     # one digest, which the others read by name instead of listing the journal and reading
     # every writer's segments: a node's upkeep stays flat as nodes are added (``_digest``).
     index_digests: bool = field(default=False, metadata=spec(parse_bool))
+    # Load the index (snapshot or listing) in the background: open() returns once the bucket
+    # answers; until the load ends, keys it has not brought yet are asked of the bucket
+    # (lookups answer RETRY meanwhile), and index_listing_complete says when it is whole.
+    index_background_load: bool = field(default=False, metadata=spec(parse_bool))
     # Blocks stored together per object (a pack, ``_pack_format``); None: 8 in the index mode, 1
     # in the ask mode (a HEAD by key cannot see a block inside a pack). See ``pack_blocks``.
     pack_blocks: int | None = field(default=None, metadata=spec(optional(parse_positive_int)))
@@ -269,5 +273,6 @@ class S3Overrides(TypedDict, total=False):
     index_snapshot_every: float | None
     index_snapshot_max_bytes: int
     index_digests: bool
+    index_background_load: bool
     pack_blocks: int | None
     separate_identities: bool

@@ -75,6 +75,8 @@ class S3TierStatistics(TierStatistics):
     index_forgotten: int = 0  # keys dropped because another node published their removal
     index_removals_kept: int = 0  # removals not applied: the block was found stored again
     index_listing_complete: bool = False
+    index_loading: bool = False  # a background load is filling the index (it answers meanwhile)
+    index_load_skipped: int = 0  # keys a background load found gone since it began: not indexed
     index_refreshes: int = 0
     journal_segments_published: int = 0
     journal_segments_read: int = 0
@@ -250,8 +252,10 @@ class S3Core:
     # -- statistics ----------------------------------------------------------------------------
 
     def lookup_statistics(self) -> LookupStatistics:
-        """The lookups of this tier's mode, breaker refusals counted as ``unavailable``."""
-        lookups = self.index.statistics() if self.index_mode else self.lookups.statistics()
+        """The lookups of this tier's mode, breaker refusals counted as ``unavailable`` (in
+        the index mode, with the existence checks asked while the index loaded)."""
+        asked = self.lookups.statistics()
+        lookups = _with_asked(self.index.statistics(), asked) if self.index_mode else asked
         if self.breaker_misses:
             reasons = dict(lookups.misses_by_reason)
             reasons["unavailable"] = reasons.get("unavailable", 0) + self.breaker_misses
@@ -283,6 +287,8 @@ class S3Core:
             index_forgotten=self.index.forgotten,
             index_removals_kept=self.index.removals_kept,
             index_evictions=self.index.evictions,
+            index_loading=self.index.loading,
+            index_load_skipped=self.index.load_skipped,
             index_locations_rejected=self.locations_rejected,
             **io,
         )
@@ -293,3 +299,20 @@ class S3Core:
             f"index_keys={len(self.index)} breaker={self.breaker.state.value} "
             f"deleting={len(self.deleting)}>"
         )
+
+
+def _with_asked(index: LookupStatistics, asked: LookupStatistics) -> LookupStatistics:
+    """The index's answers and those of the existence checks it left to the bucket while it
+    loaded (none without a background load), as one tier's."""
+    if not (asked.hits or asked.misses or asked.retries or asked.pending or asked.in_flight):
+        return index
+    reasons = dict(index.misses_by_reason)
+    for reason, count in asked.misses_by_reason.items():
+        reasons[reason] = reasons.get(reason, 0) + count
+    return dataclasses.replace(
+        asked,
+        hits=index.hits + asked.hits,
+        misses=index.misses + asked.misses,
+        misses_by_reason=reasons,
+        cached_verdicts=index.cached_verdicts,
+    )

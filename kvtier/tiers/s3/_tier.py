@@ -138,7 +138,9 @@ class S3Tier(SecondaryTier):
         self._task_group: anyio.abc.TaskGroup | None = None
 
     def _new_lookups(self, config: S3Config, clock: Callable[[], float]) -> AsyncLookupManager:
-        """The ask mode's existence checks: batched HEADs for keys asked about."""
+        """The existence checks of the ask mode, and of the index mode while the index loads
+        in the background: batched HEADs for keys asked about (bounded: a few batches at
+        once, a bounded queue)."""
         return existence_checks(self, self._check_unindexed, config, most=8, clock=clock)
 
     def _new_sync(self, core: S3Core) -> IndexSync:
@@ -202,7 +204,9 @@ class S3Tier(SecondaryTier):
             stack.push_async_callback(self._forget_client)
             self._breaker.reset()
             await self._probe()
-            if self._index_mode:
+            if self._index_mode and config.index_background_load:
+                self._index.begin_load()  # the journal loop loads it (IndexSync.run)
+            elif self._index_mode:
                 await self._sync.list_at_open()
             self._stack = stack.pop_all()
         # Entered outside the exit stack: task groups must be left in the task that entered
@@ -260,6 +264,7 @@ class S3Tier(SecondaryTier):
                 if tg is not None:  # entered after the lookups' task group: left before it
                     await cancel_task_group(tg)  # nothing in it is shielded: returns promptly
             finally:  # even when the caller is cancelled meanwhile (a manager's open_timeout)
+                self._index.end_load()  # a load cut short by the close: the loop is gone
                 await self._lookups.aclose()  # cancels its checks: returns promptly
             with anyio.move_on_after(_CLOSE_TIMEOUT, shield=True):
                 await self._sync.refresh_once(poll=False)  # publish the last keys written here
@@ -294,9 +299,12 @@ class S3Tier(SecondaryTier):
             self._core.breaker_misses += 1
             return LookupResult.MISS
         if self._index_mode:
+            index = self._index
             if self._task_group is None:
-                return self._index.miss(MissReason.UNAVAILABLE)
-            return self._index.lookup(key)
+                return index.miss(MissReason.UNAVAILABLE)
+            if index.loading and key not in index:  # not brought yet: ask the bucket
+                return self._lookups.lookup(key)
+            return index.lookup(key)
         return self._lookups.lookup(key)
 
     def lookup_with_reason(self, key: bytes) -> tuple[LookupResult, MissReason | None]:
@@ -304,13 +312,18 @@ class S3Tier(SecondaryTier):
             self._core.breaker_misses += 1
             return LookupResult.MISS, MissReason.UNAVAILABLE
         if self._index_mode:
+            index = self._index
             if self._task_group is None:
-                return self._index.miss(MissReason.UNAVAILABLE), MissReason.UNAVAILABLE
-            return self._index.lookup_with_reason(key)
+                return index.miss(MissReason.UNAVAILABLE), MissReason.UNAVAILABLE
+            if index.loading and key not in index:  # not brought yet: ask the bucket
+                return self._lookups.lookup_with_reason(key)
+            return index.lookup_with_reason(key)
         return self._lookups.lookup_with_reason(key)
 
     async def _check_unindexed(self, keys: list[bytes]) -> list[bool]:
-        """The ``ask`` mode's existence checks: each is a request on the request path."""
+        """The existence checks of keys the index does not hold (the ``ask`` mode, or an
+        index still loading): each is a request on the request path. A HEAD by key sees the
+        key's own object, never a block inside a pack (those come with the load)."""
         self._core.request_path_requests += len(keys)
         return await self.contains_many(keys)
 

@@ -4,6 +4,7 @@ Bytes at rest sit in ``_x_format`` modules (names and encodings, no I/O) beside 
 module that reads or writes them:
 
 - ``_existence``: ``ExistenceIndex``, the synchronous index ``lookup()`` answers from;
+- ``_keytable``: ``KeyTable``, the packed columns that hold its keys and their locations;
 - ``_listing``: the listing at open;
 - ``_journal_format`` / ``_journal``: the per-writer journal segments, and reading them in;
 - ``_publishing``: publishing this node's segments, and deleting them once read;

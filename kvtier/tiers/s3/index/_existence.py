@@ -27,27 +27,27 @@ failed), and stays; one gone now is dropped. No clock is compared, skewed or not
 node stores after the removal was read is not dropped by a check that raced with its PUT
 (``wrote`` ends the doubt); a key it deletes, or finds gone, is dropped at once as before.
 
-Memory: one Python ``bytes`` per key (about 80 bytes for a 32-byte key), its dict slot and
-its place in the insertion order (about 50 bytes), and for a key in a pack its ``Location``
-(about 80 bytes more; the pack's name is shared by its keys). ``max_keys`` bounds it: a new
-key past the bound evicts the oldest one, a warning is logged once per burst and
-``evictions`` counts them. New keys, this node's own writes first, are always indexed: a full
-index that stopped learning would answer MISS for the blocks this node just wrote, and every
-repeated store would write another copy. An evicted key answers MISS, as before a refresh.
-Keys waiting to be published are bounded by ``max_keys`` too (more are counted in
-``unpublished_dropped``: other nodes then learn them at their next listing; a removal not
-published leaves them a stale HIT, which their next load of it corrects).
+Memory: the keys and their pack locations live in a ``KeyTable`` (``_keytable``): packed
+columns, no Python object per key, so the collector never walks the index and a key costs
+its bytes plus a few dozen more. ``max_keys`` bounds it: a new key past the bound evicts the
+oldest one, a warning is logged once per burst and ``evictions`` counts them. New keys, this
+node's own writes first, are always indexed: a full index that stopped learning would answer
+MISS for the blocks this node just wrote, and every repeated store would write another copy.
+An evicted key answers MISS, as before a refresh. Keys waiting to be published are bounded by
+``max_keys`` too (more are counted in ``unpublished_dropped``: other nodes then learn them at
+their next listing; a removal not published leaves them a stale HIT, which their next load
+of it corrects). A key dropped and indexed again is the newest: the table keeps the order in
+which keys were indexed.
 
-The order is a deque of keys beside the dict (a plain dict cannot drop its oldest entry in
-constant time; an ``OrderedDict`` costs 60 bytes more per key). A key dropped from the index
-(a stale HIT, a corrupt object) stays in the deque until its turn comes, so the dict keeps,
-per key, how many places it holds in the deque and whether it is indexed now; only a key's
-last place evicts it.
+While the tier loads its index in the background (``begin_load``, ``end_load``), the bulk of
+keys arrives through ``load_many``, which skips every key this node found gone, deleted or
+saw another node remove since the load began (``_gone``): the snapshot or listing being read
+is older than those facts, and must not turn a key answered MISS for them back into a HIT.
+``loading`` tells the tier to ask the bucket about keys not indexed yet.
 """
 
 from __future__ import annotations
 
-import collections
 import itertools
 import logging
 import time
@@ -55,18 +55,16 @@ from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 from kvtier.common._logging import BurstLogger
-from kvtier.common._lookup import HIT, LookupResult, MissReason
+from kvtier.common._lookup import HIT, MISS, LookupResult, MissReason
 from kvtier.common._verdicts import VerdictStore, code_of, reason_of_code
 from kvtier.tiers._base import CountedLookups, LookupStatistics
 from kvtier.tiers.s3._pack_format import Location
+from kvtier.tiers.s3.index._keytable import KeyTable
 
 __all__ = ["ExistenceIndex", "key_from_object", "object_name"]
 
 logger = logging.getLogger(__name__)
-# A key's state in ``ExistenceIndex._keys``: its places in the order times _PLACE, plus
-# _INDEXED while it is indexed. A key with neither is not in the dict.
-_INDEXED = 1
-_PLACE = 2
+_NOT_FOUND = MissReason.NOT_FOUND.value
 _V = TypeVar("_V")
 
 
@@ -110,13 +108,12 @@ class ExistenceIndex(CountedLookups):
         self._max_keys = max_keys
         self._name = name
         self._log = BurstLogger(logger)
-        self._keys: dict[bytes, int] = {}  # key -> its state (see _INDEXED, _PLACE)
-        self._order: collections.deque[bytes] = collections.deque()  # the oldest first
-        self._count = 0  # indexed keys
-        self._where: dict[bytes, Location] = {}  # keys held in a pack, not a block object
+        self._table = KeyTable(max_keys)  # the indexed keys and where packed ones live
+        self._find = self._table.find  # bound once: lookup() is on the request path
         # Indexed keys whose load failed lately (bounded by max_keys: only indexed keys are
         # suppressed, and a key leaving the index is forgotten here too).
         self._suppressed = VerdictStore(max_keys, clock=clock)
+        self._suppressing = False  # whether any key was ever suppressed (lookup skips them)
         self._unpublished: dict[bytes, Location | None] = {}
         self._removals: dict[bytes, str] = {}  # deleted here, not published yet: key -> why
         # Removals other nodes published, of keys indexed here: key -> why, to check (both
@@ -124,6 +121,8 @@ class ExistenceIndex(CountedLookups):
         self._doubts: dict[bytes, str] = {}
         self._checking: dict[bytes, str] = {}  # taken for a check that has not settled
         self._seen: dict[str, int] = {}  # segment name -> its wall ms
+        self.loading = False  # a background load is filling the index (see the module doc)
+        self._gone: set[bytes] = set()  # keys the running load must not bring back
         self.full = False  # max_keys reached at least once
         self.evictions = 0  # keys evicted to make room for newer ones
         self.unpublished_dropped = 0  # written here, never published (backlog at max_keys)
@@ -131,40 +130,38 @@ class ExistenceIndex(CountedLookups):
         self.learnt = 0  # keys learnt from other writers' journals
         self.forgotten = 0  # keys dropped because another writer published their removal
         self.removals_kept = 0  # removals whose key's object was found in the bucket
+        self.load_skipped = 0  # keys a background load did not bring back (``_gone``)
 
     def __len__(self) -> int:
-        return self._count
+        return len(self._table)
 
     def __contains__(self, key: object) -> bool:
-        return isinstance(key, bytes) and self._keys.get(key, 0) & _INDEXED != 0
+        return isinstance(key, bytes) and self._find(key) >= 0
 
     def location(self, key: bytes) -> Location | None:
         """The pack section holding ``key``; None for a key stored as its own object."""
-        return self._where.get(key)
+        return self._table.location(key)
 
     def entries_reader(self) -> Callable[[], list[tuple[bytes, Location | None]]]:
         """A function returning every key the index holds with its pack location, to run in a
-        worker thread: the keys' states are copied here, on the event loop, in one C-speed
-        pass (the index changes under the loop while the thread runs; single reads of the
-        location map are safe there, a walk of a changing dict is not)."""
-        states = list(self._keys.items())
-        where = self._where
-
-        def entries() -> list[tuple[bytes, Location | None]]:
-            return [(key, where.get(key)) for key, state in states if state & _INDEXED]
-
-        return entries
+        worker thread (the table's columns are copied here, on the event loop, at memory
+        speed: the index changes under the loop while the thread runs)."""
+        return self._table.entries_reader()
 
     # -- answers -------------------------------------------------------------------------------
 
     def lookup(self, key: bytes) -> LookupResult:
-        if self._keys.get(key, 0) & _INDEXED:
-            code = self._suppressed.get(key)
-            if code is not None:
+        if self._find(key) >= 0:
+            if self._suppressing and (code := self._suppressed.get(key)) is not None:
                 return self._miss(reason_of_code(code))
             self._hits += 1
             return HIT
-        return self._miss(MissReason.NOT_FOUND)
+        # ``_miss(MissReason.NOT_FOUND)``, without reading the enum's value at every miss
+        self._misses += 1
+        reasons = self._miss_reasons
+        reasons[_NOT_FOUND] = reasons.get(_NOT_FOUND, 0) + 1
+        self._last_miss = MissReason.NOT_FOUND
+        return MISS
 
     def miss(self, reason: MissReason) -> LookupResult:
         """Count a miss the tier answers without asking the index (it is not open)."""
@@ -176,48 +173,28 @@ class ExistenceIndex(CountedLookups):
         """Index ``key`` (in the pack section ``where``, or as its own object); True if it
         was not known (and there was room). A key known in a pack keeps its location when
         its own object is found too: reading it with its pack's neighbours costs less."""
-        if self._keys.get(key, 0) & _INDEXED:
-            self._suppressed.forget(key)
-            if where is not None:
-                self._where[key] = where
-            return False
-        if self._count >= self._max_keys:
+        table = self._table
+        if table.count >= self._max_keys and table.find(key) < 0:
             self._evict_oldest()
-        elif len(self._order) > 2 * self._max_keys:
-            self._tidy()
-        self._keys[key] = self._keys.get(key, 0) + _INDEXED + _PLACE
-        self._order.append(key)
-        self._count += 1
-        if where is not None:
-            self._where[key] = where
+        rid = table.put(key, where)
+        if rid >= 0:  # known already
+            if self._suppressing:
+                self._suppressed.forget(key)
+            if where is not None:
+                table.set_location(rid, where)
+            return False
+        if self._gone:
+            self._gone.discard(key)  # known again by a newer fact than the load's
         return True
-
-    def _leave_order(self) -> tuple[bytes, int] | None:
-        """Take the oldest place from the order: the key and its state left; None if empty.
-        A key left with no place and not indexed is forgotten."""
-        if not self._order:
-            return None
-        key = self._order.popleft()
-        state = self._keys[key] - _PLACE
-        if state:
-            self._keys[key] = state
-        else:
-            del self._keys[key]
-        return key, state
 
     def _evict_oldest(self) -> None:
         """Make room for one key: drop the oldest indexed one, and say so once per burst."""
         self.full = True
-        while (left := self._leave_order()) is not None:
-            key, state = left
-            if state == _INDEXED:  # its last place: evict it
-                del self._keys[key]
-                self._where.pop(key, None)
-                self._suppressed.forget(key)
-                self._doubts.pop(key, None)
-                self._count -= 1
-                self.evictions += 1
-                break
+        key = self._table.pop_oldest()
+        if key is not None:
+            self._suppressed.forget(key)
+            self._doubts.pop(key, None)
+            self.evictions += 1
         self._log.warning(
             "evict",
             "%s: existence index full (index_max_keys=%d): evicting the oldest keys, which "
@@ -226,18 +203,39 @@ class ExistenceIndex(CountedLookups):
             self._max_keys,
         )
 
-    def _tidy(self) -> None:
-        """Below the bound, the order only grows with keys dropped and indexed again: take
-        two places from its front (about one per new key keeps it within twice the bound);
-        a key's last place while it is indexed goes to the back (it keeps its place there)."""
-        for _ in range(2):
-            left = self._leave_order()
-            if left is not None and left[1] == _INDEXED:
-                self._keys[left[0]] += _PLACE
-                self._order.append(left[0])
-
     def add_many(self, entries: Iterable[tuple[bytes, Location | None]]) -> list[bytes]:
         return [key for key, where in entries if self.add(key, where)]
+
+    # -- a background load ---------------------------------------------------------------------
+
+    def begin_load(self) -> None:
+        """A background load starts: unknown keys are asked of the bucket until it ends."""
+        self.loading = True
+        self._gone.clear()
+
+    def end_load(self) -> None:
+        """The background load ended (complete, cut short, failed or cancelled)."""
+        self.loading = False
+        self._gone.clear()
+
+    def load_one(self, key: bytes, where: Location | None = None) -> bool:
+        """Index what a snapshot or a listing read, which is older than what this node learnt
+        since the load began: a key found gone or removed meanwhile is skipped. Whether it
+        was new."""
+        if self._gone and key in self._gone:
+            self.load_skipped += 1
+            return False
+        return self.add(key, where)
+
+    def load_many(self, entries: Iterable[tuple[bytes, Location | None]]) -> int:
+        """``load_one`` of each entry; how many were new."""
+        load = self.load_one
+        return sum(load(key, where) for key, where in entries)
+
+    def _went(self, key: bytes) -> None:
+        """``key`` is gone by a fact newer than a running load: the load skips it."""
+        if self.loading and len(self._gone) < self._max_keys:
+            self._gone.add(key)
 
     def wrote(self, key: bytes, where: Location | None = None) -> None:
         """This node stored ``key``: index it and queue it for the next journal segment. A
@@ -271,13 +269,16 @@ class ExistenceIndex(CountedLookups):
             if key in self:
                 self._doubts[key] = why
                 queued += 1
+            else:
+                self._went(key)  # not indexed yet: a running load must not bring it back
         return queued
 
     def take_doubts(self, limit: int) -> list[tuple[bytes, str, Location | None]]:
         """The oldest ``limit`` doubted keys still indexed, each with why it was removed and
         where the index finds it; each is being checked until ``settle``."""
         taken, self._doubts = _take(self._doubts, limit)
-        batch = [(key, why, self._where.get(key)) for key, why in taken if key in self]
+        table = self._table
+        batch = [(key, why, table.location(key)) for key, why in taken if key in self]
         self._checking.update((key, why) for key, why, _ in batch)
         return batch
 
@@ -294,8 +295,8 @@ class ExistenceIndex(CountedLookups):
             self._doubts.setdefault(key, why)
             return None
         if exists:
-            if stale is not None and self._where.get(key) == stale:
-                del self._where[key]
+            if stale is not None and self._table.location(key) == stale:
+                self._table.set_location(self._table.find(key), None)
             self.removals_kept += 1
             return None
         self.discard(key)
@@ -305,11 +306,8 @@ class ExistenceIndex(CountedLookups):
 
     def discard(self, key: bytes) -> None:
         """The object is gone (a GET found nothing, it was corrupt, or deleted)."""
-        state = self._keys.get(key, 0)
-        if state & _INDEXED:
-            self._keys[key] = state - _INDEXED  # its places in the order go when reached
-            self._count -= 1
-        self._where.pop(key, None)
+        self._table.remove(key)
+        self._went(key)
         self._suppressed.forget(key)
         self._doubts.pop(key, None)
         self._checking.pop(key, None)
@@ -319,6 +317,7 @@ class ExistenceIndex(CountedLookups):
         if reason in (MissReason.NOT_FOUND, MissReason.CORRUPT):
             self.discard(key)
         elif key in self:
+            self._suppressing = True
             self._suppressed.set(key, code_of(reason), self._miss_ttl)
 
     # -- journal bookkeeping ---------------------------------------------------------------
@@ -361,7 +360,7 @@ class ExistenceIndex(CountedLookups):
             hits=self._hits,
             misses=self._misses,
             misses_by_reason=dict(self._miss_reasons),
-            cached_verdicts=self._count,
+            cached_verdicts=len(self._table),
         )
 
 

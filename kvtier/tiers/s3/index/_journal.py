@@ -11,6 +11,7 @@ are learnt, a removal segment's keys are doubted (``ExistenceIndex.doubt``: drop
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from typing import Any, TypeVar
 import anyio
 import anyio.to_thread
 
+from kvtier.common._errors import TierError
 from kvtier.common._format import IntegrityKey
 from kvtier.common._logging import BurstLogger
 from kvtier.tiers.s3._errors import Fault
@@ -31,6 +33,8 @@ from kvtier.tiers.s3.index._journal_format import (
     is_removal_segment,
     journal_prefix,
     max_segment_bytes,
+    segment_time_ms,
+    segment_writer,
     start_after,
 )
 from kvtier.tiers.s3.index._skew import ClockSkew
@@ -121,6 +125,35 @@ class SegmentReader:
         self.segments_read += 1
         self.bytes_read += len(data)
         return bytes(data)
+
+    def wanted(self, name: str, size: object, writer: str, until_ms: int | None) -> bool:
+        """Whether a poll GETs segment ``name`` of the listed ``size``: a segment of this
+        journal, of another writer than ``writer``, stamped before ``until_ms`` (when given),
+        of a size it reads."""
+        stamp = segment_time_ms(name)
+        return (
+            stamp is not None
+            and self.in_journal(name)
+            and segment_writer(name) != writer
+            and (until_ms is None or stamp < until_ms)
+            and isinstance(size, int)
+            and 0 <= size <= self.max_segment
+        )
+
+    async def prefetch(self, client: Any, names: list[str]) -> dict[str, bytes | None]:
+        """``fetch`` of each of ``names`` at once (a poll with many segments to read, where
+        one GET after another is what takes the time): what each returned. A GET that failed
+        is left out, for the caller's own ``fetch`` to try again and report."""
+        got: dict[str, bytes | None] = {}
+
+        async def one(name: str) -> None:
+            with contextlib.suppress(TierError):
+                got[name] = await self.fetch(client, name)
+
+        async with anyio.create_task_group() as tg:
+            for name in names:
+                tg.start_soon(one, name)
+        return got
 
     async def valid(self, name: str, data: bytes) -> bool:
         """Whether ``data`` is a segment this tier accepts (counted when it is not)."""

@@ -103,7 +103,7 @@ class Listing:
                     packs.append(name)
                     continue
                 key = key_from_object(name, self.prefix)
-                if key is not None and self.index.add(key):
+                if key is not None and self.index.load_one(key):
                     self.found += 1
             if (elapsed := self._progress_due()) is not None:
                 logger.info(
@@ -129,7 +129,7 @@ class Listing:
             nonlocal done
             for name in pending:
                 entries = await self._read_table(name)
-                self.found += len(self.index.add_many(entries))
+                self.found += self.index.load_many(entries)
                 done += 1
                 if (elapsed := self._progress_due()) is not None:
                     logger.info(

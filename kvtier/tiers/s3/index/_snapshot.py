@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import anyio.to_thread
 
 from kvtier.common._errors import TierError
@@ -77,6 +78,8 @@ _CONDITIONAL_ANSWERS = frozenset({Fault.PRECONDITION, Fault.CONFLICT, Fault.UNSU
 _LOST = (Fault.PRECONDITION, Fault.CONFLICT)
 _GET_ANSWERS = frozenset({Fault.NOT_FOUND, Fault.REJECTED})
 _DATE_SLACK_MS = 2000  # an HTTP Date has whole seconds; LastModified too on some servers
+# Entries of a loaded snapshot indexed between two checkpoints: a few milliseconds of loop.
+_ADD_SLICE = 2048
 
 
 @dataclass
@@ -205,7 +208,9 @@ class Snapshots:
                     "snapshot", "%s: ignoring index snapshot %s: %s", self.name, name, exc
                 )
                 continue
-            self._index.add_many(entries)
+            for start in range(0, len(entries), _ADD_SLICE):  # the loop serves meanwhile
+                self._index.load_many(entries[start : start + _ADD_SLICE])
+                await anyio.lowlevel.checkpoint()
             self._index.listed += len(entries)
             self.generation = max(self.generation, generation)
             self.loaded += 1
@@ -235,7 +240,8 @@ class Snapshots:
         decode = functools.partial(
             decode_body, data, self._prefix, manifest, integrity_key=self._integrity_key
         )
-        entries, rejected = await anyio.to_thread.run_sync(decode)
+        # Abandoned when the tier closes meanwhile: the thread only decodes bytes it owns.
+        entries, rejected = await anyio.to_thread.run_sync(decode, abandon_on_cancel=True)
         self.entries_rejected += rejected
         return entries
 

@@ -28,6 +28,9 @@ Clock skew: every journal response's ``Date`` is compared with this node's clock
 A writer deletes its own segments once they are older than twice the lookback; one whose
 DELETE failed stays first in line and is tried again at the next refresh.
 
+With ``index_background_load`` the tier opens at once and the loop starts with that load
+(``load_in_background``): the journal's last lookback, then the snapshot or the listing.
+
 Index snapshots (``_snapshot``, ``index_snapshots``): at open the newest snapshot, when one is
 usable, replaces the listing, and the first poll lists from its cover minus the lookback. A
 poll lists from the start of the last successful one (minus the lookback), so a node that
@@ -72,6 +75,7 @@ from kvtier.tiers.s3.index._upkeep import Upkeep
 __all__ = ["IndexSync"]
 
 logger = logging.getLogger(__name__)
+_LOAD_GETS = 8  # segments the first poll of a background load reads at once
 
 
 class IndexSync:
@@ -219,8 +223,36 @@ class IndexSync:
 
     # -- the journal loop ------------------------------------------------------------------
 
+    async def load_in_background(self) -> None:
+        """The load at open of a tier that opened at once (``index_background_load``): the
+        journal of the last lookback first (small, and the newest keys: the likeliest asked
+        for next; read beside the snapshot, it only slowed both), then the snapshot or the
+        listing. Until it ends the index is ``loading``: the tier asks the bucket about keys
+        not brought yet, and keys found gone meanwhile are not brought back
+        (``ExistenceIndex.load_one``). Never raises an ``Exception``: a failed load leaves
+        the listing incomplete, logged."""
+        try:
+            if self._read_journal:
+                await self._read_recent()
+            await self.list_at_open()
+        except Exception as exc:
+            self.listing_complete = False
+            self._failed(exc)
+        finally:
+            self._index.end_load()  # cancelled (the tier closing) included
+
+    async def _read_recent(self) -> None:
+        """The background load's journal read, its removals checked; never raises."""
+        try:
+            await self.poll(ahead=_LOAD_GETS)
+            await self.rechecks.run(self._client())
+        except Exception as exc:  # read again at the next round
+            self._failed(exc)
+
     async def run(self) -> None:
-        """Publish and poll every ``index_refresh`` seconds until cancelled (or digests)."""
+        """The background load if any, then publish and poll every ``index_refresh`` s."""
+        if self._index.loading:
+            await self.load_in_background()
         if self.digests is not None:
             await self._run_digests(self.digests)
         while True:
@@ -353,9 +385,10 @@ class IndexSync:
         if not self._index.full and self.listing_complete:
             await self.snapshots.tick(now_ms, self.covered_ms)
 
-    async def poll(self, *, until_ms: int | None = None) -> list[bytes]:
+    async def poll(self, *, until_ms: int | None = None, ahead: int = 1) -> list[bytes]:
         """Read the segments other writers published within the lookback (those stamped
-        before ``until_ms`` only, when given); the new keys."""
+        before ``until_ms`` only, when given); the new keys. ``ahead``: GET that many at
+        once, applied in order all the same (a load at open, with many to read)."""
         client = self._client()
         now_ms = int(self._wall() * 1000)
         covered = now_ms if self.covered_ms is None else min(self.covered_ms, now_ms)
@@ -365,8 +398,15 @@ class IndexSync:
         oldest = covered - self._lookback_ms
         sizes = await self.reader.list_since(client, oldest)
         changes: list[bytes] = []
+        names, got = self._index.unseen(sizes), dict[str, bytes | None]()
         try:
-            for name in self._index.unseen(sizes):
+            for i, name in enumerate(names):
+                if ahead > 1 and i % ahead == 0:
+                    window = names[i : i + ahead]
+                    wanted = self.reader.wanted
+                    got = await self.reader.prefetch(
+                        client, [n for n in window if wanted(n, sizes[n], self._writer, until_ms)]
+                    )
                 stamp = segment_time_ms(name)
                 if (
                     stamp is None  # not a segment's name
@@ -383,7 +423,7 @@ class IndexSync:
                 if not isinstance(size, int) or not 0 <= size <= self.reader.max_segment:
                     self.reader.reject(name, f"{size} bytes")
                 else:
-                    data = await self.reader.fetch(client, name)
+                    data = got.pop(name) if name in got else await self.reader.fetch(client, name)
                     changes.extend(await self.reader.changes(name, data) if data else ())
                 self._index.seen(name, stamp)
         finally:

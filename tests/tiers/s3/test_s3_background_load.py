@@ -1,0 +1,346 @@
+"""An S3 tier that opens at once and loads its index in the background
+(``index_background_load``): the index's rules while it loads (no event loop), then against a
+real SeaweedFS: first HITs before the index is complete, a key deleted meanwhile never brought
+back, and a close during the load that leaves nothing running."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import anyio
+import pytest
+
+from devtools.weed_server import BUCKET, WeedServer, raw_client
+from kvtier import LookupResult, MissReason, TierUnavailableError
+from kvtier.tiers.s3 import S3Tier
+from kvtier.tiers.s3._pack_format import Location
+from kvtier.tiers.s3.index import ExistenceIndex
+from kvtier.tiers.s3.index._journal_format import journal_prefix
+from tests.support import INDEX_BY_HAND, MakeS3Tier, fresh_keys
+
+BLOCK = 4096
+HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
+
+# -- the index while it loads ------------------------------------------------------------------
+
+
+def test_a_load_brings_keys_but_never_one_found_gone_since_it_began() -> None:
+    index = ExistenceIndex(miss_ttl=1.0, max_keys=100)
+    a, b, c, d = (os.urandom(16) for _ in range(4))
+    where = Location("p/_kvtier_packs/00/ab-cd-1", 0, 100)
+    index.begin_load()
+    assert index.loading
+    index.wrote(a)
+    index.deleted(a, "deleted")  # deleted here while the load runs
+    index.suppress(b, MissReason.NOT_FOUND)  # not indexed yet: nothing to drop, still gone
+    index.add(b)
+    index.discard(b)  # indexed, then found gone
+    assert index.doubt([c], "deleted") == 0  # another node's removal of a key not loaded yet
+    assert index.load_many([(a, where), (b, None), (c, None), (d, where)]) == 1
+    assert (a in index, b in index, c in index, d in index) == (False, False, False, True)
+    assert index.load_skipped == 3 and index.location(d) == where
+    index.end_load()
+    assert not index.loading
+    assert index.load_one(a)  # after the load, a listing's word counts again
+
+
+def test_a_key_written_again_during_the_load_is_brought_by_it() -> None:
+    index = ExistenceIndex(miss_ttl=1.0, max_keys=100)
+    key = os.urandom(16)
+    index.begin_load()
+    index.wrote(key)
+    index.deleted(key, "deleted")
+    index.wrote(key)  # stored again: newer than the delete
+    index.discard(key)
+    index.add(key)  # learnt again (a journal, a HIT)
+    assert index.load_many([(key, None)]) == 0 and key in index and index.load_skipped == 0
+
+
+def test_without_a_load_nothing_is_remembered_as_gone() -> None:
+    index = ExistenceIndex(miss_ttl=1.0, max_keys=100)
+    key = os.urandom(16)
+    index.add(key)
+    index.discard(key)
+    assert index.load_many([(key, None)]) == 1 and key in index
+
+
+def test_what_a_load_remembers_is_bounded() -> None:
+    index = ExistenceIndex(miss_ttl=1.0, max_keys=4)
+    index.begin_load()
+    keys = [os.urandom(16) for _ in range(10)]
+    for key in keys:
+        index.deleted(key, "deleted")
+    assert len(index._gone) == 4
+    index.end_load()
+    assert not index._gone
+
+
+# -- against SeaweedFS ---------------------------------------------------------------------------
+
+
+async def _fill(make_tier: MakeS3Tier, packed: list[bytes], alone: bytes) -> None:
+    """``packed`` as one pack, ``alone`` as its own object; published at the close."""
+    async with make_tier(**INDEX_BY_HAND) as tier:
+        payload = memoryview(os.urandom(BLOCK))
+        assert await tier.store_many(packed, [payload] * len(packed)) == [None] * len(packed)
+        await tier.store(alone, payload)
+        stats = tier.statistics()
+        assert (stats.packs_written, stats.blocks_packed) == (1, len(packed))
+
+
+async def _forget_the_journal(server: WeedServer, prefix: str) -> None:
+    """Delete the journal: a node opening now learns the keys only from the listing."""
+    async with raw_client(server.endpoint_url) as client:
+        page = await client.list_objects_v2(Bucket=BUCKET, Prefix=journal_prefix(prefix))
+        for item in page.get("Contents", ()):
+            await client.delete_object(Bucket=BUCKET, Key=item["Key"])
+
+
+class HeldLoad:
+    """Holds a tier's listing (or snapshot) at open until ``release``: ``reached`` once it
+    is about to start, ``journal_read`` once the journal read beside it ended, ``done`` once
+    the whole load ended."""
+
+    def __init__(self, tier: S3Tier, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.reached, self.gate, self.done = anyio.Event(), anyio.Event(), anyio.Event()
+        self.journal_read = anyio.Event()
+        sync = tier._sync
+        listing, journal, load = sync.list_at_open, sync._read_recent, sync.load_in_background
+
+        async def held() -> None:
+            self.reached.set()
+            await self.gate.wait()
+            await listing()
+
+        async def read() -> None:
+            try:
+                await journal()
+            finally:
+                self.journal_read.set()
+
+        async def loading() -> None:
+            try:
+                await load()
+            finally:
+                self.done.set()
+
+        monkeypatch.setattr(sync, "list_at_open", held)
+        monkeypatch.setattr(sync, "_read_recent", read)
+        monkeypatch.setattr(sync, "load_in_background", loading)
+
+    async def wait_held(self) -> None:
+        """Until the listing is held and the journal read."""
+        with anyio.fail_after(30):
+            await self.reached.wait()
+            await self.journal_read.wait()
+
+    def release(self) -> None:
+        self.gate.set()
+
+
+async def _verdict(tier: S3Tier, key: bytes) -> LookupResult:
+    """The answer for ``key`` once its existence check landed (a listener tells when)."""
+    landed = anyio.Event()
+
+    def heard(changed: bytes) -> None:
+        if changed == key:
+            landed.set()
+
+    remove = tier.add_listener(heard)
+    try:
+        first = tier.lookup(key)
+        if first is not RETRY:
+            return first
+        with anyio.fail_after(30):
+            await landed.wait()
+        return tier.lookup(key)
+    finally:
+        remove()
+
+
+@asynccontextmanager
+async def _opened(tier: S3Tier) -> AsyncIterator[S3Tier]:
+    await tier.open()
+    try:
+        yield tier
+    finally:
+        await tier.aclose()
+
+
+async def test_first_hits_before_the_index_is_complete(
+    make_tier: MakeS3Tier, weed_server: WeedServer, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    packed, (alone, never) = fresh_keys(6), fresh_keys(2)
+    await _fill(make_tier, packed, alone)
+    # The journal holds every key: it is read first, so all are HITs before the listing.
+    tier = make_tier(index_background_load=True, **INDEX_BY_HAND)
+    load = HeldLoad(tier, monkeypatch)
+    async with _opened(tier):
+        await load.wait_held()
+        stats = tier.statistics()
+        assert stats.index_loading and not stats.index_listing_complete
+        assert [tier.lookup(k) for k in [*packed, alone]] == [HIT] * 7
+        assert await _verdict(tier, never) is MISS  # asked of the bucket: not there
+        load.release()
+        with anyio.fail_after(30):
+            await load.done.wait()
+        stats = tier.statistics()
+        assert not stats.index_loading and stats.index_listing_complete
+        assert stats.index_keys == 7 and stats.request_path_requests == 1
+    # Without the journal: the key's own object is found by asking, the packed ones (a HEAD
+    # by key cannot see a pack's blocks) once the listing brought them.
+    await _forget_the_journal(weed_server, prefix)
+    tier = make_tier(index_background_load=True, **INDEX_BY_HAND)
+    load = HeldLoad(tier, monkeypatch)
+    async with _opened(tier):
+        await load.wait_held()
+        assert tier.statistics().index_keys == 0
+        assert await _verdict(tier, alone) is HIT  # before the index knows it
+        dst = memoryview(bytearray(BLOCK))
+        await tier.load(alone, dst)  # and it loads, verified as every load is
+        assert await _verdict(tier, packed[0]) is MISS
+        assert tier.lookup_with_reason(never)[0] is RETRY
+        load.release()
+        with anyio.fail_after(30):
+            await load.done.wait()
+        assert [tier.lookup(k) for k in [*packed, alone]] == [HIT] * 7
+        assert tier.lookup(never) is MISS
+        stats = tier.statistics()
+        assert stats.index_listing_complete and stats.index_listed == 7
+
+
+async def test_a_key_deleted_during_the_load_is_not_brought_back(
+    make_tier: MakeS3Tier, weed_server: WeedServer, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    packed, (alone,) = fresh_keys(4), fresh_keys(1)
+    await _fill(make_tier, packed, alone)
+    await _forget_the_journal(weed_server, prefix)
+    tier = make_tier(index_background_load=True, **INDEX_BY_HAND)
+    load = HeldLoad(tier, monkeypatch)
+    async with _opened(tier):
+        await load.wait_held()
+        await tier.delete(packed[0])  # the index does not know its pack yet: only its name
+        assert await _verdict(tier, packed[0]) is MISS
+        load.release()
+        with anyio.fail_after(30):
+            await load.done.wait()
+        # The listing read the pack's table, older than the delete: the key stays a miss.
+        assert tier.lookup(packed[0]) is MISS
+        assert [tier.lookup(k) for k in packed[1:]] == [HIT] * 3
+        assert tier.statistics().index_load_skipped == 1
+
+
+@pytest.mark.parametrize("held", ["listing", "journal"])
+async def test_a_close_during_the_load_leaves_nothing_running(
+    make_tier: MakeS3Tier, monkeypatch: pytest.MonkeyPatch, held: str
+) -> None:
+    packed, (alone, unknown) = fresh_keys(4), fresh_keys(2)
+    await _fill(make_tier, packed, alone)
+    tier = make_tier(index_background_load=True, **INDEX_BY_HAND)
+    reached, never = anyio.Event(), anyio.Event()
+
+    async def stalls(*args: object, **kwargs: object) -> None:
+        reached.set()
+        await never.wait()  # a listing or a journal read that never ends
+
+    sync = tier._sync
+    target: Callable[..., Awaitable[object]] = stalls
+    monkeypatch.setattr(sync, "list_at_open" if held == "listing" else "poll", target)
+    before = asyncio.all_tasks()
+    with anyio.fail_after(30):
+        await tier.open()
+        await reached.wait()
+        assert tier.statistics().index_loading
+        try:
+            assert tier.lookup(unknown) is RETRY  # asked meanwhile: a check in flight
+        finally:
+            await tier.aclose()
+    left = [t for t in asyncio.all_tasks() - before if not t.done()]
+    assert left == [], f"tasks left running after the close: {left}"
+    stats = tier.statistics()
+    assert not stats.index_loading and not stats.index_listing_complete
+    assert stats.lookups.pending == stats.lookups.in_flight == 0
+    assert tier.lookup(packed[0]) is MISS  # closed: unavailable
+
+
+SNAPSHOT_BY_HAND = {"index_refresh": 3600.0, "index_lookback": 7200.0, "index_snapshot_every": 60.0}
+
+
+async def test_a_snapshot_loaded_in_the_background_serves_all_but_a_key_deleted_meanwhile(
+    make_tier: MakeS3Tier, weed_server: WeedServer, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    packed, (alone,) = fresh_keys(6), fresh_keys(1)
+    async with make_tier(**SNAPSHOT_BY_HAND) as writer:
+        payload = memoryview(os.urandom(BLOCK))
+        assert await writer.store_many(packed, [payload] * 6) == [None] * 6
+        await writer.store(alone, payload)
+        sync, snapshots = writer._sync, writer._sync.snapshots
+        assert snapshots is not None and sync.covered_ms is not None
+        found = await snapshots.survey(int(sync._wall() * 1000))
+        assert await snapshots.compact(found, sync.covered_ms)
+    await _forget_the_journal(weed_server, prefix)  # the snapshot is all there is to learn
+    tier = make_tier(index_background_load=True, **SNAPSHOT_BY_HAND)
+    load = HeldLoad(tier, monkeypatch)
+    async with _opened(tier):
+        await load.wait_held()
+        assert tier.statistics().index_keys == 0
+        await tier.delete(packed[0])
+        load.release()
+        with anyio.fail_after(30):
+            await load.done.wait()
+        assert tier._sync.snapshots is not None and tier._sync.snapshots.loaded == 1
+        assert [tier.lookup(k) for k in packed] == [MISS] + [HIT] * 5
+        assert tier.lookup(alone) is HIT
+        stats = tier.statistics()
+        assert stats.index_listing_complete and not stats.index_loading
+        assert stats.index_load_skipped == 1
+
+
+async def test_a_failed_journal_read_does_not_stop_the_load(
+    make_tier: MakeS3Tier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    packed, (alone,) = fresh_keys(3), fresh_keys(1)
+    await _fill(make_tier, packed, alone)
+    tier = make_tier(index_background_load=True, **INDEX_BY_HAND)
+
+    async def fails(*args: object, **kwargs: object) -> list[bytes]:
+        raise TierUnavailableError("the journal is down", tier=tier.name, operation="list")
+
+    monkeypatch.setattr(tier._sync, "poll", fails)
+    load = HeldLoad(tier, monkeypatch)
+    async with _opened(tier):
+        load.release()
+        with anyio.fail_after(30):
+            await load.done.wait()
+        assert [tier.lookup(k) for k in [*packed, alone]] == [HIT] * 4
+        stats = tier.statistics()
+        assert stats.index_listing_complete and stats.index_refresh_failures == 1
+
+
+async def test_the_journal_read_first_takes_every_segment_in_order(
+    make_tier: MakeS3Tier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """More segments than one window of GETs at once, from two writers, and one of them a
+    removal: every key the journal holds is a HIT before the listing, the removed one not."""
+    keys = fresh_keys(11)
+    payload = memoryview(os.urandom(BLOCK))
+    async with make_tier(**INDEX_BY_HAND) as a, make_tier(**INDEX_BY_HAND) as b:
+        for i, key in enumerate(keys):
+            await (a if i % 2 else b).store(key, payload)
+            await (a if i % 2 else b).refresh_index()  # one segment per key
+        await a.delete(keys[1])
+        await a.refresh_index()  # and a removal segment
+    tier = make_tier(index_background_load=True, **INDEX_BY_HAND)
+    load = HeldLoad(tier, monkeypatch)
+    async with _opened(tier):
+        await load.wait_held()
+        assert [tier.lookup(k) for k in keys[:1] + keys[2:]] == [HIT] * 10
+        assert await _verdict(tier, keys[1]) is MISS  # checked, dropped, then asked: gone
+        assert tier.statistics().journal_segments_read == 12
+        load.release()
+        with anyio.fail_after(30):
+            await load.done.wait()
+        assert [tier.lookup(k) for k in keys] == [HIT, MISS] + [HIT] * 9
