@@ -637,6 +637,19 @@ def parse_args(
         "--quick", action="store_true", help="a small workload (seconds), for tests and CI"
     )
     p.add_argument(
+        "--workload",
+        choices=["chat", "agent"],
+        default="chat",
+        help="chat sessions (the default), or agent sessions with tool-call gaps between "
+        "turns, run without kvtier, without and with session hints, and at the ceiling "
+        "(serve_demo.py only; see examples/agent_demo.py)",
+    )
+    p.add_argument(
+        "--predict-returns",
+        action="store_true",
+        help="--workload agent: do not tell kvtier when a tool call returns (it predicts it)",
+    )
+    p.add_argument(
         "--full",
         action="store_true",
         help="the long run (the default; `nox -s demo` is quick unless given --full)",
@@ -731,18 +744,22 @@ def parse_args(
     )
     args = p.parse_args(argv)
     quick = args.quick
+    agent = args.workload == "agent"
     defaults = {
-        "requests": 16 if quick else 48,
+        "requests": (20 if quick else 48) if agent else (16 if quick else 48),
         "sessions": 4 if quick else 8,
         "concurrency": 2 if quick else 4,
-        "pool_blocks": 48 if quick else 160,
+        "pool_blocks": 0 if agent else (48 if quick else 160),  # agent: from the workload
         "system_tokens": 384 if quick else 768,
     }
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
     args.turn_tokens = (32, 128) if quick else (64, 256)
-    for name in ("requests", "sessions", "concurrency", "pool_blocks", "decode_tokens"):
+    args.answer_tokens = (16, 64) if quick else (32, 128)
+    args.gap_seconds = (0.1, 1.0) if quick else (0.2, 3.0)  # an agent's tool calls
+    positive = ("requests", "sessions", "concurrency", "decode_tokens")
+    for name in (*positive, *(() if agent and args.pool_blocks == 0 else ("pool_blocks",))):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive")
     if args.s3_endpoint and not args.s3_bucket:

@@ -38,6 +38,9 @@ Two choices worth knowing when reading the numbers:
   waiting requests first come, first served); that is what a user sees, and kvtier shortens
   the queue too.
 
+``--workload agent`` runs agent sessions with tool-call gaps instead, without kvtier, without
+and with session hints, and at the ceiling (``agent_demo.py``).
+
 ``--s3-endpoint URL`` adds an S3 tier (bucket ``--s3-bucket``, credentials from the environment);
 ``nox -s demo -- --s3`` starts a SeaweedFS on 127.0.0.1 and passes it. ``--json`` prints one
 JSON object instead of the table: the settings, each run's figures, the speedup against the run
@@ -54,6 +57,7 @@ from collections.abc import Sequence
 from contextlib import AsyncExitStack
 from typing import Any
 
+import agent_demo
 import demo_engine as demo
 from demo_engine import ModelConfig, RunResult, percentile
 
@@ -287,12 +291,15 @@ SETTINGS = (
     *("fs_capacity_mb", "fsync", "s3_endpoint", "s3_bucket", "s3_prefix"),
     *("system_tokens", "decode_tokens", "seed", "slow_tier", "no_recompute_cost"),
     *("write_back", "defer", "s3_write_rate", "s3_write_through", "no_promote_write_up"),
+    *("workload", "predict_returns"),
 )
 """The options the JSON output states the run was asked for."""
 
 
 async def amain(args: argparse.Namespace, out: dict[str, Any]) -> int:
     out["settings"] = demo.settings(args, SETTINGS)
+    if args.workload == "agent":
+        return await agent_demo.amain(args, out)
     engine, sessions = await demo.start_engine(args)
     config = engine.config
     runs = [await demo.run_workload("without kvtier", engine, sessions, None, args.decode_tokens)]

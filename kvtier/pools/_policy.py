@@ -72,6 +72,22 @@ class Demotes(Protocol):
         """``keys`` (all in the pool) become the least recently used, the last given the
         oldest, without counting a use."""
 
+    def demoted(self) -> list[bytes]:
+        """The demoted keys that are still the next to go (neither used nor evicted since),
+        the next first: what a guess may replace without evicting a block anyone used
+        since it was demoted."""
+
+
+def _cold_run(order: OrderedDict[bytes, None], cold: set[bytes]) -> tuple[list[bytes], set[bytes]]:
+    """The demoted keys at the front of ``order``, and the demoted set pruned to them.
+
+    A demoted key that is used again moves away from the front; the hit path touches keys
+    with a bare C call, so the set learns it here, not there: what is not at the front any
+    more is dropped from the set at each call. Between two calls a used key would have to
+    age through the whole pool to reach the front again, so the run is exact enough."""
+    run = list(takewhile(cold.__contains__, order))
+    return run, set(run) if len(run) < len(cold) else cold
+
 
 def _first_evictable(
     order: OrderedDict[bytes, None], can_evict: Callable[[bytes], bool]
@@ -101,6 +117,7 @@ class LRUPolicy:
         self._order: OrderedDict[bytes, None] = OrderedDict()
         # The hit path calls this once per key: bind the C method directly, no Python frame.
         self.touch: Callable[[bytes], None] = self._order.move_to_end
+        self._cold: set[bytes] = set()  # demoted; pruned by ``demoted`` (see _cold_run)
 
     def insert(self, key: bytes) -> None:
         self._order[key] = None
@@ -111,12 +128,18 @@ class LRUPolicy:
     reorder = touch_many  # a use and a reorder are the same move here
 
     def demote(self, keys: Iterable[bytes]) -> None:
-        move = self._order.move_to_end
+        move, cold = self._order.move_to_end, self._cold
         for key in keys:
             move(key, last=False)
+            cold.add(key)
+
+    def demoted(self) -> list[bytes]:
+        run, self._cold = _cold_run(self._order, self._cold)
+        return run
 
     def remove(self, key: bytes, *, evicted: bool) -> None:
         self._order.pop(key, None)
+        self._cold.discard(key)
 
     def victim(self, incoming: bytes, can_evict: Callable[[bytes], bool]) -> bytes | None:
         return _first_evictable(self._order, can_evict)
@@ -142,6 +165,7 @@ class ARCPolicy:
         self._t2: OrderedDict[bytes, None] = OrderedDict()
         self._b1: OrderedDict[bytes, None] = OrderedDict()
         self._b2: OrderedDict[bytes, None] = OrderedDict()
+        self._cold: set[bytes] = set()  # demoted, and not used since
 
     @property
     def target_t1(self) -> float:
@@ -161,6 +185,7 @@ class ARCPolicy:
         self._trim_ghosts()
 
     def touch(self, key: bytes) -> None:
+        self._cold.discard(key)
         if key in self._t1:
             del self._t1[key]
             self._t2[key] = None
@@ -168,8 +193,9 @@ class ARCPolicy:
             self._t2.move_to_end(key)
 
     def touch_many(self, keys: Iterable[bytes]) -> None:
-        t1, t2 = self._t1, self._t2
+        t1, t2, cold = self._t1, self._t2, self._cold
         for key in keys:
+            cold.discard(key)
             if key in t1:
                 del t1[key]
                 t2[key] = None
@@ -177,16 +203,23 @@ class ARCPolicy:
                 t2.move_to_end(key)
 
     def reorder(self, keys: Iterable[bytes]) -> None:
-        t1, t2 = self._t1, self._t2
+        t1, t2, cold = self._t1, self._t2, self._cold
         for key in keys:
+            cold.discard(key)
             (t1 if key in t1 else t2).move_to_end(key)
 
     def demote(self, keys: Iterable[bytes]) -> None:
-        t1, t2 = self._t1, self._t2
+        t1, t2, cold = self._t1, self._t2, self._cold
         for key in keys:
             (t1 if key in t1 else t2).move_to_end(key, last=False)
+            cold.add(key)
+
+    def demoted(self) -> list[bytes]:
+        cold = self._cold.__contains__
+        return [*takewhile(cold, self._t1), *takewhile(cold, self._t2)]
 
     def remove(self, key: bytes, *, evicted: bool) -> None:
+        self._cold.discard(key)
         if key in self._t1:
             del self._t1[key]
             if evicted:

@@ -143,6 +143,15 @@ class SlotTable:
         policy.demote(chosen)
         return len(chosen)
 
+    def spare(self) -> int:
+        """Slots a guess may fill without evicting a block in use: the free ones, and the
+        unpinned demoted blocks still the next to go (0 of those with a policy that cannot
+        demote)."""
+        policy = self.policy
+        cold = policy.demoted() if isinstance(policy, Demotes) else ()
+        unpinned = self._unpinned
+        return len(self._free) + sum(1 for key in cold if key in unpinned)
+
     def state_of(self, key: bytes) -> SlotState:
         slot = self.held.get(key)
         return SlotState.FREE if slot is None else self._state[slot]

@@ -6,7 +6,8 @@
 - ``_progress``: scans an async lookup resumes after each wake instead of starting over;
 - ``_prefetch``: fetching a queued request's prefix while it waits for the engine;
 - ``_sessions``: the session table, a synchronous state machine that predicts when an agent
-  session returns and plans bringing its prefix back;
+  session returns, plans bringing its prefix back, and says which sessions' private blocks
+  may go first (ended, forgotten, quiet); ``_session_settings``: its settings;
 - ``_bringback``: the async driver that acts on that plan, and the engine's ``Session``.
 
 The cost model the scans consult belongs to the manager (``kvtier.manager``).
@@ -17,7 +18,7 @@ from __future__ import annotations
 from kvtier.scheduler._bringback import Session, SessionStatistics
 from kvtier.scheduler._prefetch import PrefetchHandle, PrefetchState, PrefetchStatistics
 from kvtier.scheduler._scheduler import OffloadScheduler, SchedulerStatistics
-from kvtier.scheduler._sessions import SessionSettings
+from kvtier.scheduler._session_settings import SessionSettings
 
 __all__ = [
     "OffloadScheduler",

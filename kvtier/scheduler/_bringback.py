@@ -13,6 +13,16 @@ evicted, so a guess never takes a block a running request holds, and it holds at
 share. What a bring-back promoted and nobody claimed is demoted when it is let go (stale, or
 its session ended): those slots are the next to be reused.
 
+A predicted return is a guess, and a wide one (gaps run from seconds to minutes), so a
+bring-back without ``expect_back_in`` runs as a guess (see ``_prefetch``): it holds no block
+still in the pool, promotes only into spare slots, and scans again when spare slots appear.
+One with ``expect_back_in`` is the engine's word: it pins the prefix and may evict for it,
+within its share.
+
+Retention by session: the private blocks of a session that ended, was forgotten or went
+quiet (the table's ``take_retired``) are demoted at once, so the blocks of sessions expected
+back outrank them; the spare slots that makes are what guesses fill.
+
 The driver is one task in the manager's task group, started by the first hint and ended as
 soon as no plan is live (and when the manager closes); it sleeps until the table's next
 start or stale time, or until a hint, a claim or a bring-back's end wakes it. At most
@@ -37,7 +47,8 @@ from kvtier.common._describe import describe
 from kvtier.common._errors import LifecycleError
 from kvtier.scheduler._prefetch import Prefetches, PrefetchHandle, PrefetchState
 from kvtier.scheduler._protocols import SupportsPrefetch
-from kvtier.scheduler._sessions import Plan, SessionSettings, SessionTable, promotion_lead
+from kvtier.scheduler._session_settings import SessionSettings
+from kvtier.scheduler._sessions import Plan, SessionTable, promotion_lead
 
 __all__ = ["BringBacks", "Session", "SessionStatistics"]
 
@@ -70,6 +81,10 @@ class SessionStatistics:
     """Blocks bring-backs promoted that were in the pool when their turn claimed them."""
     blocks_demoted: int
     """Unclaimed blocks made the next to be evicted (stale plans, ended sessions)."""
+    blocks_retired: int
+    """Private blocks of sessions ended, forgotten or gone quiet made the next to go."""
+    quiet: int
+    """Times a session went quiet (still away far past its predicted return)."""
     bytes_promoted: int
     held: int
     """Slots bring-backs hold now: pins and promotions in flight."""
@@ -109,8 +124,10 @@ class Session:
         self._owner.turn_done(self._id, keys, expect_back_in)
 
     def end(self) -> None:
-        """The session is over: its bring-back stops, what it fetched for the session and
-        nobody used becomes the next to go, and kvtier forgets the session. Idempotent."""
+        """The session is over: its bring-back stops, its private blocks (those no other
+        live session's prefix holds; a shared system prompt stays by use) and what was
+        fetched for it and not used become the next to leave the pool, and kvtier forgets
+        the session. Idempotent."""
         self._owner.end(self._id)
 
     def __repr__(self) -> str:
@@ -134,6 +151,7 @@ class BringBacks:
         self._handles: dict[Plan, PrefetchHandle] = {}
         self._wake = anyio.Event()
         self._driving = False
+        self.blocks_retired = 0
 
     def _now(self) -> float:
         return self.manager.cost.clock()
@@ -154,6 +172,7 @@ class BringBacks:
         )
         for plan in ended:  # its own previous plan (the turn came), or a forgotten session's
             self._stop(plan, demote=plan.session != session)
+        self._retire()
         self._drive_soon()
 
     def end(self, session: Hashable) -> None:
@@ -161,6 +180,17 @@ class BringBacks:
         if plan is not None:
             self._stop(plan, demote=True)
             self._kick()
+        self._retire()
+
+    def _retire(self) -> None:
+        """Demote the private blocks of the sessions the table let go; the spare slots
+        that makes wake the guesses waiting for some."""
+        retired = self.table.take_retired()
+        if retired:
+            demoted = self.manager.pool.table.demote(retired)
+            self.blocks_retired += demoted
+            if demoted:
+                self.prefetches.freed()
 
     def lead(self, blocks: int) -> float:
         """Seconds before the expected return a bring-back of ``blocks`` blocks should start:
@@ -205,7 +235,7 @@ class BringBacks:
 
     def _drive_soon(self) -> None:
         self._kick()
-        if self._driving or not self.table.plans:
+        if self._driving or self.table.next_wake() is None:
             return
         try:
             self.manager.run_soon(self._drive)
@@ -226,7 +256,9 @@ class BringBacks:
 
     def _start(self, plan: Plan, now: float) -> None:
         hold = max(plan.stale_at - now, 1e-3)
-        self._handles[plan] = self.prefetches.start(list(plan.keys), hold, hold)
+        self._handles[plan] = self.prefetches.start(
+            list(plan.keys), hold, hold, guess=not plan.hinted
+        )
 
     async def _drive(self) -> None:
         try:
@@ -235,6 +267,7 @@ class BringBacks:
                 now = self._now()
                 for plan in self.table.expire(now):
                     self._stop(plan, demote=True)
+                self._retire()
                 for plan in [p for p, h in self._handles.items() if h.done]:
                     del self._handles[plan]  # expired by its TTL, or cancelled by a close
                 scanning = [h for h in self._handles.values() if self._scanning(h)]
@@ -277,6 +310,8 @@ class BringBacks:
             blocks_promoted=prefetch.blocks_prefetched,
             blocks_claimed=prefetch.blocks_claimed,
             blocks_demoted=self.prefetches.blocks_demoted,
+            blocks_retired=self.blocks_retired,
+            quiet=table.quiet,
             bytes_promoted=prefetch.bytes_prefetched,
             held=prefetch.held,
             running=len(self._handles),

@@ -22,6 +22,14 @@ manager's task group, asking through a ``ScanBudget`` like an async lookup, so t
   become ordinary cache entries;
 - ``cancel()``, for a request aborted before it runs.
 
+A *guess* (a session's bring-back before a predicted return, ``guess=True``) is held to
+less, because it may not come true: it pins only the blocks it promoted itself (a block
+still in the pool is left to the pool's order: holding it for a guess would shrink the pool
+for everyone), it promotes only into the pool's spare slots (free ones, or blocks demoted as
+unwanted: ``SlotTable.spare``), so it never evicts a block in use, and it scans again
+whenever a prefetch gives back room or spare slots appear (its blocks may have left the pool
+since its last scan).
+
 The request's ``lookup`` (async, or a synchronous scan's answer) claims every prefetch of a
 prefix of its keys: the prefetch stops, and its pins are given back once the lookup has its
 answer (and has pinned what it counted).
@@ -30,8 +38,9 @@ answer (and has pinned what it counted).
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import takewhile
 from typing import TYPE_CHECKING
 
 import anyio
@@ -85,6 +94,8 @@ class PrefetchState(enum.Enum):
 
 SHARE_REASON = "prefetch_share"
 """The ``reason`` of a prefetch whose prefix ended because prefetches held their share."""
+SPARE_REASON = "no_spare_slot"
+"""The ``reason`` of a guess whose prefix ended because the pool had no spare slot."""
 
 
 class PrefetchHandle:
@@ -94,11 +105,22 @@ class PrefetchHandle:
 
     ``prefix`` is the number of leading blocks the prefetch found or fetched (None while it
     runs, or when it stopped before an answer); ``reason``, when the prefix ends before the
-    last key, says why (a ``kvtier.MissReason`` value, or ``"prefetch_share"``).
+    last key, says why (a ``kvtier.MissReason`` value, ``"prefetch_share"``, or for a guess
+    ``"no_spare_slot"``). ``guess`` is True for a session's bring-back before a predicted
+    return (see the module).
     """
 
-    def __init__(self, owner: Prefetches, keys: Sequence[bytes], deadline: float, ttl: float):
+    def __init__(
+        self,
+        owner: Prefetches,
+        keys: Sequence[bytes],
+        deadline: float,
+        ttl: float,
+        *,
+        guess: bool = False,
+    ) -> None:
         self.keys = keys
+        self.guess = guess
         self.state = PrefetchState.RUNNING
         self.prefix: int | None = None
         self.reason: str | None = None
@@ -110,7 +132,9 @@ class PrefetchHandle:
         self._started: set[bytes] = set()  # the keys whose promotions it started
         self._reasons: dict[bytes, str] = {}  # why a key was a miss for this prefetch
         self._claiming = False  # a lookup claimed it: its pins go back with that answer
-        self._capped = False  # its latest scan stopped at the share
+        self._capped = False  # its latest scan stopped at the share (or, a guess, the spare)
+        self._spare = 0  # a guess: spare slots it may still fill in this scan
+        self._pinned: set[bytes] = set()  # a guess: its promoted blocks it pins, kept across scans
         self._scope: anyio.CancelScope | None = None
         self._scanned = anyio.Event()  # the scan is over (answer, deadline, claim, cancel)
         self._ended = anyio.Event()  # claimed, expired or cancelled
@@ -178,9 +202,15 @@ class PrefetchHandle:
         room = owner.limit - owner.held()
         if room <= 0 or self._ended.is_set():  # ended as its scan woke: nothing to hold for
             return []
+        if self.guess:
+            started, pinned = self._started, self._pinned
+            ready = owner.manager.pool.table.ready
+            keys = [k for k in keys if k in started and k not in pinned and k in ready][:room]
+            pinned.update(keys)
         return owner.manager.pin_ready(keys[:room])
 
     def _unpin(self) -> None:
+        self._pinned.clear()
         lease, self._lease = self._lease, []
         if lease:
             self._owner.manager.unpin_slots(lease)
@@ -191,16 +221,17 @@ class PrefetchHandle:
         owner = self._owner
         pool = owner.manager.pool
         fresh = key not in pool.table.ready and pool.state_of(key) is SlotState.FREE
-        if fresh and owner.held() >= owner.limit:
+        if fresh and (owner.held() >= owner.limit or (self.guess and self._spare <= 0)):
             owner.capped_now(self)
             self._capped = True
-            self._reasons[key] = SHARE_REASON
+            self._reasons[key] = SPARE_REASON if owner.held() < owner.limit else SHARE_REASON
             return MISS
         result = budget.ask(key)
         if result is MISS:
             self._reasons[key] = owner.manager.last_miss_reason
         elif fresh and result is RETRY and pool.state_of(key) is SlotState.WRITING:
             self._started.add(key)
+            self._spare -= 1
             self.prefetched += 1
             owner.blocks_prefetched += 1
         return result
@@ -216,9 +247,14 @@ class PrefetchHandle:
                 ttl_at = anyio.current_time() + self._ttl
                 with anyio.move_on_after(min(self._deadline, self._ttl)):
                     self._answered(await self._scan())
-                    while self._capped:  # scan again once a prefetch gives back its share
+                    # scan again once a prefetch gives back its share; a guess, whenever
+                    # the pool has spare slots again (its blocks may have left since)
+                    while self._capped or self.guess:
                         await owner.wait_freed()
-                        self._unpin()
+                        if not self._capped and owner.manager.pool.table.spare() <= 0:
+                            continue
+                        if not self.guess:  # a guess keeps its pins: a rescan adds to them
+                            self._unpin()
                         self._answered(await self._scan())
                 if self._ended.is_set():  # ended while its last scan step ran: stays ended
                     return
@@ -254,7 +290,11 @@ class PrefetchHandle:
             return self._ask(key, budget)
 
         self._capped = False
-        scan = PrefixProgress(self.keys, ask, self._pin, manager.primary_hit_prefix)
+        hit_prefix: Callable[[Sequence[bytes]], int] = manager.primary_hit_prefix
+        if self.guess:  # a guess neither counts nor touches the blocks it finds as a use
+            self._spare = manager.pool.table.spare()
+            hit_prefix = _resident_prefix(manager.pool.table.ready)
+        scan = PrefixProgress(self.keys, ask, self._pin, hit_prefix)
         scan.lease = self._lease  # pins go straight to the handle: released by _end
         changes = KeyWatch()
         try:
@@ -266,6 +306,15 @@ class PrefetchHandle:
             return result
         finally:
             manager.unwatch(scan.watched, changes)
+
+
+def _resident_prefix(ready: Mapping[bytes, int]) -> Callable[[Sequence[bytes]], int]:
+    """A count of the leading keys in ``ready`` that touches nothing (C-speed)."""
+
+    def count(keys: Sequence[bytes]) -> int:
+        return len(list(takewhile(ready.__contains__, keys)))
+
+    return count
 
 
 class Prefetches:
@@ -296,8 +345,10 @@ class Prefetches:
         self._capped: set[PrefetchHandle] = set()
         self._freed = anyio.Event()
 
-    def start(self, keys: list[bytes], deadline: float, ttl: float) -> PrefetchHandle:
-        handle = PrefetchHandle(self, keys, deadline, ttl)
+    def start(
+        self, keys: list[bytes], deadline: float, ttl: float, *, guess: bool = False
+    ) -> PrefetchHandle:
+        handle = PrefetchHandle(self, keys, deadline, ttl, guess=guess)
         self.started += 1
         if keys:
             try:

@@ -23,7 +23,7 @@ from kvtier.scheduler._bringback import BringBacks, Session, SessionStatistics
 from kvtier.scheduler._prefetch import Prefetches, PrefetchHandle, PrefetchStatistics
 from kvtier.scheduler._progress import PrefixProgress, WindowProgress
 from kvtier.scheduler._protocols import SupportsLookup, SupportsPrefetch, SupportsScheduling
-from kvtier.scheduler._sessions import SessionSettings
+from kvtier.scheduler._session_settings import SessionSettings
 
 __all__ = ["OffloadScheduler", "SchedulerStatistics"]
 

@@ -23,6 +23,13 @@ The lead (how long before ``ready_by`` the promotion must start) comes from the 
 model through ``promotion_lead``: a bring-back costs about one idle promotion plus what each
 further block adds.
 
+Retention: the table counts, per key, the tracked sessions whose latest prefix holds it, so
+it knows a session's private blocks (a system prompt shared with another live session is not
+private). When a session ends, is forgotten, or goes quiet (still away past the
+``quiet_quantile`` of its predicted gap: the hazard of a heavy-tailed gap falls the longer a
+session is away), its private keys are retired (``take_retired``): the caller makes them the
+next to leave the pool, so the blocks of sessions expected back outrank them.
+
 Bounds: at most ``max_sessions`` sessions (the least recently active one is forgotten), a
 session idle past ``forget_after`` is forgotten, and every plan ends at its ``stale_at``.
 """
@@ -34,9 +41,10 @@ import math
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from statistics import NormalDist
 
-from kvtier.common._errors import InvalidArgumentError
+from kvtier.scheduler._session_settings import SessionSettings
 
 __all__ = [
     "Plan",
@@ -46,88 +54,6 @@ __all__ = [
     "SessionTable",
     "promotion_lead",
 ]
-
-
-def _share(value: object, name: str, *, open_low: bool = False) -> None:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not (0 < value < 1 if open_low else 0 <= value <= 1)
-    ):
-        bounds = "strictly between 0 and 1" if open_low else "from 0 to 1"
-        raise InvalidArgumentError(f"{name} must be a number {bounds}, got {value!r}")
-
-
-def _positive(value: object, name: str, *, integer: bool = False) -> None:
-    kinds = int if integer else int | float
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, kinds)
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        what = "int" if integer else "number"
-        raise InvalidArgumentError(f"{name} must be a positive {what}, got {value!r}")
-
-
-@dataclass(frozen=True, slots=True)
-class SessionSettings:
-    """How an ``OffloadScheduler`` brings sessions back (``OffloadScheduler(...,
-    sessions=SessionSettings(...))``)."""
-
-    share: float = 0.25
-    """Share of the pool's slots all bring-backs together may hold (pins, and promotions in
-    flight): a wrong guess costs at most this. Separate from ``prefetch_share``, so guesses
-    never crowd out queued requests' prefetches."""
-    max_running: int = 4
-    """Bring-backs scanning and promoting at once; due ones wait their turn, earliest first."""
-    ready_quantile: float = 0.1
-    """Without a hint, aim to have the prefix back before this share of predicted returns."""
-    stale_quantile: float = 0.9
-    """Without a hint, stop holding the prefix once this share of returns would have come."""
-    hint_slack: float = 1.0
-    """With ``expect_back_in=x``, stop holding after ``x * (1 + hint_slack)``."""
-    min_hold: float = 5.0
-    """Seconds a plan holds at least past its expected return: a turn a little late (a
-    hint of a return in a millisecond, a busy engine) still finds its prefix."""
-    prior_gap: float = 30.0
-    """Seconds: the gap between turns assumed before the workload has shown one."""
-    prior_spread: float = 1.0
-    """Standard deviation of the log of the gap assumed before the workload has shown two."""
-    prior_weight: float = 2.0
-    """A session's gaps count as much as the workload's once it has shown this many."""
-    alpha: float = 0.3
-    """Weight of a new gap in a session's moving estimates."""
-    workload_alpha: float = 0.05
-    """Weight of a new gap in the workload's moving estimates."""
-    lead_margin: float = 1.5
-    """The promotion's expected duration is multiplied by this to set its lead."""
-    default_lead: float = 1.0
-    """Seconds of lead before the cost model has measured a tier."""
-    max_sessions: int = 10_000
-    """Sessions tracked at once; past it the least recently active one is forgotten."""
-    forget_after: float = 3_600.0
-    """Seconds after its last turn that a session with no hint pending is forgotten."""
-
-    def __post_init__(self) -> None:
-        _share(self.share, "share")
-        _positive(self.max_running, "max_running", integer=True)
-        _share(self.ready_quantile, "ready_quantile", open_low=True)
-        _share(self.stale_quantile, "stale_quantile", open_low=True)
-        if self.stale_quantile <= self.ready_quantile:
-            raise InvalidArgumentError(
-                "stale_quantile must be above ready_quantile, got "
-                f"{self.stale_quantile!r} <= {self.ready_quantile!r}"
-            )
-        for name in ("hint_slack", "min_hold", "prior_gap", "prior_spread", "prior_weight"):
-            _positive(getattr(self, name), name)
-        _share(self.alpha, "alpha", open_low=True)
-        _share(self.workload_alpha, "workload_alpha", open_low=True)
-        if isinstance(self.lead_margin, bool) or not self.lead_margin >= 1:
-            raise InvalidArgumentError(f"lead_margin must be at least 1, got {self.lead_margin!r}")
-        _positive(self.default_lead, "default_lead")
-        _positive(self.max_sessions, "max_sessions", integer=True)
-        _positive(self.forget_after, "forget_after")
 
 
 def promotion_lead(
@@ -171,6 +97,8 @@ class Prediction:
 
     ready_in: float
     stale_in: float
+    quiet_in: float = math.inf
+    """Seconds after which the session counts as gone quiet: its private blocks go first."""
 
 
 @dataclass(slots=True)
@@ -196,7 +124,9 @@ class _Session:
     gaps: _Moments = field(default_factory=_Moments)
     last_turn_done: float = 0.0
     plan: Plan | None = None
+    quiet_at: float | None = None  # when it counts as gone quiet (None: not due, or done)
     arrived: bool = True  # the turn after ``last_turn_done`` was seen (its gap recorded)
+    keys: Sequence[bytes] = ()  # its latest prefix, counted in the table's ``_refs``
 
 
 class SessionTable:
@@ -208,10 +138,15 @@ class SessionTable:
         self._sessions: OrderedDict[Hashable, _Session] = OrderedDict()
         self._workload = _Moments()
         self._by_last: dict[bytes, Plan] = {}  # each live plan, by its last key
+        # key -> how many tracked sessions' latest prefixes hold it: a key held by one only
+        # is that session's private block; a shared prefix (a system prompt) is not
+        self._refs: dict[bytes, int] = {}
+        self._retired: list[bytes] = []  # private keys of sessions let go, for the caller
         self._z_ready = NormalDist().inv_cdf(self.settings.ready_quantile)
         self._z_stale = NormalDist().inv_cdf(self.settings.stale_quantile)
+        self._z_quiet = NormalDist().inv_cdf(self.settings.quiet_quantile)
         self.turns = self.gaps_seen = self.hinted = self.ended = self.forgotten = 0
-        self.plans_started = self.plans_claimed = self.plans_stale = 0
+        self.plans_started = self.plans_claimed = self.plans_stale = self.quiet = 0
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -253,6 +188,7 @@ class SessionTable:
         self.turns += 1
         state.last_turn_done = now
         state.arrived = False
+        self._retired += self._hold(state, keys)
         if keys:
             if expect_back_in is not None:
                 self.hinted += 1
@@ -262,6 +198,7 @@ class SessionTable:
             else:
                 prediction = self.predict(session)
             stale_in = max(prediction.stale_in, prediction.ready_in + self.settings.min_hold)
+            state.quiet_at = now + max(self.predict(session).quiet_in, stale_in)
             plan = Plan(
                 session,
                 keys,
@@ -279,6 +216,7 @@ class SessionTable:
         while len(self._sessions) > self.settings.max_sessions:
             _, oldest = self._sessions.popitem(last=False)
             self.forgotten += 1
+            self._let_go(oldest)
             if oldest.plan is not None:
                 ended.append(self._drop(oldest))
         return ended
@@ -295,6 +233,7 @@ class SessionTable:
             state = self._sessions[plan.session]
             self._observe(state, now - state.last_turn_done)
             state.arrived = True
+            state.quiet_at = None  # back: not quiet; its next turn_done re-arms it
             self._drop(state)
             self.plans_claimed += 1
         return found
@@ -305,7 +244,15 @@ class SessionTable:
         if state is None:
             return None
         self.ended += 1
+        self._let_go(state)
         return None if state.plan is None else self._drop(state)
+
+    def take_retired(self) -> list[bytes]:
+        """The private keys (no other tracked session's prefix holds them) of the sessions
+        ended, forgotten or gone quiet since the last call: the caller makes them the next
+        to leave the pool. A shared prefix stays by use."""
+        retired, self._retired = self._retired, []
+        return retired
 
     # -- what the clock says -------------------------------------------------------------------
 
@@ -326,36 +273,46 @@ class SessionTable:
         (forgotten); the plans, for the caller to end."""
         stale: list[Plan] = []
         for plan in [p for p in self._by_last.values() if p.stale_at <= now]:
-            stale.append(self._drop(self._sessions[plan.session]))
+            state = self._sessions[plan.session]
+            stale.append(self._drop(state))
             self.plans_stale += 1
+        for state in self._sessions.values():
+            if state.quiet_at is not None and state.quiet_at <= now:
+                state.quiet_at = None  # once per gap: a turn that comes after all re-arms it
+                self.quiet += 1
+                self._retired += self._private(state)
         horizon = now - self.settings.forget_after
         idle = [
             s for s, st in self._sessions.items() if st.plan is None and st.last_turn_done < horizon
         ]
         for session in idle:
-            del self._sessions[session]
+            self._let_go(self._sessions.pop(session))
             self.forgotten += 1
         return stale
 
     def next_wake(self) -> float | None:
-        """When a plan next needs the caller (a start, or a plan going stale), or None when
-        none is live. Idle sessions are forgotten by the next ``expire``, whenever it runs."""
-        return min(
-            (
-                min(p.start_at, p.stale_at) if p.state is PlanState.WAITING else p.stale_at
-                for p in self._by_last.values()
-            ),
-            default=None,
+        """When a plan next needs the caller (a start, or a plan going stale) or a session
+        goes quiet, or None when nothing is due. Idle sessions are forgotten by the next
+        ``expire``, whenever it runs."""
+        plans = (
+            min(p.start_at, p.stale_at) if p.state is PlanState.WAITING else p.stale_at
+            for p in self._by_last.values()
         )
+        quiet = (s.quiet_at for s in self._sessions.values() if s.quiet_at is not None)
+        return min(chain(plans, quiet), default=None)
 
     # -- prediction ----------------------------------------------------------------------------
 
     def predict(self, session: Hashable) -> Prediction:
-        """``session``'s next gap, from its own gaps shrunk towards the workload's."""
+        """``session``'s next gap, from its own gaps shrunk towards the workload's. Quiet
+        is the later of the session's and the workload's quantile: a session's few gaps make
+        a narrow estimate, and letting a live session's blocks go on it costs more than
+        keeping a quiet one's a little longer."""
         settings = self.settings
         work = self._workload
         mean = work.mean if work.count else math.log(settings.prior_gap)
         var = work.var if work.count >= 2 else settings.prior_spread**2
+        quiet = mean + self._z_quiet * math.sqrt(max(var, 0.0))
         state = self._sessions.get(session)
         if state is not None and state.gaps.count:
             weight = state.gaps.count / (state.gaps.count + settings.prior_weight)
@@ -369,7 +326,9 @@ class SessionTable:
             mean = blended
         spread = math.sqrt(max(var, 0.0))
         return Prediction(
-            math.exp(mean + self._z_ready * spread), math.exp(mean + self._z_stale * spread)
+            math.exp(mean + self._z_ready * spread),
+            math.exp(mean + self._z_stale * spread),
+            math.exp(max(mean + self._z_quiet * spread, quiet)),
         )
 
     def _observe(self, state: _Session, gap: float) -> None:
@@ -379,6 +338,40 @@ class SessionTable:
         state.gaps.add(value, self.settings.alpha)
         self._workload.add(value, self.settings.workload_alpha)
         self.gaps_seen += 1
+
+    # -- who holds which key -------------------------------------------------------------------
+
+    def _hold(self, state: _Session, keys: Sequence[bytes]) -> list[bytes]:
+        """``state``'s latest prefix is ``keys`` now: count them, uncount the old one, and
+        return the old keys no tracked session holds any more (a session let go, or one
+        whose context was cut). A prompt grows, so only what follows the common head
+        changes."""
+        old, refs = state.keys, self._refs
+        same = 0
+        for a, b in zip(old, keys, strict=False):
+            if a != b:
+                break
+            same += 1
+        for key in keys[same:]:
+            refs[key] = refs.get(key, 0) + 1
+        dropped: list[bytes] = []
+        for key in old[same:]:
+            left = refs[key] - 1
+            if left:
+                refs[key] = left
+            else:
+                del refs[key]
+                dropped.append(key)
+        state.keys = keys
+        return dropped
+
+    def _private(self, state: _Session) -> list[bytes]:
+        refs = self._refs
+        return [key for key in state.keys if refs.get(key) == 1]
+
+    def _let_go(self, state: _Session) -> None:
+        """``state`` is no longer tracked: its private keys are retired, its keys uncounted."""
+        self._retired += self._hold(state, ())
 
     def _drop(self, state: _Session) -> Plan:
         plan = state.plan

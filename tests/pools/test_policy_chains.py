@@ -137,3 +137,28 @@ def test_demoted_blocks_are_the_next_to_go_tail_first(policy: type[LRUPolicy | A
         assert table.try_reserve(key) is not None
     assert evicted == [keys[3], keys[1]]  # the tail of the guess before its head
     table.unpin(pinned)
+
+
+@pytest.mark.parametrize("policy", [LRUPolicy, ARCPolicy])
+def test_spare_slots_are_free_ones_and_demoted_blocks_nobody_used_since(
+    policy: type[LRUPolicy | ARCPolicy],
+) -> None:
+    table = SlotTable(6, policy(6))
+    keys = [bytes([i]) * 16 for i in range(5)]
+    for k in keys:
+        slot = table.try_reserve(k)
+        assert slot is not None
+        table.commit(slot)
+    assert table.spare() == 1  # one free slot, nothing demoted
+    table.demote(keys[:3])
+    assert table.spare() == 4
+    assert set(table.policy.demoted()) == set(keys[:3])  # type: ignore[attr-defined]
+    table.ready_prefix(keys[:1])  # used again: not spare any more
+    pinned = table.pin(keys[1])  # pinned: not spare either
+    assert pinned is not None
+    assert table.spare() == 2
+    table.unpin(pinned)
+    assert table.spare() == 3
+    for k in (b"x" * 16, b"y" * 16):  # a free slot, then a demoted block
+        assert table.try_reserve(k) is not None
+    assert table.spare() == 1

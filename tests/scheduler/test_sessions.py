@@ -107,9 +107,13 @@ def test_a_plan_goes_stale_and_idle_sessions_are_forgotten() -> None:
     assert table.expire(19.9) == []
     assert table.expire(20.0) == [plan] and plan.state is PlanState.ENDED
     assert table.plans_stale == 1 and len(table) == 1  # its gaps are kept a while
-    assert table.next_wake() is None  # nothing pending lives on
+    wake = table.next_wake()  # only its going quiet is pending
+    assert wake is not None and wake > 20.0
+    assert table.take_retired() == []
     assert table.expire(100.1) == [] and len(table) == 0
     assert table.forgotten == 1
+    assert table.take_retired() == keys_of(1, 3)  # forgotten: its blocks go first
+    assert table.next_wake() is None  # nothing pending lives on
 
 
 def test_the_table_is_bounded() -> None:
@@ -154,6 +158,7 @@ def test_the_lead_follows_the_cost_model() -> None:
         ("lead_margin", 0.5),
         ("max_sessions", 0),
         ("forget_after", math.inf),
+        ("quiet_quantile", 1.0),
     ],
 )
 def test_settings_are_checked(field: str, value: float) -> None:
@@ -164,3 +169,8 @@ def test_settings_are_checked(field: str, value: float) -> None:
 def test_the_stale_quantile_must_be_above_the_ready_one() -> None:
     with pytest.raises(InvalidArgumentError, match="stale_quantile must be above"):
         SessionSettings(ready_quantile=0.5, stale_quantile=0.4)
+
+
+def test_the_quiet_quantile_must_not_be_below_the_stale_one() -> None:
+    with pytest.raises(InvalidArgumentError, match="quiet_quantile must be at least"):
+        SessionSettings(stale_quantile=0.9, quiet_quantile=0.8)

@@ -106,6 +106,32 @@ def test_serve_demo_quick(run_json: RunJson, tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(300)
+def test_serve_demo_agent_workload(run_json: RunJson) -> None:
+    """``--workload agent``: the four runs, labelled, each with its returning turns' TTFT;
+    hints were given and claimed; loaded KV gave the recompute's logits. Figures are not
+    asserted: they depend on the machine's load."""
+    out = run_json("examples/serve_demo.py", "--workload", "agent", "--quick").out
+    runs = out["runs"]
+    assert list(runs) == ["without kvtier", "without hints", "with hints", "ceiling"]
+    turns = out["settings"]["requests"]
+    for figures in runs.values():
+        assert figures["requests"] == turns
+        assert figures["returning_turns"] == turns - out["settings"]["sessions"]
+        assert all(positive(figures[f"returning_ttft_{q}_s"]) for q in ("p50", "p95"))
+        assert positive(figures["returning_speedup_p50"])
+    assert runs["without kvtier"]["blocks_loaded"] == 0
+    assert runs["ceiling"]["blocks_loaded"] > 0
+    workload = out["workload"]
+    assert workload["kind"] == "agent" and workload["tiers"] == ["fs"]
+    assert 0 < workload["pool_blocks"] < workload["blocks_touched"]
+    assert workload["ceiling_pool_blocks"] >= workload["blocks_touched"]
+    sessions = out["sessions"]
+    assert sessions["turns"] == sessions["hinted"] == turns - out["settings"]["sessions"]
+    assert sessions["claimed"] <= sessions["turns"]
+    assert_logits_match(out)
+
+
+@pytest.mark.timeout(300)
 def test_serve_demo_with_an_s3_tier(run_json: RunJson, store: Store, tmp_path: Path) -> None:
     """The demo's S3 mode on the run's SeaweedFS: blocks are written to S3 (paced below the
     file tier, the rest deferred and each one accounted for), and no S3 request is made on the

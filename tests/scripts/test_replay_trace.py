@@ -187,11 +187,13 @@ def test_cli_session_hints(run_json: RunJson) -> None:
     sessions = out["sessions"]
     assert 0 <= sessions["hit_ratio_without_hints"] <= sessions["hit_ratio_ceiling"] <= 1
     assert set(sessions["tiers"]) == {"fs"}
-    for mode in ("predicted", "return_hinted"):
+    for mode in ("predicted", "predicted_no_retention", "return_hinted"):
         figures = sessions["tiers"]["fs"][mode]
         for name in ("hidden_fraction", "waste", "hit_ratio_with_hints", "bytes_promoted"):
             assert isinstance(figures[name], int | float)
         assert set(figures["checks"]) == {
+            "hidden_at_least_0",
+            "hit_ratio_at_least_without_hints",
             "hidden_at_least_90pct",
             "waste_at_most_10pct",
             "hit_ratio_within_2_points_of_ceiling",
