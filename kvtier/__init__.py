@@ -94,7 +94,7 @@ try:
         SecondaryTier,
         TierStatistics,
     )
-    from kvtier.tiers.fs import FSConfig, FSTier, UnusableRootError
+    from kvtier.tiers.fs import FSConfig, FSTier, FSTierStatistics, UnusableRootError
     from kvtier.tiers.s3 import S3Config, S3Tier, S3TierStatistics
     from kvtier.writes import AdmissionPolicy, AdmissionStatistics
 
@@ -130,6 +130,7 @@ __all__ = [
     "ExtraNotInstalledError",
     "FSConfig",
     "FSTier",
+    "FSTierStatistics",
     "HostPool",
     "IdentityMismatchError",
     "IntegrityConfig",

@@ -13,8 +13,14 @@ What makes it trustworthy:
   checks the header (magic, version, key, length) and the payload's xxh3-64 before the bytes
   count as loaded; a bad file is removed, counted as ``corrupt`` and becomes a miss.
 - **Survives kill -9 and restarts.** A process killed mid-store leaves at most a temporary file,
-  which the next ``open()`` removes once its writer is gone; a new ``FSTier`` on the same folder
-  rebuilds its index (and its usage) from the files, oldest first.
+  which the next ``open()`` (or the walk after it) removes once its writer is gone. An owner
+  keeps its catalog in the folder (a checkpoint and a log of the changes since, written in the
+  background; ``_persistence``), so a new ``FSTier`` on the folder serves at once, in the LRU
+  order the last one left (up to its last second of changes after a kill -9), checks keys the
+  catalog lacks on the disk until a walk in the background has reconciled the catalog with
+  the folder, and says which in ``FSTierStatistics``. Without a usable catalog (a shared
+  folder's tier, a new folder, a damaged checkpoint) it rebuilds its index from the files,
+  oldest first, before it opens.
 - **Bounded.** With ``capacity_bytes`` the least recently used blocks are removed before a store
   would pass the limit. A store that finds the disk full (with or without a capacity) removes
   the least recently used blocks to make room and writes again, and says so in the log once
@@ -99,11 +105,12 @@ What makes it trustworthy:
 its
   file is in place, and removed when it is evicted, found corrupt, deleted, or found gone,
   only ever for a key the tier held (see ``_ledger``). A file another process removes is
-  found gone (``not_found``) by the next load of it, by the rescan at the next open, or, in
-  a shared folder, by the next existence check of it. A shared folder's present verdicts do
-  not expire (only the bounded verdict cache drops the oldest), so that check rarely comes
-  first: the bound is the next load, which the manager makes only of a block it is about to
-  use, so a stale HIT costs one failed read. The owner's bound is the same (``_index``).
+  found gone (``not_found``) by the next load of it, by the walk at (or after) the next
+  open, or, in a shared folder, by the next existence check of it. A shared folder's present
+  verdicts do not expire (only the bounded verdict cache drops the oldest), so that check
+  rarely comes first: the bound is the next load, which the manager makes only of a block
+  it is about to use, so a stale HIT costs one failed read. The owner's bound is the same
+  (``_index``).
 - **Signed blocks.** With ``integrity_key`` every block carries a keyed BLAKE3 MAC (blocks
   signed with keyed BLAKE2b before still verify) and only blocks that verify are served
   (anything else is a ``corrupt`` miss): someone who can write to a shared folder can no
@@ -146,13 +153,20 @@ around a synchronous core, the way httpcore's pool is a state machine with I/O o
 - ``_calls``: worker calls a deadline can walk away from; ``_index``: the owner's lookups;
   ``_ownership``: the folder's locks, and who owns or shares the folder; ``_marker``: the
   marker and the identity manifest; ``_keeper``: the folder's own files from open to
-  close; ``_upkeep``: the folder's checks on the event loop.
+  close; ``_upkeep``: the folder's checks on the event loop; ``_views``: the callers'
+  buffers.
+- The catalog across restarts (an owner's): ``_catalog_format`` (checkpoint and log as
+  bytes), ``_catalog_files`` (reading them back, writing them atomically),
+  ``_catalog_journal`` (noting changes, writing them in the background), ``_reconcile``
+  (the walk that brings a loaded catalog in line with the folder) and ``_persistence``
+  (the three at open and close, and ``FSTierStatistics``).
 """
 
 from __future__ import annotations
 
 from kvtier.tiers.fs._config import FSYNC_POLICIES, FSConfig
+from kvtier.tiers.fs._persistence import FSTierStatistics
 from kvtier.tiers.fs._root import UnusableRootError
 from kvtier.tiers.fs._tier import FSTier
 
-__all__ = ["FSYNC_POLICIES", "FSConfig", "FSTier", "UnusableRootError"]
+__all__ = ["FSYNC_POLICIES", "FSConfig", "FSTier", "FSTierStatistics", "UnusableRootError"]

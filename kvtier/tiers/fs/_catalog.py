@@ -8,7 +8,9 @@ file" from dropping a block stored while the check ran. It never awaits and neve
 file system: ``FSTier`` does the I/O around it and tells it what happened, so a cancellation
 cannot leave it half updated, and it is tested without an event loop. No rule here depends on
 time, so it needs no clock; the failures that expire are remembered by the lookup helpers
-(``_index``), which take one.
+(``_index``), which take one. An owner keeps its catalog across restarts: every change to
+the index is told, in order, to ``changes`` (``_catalog_journal`` writes them down), and an
+index read back at open is ``build``-t in a worker thread and taken over by ``reset``.
 
 Generic in ``W``, what a store in flight is waited on with (``anyio.Event`` in the tier), so
 a second store of a key can wait for the first without the catalog knowing about the loop.
@@ -20,11 +22,12 @@ import contextlib
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
+from kvtier.tiers.fs._catalog_format import Change
 from kvtier.tiers.fs._layout import name_of
 
-__all__ = ["Catalog", "NoRoom", "Reservation"]
+__all__ = ["Built", "Catalog", "Changes", "NoRoom", "Reservation"]
 
 W = TypeVar("W")
 
@@ -36,6 +39,24 @@ class NoRoom(Exception):
         super().__init__(f"a block of {size} bytes is larger than capacity_bytes={capacity}")
         self.size = size
         self.capacity = capacity
+
+
+class Changes(Protocol):
+    """Who hears every change to the index, in order (``_catalog_journal``): replaying them
+    onto the entries it had reproduces the index and its LRU order exactly."""
+
+    def note(self, change: Change, name: str, size: int) -> None: ...
+
+    def replaced(self) -> None:
+        """The index was replaced as a whole (``reset``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Built:
+    """An index built for ``Catalog.reset`` off the event loop, and the bytes it holds."""
+
+    index: OrderedDict[str, int]
+    used: int
 
 
 @dataclass(slots=True)
@@ -75,6 +96,7 @@ class Catalog(Generic[W]):
         self._watchers = 0
         self._added: dict[str, int] = {}
         self._dropped: dict[str, int] = {}
+        self.changes: Changes | None = None  # told every change, when the catalog is kept
 
     # -- contents ------------------------------------------------------------------------------
 
@@ -82,8 +104,19 @@ class Catalog(Generic[W]):
     def blocks(self) -> int:
         return len(self._index)
 
-    def reset(self, entries: Iterable[tuple[str, int]], since: int | None = None) -> list[str]:
-        """The folder was (re)read: ``entries`` are its files, oldest first. Returns the
+    @staticmethod
+    def build(entries: Iterable[tuple[str, int]], used: int | None = None) -> Built:
+        """An index of ``entries`` (oldest first) for ``reset``, built where it costs the
+        event loop nothing (a worker thread: it touches no catalog). ``used``: their bytes,
+        when the caller has them at hand (reading them back from the index is slower)."""
+        index = OrderedDict(entries)
+        return Built(index, sum(index.values()) if used is None else used)
+
+    def reset(
+        self, entries: Iterable[tuple[str, int]] | Built, since: int | None = None
+    ) -> list[str]:
+        """The folder was (re)read: ``entries`` are its files, oldest first (or their index,
+        ``build``-t off the loop, which the catalog takes over). Returns the
         names held before that the folder no longer has (removed while the tier was closed,
         or while its root was unusable).
 
@@ -91,19 +124,22 @@ class Catalog(Generic[W]):
         name after it, or a delete or eviction that dropped one, happened while the folder
         was read and may be missing from ``entries`` or stale in them: the catalog's own
         knowledge of such a name wins over the read."""
-        fresh = OrderedDict(entries)
+        built = entries if isinstance(entries, Built) else self.build(entries)
+        fresh, used = built.index, built.used
         if since is not None:
             for name, epoch in self._dropped.items():
                 if epoch > since and self._added.get(name, -1) < epoch:
-                    fresh.pop(name, None)
+                    used -= fresh.pop(name, 0)
             for name, epoch in self._added.items():
                 size = self._index.get(name)
                 if epoch > since and size is not None:
-                    fresh.pop(name, None)
+                    used += size - fresh.pop(name, 0)
                     fresh[name] = size  # the most recently used end, where it was put
         before, self._index = self._index, fresh
-        self.used = sum(self._index.values())
+        self.used = used
         self.ready = True
+        if self.changes is not None:
+            self.changes.replaced()
         return [name for name in before if name not in self._index]
 
     def holds(self, key: bytes) -> bool:
@@ -117,11 +153,36 @@ class Catalog(Generic[W]):
         """File names, least recently used first."""
         return list(self._index)
 
+    def entries(self) -> list[tuple[str, int]]:
+        """File names and sizes, least recently used first (a checkpoint's contents)."""
+        return list(self._index.items())
+
+    def size_of(self, name: str) -> int | None:
+        return self._index.get(name)
+
+    def resize(self, name: str, size: int) -> None:
+        """``name``'s file turned out to be ``size`` bytes: corrected where it stands."""
+        held = self._index.get(name)
+        if held is not None and held != size:
+            self._index[name] = size
+            self.used += size - held
+            self._note(Change.SIZE, name, size)
+
+    def changed_since(self, name: str, since: int) -> bool:
+        """Whether a store, load, delete or eviction added or dropped ``name`` after epoch
+        ``since`` (known while a watcher that began at ``since`` runs)."""
+        return self._added.get(name, -1) > since or self._dropped.get(name, -1) > since
+
+    def _note(self, change: Change, name: str, size: int) -> None:
+        if self.changes is not None:
+            self.changes.note(change, name, size)
+
     def add(self, name: str, size: int) -> None:
         """A file is there (stored, loaded, or found): it becomes the most recently used."""
         self.drop(name)
         self._index[name] = size
         self.used += size
+        self._note(Change.ADD, name, size)
         self._epoch += 1
         if self._watchers:
             self._added[name] = self._epoch
@@ -132,12 +193,14 @@ class Catalog(Generic[W]):
         self._taken(name)
         if size is not None:
             self.used -= size
+            self._note(Change.DROP, name, 0)
         return size is not None
 
     def loaded(self, name: str, size: int) -> None:
         """A load read the file: it is the most recently used (and known, if it was not)."""
         if name in self._index:
             self._index.move_to_end(name)
+            self._note(Change.ADD, name, self._index[name])
         else:
             self.add(name, size)
 
@@ -208,11 +271,13 @@ class Catalog(Generic[W]):
                 victim, victim_size = self._index.popitem(last=False)
                 if victim == name:  # it is there already: it needs no room
                     self._index[victim] = victim_size
+                    self._note(Change.ADD, victim, victim_size)
                     if len(self._index) == 1:
                         break
                     continue
                 self.used -= victim_size
                 self._taken(victim)
+                self._note(Change.DROP, victim, 0)
                 victims.append((victim, victim_size))
         self.reserved += size
         return Reservation(key, name, size, victims)
@@ -227,11 +292,13 @@ class Catalog(Generic[W]):
             victim, victim_size = index.popitem(last=False)
             if victim == res.name:  # it is there already: it needs no room
                 index[victim] = victim_size
+                self._note(Change.ADD, victim, victim_size)
                 if len(index) == 1:
                     break
                 continue
             self.used -= victim_size
             self._taken(victim)
+            self._note(Change.DROP, victim, 0)
             res.victims.append((victim, victim_size))
             freed += victim_size
             taken += 1
@@ -258,6 +325,7 @@ class Catalog(Generic[W]):
                     self._index.move_to_end(victim, last=False)
                     self.used += victim_size
                     self._dropped.pop(victim, None)  # back as it was: a read's copy holds
+                    self._note(Change.BACK, victim, victim_size)
         if landed is not None:
             self.add(res.name, landed)
         return gone

@@ -21,6 +21,7 @@ every lookup. The interface is ``AsyncLookupManager``'s, so the tier composes ei
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Self
@@ -29,9 +30,10 @@ from anyio.abc import AsyncResource
 
 from kvtier.common._lookup import HIT, LookupResult, MissReason
 from kvtier.common._verdicts import VerdictStore, code_of, reason_of_code
+from kvtier.tiers._async_lookup import AsyncLookupManager
 from kvtier.tiers._base import CountedLookups, LookupStatistics
 
-__all__ = ["IndexLookups"]
+__all__ = ["IndexLookups", "IndexThenChecks"]
 
 
 class IndexLookups(CountedLookups, AsyncResource):
@@ -75,6 +77,11 @@ class IndexLookups(CountedLookups, AsyncResource):
             return HIT
         return self._miss(MissReason.NOT_FOUND)
 
+    def answers(self, key: bytes) -> bool:
+        """Whether the index has an answer of its own for ``key``: it holds it, or its load
+        failed lately."""
+        return self._holds(key) or self._failed.get(key) is not None
+
     def record(self, key: bytes, present: bool, reason: MissReason = MissReason.NOT_FOUND) -> None:
         """A store landed (``present``), or ``key`` is gone or failed with ``reason``. Absence
         itself needs no memory (the index says it); failures of a held key do, and so does an
@@ -94,3 +101,45 @@ class IndexLookups(CountedLookups, AsyncResource):
 
     def __repr__(self) -> str:
         return f"<IndexLookups open={self._open} failed={len(self._failed)}>"
+
+
+class IndexThenChecks(CountedLookups):
+    """The owner's lookups while its catalog, loaded from a checkpoint, is not yet in line
+    with the folder (``_reconcile``): a key the index holds is answered from it at once
+    (``HIT``; the load verifies the bytes, so a stale entry costs a miss, never wrong bytes),
+    any other is checked on the disk as a shared folder's are (another process may have
+    stored it while this one was closed, or a kill -9 lost its log record). Verdicts go to
+    both helpers."""
+
+    def __init__(self, index: IndexLookups, checks: AsyncLookupManager) -> None:
+        super().__init__()
+        self._index = index
+        self._checks = checks
+
+    def lookup(self, key: bytes) -> LookupResult:
+        return self.lookup_with_reason(key)[0]
+
+    def lookup_with_reason(self, key: bytes) -> tuple[LookupResult, MissReason | None]:
+        if self._index.answers(key):
+            return self._index.lookup_with_reason(key)
+        return self._checks.lookup_with_reason(key)
+
+    def record(self, key: bytes, present: bool, reason: MissReason = MissReason.NOT_FOUND) -> None:
+        self._index.record(key, present, reason)
+        self._checks.record(key, present, reason)
+
+    def statistics(self) -> LookupStatistics:
+        index, checks = self._index.statistics(), self._checks.statistics()
+        reasons = dict(checks.misses_by_reason)
+        for reason, count in index.misses_by_reason.items():
+            reasons[reason] = reasons.get(reason, 0) + count
+        return dataclasses.replace(
+            checks,
+            hits=checks.hits + index.hits,
+            misses=checks.misses + index.misses,
+            misses_by_reason=reasons,
+            cached_verdicts=checks.cached_verdicts + index.cached_verdicts,
+        )
+
+    def __repr__(self) -> str:
+        return f"<IndexThenChecks index={self._index!r} checks={self._checks!r}>"

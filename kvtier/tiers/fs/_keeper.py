@@ -31,6 +31,7 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,11 +76,13 @@ _MARKER_POLL_SECONDS = CHECK_SECONDS / 20
 @dataclass(frozen=True, slots=True)
 class Prepared:
     """A root made ready: its blocks (oldest first), why O_DIRECT is refused there (falsy:
-    it is not), and the claim taken now (None when the tier held one already)."""
+    it is not), the claim taken now (None when the tier held one already), and whether the
+    catalog kept in the root was loaded instead of listing the blocks."""
 
     entries: list[Entry]
     direct_refused: str | bool | None
     claimed: Claim | None
+    loaded: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,28 +135,41 @@ class FolderKeeper:
         """Which open of the tier this is, for ``prepare`` (read it on the event loop)."""
         return self._generation
 
-    def prepare(self, probe_direct: bool, generation: int) -> Prepared:
-        """Make the root ready (``_root.prepare_root``), check its identity, probe O_DIRECT,
-        and claim the folder unless this tier holds it already, or was closed since
-        ``generation`` (a prepare that hung until after the close claims nothing). Raises
-        ``OSError``, ``IncompatibleRoot``, ``FolderBusy`` and the identity errors."""
+    def prepare(
+        self, probe_direct: bool, generation: int, load: Callable[[], bool] | None = None
+    ) -> Prepared:
+        """Make the root ready (``_root.ready_root``), check its identity, probe O_DIRECT,
+        claim the folder unless this tier holds it already, or was closed since
+        ``generation`` (a prepare that hung until after the close claims nothing), and list
+        its blocks (``_root.list_blocks``), unless the claim made the tier the owner and
+        ``load`` read the catalog it kept (``Prepared.loaded``: the blocks are listed in the
+        background instead). Raises ``OSError``, ``IncompatibleRoot``, ``FolderBusy`` and the
+        identity errors."""
         with self._lock:
             if self._container is not None:
                 _root.make_root(self._container)
             try:
-                entries = _root.prepare_root(self.root, self._marker)
+                _root.ready_root(self.root, self._marker)
             except Unmarked:
                 self._unmarked(generation)
-                entries = _root.prepare_root(self.root, self._marker)  # checks the marker now
+                _root.ready_root(self.root, self._marker)  # checks the marker now
             if self._identity is not None:
                 claim_identity(self.root, self._identity)
             self._marker_inode = _inode(self.root / MARKER_NAME)
             refused = probe_direct and _root.direct_refused(self.root)
             self.refused = None
-            if self.claim is not None or generation != self._generation:
-                return Prepared(entries, refused, None)
-            self.claim = claim(self.root, self._shared)
-            return Prepared(entries, refused, self.claim)
+            claimed = None
+            if self.claim is None and generation == self._generation:
+                self.claim = claimed = claim(self.root, self._shared)
+            try:
+                if claimed is not None and claimed.owner and load is not None and load():
+                    return Prepared([], refused, claimed, loaded=True)
+                return Prepared(_root.list_blocks(self.root), refused, claimed)
+            except BaseException:
+                if claimed is not None:  # not this tier's after all: let go of it
+                    self.claim = None
+                    claimed.release()
+                raise
 
     def check(self) -> Report:
         """Write back the marker and manifest when they are gone, check a marker another
@@ -219,7 +235,7 @@ class FolderKeeper:
                 "another folder, or empty this one to start a fresh cache"
             )
         if generation != self._generation:
-            return  # the tier closed while this waited: prepare_root refuses the folder
+            return  # the tier closed while this waited: ready_root refuses the folder
         written: list[str] = []
         if self._identity is not None:  # another identity's manifest refuses the folder here
             if read_identity(root) is None:

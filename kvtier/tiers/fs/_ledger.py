@@ -41,8 +41,8 @@ from kvtier.common._format import IntegrityKey, header_size
 from kvtier.common._logging import BurstLogger
 from kvtier.common._lookup import MissReason
 from kvtier.tiers._base import TierMeter
-from kvtier.tiers.fs._calls import Stuck
-from kvtier.tiers.fs._catalog import Catalog, NoRoom, Reservation
+from kvtier.tiers.fs._calls import Abandoned, OnLate, Stuck
+from kvtier.tiers.fs._catalog import Built, Catalog, NoRoom, Reservation
 from kvtier.tiers.fs._geometry import region_size
 from kvtier.tiers.fs._layout import key_of
 from kvtier.tiers.fs._write import WriteOutcome
@@ -141,6 +141,14 @@ class Ledger:
             self.verdicts.record(res.key, True)
             self.events.emit(EventKind.STORED, (res.key,))
 
+    def late_store(self, res: Reservation) -> OnLate[tuple[WriteOutcome, int]]:
+        """What settles a write abandoned at a deadline once it has finished."""
+
+        def late(result: tuple[WriteOutcome, int] | None, error: BaseException | None) -> None:
+            self.settle(res, result, touched=not isinstance(error, Abandoned))
+
+        return late
+
     def stored(
         self,
         res: Reservation,
@@ -200,12 +208,16 @@ class Ledger:
         ]
         self.forget(gone)
 
-    def rescanned(self, entries: Iterable[tuple[str, int]], since: int) -> None:
+    def rescanned(self, entries: Iterable[tuple[str, int]] | Built, since: int) -> None:
         """The folder was (re)read from epoch ``since`` on: ``entries`` are its files, oldest
         first; a file the catalog held that is not among them (nor stored meanwhile) is
         removed."""
         gone = self.catalog.reset(entries, since)
         self.forget([k for name in gone if (k := key_of(name))])
+
+    def forget_files(self, names: list[str]) -> None:
+        """``forget`` the keys of the files ``names``."""
+        self.forget([k for name in names if (k := key_of(name)) is not None])
 
     def forget(self, keys: list[bytes]) -> None:
         """Files the catalog held are gone: misses from now on, removed (``not_found``)."""

@@ -36,8 +36,10 @@ from kvtier.tiers.fs._marker import check_marker
 __all__ = [
     "UnusableRootError",
     "direct_refused",
+    "list_blocks",
     "make_root",
     "prepare_root",
+    "ready_root",
     "remove_if_stale",
 ]
 
@@ -69,13 +71,21 @@ class UnusableRootError(InvalidArgumentError, OSError):
 
 
 def prepare_root(root: Path, marker: dict[str, object] | None = None) -> list[Entry]:
-    """Make ``root`` usable and list its blocks, oldest first.
+    """Make ``root`` usable and list its blocks, oldest first (``ready_root``, then
+    ``list_blocks``)."""
+    ready_root(root, marker)
+    return list_blocks(root)
 
-    Creates the root and its missing parents (``make_root``), checks or writes the format
-    marker, removes temporary files whose writer is gone, and lists every block file.
-    """
+
+def ready_root(root: Path, marker: dict[str, object] | None = None) -> None:
+    """Create the root and its missing parents (``make_root``), and check or write the
+    format marker."""
     make_root(root)
     check_marker(root, MARKER if marker is None else marker)
+
+
+def list_blocks(root: Path) -> list[Entry]:
+    """Every block file, oldest first; temporary files whose writer is gone are removed."""
     entries: list[Entry] = []
     now = time.time()
     for item in walk(root):

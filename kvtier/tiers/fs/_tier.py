@@ -38,23 +38,24 @@ from kvtier.tiers._async_lookup import AsyncLookupManager
 from kvtier.tiers._base import (
     BatchResults,
     SecondaryTier,
-    TierStatistics,
 )
 from kvtier.tiers._checks import existence_checks
 from kvtier.tiers.fs import _batch, _blocks
 from kvtier.tiers.fs._blocks import BlockFiles
-from kvtier.tiers.fs._calls import Abandoned, Handoff, OnLate, Stuck
-from kvtier.tiers.fs._catalog import Catalog, Reservation
+from kvtier.tiers.fs._calls import Handoff, Stuck
+from kvtier.tiers.fs._catalog import Catalog
 from kvtier.tiers.fs._config import FSConfig, FSOverrides
 from kvtier.tiers.fs._exists import stat_many
-from kvtier.tiers.fs._index import IndexLookups
+from kvtier.tiers.fs._index import IndexLookups, IndexThenChecks
 from kvtier.tiers.fs._keeper import FolderKeeper
 from kvtier.tiers.fs._layout import IncompatibleRoot, name_of
 from kvtier.tiers.fs._ledger import Ledger
 from kvtier.tiers.fs._ownership import FolderBusy
+from kvtier.tiers.fs._persistence import CatalogPersistence, FSTierStatistics
 from kvtier.tiers.fs._read import Corrupt, ReadOutcome, WrongSize
 from kvtier.tiers.fs._root import UnusableRootError
 from kvtier.tiers.fs._upkeep import Upkeep
+from kvtier.tiers.fs._views import readable_bytes, writable_bytes
 from kvtier.tiers.fs._write import WriteOutcome, remove_block
 
 __all__ = ["FSTier"]
@@ -108,9 +109,10 @@ class FSTier(SecondaryTier):
         # finds another process on its folder switches at once.
         self._index = IndexLookups(self._catalog.holds, miss_ttl=settings.miss_ttl)
         self._checks = existence_checks(self, self.contains_many, settings, most=4)
-        self._lookups: AsyncLookupManager | IndexLookups = (
+        self._lookups: AsyncLookupManager | IndexLookups | IndexThenChecks = (
             self._index if settings.shared is False else self._checks
         )
+        self._interim = IndexThenChecks(self._index, self._checks)  # opened from a checkpoint
         self._task_group: anyio.abc.TaskGroup | None = None  # the folder's checks
         # What it holds, for routers and engines (``kvtier.common._events``): stored, removed,
         # cleared.
@@ -119,6 +121,10 @@ class FSTier(SecondaryTier):
             self.name, self._catalog, self._lookups, self.notify, self.integrity_key, self.events
         )
         self._upkeep = Upkeep(self._files, self._ledger, settings.lookup_timeout, self._share)
+        self._persistence = CatalogPersistence(
+            self.name, self.root, self._catalog, self._ledger.forget_files, settings.fsync
+        )
+        self._keeping = False  # this open made the tier the owner: it keeps its catalog
 
     @property
     def owner(self) -> bool | None:
@@ -141,15 +147,18 @@ class FSTier(SecondaryTier):
         """
         if self._task_group is not None:
             return
+        self._keeping = False
         await self._prepare(raise_unavailable=False)
         await self._index.__aenter__()
         await self._checks.__aenter__()
         self._task_group = tg = await enter_task_group()
         tg.start_soon(self._upkeep.run)
+        if self._keeping:
+            self._persistence.start(tg, self._reconciled)
 
     async def aclose(self) -> None:
-        """Stop the checks and let go of the folder. The blocks stay; opening again rescans
-        the folder."""
+        """Stop the checks, write the catalog's last checkpoint (an owner), and let go of the
+        folder. The blocks stay; opening again reads the checkpoint (or walks the folder)."""
         await self._index.aclose()  # holds no task group: nothing to leave
         self._catalog.ready = False
         tg, self._task_group = self._task_group, None
@@ -157,6 +166,7 @@ class FSTier(SecondaryTier):
             if tg is not None:  # entered after the existence checks' group: left before it
                 await cancel_task_group(tg)
         finally:  # even when the caller is cancelled meanwhile (a manager's open_timeout)
+            await self._persistence.aclose()  # shielded and bounded; before the claim goes
             held, files = self._keeper.close(), self._files
             if held is not None:  # bounded: closing a lock on a dead mount may not return
                 with anyio.move_on_after(self.config.lookup_timeout, shield=True):
@@ -175,9 +185,11 @@ class FSTier(SecondaryTier):
     async def _read_root(self, raise_unavailable: bool, since: int) -> None:
         keeper, files, probe = self._keeper, self._files, self.direct_io
         generation = keeper.generation
+        kept = self._persistence
+        load = None if raise_unavailable else kept.load  # at open only
         try:
-            ready = await files.calls.run(
-                lambda _: keeper.prepare(probe, generation), limiter=files.reads
+            ready, built = await files.calls.run(
+                lambda _: kept.built(keeper.prepare(probe, generation, load)), limiter=files.reads
             )
         except (IncompatibleRoot, FolderBusy) as exc:
             if raise_unavailable:  # at a store: the folder became another tier's
@@ -201,7 +213,12 @@ class FSTier(SecondaryTier):
             how = "answer from the index" if claimed.owner else "check the disk"
             logger.info("%s: %s is %s: lookups %s", self.name, self.root, claimed.why, how)
             self._lookups = self._ledger.verdicts = self._index if claimed.owner else self._checks
-        self._ledger.rescanned(((e.name, e.size) for e in ready.entries), since)
+            self._keeping = claimed.owner and not raise_unavailable
+        self._ledger.rescanned(built, since)
+        if ready.loaded:
+            self._lookups = self._ledger.verdicts = self._interim
+        if self._keeping:
+            kept.attach(ready.entries)
 
     async def _prepare_for_store(self) -> None:
         await self._prepare(raise_unavailable=True)
@@ -214,9 +231,14 @@ class FSTier(SecondaryTier):
 
     def _share(self, why: str) -> None:
         """Another process uses the folder now: stop answering lookups from the index."""
-        if self._lookups is self._index:
+        if self._lookups is not self._checks:
             logger.warning("%s: %s is %s: lookups check the disk", self.name, self.root, why)
             self._lookups = self._ledger.verdicts = self._checks
+
+    def _reconciled(self) -> None:
+        """The catalog loaded at open is in line with the folder: the index answers alone."""
+        if self._lookups is self._interim:
+            self._lookups = self._ledger.verdicts = self._index
 
     # -- lookup --------------------------------------------------------------------------------
 
@@ -258,7 +280,7 @@ class FSTier(SecondaryTier):
 
     async def load(self, key: bytes, dst: memoryview) -> None:
         check_key(key)
-        view = _writable_bytes(dst)
+        view = writable_bytes(dst)
         name = name_of(key)
         started = time.perf_counter()
         files, ledger = self._files, self._ledger
@@ -286,7 +308,7 @@ class FSTier(SecondaryTier):
 
     async def store(self, key: bytes, src: memoryview) -> None:
         check_key(key)
-        payload = _readable_bytes(src)
+        payload = readable_bytes(src)
         catalog = self._catalog
         while (busy := catalog.storing.get(key)) is not None:
             await busy.wait()  # the same key is being written: let that store decide
@@ -322,7 +344,7 @@ class FSTier(SecondaryTier):
             call = Handoff()
             try:
                 result = await files.calls.run(
-                    write, limiter=files.writes, on_late=self._late_store(res), handoff=call
+                    write, limiter=files.writes, on_late=ledger.late_store(res), handoff=call
                 )
             except OSError as exc:  # the thread ran to its end: nothing is left running
                 if ledger.make_room(res, exc, attempt):
@@ -340,15 +362,6 @@ class FSTier(SecondaryTier):
             break
         ledger.stored(res, result, payload.nbytes, time.perf_counter() - started)
 
-    def _late_store(self, res: Reservation) -> OnLate[tuple[WriteOutcome, int]]:
-        """Settles a write abandoned at a deadline once it has finished."""
-        ledger = self._ledger
-
-        def late(result: tuple[WriteOutcome, int] | None, error: BaseException | None) -> None:
-            ledger.settle(res, result, touched=not isinstance(error, Abandoned))
-
-        return late
-
     # -- batches -------------------------------------------------------------------------------
 
     async def _load_batch(
@@ -359,7 +372,7 @@ class FSTier(SecondaryTier):
         reads straight into ``dsts`` (buffered I/O) and a cancellation waits for it; else
         through private buffers, as ``load`` does."""
         keys = [check_key(k) for k in keys]
-        views = [_writable_bytes(d) for d in dsts]
+        views = [writable_bytes(d) for d in dsts]
         batch = _batch.Batch.of(self._files, self._ledger, keys, views, pinned)
         return await _batch.load_many(batch, deadline)
 
@@ -369,7 +382,7 @@ class FSTier(SecondaryTier):
         """``_load_batch`` straight into ``dsts``, as pinned, yet walking away at the
         deadline: a run left reading keeps its block's buffer through ``lender``."""
         keys = [check_key(k) for k in keys]
-        views = [_writable_bytes(d) for d in dsts]
+        views = [writable_bytes(d) for d in dsts]
         batch = _batch.Batch.of(self._files, self._ledger, keys, views, False, lender)
         return await _batch.load_many(batch, deadline)
 
@@ -380,7 +393,7 @@ class FSTier(SecondaryTier):
         writes straight from ``srcs``; else it copies each block out first, as ``store``
         does. Capacity, victims and publishing are ``store``'s, block by block."""
         keys = [check_key(k) for k in keys]
-        payloads = [_readable_bytes(s) for s in srcs]
+        payloads = [readable_bytes(s) for s in srcs]
         batch = _batch.Batch.of(self._files, self._ledger, keys, payloads, pinned)
         try:  # a block that found the disk full is stored again alone, making room
             return await _batch.store_many(
@@ -405,14 +418,15 @@ class FSTier(SecondaryTier):
 
     # -- state ---------------------------------------------------------------------------------
 
-    def statistics(self) -> TierStatistics:
+    def statistics(self) -> FSTierStatistics:
         self._files.calls.drain_late()
         lookups = self._lookups.statistics()
         if retries := self._catalog.writing_retries:
             lookups = dataclasses.replace(lookups, retries=lookups.retries + retries)
-        return self._ledger.meter.snapshot(
+        base = self._ledger.meter.snapshot(
             self.name, lookups, blocks=self._catalog.blocks, bytes_stored=self._catalog.used
         )
+        return self._persistence.statistics(base)
 
     def __repr__(self) -> str:
         catalog, files = self._catalog, self._files
@@ -433,23 +447,3 @@ class FSTier(SecondaryTier):
             stuck_threads=files.calls.stuck,
             disk_full_evictions=self._ledger.disk_full_evictions,
         )
-
-
-def _writable_bytes(dst: object) -> memoryview:
-    if not isinstance(dst, memoryview):
-        raise InvalidArgumentError(f"dst must be a memoryview, got {type(dst).__name__}")
-    if dst.readonly:
-        raise InvalidArgumentError("dst must be writable; pass a memoryview of a writable buffer")
-    return _flat(dst, "dst")
-
-
-def _readable_bytes(src: object) -> memoryview:
-    if not isinstance(src, memoryview):
-        raise InvalidArgumentError(f"src must be a memoryview, got {type(src).__name__}")
-    return _flat(src, "src")
-
-
-def _flat(view: memoryview, what: str) -> memoryview:
-    if not view.c_contiguous:
-        raise InvalidArgumentError(f"{what} must be C-contiguous; copy it into one buffer first")
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")

@@ -99,8 +99,8 @@ async def test_a_miss_of_a_key_nobody_announced_says_nothing(tmp_path: Path, sha
 
 
 async def test_a_file_another_process_removes_from_an_owned_folder(tmp_path: Path) -> None:
-    """The owner's index is the truth until a load finds the file gone, or the folder is
-    rescanned at the next open: each is a ``not_found`` removed event."""
+    """The owner's index is the truth until a load finds the file gone, or the walk after
+    the next open does: each is a ``not_found`` removed event."""
     root = tmp_path / "c"
     keys = fresh_keys(2)
     async with FSTier(root, shared=False) as tier:
@@ -116,6 +116,7 @@ async def test_a_file_another_process_removes_from_an_owned_folder(tmp_path: Pat
         await tier.aclose()
         path_of(root, keys[1]).unlink()  # while the tier is closed
         await tier.open()
+        await tier._persistence.walked()
         assert removed(tier.events.drain()) == [(keys[1], "not_found")]
         assert tier.lookup(keys[1]) is LookupResult.MISS
 

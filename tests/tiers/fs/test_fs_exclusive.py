@@ -52,7 +52,8 @@ async def test_answers_from_the_index_without_a_stat(tmp_path: Path, stats: list
         await tier.delete(key(1))
         assert tier.lookup(key(1)) is LookupResult.MISS
         await tier.store(key(2), memoryview(data(2)))
-    async with FSTier(root, shared=False) as tier:  # the index is rebuilt from the files
+    async with FSTier(root, shared=False) as tier:  # the index is read back, then checked
+        await tier._persistence.walked()
         assert tier.lookup(key(2)) is LookupResult.HIT
         assert tier.lookup(key(3)) is LookupResult.MISS
         s = tier.statistics().lookups
@@ -80,7 +81,9 @@ async def test_scheduler_never_waits_on_unknown_keys(tmp_path: Path, stats: list
         for i in range(4):
             await tier.store(key(i), memoryview(data(i)))
     pool = HostPool(16, BLOCK)
-    async with TieringManager(pool, [FSTier(root, shared=False)]) as manager:
+    fs = FSTier(root, shared=False)
+    async with TieringManager(pool, [fs]) as manager:
+        await fs._persistence.walked()  # until then a key the catalog lacks is checked
         scheduler = OffloadScheduler(manager)
         keys = [key(i) for i in range(8)]
         # Key 4 is a miss at once, so only the promotions of the four held keys defer.

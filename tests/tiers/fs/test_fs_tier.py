@@ -421,6 +421,7 @@ async def test_open_removes_only_dead_writers_temporary_files(tmp_path: Path) ->
     os.utime(remote_old, (old, old))
     async with FSTier(root) as tier:
         assert await load(tier, key(0)) == data(0)
+        await tier._persistence.walked()  # opened from its catalog: the walk follows
     assert tmp_files(root) == [remote_fresh]  # another host may still be writing it
 
 
@@ -451,10 +452,14 @@ async def test_capacity_evicts_least_recently_used(tmp_path: Path, no_blocking: 
 
 
 async def test_usage_is_rebuilt_on_open_oldest_first(tmp_path: Path) -> None:
+    """Without the catalog it kept (removed here), a tier rebuilds the LRU order from the
+    files' times."""
     root = tmp_path / "c"
     async with FSTier(root) as tier:
         for i in range(4):
             await tier.store(key(i), memoryview(data(i)))
+    for kept in root.glob(".kvtier-fs-catalog*"):
+        kept.unlink()
     for age, i in enumerate([2, 0, 3, 1]):  # make 1 the oldest, then 3, 0, 2
         then = time.time() - 1000 * (age + 1)
         os.utime(next(p for p in block_files(root) if p.name == key(i).hex()), (then, then))

@@ -1,0 +1,215 @@
+"""An owner's catalog across restarts: ``CatalogPersistence`` and ``FSTierStatistics``.
+
+A tier that owns its folder keeps its catalog there (``_catalog_journal``: a checkpoint and a
+log, written in the background) and, at the next open, reads it back (``load``, in the worker
+thread that prepares the root, once the claim made the tier the owner) instead of walking the
+folder before it serves anything. It then answers at once: keys in the loaded catalog from the
+index, others from the disk (``_index.IndexThenChecks``), while a walk in the background
+(``_reconcile``) brings the catalog in line with the folder; then lookups go back to the index
+alone (``on_complete``). A missing, old or damaged checkpoint falls back to the walk at open,
+as a tier that keeps nothing does, and says why once.
+
+``fsync``: with ``never`` nothing is synced (a crash of the process loses nothing written; a
+power loss may leave a checkpoint the checksum refuses: the folder is walked); otherwise
+checkpoints are synced before and after their rename and each flush of the log is
+``fdatasync``-ed, once per ``FLUSH_SECONDS`` at most, whatever the number of stores.
+
+A shared folder's tier keeps nothing: other processes change the folder all the time, and
+its lookups check the disk anyway. An owner that finds another process on its folder while
+it runs goes on keeping its catalog (it is still the best account of the LRU order there is,
+and it is the only writer of these files: no other tier can own the folder until it closes);
+what the other process changed is reconciled at the next open.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+import anyio.abc
+
+from kvtier.tiers._base import TierStatistics
+from kvtier.tiers.fs import _catalog_files
+from kvtier.tiers.fs._catalog import Built, Catalog
+from kvtier.tiers.fs._catalog_files import JournalFiles, Loaded
+from kvtier.tiers.fs._catalog_format import Limits
+from kvtier.tiers.fs._catalog_journal import CatalogJournal
+from kvtier.tiers.fs._keeper import Prepared
+from kvtier.tiers.fs._layout import Entry
+from kvtier.tiers.fs._reconcile import apply, compare
+
+__all__ = ["CatalogPersistence", "FSTierStatistics"]
+
+logger = logging.getLogger("kvtier.tiers.fs")
+
+
+@dataclass(frozen=True, slots=True)
+class FSTierStatistics(TierStatistics):
+    """``TierStatistics`` plus the catalog kept across restarts: whether this open read it
+    from the checkpoint (else it walked the folder), whether it is in line with the folder
+    (a catalog from a checkpoint is not until the walk in the background ends: until then
+    keys it does not hold are checked on the disk), and its writes."""
+
+    catalog_from_checkpoint: bool = False
+    catalog_complete: bool = True
+    catalog_checkpoints: int = 0
+    catalog_log_writes: int = 0
+    catalog_write_failures: int = 0
+    catalog_unwritten_changes: int = 0  # what a kill -9 would lose of the LRU order now
+
+
+class CatalogPersistence:
+    """Loads, keeps and reconciles one owner's catalog; see the module docstring."""
+
+    def __init__(
+        self,
+        name: str,
+        root: Path,
+        catalog: Catalog[anyio.Event],
+        forget: Callable[[list[str]], None],
+        fsync: str,
+        limits: Limits | None = None,
+    ) -> None:
+        self.name = name
+        self.root = root
+        self._catalog = catalog
+        self._forget = forget  # entries the walk found without a file: ``not_found``
+        self._limits = limits or Limits()
+        self._durable = fsync != "never"
+        self.loaded: Loaded | None = None  # read by ``load``, until the walk has compared it
+        self.from_checkpoint = False
+        self.complete = True
+        self.journal: CatalogJournal | None = None
+        self._since: int | None = None  # the epoch the walk compares from, while watched
+        self._walked = anyio.Event()  # the walk ended (or there is none)
+        self._walked.set()
+
+    # -- open ----------------------------------------------------------------------------------
+
+    def load(self) -> bool:
+        """Read the catalog kept in the root (a worker thread, at open, as the owner);
+        whether there was a usable one. Says once why not."""
+        loaded, why = _catalog_files.load(self.root, self._limits)
+        self.loaded = loaded
+        if loaded is None:
+            level = logging.INFO if why == "no checkpoint" else logging.WARNING
+            logger.log(level, "%s: %s: %s; walking the folder", self.name, self.root, why)
+        return loaded is not None
+
+    def built(self, ready: Prepared) -> tuple[Prepared, Built]:
+        """``ready`` and the catalog's index of what it read (the loaded catalog, or the
+        walk's entries), built in the worker thread that prepared the root."""
+        loaded = self.loaded if ready.loaded else None
+        if loaded is not None:
+            pairs = zip(loaded.names, loaded.sizes, strict=True)
+            return ready, Catalog.build(pairs, sum(loaded.sizes))
+        entries = ready.entries
+        return ready, Catalog.build(
+            ((e.name, e.size) for e in entries), sum(e.size for e in entries)
+        )
+
+    def attach(self, walked: Sequence[Entry]) -> None:
+        """The tier opened as the owner and its catalog was just reset from what ``load``
+        read, or else from the ``walked`` entries: keep it from now on."""
+        catalog, loaded = self._catalog, self.loaded
+        files = JournalFiles(self.root, self._durable, self._limits)
+        self.journal = journal = CatalogJournal(self.name, files, catalog.entries)
+        catalog.changes = journal
+        self.from_checkpoint = loaded is not None
+        if loaded is None:
+            journal.state.walked(walked)  # its first write is their checkpoint
+            return
+        journal.state.resume(
+            loaded.generation, loaded.checkpoint_entries, loaded.log_changes, loaded.log_end
+        )
+        self.complete = False
+        self._walked = anyio.Event()
+        self._since = catalog.watch()
+        logger.info(
+            "%s: %s: opened from its catalog (%d entries, %d changes replayed%s); checking "
+            "the folder in the background",
+            self.name,
+            self.root,
+            len(loaded.names),
+            loaded.log_changes,
+            f"; {loaded.log_note}" if loaded.log_note else "",
+        )
+
+    def start(self, tg: anyio.abc.TaskGroup, on_complete: Callable[[], None]) -> None:
+        """The tier's task group is open: write in the background, and reconcile a catalog
+        loaded from a checkpoint with the folder."""
+        if self.journal is not None:
+            tg.start_soon(self.journal.run)
+        if self.loaded is not None and self._since is not None:
+            tg.start_soon(self._reconcile, self.loaded, on_complete)
+
+    async def _reconcile(self, loaded: Loaded, on_complete: Callable[[], None]) -> None:
+        since = self._since
+        assert since is not None
+        try:
+            diff = await anyio.to_thread.run_sync(
+                compare, self.root, loaded.names, loaded.sizes, abandon_on_cancel=True
+            )
+            self.loaded = None  # compared: its memory goes
+            del loaded
+            done = await apply(self._catalog, diff, since, self._forget)
+            self.complete = True
+            on_complete()
+        except Exception as exc:  # a task that serves the tier lives on, and says so
+            logger.warning(
+                "%s: walking %s failed (%r): keys the catalog lacks are checked on the disk",
+                self.name,
+                self.root,
+                exc,
+            )
+            return
+        finally:
+            self._unwatch()
+            self._walked.set()
+        logger.info(
+            "%s: %s: catalog complete: %d files found, %d entries without a file dropped, "
+            "%d sizes corrected",
+            self.name,
+            self.root,
+            done.found,
+            len(done.gone),
+            done.resized,
+        )
+
+    async def walked(self) -> None:
+        """Wait until the walk that reconciles a loaded catalog has ended (at once when there
+        is none): ``complete`` says whether it succeeded."""
+        await self._walked.wait()
+
+    def _unwatch(self) -> None:
+        if self._since is not None:
+            self._since = None
+            self._catalog.unwatch()
+
+    # -- close ---------------------------------------------------------------------------------
+
+    async def aclose(self) -> None:
+        """The tier closes: a last checkpoint (shielded, bounded), and nothing kept after."""
+        self._unwatch()
+        self._walked.set()
+        self.loaded = None
+        journal = self.journal
+        if journal is not None and self._catalog.changes is journal:
+            self._catalog.changes = None
+            await journal.aclose()
+
+    def statistics(self, base: TierStatistics) -> FSTierStatistics:
+        journal = self.journal
+        fields = {name: getattr(base, name) for name in base.__dataclass_fields__}
+        return FSTierStatistics(
+            **fields,
+            catalog_from_checkpoint=self.from_checkpoint,
+            catalog_complete=self.complete,
+            catalog_checkpoints=journal.checkpoints if journal else 0,
+            catalog_log_writes=journal.appends if journal else 0,
+            catalog_write_failures=journal.failures if journal else 0,
+            catalog_unwritten_changes=journal.unwritten if journal else 0,
+        )
