@@ -20,7 +20,7 @@ from kvtier import (
 )
 from tests.support import BB, assert_idle, fill, fresh_keys, random_blocks
 
-GUESS_NOW = {"prior_gap": 1e-3, "prior_spread": 0.1, "min_hold": 600.0}
+GUESS_NOW = SessionSettings(prior_gap=1e-3, prior_spread=0.1, min_hold=600.0)
 """A prior that makes every predicted return due at once, held long past any test."""
 
 
@@ -29,7 +29,7 @@ async def guessing(
     tier: MemoryTier, blocks: int = 16
 ) -> AsyncIterator[tuple[TieringManager, OffloadScheduler]]:
     async with TieringManager(HostPool(blocks, BB), [tier]) as manager:
-        yield manager, OffloadScheduler(manager, sessions=SessionSettings(**GUESS_NOW))
+        yield manager, OffloadScheduler(manager, sessions=GUESS_NOW)
 
 
 def ready(manager: TieringManager, keys: list[bytes]) -> list[bool]:

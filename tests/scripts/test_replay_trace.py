@@ -181,7 +181,7 @@ def test_agent_trace_shape() -> None:
 
 @pytest.mark.timeout(300)
 def test_cli_session_hints(run_json: RunJson) -> None:
-    args = ("--agent", "--session-hints", "--quick", "--agent-sessions", "6")
+    args: tuple[str, ...] = ("--agent", "--session-hints", "--quick", "--agent-sessions", "6")
     args += ("--primary-tokens", "200k", "--tier-model", "fs:0.5:3000")
     out = run_json("-m", "benchmarks.replay_trace", *args).out
     sessions = out["sessions"]

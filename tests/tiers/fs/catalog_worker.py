@@ -21,7 +21,7 @@ import json
 import os
 import signal
 import sys
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import anyio
 
@@ -42,7 +42,8 @@ def die() -> NoReturn:
 def kill_at(step: str) -> None:
     if step == "log_append":
 
-        def half(fd: int, data: memoryview) -> int:
+        def half(fd: int, data: Any) -> int:  # os.write's signature
+            data = memoryview(data)
             os.write(fd, data[: max(1, len(data) // 2)])
             die()
 
@@ -89,4 +90,5 @@ async def main(root: str, ns: str, step: str) -> None:
 
 
 if __name__ == "__main__":
-    anyio.run(main, *sys.argv[1:4])
+    root, ns, step = sys.argv[1:4]
+    anyio.run(main, root, ns, step)

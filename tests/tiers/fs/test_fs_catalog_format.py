@@ -342,16 +342,16 @@ def test_replaying_runs_at_once_is_replaying_one_by_one(seed: int) -> None:
         )
     expected: OrderedDict[str, int] = OrderedDict(start)  # the catalog's own operations:
     for f in frames:
-        for op, n, size in zip(f.ops, f.names, f.sizes, strict=True):
-            if op == Change.ADD:
+        for code, n, size in zip(f.ops, f.names, f.sizes, strict=True):
+            if code == Change.ADD:
                 expected.pop(n, None)
                 expected[n] = size
-            elif op == Change.DROP:
+            elif code == Change.DROP:
                 expected.pop(n, None)
-            elif op == Change.BACK and n not in expected:
+            elif code == Change.BACK and n not in expected:
                 expected[n] = size
                 expected.move_to_end(n, last=False)
-            elif op == Change.SIZE and n in expected:
+            elif code == Change.SIZE and n in expected:
                 expected[n] = size
     start_sizes = sizes(*(s for _, s in start))
     got = _catalog_files._replay([n for n, _ in start], start_sizes, frames, 1000)

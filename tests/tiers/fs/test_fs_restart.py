@@ -55,7 +55,7 @@ class HeldWalk:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.listed = threading.Event()
         self._go = threading.Event()
-        real = _reconcile.list_blocks
+        real = _reconcile.list_blocks  # type: ignore[attr-defined]  # the seam the walk calls
 
         def held(root: Path) -> list[object]:
             found = real(root)
