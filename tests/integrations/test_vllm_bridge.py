@@ -341,8 +341,8 @@ def test_a_malformed_batch_result_fails_only_its_batch(
 
 @pytest.fixture
 def hung_mount(hang: Hang, monkeypatch: pytest.MonkeyPatch) -> Hang:
-    """Makes ``_fs_root.prepare_root`` (FSTier's open) hang: a root on a dead NFS server."""
-    monkeypatch.setattr(_fs_root, "prepare_root", hang.wrap(_fs_root.prepare_root))
+    """Makes ``_fs_root.ready_root`` (FSTier's open) hang: a root on a dead NFS server."""
+    monkeypatch.setattr(_fs_root, "ready_root", hang.wrap(_fs_root.ready_root))
     return hang
 
 
