@@ -82,18 +82,20 @@ class ManagerConfig(Section):
     deferred: tuple[str, ...] = field(default=(), metadata=spec(parse_names))
     max_write_rate: float | None = field(default=None, metadata=spec(optional(parse_rate)))
     # Each attempt to open a tier is bounded by open_timeout (None: no bound; keep it above
-    # an S3 tier's index_list_timeout). promote_write_up: a block promoted from a tier is
-    # also written to the write-through tiers before it (a node keeps on its disk what it
-    # read from S3).
+    # the index_list_timeout of an S3 tier without index_background_load). promote_write_up:
+    # a block promoted from a tier is also written to the write-through tiers before it (a
+    # node keeps on its disk what it read from S3).
     open_timeout: float | None = field(default=120.0, metadata=spec(optional(parse_seconds)))
     promote_write_up: bool = field(default=True, metadata=spec(parse_bool))
     # A tier that cannot open (an endpoint refused or silent, credentials refused) does not
     # stop the manager: it opens with the tiers that opened within tier_open_wait seconds,
     # the others are unavailable (lookups skip them, writes to them are dropped) and are
-    # opened again in the background, with backoff, until they join. require_all_tiers: fail
-    # the open instead, as soon as one tier fails or passes open_timeout.
+    # opened again in the background, with backoff, until they join. A healthy tier's open
+    # is short (an S3 tier loads its index after it), so the wait is short too: a tier
+    # still opening past it joins when its open ends. require_all_tiers: fail the open
+    # instead, as soon as one tier fails or passes open_timeout.
     require_all_tiers: bool = field(default=False, metadata=spec(parse_bool))
-    tier_open_wait: float = field(default=10.0, metadata=spec(parse_non_negative_seconds))
+    tier_open_wait: float = field(default=1.0, metadata=spec(parse_non_negative_seconds))
 
     def tier_in_flight_bytes(self, tiers: int, block_bytes: int) -> int:
         """Each tier's limit on bytes being written: ``tier_max_in_flight_bytes``, else its

@@ -170,6 +170,16 @@ class TierKeepers:
             await self.aclose()
             raise fatal
         self._late = True
+        for keeper in self._keepers:
+            if not keeper.settled.is_set():  # neither open nor failed: a slow open
+                logger.warning(
+                    "tier %s is still opening after tier_open_wait=%g s: the manager opens "
+                    "without it and it joins when its open ends (writes to it are dropped "
+                    "until then, counted as 'unavailable'; a tier named in deferred gets "
+                    "them when it joins)",
+                    keeper.tier.name,
+                    wait,
+                )
 
     async def aclose(self) -> None:
         """Stop every keeper: an open tier is closed by its keeper, not cancelled (it bounds

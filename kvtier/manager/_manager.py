@@ -102,10 +102,11 @@ class TieringManager(AsyncResource):
     unavailable: lookups skip it (``unavailable`` misses), writes to it are dropped, and it
     is opened again in the background, with backoff, until it joins (``statistics().opens``
     says which). Each attempt is bounded by ``open_timeout`` (None: no bound; keep it above
-    an S3 tier's ``index_list_timeout``). A configuration error (``InvalidArgumentError``)
-    still fails the entry. With ``require_all_tiers`` the tiers open in turn and the first
-    that fails or passes ``open_timeout`` fails the entry (``TierTimeoutError`` naming it),
-    the tiers opened before it closed again.
+    the ``index_list_timeout`` of an S3 tier that loads its index inside ``open()``). A
+    configuration error (``InvalidArgumentError``) still fails the entry. With
+    ``require_all_tiers`` the tiers open in turn and the first that fails or passes
+    ``open_timeout`` fails the entry (``TierTimeoutError`` naming it), the tiers opened
+    before it closed again.
 
     With ``promote_write_up`` (the default), a block promoted from a tier is also written to
     the write-through tiers listed before it, under the same admission and in-flight limits

@@ -71,9 +71,11 @@ Choices where the issue was silent:
   fast local tier rarely wants a limit, and a per-tier table in the environment would be
   clumsy.
 - ``build()`` refuses a ``manager.open_timeout`` not above ``s3.index_list_timeout`` when
-  the S3 tier keeps an index: the tier lists the bucket while it opens and, past its own
-  bound, opens with what it has; an open_timeout below that would fail the whole manager on
-  a large bucket instead. (``build_tiers()`` alone, as the vLLM adapter uses it, does not.)
+  the S3 tier loads its index inside ``open()`` (``index_background_load = false``): the
+  tier lists the bucket while it opens and, past its own bound, opens with what it has; an
+  open_timeout below that would never let it open on a large bucket. With the background
+  load (the default) the listing runs after the open and the rule does not apply.
+  (``build_tiers()`` alone, as the vLLM adapter uses it, does not check it.)
 - ``from_env`` reads ``KVTIER_CONFIG`` (a TOML file) first, then lets each ``KVTIER_<SECTION>_
   <KEY>`` variable override one value, so a container can ship a file and tweak it. Any other
   ``KVTIER_*`` variable is an error: a typo must not silently fall back to a default.
@@ -317,12 +319,16 @@ class KVTierConfig:
         # Checked here, not with the other rules: a config used only for build_tiers (the
         # vLLM adapter) opens its tier without the manager and this bound.
         opening, s3 = self.manager.open_timeout, self.s3
-        listing = s3.index_list_timeout if s3 is not None and s3.lookup_mode == "index" else None
+        lists_at_open = (
+            s3 is not None and s3.lookup_mode == "index" and not s3.index_background_load
+        )
+        listing = s3.index_list_timeout if s3 is not None and lists_at_open else None
         if opening is not None and listing is not None and opening <= listing:
             raise InvalidArgumentError(
                 f"manager.open_timeout ({opening:g} s) must be above s3.index_list_timeout "
-                f"({listing:g} s): the S3 tier lists the bucket while it opens, and a listing "
-                "cut short by its own bound still opens the tier"
+                f"({listing:g} s): with s3.index_background_load = false the S3 tier lists "
+                "the bucket while it opens, and a listing cut short by its own bound still "
+                "opens the tier"
             )
         tiers = self.build_tiers()  # tiers first: they hold nothing until opened
         pool = self.build_pool()

@@ -642,8 +642,9 @@ def test_build_hands_the_manager_its_cost_model_and_admission(tmp_path: Path) ->
 
 
 def test_build_needs_open_timeout_above_the_s3_listing_bound() -> None:
+    lists_at_open = {"bucket": "kv-cache", "index_background_load": False}
     config = KVTierConfig.from_dict(
-        {"pool": POOL, "s3": {"bucket": "kv-cache"}, "manager": {"open_timeout": 30}}
+        {"pool": POOL, "s3": lists_at_open, "manager": {"open_timeout": 30}}
     )
     assert len(config.build_tiers()) == 1  # a tier alone (the vLLM adapter) opens unbounded
     with pytest.raises(
@@ -651,7 +652,9 @@ def test_build_needs_open_timeout_above_the_s3_listing_bound() -> None:
         match=r"manager.open_timeout \(30 s\) must be above s3.index_list_timeout \(60 s\)",
     ):
         config.build()
-    for s3 in ({"lookup_mode": "ask"}, {"index_list_timeout": 20}):  # no listing, or a shorter one
+    shorter = {"index_background_load": False, "index_list_timeout": 20}
+    # No listing, one after the open (the default), or a shorter one: built.
+    for s3 in ({"lookup_mode": "ask"}, {}, shorter):
         settings = {"bucket": "kv-cache", **s3}
         KVTierConfig.from_dict(
             {"pool": POOL, "s3": settings, "manager": {"open_timeout": 30}}

@@ -199,7 +199,7 @@ async def test_s3_endpoint_that_never_answers_does_not_hold_the_open_or_the_clos
         # Left alone, one attempt would wait 60 s for the bucket's answer.
         s3 = s3_tier(url, f"t/{uuid.uuid4().hex}", name="s3", read_timeout=60.0, max_attempts=1)
         fs = FSTier(tmp_path / "fs", fsync="never", name="fs")
-        manager = TieringManager(HostPool(8, BLOCK), [fs, s3], tier_open_wait=1.0)
+        manager = TieringManager(HostPool(8, BLOCK), [fs, s3])  # tier_open_wait: 1 s
         # Bounded well below the 60 s one attempt would wait: neither the open nor the close
         # may wait for the silent endpoint.
         with anyio.fail_after(30):
@@ -210,6 +210,89 @@ async def test_s3_endpoint_that_never_answers_does_not_hold_the_open_or_the_clos
                 assert manager.last_miss_reason == UNAVAILABLE
         assert not s3.is_open
     assert not tasks_left()
+
+
+class WatchedFSTier(FSTier):
+    """The real FS tier, with an event set when an open succeeds (as ``WatchedS3Tier``)."""
+
+    def __init__(self, root: Path, **settings: Any) -> None:
+        super().__init__(root, **settings)
+        self.opened = anyio.Event()
+
+    async def open(self) -> None:
+        await super().open()
+        self.opened.set()
+
+
+class HeldS3Tier(S3Tier):
+    """The real S3 tier on a healthy endpoint whose open waits for ``go`` first (a slow
+    start: a loaded machine, a cold credential chain): ``opening`` once it has begun."""
+
+    def __init__(self, bucket: str, **settings: Any) -> None:
+        super().__init__(bucket, **settings)
+        self.opening, self.go, self.opened = anyio.Event(), anyio.Event(), anyio.Event()
+
+    async def open(self) -> None:
+        self.opening.set()
+        await self.go.wait()
+        await super().open()
+        self.opened.set()
+
+
+@pytest.mark.parametrize("deferred", [False, True], ids=["write-through", "deferred"])
+async def test_a_healthy_tier_still_opening_joins_late_and_says_what_it_missed(
+    tmp_path: Path,
+    weed_server: WeedServer,
+    caplog: pytest.LogCaptureFixture,
+    deferred: bool,
+) -> None:
+    """A healthy S3 tier whose open outlasts ``tier_open_wait`` (0 here, so that no tier is
+    in at the open and nothing races the clock; the FS tier joins once its open ends) does
+    not hold the manager, and joins when its open ends. What it missed is said: a warning
+    names it at the open, and each write it could not take is counted as ``unavailable``; a
+    tier named in ``deferred`` gets those writes once it joins."""
+    keys = fresh_keys(2)
+    data = blocks(2)
+    s3 = HeldS3Tier(BUCKET, **_s3_settings(weed_server.endpoint_url), name="s3")
+    fs = WatchedFSTier(tmp_path / "fs", fsync="never", name="fs")
+    manager = TieringManager(
+        HostPool(8, BLOCK), [fs, s3], tier_open_wait=0.0, deferred=("s3",) if deferred else ()
+    )
+    with anyio.fail_after(60):
+        async with manager:
+            await s3.opening.wait()
+            await fs.opened.wait()  # joined in the same step
+            assert manager.statistics().opens.unavailable == ("s3",)
+            assert "tier s3 is still opening" in caplog.text
+            assert await manager.store([keys[0]], data[0:1]) == 1  # while S3 opens
+            await manager.wait_idle()
+            assert fs.lookup(keys[0]) is LookupResult.HIT
+            (admitted,) = (a for a in manager.statistics().admission if a.name == "s3")
+            if deferred:  # kept for when it joins
+                assert manager.statistics().writes.deferred_pending == 1
+            else:
+                assert admitted.dropped_by_cause == {UNAVAILABLE: 1}
+            s3.go.set()
+            await s3.opened.wait()
+            opens = manager.statistics().opens
+            assert opens.unavailable == () and opens.joined_late == 2  # FS, then S3
+            assert opens.open_failures == 0  # slow, not failed
+            assert await manager.store([keys[1]], data[1:2]) == 1  # drains the deferred one
+            await manager.wait_idle()
+            assert manager.statistics().writes.deferred_written == int(deferred)
+            held = await s3.contains_many(keys)
+            assert held == [deferred, True]  # the first only if deferred
+    assert not tasks_left()
+
+
+def _s3_settings(endpoint_url: str) -> dict[str, Any]:
+    return {
+        "prefix": f"t/{uuid.uuid4().hex}",
+        "endpoint_url": endpoint_url,
+        "region_name": REGION,
+        "aws_access_key_id": ACCESS_KEY,
+        "aws_secret_access_key": SECRET_KEY,
+    }
 
 
 async def test_require_all_tiers_fails_the_open_and_leaves_nothing_open(tmp_path: Path) -> None:

@@ -28,11 +28,14 @@ Choices where the contract leaves room:
   (unknown keys answer RETRY while batched HEADs run; misses expire after ``miss_ttl``).
   Either way ``statistics().request_path_requests`` counts the requests sent because
   ``lookup()`` was asked about a key the index did not hold (0 in index mode, but for the
-  next case). With ``index_background_load`` the tier opens without waiting for the listing
-  or snapshot: keys the load has brought answer from the index, the others are asked of the
-  bucket as in the ask mode (RETRY meanwhile; a HEAD by key cannot see a packed block) until
+  next case). With ``index_background_load`` (the default) the tier opens without waiting
+  for the listing or snapshot, so a large prefix never holds up a manager's open: keys the
+  load has brought answer from the index, the others are asked of the bucket as in the ask
+  mode (RETRY meanwhile; a HEAD by key cannot see a packed block) until
   ``statistics().index_loading`` is false; keys found gone or deleted meanwhile are never
-  brought back by the older listing.
+  brought back by the older listing. ``await tier.wait_index_loaded()`` waits for the end
+  of the load and says whether the index is complete; ``index_background_load=False``
+  loads it inside ``open()`` instead.
 - A corrupt object (bad header, wrong key, wrong length, checksum mismatch) is a miss with
   reason ``corrupt`` and is **deleted**, so no node keeps paying for it and the next store
   of that key repairs it. The DELETE runs in the tier's background, bounded by

@@ -205,7 +205,7 @@ class S3Tier(SecondaryTier):
             self._breaker.reset()
             await self._probe()
             if self._index_mode and config.index_background_load:
-                self._index.begin_load()  # the journal loop loads it (IndexSync.run)
+                self._sync.begin_load()  # the journal loop loads it (IndexSync.run)
             elif self._index_mode:
                 await self._sync.list_at_open()
             self._stack = stack.pop_all()
@@ -264,7 +264,7 @@ class S3Tier(SecondaryTier):
                 if tg is not None:  # entered after the lookups' task group: left before it
                     await cancel_task_group(tg)  # nothing in it is shielded: returns promptly
             finally:  # even when the caller is cancelled meanwhile (a manager's open_timeout)
-                self._index.end_load()  # a load cut short by the close: the loop is gone
+                self._sync.load.end()  # a load cut short by the close: its waiters return
                 await self._lookups.aclose()  # cancels its checks: returns promptly
             with anyio.move_on_after(_CLOSE_TIMEOUT, shield=True):
                 await self._sync.refresh_once(poll=False)  # publish the last keys written here
@@ -407,9 +407,21 @@ class S3Tier(SecondaryTier):
 
     async def refresh_index(self) -> None:
         """Publish this node's new keys and read the other nodes' journals now, instead of at
-        the next ``index_refresh`` (tests, and a node that wants a fresh view at once)."""
+        the next ``index_refresh`` (tests, and a node that wants a fresh view at once). A
+        load at open still running is part of that view: it ends first, so that one journal
+        read never runs beside another."""
         self._require_client("refresh_index")
+        await self._sync.load.wait()
         await self._sync.refresh_once(full=True)
+
+    async def wait_index_loaded(self) -> bool:
+        """Until the index's load at open has ended (at once if ``open()`` loaded it); whether
+        the index is complete (``index_listing_complete``). False: the listing stopped at
+        ``index_list_timeout`` or failed, the ask mode (no index), or a close came first.
+        For what must see the whole prefix (tests, tools); the tier serves while it loads."""
+        self._require_client("wait_index_loaded")
+        await self._sync.load.wait()
+        return self._index_mode and self._sync.listing_complete
 
     @property
     def breaker_state(self) -> BreakerState:

@@ -19,13 +19,15 @@ async def fleet(
     make_tier: MakeS3Tier, walls: Sequence[ManualClock], settings: dict[str, Any]
 ) -> AsyncIterator[list[S3Tier]]:
     """Open one tier per wall clock (``node-0``, ``node-1``, ...) with ``settings``, each with
-    that clock as its journal's; all closed on the way out."""
+    that clock as its journal's, and its index loaded (the tests drive the journal by hand
+    from there); all closed on the way out."""
     async with AsyncExitStack() as stack:
         tiers = []
         for i, wall in enumerate(walls):
             tier = make_tier(name=f"node-{i}", **settings)
             tier._sync._wall = wall
             tiers.append(await stack.enter_async_context(tier))
+            await tier.wait_index_loaded()  # complete or not: some tests make it incomplete
         yield tiers
 
 

@@ -51,6 +51,7 @@ async def main(args: dict[str, Any]) -> dict[str, Any]:
     )
     pool = HostPool(len(keys) + 4, block_bytes)
     async with TieringManager(pool, [tier]) as manager:
+        await tier.wait_index_loaded()  # its first answers come from a whole index
         if args["mode"] == "race":
             print("ready", flush=True)  # the tier is open: wait for the start line
             await anyio.to_thread.run_sync(sys.stdin.readline)

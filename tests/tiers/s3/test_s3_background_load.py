@@ -1,7 +1,8 @@
 """An S3 tier that opens at once and loads its index in the background
-(``index_background_load``): the index's rules while it loads (no event loop), then against a
-real SeaweedFS: first HITs before the index is complete, a key deleted meanwhile never brought
-back, and a close during the load that leaves nothing running."""
+(``index_background_load``, the default), against a real SeaweedFS: first HITs before the
+index is complete, a key deleted meanwhile never brought back, a close during the load that
+leaves nothing running and no waiter hanging (the index's own rules while it loads:
+``test_s3_load_rules``)."""
 
 from __future__ import annotations
 
@@ -14,69 +15,17 @@ import anyio
 import pytest
 
 from devtools.weed_server import BUCKET, WeedServer, raw_client
-from kvtier import LookupResult, MissReason, TierUnavailableError
+from kvtier import BlockNotFoundError, LifecycleError, LookupResult, TierUnavailableError
 from kvtier.tiers.s3 import S3Tier
-from kvtier.tiers.s3._pack_format import Location
 from kvtier.tiers.s3.index import ExistenceIndex
+from kvtier.tiers.s3.index import _snapshot_format as snapshot_format
+from kvtier.tiers.s3.index import _snapshot_stream as snapshot_stream
 from kvtier.tiers.s3.index._journal_format import journal_prefix
+from kvtier.tiers.s3.index._snapshot_format import BodyDecoder
 from tests.support import INDEX_BY_HAND, MakeS3Tier, fresh_keys
 
 BLOCK = 4096
 HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
-
-# -- the index while it loads ------------------------------------------------------------------
-
-
-def test_a_load_brings_keys_but_never_one_found_gone_since_it_began() -> None:
-    index = ExistenceIndex(miss_ttl=1.0, max_keys=100)
-    a, b, c, d = (os.urandom(16) for _ in range(4))
-    where = Location("p/_kvtier_packs/00/ab-cd-1", 0, 100)
-    index.begin_load()
-    assert index.loading
-    index.wrote(a)
-    index.deleted(a, "deleted")  # deleted here while the load runs
-    index.suppress(b, MissReason.NOT_FOUND)  # not indexed yet: nothing to drop, still gone
-    index.add(b)
-    index.discard(b)  # indexed, then found gone
-    assert index.doubt([c], "deleted") == 0  # another node's removal of a key not loaded yet
-    assert index.load_many([(a, where), (b, None), (c, None), (d, where)]) == 1
-    assert (a in index, b in index, c in index, d in index) == (False, False, False, True)
-    assert index.load_skipped == 3 and index.location(d) == where
-    index.end_load()
-    assert not index.loading
-    assert index.load_one(a)  # after the load, a listing's word counts again
-
-
-def test_a_key_written_again_during_the_load_is_brought_by_it() -> None:
-    index = ExistenceIndex(miss_ttl=1.0, max_keys=100)
-    key = os.urandom(16)
-    index.begin_load()
-    index.wrote(key)
-    index.deleted(key, "deleted")
-    index.wrote(key)  # stored again: newer than the delete
-    index.discard(key)
-    index.add(key)  # learnt again (a journal, a HIT)
-    assert index.load_many([(key, None)]) == 0 and key in index and index.load_skipped == 0
-
-
-def test_without_a_load_nothing_is_remembered_as_gone() -> None:
-    index = ExistenceIndex(miss_ttl=1.0, max_keys=100)
-    key = os.urandom(16)
-    index.add(key)
-    index.discard(key)
-    assert index.load_many([(key, None)]) == 1 and key in index
-
-
-def test_what_a_load_remembers_is_bounded() -> None:
-    index = ExistenceIndex(miss_ttl=1.0, max_keys=4)
-    index.begin_load()
-    keys = [os.urandom(16) for _ in range(10)]
-    for key in keys:
-        index.deleted(key, "deleted")
-    assert len(index._gone) == 4
-    index.end_load()
-    assert not index._gone
-
 
 # -- against SeaweedFS ---------------------------------------------------------------------------
 
@@ -274,6 +223,7 @@ async def test_a_snapshot_loaded_in_the_background_serves_all_but_a_key_deleted_
 ) -> None:
     packed, (alone,) = fresh_keys(6), fresh_keys(1)
     async with make_tier(**SNAPSHOT_BY_HAND) as writer:
+        await writer.wait_index_loaded()  # its journal view starts there: it may compact
         payload = memoryview(os.urandom(BLOCK))
         assert await writer.store_many(packed, [payload] * 6) == [None] * 6
         await writer.store(alone, payload)
@@ -344,3 +294,143 @@ async def test_the_journal_read_first_takes_every_segment_in_order(
         with anyio.fail_after(30):
             await load.done.wait()
         assert [tier.lookup(k) for k in keys] == [HIT, MISS] + [HIT] * 9
+
+
+async def test_a_packed_block_asked_for_before_its_pack_is_indexed_is_brought_by_the_load(
+    make_tier: MakeS3Tier, weed_server: WeedServer, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load of a packed block before the listing brought its pack looks for the block's own
+    object and finds nothing: a miss then, but the listing still indexes the block."""
+    packed, (alone,) = fresh_keys(4), fresh_keys(1)
+    await _fill(make_tier, packed, alone)
+    await _forget_the_journal(weed_server, prefix)
+    tier = make_tier(**INDEX_BY_HAND)  # the default: the index loads in the background
+    load = HeldLoad(tier, monkeypatch)
+    async with _opened(tier):
+        await load.wait_held()
+        with pytest.raises(BlockNotFoundError):
+            await tier.load(packed[0], memoryview(bytearray(BLOCK)))
+        load.release()
+        assert await tier.wait_index_loaded()
+        assert [tier.lookup(k) for k in packed] == [HIT] * 4
+        assert tier.statistics().index_load_skipped == 0
+        out = bytearray(BLOCK)
+        await tier.load(packed[0], memoryview(out))  # from its pack now
+
+
+async def test_wait_index_loaded_returns_when_the_tier_closes_during_the_load(
+    make_tier: MakeS3Tier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A waiter is never left hanging: a close during the load wakes it (not complete)."""
+    packed, (alone,) = fresh_keys(2), fresh_keys(1)
+    await _fill(make_tier, packed, alone)
+    tier = make_tier(**INDEX_BY_HAND)
+    load = HeldLoad(tier, monkeypatch)
+    answers: list[bool] = []
+    waiting = anyio.Event()
+
+    async def waiter() -> None:
+        waiting.set()
+        answers.append(await tier.wait_index_loaded())
+
+    before = asyncio.all_tasks()
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:  # the tier's own groups nest inside it
+            await tier.open()
+            try:
+                await load.wait_held()
+                tg.start_soon(waiter)
+                await waiting.wait()
+            finally:
+                await tier.aclose()  # the load never released: the close cuts it short
+    assert answers == [False]
+    left = [t for t in asyncio.all_tasks() - before if not t.done()]
+    assert left == [], f"tasks left running after the close: {left}"
+    stats = tier.statistics()
+    assert not stats.index_loading and not stats.index_listing_complete
+
+
+async def test_a_reopened_tier_is_not_complete_until_its_new_load_ends(
+    make_tier: MakeS3Tier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The index's ``complete`` says what the running load has done, not the last open's."""
+    packed, (alone,) = fresh_keys(2), fresh_keys(1)
+    await _fill(make_tier, packed, alone)
+    tier = make_tier(**INDEX_BY_HAND)
+    async with _opened(tier):
+        assert await tier.wait_index_loaded()
+        assert tier.statistics().index_listing_complete
+    load = HeldLoad(tier, monkeypatch)
+    async with _opened(tier):
+        await load.wait_held()
+        stats = tier.statistics()
+        assert stats.index_loading and not stats.index_listing_complete
+        load.release()
+        assert await tier.wait_index_loaded()
+        stats = tier.statistics()
+        assert stats.index_listing_complete and not stats.index_loading
+
+
+async def test_wait_index_loaded_in_the_ask_mode_and_inside_open(make_tier: MakeS3Tier) -> None:
+    """Nothing to wait for: the ask mode keeps no index (False), and a tier that loads its
+    index inside ``open()`` has it when open returns."""
+    async with make_tier(lookup_mode="ask") as tier:
+        assert await tier.wait_index_loaded() is False
+    async with make_tier(index_background_load=False) as tier:
+        assert not tier.statistics().index_loading
+        assert await tier.wait_index_loaded() is True
+    with pytest.raises(LifecycleError):
+        await make_tier().wait_index_loaded()  # not open
+
+
+@pytest.mark.parametrize("then", ["released", "closed"])
+async def test_a_snapshot_serves_its_first_keys_while_the_rest_arrives(
+    make_tier: MakeS3Tier,
+    weed_server: WeedServer,
+    prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+    then: str,
+) -> None:
+    """The body is indexed chunk by chunk as it arrives: with the read held after its first
+    chunk, that chunk's keys are HITs, the rest not known yet; released, all are. A close
+    while it is held ends the read and leaves nothing running."""
+    monkeypatch.setattr(snapshot_format, "MAX_SEGMENT_ENTRIES", 4)  # chunks of 4 keys
+    monkeypatch.setattr(snapshot_stream, "_PIECE", 64)  # a few bytes at a time
+    keys = fresh_keys(12)
+    async with make_tier(**SNAPSHOT_BY_HAND) as writer:
+        await writer.wait_index_loaded()
+        for key in keys:  # one by one: the snapshot holds them in this order
+            await writer.store(key, memoryview(os.urandom(BLOCK)))
+        sync, snapshots = writer._sync, writer._sync.snapshots
+        assert snapshots is not None and sync.covered_ms is not None
+        found = await snapshots.survey(int(sync._wall() * 1000))
+        assert await snapshots.compact(found, sync.covered_ms)
+    await _forget_the_journal(weed_server, prefix)  # the snapshot is all there is to learn
+    first_chunk, gate = anyio.Event(), anyio.Event()
+    take = snapshot_stream._take
+
+    async def held(decoder: BodyDecoder, piece: bytes, index: ExistenceIndex) -> None:
+        await take(decoder, piece, index)
+        if decoder.entries and not first_chunk.is_set():
+            first_chunk.set()
+            await gate.wait()
+
+    monkeypatch.setattr(snapshot_stream, "_take", held)
+    before = asyncio.all_tasks()
+    async with make_tier(**SNAPSHOT_BY_HAND) as tier:
+        with anyio.fail_after(30):
+            await first_chunk.wait()
+        assert [tier.lookup(k) for k in keys[:4]] == [HIT] * 4
+        stats = tier.statistics()
+        assert stats.index_loading and not stats.index_listing_complete
+        assert stats.index_keys == 4
+        if then == "released":
+            gate.set()
+            assert await tier.wait_index_loaded()
+            assert [tier.lookup(k) for k in keys] == [HIT] * 12
+            assert tier._sync.snapshots is not None and tier._sync.snapshots.loaded == 1
+    left = [t for t in asyncio.all_tasks() - before if not t.done()]
+    assert left == [], f"tasks left running after the close: {left}"
+    stats = tier.statistics()
+    assert not stats.index_loading
+    assert stats.index_listing_complete is (then == "released")

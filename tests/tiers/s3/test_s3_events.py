@@ -189,6 +189,7 @@ async def test_a_reader_that_predates_removals_ignores_them_and_keeps_the_stores
         s3_tier(weed_server, prefix, **INDEX_BY_HAND) as writer,
         s3_tier(weed_server, prefix, name="old", **INDEX_BY_HAND) as old,
     ):
+        assert await old.wait_index_loaded()  # its load's journal read is over: the test reads
         for key in keys[:2]:
             await writer.store(key, block())
         await writer.refresh_index()

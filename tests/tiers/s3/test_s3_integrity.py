@@ -117,6 +117,7 @@ async def test_signed_round_trip_and_two_tiers_share(
     # Another node with the same key (given as an IntegrityKey this time) reads them all; its
     # listing at open indexes the blocks and not the marker.
     async with make_tier(integrity_key=IntegrityKey(SECRET), name="b") as b:
+        assert await b.wait_index_loaded()
         assert b.statistics().index_keys == 3
         for key, block in zip(keys, blocks, strict=True):
             assert b.lookup(key) is LookupResult.HIT
@@ -229,6 +230,7 @@ async def test_a_signing_tier_refuses_a_prefix_of_unsigned_blocks(
         await make_tier(integrity_key=SECRET).open()
     assert await _get(weed_server.endpoint_url, marker_key(prefix)) is None  # not claimed
     async with make_tier() as again:  # the unsigned nodes carry on as before
+        assert await again.wait_index_loaded()  # a packed block is loaded from its pack
         for key, block in zip(keys, blocks, strict=True):
             out = bytearray(BLOCK)
             await again.load(key, memoryview(out))

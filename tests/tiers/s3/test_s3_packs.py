@@ -92,9 +92,11 @@ async def test_stores_together_share_a_pack_and_another_node_loads_it_with_one_g
         # The writer itself loads the packed blocks from the index's locations.
         assert await _load_together(writer, keys) == blocks
 
-    # Another node: its listing at open reads the pack tables.
+    # Another node: its load at open (the journal, then a listing that reads the pack
+    # tables) knows every block's pack.
     async with s3_tier(weed_server, prefix, pack_blocks=4) as reader:
-        assert reader.statistics().index_listed == 11
+        assert await reader.wait_index_loaded()
+        assert reader.statistics().index_keys == 11
         assert all(reader.lookup(k) is LookupResult.HIT for k in keys)
         assert await _load_together(reader, keys) == blocks
         stats = reader.statistics()
@@ -362,7 +364,8 @@ async def test_a_wrong_journal_location_is_a_corrupt_miss_and_keeps_the_pack(
     shift = 0 if claim == "another key's section" else 100
     wrong = Location(pack, right.offset + shift, right.length)
     async with s3_tier(weed_server, prefix, **INDEX_BY_HAND) as reader:
-        assert reader.statistics().index_listed == 3
+        assert await reader.wait_index_loaded()
+        assert reader.statistics().index_keys == 3
         async with raw_client(weed_server.endpoint_url) as client:
             name = segment_name(prefix, int(time.time() * 1000), writer_id(), 1)
             body = encode_segment([(keys[0], wrong)], prefix)
@@ -375,6 +378,7 @@ async def test_a_wrong_journal_location_is_a_corrupt_miss_and_keeps_the_pack(
         assert await _load_together(reader, keys[1:]) == blocks[1:]
     assert await _packs(weed_server, prefix) == [pack]
     async with s3_tier(weed_server, prefix) as other:  # another node lists the pack again
+        assert await other.wait_index_loaded()
         assert await _load_together(other, keys) == blocks
 
 

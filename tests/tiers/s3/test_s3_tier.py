@@ -355,6 +355,7 @@ async def test_second_process_sees_blocks(
     other_ns = os.urandom(8)
     other_keys = block_keys(list(range(8)), 4, namespace=other_ns)
     async with make_tier(**INDEX_BY_HAND) as tier:
+        assert await tier.wait_index_loaded()
         assert tier.lookup(other_keys[0]) is LookupResult.MISS
         stored = await _run_peer(
             weed_server, mode="store", prefix=prefix, namespace=other_ns.hex(), tokens=8, seed=9
@@ -380,6 +381,7 @@ async def test_index_staleness_bound(
     namespace = os.urandom(8)
     keys = block_keys(list(range(16)), 4, namespace=namespace)
     async with make_tier(index_refresh=0.5, index_lookback=10.0) as tier:
+        assert await tier.wait_index_loaded()
         assert tier.lookup(keys[-1]) is LookupResult.MISS
         learnt = _notified(tier, keys)
         await _run_peer(
@@ -390,17 +392,24 @@ async def test_index_staleness_bound(
         assert tier.statistics().request_path_requests == 0
 
 
-async def test_index_rebuilt_after_restart(make_tier: MakeS3Tier) -> None:
+@pytest.mark.parametrize("background", [True, False], ids=["background", "inside-open"])
+async def test_index_rebuilt_after_restart(make_tier: MakeS3Tier, background: bool) -> None:
     keys = fresh_keys(40)
     async with make_tier() as tier:
         for key in keys:
             await tier.store(key, memoryview(os.urandom(256)))
         assert tier.statistics().index_keys == len(keys)
-    # A new instance (a restarted node) lists the prefix when it opens.
-    async with make_tier() as tier:
+    # A new instance (a restarted node) lists the prefix: after open() returned (the
+    # default), or inside it.
+    async with make_tier(index_background_load=background) as tier:
+        if not background:  # whole when open() returns: nothing to wait for
+            assert not tier.statistics().index_loading
+        assert await tier.wait_index_loaded()
         stats = tier.statistics()
         assert stats.index_listing_complete
-        assert stats.index_listed == stats.index_keys == len(keys)
+        assert stats.index_keys == len(keys)  # from the journal, then the listing
+        if not background:  # listed inside open(), before any journal read
+            assert stats.index_listed == len(keys)
         assert [tier.lookup(k) for k in keys] == [LookupResult.HIT] * len(keys)
         assert tier.lookup(fresh_keys(1)[0]) is LookupResult.MISS
         assert tier.statistics().request_path_requests == 0
@@ -416,6 +425,7 @@ async def test_index_hit_whose_object_was_deleted(
             await writer.store(key, row.data)
     tier = make_tier()
     async with TieringManager(HostPool(8, BLOCK), [tier]) as manager:
+        assert await tier.wait_index_loaded()
         assert tier.lookup(keys[1]) is LookupResult.HIT  # listed at open
         async with raw_client(weed_server.endpoint_url) as client:  # another node deletes it
             await client.delete_object(Bucket=BUCKET, Key=tier.object_key(keys[1]))
@@ -741,6 +751,7 @@ async def test_a_slow_delete_of_a_corrupt_object_never_holds_its_promotion(
         try:
             manager = TieringManager(HostPool(4, BLOCK), [tier], promotion_timeout=0.5)
             async with manager:
+                assert await tier.wait_index_loaded()
                 assert tier.lookup(key) is LookupResult.HIT  # listed at open
                 with anyio.fail_after(10):  # the promotion's deadline is 0.5 s, the DELETE's 30
                     assert await OffloadScheduler(manager).lookup([key], timeout=20) == 0

@@ -6,11 +6,12 @@ module that reads or writes them:
 - ``_existence``: ``ExistenceIndex``, the synchronous index ``lookup()`` answers from;
 - ``_keytable``: ``KeyTable``, the packed columns that hold its keys and their locations;
 - ``_listing``: the listing at open;
+- ``_loading``: ``IndexLoad``, the load at open run after the open, and its end for waiters;
 - ``_journal_format`` / ``_journal``: the per-writer journal segments, and reading them in;
 - ``_publishing``: publishing this node's segments, and deleting them once read;
 - ``_rechecks``: another node's removal checked against the bucket before a key is dropped;
 - ``_snapshot_format`` / ``_snapshot``: the whole index in one object, loaded at open and
-  compacted into a new one;
+  compacted into a new one; ``_snapshot_stream`` reads its body, indexed as it arrives;
 - ``_digest_format`` / ``_digest``: one interval's segments in one object;
 - ``_skew``: this node's clock against the object store's;
 - ``_upkeep``: how the journal loop's helpers reach the bucket and count their requests;

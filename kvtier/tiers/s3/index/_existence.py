@@ -313,8 +313,12 @@ class ExistenceIndex(CountedLookups):
         self._checking.pop(key, None)
 
     def suppress(self, key: bytes, reason: MissReason) -> None:
-        """A load failed for ``reason``: answer MISS for ``key`` for ``miss_ttl`` seconds."""
+        """A load failed for ``reason``: answer MISS for ``key`` for ``miss_ttl`` seconds.
+        While a load runs, a key not indexed yet that a GET by its own name did not find is
+        not taken as gone: it may live in a pack the load has not brought."""
         if reason in (MissReason.NOT_FOUND, MissReason.CORRUPT):
+            if self.loading and reason is MissReason.NOT_FOUND and self._find(key) < 0:
+                return
             self.discard(key)
         elif key in self:
             self._suppressing = True

@@ -42,7 +42,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
-import anyio.lowlevel
 import anyio.to_thread
 
 from kvtier.common._errors import TierError
@@ -50,18 +49,17 @@ from kvtier.common._format import IntegrityKey
 from kvtier.common._logging import BurstLogger
 from kvtier.tiers.s3._config import S3Config
 from kvtier.tiers.s3._errors import Fault
-from kvtier.tiers.s3._pack_format import Location
 from kvtier.tiers.s3._requests import Call, body_of, get_bytes
 from kvtier.tiers.s3.index._existence import ExistenceIndex
 from kvtier.tiers.s3.index._snapshot_format import (
     MAX_GENERATION,
     MAX_MANIFEST_BYTES,
+    BodyDecoder,
     Manifest,
     SnapshotError,
     body_digest,
     claim_name,
     data_name,
-    decode_body,
     decode_manifest,
     encode_body,
     encode_manifest,
@@ -69,6 +67,7 @@ from kvtier.tiers.s3.index._snapshot_format import (
     parse_name,
     snapshot_dir,
 )
+from kvtier.tiers.s3.index._snapshot_stream import stream_body
 
 __all__ = ["SnapshotLink", "Snapshots", "Survey", "delete_object", "put_if_absent"]
 
@@ -78,8 +77,6 @@ _CONDITIONAL_ANSWERS = frozenset({Fault.PRECONDITION, Fault.CONFLICT, Fault.UNSU
 _LOST = (Fault.PRECONDITION, Fault.CONFLICT)
 _GET_ANSWERS = frozenset({Fault.NOT_FOUND, Fault.REJECTED})
 _DATE_SLACK_MS = 2000  # an HTTP Date has whole seconds; LastModified too on some servers
-# Entries of a loaded snapshot indexed between two checkpoints: a few milliseconds of loop.
-_ADD_SLICE = 2048
 
 
 @dataclass
@@ -208,10 +205,7 @@ class Snapshots:
                     "snapshot", "%s: ignoring index snapshot %s: %s", self.name, name, exc
                 )
                 continue
-            for start in range(0, len(entries), _ADD_SLICE):  # the loop serves meanwhile
-                self._index.load_many(entries[start : start + _ADD_SLICE])
-                await anyio.lowlevel.checkpoint()
-            self._index.listed += len(entries)
+            self._index.listed += entries
             self.generation = max(self.generation, generation)
             self.loaded += 1
             # The cover in this node's clock: server time plus this node's lead on it.
@@ -234,16 +228,23 @@ class Snapshots:
             )
         return manifest
 
-    async def _read_body(self, manifest: Manifest) -> list[tuple[bytes, Location | None]]:
+    async def _read_body(self, manifest: Manifest) -> int:
+        """Index the body's entries as it arrives (``_snapshot_stream``); how many it held.
+        Each GET's bytes are counted, a rejected or retried one's too."""
         name = data_name(self._prefix, manifest.generation, manifest.writer)
-        data = await self._get(name, manifest.body_length)
-        decode = functools.partial(
-            decode_body, data, self._prefix, manifest, integrity_key=self._integrity_key
-        )
-        # Abandoned when the tier closes meanwhile: the thread only decodes bytes it owns.
-        entries, rejected = await anyio.to_thread.run_sync(decode, abandon_on_cancel=True)
-        self.entries_rejected += rejected
-        return entries
+        made: list[BodyDecoder] = []
+
+        def decoder() -> BodyDecoder:
+            made.append(BodyDecoder(self._prefix, manifest, integrity_key=self._integrity_key))
+            return made[-1]
+
+        self.requests["get"] += 1
+        try:
+            await stream_body(self._call, self._client(), self._bucket, name, decoder, self._index)
+        finally:
+            self.bytes_read += sum(d.received for d in made)
+            self.entries_rejected += made[-1].rejected if made else 0
+        return made[-1].entries
 
     async def _get(self, name: str, most: int) -> bytes:
         """One GET of at most ``most`` bytes; SnapshotError if it is gone or empty."""

@@ -20,15 +20,17 @@ writer (8 bytes)``: it is checked, and with an integrity key authenticated, exac
 segment is. A body is ``BODY_MAGIC`` then chunks of ``u32 length, segment``, each segment of
 at most ``MAX_SEGMENT_ENTRIES`` entries, so every entry of a snapshot is validated (and
 authenticated) as a journal entry is: a key of 1 to 255 bytes, a pack of this prefix only.
-A reader checks the body's length and xxh3-128 against its manifest before decoding it.
+A reader checks the body's length and xxh3-128 against its manifest: ``decode_body`` before
+decoding it, ``BodyDecoder`` (a body decoded as it arrives) once it has all of it.
 
 What the bucket holds is untrusted: a manifest larger than ``MAX_MANIFEST_BYTES``, one whose
 body would exceed the reader's ``index_snapshot_max_bytes``, a body that does not match its
 manifest, or a chunk that does not parse or verify, rejects the snapshot whole
-(``SnapshotError``): the reader then lists the prefix as before. Nothing in a snapshot can
-make a reader fetch outside its prefix, and an entry naming a block that is not there costs
-one GET that finds nothing (blocks carry their own key and checksum): a hostile snapshot can
-cost misses, never a wrong byte.
+(``SnapshotError``): the reader then lists the prefix as before (one that decoded the body as
+it arrived keeps the entries of the chunks before the fault, each valid on its own). Nothing
+in a snapshot can make a reader fetch outside its prefix, and an entry naming a block that is
+not there costs one GET that finds nothing (blocks carry their own key and checksum): a
+hostile snapshot can cost misses, never a wrong byte.
 """
 
 from __future__ import annotations
@@ -51,8 +53,10 @@ from kvtier.tiers.s3.index._journal_format import (
 )
 
 __all__ = [
+    "BODY_MAGIC",
     "MAX_MANIFEST_BYTES",
     "SNAPSHOT_DIR",
+    "BodyDecoder",
     "Manifest",
     "SnapshotError",
     "SnapshotName",
@@ -233,3 +237,84 @@ def decode_body(
         rejected += ignored
         at += length
     return entries, rejected
+
+
+class BodyDecoder:
+    """A snapshot body decoded as it arrives, so its first keys are indexed while the rest is
+    still on the wire (a body of millions of keys takes seconds to read).
+
+    ``feed`` takes the body's bytes in order and returns the entries of each chunk it
+    completed: a chunk is a journal segment, checked (and with an integrity key,
+    authenticated) on its own as ``decode_body`` checks it, so what it returns is as
+    trustworthy as a segment read from the journal. ``finish`` then checks the body whole
+    against its manifest (length, digest). A synchronous state machine holding at most one
+    chunk and one fed piece: ``SnapshotError`` at the first byte past the manifest's length,
+    the first chunk that does not parse or verify, or a body that does not match at the end.
+    The entries of the chunks before a rejection were each valid: a reader keeps them (an
+    entry naming a block that is gone costs one GET that finds nothing, as a stale segment's
+    does) and lists the prefix for the rest.
+    """
+
+    def __init__(
+        self, prefix: str, manifest: Manifest, *, integrity_key: IntegrityKey | None = None
+    ) -> None:
+        self._prefix, self._manifest, self._integrity_key = prefix, manifest, integrity_key
+        self._largest = max_segment_bytes(prefix)
+        self._digest = xxhash.xxh3_128()
+        self._buffer = bytearray()
+        self._done = 0  # body bytes before the buffer, all parsed
+        self.length = manifest.body_length
+        self.received = 0
+        self.entries = 0  # entries returned
+        self.rejected = 0  # entries ignored, as a segment's are
+
+    def feed(self, data: bytes) -> list[tuple[bytes, Location | None]]:
+        """The entries of the chunks ``data`` completed (none while one is incomplete)."""
+        length = self._manifest.body_length
+        self.received += len(data)
+        if self.received > length:
+            raise SnapshotError(f"snapshot body longer than the {length} bytes of its manifest")
+        self._digest.update(data)
+        buffer = self._buffer
+        buffer += data
+        at, entries = 0, list[tuple[bytes, Location | None]]()
+        if self._done == 0:
+            if len(buffer) < len(BODY_MAGIC):
+                return entries
+            if buffer[: len(BODY_MAGIC)] != BODY_MAGIC:
+                raise SnapshotError("not a kvtier snapshot body")
+            at = len(BODY_MAGIC)
+        while len(buffer) - at >= _CHUNK.size:
+            (size,) = _CHUNK.unpack_from(buffer, at)
+            end = at + _CHUNK.size + size
+            if size > self._largest or self._done + end > length:
+                raise SnapshotError("snapshot body has a chunk past its end or too large")
+            if end > len(buffer):
+                break
+            try:
+                chunk, ignored = decode_segment(
+                    bytes(buffer[at + _CHUNK.size : end]),
+                    self._prefix,
+                    integrity_key=self._integrity_key,
+                )
+            except SegmentError as exc:
+                raise SnapshotError(f"snapshot body: {exc}") from None
+            entries.extend(chunk)
+            self.entries += len(chunk)
+            self.rejected += ignored
+            at = end
+        del buffer[:at]
+        self._done += at
+        return entries
+
+    def finish(self) -> None:
+        """The whole body was fed: check it against its manifest."""
+        length = self._manifest.body_length
+        if self.received != length:
+            raise SnapshotError(
+                f"snapshot body of {self.received} bytes, its manifest says {length}"
+            )
+        if self._digest.digest() != self._manifest.digest:
+            raise SnapshotError("snapshot body does not match its manifest's digest")
+        if self._buffer or self._done < len(BODY_MAGIC):
+            raise SnapshotError("snapshot body truncated")

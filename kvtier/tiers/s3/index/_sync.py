@@ -28,8 +28,9 @@ Clock skew: every journal response's ``Date`` is compared with this node's clock
 A writer deletes its own segments once they are older than twice the lookback; one whose
 DELETE failed stays first in line and is tried again at the next refresh.
 
-With ``index_background_load`` the tier opens at once and the loop starts with that load
-(``load_in_background``): the journal's last lookback, then the snapshot or the listing.
+With ``index_background_load`` (the default) the tier opens at once and the loop starts with
+that load (``load_in_background``, ``_loading``): the journal's last lookback, then the
+snapshot or the listing.
 
 Index snapshots (``_snapshot``, ``index_snapshots``): at open the newest snapshot, when one is
 usable, replaces the listing, and the first poll lists from its cover minus the lookback. A
@@ -66,6 +67,7 @@ from kvtier.tiers.s3.index._existence import ExistenceIndex
 from kvtier.tiers.s3.index._journal import SegmentReader
 from kvtier.tiers.s3.index._journal_format import segment_time_ms, segment_writer
 from kvtier.tiers.s3.index._listing import Listing
+from kvtier.tiers.s3.index._loading import IndexLoad
 from kvtier.tiers.s3.index._publishing import Publisher
 from kvtier.tiers.s3.index._rechecks import RemovalChecks
 from kvtier.tiers.s3.index._skew import ClockSkew
@@ -136,6 +138,7 @@ class IndexSync:
         )
         self.covered_ms: int | None = None
         self.view_complete = False
+        self.load = IndexLoad(index)  # the background load at open, if any
 
     def _build_readers(self, config: S3Config, link: SnapshotLink) -> None:
         """The segment reader, and the snapshots and digests when this tier uses them.
@@ -224,22 +227,18 @@ class IndexSync:
     # -- the journal loop ------------------------------------------------------------------
 
     async def load_in_background(self) -> None:
-        """The load at open of a tier that opened at once (``index_background_load``): the
-        journal of the last lookback first (small, and the newest keys: the likeliest asked
-        for next; read beside the snapshot, it only slowed both), then the snapshot or the
-        listing. Until it ends the index is ``loading``: the tier asks the bucket about keys
-        not brought yet, and keys found gone meanwhile are not brought back
-        (``ExistenceIndex.load_one``). Never raises an ``Exception``: a failed load leaves
-        the listing incomplete, logged."""
-        try:
-            if self._read_journal:
-                await self._read_recent()
-            await self.list_at_open()
-        except Exception as exc:
+        """The load at open of a tier that opened at once (``index_background_load``,
+        ``_loading``): the journal of the last lookback first (read beside the snapshot, it
+        only slowed both), then the snapshot or the listing. Never raises an ``Exception``:
+        a failed load leaves the listing incomplete, logged."""
+        journal = self._read_recent if self._read_journal else None
+        if not await self.load.run(journal, self.list_at_open, self._failed):
             self.listing_complete = False
-            self._failed(exc)
-        finally:
-            self._index.end_load()  # cancelled (the tier closing) included
+
+    def begin_load(self) -> None:
+        """At open: the index is loaded in the background (``run``), not complete until then."""
+        self.listing_complete = False
+        self.load.begin()
 
     async def _read_recent(self) -> None:
         """The background load's journal read, its removals checked; never raises."""
@@ -251,7 +250,7 @@ class IndexSync:
 
     async def run(self) -> None:
         """The background load if any, then publish and poll every ``index_refresh`` s."""
-        if self._index.loading:
+        if self.load.running:
             await self.load_in_background()
         if self.digests is not None:
             await self._run_digests(self.digests)
