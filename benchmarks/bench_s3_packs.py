@@ -133,7 +133,8 @@ async def _tiered(
 
         store = await meter.run(lambda: _in_groups(args, groups, store_one))
         written = writer.statistics()
-    async with _tier(args, prefix, packs) as reader:  # another node: it lists at open
+    async with _tier(args, prefix, packs) as reader:  # another node: it lists the prefix
+        await reader.wait_index_loaded()  # loads are timed, not the listing
 
         async def load_one(i: int) -> None:
             await reader.load(keys[i], memoryview(out[i]))

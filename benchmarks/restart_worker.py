@@ -347,7 +347,7 @@ async def reopen(spec: Spec) -> None:
     if spec.tier == "fs" and spec.capacity_bytes:
         options["capacity_bytes"] = spec.capacity_bytes  # full: each new block evicts one
     if spec.tier == "s3":
-        options["index_background_load"] = True  # the default, said: serve while it loads
+        options["index_background_load"] = True  # open at once, serve while the index loads
     gc.collect()
     rss_before = rss_bytes()
     t0 = time.perf_counter()

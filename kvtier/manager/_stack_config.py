@@ -74,7 +74,7 @@ Choices where the issue was silent:
   the S3 tier loads its index inside ``open()`` (``index_background_load = false``): the
   tier lists the bucket while it opens and, past its own bound, opens with what it has; an
   open_timeout below that would never let it open on a large bucket. With the background
-  load (the default) the listing runs after the open and the rule does not apply.
+  load the listing runs after the open and the rule does not apply.
   (``build_tiers()`` alone, as the vLLM adapter uses it, does not check it.)
 - ``from_env`` reads ``KVTIER_CONFIG`` (a TOML file) first, then lets each ``KVTIER_<SECTION>_
   <KEY>`` variable override one value, so a container can ship a file and tweak it. Any other

@@ -199,7 +199,7 @@ async def test_s3_endpoint_that_never_answers_does_not_hold_the_open_or_the_clos
         # Left alone, one attempt would wait 60 s for the bucket's answer.
         s3 = s3_tier(url, f"t/{uuid.uuid4().hex}", name="s3", read_timeout=60.0, max_attempts=1)
         fs = FSTier(tmp_path / "fs", fsync="never", name="fs")
-        manager = TieringManager(HostPool(8, BLOCK), [fs, s3])  # tier_open_wait: 1 s
+        manager = TieringManager(HostPool(8, BLOCK), [fs, s3], tier_open_wait=1.0)
         # Bounded well below the 60 s one attempt would wait: neither the open nor the close
         # may wait for the silent endpoint.
         with anyio.fail_after(30):

@@ -32,7 +32,7 @@ HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
 
 async def _fill(make_tier: MakeS3Tier, packed: list[bytes], alone: bytes) -> None:
     """``packed`` as one pack, ``alone`` as its own object; published at the close."""
-    async with make_tier(**INDEX_BY_HAND) as tier:
+    async with make_tier(index_background_load=True, **INDEX_BY_HAND) as tier:
         payload = memoryview(os.urandom(BLOCK))
         assert await tier.store_many(packed, [payload] * len(packed)) == [None] * len(packed)
         await tier.store(alone, payload)
@@ -277,7 +277,7 @@ async def test_the_journal_read_first_takes_every_segment_in_order(
     removal: every key the journal holds is a HIT before the listing, the removed one not."""
     keys = fresh_keys(11)
     payload = memoryview(os.urandom(BLOCK))
-    async with make_tier(**INDEX_BY_HAND) as a, make_tier(**INDEX_BY_HAND) as b:
+    async with make_tier(index_background_load=True, **INDEX_BY_HAND) as a, make_tier(index_background_load=True, **INDEX_BY_HAND) as b:
         for i, key in enumerate(keys):
             await (a if i % 2 else b).store(key, payload)
             await (a if i % 2 else b).refresh_index()  # one segment per key
@@ -304,7 +304,7 @@ async def test_a_packed_block_asked_for_before_its_pack_is_indexed_is_brought_by
     packed, (alone,) = fresh_keys(4), fresh_keys(1)
     await _fill(make_tier, packed, alone)
     await _forget_the_journal(weed_server, prefix)
-    tier = make_tier(**INDEX_BY_HAND)  # the default: the index loads in the background
+    tier = make_tier(index_background_load=True, **INDEX_BY_HAND)
     load = HeldLoad(tier, monkeypatch)
     async with _opened(tier):
         await load.wait_held()
@@ -324,7 +324,7 @@ async def test_wait_index_loaded_returns_when_the_tier_closes_during_the_load(
     """A waiter is never left hanging: a close during the load wakes it (not complete)."""
     packed, (alone,) = fresh_keys(2), fresh_keys(1)
     await _fill(make_tier, packed, alone)
-    tier = make_tier(**INDEX_BY_HAND)
+    tier = make_tier(index_background_load=True, **INDEX_BY_HAND)
     load = HeldLoad(tier, monkeypatch)
     answers: list[bool] = []
     waiting = anyio.Event()
@@ -356,7 +356,7 @@ async def test_a_reopened_tier_is_not_complete_until_its_new_load_ends(
     """The index's ``complete`` says what the running load has done, not the last open's."""
     packed, (alone,) = fresh_keys(2), fresh_keys(1)
     await _fill(make_tier, packed, alone)
-    tier = make_tier(**INDEX_BY_HAND)
+    tier = make_tier(index_background_load=True, **INDEX_BY_HAND)
     async with _opened(tier):
         assert await tier.wait_index_loaded()
         assert tier.statistics().index_listing_complete
@@ -417,7 +417,7 @@ async def test_a_snapshot_serves_its_first_keys_while_the_rest_arrives(
 
     monkeypatch.setattr(snapshot_stream, "_take", held)
     before = asyncio.all_tasks()
-    async with make_tier(**SNAPSHOT_BY_HAND) as tier:
+    async with make_tier(index_background_load=True, **SNAPSHOT_BY_HAND) as tier:
         with anyio.fail_after(30):
             await first_chunk.wait()
         assert [tier.lookup(k) for k in keys[:4]] == [HIT] * 4
