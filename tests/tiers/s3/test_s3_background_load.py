@@ -277,7 +277,8 @@ async def test_the_journal_read_first_takes_every_segment_in_order(
     removal: every key the journal holds is a HIT before the listing, the removed one not."""
     keys = fresh_keys(11)
     payload = memoryview(os.urandom(BLOCK))
-    async with make_tier(index_background_load=True, **INDEX_BY_HAND) as a, make_tier(index_background_load=True, **INDEX_BY_HAND) as b:
+    background = {"index_background_load": True, **INDEX_BY_HAND}
+    async with make_tier(**background) as a, make_tier(**background) as b:
         for i, key in enumerate(keys):
             await (a if i % 2 else b).store(key, payload)
             await (a if i % 2 else b).refresh_index()  # one segment per key
