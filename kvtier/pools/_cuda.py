@@ -40,11 +40,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import anyio
-import anyio.to_thread
 
 from kvtier.common._arguments import positive_number
 from kvtier.common._buffers import BlockBuffer
 from kvtier.common._errors import InvalidArgumentError, LifecycleError
+from kvtier.common._threads import run_sync
 from kvtier.pools._base import BatchSink, ByteSink, ByteSource, PrimaryPool
 from kvtier.pools._cuda_copies import SlotCopies
 from kvtier.pools._cuda_core import CopyLimits, SlotSpan, TransferStatistics
@@ -183,9 +183,7 @@ class CudaPool(PrimaryPool):
         # cudaFree waits for the whole device, the engine's streams included: bounded too.
         freed = False
         with anyio.move_on_after(2 * self._settle_timeout, shield=True):
-            await anyio.to_thread.run_sync(
-                self._free, abandon_on_cancel=True, limiter=anyio.CapacityLimiter(1)
-            )
+            await run_sync(self._free, abandon_on_cancel=True, limiter=anyio.CapacityLimiter(1))
             freed = True
         if not freed:
             logger.warning("CudaPool on cuda:%d: freeing its memory did not finish", self.device)

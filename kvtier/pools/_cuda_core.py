@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import anyio
-import anyio.to_thread
 import numpy as np
 
 from kvtier.common._buffers import LOOP_COPY_BYTES
 from kvtier.common._errors import InvalidArgumentError, LifecycleError
+from kvtier.common._threads import run_sync
 from kvtier.pools._cuda_caller import CudaCaller
 from kvtier.pools._cuda_stream import (
     Completion,
@@ -286,7 +286,7 @@ class CopyCore:
         if nbytes <= LOOP_COPY_BYTES:
             _memcpy_pairs(pairs)
         else:  # not abandoned on cancel: the staging buffer is in use until it returns
-            await anyio.to_thread.run_sync(_memcpy_pairs, pairs, limiter=self._limiter)
+            await run_sync(_memcpy_pairs, pairs, limiter=self._limiter)
 
     # -- closing and observation -------------------------------------------------------------
 

@@ -11,12 +11,13 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, cast
 
-import anyio.to_thread
+import anyio
 
 from kvtier.common._arguments import positive_int
 from kvtier.common._buffers import LOOP_COPY_BYTES, BlockBuffer
 from kvtier.common._errors import InvalidArgumentError
 from kvtier.common._lending import Lender, Release
+from kvtier.common._threads import run_sync
 from kvtier.pools._base import BatchSink, BatchSource, ByteSink, ByteSource, PrimaryPool
 from kvtier.pools._policy import EvictionPolicy
 from kvtier.pools._slots import SlotTable
@@ -178,7 +179,7 @@ class HostPool(PrimaryPool):
             return
         self._gpu = None
         with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(gpu.close)
+            await run_sync(gpu.close)
 
 
 def _copy_pairs(pairs: _Pairs) -> None:
@@ -190,7 +191,7 @@ async def _copy_all(pairs: _Pairs, nbytes: int) -> None:
     if nbytes <= LOOP_COPY_BYTES:
         _copy_pairs(pairs)
     else:  # big copies run off the event loop
-        await anyio.to_thread.run_sync(_copy_pairs, pairs)
+        await run_sync(_copy_pairs, pairs)
 
 
 class _SlotLoan:

@@ -30,11 +30,11 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import anyio.to_thread
 import numpy as np
 
 from kvtier.common._buffers import BlockBuffer
 from kvtier.common._errors import InvalidArgumentError
+from kvtier.common._threads import run_sync
 from kvtier.pools import _cupy
 from kvtier.pools._cuda_stream import until_done
 from kvtier.pools._cupy import CudaRuntime, use_device
@@ -89,7 +89,7 @@ class GpuCopies:
                 jobs.append((slot, None, buffer.device, producer_stream(buffer.device)))
         self.in_flight += 1
         try:  # not abandoned on cancel: the slots and buffers are in use until it returns
-            await anyio.to_thread.run_sync(self._run, jobs, to_pool)
+            await run_sync(self._run, jobs, to_pool)
         finally:
             self.in_flight -= 1
 

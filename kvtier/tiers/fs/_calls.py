@@ -37,8 +37,9 @@ from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
 import anyio
-import anyio.to_thread
 import numpy as np
+
+from kvtier.common._threads import run_sync
 
 __all__ = ["Abandoned", "BufferPool", "Handoff", "OnLate", "Stuck", "WorkerCalls", "copy_bytes"]
 
@@ -155,9 +156,7 @@ class WorkerCalls(Generic[T]):
             return result
 
         try:
-            result = await anyio.to_thread.run_sync(
-                work, limiter=limiter, abandon_on_cancel=abandon
-            )
+            result = await run_sync(work, limiter=limiter, abandon_on_cancel=abandon)
         except BaseException:
             with call._lock:  # waits at most for a memcpy inside ``touching()``
                 if not call._done:
