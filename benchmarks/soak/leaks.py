@@ -3,8 +3,8 @@
 ``Resources.now()`` counts them from /proc/self (file descriptors, and which of them are
 sockets) and from the interpreter (threads, the loop's tasks). ``growth(before, after)`` is
 what is left over after a close. Two kinds of thread are pools shared by the whole process,
-not owned by a manager, and are left out: anyio's worker threads (kept idle for reuse for a
-few seconds) and the loop's default executor's (kept until the loop closes); a thread a
+not owned by a manager, and are left out: anyio's and kvtier's worker threads (kept idle for
+reuse) and the loop's default executor's (kept until the loop closes); a thread a
 manager starts and does not join shows up under any other name.
 """
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 __all__ = ["Resources"]
 
-_POOLED = ("AnyIO worker thread", "asyncio_")
+_POOLED = ("AnyIO worker thread", "asyncio_", "kvtier worker")
 _OWN = ".counters"  # the soak's own shared counters (the oracle maps other writers' lazily)
 
 
