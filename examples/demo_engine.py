@@ -4,7 +4,8 @@ embeds kvtier the way a real engine does, the chat workload, and the demo's tier
 ``serve_demo.py``, ``two_nodes.py``, ``asgi_app.py`` and ``benchmarks/bench_demo_tiers.py``
 import it (the examples as ``demo_engine``: a script's own folder is on its path; the benchmark
 as ``examples.demo_engine``, run with ``python -m`` from the repository root). It imports
-nothing but kvtier's public names, torch, numpy, anyio and tqdm.
+nothing but kvtier's public names, torch, numpy, anyio, tqdm and its neighbour
+``loop_stalls``.
 
 The model: token embeddings, pre-norm decoder layers with rotary attention and an MLP, and a
 per-layer K/V cache filled by prefill and decode. Weights are random (a fixed seed), so the
@@ -41,6 +42,11 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import kvtier
+
+if __package__:  # imported as examples.demo_engine (the benchmarks)
+    from .loop_stalls import StallProbe
+else:  # a script in examples/ imported it as demo_engine
+    from loop_stalls import StallProbe
 
 T = TypeVar("T")
 
@@ -302,6 +308,7 @@ class RunResult:
     wall: float
     results: dict[int, RequestResult] = field(default_factory=dict)
     loop_lag: list[float] = field(default_factory=list)  # seconds late, per 5 ms timer
+    stalls: dict[str, Any] | None = None  # the stall probe's summary, when one ran
 
     def ttfts(self) -> list[float]:
         return [r.ttft for r in self.results.values()]
@@ -490,7 +497,12 @@ async def run_workload(
     sessions: Sequence[Sequence[Request]],
     tiering: KVTier | None,
     decode_tokens: int,
+    *,
+    stalls: bool = False,
 ) -> RunResult:
+    """Serve ``sessions`` (each sends its next turn when the previous one answered) while a
+    5 ms timer measures the loop's lag; with ``stalls``, a ``StallProbe`` also records what the
+    loop ran whenever it was late by more than 20 ms."""
     run = RunResult(label, 0.0)
     progress = Progress(label, sum(len(s) for s in sessions), engine.config.block_size)
     started = time.perf_counter()
@@ -508,15 +520,21 @@ async def run_workload(
             run.loop_lag.append(time.perf_counter() - before - 0.005)
 
     done = asyncio.Event()
+    probe = StallProbe() if stalls else None
     try:
-        async with asyncio.TaskGroup() as outer:
-            outer.create_task(lag(done))
-            async with asyncio.TaskGroup() as tg:
-                for turns in sessions:
-                    tg.create_task(chat(turns))
-            done.set()
+        async with contextlib.AsyncExitStack() as stack:
+            if probe is not None:
+                await stack.enter_async_context(probe)
+            async with asyncio.TaskGroup() as outer:
+                outer.create_task(lag(done))
+                async with asyncio.TaskGroup() as tg:
+                    for turns in sessions:
+                        tg.create_task(chat(turns))
+                done.set()
     finally:
         progress.close()
+    if probe is not None:
+        run.stalls = probe.summary()
     run.wall = time.perf_counter() - started
     return run
 
@@ -735,6 +753,12 @@ def parse_args(
         "--no-promote-write-up",
         action="store_true",
         help="do not copy blocks promoted from a slower tier (S3) to the faster ones (fs)",
+    )
+    p.add_argument(
+        "--stalls",
+        action="store_true",
+        help="sample the loop thread's stack whenever the loop is late by more than 20 ms and "
+        "report what ran (examples/loop_stalls.py; the probe's own thread adds a little lag)",
     )
     p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.add_argument(

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -114,6 +115,8 @@ def report(
                 "max": max(lag, default=0.0) * 1e3,
             },
         }
+        if run.stalls is not None:
+            out["runs"][run.label]["stalls"] = run.stalls
         print(
             f"{run.label:16}{len(tt):>9}{percentile(tt, 50):>9.3f} s{percentile(tt, 95):>9.3f} s"
             f"{prefilled:>16,}{run.wall:>7.1f} s"
@@ -132,6 +135,11 @@ def report(
             f"loop lag         {label}: p50 {lag_ms['p50']:.1f} ms, p99 {lag_ms['p99']:.1f} ms, "
             f"max {lag_ms['max']:.1f} ms (how late a 5 ms timer fired)"
         )
+        for culprit in figures.get("stalls", {}).get("culprits", []):
+            print(
+                f"  stalled {culprit['count']:>4} x, longest {culprit['longest_ms']:6.1f} ms, "
+                f"in {culprit['where']}"
+            )
     if tiered is None or stats is None:
         return True
     results = tiered.results.values()
@@ -302,7 +310,12 @@ async def amain(args: argparse.Namespace, out: dict[str, Any]) -> int:
         return await agent_demo.amain(args, out)
     engine, sessions = await demo.start_engine(args)
     config = engine.config
-    runs = [await demo.run_workload("without kvtier", engine, sessions, None, args.decode_tokens)]
+    gc.freeze()  # what docs/operating.md advises an engine once it has started
+    runs = [
+        await demo.run_workload(
+            "without kvtier", engine, sessions, None, args.decode_tokens, stalls=args.stalls
+        )
+    ]
     if args.no_kvtier:
         report(runs, None, config, [], out)
         return 0
@@ -328,7 +341,9 @@ async def amain(args: argparse.Namespace, out: dict[str, Any]) -> int:
             prefetch=not args.no_prefetch,
         )
         runs.append(
-            await demo.run_workload("with kvtier", engine, sessions, tiering, args.decode_tokens)
+            await demo.run_workload(
+                "with kvtier", engine, sessions, tiering, args.decode_tokens, stalls=args.stalls
+            )
         )
         stats = manager.statistics()
     names = [t.name for t in tiers]
