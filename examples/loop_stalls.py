@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import gc
+import linecache
 import sys
 import threading
 import time
@@ -39,6 +40,7 @@ class Stall:
     started: float  # perf_counter when the heartbeat was last seen before the stall
     seconds: float  # from that heartbeat to the next one
     samples: list[str] = field(default_factory=list)  # the loop thread's innermost own frames
+    busy: list[str] = field(default_factory=list)  # other threads seen running Python meanwhile
     gc_seconds: float = 0.0  # collector time inside the span
 
     def culprit(self) -> str:
@@ -65,6 +67,28 @@ def _where(frame: FrameType | None, depth: int) -> str:
         folder, name = caller.filename.rsplit("/", 2)[-2:]
         where += f" [from {folder}/{name}:{caller.lineno} {caller.name}]"
     return where
+
+
+_WAITS = ("wait", "get", "select", "poll", "acquire", "sleep", "_wait_for_tstate_lock")
+_WAITING_CALLS = (".get(", ".wait(", ".acquire(", ".select(", "sleep(")  # C calls that wait
+
+
+def _running(frames: dict[int, FrameType], skip: tuple[int, ...]) -> list[str]:
+    """The other threads whose innermost Python frame is not a wait: those that may hold the
+    interpreter lock (or a core) the loop waited for, by thread name and frame."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    running = []
+    for ident, frame in frames.items():
+        if ident in skip or frame.f_code.co_name in _WAITS:
+            continue
+        line = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+        if any(call in line for call in _WAITING_CALLS):
+            continue  # in a wait implemented in C (no frame of its own)
+        name = names.get(ident, "?").rstrip("0123456789 ")
+        running.append(
+            f"{name}: {frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_code.co_name}"
+        )
+    return running
 
 
 class StallProbe:
@@ -120,8 +144,10 @@ class StallProbe:
     def summary(self, top: int = 8) -> dict[str, Any]:
         """The stalls by culprit: how many, their total and longest seconds, longest first."""
         by_culprit: dict[str, list[float]] = collections.defaultdict(list)
+        busy: collections.Counter[str] = collections.Counter()
         for stall in self.stalls:
             by_culprit[stall.culprit()].append(stall.seconds)
+            busy.update(set(stall.busy))
         ranked = sorted(by_culprit.items(), key=lambda item: max(item[1]), reverse=True)
         return {
             "threshold_ms": self.threshold * 1e3,
@@ -136,6 +162,7 @@ class StallProbe:
                 }
                 for where, spans in ranked[:top]
             ],
+            "busy_threads": dict(busy.most_common(top)),  # stalls in which each was running
         }
 
     def _tick(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -164,5 +191,6 @@ class StallProbe:
                 continue
             if current is None:
                 current = Stall(beat, late)
-            frame = sys._current_frames().get(self._loop_thread)
-            current.samples.append(_where(frame, self.depth))
+            frames = sys._current_frames()
+            current.samples.append(_where(frames.get(self._loop_thread), self.depth))
+            current.busy.extend(_running(frames, (self._loop_thread, threading.get_ident())))
