@@ -11,7 +11,13 @@ KV-aware routers learn which engine holds which prefix from these events (vLLM's
 - ``CLEARED`` when every block goes at once.
 
 Each event carries the medium (``"STORAGE"`` for FS and S3), the locality (``"LOCAL"``; a
-shared tier reports blocks it learnt from another node as ``"REMOTE"``) and the tier's name.
+shared tier reports blocks it learnt from another node as ``"REMOTE"``), the tier's name, what
+kind of store it is (``storage``: ``"disk"`` for FS, ``"object"`` for S3) and whether other
+nodes reach the same blocks (``shared``: an S3 prefix, a folder opened with ``shared=True``).
+A router prices a block by that (a disk block is worth less than one in memory) and keeps a
+shared tier's blocks once, credited to every node that reaches the tier, instead of once per
+node that happened to announce them. The buffer stamps both on every event it queues; the tier
+sets them once (``EventBuffer(..., shared=, storage=)``).
 
 ``EventBuffer`` holds them until someone drains it. It is bounded: when nobody drains, the
 newest events are dropped and counted (``dropped``), so memory never grows with the stream. A
@@ -29,7 +35,7 @@ from __future__ import annotations
 import enum
 import threading
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["EventBuffer", "EventKind", "TierEvent"]
 
@@ -52,17 +58,28 @@ class TierEvent:
     medium: str = "STORAGE"
     locality: str = "LOCAL"
     reason: str | None = None  # why blocks were removed: evicted, corrupt, not_found, deleted
+    # What the tier is, the same on all of its events: left out of ``==`` so an event compares
+    # by what happened. ``shared``: other nodes reach the same blocks in this tier.
+    shared: bool = field(default=False, compare=False)
+    storage: str = field(default="", compare=False)  # "disk" (FS), "object" (S3); "" unknown
 
 
 class EventBuffer:
     """A bounded, thread-safe queue of ``TierEvent`` (see the module doc)."""
 
-    __slots__ = ("_events", "_listener", "_lock", "_size", "capacity", "dropped", "emitted", "tier")
+    __slots__ = (
+        *("_events", "_listener", "_lock", "_size", "capacity", "dropped", "emitted"),
+        *("shared", "storage", "tier"),
+    )
 
-    def __init__(self, tier: str, capacity: int = 65_536) -> None:
+    def __init__(
+        self, tier: str, capacity: int = 65_536, *, shared: bool = False, storage: str = ""
+    ) -> None:
         if capacity < 0:
             raise ValueError(f"capacity must be 0 (off) or more, got {capacity}")
         self.tier = tier
+        self.shared = shared  # stamped on every event (see the module doc)
+        self.storage = storage
         self.capacity = capacity  # in keys (a CLEARED event counts as one)
         self.dropped = 0  # events that did not fit
         self.emitted = 0  # events that did
@@ -111,7 +128,11 @@ class EventBuffer:
                 return
             self._size += size
             self.emitted += 1
-            self._events.append(TierEvent(kind, held, self.tier, medium, locality, reason))
+            self._events.append(
+                TierEvent(
+                    kind, held, self.tier, medium, locality, reason, self.shared, self.storage
+                )
+            )
         if (listener := self._listener) is not None:
             listener()
 

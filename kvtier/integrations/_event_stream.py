@@ -15,6 +15,10 @@ nothing: nobody waits on it any more.
 
 Nothing is lost between batches: events queued while the consumer handles a batch wait in the
 buffers, which stay bounded (past their capacity the newest are dropped and counted there).
+
+``full_state()`` is what the stream's tiers hold now, as batches a router takes as a reset
+(``_full_state``): the tiers that can say what they hold (``held_keys``: ``FSTier``,
+``S3Tier``) are in it; a buffer given on its own has no tier to ask and is left out.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from typing import Protocol, Self
 from anyio.abc import AsyncResource
 
 from kvtier.common._events import EventBuffer, TierEvent
+from kvtier.integrations._full_state import FULL_STATE_CHUNK_KEYS, HoldsBlocks, full_state
 
 __all__ = ["EventStream"]
 
@@ -60,6 +65,7 @@ class EventStream(AsyncResource):
                     "capacity to stream its events"
                 )
         self._buffers = tuple(buffers)
+        self._holders = tuple(_holders(sources))
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wakeup: asyncio.Event | None = None
         self._waiting = False  # set only while __anext__ waits: emitters wake it then
@@ -74,10 +80,21 @@ class EventStream(AsyncResource):
     def from_tiers(cls, tiers: Iterable[object]) -> EventStream:
         """The events of every tier in ``tiers`` that reports them (``manager.tiers``: FS and
         S3 do, a ``MemoryTier`` does not)."""
-        buffers = [b for t in tiers if isinstance(b := getattr(t, "events", None), EventBuffer)]
-        if not buffers:
+        reporting = [t for t in tiers if isinstance(getattr(t, "events", None), EventBuffer)]
+        if not reporting:
             raise ValueError("none of these tiers reports events (no .events EventBuffer)")
-        return cls(*buffers)
+        return cls(*reporting)  # type: ignore[arg-type]  # each has .events, as checked
+
+    @property
+    def has_full_state(self) -> bool:
+        """Whether any of the stream's tiers can say what it holds: without one, a full state
+        would claim the node holds nothing."""
+        return bool(self._holders)
+
+    def full_state(self, chunk_keys: int = FULL_STATE_CHUNK_KEYS) -> list[list[TierEvent]]:
+        """What the stream's tiers hold now, as batches a router takes as a reset (the module
+        doc): call it on the loop that runs the tiers."""
+        return full_state(self._holders, chunk_keys)
 
     def _queued(self) -> None:
         """An event was queued (on any thread): wake the waiting consumer, if it waits."""
@@ -154,6 +171,14 @@ class EventStream(AsyncResource):
         tiers = ", ".join(repr(buffer.tier) for buffer in self._buffers)
         state = "closed" if self._closed else "open"
         return f"<EventStream [{tiers}] {state} batches={self.batches} events={self.events}>"
+
+
+def _holders(sources: Iterable[object]) -> Iterable[HoldsBlocks]:
+    """The tiers among ``sources`` that can say what they hold (``HoldsBlocks``)."""
+    for source in sources:
+        buffer = getattr(source, "events", None)
+        if isinstance(buffer, EventBuffer) and callable(getattr(source, "held_keys", None)):
+            yield source  # type: ignore[misc]  # checked just above, as HoldsBlocks says
 
 
 def _buffers(sources: Iterable[EventBuffer | HasEvents]) -> Iterable[EventBuffer]:

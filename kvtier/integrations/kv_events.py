@@ -17,11 +17,24 @@ The wire, as vLLM's ``ZmqEventPublisher`` speaks it (``vllm.distributed.kv_event
 - an event is a map tagged ``type``: ``BlockStored`` (``block_hashes``, ``parent_block_hash``
   None, ``token_ids`` empty, ``block_size``, ``lora_id`` and ``lora_name`` None, ``medium``,
   ``locality``, ``ownership``: the tier's name), ``BlockRemoved`` (``block_hashes``, ``medium``,
-  ``locality``, ``ownership``) or ``AllBlocksCleared``;
+  ``locality``, ``ownership``) or ``AllBlocksCleared``; stored and removed events also carry
+  ``shared`` (other nodes reach the same blocks in that tier) and ``storage`` (``"disk"``,
+  ``"object"``), two fields vLLM's decoder skips as it skips any field it does not know;
 - replay: a subscriber that joined late sends the first sequence it wants (8 bytes big-endian)
   to the ROUTER socket at ``replay_endpoint`` (from a DEALER socket, after an empty delimiter
   frame) and receives every batch still held from that one on, as ``(topic, sequence,
   payload)`` after the delimiter, then ``("", -1 as 8 signed bytes, "")``.
+
+Full state (kvtier's, beside vLLM's wire): what the node's tiers hold now, as batches a router
+takes as a reset (``AllBlocksCleared`` then ``BlockStored`` chunks; ``_full_state``). It goes
+out on the PUB socket, to every subscriber, when ``publish_stream`` starts (a node that
+restarts announces what its folder and bucket kept), and to one subscriber on the replay socket
+when it sends ``FULL_STATE_REQUEST`` instead of a sequence: the batches, each framed as a
+replayed one and carrying the sequence of the next live batch (the state is that of every
+batch before it), then the end marker. Requests that arrive together share one snapshot. A
+publisher with no ``publish_stream`` running has no tiers to ask and answers with the end
+marker alone (``full_states_unavailable``), and so does one whose stream has no tier that can
+say what it holds (``EventStream.has_full_state``).
 
 Block hashes are kvtier's keys as bytes (vLLM accepts bytes or ints) unless ``block_hash``
 maps them; a key it maps to None is left out (counted in ``unmapped``). What it returns is
@@ -65,10 +78,18 @@ from kvtier.common._events import EventKind, TierEvent
 from kvtier.common._logging import BurstLogger
 from kvtier.integrations._event_stream import EventStream
 
-__all__ = ["END_OF_REPLAY", "KVEventPublisher", "PublisherStatistics", "encode_event"]
+__all__ = [
+    "END_OF_REPLAY",
+    "FULL_STATE_REQUEST",
+    "KVEventPublisher",
+    "PublisherStatistics",
+    "encode_event",
+]
 
 # The sequence that ends a replay (vLLM's end marker: -1 as 8 signed big-endian bytes).
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+# What a subscriber sends to the replay socket, in place of a sequence, to get the full state.
+FULL_STATE_REQUEST = b"kvtier-full-state"
 _STOP = object()  # queued by close: the thread sends what came before and ends
 _IDLE_POLL_S = 0.05  # how long the thread waits for a batch before it looks for replay requests
 _CLOSE_S = 2.0  # how long close waits for the thread before it closes the sockets itself
@@ -90,6 +111,17 @@ class PublisherStatistics:
     replays: int  # replay requests served
     bad_replay_requests: int  # replay messages of the wrong shape, ignored
     failed: int = 0  # batches dropped because encoding or sending them raised (logged)
+    full_states: int = 0  # full states sent: announced on the PUB socket, or answered
+    full_states_unavailable: int = 0  # requests answered with the end marker alone
+
+
+@dataclass(frozen=True, slots=True)
+class _FullState:
+    """A snapshot for the thread to send: on the PUB socket (``to`` None) or to each
+    requester on the replay socket."""
+
+    batches: list[list[TierEvent]]
+    to: tuple[bytes, ...] | None
 
 
 def encode_event(
@@ -104,7 +136,13 @@ def encode_event(
     unmapped = len(event.keys) - len(hashes)
     if not hashes:
         return None, unmapped
-    where = {"medium": event.medium, "locality": event.locality, "ownership": event.tier}
+    where = {
+        "medium": event.medium,
+        "locality": event.locality,
+        "ownership": event.tier,
+        "shared": event.shared,
+        "storage": event.storage,
+    }
     if event.kind is EventKind.REMOVED:
         return {"type": "BlockRemoved", "block_hashes": hashes, **where}, unmapped
     stored = {
@@ -151,6 +189,10 @@ class KVEventPublisher(AsyncResource):
         self._published = self._dropped = self._unmapped = 0
         self._replays = self._bad_requests = 0
         self._left = self._failed = 0  # the thread's: batches it dropped at close, or failed
+        self._full_states = self._full_states_unavailable = 0
+        # Set while a ``publish_stream`` runs: wakes it to take a snapshot for ``_wanting``.
+        self._full_state_source: Callable[[], None] | None = None
+        self._wanting: list[bytes] = []  # requesters of a full state, waiting for the snapshot
         self._log = BurstLogger(_logger)
         # Held while a thread uses the sockets: the publisher's, or close taking them over.
         self._sockets_lock = threading.Lock()
@@ -188,29 +230,67 @@ class KVEventPublisher(AsyncResource):
             return False
         return True
 
-    async def publish_stream(self, stream: EventStream) -> None:
+    async def publish_stream(self, stream: EventStream, *, announce: bool = True) -> None:
         """Publish every batch of ``stream`` until it ends (closed) or this publisher closes;
         an idle stream does not hold it: closing the publisher from any thread ends it. The
-        stream stays open (it is the caller's)."""
+        stream stays open (it is the caller's).
+
+        ``announce``: first publish the stream's full state (what its tiers hold now: a node
+        that restarted tells routers what it kept). While it runs, full-state requests on the
+        replay socket are answered from snapshots of the stream's tiers. A stream of buffers
+        alone (no tier that can say what it holds) has no full state: neither is done."""
         loop = asyncio.get_running_loop()
+        wanted = asyncio.Event()
         with anyio.CancelScope() as scope:
 
             def stop() -> None:
                 with contextlib.suppress(RuntimeError):  # that loop ended, and this call with it
                     loop.call_soon_threadsafe(scope.cancel)
 
+            def want() -> None:
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(wanted.set)
+
+            knows = stream.has_full_state
             with self._state_lock:
                 if self._closed:
                     return
                 self._on_close.add(stop)
+                if knows:
+                    self._full_state_source = want
             try:
-                async for batch in stream:
-                    self.publish(batch)
+                if announce and knows:
+                    self._queue_full_state(_FullState(stream.full_state(), None))
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(self._answer_full_states, stream, wanted)
+                    async for batch in stream:
+                        self.publish(batch)
+                    tg.cancel_scope.cancel()
             except LifecycleError:  # closed on another thread since the batch came
                 return
             finally:
                 with self._state_lock:
                     self._on_close.discard(stop)
+                    if self._full_state_source is want:
+                        self._full_state_source = None
+
+    async def _answer_full_states(self, stream: EventStream, wanted: asyncio.Event) -> None:
+        """One snapshot for every requester waiting when it is taken, each time one asks."""
+        while True:
+            await wanted.wait()
+            wanted.clear()
+            with self._state_lock:
+                requesters, self._wanting = self._wanting, []
+            if requesters:
+                self._queue_full_state(_FullState(stream.full_state(), tuple(requesters)))
+
+    def _queue_full_state(self, full_state: _FullState) -> None:
+        if self._closed:
+            raise LifecycleError("publish on a closed KVEventPublisher")
+        try:
+            self._queue.put_nowait(full_state)
+        except queue.Full:  # its requesters hear nothing and ask again
+            self._dropped += 1
 
     def statistics(self) -> PublisherStatistics:
         return PublisherStatistics(
@@ -220,6 +300,8 @@ class KVEventPublisher(AsyncResource):
             self._replays,
             self._bad_requests,
             self._failed,
+            self._full_states,
+            self._full_states_unavailable,
         )
 
     def close(self) -> None:
@@ -280,9 +362,12 @@ class KVEventPublisher(AsyncResource):
                     continue
                 if batch is _STOP:
                     break
-                assert isinstance(batch, list)
                 try:
-                    self._send(batch)
+                    if isinstance(batch, _FullState):
+                        self._send_full_state(batch)
+                    else:
+                        assert isinstance(batch, list)
+                        self._send(batch)
                 except Exception as exc:  # one bad batch never ends the thread
                     self._failed += 1
                     self._log.warning(
@@ -298,7 +383,8 @@ class KVEventPublisher(AsyncResource):
                 if left is not _STOP:
                     self._left += 1
 
-    def _send(self, batch: list[TierEvent]) -> None:
+    def _encode(self, batch: list[TierEvent]) -> bytes | None:
+        """The payload of ``batch``; None when none of its events has anything to say."""
         events = []
         for event in batch:
             encoded, unmapped = encode_event(event, self.block_size, self._block_hash)
@@ -306,11 +392,16 @@ class KVEventPublisher(AsyncResource):
             if encoded is not None:
                 events.append(encoded)
         if not events:
-            return
+            return None
         body: list[Any] = [self._clock(), events]
         if self._rank is not None:
             body.append(self._rank)
-        payload = self._encoder(body)
+        return self._encoder(body)
+
+    def _send(self, batch: list[TierEvent]) -> None:
+        payload = self._encode(batch)
+        if payload is None:
+            return
         with self._sockets_lock:
             if not self._sockets_open:  # close took the sockets while this batch was encoded
                 self._left += 1
@@ -320,10 +411,39 @@ class KVEventPublisher(AsyncResource):
             self._held.append((sequence, payload))
             self._published += 1
 
+    def _send_full_state(self, full_state: _FullState) -> None:
+        """Announce it on the PUB socket, or send it to each requester, then the end marker.
+        A requester that does not read loses the rest of it, and asks again."""
+        if full_state.to is None:
+            for batch in full_state.batches:
+                self._send(batch)
+            self._full_states += 1
+            return
+        payloads = [p for batch in full_state.batches if (p := self._encode(batch)) is not None]
+        zmq = self._zmq
+        with self._sockets_lock:
+            if not self._sockets_open:
+                return
+            after = self._published.to_bytes(8, "big")  # the state of every batch before it
+            for requester in full_state.to:
+                try:
+                    for payload in payloads:
+                        frames = (requester, b"", self._topic, after, payload)
+                        self._replay.send_multipart(frames, flags=zmq.NOBLOCK)
+                    self._replay.send_multipart(
+                        (requester, b"", b"", END_OF_REPLAY, b""), flags=zmq.NOBLOCK
+                    )
+                except zmq.Again:
+                    continue
+                self._full_states += 1
+
     def _serve_replays(self) -> None:
         zmq = self._zmq
         while self._replay.poll(0):
             frames = self._replay.recv_multipart()
+            if len(frames) == 3 and frames[2] == FULL_STATE_REQUEST:
+                self._want_full_state(frames[0])
+                continue
             if len(frames) != 3 or len(frames[2]) != 8:
                 self._bad_requests += 1
                 continue
@@ -346,6 +466,21 @@ class KVEventPublisher(AsyncResource):
             except zmq.Again:  # the requester does not read: the rest of its replay is dropped
                 pass
             self._replays += 1
+
+    def _want_full_state(self, requester: bytes) -> None:
+        """Ask the running ``publish_stream`` for a snapshot; without one, end at once."""
+        with self._state_lock:
+            source = self._full_state_source
+            if source is not None:
+                self._wanting.append(requester)
+        if source is not None:
+            source()
+            return
+        self._full_states_unavailable += 1
+        with contextlib.suppress(self._zmq.Again):
+            self._replay.send_multipart(
+                (requester, b"", b"", END_OF_REPLAY, b""), flags=self._zmq.NOBLOCK
+            )
 
     def _close_sockets(self) -> None:
         """Unbind and close both sockets (once), from the thread or from ``close``."""

@@ -104,6 +104,8 @@ def test_batches_carry_topic_sequence_and_vllms_event_maps(context: Any) -> None
             "medium": "STORAGE",
             "locality": "LOCAL",
             "ownership": "fs",
+            "shared": False,
+            "storage": "",
         },
         {
             "type": "BlockRemoved",
@@ -111,6 +113,8 @@ def test_batches_carry_topic_sequence_and_vllms_event_maps(context: Any) -> None
             "medium": "STORAGE",
             "locality": "REMOTE",
             "ownership": "s3",
+            "shared": False,
+            "storage": "",
         },
         {"type": "AllBlocksCleared"},
     ]

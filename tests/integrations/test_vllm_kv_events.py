@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
-from kvtier import EventKind, TierEvent
+from kvtier import EventKind, EventStream, FSTier, TierEvent
 from tests.integrations.test_kv_events import ANY_PORT, RECEIVE_MS, joined, subscriber
 from tests.support import vllm_imports
 
@@ -25,7 +27,11 @@ with vllm_imports("vllm.distributed.kv_events"):
     )
     from vllm.distributed.kv_events import ZmqEventPublisher as VllmPublisher
 
-    from kvtier.integrations.kv_events import END_OF_REPLAY, KVEventPublisher
+    from kvtier.integrations.kv_events import (
+        END_OF_REPLAY,
+        FULL_STATE_REQUEST,
+        KVEventPublisher,
+    )
 
 decode = msgspec.msgpack.Decoder(type=KVEventBatch).decode
 
@@ -112,6 +118,57 @@ def replay_from(context: Any, endpoint: str | None, start: int, expect: int) -> 
                 if frames[-1][2] == END_OF_REPLAY:
                     break
             if len(frames) == expect + 1:
+                return frames
+    finally:
+        dealer.close()
+
+
+def test_shared_tier_fields_and_a_full_state_decode_as_vllms_kv_event_batch(
+    context: Any, tmp_path: Path
+) -> None:
+    """kvtier's own fields (``shared``, ``storage``) are skipped by vLLM's decoder, and the
+    full state, announced and answered on the replay socket, is ordinary batches."""
+
+    async def run() -> tuple[bytes, list[list[bytes]]]:
+        async with FSTier(tmp_path / "c", name="disk") as tier:
+            await tier.store(b"k" * 16, memoryview(bytes(4096)))
+        async with (
+            FSTier(tmp_path / "c", name="disk") as tier,
+            KVEventPublisher(ANY_PORT, block_size=16, replay_endpoint=ANY_PORT) as ours,
+            EventStream(tier) as stream,
+            anyio.create_task_group() as tg,
+        ):
+            sub = subscriber(context, ours.endpoint)
+            tg.start_soon(ours.publish_stream, stream)
+            replies = await anyio.to_thread.run_sync(full_state_of, context, ours.replay_endpoint)
+            _, _, announced = await anyio.to_thread.run_sync(sub.recv_multipart)
+            sub.close()
+            stream.close()
+        return announced, replies
+
+    announced, replies = anyio.run(run)
+    for payload in (announced, replies[0][3]):
+        cleared, kept = decode(payload).events
+        assert isinstance(cleared, AllBlocksCleared) and isinstance(kept, BlockStored)
+        assert (kept.block_hashes, kept.ownership, kept.medium) == ([b"k" * 16], "disk", "STORAGE")
+    assert replies[-1][2] == END_OF_REPLAY
+
+
+def full_state_of(context: Any, endpoint: str | None) -> list[list[bytes]]:
+    assert endpoint is not None
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.RCVTIMEO, RECEIVE_MS)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(endpoint)
+    try:
+        while True:
+            dealer.send_multipart([b"", FULL_STATE_REQUEST])
+            frames = []
+            while True:
+                frames.append(dealer.recv_multipart())
+                if frames[-1][2] == END_OF_REPLAY:
+                    break
+            if len(frames) > 1:  # asked before the stream ran: only the end marker came
                 return frames
     finally:
         dealer.close()

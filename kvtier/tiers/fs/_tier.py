@@ -48,7 +48,7 @@ from kvtier.tiers.fs._config import FSConfig, FSOverrides
 from kvtier.tiers.fs._exists import stat_many
 from kvtier.tiers.fs._index import IndexLookups, IndexThenChecks
 from kvtier.tiers.fs._keeper import FolderKeeper
-from kvtier.tiers.fs._layout import IncompatibleRoot, name_of
+from kvtier.tiers.fs._layout import IncompatibleRoot, key_of, name_of
 from kvtier.tiers.fs._ledger import Ledger
 from kvtier.tiers.fs._ownership import FolderBusy
 from kvtier.tiers.fs._persistence import CatalogPersistence, FSTierStatistics
@@ -116,7 +116,7 @@ class FSTier(SecondaryTier):
         self._task_group: anyio.abc.TaskGroup | None = None  # the folder's checks
         # What it holds, for routers and engines (``kvtier.common._events``): stored, removed,
         # cleared.
-        self.events = EventBuffer(self.name)
+        self.events = EventBuffer(self.name, shared=settings.shared is True, storage="disk")
         self._ledger = Ledger(
             self.name, self._catalog, self._lookups, self.notify, self.integrity_key, self.events
         )
@@ -417,6 +417,10 @@ class FSTier(SecondaryTier):
         self._ledger.meter.deletes += removed
 
     # -- state ---------------------------------------------------------------------------------
+
+    def held_keys(self) -> list[bytes]:
+        """The keys of the blocks the catalog holds (a router's full state; read-only)."""
+        return [key for name in self._catalog.names() if (key := key_of(name)) is not None]
 
     def statistics(self) -> FSTierStatistics:
         self._files.calls.drain_late()

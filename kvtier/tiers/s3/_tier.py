@@ -118,6 +118,7 @@ class S3Tier(SecondaryTier):
         # What it holds, for routers (``kvtier.common._events``): this node's stores and removals
         # (``_core``), and other nodes' from their journals as REMOTE events (``_sync``).
         self.events = core.events
+        core.events.shared, core.events.storage = True, "object"  # every node on the prefix
         # The core's parts that ``lookup`` reads, bound once: it costs about a dict lookup.
         self._breaker, self._index, self._index_mode = core.breaker, core.index, core.index_mode
         self.write_batch = core.pack_blocks
@@ -422,6 +423,10 @@ class S3Tier(SecondaryTier):
         self._require_client("wait_index_loaded")
         await self._sync.load.wait()
         return self._index_mode and self._sync.listing_complete
+
+    def held_keys(self) -> list[bytes]:
+        """The keys the existence index holds (a router's full state; read-only)."""
+        return [key for key, _ in self._index.entries_reader()()]
 
     @property
     def breaker_state(self) -> BreakerState:

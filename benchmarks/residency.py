@@ -1,0 +1,571 @@
+"""How right a router's view of the nodes' KV blocks is, through everything that makes it wrong.
+
+Several node processes (``benchmarks.residency_node``), each with a FS tier of its own and one
+S3 prefix shared by all (a real SeaweedFS), publish their tiers' events
+(``kvtier.integrations.kv_events.KVEventPublisher``). A router on a thread of its own (its own
+event loop and sockets) builds its view only from those events, with one
+``kvtier.integrations.kv_subscriber.KVEventSubscriber`` per node feeding a ``ResidencyView``:
+each node's FS tier per node, the shared S3 tier once. The driver runs a mixed workload in
+rounds and, in each, one of every kind of divergence:
+
+- ``evicted``: stores past the FS capacity (the tier evicts and announces);
+- ``corrupt``: a block file damaged by hand, then loaded (found corrupt, deleted, announced);
+- ``fs_deleted`` / ``s3_deleted``: ``tier.delete`` on a node; ``s3_other_store``: a block one
+  node stores in the shared prefix (every node can load it);
+- ``s3_removed_behind``: an object deleted in the bucket by something else (a lifecycle rule),
+  then loaded by one node (a request touching it); ``fs_removed_by_hand``: a block file
+  unlinked, then loaded;
+- ``node_restart``: a node killed with SIGKILL and started again (it announces what it kept);
+- ``router_restart``: the router's view and sockets thrown away and made again (it asks each
+  node for its full state);
+- ``slow_subscriber``: the router stalls while the nodes publish past the high-water marks
+  (messages are lost; the sequence shows it; replay or the full state repairs it).
+
+For each it measures the **convergence time**: from the divergence to the router's view
+agreeing with the truth about the keys involved (what each node's folder holds, what the bucket
+lists), polled every few milliseconds up to ``--bound`` seconds. At the end of each round, once
+the view agrees or ``--bound`` passed, it samples the whole truth against the whole view, per
+tier: **precision** (believed and true / believed) and **recall** (true and believed / true);
+beliefs still wrong then are older than the bound. It also samples during the rounds, with
+events in flight (``in_flight``).
+
+    python -m benchmarks.residency --quick --json       # seconds: what the tests run
+    python -m benchmarks.residency --rounds 40          # every kind 40 times
+
+Without ``--s3-endpoint`` it starts a SeaweedFS of its own (``devtools``) and stops it after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from benchmarks.common import json_output
+from kvtier.integrations.kv_subscriber import KVEventSubscriber, ResidencyView, WireEvent
+
+KINDS = (
+    *("evicted", "corrupt", "fs_deleted", "s3_deleted", "s3_other_store"),
+    *("s3_removed_behind", "fs_removed_by_hand", "node_restart", "router_restart"),
+    "slow_subscriber",
+)
+_HEX_KEY = re.compile(r"[0-9a-f]{32}")
+_POLL_S = 0.005
+
+
+# -- the router, on a thread of its own ---------------------------------------------------------
+
+
+class Router:
+    """A view built only from events, on its own thread and loop; ``stall`` makes it a slow
+    subscriber for a while (its loop blocked while the sockets fill and drop)."""
+
+    def __init__(self, endpoints: list[tuple[str, str]], rcvhwm: int) -> None:
+        self.lock = threading.Lock()
+        self.view = ResidencyView(len(endpoints))
+        self._endpoints, self._rcvhwm = endpoints, rcvhwm
+        self._stall_s = 0.0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._ready = threading.Event()
+        self.subscribers: list[KVEventSubscriber] = []
+        self._thread = threading.Thread(target=asyncio.run, args=(self._main(),), daemon=True)
+        self._thread.start()
+        self._ready.wait(10)
+
+    def _apply(self, node: int, events: list[WireEvent]) -> None:
+        if self._stall_s:
+            stall, self._stall_s = self._stall_s, 0.0
+            time.sleep(stall)  # blocks this router's loop: a subscriber that falls behind
+        with self.lock:
+            self.view.apply(node, events)
+
+    async def _main(self) -> None:
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        self.subscribers = [
+            KVEventSubscriber(
+                pub,
+                replay_endpoint=replay,
+                on_batch=functools.partial(self._apply, i),
+                rcvhwm=self._rcvhwm,
+                request_timeout=2.0,
+            )
+            for i, (pub, replay) in enumerate(self._endpoints)
+        ]
+        async with contextlib.AsyncExitStack() as stack:
+            tasks = []
+            for s in self.subscribers:
+                await stack.enter_async_context(s)
+                tasks.append(asyncio.create_task(s.run()))
+            self._ready.set()
+            await self._stop.wait()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def stall(self, seconds: float) -> None:
+        self._stall_s = seconds
+
+    def close(self) -> None:
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(10)
+
+    def snapshot(self, nodes: int) -> tuple[list[set[bytes]], set[bytes]]:
+        with self.lock:
+            fs = [
+                {k for k in self.view.believed(i, "fs") if isinstance(k, bytes)}
+                for i in range(nodes)
+            ]
+            s3 = {k for k in self.view.shared("s3") if isinstance(k, bytes)}
+        return fs, s3
+
+    def stats(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for s in self.subscribers:
+            for name in (
+                "missed",
+                "replayed",
+                "resets",
+                "restarts",
+                "replays_asked",
+                "full_states_asked",
+            ):
+                out[name] = out.get(name, 0) + getattr(s.statistics, name)
+            out["repairs_failed"] = out.get("repairs_failed", 0) + s.repairs_failed
+            out["bad_messages"] = out.get("bad_messages", 0) + s.bad_messages
+        return out
+
+
+# -- the nodes ---------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+@dataclass
+class Node:
+    """One node process and what it needs to start again on the same ports and folder."""
+
+    index: int
+    root: str
+    pub: str
+    replay: str
+    argv: list[str]
+    proc: asyncio.subprocess.Process | None = None
+    ops: int = 0
+
+    async def start(self) -> None:
+        self.proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "benchmarks.residency_node",
+            *self.argv,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+        )
+        assert self.proc.stdout is not None
+        line = await asyncio.wait_for(self.proc.stdout.readline(), 60)
+        if not line:
+            raise RuntimeError(f"node {self.index} did not start")
+
+    async def call(self, op: str, tier: str = "fs", keys: list[bytes] = ()) -> int:  # type: ignore[assignment]
+        assert (
+            self.proc is not None and self.proc.stdin is not None and self.proc.stdout is not None
+        )
+        cmd = {"op": op, "tier": tier, "keys": [k.hex() for k in keys]}
+        self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
+        await self.proc.stdin.drain()
+        answer = json.loads(await asyncio.wait_for(self.proc.stdout.readline(), 60))
+        self.ops += len(keys)
+        return int(answer["ok"])
+
+    async def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        await self.proc.wait()
+
+    async def stop(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            try:
+                await asyncio.wait_for(self.proc.wait(), 15)
+            except TimeoutError:
+                await self.kill()
+
+
+# -- the truth -------------------------------------------------------------------------------
+
+
+def fs_truth(root: str) -> set[bytes]:
+    """The blocks a node's folder holds: its block files, named by their key's hex."""
+    found: set[bytes] = set()
+    for _, _, files in os.walk(root):
+        found.update(bytes.fromhex(name) for name in files if _HEX_KEY.fullmatch(name))
+    return found
+
+
+def fs_path(root: str, key: bytes) -> str | None:
+    for folder, _, files in os.walk(root):
+        if key.hex() in files:
+            return os.path.join(folder, key.hex())
+    return None
+
+
+def damage(path: str) -> None:
+    """Flip the last byte of a block file, as a disk fault would."""
+    with open(path, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0xFF]))
+
+
+class Bucket:
+    """The shared prefix as the object store lists it, and deletes behind kvtier's back."""
+
+    def __init__(self, client: Any, bucket: str, prefix: str) -> None:
+        self.client, self.bucket, self.prefix = client, bucket, prefix
+        self._name = re.compile(re.escape(prefix) + r"/[0-9a-f]{2}/([0-9a-f]{32})")
+
+    async def truth(self) -> set[bytes]:
+        found: set[bytes] = set()
+        paginator = self.client.get_paginator("list_objects_v2")
+        async for page in paginator.paginate(Bucket=self.bucket, Prefix=self.prefix + "/"):
+            for obj in page.get("Contents", ()):
+                if m := self._name.fullmatch(obj["Key"]):
+                    found.add(bytes.fromhex(m.group(1)))
+        return found
+
+    async def remove(self, key: bytes) -> None:
+        name = f"{self.prefix}/{key.hex()[:2]}/{key.hex()}"
+        await self.client.delete_object(Bucket=self.bucket, Key=name)
+
+
+# -- the run -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Tally:
+    """Sampled agreement of one tier: believed, true, and both, summed over samples."""
+
+    believed: int = 0
+    true: int = 0
+    both: int = 0
+    samples: int = 0
+    wrong_samples: int = 0
+
+    def add(self, believed: set[bytes], true: set[bytes]) -> None:
+        both = len(believed & true)
+        self.believed += len(believed)
+        self.true += len(true)
+        self.both += both
+        self.samples += 1
+        self.wrong_samples += believed != true
+
+    def figures(self) -> dict[str, Any]:
+        return {
+            "precision": self.both / self.believed if self.believed else 1.0,
+            "recall": self.both / self.true if self.true else 1.0,
+            "samples": self.samples,
+            "samples_with_a_wrong_belief": self.wrong_samples,
+            "believed": self.believed,
+            "true": self.true,
+        }
+
+
+@dataclass
+class Run:
+    args: argparse.Namespace
+    nodes: list[Node]
+    bucket: Bucket
+    router: Router
+    rng: random.Random
+    converged: dict[str, list[float | None]] = field(default_factory=lambda: {k: [] for k in KINDS})
+    settled: dict[str, Tally] = field(default_factory=lambda: {"fs": Tally(), "s3": Tally()})
+    in_flight: dict[str, Tally] = field(default_factory=lambda: {"fs": Tally(), "s3": Tally()})
+    router_stats: list[dict[str, int]] = field(default_factory=list)
+    left_wrong: dict[str, dict[str, int]] = field(default_factory=dict)  # past the bound, by kind
+    counter: int = 0
+
+    def new_keys(self, n: int) -> list[bytes]:
+        self.counter += n
+        return [os.urandom(16) for _ in range(n)]
+
+    async def truth(self) -> tuple[list[set[bytes]], set[bytes]]:
+        fs = [await asyncio.to_thread(fs_truth, n.root) for n in self.nodes]
+        return fs, await self.bucket.truth()
+
+    async def agree(self) -> bool:
+        (fs, s3), (vfs, vs3) = await self.truth(), self.router.snapshot(len(self.nodes))
+        return fs == vfs and s3 == vs3
+
+    async def until(self, check: Callable[[], bool], started: float) -> float | None:
+        """Seconds from ``started`` until ``check()`` holds; None past the bound."""
+        while time.perf_counter() - started < self.args.bound:
+            if check():
+                return time.perf_counter() - started
+            await asyncio.sleep(_POLL_S)
+        return None
+
+    async def until_agree(self, started: float, kind: str) -> float | None:
+        while time.perf_counter() - started < self.args.bound:
+            if await self.agree():
+                return time.perf_counter() - started
+            await asyncio.sleep(_POLL_S)
+        (fs, s3), (vfs, vs3) = await self.truth(), self.router.snapshot(len(self.nodes))
+        left = self.left_wrong.setdefault(kind, {})
+        for name, count in (
+            ("fs_believed_not_true", sum(len(v - t) for v, t in zip(vfs, fs, strict=True))),
+            ("fs_true_not_believed", sum(len(t - v) for v, t in zip(vfs, fs, strict=True))),
+            ("s3_believed_not_true", len(vs3 - s3)),
+            ("s3_true_not_believed", len(s3 - vs3)),
+        ):
+            left[name] = left.get(name, 0) + count
+        return None
+
+    def believed_fs(self, node: int, key: bytes) -> bool:
+        return key in self.router.snapshot(len(self.nodes))[0][node]
+
+    def believed_s3(self, key: bytes) -> bool:
+        return key in self.router.snapshot(len(self.nodes))[1]
+
+    async def sample(self, tallies: dict[str, Tally]) -> None:
+        (fs, s3), (vfs, vs3) = await self.truth(), self.router.snapshot(len(self.nodes))
+        for true, believed in zip(fs, vfs, strict=True):
+            tallies["fs"].add(believed, true)
+        tallies["s3"].add(vs3, s3)
+
+
+async def background(run: Run, node: Node) -> None:
+    """A node's share of a round: FS stores past its capacity (evictions), S3 stores, loads."""
+    a = run.args
+    await node.call("store", "fs", run.new_keys(a.fs_stores))
+    await node.call("store", "s3", run.new_keys(a.s3_stores))
+    held = sorted(await asyncio.to_thread(fs_truth, node.root))
+    await node.call("load", "fs", run.rng.sample(held, min(len(held), a.loads)))
+
+
+async def diverge(run: Run, kind: str) -> None:
+    """Make one divergence of ``kind`` and record how long the view took to agree again."""
+    rng, nodes = run.rng, run.nodes
+    node = rng.choice(nodes)
+    other = nodes[(node.index + 1) % len(nodes)]
+    t0 = time.perf_counter()
+    took: float | None
+    if kind == "evicted":
+        before = await asyncio.to_thread(fs_truth, node.root)
+        await node.call("store", "fs", run.new_keys(run.args.fs_blocks))  # pushes all out
+        gone = before - await asyncio.to_thread(fs_truth, node.root)
+        took = await run.until(lambda: not any(run.believed_fs(node.index, k) for k in gone), t0)
+    elif kind in ("corrupt", "fs_removed_by_hand", "fs_deleted"):
+        key = rng.choice(sorted(await asyncio.to_thread(fs_truth, node.root)))
+        t0 = time.perf_counter()
+        path = fs_path(node.root, key)
+        assert path is not None
+        if kind == "corrupt":
+            await asyncio.to_thread(damage, path)
+        elif kind == "fs_removed_by_hand":
+            os.unlink(path)
+        await node.call("delete" if kind == "fs_deleted" else "load", "fs", [key])
+        took = await run.until(lambda: not run.believed_fs(node.index, key), t0)
+    elif kind in ("s3_deleted", "s3_removed_behind"):
+        key = rng.choice(sorted(await run.bucket.truth()))
+        t0 = time.perf_counter()
+        if kind == "s3_removed_behind":
+            await run.bucket.remove(key)
+            await other.call("load", "s3", [key])  # the next request touching it, on one node
+        else:
+            await other.call("delete", "s3", [key])
+        took = await run.until(lambda: not run.believed_s3(key), t0)
+    elif kind == "s3_other_store":
+        (key,) = run.new_keys(1)
+        await node.call("store", "s3", [key])
+        took = await run.until(lambda: run.believed_s3(key), t0)
+    elif kind == "node_restart":
+        await node.kill()
+        await node.start()
+        took = await run.until_agree(t0, kind)
+    elif kind == "router_restart":
+        run.router_stats.append(run.router.stats())
+        run.router.close()
+        run.router = Router([(n.pub, n.replay) for n in nodes], run.args.rcvhwm)
+        took = await run.until_agree(t0, kind)
+    else:  # slow_subscriber
+        run.router.stall(run.args.stall)
+        for n in nodes:
+            await n.call("store", "fs", run.new_keys(run.args.fs_blocks // 2))
+        await asyncio.sleep(run.args.stall)
+        t0 = time.perf_counter()  # from when it reads again
+        took = await run.until_agree(t0, kind)
+    run.converged[kind].append(took)
+
+
+async def run_all(args: argparse.Namespace, endpoint: str, bucket: str) -> dict[str, Any]:
+    from aiobotocore.session import get_session
+
+    prefix = f"residency-{os.getpid()}-{int(time.time())}"
+    folder = tempfile.mkdtemp(prefix="kvtier-residency-")
+    nodes = []
+    for i in range(args.nodes):
+        root, pub, replay = os.path.join(folder, f"node{i}"), free_port(), free_port()
+        argv = [
+            *("--root", root, "--pub", f"tcp://127.0.0.1:{pub}"),
+            *("--replay", f"tcp://127.0.0.1:{replay}", "--s3-endpoint", endpoint),
+            *("--bucket", bucket, "--prefix", prefix, "--fs-blocks", str(args.fs_blocks)),
+            *("--index-refresh", str(args.index_refresh), "--hwm", str(args.hwm)),
+        ]
+        nodes.append(Node(i, root, f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}", argv))
+    client_cm = get_session().create_client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id="bench",
+        aws_secret_access_key="bench-secret",
+    )
+    started = time.perf_counter()
+    try:
+        async with client_cm as client:
+            await asyncio.gather(*(n.start() for n in nodes))
+            router = Router([(n.pub, n.replay) for n in nodes], args.rcvhwm)
+            run = Run(args, nodes, Bucket(client, bucket, prefix), router, random.Random(args.seed))
+            try:
+                for n in nodes:  # something in every tier before the first divergence
+                    await background(run, n)
+                for round_ in range(args.rounds):
+                    for n in nodes:
+                        await background(run, n)
+                        await run.sample(run.in_flight)
+                    for kind in KINDS:
+                        await diverge(run, kind)
+                    await run.until_agree(time.perf_counter(), "end_of_round")
+                    await run.sample(run.settled)
+                    print(f"round {round_ + 1}/{args.rounds}", file=sys.stderr, flush=True)
+            finally:
+                run.router_stats.append(run.router.stats())
+                run.router.close()
+                await asyncio.gather(*(n.stop() for n in nodes))
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return summary(run, time.perf_counter() - started)
+
+
+def summary(run: Run, wall: float) -> dict[str, Any]:
+    def times(values: list[float | None]) -> dict[str, Any]:
+        done = sorted(v for v in values if v is not None)
+        return {
+            "count": len(values),
+            "converged": len(done),
+            "p50_s": done[len(done) // 2] if done else None,
+            "max_s": done[-1] if done else None,
+        }
+
+    stats: dict[str, int] = {}
+    for s in run.router_stats:
+        for k, v in s.items():
+            stats[k] = stats.get(k, 0) + v
+    return {
+        "block_operations": sum(n.ops for n in run.nodes),
+        "wall_s": wall,
+        "settled": {tier: t.figures() for tier, t in run.settled.items()},
+        "in_flight": {tier: t.figures() for tier, t in run.in_flight.items()},
+        "precision": {tier: t.figures()["precision"] for tier, t in run.settled.items()},
+        "recall": {tier: t.figures()["recall"] for tier, t in run.settled.items()},
+        "convergence": {kind: times(v) for kind, v in run.converged.items()},
+        "router": stats,
+        "left_wrong_past_the_bound": run.left_wrong,
+    }
+
+
+def report(out: dict[str, Any]) -> None:
+    print(f"{out['block_operations']:,} block operations in {out['wall_s']:.1f} s", file=sys.stderr)
+    for name in ("settled", "in_flight"):
+        for tier, f in out[name].items():
+            print(
+                f"{name:>9} {tier}: precision {f['precision']:.4%} recall {f['recall']:.4%} "
+                f"({f['samples']} samples, {f['samples_with_a_wrong_belief']} with a wrong belief)",
+                file=sys.stderr,
+            )
+    for kind, c in out["convergence"].items():
+        p50 = "-" if c["p50_s"] is None else f"{c['p50_s'] * 1000:.0f} ms"
+        top = "-" if c["max_s"] is None else f"{c['max_s'] * 1000:.0f} ms"
+        print(
+            f"{kind:>20}: {c['converged']}/{c['count']} converged, p50 {p50}, max {top}",
+            file=sys.stderr,
+        )
+    print(f"router: {out['router']}", file=sys.stderr)
+    print(f"wrong past the bound: {out['left_wrong_past_the_bound']}", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def object_store(args: argparse.Namespace) -> Iterator[str]:
+    """The given endpoint, or a SeaweedFS of the run's own (stopped after)."""
+    if args.s3_endpoint is not None:
+        yield args.s3_endpoint
+        return
+    import anyio
+
+    from devtools.weed_server import WeedServer, ensure_bucket
+
+    with WeedServer() as server:
+        anyio.run(ensure_bucket, server.endpoint_url, args.s3_bucket)
+        yield server.endpoint_url
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="a few rounds, for the tests")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.add_argument("--nodes", type=int, default=3)
+    p.add_argument(
+        "--rounds", type=int, help="rounds; each makes every divergence once (20, quick 1)"
+    )
+    p.add_argument("--fs-blocks", type=int, default=48, help="each node's FS capacity in blocks")
+    p.add_argument("--fs-stores", type=int, default=24, help="FS stores per node per round")
+    p.add_argument("--s3-stores", type=int, default=8, help="S3 stores per node per round")
+    p.add_argument("--loads", type=int, default=8, help="FS loads per node per round")
+    p.add_argument("--index-refresh", type=float, default=0.5, help="the S3 tiers' journal period")
+    p.add_argument("--bound", type=float, default=3.0, help="how long to wait for agreement")
+    p.add_argument("--stall", type=float, default=0.5, help="how long the slow subscriber stalls")
+    p.add_argument("--hwm", type=int, default=8, help="the publishers' send high-water mark")
+    p.add_argument("--rcvhwm", type=int, default=8, help="the router's receive high-water mark")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--s3-endpoint", help="an S3 endpoint (default: a SeaweedFS of its own)")
+    p.add_argument("--s3-bucket", default="kvtier-bench")
+    args = p.parse_args(argv)
+    if args.rounds is None:
+        args.rounds = 1 if args.quick else 20
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    with json_output(args.json) as out, object_store(args) as endpoint:
+        out.update(asyncio.run(run_all(args, endpoint, args.s3_bucket)))
+        out["settings"] = {k: v for k, v in vars(args).items() if k != "json"}
+        report(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

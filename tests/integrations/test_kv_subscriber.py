@@ -1,0 +1,251 @@
+"""A router's view from kvtier's events: the full state, sequence repair, shared tiers.
+
+The sequence tracker and the view are state machines tested without sockets; the subscriber
+and the publisher's full state run over real ZMQ sockets on 127.0.0.1 with a real FS tier."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from pathlib import Path
+
+import anyio
+import pytest
+
+from kvtier import EventBuffer, EventKind, EventStream, FSTier
+from kvtier.integrations._full_state import full_state
+from kvtier.integrations.kv_events import KVEventPublisher
+from kvtier.integrations.kv_subscriber import (
+    KVEventSubscriber,
+    ResidencyView,
+    SequenceTracker,
+    WireEvent,
+    decode_events,
+    tier_class,
+)
+from tests.support import fresh_keys
+
+ANY_PORT = "tcp://127.0.0.1:0"
+BLOCK = 4096
+CLEARED = WireEvent("AllBlocksCleared")
+
+
+def stored(*keys: bytes, tier: str = "fs", shared: bool = False) -> WireEvent:
+    return WireEvent("BlockStored", keys, tier, "STORAGE", shared, "object" if shared else "disk")
+
+
+def removed(*keys: bytes, tier: str = "fs", shared: bool = False) -> WireEvent:
+    return WireEvent("BlockRemoved", keys, tier, "STORAGE", shared, "object" if shared else "disk")
+
+
+# -- the sequence tracker ------------------------------------------------------------------------
+
+
+def synced(tracker: SequenceTracker, at: int = 0) -> None:
+    assert tracker.live(at, [CLEARED]) == [[CLEARED]]
+    assert tracker.in_sync and tracker.want is None
+
+
+def test_a_subscriber_that_joins_asks_for_the_full_state_and_holds_news_for_after_it() -> None:
+    tracker = SequenceTracker()
+    assert tracker.asked() == "full" and not tracker.in_sync
+    news = [stored(b"k")]
+    assert tracker.live(7, news) == [news]  # applied now, held to apply again after the reset
+    state = [[CLEARED, stored(b"a")]]
+    assert tracker.full_state(7, state) == [*state, news]
+    assert tracker.in_sync and tracker.next == 8 and tracker.want is None
+
+
+def test_a_gap_is_held_and_repaired_by_replay_in_order() -> None:
+    tracker = SequenceTracker()
+    synced(tracker)
+    a, b, c = [stored(b"a")], [stored(b"b")], [stored(b"c")]
+    assert tracker.live(3, c) == []
+    assert tracker.want == "replay" and tracker.stats.missed == 2
+    assert tracker.replayed(1, a) == [a]
+    assert tracker.replayed(2, b) == [b, c]  # the held batch follows without a gap
+    assert tracker.in_sync and tracker.want is None and tracker.next == 4
+
+
+def test_a_replay_that_cannot_close_the_gap_asks_for_the_full_state() -> None:
+    tracker = SequenceTracker()
+    synced(tracker)
+    later = [stored(b"z")]
+    tracker.live(50, later)
+    tracker.replay_ended()  # the publisher no longer held 1..49
+    assert tracker.asked() == "full"
+    assert tracker.full_state(50, [[CLEARED]]) == [[CLEARED], later]
+    assert tracker.in_sync and tracker.next == 51
+
+
+def test_a_restarted_publisher_is_followed_from_its_announced_reset() -> None:
+    tracker = SequenceTracker()
+    synced(tracker, at=100)
+    tracker.live(101, [stored(b"a")])
+    assert tracker.live(0, [CLEARED, stored(b"b")]) == [[CLEARED, stored(b"b")]]
+    assert tracker.next == 1 and tracker.stats.restarts == 1 and tracker.in_sync
+
+
+def test_a_restart_without_its_reset_asks_for_the_full_state() -> None:
+    tracker = SequenceTracker()
+    synced(tracker, at=100)
+    tracker.live(3, [stored(b"a")])
+    assert tracker.want == "full" and not tracker.in_sync
+
+
+def test_a_full_state_reply_that_does_not_start_with_a_reset_is_not_taken() -> None:
+    tracker = SequenceTracker()
+    assert tracker.full_state(4, [[stored(b"a")]]) == []
+    assert tracker.next is None and tracker.want == "full"
+
+
+# -- the view ------------------------------------------------------------------------------------
+
+
+def test_a_shared_tier_is_kept_once_and_credited_to_every_node_that_reaches_it() -> None:
+    view = ResidencyView(3)
+    view.apply(0, [stored(b"k", tier="s3", shared=True)])
+    view.apply(1, [stored(b"j", tier="s3", shared=True)])  # node 1 reaches it too
+    assert view.tiers_holding(1, b"k") == ["s3"]  # stored by node 0, loadable by node 1
+    assert view.tiers_holding(2, b"k") == []  # node 2 never said it reaches the tier
+    assert view.shared("s3") == {b"k", b"j"} and view.classes["s3"] == "object_store"
+    view.apply(1, [removed(b"k", tier="s3", shared=True)])  # any node's removal: gone for all
+    assert view.tiers_holding(0, b"k") == []
+
+
+def test_a_node_reset_takes_only_its_own_word_off_shared_blocks() -> None:
+    view = ResidencyView(2)
+    view.apply(0, [stored(b"both", b"only0", tier="s3", shared=True), stored(b"f")])
+    view.apply(1, [stored(b"both", tier="s3", shared=True)])
+    view.apply(0, [CLEARED])
+    assert view.shared("s3") == {b"both"}  # node 1 still vouches for it
+    assert view.believed(0, "fs") == set()
+    assert view.tiers_holding(0, b"both") == ["s3"]  # node 0 still reaches the tier
+
+
+def test_private_tiers_are_per_node_and_classed_by_medium_storage_and_sharing() -> None:
+    view = ResidencyView(2)
+    view.apply(0, [stored(b"a")])
+    assert view.tiers_holding(0, b"a") == ["fs"] and view.tiers_holding(1, b"a") == []
+    assert [tier_class(*c) for c in (("GPU", "", False), ("CPU", "", False))] == ["gpu", "host"]
+    assert tier_class("STORAGE", "disk", True) == "shared_storage"
+    assert tier_class("STORAGE", "disk", False) == "disk"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        None,
+        [1.0],
+        [1.0, "events"],
+        [1.0, [{"type": "Nope"}]],
+        [1.0, [{"type": "BlockStored", "block_hashes": ["str"]}]],
+        [1.0, [{"type": "BlockStored", "block_hashes": [], "shared": "yes"}]],
+        [1.0, [3]],
+    ],
+)
+def test_what_is_not_a_kv_event_batch_is_refused(body: object) -> None:
+    with pytest.raises(ValueError):  # MalformedBatchError
+        decode_events(body)
+
+
+# -- the full state ------------------------------------------------------------------------------
+
+
+class Holder:
+    def __init__(self, name: str, keys: list[bytes], *, shared: bool = False) -> None:
+        self.events = EventBuffer(name, shared=shared, storage="object" if shared else "disk")
+        self._keys = keys
+
+    def held_keys(self) -> list[bytes]:
+        return list(self._keys)
+
+
+def test_a_full_state_is_a_reset_then_bounded_chunks_stamped_with_the_tier() -> None:
+    batches = full_state([Holder("fs", [b"a", b"b", b"c"]), Holder("s3", [b"d"], shared=True)], 2)
+    kinds = [[(e.kind, e.keys, e.tier, e.shared) for e in batch] for batch in batches]
+    assert kinds == [
+        [(EventKind.CLEARED, (), "fs,s3", False), (EventKind.STORED, (b"a", b"b"), "fs", False)],
+        [(EventKind.STORED, (b"c",), "fs", False)],
+        [(EventKind.STORED, (b"d",), "s3", True)],
+    ]
+    assert batches[2][0].storage == "object"
+    (alone,) = full_state([Holder("fs", [])])  # nothing held: the reset alone
+    assert [e.kind for e in alone] == [EventKind.CLEARED]
+
+
+# -- over the wire -------------------------------------------------------------------------------
+
+
+async def fill(tier: FSTier, keys: list[bytes]) -> None:
+    for i, key in enumerate(keys):
+        await tier.store(key, memoryview(bytes([i]) * BLOCK))
+
+
+class Watched:
+    """A view that wakes its waiters after every batch it applies (no sleeps)."""
+
+    def __init__(self, nodes: int = 1) -> None:
+        self.view = ResidencyView(nodes)
+        self._changed = anyio.Event()
+
+    def apply(self, node: int, events: list[WireEvent]) -> None:
+        self.view.apply(node, events)
+        self._changed.set()
+
+    async def until(self, condition: Callable[[], bool]) -> None:
+        with anyio.fail_after(20):  # a failsafe: each step waits for a batch
+            while not condition():
+                await self._changed.wait()
+                self._changed = anyio.Event()
+
+
+async def test_a_restarted_node_announces_its_folder_and_a_late_router_asks_for_the_state(
+    tmp_path: Path,
+) -> None:
+    keys = fresh_keys(5)
+    async with FSTier(tmp_path / "c", name="disk") as tier:
+        await fill(tier, keys[:3])  # what the node kept from before its restart
+    watched = Watched()
+    view = watched.view
+    async with (
+        FSTier(tmp_path / "c", name="disk") as tier,
+        KVEventPublisher(ANY_PORT, block_size=16, replay_endpoint=ANY_PORT) as publisher,
+        EventStream(tier) as stream,
+        anyio.create_task_group() as tg,
+    ):
+        tg.start_soon(publisher.publish_stream, stream)  # announces the three
+        await fill(tier, keys[3:4])
+        await tier.delete(keys[0])
+        subscriber = KVEventSubscriber(
+            publisher.endpoint,
+            replay_endpoint=publisher.replay_endpoint,
+            on_batch=functools.partial(watched.apply, 0),
+        )
+        async with subscriber:  # joins after all that: asks for the full state
+            tg.start_soon(subscriber.run)
+            await watched.until(lambda: view.believed(0, "disk") == set(keys[1:4]))
+            assert subscriber.statistics.resets == 1
+            await fill(tier, keys[4:])  # live from then on
+            await watched.until(lambda: keys[4] in view.believed(0, "disk"))
+            assert view.classes["disk"] == "disk"
+            stream.close()
+            tg.cancel_scope.cancel()
+    stats = publisher.statistics()
+    assert stats.full_states == 2  # the announcement and the answer
+
+
+async def test_a_full_state_request_without_a_stream_gets_the_end_marker_alone() -> None:
+    view = ResidencyView(1)
+    with KVEventPublisher(ANY_PORT, block_size=16, replay_endpoint=ANY_PORT) as publisher:
+        subscriber = KVEventSubscriber(
+            publisher.endpoint,
+            replay_endpoint=publisher.replay_endpoint,
+            on_batch=functools.partial(view.apply, 0),
+            request_timeout=10,
+        )
+        async with subscriber:
+            with anyio.fail_after(5):  # the end marker comes at once, long before the timeout
+                assert await subscriber.ask("full") is False
+        assert publisher.statistics().full_states_unavailable == 1
+        assert subscriber.tracker.next is None  # still not in sync: ``run`` would ask again

@@ -1,0 +1,30 @@
+"""benchmarks/residency.py: node processes on the run's SeaweedFS, a router fed only by their
+events, one divergence of every kind. What kvtier announces itself (FS evictions, corrupt and
+deleted blocks, S3 stores and deletes) must reach the view; the whole-view figures are
+reported, not asserted (blocks removed from the bucket behind kvtier's back stay believed by
+nodes that never load them: docs/events.md)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.residency import KINDS
+from tests.scripts.conftest import RunJson
+from tests.scripts.runner import Store
+
+ANNOUNCED = ("evicted", "corrupt", "fs_deleted", "s3_deleted", "s3_other_store")
+
+
+@pytest.mark.timeout(300)
+def test_residency_quick_reports_every_divergence_and_kvtiers_own_changes_converge(
+    run_json: RunJson, store: Store
+) -> None:
+    out = run_json("-m", "benchmarks.residency", "--quick", *store.flags(pid=False)).out
+    assert set(out["convergence"]) == set(KINDS)
+    assert all(c["count"] == 1 for c in out["convergence"].values())
+    for kind in ANNOUNCED:
+        assert out["convergence"][kind]["converged"] == 1, kind
+    assert set(out["precision"]) == set(out["recall"]) == {"fs", "s3"}
+    fs = out["settled"]["fs"]
+    assert fs["samples"] >= 1 and fs["precision"] == fs["recall"] == 1.0
+    assert out["block_operations"] > 0 and out["router"]["bad_messages"] == 0
