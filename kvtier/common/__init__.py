@@ -14,9 +14,10 @@ The plumbing: ``_buffers`` (engine arrays as byte views), ``_lending`` (a pool's
 a tier's reads), ``_background`` (counted background tasks and the long-lived task groups
 of components that own them), ``_settings`` (value parsers and the settings base),
 ``_arguments`` (plain checks of constructor arguments), ``_verdicts`` (answers remembered for
-a while), ``_resilience`` (breaker and backoff),
-``_logging`` (one log line per burst), ``_describe`` (the one-glance ``repr``), ``_freeze``
-(live counters into a statistics dataclass) and ``_version``.
+a while), ``_resilience`` (breaker and backoff), ``_threads`` (worker threads for blocking
+calls, never started on the event loop), ``_logging`` (one log line per burst), ``_describe``
+(the one-glance ``repr``), ``_freeze`` (live counters into a statistics dataclass) and
+``_version``.
 """
 
 from __future__ import annotations
