@@ -43,10 +43,10 @@ from tqdm import tqdm
 
 import kvtier
 
-if __package__:  # imported as examples.demo_engine (the benchmarks)
+if __package__:  # imported as examples.demo_engine (the benchmarks and tests)
     from .loop_stalls import StallProbe
 else:  # a script in examples/ imported it as demo_engine
-    from loop_stalls import StallProbe
+    from loop_stalls import StallProbe  # type: ignore[import-not-found,no-redef]
 
 T = TypeVar("T")
 
