@@ -313,6 +313,25 @@ async def wait_for_snapshot(spec: Spec, after_wall: float, *, within: float) -> 
 # -- reopen ----------------------------------------------------------------------------------------
 
 
+def probe_keys(keys: list[bytes]) -> dict[str, bytes]:
+    """The keys whose first HIT is timed: the first and the last stored, the one a snapshot
+    sorted by key holds last, and one the filler's batches left inside a pack (not its first
+    key, so no object carries its name: S3's ``probe_in_pack`` says whether it was)."""
+    return {
+        "first_stored": keys[0],
+        "last_stored": keys[-1],
+        "last_sorted": max(keys),
+        "packed": keys[-2],
+    }
+
+
+def in_pack(tier: S3Tier, key: bytes) -> bool:
+    """Whether the index holds ``key`` inside a pack whose name is another key's (read from
+    the tier's private index: no statistic says it)."""
+    where = tier._index.location(key)
+    return where is not None and key.hex() not in where.pack
+
+
 async def first_hit(tier: SecondaryTier, key: bytes, t0: float) -> float:
     """Seconds from ``t0`` until ``lookup(key)`` answers HIT, polled every millisecond."""
     while True:  # polled: a lookup answer has no event to wait on
@@ -352,14 +371,24 @@ async def reopen(spec: Spec) -> None:
     rss_before = rss_bytes()
     t0 = time.perf_counter()
     tier = make_tier(spec, **options)
-    # Polls while open() runs: a tier could answer before it returns. A plain asyncio task,
+    probes_of = probe_keys(keys)
+    # Polls while open() runs: a tier could answer before it returns. Plain asyncio tasks,
     # not a task group's: the tier enters a task group of its own in open().
-    watcher = asyncio.ensure_future(first_hit(tier, keys[-1], t0))
+    watchers = {
+        name: asyncio.ensure_future(first_hit(tier, key, t0)) for name, key in probes_of.items()
+    }
     await tier.open()
     figures["open_s"] = time.perf_counter() - t0
-    figures["first_hit_s"] = None  # unless it answers HIT within the bound after open
-    with anyio.move_on_after(COMPLETE_TIMEOUT):  # cancels the watcher when it runs out
-        figures["first_hit_s"] = await watcher
+    hits: dict[str, float | None] = dict.fromkeys(watchers)  # None: no HIT within the bound
+    with anyio.move_on_after(COMPLETE_TIMEOUT):  # the watchers left are cancelled below
+        for name, watcher in watchers.items():
+            hits[name] = await watcher
+    for watcher in watchers.values():
+        watcher.cancel()
+    figures["first_hit_s"] = hits["last_stored"]
+    figures["first_hit_by_key_s"] = hits
+    known = [v for v in hits.values() if v is not None]
+    figures["first_hit_max_s"] = max(known) if len(known) == len(hits) else None
     if isinstance(tier, S3Tier):
         with anyio.move_on_after(COMPLETE_TIMEOUT):
             await tier.wait_index_loaded()  # until the load at open has ended
@@ -369,6 +398,8 @@ async def reopen(spec: Spec) -> None:
         figures["opened_from"] = opened_from(tier)
         figures["blocks_listed"] = stats.index_listed
     complete_s, missing = await all_hit(tier, keys, t0, COMPLETE_TIMEOUT)
+    if isinstance(tier, S3Tier):  # which probes the index found inside a pack, not naming it
+        figures["probe_in_pack"] = {name: in_pack(tier, key) for name, key in probes_of.items()}
     if isinstance(tier, FSTier):  # from the catalog kept in the folder, or a walk of it
         figures["catalog_from_checkpoint"] = tier.statistics().catalog_from_checkpoint
         figures["catalog_complete_s"] = await catalog_complete(tier, t0, COMPLETE_TIMEOUT)

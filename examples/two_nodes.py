@@ -86,6 +86,7 @@ async def blocks_a_wrote(
     memory = kvtier.MemoryTier("shared")
     buffer = memoryview(bytearray(config.block_bytes))
     async with s3_tier(args) as s3:
+        await s3.wait_index_loaded()  # the copy is of every block A wrote: the whole index
         for chat in sessions:
             for request in chat:
                 for key in kvtier.block_keys(
@@ -146,8 +147,12 @@ async def node(args: argparse.Namespace) -> dict[str, Any]:
                 promote_write_up=not args.no_promote_write_up,
             )
         )
-        # Entering the manager opened the S3 tier, and its listing of the bucket finished
-        # before that returned: a node joining the fleet knows what is there before serving.
+        # The S3 tier loads its index in the background once open; a node joining the fleet
+        # here waits for it, so it knows what is there before serving (a node that serves
+        # at once asks the bucket about keys not loaded yet, in index_load_requests).
+        for tier in tiers:
+            if isinstance(tier, kvtier.S3Tier):
+                await tier.wait_index_loaded()
         index_at_open = sum(getattr(t, "index_keys", 0) for t in manager.statistics().tiers)
         tiering = demo.KVTier(
             manager, kvtier.OffloadScheduler(manager), prefetch=not args.no_prefetch

@@ -5,6 +5,10 @@ By default a tier that cannot open (an endpoint that refuses connections or neve
 credentials refused) does not stop the manager. Each tier is opened by a keeper, a task of
 its own, all at once: the manager waits until every tier has opened or failed its first
 attempt, or ``tier_open_wait`` seconds have passed, and opens with the tiers that are open.
+The wait starts once each tier has prepared what its open needs from this process alone
+(``warm_up``, where a tier has one: the S3 tier parses botocore's model, about a second in a
+fresh process on a busy machine), so it bounds how long an endpoint or a mount takes to
+answer, not how long the process takes to start.
 The others are unavailable: the manager does not ask them (lookups that no open tier
 answers are ``unavailable`` misses; writes to them are dropped, counted by the admission),
 and their keepers open them again in the background with backoff until they join.
@@ -85,17 +89,30 @@ async def open_every_tier(
     raise _timed_out(opening, open_timeout)
 
 
+async def _warm_up(tier: SecondaryTier, warm: anyio.Event) -> None:
+    """Let ``tier`` prepare what its open needs from this process alone, if it says how
+    (``warm_up``: the S3 tier's parse of botocore's model, a second in a fresh process
+    on a busy machine); ``warm`` is set however it ends."""
+    try:
+        prepare = getattr(tier, "warm_up", None)
+        if prepare is not None:
+            await prepare()
+    finally:
+        warm.set()
+
+
 class _Keeper:
     """One tier's keeper state: whether its tier is open, whether its first attempt has
     ended (``settled``), the configuration error that ended it, and the scope that close
     cancels while the tier is not open."""
 
-    __slots__ = ("attempts", "fatal", "is_open", "scope", "settled", "stop", "tier")
+    __slots__ = ("attempts", "fatal", "is_open", "scope", "settled", "stop", "tier", "warm")
 
     def __init__(self, tier: SecondaryTier) -> None:
         self.tier = tier
         self.is_open = False
         self.attempts = 0
+        self.warm = anyio.Event()  # its local preparation (``warm_up``) has ended
         self.settled = anyio.Event()
         self.stop = anyio.Event()  # set at close: an open tier is closed, not cancelled
         self.fatal: InvalidArgumentError | None = None
@@ -159,6 +176,13 @@ class TierKeepers:
         try:
             for keeper in self._keepers:
                 task_group.start_soon(self._keep, keeper)
+            # The wait bounds the tiers' answers, not the process's start: it begins once
+            # every tier has prepared what is local to it (``_warm_up``).
+            with anyio.move_on_after(
+                math.inf if self._open_timeout is None else self._open_timeout
+            ):
+                for keeper in self._keepers:
+                    await keeper.warm.wait()
             with anyio.move_on_after(wait):
                 for keeper in self._keepers:
                     await keeper.settled.wait()
@@ -222,6 +246,7 @@ class TierKeepers:
                 if self._open_timeout is not None:
                     bound.deadline = anyio.current_time() + self._open_timeout
                 try:
+                    await _warm_up(tier, keeper.warm)
                     await tier.__aenter__()
                 except Exception as exc:
                     self._failed(keeper, exc)

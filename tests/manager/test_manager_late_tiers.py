@@ -199,9 +199,10 @@ async def test_s3_endpoint_that_never_answers_does_not_hold_the_open_or_the_clos
         # Left alone, one attempt would wait 60 s for the bucket's answer.
         s3 = s3_tier(url, f"t/{uuid.uuid4().hex}", name="s3", read_timeout=60.0, max_attempts=1)
         fs = FSTier(tmp_path / "fs", fsync="never", name="fs")
-        manager = TieringManager(HostPool(8, BLOCK), [fs, s3], tier_open_wait=1.0)
-        # Bounded well below the 60 s one attempt would wait: neither the open nor the close
-        # may wait for the silent endpoint.
+        # The default tier_open_wait (1 s) holds the open; bounded well below the 60 s one
+        # attempt would wait: neither the open nor the close may wait for the silent endpoint.
+        manager = TieringManager(HostPool(8, BLOCK), [fs, s3])
+        assert manager.config.tier_open_wait == 1.0
         with anyio.fail_after(30):
             async with manager:
                 assert manager.statistics().opens.unavailable == ("s3",)
@@ -371,6 +372,44 @@ async def test_a_tier_that_opens_in_time_is_there_at_once() -> None:
         assert manager.lookup(keys[0]) is LookupResult.RETRY  # its promotion started
         assert await manager.wait_settled(keys[0], timeout=10) is LookupResult.HIT
     assert manager.statistics().opens.joined_late == 0
+
+
+class WarmsUpSlowly(MemoryTier):
+    """A tier whose local preparation (``warm_up``: the S3 tier parses botocore's model)
+    waits for ``go``: a fresh process on a busy machine."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.warming, self.go = anyio.Event(), anyio.Event()
+
+    async def warm_up(self) -> None:
+        self.warming.set()
+        await self.go.wait()
+
+
+async def test_the_open_wait_starts_once_the_tiers_have_warmed_up() -> None:
+    """``tier_open_wait`` bounds how long a tier takes to answer, not how long its process
+    takes to prepare: with a wait of 0 s the manager's open still waits for the warm-up, and
+    returns once it ended (a tier that fails or hangs after it is not waited for)."""
+    tier = WarmsUpSlowly("slow")
+    manager = TieringManager(HostPool(4, BLOCK), [tier], tier_open_wait=0.0)
+    entered, leave = anyio.Event(), anyio.Event()
+
+    async def run() -> None:
+        async with manager:
+            entered.set()
+            await leave.wait()
+
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run)
+            await tier.warming.wait()
+            await anyio.wait_all_tasks_blocked()
+            assert not entered.is_set()  # the 0 s wait has not begun
+            tier.go.set()
+            await entered.wait()
+            leave.set()
+    assert not tasks_left()
 
 
 async def test_entered_again_a_tier_that_no_longer_opens_is_unavailable() -> None:

@@ -26,16 +26,18 @@ Choices where the contract leaves room:
   of their own, and leave the other nodes' indexes within the same bound.
   ``lookup_mode="ask"`` keeps asking the server: it composes an ``AsyncLookupManager``
   (unknown keys answer RETRY while batched HEADs run; misses expire after ``miss_ttl``).
-  Either way ``statistics().request_path_requests`` counts the requests sent because
-  ``lookup()`` was asked about a key the index did not hold (0 in index mode, but for the
-  next case). With ``index_background_load`` (the default) the tier opens without waiting
-  for the listing or snapshot, so a large prefix never holds up a manager's open: keys the
-  load has brought answer from the index, the others are asked of the bucket as in the ask
-  mode (RETRY meanwhile; a HEAD by key cannot see a packed block) until
-  ``statistics().index_loading`` is false; keys found gone or deleted meanwhile are never
-  brought back by the older listing. ``await tier.wait_index_loaded()`` waits for the end
-  of the load and says whether the index is complete; ``index_background_load=False``
-  loads it inside ``open()`` instead.
+  ``statistics().request_path_requests`` counts the requests sent because ``lookup()``
+  was asked about a key (always 0 in the index mode). With ``index_background_load`` (the
+  default) the tier opens without waiting for the listing or snapshot, so a large prefix
+  never holds up a manager's open: keys the load has brought answer from the index, the
+  others are asked of the bucket (RETRY meanwhile) until ``statistics().index_loading`` is
+  false: the chunk of the snapshot that holds the key, found through the snapshot's
+  directory (``_snapshot_directory``, ``_snapshot_sections``: packed keys and keys late in
+  the snapshot included), then a HEAD of the key's own object; those requests are counted
+  in ``index_load_requests``. Keys found gone or deleted meanwhile are never brought back
+  by the older snapshot or listing. ``await tier.wait_index_loaded()`` waits for the end of
+  the load and says whether the index is complete; ``index_background_load=False`` loads
+  it inside ``open()`` instead.
 - A corrupt object (bad header, wrong key, wrong length, checksum mismatch) is a miss with
   reason ``corrupt`` and is **deleted**, so no node keeps paying for it and the next store
   of that key repairs it. The DELETE runs in the tier's background, bounded by
@@ -103,7 +105,10 @@ the way httpcore's pool is a state machine with I/O outside it.
   format, no I/O), ``_listing`` (the listing at open) and ``_sync`` (the journal loop;
   ``_skew``, its clock check);
   ``_snapshot_format`` (the index snapshot format, no I/O) and ``_snapshot`` (writing and reading
-  snapshots, so a node opens from one instead of listing the prefix; see docs/scaling.md);
+  snapshots, so a node opens from one instead of listing the prefix; see docs/scaling.md),
+  ``_snapshot_stream`` (a body indexed as it arrives), ``_snapshot_directory`` (where each
+  chunk of a body starts, no I/O) and ``_snapshot_sections`` (a chunk fetched for a key
+  while the body streams); ``_loading`` (when a background load ends);
   ``_journal`` (reading and applying segments, for the poll and the digests), ``_digest_format``
   (the journal digest format, no I/O) and ``_digest`` (who digests an interval, and
   reading digests).

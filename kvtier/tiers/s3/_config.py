@@ -164,10 +164,11 @@ class S3Config(Section):
     index_digests: bool = field(default=False, metadata=spec(parse_bool))
     # Load the index (snapshot or listing) in the background: open() returns once the bucket
     # answers, so a large prefix never holds up a manager's open; until the load ends, keys
-    # it has not brought yet are asked of the bucket (lookups answer RETRY meanwhile), and
+    # it has not brought yet are asked of the bucket (lookups answer RETRY meanwhile; those
+    # requests count in index_load_requests, not request_path_requests), and
     # ``S3Tier.wait_index_loaded()`` / index_listing_complete say when it is whole. False:
     # open() lists (bounded by index_list_timeout) before it returns.
-    index_background_load: bool = field(default=False, metadata=spec(parse_bool))
+    index_background_load: bool = field(default=True, metadata=spec(parse_bool))
     # Blocks stored together per object (a pack, ``_pack_format``); None: 8 in the index mode, 1
     # in the ask mode (a HEAD by key cannot see a block inside a pack). See ``pack_blocks``.
     pack_blocks: int | None = field(default=None, metadata=spec(optional(parse_positive_int)))

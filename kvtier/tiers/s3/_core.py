@@ -77,6 +77,10 @@ class S3TierStatistics(TierStatistics):
     index_listing_complete: bool = False
     index_loading: bool = False  # a background load is filling the index (it answers meanwhile)
     index_load_skipped: int = 0  # keys a background load found gone since it began: not indexed
+    # Requests sent because lookup() was asked about a key while the index was still loading
+    # (HEADs of keys' own objects, GETs of the snapshot chunks that hold them); counted
+    # apart from request_path_requests, which an index-mode tier keeps at 0 once loaded.
+    index_load_requests: int = 0
     index_refreshes: int = 0
     journal_segments_published: int = 0
     journal_segments_read: int = 0
@@ -128,6 +132,7 @@ class S3Core:
         self.corrupt_deleted = 0
         self.locations_rejected = 0
         self.request_path_requests = 0
+        self.index_load_requests = 0
         signed = integrity_key is not None
         self.build_thread_bytes = _THREAD_SIGNED_BYTES if signed else _THREAD_BUILD_BYTES
         self.verify_thread_bytes = _THREAD_SIGNED_BYTES if signed else _THREAD_VERIFY_BYTES
@@ -289,6 +294,7 @@ class S3Core:
             index_evictions=self.index.evictions,
             index_loading=self.index.loading,
             index_load_skipped=self.index.load_skipped,
+            index_load_requests=self.index_load_requests,
             index_locations_rejected=self.locations_rejected,
             **io,
         )

@@ -43,7 +43,7 @@ from kvtier.tiers.s3._config import S3Config, S3Overrides, check_bucket_name
 from kvtier.tiers.s3._core import S3Core, S3TierStatistics
 from kvtier.tiers.s3._errors import Fault
 from kvtier.tiers.s3._integrity import OpenPlace, check_marker, claim_identity
-from kvtier.tiers.s3._requests import Requests
+from kvtier.tiers.s3._requests import Requests, acquire
 from kvtier.tiers.s3.index._sync import IndexSync
 
 __all__ = ["S3Tier"]
@@ -51,6 +51,8 @@ __all__ = ["S3Tier"]
 logger = logging.getLogger("kvtier.tiers.s3")
 
 _CLOSE_TIMEOUT = 5.0
+# HEADs in flight at once for lookups while the index loads without a snapshot directory.
+_LOAD_HEADS = 4
 
 
 class S3Tier(SecondaryTier):
@@ -134,14 +136,15 @@ class S3Tier(SecondaryTier):
             core, self._requests, client=self._require_client, task_group=self._background
         )
         self._sync = self._new_sync(core)
+        self._load_heads = anyio.CapacityLimiter(_LOAD_HEADS)
         self._stack: AsyncExitStack | None = None
         self._client: Any = None
         self._task_group: anyio.abc.TaskGroup | None = None
 
     def _new_lookups(self, config: S3Config, clock: Callable[[], float]) -> AsyncLookupManager:
         """The existence checks of the ask mode, and of the index mode while the index loads
-        in the background: batched HEADs for keys asked about (bounded: a few batches at
-        once, a bounded queue)."""
+        in the background: batched checks of keys asked about (``_check_unindexed``;
+        bounded: a few batches at once, a bounded queue)."""
         return existence_checks(self, self._check_unindexed, config, most=8, clock=clock)
 
     def _new_sync(self, core: S3Core) -> IndexSync:
@@ -187,7 +190,7 @@ class S3Tier(SecondaryTier):
             return
         config = self.config
         session = shared_session()
-        await anyio.to_thread.run_sync(warm_session, session)
+        await self.warm_up()
         async with AsyncExitStack() as stack:
             try:
                 self._client = await stack.enter_async_context(
@@ -215,6 +218,14 @@ class S3Tier(SecondaryTier):
         await self._lookups.__aenter__()
         self._task_group = tg = await enter_task_group()
         tg.start_soon(self._sync.run)
+
+    async def warm_up(self) -> None:
+        """Prepare what opening needs from this process alone: botocore's S3 model, parsed
+        once per process in a worker thread (about a second in a fresh process on a busy
+        machine). ``open()`` does it first; a ``TieringManager`` does it before it starts
+        its ``tier_open_wait``, which bounds how long an endpoint may take to answer, not
+        how long a process takes to start. Idempotent."""
+        await anyio.to_thread.run_sync(warm_session, shared_session())
 
     async def _probe(self) -> None:
         """Check that the bucket is there, then the prefix's integrity marker."""
@@ -322,13 +333,32 @@ class S3Tier(SecondaryTier):
         return self._lookups.lookup_with_reason(key)
 
     async def _check_unindexed(self, keys: list[bytes]) -> list[bool]:
-        """The existence checks of keys the index does not hold (the ``ask`` mode, or an
-        index still loading): each is a request on the request path. A HEAD by key sees the
-        key's own object, never a block inside a pack (those come with the load)."""
-        self._core.request_path_requests += len(keys)
-        return await self.contains_many(keys)
+        """The existence checks of keys the index does not hold: in the ``ask`` mode, each
+        a request on the request path (a HEAD). While the index loads in the background:
+        the snapshot chunks that hold them, fetched through the snapshot's directory
+        (packed keys included: a HEAD by key sees the key's own object, never a block inside
+        a pack), then the index answers as the loaded one will; without a directory, a HEAD
+        of each key's own object, ``_LOAD_HEADS`` at a time (each request costs the event
+        loop CPU: a burst of them while the engine serves would hold its loop). Those are
+        counted in ``index_load_requests``."""
+        core, index = self._core, self._index
+        if not (self._index_mode and index.loading):
+            core.request_path_requests += len(keys)
+            return await self.contains_many(keys)
+        unsettled = await self._sync.bring(keys)
+        rest = [k for k in keys if k not in index and (unsettled is None or k in unsettled)]
+        core.index_load_requests += len(rest)
+        found = dict(zip(rest, await self._heads(rest, self._load_heads), strict=True))
+        return [key in index or found.get(key, False) for key in keys]
 
     async def contains_many(self, keys: list[bytes]) -> list[bool]:
+        return await self._heads(keys, None)
+
+    async def _heads(self, keys: list[bytes], limiter: anyio.CapacityLimiter | None) -> list[bool]:
+        """A HEAD per key (of its pack where the index places it), all at once or, with
+        ``limiter``, as many at once as it allows."""
+        if not keys:
+            return []
         client = self._require_client("contains_many")
         found = [False] * len(keys)
         errors: list[TierError] = []
@@ -337,12 +367,18 @@ class S3Tier(SecondaryTier):
             where = self._index.location(key)
             name = self._core.object_key(key) if where is None else where.pack
             try:
-                result = await self._requests.call(
-                    "contains",
-                    key,
-                    lambda: client.head_object(Bucket=self.bucket, Key=name),
-                    expected=frozenset({Fault.NOT_FOUND}),
-                )
+                if limiter is not None:
+                    await acquire(limiter)
+                try:
+                    result = await self._requests.call(
+                        "contains",
+                        key,
+                        lambda: client.head_object(Bucket=self.bucket, Key=name),
+                        expected=frozenset({Fault.NOT_FOUND}),
+                    )
+                finally:
+                    if limiter is not None:
+                        limiter.release()
             except TierError as exc:
                 errors.append(exc)
                 scope.cancel()  # one failure fails the batch: stop spending requests on it
@@ -433,12 +469,16 @@ class S3Tier(SecondaryTier):
         return self._breaker.state
 
     def statistics(self) -> S3TierStatistics:
-        return self._core.statistics(
+        stats = self._core.statistics(
             retries=self._requests.retries,
             **self._sync.counts(),
             **self._blocks.packer.counts(),
             **self._blocks.reads.counts(),
         )
+        gets = self._sync.section_gets  # the chunks fetched for lookups during the load
+        if not gets:
+            return stats
+        return dataclasses.replace(stats, index_load_requests=stats.index_load_requests + gets)
 
     def __repr__(self) -> str:
         return describe(

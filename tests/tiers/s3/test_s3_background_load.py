@@ -18,6 +18,7 @@ from devtools.weed_server import BUCKET, WeedServer, raw_client
 from kvtier import BlockNotFoundError, LifecycleError, LookupResult, TierUnavailableError
 from kvtier.tiers.s3 import S3Tier
 from kvtier.tiers.s3.index import ExistenceIndex
+from kvtier.tiers.s3.index import _snapshot_directory as snapshot_directory
 from kvtier.tiers.s3.index import _snapshot_format as snapshot_format
 from kvtier.tiers.s3.index import _snapshot_stream as snapshot_stream
 from kvtier.tiers.s3.index._journal_format import journal_prefix
@@ -59,10 +60,10 @@ class HeldLoad:
         sync = tier._sync
         listing, journal, load = sync.list_at_open, sync._read_recent, sync.load_in_background
 
-        async def held() -> None:
+        async def held(survey: object = None) -> None:
             self.reached.set()
             await self.gate.wait()
-            await listing()
+            await listing()  # the folder listed again: what the test put there meanwhile
 
         async def read() -> None:
             try:
@@ -138,7 +139,9 @@ async def test_first_hits_before_the_index_is_complete(
             await load.done.wait()
         stats = tier.statistics()
         assert not stats.index_loading and stats.index_listing_complete
-        assert stats.index_keys == 7 and stats.request_path_requests == 1
+        assert stats.index_keys == 7
+        # The HEAD made while the index loaded is the load's, not the request path's.
+        assert (stats.index_load_requests, stats.request_path_requests) == (1, 0)
     # Without the journal: the key's own object is found by asking, the packed ones (a HEAD
     # by key cannot see a pack's blocks) once the listing brought them.
     await _forget_the_journal(weed_server, prefix)
@@ -400,7 +403,7 @@ async def test_a_snapshot_serves_its_first_keys_while_the_rest_arrives(
     keys = fresh_keys(12)
     async with make_tier(**SNAPSHOT_BY_HAND) as writer:
         await writer.wait_index_loaded()
-        for key in keys:  # one by one: the snapshot holds them in this order
+        for key in keys:  # one by one: not packed
             await writer.store(key, memoryview(os.urandom(BLOCK)))
         sync, snapshots = writer._sync, writer._sync.snapshots
         assert snapshots is not None and sync.covered_ms is not None
@@ -410,8 +413,13 @@ async def test_a_snapshot_serves_its_first_keys_while_the_rest_arrives(
     first_chunk, gate = anyio.Event(), anyio.Event()
     take = snapshot_stream._take
 
-    async def held(decoder: BodyDecoder, piece: bytes, index: ExistenceIndex) -> None:
-        await take(decoder, piece, index)
+    async def held(
+        decoder: BodyDecoder,
+        piece: bytes,
+        index: ExistenceIndex,
+        streamed: Callable[[int], None] | None,
+    ) -> None:
+        await take(decoder, piece, index, streamed)
         if decoder.entries and not first_chunk.is_set():
             first_chunk.set()
             await gate.wait()
@@ -421,7 +429,8 @@ async def test_a_snapshot_serves_its_first_keys_while_the_rest_arrives(
     async with make_tier(index_background_load=True, **SNAPSHOT_BY_HAND) as tier:
         with anyio.fail_after(30):
             await first_chunk.wait()
-        assert [tier.lookup(k) for k in keys[:4]] == [HIT] * 4
+        # The body is sorted by key: its first chunk holds the four smallest.
+        assert [tier.lookup(k) for k in sorted(keys)[:4]] == [HIT] * 4
         stats = tier.statistics()
         assert stats.index_loading and not stats.index_listing_complete
         assert stats.index_keys == 4
@@ -435,3 +444,105 @@ async def test_a_snapshot_serves_its_first_keys_while_the_rest_arrives(
     stats = tier.statistics()
     assert not stats.index_loading
     assert stats.index_listing_complete is (then == "released")
+
+
+class HeldBody:
+    """Holds a tier's read of a snapshot body before its first piece is indexed."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.reached, self.gate = anyio.Event(), anyio.Event()
+        take = snapshot_stream._take
+
+        async def held(
+            decoder: BodyDecoder,
+            piece: bytes,
+            index: ExistenceIndex,
+            streamed: Callable[[int], None] | None,
+        ) -> None:
+            self.reached.set()
+            await self.gate.wait()
+            await take(decoder, piece, index, streamed)
+
+        monkeypatch.setattr(snapshot_stream, "_take", held)
+
+
+async def _snapshot_of(
+    make_tier: MakeS3Tier,
+    weed_server: WeedServer,
+    prefix: str,
+    packed: list[bytes],
+    alone: list[bytes],
+) -> None:
+    """``packed`` as one pack and each of ``alone`` as its own object, in a snapshot of
+    chunks of two keys; the journal deleted, so the snapshot is all there is to learn."""
+    async with make_tier(**SNAPSHOT_BY_HAND) as writer:
+        await writer.wait_index_loaded()  # its journal view starts there: it may compact
+        payload = memoryview(os.urandom(BLOCK))
+        assert await writer.store_many(packed, [payload] * len(packed)) == [None] * len(packed)
+        for key in alone:
+            await writer.store(key, payload)
+        sync, snapshots = writer._sync, writer._sync.snapshots
+        assert snapshots is not None and sync.covered_ms is not None
+        found = await snapshots.survey(int(sync._wall() * 1000))
+        assert await snapshots.compact(found, sync.covered_ms)
+    await _forget_the_journal(weed_server, prefix)
+
+
+async def test_any_key_of_a_snapshot_is_found_while_its_body_is_held(
+    make_tier: MakeS3Tier, weed_server: WeedServer, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the body's read held before its first chunk, a key late in the body and a key
+    inside a pack (not its first) are found through the body's directory: one ranged GET of
+    the chunk that holds each, counted as the load's requests, not the request path's."""
+    monkeypatch.setattr(snapshot_directory, "SORTED_CHUNK_ENTRIES", 2)
+    packed, alone, (never,) = fresh_keys(6), fresh_keys(5), fresh_keys(1)
+    await _snapshot_of(make_tier, weed_server, prefix, packed, alone)
+    everything = sorted([*packed, *alone])
+    late = everything[-1]
+    member = max(packed[1:], key=everything.index)  # in a pack, not the key that names it
+    body = HeldBody(monkeypatch)
+    async with make_tier(index_background_load=True, **SNAPSHOT_BY_HAND) as tier:
+        with anyio.fail_after(30):
+            await body.reached.wait()
+        assert tier.statistics().index_keys == 0
+        assert await _verdict(tier, late) is HIT
+        assert await _verdict(tier, member) is HIT
+        # Not in the chunk that would hold it, nor in the journal: MISS, with no HEAD.
+        assert await _verdict(tier, never) is MISS
+        sections = tier._sync.snapshots.sections if tier._sync.snapshots else None
+        assert sections is not None and sections.chunks == sections.gets >= 1
+        stats = tier.statistics()
+        assert stats.index_loading and stats.request_path_requests == 0
+        assert stats.index_load_requests == sections.gets  # the chunks' GETs, nothing else
+        assert stats.index_keys < len(everything)  # the chunks asked for, not the body
+        body.gate.set()
+        assert await tier.wait_index_loaded()
+        assert [tier.lookup(k) for k in everything] == [HIT] * len(everything)
+        assert tier.lookup(never) is MISS
+        assert tier.statistics().request_path_requests == 0
+
+
+async def test_a_forged_directory_costs_a_wait_never_a_wrong_answer(
+    make_tier: MakeS3Tier, weed_server: WeedServer, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A directory that does not name the body is not used: a packed key waits for the body
+    (a HEAD by its name cannot see it), and the load still ends complete."""
+    monkeypatch.setattr(snapshot_directory, "SORTED_CHUNK_ENTRIES", 2)
+    packed, alone = fresh_keys(4), fresh_keys(1)
+    await _snapshot_of(make_tier, weed_server, prefix, packed, alone)
+    async with raw_client(weed_server.endpoint_url) as client:
+        page = await client.list_objects_v2(
+            Bucket=BUCKET, Prefix=f"{prefix}/_kvtier_snapshots/dir-"
+        )
+        (item,) = page["Contents"]
+        await client.put_object(Bucket=BUCKET, Key=item["Key"], Body=b"KVD1" + b"\x00" * 40)
+    body = HeldBody(monkeypatch)
+    async with make_tier(index_background_load=True, **SNAPSHOT_BY_HAND) as tier:
+        with anyio.fail_after(30):
+            await body.reached.wait()
+        assert tier._sync.snapshots is not None and tier._sync.snapshots.sections is None
+        assert await _verdict(tier, packed[1]) is MISS  # not found by its name: not yet known
+        assert await _verdict(tier, alone[0]) is HIT  # its own object: the HEAD finds it
+        body.gate.set()
+        assert await tier.wait_index_loaded()
+        assert [tier.lookup(k) for k in [*packed, *alone]] == [HIT] * 5

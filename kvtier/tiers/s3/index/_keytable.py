@@ -158,18 +158,11 @@ class KeyTable:
         if 8 * (self._used[s] + 1) > 5 * len(slots):  # past 5/8 full: twice the slots
             slots = self._slots[s] = _grown(slots)
         g = (h >> self._shift) & _FP_MASK
-        mask = len(slots) - 1
-        i = g & mask
         chunks = self._chunks
-        while v := slots[i]:
-            if v >> 32 == g:
-                rid = v & _FP_MASK
-                c = chunks[rid >> CHUNK_BITS]
-                w = c.width
-                start = (rid & _ROW_MASK) * w
-                if c.keys[start : start + w] == key:
-                    return rid
-            i = (i + 1) & mask
+        found = _probe(slots, chunks, g, key)
+        if found >= 0:
+            return found
+        i = ~found  # the free slot the key goes to
         width = len(key)
         tail = self._filling.get(width)
         if tail is None or len(tail.alive) >= CHUNK_ROWS:
@@ -410,24 +403,30 @@ def _grown(slots: array.array[int]) -> array.array[int]:
     return out
 
 
+def _probe(slots: array.array[int], chunks: dict[int, _Chunk], g: int, key: bytes) -> int:
+    """The row id of ``key`` (fingerprint ``g``) in the shard table ``slots``, or, when it is
+    not there, ``~i`` for the free slot ``i`` where the probe ended (where it would go): the
+    one probe loop that finding and inserting share."""
+    mask = len(slots) - 1
+    i = g & mask
+    while v := slots[i]:
+        if v >> 32 == g:
+            rid = v & _FP_MASK
+            c = chunks[rid >> CHUNK_BITS]
+            w = c.width
+            start = (rid & _ROW_MASK) * w
+            if c.keys[start : start + w] == key:
+                return rid
+        i = (i + 1) & mask
+    return ~i
+
+
 def _finder(
     tables: list[array.array[int]], chunks: dict[int, _Chunk], shard_mask: int, shift: int
 ) -> Callable[[bytes], int]:
     def find(key: bytes) -> int:
         h = hash(key)
-        slots = tables[h & shard_mask]
-        g = (h >> shift) & _FP_MASK
-        mask = len(slots) - 1
-        i = g & mask
-        while v := slots[i]:
-            if v >> 32 == g:
-                rid = v & _FP_MASK
-                c = chunks[rid >> CHUNK_BITS]
-                w = c.width
-                start = (rid & _ROW_MASK) * w
-                if c.keys[start : start + w] == key:
-                    return rid
-            i = (i + 1) & mask
-        return -1
+        rid = _probe(tables[h & shard_mask], chunks, (h >> shift) & _FP_MASK, key)
+        return rid if rid >= 0 else -1
 
     return find

@@ -8,7 +8,8 @@ a node's own clock never decides), and nobody claimed the next generation lately
 
 1. claims generation ``g`` (the highest named in the folder, plus one) with a conditional PUT
    of ``claim-g``; a node that finds the claim taken (412) stops: of two compactors, one wins;
-2. writes its whole index as ``data-g-<writer>`` (encoded in a worker thread);
+2. writes its whole index as ``data-g-<writer>``, sorted by key, and the body's directory
+   ``dir-g-<writer>`` (``_snapshot_directory``; both encoded in a worker thread);
 3. publishes it with a conditional PUT of the manifest ``gen-g``;
 4. deletes the folder's objects of older generations (it keeps ``g - 1``, which a reader may
    be reading).
@@ -25,6 +26,10 @@ moment minus ``index_lookback`` (its first poll lists from there), which its wri
 for twice the lookback: a snapshot is used only while it is at most half the lookback old.
 The cover is converted between clocks through each node's measure of the server's ``Date``,
 so skewed node clocks move the cover by the skew at most, which the lookback absorbs.
+
+A node loading a snapshot in the background reads its manifest and directory first
+(``prepare``), then the journal, then streams the body; meanwhile a lookup of a key the
+stream has not reached fetches the one chunk that holds it (``_snapshot_sections``).
 
 A node that finds a snapshot newer than its journal view (it has not polled for longer than
 the lookback, so it may have missed segments) loads it and polls from its cover, as a new
@@ -51,6 +56,11 @@ from kvtier.tiers.s3._config import S3Config
 from kvtier.tiers.s3._errors import Fault
 from kvtier.tiers.s3._requests import Call, body_of, get_bytes
 from kvtier.tiers.s3.index._existence import ExistenceIndex
+from kvtier.tiers.s3.index._snapshot_directory import (
+    MAX_DIRECTORY_BYTES,
+    decode_directory,
+    encode_sorted_body,
+)
 from kvtier.tiers.s3.index._snapshot_format import (
     MAX_GENERATION,
     MAX_MANIFEST_BYTES,
@@ -61,12 +71,13 @@ from kvtier.tiers.s3.index._snapshot_format import (
     claim_name,
     data_name,
     decode_manifest,
-    encode_body,
+    directory_name,
     encode_manifest,
     manifest_name,
     parse_name,
     snapshot_dir,
 )
+from kvtier.tiers.s3.index._snapshot_sections import SnapshotSections
 from kvtier.tiers.s3.index._snapshot_stream import stream_body
 
 __all__ = ["SnapshotLink", "Snapshots", "Survey", "delete_object", "put_if_absent"]
@@ -141,6 +152,9 @@ class Snapshots:
         self._next_look_ms: int | None = None
         self._phase_ms = int(self._writer[:8], 16) % max(self.every_ms, 1)
         self.generation = 0  # the generation this index loaded or published
+        # While a background load reads a body: its chunks, fetched on demand (``prepare``).
+        self.sections: SnapshotSections | None = None
+        self._prepared: Manifest | None = None  # read by ``prepare``, for ``load``
         self.loaded = 0
         self.published = 0
         self.lost = 0  # compactions another node won
@@ -186,31 +200,83 @@ class Snapshots:
                 survey.others.append((parsed.generation, name))
         return survey
 
+    async def prepare(self, survey: Survey) -> None:
+        """Read the newest snapshot's manifest and its body's directory now, ahead of the
+        rest of a background load (the journal, then the body): from then on a lookup of a
+        key not indexed yet can fetch the chunk that holds it (``sections``). A snapshot
+        that is too old, or whose manifest does not verify, is left to ``load`` (which
+        rejects it and says so). Raises only ``TierError``."""
+        generation = survey.newest()
+        if generation is None or generation <= self.generation:
+            return
+        name, size, mtime = survey.manifests[generation]
+        if survey.age_ms(mtime) > self.max_age_ms:
+            return
+        try:
+            self._prepared = await self._read_manifest(generation, name, size, mtime)
+        except SnapshotError:
+            return
+        await self._open_sections(self._prepared)
+
     async def load(self, survey: Survey, *, newer_than: int = 0) -> int | None:
         """Load the newest usable snapshot newer than generation ``newer_than`` into the
         index (adding keys); its cover in this node's wall ms, or None if there is none (too
         old, or rejected: then the previous generation is tried once)."""
-        for tried, generation in enumerate(sorted(survey.manifests, reverse=True)):
-            if generation <= newer_than or tried >= 2:
-                return None
-            name, size, mtime = survey.manifests[generation]
-            if survey.age_ms(mtime) > self.max_age_ms:
-                return None  # older ones are older still
-            try:
-                manifest = await self._read_manifest(generation, name, size, mtime)
-                entries = await self._read_body(manifest)
-            except SnapshotError as exc:
-                self.rejected += 1
-                self._log.warning(
-                    "snapshot", "%s: ignoring index snapshot %s: %s", self.name, name, exc
-                )
-                continue
-            self._index.listed += entries
-            self.generation = max(self.generation, generation)
-            self.loaded += 1
-            # The cover in this node's clock: server time plus this node's lead on it.
-            return manifest.cover_ms + (survey.wall_ms - survey.server_ms)
-        return None
+        prepared, self._prepared = self._prepared, None
+        try:
+            for tried, generation in enumerate(sorted(survey.manifests, reverse=True)):
+                if generation <= newer_than or tried >= 2:
+                    return None
+                name, size, mtime = survey.manifests[generation]
+                if survey.age_ms(mtime) > self.max_age_ms:
+                    return None  # older ones are older still
+                try:
+                    if prepared is not None and prepared.generation == generation:
+                        manifest = prepared
+                    else:
+                        manifest = await self._read_manifest(generation, name, size, mtime)
+                        await self._open_sections(manifest)
+                    entries = await self._read_body(manifest)
+                except SnapshotError as exc:
+                    self.rejected += 1
+                    self._log.warning(
+                        "snapshot", "%s: ignoring index snapshot %s: %s", self.name, name, exc
+                    )
+                    continue
+                self._index.listed += entries
+                self.generation = max(self.generation, generation)
+                self.loaded += 1
+                # The cover in this node's clock: server time plus this node's lead on it.
+                return manifest.cover_ms + (survey.wall_ms - survey.server_ms)
+            return None
+        finally:
+            self.sections = None
+
+    async def _open_sections(self, manifest: Manifest) -> None:
+        """While the index loads in the background (lookups then ask about keys it lacks),
+        read the directory of ``manifest``'s body, so that those lookups can fetch the chunk
+        of a key (``sections``); without one (an older writer's snapshot, or a directory
+        that does not verify) they wait for the body. Raises only ``TierError``."""
+        self.sections = None
+        if not self._index.loading:
+            return
+        directory = directory_name(self._prefix, manifest.generation, manifest.writer)
+        try:
+            found = decode_directory(await self._get(directory, MAX_DIRECTORY_BYTES), manifest)
+        except SnapshotError as exc:
+            logger.debug("%s: no usable snapshot directory %s: %s", self.name, directory, exc)
+            return
+        self.sections = SnapshotSections(
+            found,
+            body=data_name(self._prefix, manifest.generation, manifest.writer),
+            index=self._index,
+            call=self._call,
+            client=self._client,
+            bucket=self._bucket,
+            prefix=self._prefix,
+            integrity_key=self._integrity_key,
+            name=self.name,
+        )
 
     async def _read_manifest(self, generation: int, name: str, size: int, mtime: int) -> Manifest:
         if not 0 < size <= MAX_MANIFEST_BYTES:
@@ -239,8 +305,11 @@ class Snapshots:
             return made[-1]
 
         self.requests["get"] += 1
+        streamed = None if self.sections is None else self.sections.streamed
         try:
-            await stream_body(self._call, self._client(), self._bucket, name, decoder, self._index)
+            await stream_body(
+                self._call, self._client(), self._bucket, name, decoder, self._index, streamed
+            )
         finally:
             self.bytes_read += sum(d.received for d in made)
             self.entries_rejected += made[-1].rejected if made else 0
@@ -303,24 +372,25 @@ class Snapshots:
             return False
         entries = self._index.entries_reader()
 
-        def build() -> tuple[bytes, int]:
+        def build() -> tuple[bytes, bytes, int]:
             listed = entries()
-            return encode_body(listed, self._prefix, integrity_key=self._integrity_key), len(listed)
+            body, table = encode_sorted_body(
+                listed, self._prefix, integrity_key=self._integrity_key
+            )
+            return body, table, len(listed)
 
-        body, count = await anyio.to_thread.run_sync(build)
+        body, table, count = await anyio.to_thread.run_sync(build)
         data = data_name(self._prefix, generation, self._writer)
-        self.requests["put"] += 1
-        await self._call(
-            "snapshot",
-            None,
-            lambda: client.put_object(Bucket=self._bucket, Key=data, Body=body_of(body)),
-        )
+        directory = directory_name(self._prefix, generation, self._writer)
+        for name, content in ((data, body), (directory, table)):
+            await self._put(client, name, content)
         cover_ms = cover_wall_ms - (survey.wall_ms - survey.server_ms)  # in server time
         manifest = Manifest(generation, cover_ms, len(body), body_digest(body), self._writer)
         encoded = encode_manifest(manifest, self._prefix, integrity_key=self._integrity_key)
         if not await self._put_new(client, manifest_name(self._prefix, generation), encoded):
             self.lost += 1
             await self._delete(client, data)
+            await self._delete(client, directory)
             return False
         self.generation = generation
         self.published += 1
@@ -333,6 +403,15 @@ class Snapshots:
         )
         await self._delete_older(client, survey, generation)
         return True
+
+    async def _put(self, client: Any, name: str, body: bytes) -> None:
+        """One plain PUT (a fresh body per attempt)."""
+        self.requests["put"] += 1
+        await self._call(
+            "snapshot",
+            None,
+            lambda: client.put_object(Bucket=self._bucket, Key=name, Body=body_of(body)),
+        )
 
     async def _put_new(self, client: Any, name: str, body: bytes) -> bool:
         return await put_if_absent(

@@ -7,12 +7,15 @@ I/O and says who writes one and when). Objects live in their own folder:
 
     <prefix>/_kvtier_snapshots/claim-<generation>            empty: "I am writing this one"
     <prefix>/_kvtier_snapshots/data-<generation>-<writer>   the body: the keys
+    <prefix>/_kvtier_snapshots/dir-<generation>-<writer>    where its chunks start
     <prefix>/_kvtier_snapshots/gen-<generation>             the manifest: publishes a body
 
 Generations have 12 digits, so names sort by generation; the newest manifest is the current
 snapshot. Claims and manifests are written with ``If-None-Match: *``, so of two nodes that
 compact at once one wins; a body is only read through the manifest that names it, so one
-whose manifest was never written (its writer crashed, or lost) is never read.
+whose manifest was never written (its writer crashed, or lost) is never read. The
+directory (``_snapshot_directory``) lets a node still reading a body fetch the one chunk that
+holds a key it is asked about; a writer that wrote none (an older kvtier) is read as before.
 
 A manifest is a journal segment (``_journal_format``) of one entry whose key is the record
 ``MAGIC, u64 generation, u64 cover (server ms), u64 body length, xxh3-128 of the body,
@@ -64,8 +67,11 @@ __all__ = [
     "claim_name",
     "data_name",
     "decode_body",
+    "decode_chunk",
     "decode_manifest",
+    "directory_name",
     "encode_body",
+    "encode_chunks",
     "encode_manifest",
     "manifest_name",
     "parse_name",
@@ -78,7 +84,7 @@ BODY_MAGIC = b"KVB1"
 _RECORD = struct.Struct("<4sQQQ16s8s")
 _CHUNK = struct.Struct("<I")
 MAX_MANIFEST_BYTES = 4096  # a manifest is a segment of one entry: far less
-_NAME_RE = re.compile(r"(claim|data|gen)-(\d{12})(?:-([0-9a-f]{16}))?")
+_NAME_RE = re.compile(r"(claim|data|dir|gen)-(\d{12})(?:-([0-9a-f]{16}))?")
 MAX_GENERATION = 10**12 - 1
 
 
@@ -102,7 +108,7 @@ class Manifest:
 class SnapshotName:
     """A parsed name in the snapshot folder."""
 
-    kind: str  # "claim", "data" or "gen"
+    kind: str  # "claim", "data", "dir" or "gen"
     generation: int
     writer: str | None
 
@@ -119,6 +125,11 @@ def data_name(prefix: str, generation: int, writer: str) -> str:
     return f"{snapshot_dir(prefix)}data-{generation:012d}-{writer}"
 
 
+def directory_name(prefix: str, generation: int, writer: str) -> str:
+    """The directory of a body (``_snapshot_directory``): where each of its chunks starts."""
+    return f"{snapshot_dir(prefix)}dir-{generation:012d}-{writer}"
+
+
 def manifest_name(prefix: str, generation: int) -> str:
     return f"{snapshot_dir(prefix)}gen-{generation:012d}"
 
@@ -133,7 +144,7 @@ def parse_name(name: str, prefix: str) -> SnapshotName | None:
     if match is None:
         return None
     kind, generation, writer = match.groups()
-    if (kind == "data") != (writer is not None):
+    if (kind in ("data", "dir")) != (writer is not None):
         return None
     return SnapshotName(kind, int(generation), writer)
 
@@ -181,6 +192,25 @@ def decode_manifest(
     return Manifest(gen, cover_ms, length, digest, writer.hex())
 
 
+def encode_chunks(
+    entries: list[tuple[bytes, Location | None]],
+    prefix: str,
+    *,
+    integrity_key: IntegrityKey | None = None,
+    per_chunk: int = MAX_SEGMENT_ENTRIES,
+) -> list[tuple[int, bytes]]:
+    """A body's chunks, each ``u32 length, segment`` of ``per_chunk`` entries (at most
+    ``MAX_SEGMENT_ENTRIES``), with the index in ``entries`` of its first entry."""
+    per_chunk = min(per_chunk, MAX_SEGMENT_ENTRIES)
+    chunks = []
+    for start in range(0, len(entries), per_chunk):
+        chunk = encode_segment(
+            entries[start : start + per_chunk], prefix, integrity_key=integrity_key
+        )
+        chunks.append((start, _CHUNK.pack(len(chunk)) + chunk))
+    return chunks
+
+
 def encode_body(
     entries: list[tuple[bytes, Location | None]],
     prefix: str,
@@ -188,14 +218,24 @@ def encode_body(
     integrity_key: IntegrityKey | None = None,
 ) -> bytes:
     """A snapshot body: ``entries`` as segments of at most ``MAX_SEGMENT_ENTRIES`` each."""
-    parts = [BODY_MAGIC]
-    for start in range(0, len(entries), MAX_SEGMENT_ENTRIES):
-        chunk = encode_segment(
-            entries[start : start + MAX_SEGMENT_ENTRIES], prefix, integrity_key=integrity_key
-        )
-        parts.append(_CHUNK.pack(len(chunk)))
-        parts.append(chunk)
-    return b"".join(parts)
+    chunks = encode_chunks(entries, prefix, integrity_key=integrity_key)
+    return b"".join([BODY_MAGIC, *(chunk for _, chunk in chunks)])
+
+
+def decode_chunk(
+    data: bytes, prefix: str, *, integrity_key: IntegrityKey | None = None
+) -> tuple[list[tuple[bytes, Location | None]], int]:
+    """The entries of one chunk read on its own (``u32 length, segment``, exactly), and how
+    many were ignored; ``SnapshotError`` if it does not parse or verify."""
+    if len(data) < _CHUNK.size:
+        raise SnapshotError("snapshot chunk truncated")
+    (size,) = _CHUNK.unpack_from(data)
+    if size != len(data) - _CHUNK.size or size > max_segment_bytes(prefix):
+        raise SnapshotError("snapshot chunk of the wrong length")
+    try:
+        return decode_segment(data[_CHUNK.size :], prefix, integrity_key=integrity_key)
+    except SegmentError as exc:
+        raise SnapshotError(f"snapshot chunk: {exc}") from None
 
 
 def decode_body(
@@ -267,6 +307,11 @@ class BodyDecoder:
         self.received = 0
         self.entries = 0  # entries returned
         self.rejected = 0  # entries ignored, as a segment's are
+
+    @property
+    def parsed(self) -> int:
+        """Body bytes decoded so far: every chunk before this offset was returned."""
+        return self._done
 
     def feed(self, data: bytes) -> list[tuple[bytes, Location | None]]:
         """The entries of the chunks ``data`` completed (none while one is incomplete)."""

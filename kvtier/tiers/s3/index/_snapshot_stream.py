@@ -47,12 +47,13 @@ async def stream_body(
     name: str,
     new_decoder: Callable[[], BodyDecoder],
     index: ExistenceIndex,
+    streamed: Callable[[int], None] | None = None,
 ) -> None:
     """GET the body ``name``, index each of its chunks as it completes, and check it whole
     (``new_decoder()`` decodes it: its counts are the caller's). ``SnapshotError`` if it is
     gone, empty, or does not parse, verify or match its manifest. A retried GET reads from
     the start with a fresh decoder (what was indexed stays: indexing a key again changes
-    nothing)."""
+    nothing). ``streamed(offset)``: every chunk before body byte ``offset`` is indexed."""
 
     async def attempt() -> None:
         decoder = new_decoder()
@@ -68,9 +69,9 @@ async def stream_body(
             while piece := await body.read(_PIECE):
                 pending += piece
                 if len(pending) >= _PIECE:
-                    await _take(decoder, bytes(pending), index)
+                    await _take(decoder, bytes(pending), index, streamed)
                     pending.clear()
-            await _take(decoder, bytes(pending), index)
+            await _take(decoder, bytes(pending), index, streamed)
         decoder.finish()
 
     got = await call("snapshot", None, attempt, expected=_GET_ANSWERS)
@@ -78,7 +79,12 @@ async def stream_body(
         raise SnapshotError(f"{name} is gone or empty")
 
 
-async def _take(decoder: BodyDecoder, piece: bytes, index: ExistenceIndex) -> None:
+async def _take(
+    decoder: BodyDecoder,
+    piece: bytes,
+    index: ExistenceIndex,
+    streamed: Callable[[int], None] | None,
+) -> None:
     """Decode ``piece`` in a worker thread and index the entries it completed."""
     if not piece:
         return
@@ -88,3 +94,5 @@ async def _take(decoder: BodyDecoder, piece: bytes, index: ExistenceIndex) -> No
     for start in range(0, len(entries), ADD_SLICE):  # the loop serves meanwhile
         index.load_many(entries[start : start + ADD_SLICE])
         await anyio.lowlevel.checkpoint()
+    if streamed is not None:
+        streamed(decoder.parsed)

@@ -29,8 +29,9 @@ A writer deletes its own segments once they are older than twice the lookback; o
 DELETE failed stays first in line and is tried again at the next refresh.
 
 With ``index_background_load`` (the default) the tier opens at once and the loop starts with
-that load (``load_in_background``, ``_loading``): the journal's last lookback, then the
-snapshot or the listing.
+that load (``load_in_background``, ``_loading``): the newest snapshot's manifest and directory,
+the journal's last lookback, then the snapshot's body or the listing; lookups of keys it has
+not brought yet meanwhile fetch the snapshot chunk that holds them (``bring``).
 
 Index snapshots (``_snapshot``, ``index_snapshots``): at open the newest snapshot, when one is
 usable, replaces the listing, and the first poll lists from its cover minus the lookback. A
@@ -71,7 +72,7 @@ from kvtier.tiers.s3.index._loading import IndexLoad
 from kvtier.tiers.s3.index._publishing import Publisher
 from kvtier.tiers.s3.index._rechecks import RemovalChecks
 from kvtier.tiers.s3.index._skew import ClockSkew
-from kvtier.tiers.s3.index._snapshot import SnapshotLink, Snapshots
+from kvtier.tiers.s3.index._snapshot import SnapshotLink, Snapshots, Survey
 from kvtier.tiers.s3.index._upkeep import Upkeep
 
 __all__ = ["IndexSync"]
@@ -139,6 +140,7 @@ class IndexSync:
         self.covered_ms: int | None = None
         self.view_complete = False
         self.load = IndexLoad(index)  # the background load at open, if any
+        self._section_gets = 0  # of the loads that ended
 
     def _build_readers(self, config: S3Config, link: SnapshotLink) -> None:
         """The segment reader, and the snapshots and digests when this tier uses them.
@@ -189,12 +191,12 @@ class IndexSync:
 
     # -- the listing at open -------------------------------------------------------------------
 
-    async def list_at_open(self) -> None:
-        """Load the newest index snapshot if there is a usable one (``_snapshot``), else
-        index every block object under the prefix, within ``index_list_timeout`` seconds
-        (``_listing``)."""
+    async def list_at_open(self, survey: Survey | None = None) -> None:
+        """Load the newest index snapshot if there is a usable one (``_snapshot``; from
+        ``survey`` when one was made already), else index every block object under the
+        prefix, within ``index_list_timeout`` seconds (``_listing``)."""
         started_ms = int(self._wall() * 1000)
-        if self.snapshots is not None and await self._load_snapshot(started_ms):
+        if self.snapshots is not None and await self._load_snapshot(started_ms, survey):
             self.listing_complete = True
             return
         listing = Listing(
@@ -208,12 +210,14 @@ class IndexSync:
         self.listing_complete = await listing.run(self._list_timeout)
         self.covered_ms, self.view_complete = started_ms, self.listing_complete
 
-    async def _load_snapshot(self, wall_ms: int) -> bool:
-        """Load the newest snapshot newer than the one held; whether one was loaded. The
-        next poll lists from its cover minus the lookback."""
+    async def _load_snapshot(self, wall_ms: int, survey: Survey | None = None) -> bool:
+        """Load the newest snapshot newer than the one held (``survey``: the folder as
+        listed already, else listed now); whether one was loaded. The next poll lists from
+        its cover minus the lookback."""
         assert self.snapshots is not None
         try:
-            survey = await self.snapshots.survey(wall_ms)
+            if survey is None:
+                survey = await self.snapshots.survey(wall_ms)
             cover = await self.snapshots.load(survey, newer_than=self.snapshots.generation)
         except TierError as exc:
             self._log.warning("snapshot", "%s: no index snapshot (%s)", self.name, exc.reason)
@@ -224,16 +228,77 @@ class IndexSync:
             self.covered_ms, self.view_complete = cover, True
         return True
 
+    async def _prepare_snapshot(self) -> Survey | None:
+        """A background load's first step: list the snapshot folder and read the newest
+        snapshot's manifest and directory (``Snapshots.prepare``), so lookups can fetch
+        the chunk of any of its keys while the journal and the body are read; the survey,
+        for ``list_at_open`` (None without snapshots, or when the folder cannot be read:
+        ``list_at_open`` then tries again, and says why)."""
+        if self.snapshots is None:
+            return None
+        try:
+            survey = await self.snapshots.survey(int(self._wall() * 1000))
+            await self.snapshots.prepare(survey)
+        except TierError:
+            return None
+        return survey
+
+    async def bring(self, keys: list[bytes]) -> set[bytes] | None:
+        """While a background load runs, make the index answer for ``keys`` as the loaded
+        index will, where the snapshot allows: index the chunks of its body that hold them
+        (``_snapshot_sections``), then wait until the journal's last lookback is read too.
+        Returns the keys that still need asking the bucket (a HEAD): those whose chunk could
+        not be read, or, without a snapshot directory (none, an older writer's, or a
+        listing instead), None: every key not indexed. It first waits for the directory (a
+        few small requests at the start of the load): a key asked without it would be
+        answered MISS, and that answer kept for ``miss_ttl``, though one GET would have
+        found it. Raises nothing but cancellation."""
+        await self.load.wait_prepared()
+        sections = self.snapshots.sections if self.snapshots is not None else None
+        if sections is None or not self._index.loading:
+            return None
+        failed = await sections.bring(keys)
+        await self.load.wait_journal_read()
+        return failed
+
+    @property
+    def section_gets(self) -> int:
+        """The GETs of snapshot chunks sent for lookups during the load at open."""
+        return self._section_gets + (
+            self.snapshots.sections.gets
+            if self.snapshots is not None and self.snapshots.sections is not None
+            else 0
+        )
+
     # -- the journal loop ------------------------------------------------------------------
 
     async def load_in_background(self) -> None:
         """The load at open of a tier that opened at once (``index_background_load``,
-        ``_loading``): the journal of the last lookback first (read beside the snapshot, it
-        only slowed both), then the snapshot or the listing. Never raises an ``Exception``:
-        a failed load leaves the listing incomplete, logged."""
-        journal = self._read_recent if self._read_journal else None
-        if not await self.load.run(journal, self.list_at_open, self._failed):
-            self.listing_complete = False
+        ``_loading``): the newest snapshot's manifest and directory first (a few small
+        requests, after which any key of the snapshot is one GET away), then the journal
+        of the last lookback (read beside the body, it only slowed both), then the body or
+        the listing. Never raises an ``Exception``: a failed load leaves the listing
+        incomplete, logged."""
+
+        async def load() -> None:
+            try:
+                survey = await self._prepare_snapshot()
+            finally:
+                self.load.prepared()
+            try:
+                if self._read_journal:
+                    await self._read_recent()
+            finally:
+                self.load.journal_read()
+            await self.list_at_open(survey)
+
+        try:
+            if not await self.load.run(load, self._failed):
+                self.listing_complete = False
+        finally:
+            if self.snapshots is not None and self.snapshots.sections is not None:
+                self._section_gets += self.snapshots.sections.gets
+                self.snapshots.sections = None
 
     def begin_load(self) -> None:
         """At open: the index is loaded in the background (``run``), not complete until then."""
