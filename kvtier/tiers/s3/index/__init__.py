@@ -12,6 +12,8 @@ module that reads or writes them:
 - ``_rechecks``: another node's removal checked against the bucket before a key is dropped;
 - ``_snapshot_format`` / ``_snapshot``: the whole index in one object, loaded at open and
   compacted into a new one; ``_snapshot_stream`` reads its body, indexed as it arrives;
+  ``_snapshot_directory`` names each chunk of the body's byte range and key range, and
+  ``_snapshot_sections`` fetches the chunk that holds a key the stream has not brought yet;
 - ``_digest_format`` / ``_digest``: one interval's segments in one object;
 - ``_skew``: this node's clock against the object store's;
 - ``_upkeep``: how the journal loop's helpers reach the bucket and count their requests;
