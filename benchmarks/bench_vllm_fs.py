@@ -51,6 +51,14 @@ Each load is checked against what was stored, outside the timing. Every phase st
 ``os.sync()``, so no contender pays for another's writeback. The ratio column is each
 contender's MiB/s over ``vllm-fs``'s in the same case; ``--repeat`` runs the contenders in
 turn and keeps each one's best.
+
+Each case's JSON holds ``ratios``: kvtier's load CPU per GiB over ``raw-read+xxh3``'s, its
+store CPU per GiB and both MiB/s over ``vllm-fs``'s, each with its baseline and aim (from the
+best of ``--repeat`` runs, all in this run). With ``strace`` on the machine (``--no-syscalls``
+skips it), ``syscalls_per_block`` counts, in one more pass of ``vllm-fs`` and ``kvtier`` that is
+not timed, the system calls per block stored and loaded: those on files (open, read, write,
+close, ``cachestat``, ...) and the others (thread and loop wake-ups, memory; the harness's
+own sleeps left out), see ``benchmarks.syscalls``.
 """
 
 from __future__ import annotations
@@ -66,13 +74,14 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from benchmarks.common import add_json_flag, drop_cache, json_output
+from benchmarks.syscalls import count_syscalls, per_block
 from kvtier.common._format import checksum
 
 try:
@@ -184,9 +193,16 @@ def files_under(root: Path) -> list[Path]:
 
 
 def bench_case(
-    name: str, tier_config: dict[str, Any], per_job: int, n_blocks: int, root: Path
+    name: str,
+    tier_config: dict[str, Any],
+    per_job: int,
+    n_blocks: int,
+    root: Path,
+    calls: dict[str, dict[str, int]] | None = None,
 ) -> tuple[float, float, float, float]:
-    """(store MiB/s, load MiB/s, store CPU ms/GiB, load CPU ms/GiB) for one case."""
+    """(store MiB/s, load MiB/s, store CPU ms/GiB, load CPU ms/GiB) for one case. With
+    ``calls``, each phase's system calls are counted into it (``"store"``, ``"load"``): a
+    pass whose times mean nothing."""
     spec = offloading_spec(2 * n_blocks)
     region = mmap.mmap(-1, 2 * n_blocks * BLOCK)
     populate(region)
@@ -222,10 +238,12 @@ def bench_case(
             ]
 
         os.sync()  # start from a clean page cache: no contender pays another's writeback
-        store_s, store_cpu = run_jobs(tier, jobs(0, False, 0), tier.submit_store)
+        with counting(calls, "store"):
+            store_s, store_cpu = run_jobs(tier, jobs(0, False, 0), tier.submit_store)
         drop_cache(files_under(root))
         os.sync()
-        load_s, load_cpu = run_jobs(tier, jobs(n_blocks, True, 10**6), tier.submit_load)
+        with counting(calls, "load"):
+            load_s, load_cpu = run_jobs(tier, jobs(n_blocks, True, 10**6), tier.submit_load)
         if not np.array_equal(src[: n_blocks * BLOCK], src[n_blocks * BLOCK :]):
             raise RuntimeError(f"{name}: loaded bytes differ from the stored ones")
     finally:
@@ -237,6 +255,17 @@ def bench_case(
     total = n_blocks * BLOCK / MiB
     gib = total / 1024
     return total / store_s, total / load_s, store_cpu * 1e3 / gib, load_cpu * 1e3 / gib
+
+
+@contextlib.contextmanager
+def counting(calls: dict[str, dict[str, int]] | None, phase: str) -> Iterator[None]:
+    """Count the body's system calls into ``calls[phase]`` (when ``calls`` is given)."""
+    if calls is None:
+        yield
+        return
+    with count_syscalls() as counts:
+        yield
+    calls[phase] = counts
 
 
 def floors(n_blocks: int, root: Path) -> dict[str, tuple[float, float]]:
@@ -295,6 +324,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="256 MiB per case")
     parser.add_argument("--dir", default=None, help="folder to write in (default: a temp dir)")
     parser.add_argument("--repeat", type=int, default=1, help="runs per case; the best counts")
+    parser.add_argument(
+        "--syscalls",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="count system calls per block (strace; a pass of its own per case)",
+    )
     add_json_flag(parser)
     args = parser.parse_args()
     # vLLM's EngineCore freezes its startup heap (vllm.utils.gc_utils.freeze_gc_heap), so a
@@ -309,6 +344,7 @@ def main() -> None:
             "blocks": n_blocks,
             "block_mib": BLOCK // MiB,
             "repeat": args.repeat,
+            "syscalls": args.syscalls,
             "folder": str(base),
             "cpu_count": os.cpu_count(),
         }
@@ -384,7 +420,47 @@ def run_case(args: argparse.Namespace, base: Path, per_job: int, n_blocks: int) 
         f"kvtier {figures['kvtier'][3] / ref[3]:.2f}x ({figures['kvtier'][3] / verified:.2f}x "
         "raw-read+xxh3's)"
     )
-    return {"blocks_per_job": per_job, "contenders": rows, "floors": floor_rows}
+    kv = figures["kvtier"]
+    # What issue-sized aims are judged by: kvtier's figures over their baselines, same run.
+    ratios = {
+        "load_cpu_of_floor": {"baseline": "raw-read+xxh3", "ratio": kv[3] / verified, "aim": 1.25},
+        "store_cpu_of_vllm_fs": {"baseline": "vllm-fs", "ratio": kv[2] / ref[2], "aim": 1.1},
+        "store_mib_s_of_vllm_fs": {"baseline": "vllm-fs", "ratio": kv[0] / ref[0], "aim": 1.0},
+        "load_mib_s_of_vllm_fs": {"baseline": "vllm-fs", "ratio": kv[1] / ref[1], "aim": 1.0},
+    }
+    for label, ratio in ratios.items():
+        print(f"  kvtier {label}: {ratio['ratio']:.2f}x (aim {ratio['aim']})")
+    case = {"blocks_per_job": per_job, "contenders": rows, "floors": floor_rows, "ratios": ratios}
+    if args.syscalls:
+        case["syscalls_per_block"] = syscalls(base, per_job, n_blocks)
+    return case
+
+
+# Contenders whose system calls are counted, and the calls that are the harness's own (the
+# poll loop's sleeps between ``get_finished_jobs`` calls).
+COUNTED = ("vllm-fs", "kvtier")
+HARNESS_CALLS = frozenset({"clock_nanosleep"})
+
+
+def syscalls(base: Path, per_job: int, n_blocks: int) -> dict[str, Any]:
+    """System calls per block stored and loaded (``benchmarks.syscalls``), in a pass of their
+    own for each of ``COUNTED``: strace slows every call, so these passes are never timed."""
+    out: dict[str, Any] = {}
+    for name in COUNTED:
+        root = Path(tempfile.mkdtemp(prefix="kvtier-bench-vllm-", dir=base))
+        calls: dict[str, dict[str, int]] = {}
+        try:
+            bench_case(name, contenders(root)[name], per_job, n_blocks, root, calls)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        out[name] = {phase: per_block(c, n_blocks, HARNESS_CALLS) for phase, c in calls.items()}
+        for phase, counted in out[name].items():
+            if counted["file"] is not None:
+                print(
+                    f"  {name} {phase}: {counted['file']:.2f} file system calls per block, "
+                    f"{counted['other']:.1f} others (threads, loops, memory)"
+                )
+    return out
 
 
 if __name__ == "__main__":

@@ -214,7 +214,15 @@ def payload_offset(header_bytes: int, version: int = FORMAT_VERSION) -> int:
     return header_bytes
 
 
+# From this size on a payload is hashed by the streaming hasher, which lets go of the GIL while
+# it runs (the one-shot function holds it): the same value, and a block's checksum no longer
+# stalls every other thread of the process (a reader, a writer, the event loop) meanwhile.
+_GIL_FREE_BYTES = 64 << 10
+
+
 def checksum(payload: bytes | bytearray | memoryview) -> int:
+    if memoryview(payload).nbytes >= _GIL_FREE_BYTES:
+        return int(xxhash.xxh3_64(payload).intdigest())
     return xxhash.xxh3_64_intdigest(payload)
 
 

@@ -94,8 +94,10 @@ def _read_cached(batch: Batch, since: int) -> list[int]:
         return list(range(n))
     if sum(view.nbytes for view in batch.views) > cached.budget:
         return list(range(n))
-    root = cached.open_root()
-    if root < 0:
+    # The root's held descriptor when it was checked lately (never a wait on the loop),
+    # else one from the caches only.
+    root = held = files.held.fresh()
+    if root < 0 and (root := cached.open_root()) < 0:
         return list(range(n))
     try:
         for i, (key, name, view) in enumerate(
@@ -109,7 +111,8 @@ def _read_cached(batch: Batch, since: int) -> list[int]:
             batch.results[i] = _loaded(batch, i, ReadOutcome.LOADED, since, [], seconds)
             batch.ledger.meter.loads_on_loop += 1
     finally:
-        os.close(root)
+        if root != held:
+            os.close(root)
     return []
 
 

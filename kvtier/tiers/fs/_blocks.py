@@ -14,12 +14,15 @@ ones a thread left running may still write), and always with O_DIRECT when heade
 must sit side by side in one aligned buffer (a format 1 file, an unaligned buffer).
 ``FSTier``'s ``load`` and ``store`` and the batch runs in ``_batch`` all call them; the file
 work itself is ``_write``'s and ``_read``'s, and the sizes of files and buffers
-``_geometry``'s.
+``_geometry``'s. Both reach files from the root's held descriptor (``_held``), and run once
+more on the folder the root's path names now when a swapped folder explains a failure.
 """
 
 from __future__ import annotations
 
 import errno
+import functools
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,7 +34,9 @@ from kvtier.tiers.fs import _geometry as geometry
 from kvtier.tiers.fs._cached import CachedReads
 from kvtier.tiers.fs._calls import BufferPool, Handoff, WorkerCalls, copy_bytes
 from kvtier.tiers.fs._config import FSConfig
+from kvtier.tiers.fs._held import HeldRoot
 from kvtier.tiers.fs._keeper import FolderKeeper
+from kvtier.tiers.fs._layout import MARKER_NAME
 from kvtier.tiers.fs._read import ReadOutcome, read_verified
 from kvtier.tiers.fs._write import WriteOutcome, write_block
 
@@ -51,6 +56,7 @@ class BlockFiles:
         """Files under ``root`` (already resolved), with the fsync mode, thread limits and
         buffer count of ``settings``; ``keeper`` keeps the folder's own files."""
         self.root = root
+        self.held = HeldRoot(root)  # what every file operation starts from
         self.keeper = keeper
         self.fsync = settings.fsync
         self.integrity_key = integrity_key
@@ -68,6 +74,21 @@ class BlockFiles:
         # burst of stores takes.
         self.checks = anyio.CapacityLimiter(max(1, min(4, max_concurrency)))
         self.cached = CachedReads(str(root), settings.loop_read_bytes, integrity_key)
+
+    def close(self) -> None:
+        """Let go of the root's descriptors (kept open while an abandoned thread may still
+        use one); the next operation opens the root again."""
+        self.held.close(in_use=self.calls.stuck > 0)
+
+    def shard_made(self) -> None:
+        """A store made a first-level shard folder (in its worker thread): the folder may
+        have been emptied (``rm -rf root/*`` takes every such folder and the marker), so
+        when the marker is gone the keeper checks the folder before the block lands. A
+        marker that is there is left to the periodic check."""
+        try:
+            os.stat(MARKER_NAME, dir_fd=self.held.fd(), follow_symlinks=False)
+        except OSError:
+            self.keeper.shard_made()
 
     def header_size(self, key: bytes) -> int:
         return header_size(len(key), integrity_key=self.integrity_key)
@@ -102,11 +123,38 @@ def read_into_slot(
 ) -> ReadOutcome:
     """Read and verify one block (in a worker thread). ``private``: through a buffer of
     the tier's, copied into ``view`` inside ``touching()``; else straight into ``view`` (with
-    O_DIRECT when ``view`` is aligned, else through an aligned buffer anyway)."""
+    O_DIRECT when ``view`` is aligned, else through an aligned buffer anyway). A block not
+    found is looked for again when the root's path names another folder now."""
     _usable(files)
+    held = files.held
+    try:
+        outcome = _read_once(files, call, key, name, view, private, used := held.fd())
+        if outcome is ReadOutcome.MISSING and held.moved(used):
+            outcome = _read_once(files, call, key, name, view, private, held.fd())
+    except FileNotFoundError:  # the root itself is gone
+        return ReadOutcome.MISSING
+    return outcome
+
+
+def _read_once(
+    files: BlockFiles,
+    call: Handoff,
+    key: bytes,
+    name: str,
+    view: memoryview,
+    private: bool,
+    root_fd: int,
+) -> ReadOutcome:
     if not (private or files.direct):
         return read_verified(
-            files.root, name, key, view, None, call.touching, integrity_key=files.integrity_key
+            files.root,
+            name,
+            key,
+            view,
+            None,
+            call.touching,
+            integrity_key=files.integrity_key,
+            root_fd=root_fd,
         )
     # Without a copy: an aligned buffer for the header page only. Else: one for the pieces.
     zero_copy = not private and files.zero_copy(view)
@@ -126,6 +174,7 @@ def read_into_slot(
             integrity_key=files.integrity_key,
             direct=files.direct,
             region=memoryview(buf) if zero_copy else None,
+            root_fd=root_fd,
         )
     finally:
         files.buffers.give(buf)
@@ -161,7 +210,9 @@ def write_from_slot(
                 copy_bytes(body, payload)
             if started is not None:
                 started()
-        return write_block(
+        held = files.held
+        write = functools.partial(
+            write_block,
             files.root,
             name,
             key,
@@ -171,8 +222,14 @@ def write_from_slot(
             integrity_key=files.integrity_key,
             staging=staging if files.direct else None,
             region=region,
-            new_shard=files.keeper.shard_made,
+            new_shard=files.shard_made,
         )
+        try:
+            return write(root_fd=(used := held.fd()))
+        except FileNotFoundError:  # its folder removed: the root's path may name another
+            if not held.moved(used):
+                raise
+            return write(root_fd=held.fd())
     finally:
         if buf is not None:
             files.buffers.give(buf)

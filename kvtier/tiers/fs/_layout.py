@@ -27,6 +27,7 @@ import ctypes
 import enum
 import errno
 import hashlib
+import itertools
 import os
 import re
 import secrets
@@ -156,8 +157,22 @@ def is_block_name(name: str) -> bool:
 
 def tmp_name(name: str) -> str:
     """A unique temporary name for a block file being written: it says which host and process
-    writes it, so opening a root can tell when its writer is gone."""
-    return f"{TMP_PREFIX}{HOST_TAG}-{os.getpid()}-{secrets.token_hex(4)}-{name}"
+    writes it, so opening a root can tell when its writer is gone, and is unique within the
+    process by a counter (no system call per block: the pid is kept, and renewed in a forked
+    child; the file is created exclusively anyway)."""
+    return f"{TMP_PREFIX}{HOST_TAG}-{_pid}-{next(_tmp_numbers):08x}-{name}"
+
+
+_pid = os.getpid()
+_tmp_numbers = itertools.count(int.from_bytes(secrets.token_bytes(4)) & 0x7FFFFFFF)
+
+
+def _after_fork() -> None:
+    global _pid
+    _pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 
 def _shard_of(name: str) -> tuple[str, str]:
@@ -184,14 +199,35 @@ def path_of(root: Path, name: str) -> Path:
 
 
 def open_shard(
-    root: Path, name: str, *, create: bool = False, made: list[int] | None = None
+    root: Path,
+    name: str,
+    *,
+    create: bool = False,
+    made: list[int] | None = None,
+    root_fd: int | None = None,
 ) -> int:
-    """A descriptor of ``name``'s shard folder, reached from ``root`` one level at a time
-    without following a link. A link there raises ``OSError`` (ELOOP); a missing level
-    ``FileNotFoundError`` unless ``create``; the depth (0, 1) of each level made is appended
-    to ``made`` (even when a later step fails), for ``remove_made``. The caller closes the
-    descriptor."""
-    fd = os.open(root, _ROOT_FLAGS)
+    """A descriptor of ``name``'s shard folder, reached from ``root`` (or the descriptor
+    ``root_fd`` of it, which stays open) without following a link: one ``openat2`` call
+    where the kernel has it, else one level at a time. A link there raises ``OSError``
+    (ELOOP); a missing level ``FileNotFoundError`` unless ``create``; the depth (0, 1) of
+    each level made is appended to ``made`` (even when a later step fails), for
+    ``remove_made``. The caller closes the descriptor."""
+    if root_fd is not None and _OPENAT2.on:
+        first, second = _shard_of(name)
+        fd = _OPENAT2.open(root_fd, f"{first}/{second}".encode(), _DIR_FLAGS, RESOLVE_NO_LINKS)
+        if fd >= 0:
+            return fd
+        err = ctypes.get_errno()
+        if err == errno.ENOTDIR:
+            raise OSError(errno.ELOOP, f"a shard of {name} is not a folder")
+        if err == errno.ENOENT and not create:
+            raise FileNotFoundError(err, os.strerror(err), name)
+        if err in UNSUPPORTED:
+            _OPENAT2.off()
+        elif err != errno.ENOENT:
+            raise OSError(err, os.strerror(err), name)
+        # else missing, to be made: the walk below makes what is missing
+    fd = os.open(root, _ROOT_FLAGS) if root_fd is None else root_fd
     try:
         for depth, level in enumerate(_shard_of(name)):
             try:
@@ -212,10 +248,12 @@ def open_shard(
                     inner = os.open(level, _DIR_FLAGS, dir_fd=fd)
             except NotADirectoryError as exc:
                 raise OSError(errno.ELOOP, f"shard {level} is not a folder") from exc
-            os.close(fd)
+            if fd != root_fd:
+                os.close(fd)
             fd = inner
     except BaseException:
-        os.close(fd)
+        if fd != root_fd:
+            os.close(fd)
         raise
     return fd
 
@@ -241,27 +279,31 @@ def remove_made(root: Path, name: str, made: list[int]) -> None:
             os.close(root_fd)
 
 
-def open_block(root: Path, name: str, flags: int) -> int:
+def open_block(root: Path, name: str, flags: int, *, root_fd: int | None = None) -> int:
     """A descriptor of the block file ``name`` opened with ``flags`` (the caller closes it),
-    reached from ``root`` as ``open_shard`` reaches its folder: beneath the root, through no
-    link. One ``openat2`` call where the kernel has it, else the walk. ``FileNotFoundError``
-    when the file or its shard is missing, ``OSError`` (ELOOP) for a link or a file where a
-    shard folder should be, and (EINVAL) when the file system refuses ``O_DIRECT``."""
+    reached from ``root`` (or the descriptor ``root_fd`` of it, which stays open) as
+    ``open_shard`` reaches its folder: beneath the root, through no link. One ``openat2``
+    call where the kernel has it, else the walk. ``FileNotFoundError`` when the file or its
+    shard is missing, ``OSError`` (ELOOP) for a link or a file where a shard folder should
+    be, and (EINVAL) when the file system refuses ``O_DIRECT``."""
     if _OPENAT2.on:
-        root_fd = os.open(root, _ROOT_FLAGS)
+        dir_fd = os.open(root, _ROOT_FLAGS) if root_fd is None else root_fd
         try:
-            fd = _OPENAT2.open(root_fd, os.fsencode(shard_path(name)), flags, RESOLVE_NO_LINKS)
+            fd = _OPENAT2.open(dir_fd, os.fsencode(shard_path(name)), flags, RESOLVE_NO_LINKS)
         finally:
-            os.close(root_fd)
+            if dir_fd != root_fd:
+                os.close(dir_fd)
         if fd >= 0:
             return fd
         err = ctypes.get_errno()
         if err == errno.ENOTDIR:
             raise OSError(errno.ELOOP, f"a shard of {name} is not a folder")
+        if err == errno.ENOENT:
+            raise FileNotFoundError(err, os.strerror(err), name)
         if err not in UNSUPPORTED or (err == errno.EINVAL and flags & O_DIRECT):
             raise OSError(err, os.strerror(err), name)
         _OPENAT2.off()  # this kernel (or a filter in front of it) never takes it
-    dir_fd = open_shard(root, name)
+    dir_fd = open_shard(root, name, root_fd=root_fd)
     try:
         return os.open(name, flags, FILE_MODE, dir_fd=dir_fd)
     finally:

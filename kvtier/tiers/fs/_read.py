@@ -104,6 +104,7 @@ def read_verified(
     integrity_key: IntegrityKey | None = None,
     direct: bool = False,
     region: memoryview | None = None,
+    root_fd: int | None = None,
 ) -> ReadOutcome:
     """Read the block of ``key`` into ``dst`` and verify it before it counts as loaded.
 
@@ -123,12 +124,13 @@ def read_verified(
     With ``direct`` and no ``scratch``, ``region`` (aligned, as long as a version 2 header's
     padded region) and an aligned ``dst``, the disk fills ``dst`` itself, in one request with
     the header, and the checksum runs over the bytes where they landed (an older, unaligned
-    file is read through the page cache instead).
+    file is read through the page cache instead). ``root_fd``: a descriptor of ``root``
+    that the file is opened from (``_held``), else ``root`` is opened for it.
     """
     use_direct = direct and (scratch is not None or region is not None)
     try:
         fd, direct = open_maybe_direct(
-            lambda flags: open_block(root, name, flags), READ_FLAGS, use_direct
+            lambda flags: open_block(root, name, flags, root_fd=root_fd), READ_FLAGS, use_direct
         )
     except FileNotFoundError:
         return ReadOutcome.MISSING
@@ -141,7 +143,7 @@ def read_verified(
             _read_buffered(fd, key, dst, scratch, touching, integrity_key)
     except HeaderError as exc:
         with contextlib.suppress(OSError):
-            _remove_if_same(root, name, fd)
+            _remove_if_same(root, name, fd, root_fd)
         raise Corrupt(str(exc)) from exc
     finally:
         os.close(fd)
@@ -231,8 +233,8 @@ def _verify_file(fd: int, name: str, integrity_key: IntegrityKey | None) -> None
     check.finish()
 
 
-def _remove_if_same(root: Path, name: str, fd: int) -> None:
-    dir_fd = open_shard(root, name)
+def _remove_if_same(root: Path, name: str, fd: int, root_fd: int | None) -> None:
+    dir_fd = open_shard(root, name, root_fd=root_fd)
     try:
         remove_if_same(dir_fd, name, fd)
     finally:
@@ -358,7 +360,10 @@ class _CacheStat(ctypes.Structure):
 # x86-64 shares); elsewhere the tier does not ask, and reads by O_DIRECT.
 _CACHESTAT_ARCHES = ("x86_64", "aarch64", "arm64", "riscv64")
 _CACHESTAT = 451 if platform.system() == "Linux" and platform.machine() in _CACHESTAT_ARCHES else 0
-_syscall = ctypes.CDLL(None, use_errno=True).syscall if _CACHESTAT else None
+# Called holding the GIL (``PyDLL``): ``cachestat`` only looks at the page cache, it never waits
+# for a device, and letting go of the GIL and taking it back costs a thread that reads more
+# than the call itself whenever other threads want the GIL.
+_syscall = ctypes.PyDLL(None, use_errno=True).syscall if _CACHESTAT else None
 
 
 def knows_cache() -> bool:

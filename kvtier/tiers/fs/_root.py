@@ -38,7 +38,6 @@ __all__ = [
     "direct_refused",
     "list_blocks",
     "make_root",
-    "prepare_root",
     "ready_root",
     "remove_if_stale",
 ]
@@ -68,13 +67,6 @@ class UnusableRootError(InvalidArgumentError, OSError):
 
     def __str__(self) -> str:  # OSError's would show only the errno and the path
         return self.message
-
-
-def prepare_root(root: Path, marker: dict[str, object] | None = None) -> list[Entry]:
-    """Make ``root`` usable and list its blocks, oldest first (``ready_root``, then
-    ``list_blocks``)."""
-    ready_root(root, marker)
-    return list_blocks(root)
 
 
 def ready_root(root: Path, marker: dict[str, object] | None = None) -> None:

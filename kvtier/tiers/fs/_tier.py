@@ -172,6 +172,7 @@ class FSTier(SecondaryTier):
                 with anyio.move_on_after(self.config.lookup_timeout, shield=True):
                     with contextlib.suppress(OSError, Stuck):
                         await files.calls.run(lambda _: held.release(), limiter=files.reads)
+            files.close()  # the root's held descriptors
             await self._checks.aclose()
 
     async def _prepare(self, *, raise_unavailable: bool) -> None:

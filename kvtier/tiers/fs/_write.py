@@ -75,6 +75,7 @@ def write_block(
     staging: memoryview | None = None,
     region: memoryview | None = None,
     new_shard: Callable[[], None] | None = None,
+    root_fd: int | None = None,
 ) -> tuple[WriteOutcome, int]:
     """Publish one block atomically; return the outcome and the file's size.
 
@@ -87,8 +88,10 @@ def write_block(
     ``victims`` are removed to make room, the block goes to a uniquely named temporary file
     beside its final place, is optionally flushed, and is renamed into place. Whatever fails,
     the temporary file is gone when this returns or raises, and so are the shard folders this
-    store made (if nothing else was put in them). ``new_shard`` is called when a shard folder
-    had to be made, which is also how a folder emptied under the tier is noticed.
+    store made (if nothing else was put in them). ``new_shard`` is called when a first-level
+    shard folder had to be made, which is how a folder emptied under the tier is noticed
+    (``rm -rf root/*`` takes every one). ``root_fd``: a descriptor of ``root`` the shard is
+    reached from (``_held``), else ``root`` is opened for it.
     """
 
     def publish(dir_fd: int) -> tuple[WriteOutcome, int]:
@@ -96,7 +99,7 @@ def write_block(
         if size is not None:
             return WriteOutcome.EXISTS, size
         for victim in victims:
-            remove_block(root, victim)
+            remove_block(root, victim, root_fd=root_fd)
         header = block_region(key, payload, integrity_key)
         tmp = tmp_name(name)
         try:
@@ -110,7 +113,7 @@ def write_block(
             os.fsync(dir_fd)
         return WriteOutcome.WRITTEN, len(header) + payload.nbytes
 
-    return _in_shard(root, name, publish, new_shard)
+    return _in_shard(root, name, publish, new_shard, root_fd)
 
 
 def _in_shard(
@@ -118,6 +121,7 @@ def _in_shard(
     name: str,
     publish: Callable[[int], tuple[WriteOutcome, int]],
     new_shard: Callable[[], None] | None,
+    root_fd: int | None,
 ) -> tuple[WriteOutcome, int]:
     """``publish(dir_fd)`` in the shard folder of ``name``, made on the way where missing.
 
@@ -129,9 +133,9 @@ def _in_shard(
         try:
             # One walk to the shard serves the check and the write; a level that is missing
             # (so is the block) is made on the way, rather than found missing and walked to.
-            dir_fd = open_shard(root, name, create=True, made=made)
+            dir_fd = open_shard(root, name, create=True, made=made, root_fd=root_fd)
             try:
-                if made and new_shard is not None:
+                if 0 in made and new_shard is not None:
                     new_shard()
                 return publish(dir_fd)
             finally:
@@ -211,11 +215,12 @@ def _write_all(fd: int, buffers: list[bytes | memoryview]) -> None:
             views[0] = views[0][written:]
 
 
-def remove_block(root: Path, name: str) -> bool:
-    """Unlink the block file ``name``; False when there was none (a shard folder that is a
-    link holds nothing of this tier's: it is left alone)."""
+def remove_block(root: Path, name: str, *, root_fd: int | None = None) -> bool:
+    """Unlink the block file ``name`` (reached from ``root_fd`` when given); False when there
+    was none (a shard folder that is a link holds nothing of this tier's: it is left
+    alone)."""
     try:
-        dir_fd = open_shard(root, name)
+        dir_fd = open_shard(root, name, root_fd=root_fd)
     except FileNotFoundError:
         return False
     except OSError as exc:
