@@ -149,7 +149,8 @@ around a synchronous core, the way httpcore's pool is a state machine with I/O o
 - ``_layout``: names, shard folders, the marker, how files are opened (no links, O_DIRECT;
   ``_beneath``: the ``openat2`` call that stays beneath the root) and the descriptor-based
   walk; ``_root``: making a root, clearing dead writers' temporary files, listing its
-  blocks, the O_DIRECT probe, and ``UnusableRootError``.
+  blocks, the O_DIRECT probe, and ``UnusableRootError``; ``_held``: the root's descriptor,
+  held while the tier runs and looked at again when the folder may have been swapped.
 - ``_calls``: worker calls a deadline can walk away from; ``_index``: the owner's lookups;
   ``_ownership``: the folder's locks, and who owns or shares the folder; ``_marker``: the
   marker and the identity manifest; ``_keeper``: the folder's own files from open to
