@@ -19,13 +19,16 @@ a second store of a key can wait for the first without the catalog knowing about
 from __future__ import annotations
 
 import contextlib
-from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
+import numpy as np
+
 from kvtier.tiers.fs._catalog_format import Change
-from kvtier.tiers.fs._layout import name_of
+from kvtier.tiers.fs._idents import MAX_HEX_KEY, ident_of_key, ident_of_name, name_of_ident
+from kvtier.tiers.fs._packed import PackedOrder
+from kvtier.tiers.fs._packed_build import from_names
 
 __all__ = ["Built", "Catalog", "Changes", "NoRoom", "Reservation"]
 
@@ -55,7 +58,7 @@ class Changes(Protocol):
 class Built:
     """An index built for ``Catalog.reset`` off the event loop, and the bytes it holds."""
 
-    index: OrderedDict[str, int]
+    index: PackedOrder
     used: int
 
 
@@ -80,8 +83,9 @@ class Catalog(Generic[W]):
     def __init__(self, capacity_bytes: int | None) -> None:
         self.capacity_bytes = capacity_bytes
         self.ready = False  # the root is usable and the index was read from it
-        # File name -> size, least recently used first.
-        self._index: OrderedDict[str, int] = OrderedDict()
+        # Block file (by ident: ``_idents``) -> size, least recently used first. A file whose
+        # name no key has (odd length) is never indexed: no lookup could find it.
+        self._index = PackedOrder()
         self.used = 0  # bytes of the files in the index
         self.reserved = 0  # bytes of stores in flight, counted against the capacity
         # Keys being stored (a second store of one waits for the first), the ones among them
@@ -108,9 +112,11 @@ class Catalog(Generic[W]):
     def build(entries: Iterable[tuple[str, int]], used: int | None = None) -> Built:
         """An index of ``entries`` (oldest first) for ``reset``, built where it costs the
         event loop nothing (a worker thread: it touches no catalog). ``used``: their bytes,
-        when the caller has them at hand (reading them back from the index is slower)."""
-        index = OrderedDict(entries)
-        return Built(index, sum(index.values()) if used is None else used)
+        when the caller has them at hand (the index sums them anyway)."""
+        pairs = list(entries)
+        sizes = np.fromiter((size for _, size in pairs), dtype=np.uint64, count=len(pairs))
+        index = from_names([name for name, _ in pairs], sizes)
+        return Built(index, index.total)
 
     def reset(
         self, entries: Iterable[tuple[str, int]] | Built, since: int | None = None
@@ -125,46 +131,53 @@ class Catalog(Generic[W]):
         was read and may be missing from ``entries`` or stale in them: the catalog's own
         knowledge of such a name wins over the read."""
         built = entries if isinstance(entries, Built) else self.build(entries)
-        fresh, used = built.index, built.used
+        fresh = built.index
         if since is not None:
             for name, epoch in self._dropped.items():
-                if epoch > since and self._added.get(name, -1) < epoch:
-                    used -= fresh.pop(name, 0)
+                ident = ident_of_name(name)
+                if ident is not None and epoch > since and self._added.get(name, -1) < epoch:
+                    fresh.pop(ident, 0)
             for name, epoch in self._added.items():
-                size = self._index.get(name)
-                if epoch > since and size is not None:
-                    used += size - fresh.pop(name, 0)
-                    fresh[name] = size  # the most recently used end, where it was put
+                ident = ident_of_name(name)
+                size = None if ident is None else self._index.get(ident)
+                if ident is not None and epoch > since and size is not None:
+                    fresh.pop(ident, 0)
+                    fresh[ident] = size  # the most recently used end, where it was put
         before, self._index = self._index, fresh
-        self.used = used
+        self.used = fresh.total
         self.ready = True
         if self.changes is not None:
             self.changes.replaced()
-        return [name for name in before if name not in self._index]
+        return [name_of_ident(i) for i in before if i not in fresh]
 
     def holds(self, key: bytes) -> bool:
-        """Whether the root is usable and the index has ``key``'s file."""
-        return self.ready and name_of(key) in self._index
+        """Whether the root is usable and the index has ``key``'s file (asked with the key
+        itself: no name is made)."""
+        if len(key) > MAX_HEX_KEY or not key:
+            return self.ready and self._index.find(ident_of_key(key)) >= 0
+        return self.ready and self._index.has_key(key)
 
     def __contains__(self, name: object) -> bool:
-        return name in self._index
+        return isinstance(name, str) and ident_of_name(name) in self._index
 
     def names(self) -> list[str]:
         """File names, least recently used first."""
-        return list(self._index)
+        return list(map(name_of_ident, self._index))
 
     def entries(self) -> list[tuple[str, int]]:
         """File names and sizes, least recently used first (a checkpoint's contents)."""
-        return list(self._index.items())
+        return [(name_of_ident(i), size) for i, size in self._index.items()]
 
     def size_of(self, name: str) -> int | None:
-        return self._index.get(name)
+        ident = ident_of_name(name)
+        return None if ident is None else self._index.get(ident)
 
     def resize(self, name: str, size: int) -> None:
         """``name``'s file turned out to be ``size`` bytes: corrected where it stands."""
-        held = self._index.get(name)
-        if held is not None and held != size:
-            self._index[name] = size
+        ident = ident_of_name(name)
+        held = None if ident is None else self._index.get(ident)
+        if ident is not None and held is not None and held != size:
+            self._index[ident] = size
             self.used += size - held
             self._note(Change.SIZE, name, size)
 
@@ -179,30 +192,48 @@ class Catalog(Generic[W]):
 
     def add(self, name: str, size: int) -> None:
         """A file is there (stored, loaded, or found): it becomes the most recently used."""
-        self.drop(name)
-        self._index[name] = size
+        ident = ident_of_name(name)
+        if ident is None:  # no key has this name: nothing can look it up
+            self.drop(name)
+            return
+        held = self._index.put_last(ident, size)  # as ``drop`` and a store leave it
+        changes, watchers = self.changes, self._watchers
+        if watchers:  # ``_taken``
+            self._epoch += 1
+            self._dropped[name] = self._epoch
+        if held is not None:
+            self.used -= held
+            if changes is not None:
+                changes.note(Change.DROP, name, 0)
         self.used += size
-        self._note(Change.ADD, name, size)
+        if changes is not None:
+            changes.note(Change.ADD, name, size)
         self._epoch += 1
-        if self._watchers:
+        if watchers:
             self._added[name] = self._epoch
 
     def drop(self, name: str) -> bool:
         """Forget ``name``'s file; whether it was held."""
-        size = self._index.pop(name, None)
-        self._taken(name)
-        if size is not None:
-            self.used -= size
-            self._note(Change.DROP, name, 0)
-        return size is not None
+        ident = ident_of_name(name)
+        size = None if ident is None else self._index.pop(ident, None)
+        if self._watchers:  # ``_taken``
+            self._epoch += 1
+            self._dropped[name] = self._epoch
+        if size is None:
+            return False
+        self.used -= size
+        if self.changes is not None:
+            self.changes.note(Change.DROP, name, 0)
+        return True
 
     def loaded(self, name: str, size: int) -> None:
         """A load read the file: it is the most recently used (and known, if it was not)."""
-        if name in self._index:
-            self._index.move_to_end(name)
-            self._note(Change.ADD, name, self._index[name])
-        else:
+        ident = ident_of_name(name)
+        held = None if ident is None else self._index.touch(ident)
+        if held is None:
             self.add(name, size)
+        elif self.changes is not None:
+            self.changes.note(Change.ADD, name, held)
 
     def checked(self, name: str, size: int | None, since: int) -> bool:
         """An existence check that began at epoch ``since`` found the file (``size``) or
@@ -210,7 +241,7 @@ class Catalog(Generic[W]):
         Returns whether a file the catalog held is gone."""
         if size is None:
             return self.drop_unless_newer(name, since)
-        if name not in self._index:
+        if name not in self:
             self.add(name, size)
         return False
 
@@ -267,12 +298,14 @@ class Catalog(Generic[W]):
             if size > cap:
                 raise NoRoom(size, cap)
             budget = cap - self.reserved - size
-            while self.used > budget and self._index:
-                victim, victim_size = self._index.popitem(last=False)
+            index = self._index
+            while self.used > budget and index:
+                ident, victim_size = index.popitem(last=False)
+                victim = name_of_ident(ident)
                 if victim == name:  # it is there already: it needs no room
-                    self._index[victim] = victim_size
+                    index[ident] = victim_size
                     self._note(Change.ADD, victim, victim_size)
-                    if len(self._index) == 1:
+                    if len(index) == 1:
                         break
                     continue
                 self.used -= victim_size
@@ -289,9 +322,10 @@ class Catalog(Generic[W]):
         taken = freed = 0
         index = self._index
         while freed < size and index:
-            victim, victim_size = index.popitem(last=False)
+            ident, victim_size = index.popitem(last=False)
+            victim = name_of_ident(ident)
             if victim == res.name:  # it is there already: it needs no room
-                index[victim] = victim_size
+                index[ident] = victim_size
                 self._note(Change.ADD, victim, victim_size)
                 if len(index) == 1:
                     break
@@ -320,9 +354,10 @@ class Catalog(Generic[W]):
         else:  # nothing happened on disk, or the file was there and needed no room
             gone = []
             for victim, victim_size in reversed(res.victims):
-                if victim not in self._index:
-                    self._index[victim] = victim_size
-                    self._index.move_to_end(victim, last=False)
+                ident = ident_of_name(victim)
+                if ident is not None and ident not in self._index:
+                    self._index[ident] = victim_size
+                    self._index.move_to_end(ident, last=False)
                     self.used += victim_size
                     self._dropped.pop(victim, None)  # back as it was: a read's copy holds
                     self._note(Change.BACK, victim, victim_size)

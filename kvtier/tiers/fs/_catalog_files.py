@@ -23,29 +23,30 @@ from __future__ import annotations
 import array
 import contextlib
 import os
-import re
 import secrets
 import stat
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import repeat
 from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
 
 from kvtier.tiers.fs._catalog_format import (
     LOG_HEADER_SIZE,
     CatalogFormatError,
-    Change,
-    Checkpoint,
     Frame,
     Limits,
-    decode_checkpoint,
+    decode_checkpoint_raw,
     decode_frames,
     decode_log_header,
     encode_checkpoint,
     encode_log_header,
 )
+from kvtier.tiers.fs._catalog_replay import replayed
 from kvtier.tiers.fs._layout import FILE_MODE, O_CLOEXEC, O_NOFOLLOW, OWN_PREFIX
+from kvtier.tiers.fs._packed import PackedOrder
+from kvtier.tiers.fs._packed_build import Columns, columns_of, names_of, snapshot
 
 __all__ = [
     "CHECKPOINT_NAME",
@@ -83,17 +84,34 @@ def new_generation() -> int:
 
 @dataclass(frozen=True, slots=True)
 class Loaded:
-    """A catalog read back: its entries (least recently used first) after replaying the log
-    onto the checkpoint, and where appending goes on (``log_end``: the end of the log's good
-    frames; None: the log was missing or unusable, so a new one is made)."""
+    """A catalog read back: its index (least recently used first) after replaying the log
+    onto the checkpoint, built packed (``_packed_build``), and where appending goes on
+    (``log_end``: the end of the log's good frames; None: the log was missing or unusable, so
+    a new one is made)."""
 
     generation: int
-    names: list[str]
-    sizes: array.array[int]
+    order: PackedOrder
+    columns: Columns  # ``order``'s entries as loaded, in no particular order (a copy)
+    entries: int  # in ``order`` as loaded (the catalog takes it over and changes it)
     checkpoint_entries: int
     log_changes: int
     log_end: int | None
     log_note: str | None  # why the log was ignored or cut, for the log line
+
+    @property
+    def names(self) -> list[str]:
+        """The names as loaded, oldest first (while ``order`` is not changed)."""
+        return names_of(snapshot(self.order))
+
+    @property
+    def sizes(self) -> array.array[int]:
+        return _array_of(self.order.sizes_in_order())
+
+
+def _array_of(sizes: npt.NDArray[np.uint64]) -> array.array[int]:
+    out = array.array("Q")
+    out.frombytes(sizes.tobytes())
+    return out
 
 
 def load(root: Path, limits: Limits) -> tuple[Loaded | None, str]:
@@ -112,17 +130,20 @@ def load(root: Path, limits: Limits) -> tuple[Loaded | None, str]:
         except (OSError, CatalogFormatError) as exc:
             return None, f"cannot read the checkpoint: {exc}"
         try:
-            checkpoint = decode_checkpoint(data, limits)
+            checkpoint = decode_checkpoint_raw(data, limits)
+            del data
+            sizes = np.frombuffer(checkpoint.sizes, dtype=np.uint64)
+            columns = columns_of(checkpoint.names, checkpoint.count, sizes)
         except CatalogFormatError as exc:
             return None, f"damaged checkpoint: {exc}"
-        del data
-        return _with_log(root_fd, checkpoint, limits)
+        return _with_log(root_fd, checkpoint.generation, columns, limits)
     finally:
         os.close(root_fd)
 
 
-def _with_log(root_fd: int, checkpoint: Checkpoint, limits: Limits) -> tuple[Loaded | None, str]:
-    gen = checkpoint.generation
+def _with_log(
+    root_fd: int, gen: int, columns: Columns, limits: Limits
+) -> tuple[Loaded | None, str]:
     note: str | None = None
     frames: list[Frame] = []
     log_end: int | None = None
@@ -138,68 +159,13 @@ def _with_log(root_fd: int, checkpoint: Checkpoint, limits: Limits) -> tuple[Loa
         note = "no log"
     except (OSError, CatalogFormatError) as exc:
         note = f"the log is unusable ({exc}): ignored"
-    names, sizes = checkpoint.names, checkpoint.sizes
     changes = sum(len(f.ops) for f in frames)
-    if frames:
-        try:
-            names, sizes = _replay(names, sizes, frames, limits.max_entries)
-        except CatalogFormatError as exc:
-            return None, f"damaged log: {exc}"
-    loaded = Loaded(gen, names, sizes, len(checkpoint.names), changes, log_end, note)
+    try:
+        order, built = replayed(columns, frames, limits.max_entries)
+    except CatalogFormatError as exc:
+        return None, f"damaged log: {exc}"
+    loaded = Loaded(gen, order, built, len(order), len(columns), changes, log_end, note)
     return loaded, "loaded"
-
-
-def _replay(
-    names: list[str], sizes: array.array[int], frames: Sequence[Frame], most: int
-) -> tuple[list[str], array.array[int]]:
-    """The entries left by replaying ``frames`` in order onto the checkpoint's, as the
-    catalog's operations left them. On a plain ``dict``, whose order is the LRU order but
-    for the names put back at the least recently used end (``front``, kept apart): an
-    ``OrderedDict`` of millions is many times slower to build and to read. A run of drops,
-    or of adds of distinct names (what a busy tier's log is mostly made of), is applied in
-    C-speed passes."""
-    index = dict(zip(names, sizes, strict=True))
-    front: dict[str, None] = {}  # put back at the front, in the order they were
-    for frame in frames:
-        for run in _RUNS.finditer(frame.ops):
-            start, end = run.span()
-            op, run_names = frame.ops[start], frame.names[start:end]
-            fast = op == Change.DROP or (op == Change.ADD and len(set(run_names)) == len(run_names))
-            if fast:
-                deque(map(index.pop, run_names, repeat(None)), maxlen=0)
-                if front:
-                    deque(map(front.pop, run_names, repeat(None)), maxlen=0)
-                if op == Change.ADD:
-                    index.update(zip(run_names, frame.sizes[start:end], strict=True))
-                continue
-            for name, size in zip(run_names, frame.sizes[start:end], strict=True):
-                _apply(index, front, op, name, size)
-        if len(index) > most:
-            raise CatalogFormatError(f"more than {most} entries")
-    if not front:
-        return list(index), array.array("Q", index.values())
-    order = [*reversed(front), *(n for n in index if n not in front)]
-    return order, array.array("Q", map(index.__getitem__, order))
-
-
-_RUNS = re.compile(rb"(.)\1*", re.DOTALL)
-
-
-def _apply(index: dict[str, int], front: dict[str, None], op: int, name: str, size: int) -> None:
-    """One change, as ``Catalog`` made it; ``front``: see ``_replay``."""
-    if op == Change.ADD:
-        index.pop(name, None)
-        front.pop(name, None)
-        index[name] = size
-    elif op == Change.DROP:
-        index.pop(name, None)
-        front.pop(name, None)
-    elif op == Change.BACK:
-        if name not in index:
-            index[name] = size
-            front[name] = None
-    elif name in index:  # Change.SIZE: in place
-        index[name] = size
 
 
 def _read(root_fd: int, name: str, most: int, *, cut: bool = False) -> bytes:
@@ -299,7 +265,7 @@ class JournalFiles:
             note = why if loaded is None else loaded.log_note
             raise CatalogFormatError(f"the catalog did not read back whole: {note}")
         self.checkpoint(generation, loaded.names, loaded.sizes)
-        return len(loaded.names)
+        return loaded.entries
 
     def close(self) -> None:
         fd, self._fd = self._fd, None

@@ -39,6 +39,7 @@ from kvtier.tiers.fs._catalog_format import Limits
 from kvtier.tiers.fs._catalog_journal import CatalogJournal
 from kvtier.tiers.fs._keeper import Prepared
 from kvtier.tiers.fs._layout import Entry
+from kvtier.tiers.fs._packed_build import Columns
 from kvtier.tiers.fs._reconcile import apply, compare
 
 __all__ = ["CatalogPersistence", "FSTierStatistics"]
@@ -80,6 +81,7 @@ class CatalogPersistence:
         self._limits = limits or Limits()
         self._durable = fsync != "never"
         self.loaded: Loaded | None = None  # read by ``load``, until the walk has compared it
+        self._base: Columns | None = None  # the catalog as loaded, for the walk to compare
         self.from_checkpoint = False
         self.complete = True
         self.journal: CatalogJournal | None = None
@@ -104,8 +106,9 @@ class CatalogPersistence:
         walk's entries), built in the worker thread that prepared the root."""
         loaded = self.loaded if ready.loaded else None
         if loaded is not None:
-            pairs = zip(loaded.names, loaded.sizes, strict=True)
-            return ready, Catalog.build(pairs, sum(loaded.sizes))
+            # The catalog takes the index over; the walk compares the folder with a copy.
+            self._base = loaded.columns
+            return ready, Built(loaded.order, loaded.order.total)
         entries = ready.entries
         return ready, Catalog.build(
             ((e.name, e.size) for e in entries), sum(e.size for e in entries)
@@ -133,7 +136,7 @@ class CatalogPersistence:
             "the folder in the background",
             self.name,
             self.root,
-            len(loaded.names),
+            loaded.entries,
             loaded.log_changes,
             f"; {loaded.log_note}" if loaded.log_note else "",
         )
@@ -143,18 +146,16 @@ class CatalogPersistence:
         loaded from a checkpoint with the folder."""
         if self.journal is not None:
             tg.start_soon(self.journal.run)
-        if self.loaded is not None and self._since is not None:
-            tg.start_soon(self._reconcile, self.loaded, on_complete)
+        if self._base is not None and self._since is not None:
+            tg.start_soon(self._reconcile, self._base, on_complete)
 
-    async def _reconcile(self, loaded: Loaded, on_complete: Callable[[], None]) -> None:
+    async def _reconcile(self, base: Columns, on_complete: Callable[[], None]) -> None:
         since = self._since
         assert since is not None
         try:
-            diff = await anyio.to_thread.run_sync(
-                compare, self.root, loaded.names, loaded.sizes, abandon_on_cancel=True
-            )
-            self.loaded = None  # compared: its memory goes
-            del loaded
+            diff = await anyio.to_thread.run_sync(compare, self.root, base, abandon_on_cancel=True)
+            self.loaded = self._base = None  # compared: its memory goes
+            del base
             done = await apply(self._catalog, diff, since, self._forget)
             self.complete = True
             on_complete()
@@ -195,7 +196,7 @@ class CatalogPersistence:
         """The tier closes: a last checkpoint (shielded, bounded), and nothing kept after."""
         self._unwatch()
         self._walked.set()
-        self.loaded = None
+        self.loaded = self._base = None
         journal = self.journal
         if journal is not None and self._catalog.changes is journal:
             self._catalog.changes = None

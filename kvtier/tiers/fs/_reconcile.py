@@ -18,7 +18,6 @@ began at, a watcher held throughout), and a name that an operation added or drop
 
 from __future__ import annotations
 
-import array
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,11 +25,12 @@ from pathlib import Path
 import anyio.lowlevel
 
 from kvtier.tiers.fs._catalog import Catalog
+from kvtier.tiers.fs._packed_build import Columns, names_of
 from kvtier.tiers.fs._root import list_blocks
 
 __all__ = ["SLICE", "Difference", "apply", "compare"]
 
-SLICE = 1024
+SLICE = 256
 """Changes applied per turn of the event loop."""
 
 
@@ -53,11 +53,12 @@ class Applied:
     resized: int
 
 
-def compare(root: Path, names: list[str], sizes: array.array[int]) -> Difference:
-    """Walk ``root`` and compare it with the catalog as loaded (``names``, ``sizes``).
-    Blocks; a worker thread's."""
+def compare(root: Path, loaded: Columns) -> Difference:
+    """Walk ``root`` and compare it with the catalog as ``loaded``. Blocks; a worker
+    thread's."""
     walked = list_blocks(root)
-    known = dict(zip(names, sizes, strict=True))
+    names = names_of(loaded)
+    known = dict(zip(names, loaded.sizes.tolist(), strict=True))
     found: list[tuple[str, int]] = []
     resized: list[tuple[str, int]] = []
     on_disk: set[str] = set()

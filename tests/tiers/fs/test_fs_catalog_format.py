@@ -15,10 +15,11 @@ import tracemalloc
 from collections import OrderedDict
 from pathlib import Path
 
+import numpy as np
 import pytest
 import xxhash
 
-from kvtier.tiers.fs import _catalog_files
+from kvtier.tiers.fs import _catalog_files, _catalog_replay
 from kvtier.tiers.fs._catalog_files import CHECKPOINT_NAME, LOG_NAME, JournalFiles, load
 from kvtier.tiers.fs._catalog_format import (
     LOG_HEADER_SIZE,
@@ -33,7 +34,9 @@ from kvtier.tiers.fs._catalog_format import (
     encode_frame,
     encode_log_header,
 )
+from kvtier.tiers.fs._idents import name_of_ident
 from kvtier.tiers.fs._layout import name_of
+from kvtier.tiers.fs._packed_build import from_names, names_of, snapshot
 
 LIMITS = Limits(max_entries=1000, max_file_bytes=1 << 20)
 
@@ -319,16 +322,18 @@ def test_the_steps_are_named_once() -> None:
 
 
 @pytest.mark.parametrize("seed", range(30))
-def test_replaying_runs_at_once_is_replaying_one_by_one(seed: int) -> None:
-    """Runs of drops and of adds are replayed in C-speed passes: the same result as one
-    change at a time, duplicates within a run included."""
+def test_replaying_onto_the_packed_index_is_the_catalogs_own_operations(seed: int) -> None:
+    """The log replayed onto the checkpoint's packed index, one change at a time or (a log
+    of adds and drops only) computed as columns, leaves what the catalog's own operations on
+    an ``OrderedDict`` leave, repeated names within a frame included."""
     rng = random.Random(seed)
+    plain = seed % 2 == 0  # adds and drops only: the columns' way
     start = [(name(i), i) for i in range(30)]
     frames = []
     for _ in range(6):
         changes = []
         for _ in range(rng.randrange(1, 8)):
-            op = rng.choice(list(Change))
+            op = rng.choice([Change.ADD, Change.DROP] if plain else list(Change))
             changes += [
                 (op, name(rng.randrange(50)), rng.randrange(1, 99))
                 for _ in range(rng.randrange(1, 12))
@@ -353,6 +358,51 @@ def test_replaying_runs_at_once_is_replaying_one_by_one(seed: int) -> None:
                 expected.move_to_end(n, last=False)
             elif code == Change.SIZE and n in expected:
                 expected[n] = size
-    start_sizes = sizes(*(s for _, s in start))
-    got = _catalog_files._replay([n for n, _ in start], start_sizes, frames, 1000)
-    assert list(zip(*got, strict=True)) == list(expected.items())
+    order = from_names([n for n, _ in start], np.arange(30, dtype=np.uint64))
+    _catalog_replay.replay(order, frames, 1000)
+    assert [(name_of_ident(i), size) for i, size in order.items()] == list(expected.items())
+    columns = snapshot(from_names([n for n, _ in start], np.arange(30, dtype=np.uint64)))
+    built, base = _catalog_replay.replayed(columns, frames, 1000)
+    assert [(name_of_ident(i), size) for i, size in built.items()] == list(expected.items())
+    assert sorted(zip(names_of(base), base.sizes.tolist(), strict=True)) == sorted(expected.items())
+    with pytest.raises(CatalogFormatError):
+        _catalog_replay.replayed(columns, frames, len(expected) - 1)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_full_tiers_log_replays_at_once_as_one_change_at_a_time(seed: int) -> None:
+    """A full tier's log alternates drops of old blocks and adds of new ones (one change a
+    run), with loads re-adding held ones: computed at once (keys of one length) or, with a
+    longer key among them, the general way, it leaves what replaying each change leaves."""
+    rng = random.Random(seed)
+    longer = seed % 3 == 0
+    pool = [name(i) for i in range(400)] + ([name_of(bytes(40) + bytes([seed]))] if longer else [])
+    start = pool[: rng.randrange(0, 200)]
+    frames: list[Frame] = []
+    for _ in range(rng.randrange(1, 5)):
+        changes = []
+        for _ in range(rng.randrange(1, 60)):
+            changes.append((Change.DROP, rng.choice(pool), 0))
+            changes.append((Change.ADD, rng.choice(pool), rng.randrange(1, 1 << 40)))
+        if longer and not frames:
+            changes.append((Change.ADD, pool[-1], 5))
+        frames.append(
+            Frame(
+                bytes(c for c, _, _ in changes),
+                [n for _, n, _ in changes],
+                sizes(*(s for *_, s in changes)),
+            )
+        )
+    start_sizes = np.arange(1, len(start) + 1, dtype=np.uint64)
+    order = from_names(start, start_sizes)
+    _catalog_replay.replay(order, frames, 10_000)
+    columns = snapshot(from_names(start, start_sizes))
+    built, base = _catalog_replay.replayed(columns, frames, 10_000)
+    assert (_catalog_replay._of_one_width(columns, frames, 10_000) is None) is longer
+    assert list(built.items()) == list(order.items())
+    assert names_of(base) == [name_of_ident(i) for i in order]
+
+
+def test_names_of_unequal_lengths_are_never_read_as_one_width() -> None:
+    names = ["abcd", "abcdef", "ab"]  # 12 digits: three names of 4 as well
+    assert _catalog_replay._idents_of(names) == [b"\xab\xcd", b"\xab\xcd\xef", b"\xab"]
