@@ -34,7 +34,7 @@ from kvtier.tiers.fs import _geometry as geometry
 from kvtier.tiers.fs._cached import CachedReads
 from kvtier.tiers.fs._calls import BufferPool, Handoff, WorkerCalls, copy_bytes
 from kvtier.tiers.fs._config import FSConfig
-from kvtier.tiers.fs._held import HeldRoot
+from kvtier.tiers.fs._held import HeldRoot, close_all
 from kvtier.tiers.fs._keeper import FolderKeeper
 from kvtier.tiers.fs._layout import MARKER_NAME
 from kvtier.tiers.fs._read import ReadOutcome, read_verified
@@ -76,9 +76,11 @@ class BlockFiles:
         self.cached = CachedReads(str(root), settings.loop_read_bytes, integrity_key)
 
     def close(self) -> None:
-        """Let go of the root's descriptors (kept open while an abandoned thread may still
-        use one); the next operation opens the root again."""
-        self.held.close(in_use=self.calls.stuck > 0)
+        """Let go of the root's descriptors: closed now, or by the last abandoned thread
+        still running when it returns (until then it may use one, and a closed number may be
+        reused for another file); the next operation opens the root again."""
+        fds = self.held.detach()
+        self.calls.when_unstuck(lambda: close_all(fds))
 
     def shard_made(self) -> None:
         """A store made a first-level shard folder (in its worker thread): the folder may

@@ -107,6 +107,7 @@ class WorkerCalls(Generic[T]):
         self._running_abandoned = 0
         self.abandoned_total = 0
         self._late: deque[Callable[[], None]] = deque()
+        self._when_unstuck: list[Callable[[], None]] = []  # run once none is running
 
     @property
     def stuck(self) -> int:
@@ -151,6 +152,10 @@ class WorkerCalls(Generic[T]):
                             self._late.append(lambda: on_late(result, error))
                         with self._lock:
                             self._running_abandoned -= 1
+                            if self._running_abandoned == 0:
+                                unstuck, self._when_unstuck = self._when_unstuck, []
+                                for callback in unstuck:  # before a waiter sees none stuck
+                                    callback()
                             self._unstuck.notify_all()
             return result
 
@@ -166,6 +171,15 @@ class WorkerCalls(Generic[T]):
                             self.abandoned_total += 1
             raise
         return result  # type: ignore[return-value]  # None only when abandoned
+
+    def when_unstuck(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` once no abandoned call is running: now, or in the thread of the last
+        one, when it returns, before ``wait_unstuck`` returns (``fn`` must not block)."""
+        with self._lock:
+            if self._running_abandoned:
+                self._when_unstuck.append(fn)
+                return
+        fn()
 
     def wait_unstuck(self, timeout: float) -> bool:
         """Block (in a thread, never on the loop) until no abandoned call is running; for

@@ -16,9 +16,9 @@ the path names another folder than the one held (another device or inode):
 
 A replaced descriptor is never closed while the tier runs: a worker thread may be using it
 (reads of the attribute take no lock), and a closed number may be reused for another file.
-The replaced ones (one per swap) are closed with the held one at ``close``, unless a thread
-abandoned at its deadline may still use them (then they stay open: a few descriptors, against
-an operation that could reach another folder). Thread-safe.
+The replaced ones (one per swap) are let go with the held one at the tier's close
+(``detach``): the tier closes them once no thread abandoned at its deadline may still use
+them. Thread-safe.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["RECHECK_SECONDS", "HeldRoot"]
+__all__ = ["RECHECK_SECONDS", "HeldRoot", "close_all"]
 
 # How long a root swapped under the tier may still be read and written through the folder it
 # replaced (or removed). A ``stat`` this often costs nothing beside the blocks moved meanwhile.
@@ -39,6 +39,12 @@ RECHECK_SECONDS = 0.25
 # How the root is opened: a folder, whatever links lead to it (the configured path may be
 # one), close-on-exec.
 _ROOT_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def close_all(fds: list[int]) -> None:
+    """Close descriptors ``HeldRoot.detach`` let go of."""
+    for fd in fds:
+        os.close(fd)
 
 
 class HeldRoot:
@@ -92,15 +98,18 @@ class HeldRoot:
                 return False  # the root is gone or unreachable: the failure stands
             return self._fd != used
 
-    def close(self, *, in_use: bool = False) -> None:
-        """Close the descriptors (``in_use``: a thread may still hold one; leave them open).
-        The next ``fd`` opens the root again."""
+    def detach(self) -> list[int]:
+        """Let go of every descriptor (the held one and those it replaced) and return them
+        for the caller to close once no thread can use them; the next ``fd`` opens the root
+        again."""
         with self._lock:
             fds = [*self._retired, self._fd] if self._fd >= 0 else self._retired
             self._fd, self._retired, self._checked = -1, [], -math.inf
-        if not in_use:
-            for fd in fds:
-                os.close(fd)
+        return fds
+
+    def close(self) -> None:
+        """Close every descriptor now (no thread may be using one)."""
+        close_all(self.detach())
 
     def _refresh(self) -> None:
         """Under the lock: stat the path; open it again when it names another folder."""

@@ -233,3 +233,32 @@ async def test_a_stale_check_does_not_drop_a_newer_store(
             await tier.store(key(i), memoryview(data(i)))
         on_disk = [p for p in root.glob("??/??/*") if p.name[0] != "."]
         assert len(on_disk) == 2 and tier.statistics().bytes_stored == 2 * FILE
+
+
+def _open_on(folder: Path) -> int:
+    """How many of this process's descriptors are open on ``folder`` itself."""
+    count = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{name}") == str(folder)
+        except OSError:
+            continue  # the listing's own descriptor, closed already
+    return count
+
+
+async def test_a_close_under_a_hung_read_lets_go_of_the_root_once_the_read_returns(
+    tmp_path: Path, hang: Hang, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "c"
+    await stored(root, 1)
+    assert _open_on(root) == 0
+    tier = FSTier(root)
+    async with tier:
+        monkeypatch.setattr(_fs_read, "_preadv", hang.wrap(os.preadv))
+        with anyio.move_on_after(DEADLINE):
+            await tier.load(key(1), memoryview(bytearray(BLOCK)))
+        assert tier._files.calls.stuck == 1
+    assert _open_on(root) == 1  # the hung read may still use the root's descriptor
+    hang.release.set()
+    assert await anyio.to_thread.run_sync(tier._files.calls.wait_unstuck, FAILSAFE)
+    assert _open_on(root) == 0  # closed by the read's thread as it returned

@@ -120,13 +120,13 @@ def test_a_removed_root_is_not_served(folders: tuple[Path, Path], clock: Clock) 
     held.close()
 
 
-def test_close_leaves_descriptors_a_thread_may_use(
+def test_detach_leaves_descriptors_open_for_their_caller(
     folders: tuple[Path, Path], clock: Clock
 ) -> None:
     root, _ = folders
     held = HeldRoot(root, clock=clock)
     fd = held.fd()
-    held.close(in_use=True)
+    assert held.detach() == [fd]
     assert not closed(fd)
     os.close(fd)
     again = held.fd()  # opened again after a close
