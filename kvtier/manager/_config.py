@@ -91,12 +91,13 @@ class ManagerConfig(Section):
     # stop the manager: it opens with the tiers that opened within tier_open_wait seconds,
     # the others are unavailable (lookups skip them, writes to them are dropped) and are
     # opened again in the background, with backoff, until they join; a healthy tier still
-    # opening past the wait (an S3 tier listing a large prefix inside open, without
-    # index_background_load; a slow start on a busy machine) joins when its open ends, said
-    # in the log. require_all_tiers: fail the open instead, as soon as one tier fails or
-    # passes open_timeout.
+    # opening past the wait (an S3 tier listing a large prefix inside open) joins when its
+    # open ends, said in the log. The wait covers such an open on a busy machine; with an S3
+    # tier that has index_background_load, 1 s is enough (counted from the tiers' local
+    # warm-up). require_all_tiers: fail the open instead, as soon as one tier fails or passes
+    # open_timeout.
     require_all_tiers: bool = field(default=False, metadata=spec(parse_bool))
-    tier_open_wait: float = field(default=1.0, metadata=spec(parse_non_negative_seconds))
+    tier_open_wait: float = field(default=10.0, metadata=spec(parse_non_negative_seconds))
 
     def tier_in_flight_bytes(self, tiers: int, block_bytes: int) -> int:
         """Each tier's limit on bytes being written: ``tier_max_in_flight_bytes``, else its

@@ -47,10 +47,6 @@ def test_from_dict_defaults_and_normalised_values(tmp_path: Path) -> None:
     assert config.manager.promotion_timeout == 2.0
     assert isinstance(config.manager.promotion_timeout, float)
     assert config.manager.store_timeout == ManagerConfig().store_timeout
-    # A manager opens without waiting long for a tier (1 s), which an S3 tier allows by
-    # loading its index after its open.
-    assert config.manager.tier_open_wait == 1.0
-    assert S3Config(bucket="kv-cache").index_background_load is True
 
 
 @pytest.mark.parametrize(
@@ -657,8 +653,8 @@ def test_build_needs_open_timeout_above_the_s3_listing_bound() -> None:
     ):
         config.build()
     shorter = {"index_background_load": False, "index_list_timeout": 20}
-    # No listing, one after the open (the default), or a shorter one: built.
-    for s3 in ({"lookup_mode": "ask"}, {}, {"index_background_load": True}, shorter):
+    # No listing, one after the open, or a shorter one: built.
+    for s3 in ({"lookup_mode": "ask"}, {"index_background_load": True}, shorter):
         settings = {"bucket": "kv-cache", **s3}
         KVTierConfig.from_dict(
             {"pool": POOL, "s3": settings, "manager": {"open_timeout": 30}}
@@ -666,6 +662,10 @@ def test_build_needs_open_timeout_above_the_s3_listing_bound() -> None:
     KVTierConfig.from_dict(
         {"pool": POOL, "s3": {"bucket": "kv-cache"}, "manager": {"open_timeout": None}}
     ).build()
+    with pytest.raises(InvalidArgumentError, match=r"must be above s3\.index_list_timeout"):
+        KVTierConfig.from_dict(  # the default lists inside the open
+            {"pool": POOL, "s3": {"bucket": "kv-cache"}, "manager": {"open_timeout": 30}}
+        ).build()
 
 
 def test_build_without_policy_settings_matches_a_default_manager(tmp_path: Path) -> None:

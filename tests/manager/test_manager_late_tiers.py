@@ -199,10 +199,10 @@ async def test_s3_endpoint_that_never_answers_does_not_hold_the_open_or_the_clos
         # Left alone, one attempt would wait 60 s for the bucket's answer.
         s3 = s3_tier(url, f"t/{uuid.uuid4().hex}", name="s3", read_timeout=60.0, max_attempts=1)
         fs = FSTier(tmp_path / "fs", fsync="never", name="fs")
-        # The default tier_open_wait (1 s) holds the open; bounded well below the 60 s one
-        # attempt would wait: neither the open nor the close may wait for the silent endpoint.
-        manager = TieringManager(HostPool(8, BLOCK), [fs, s3])
-        assert manager.config.tier_open_wait == 1.0
+        # A tier_open_wait of 1 s (what a tier loading its index in the background allows)
+        # holds the open; bounded well below the 60 s one attempt would wait: neither the
+        # open nor the close may wait for the silent endpoint.
+        manager = TieringManager(HostPool(8, BLOCK), [fs, s3], tier_open_wait=1.0)
         with anyio.fail_after(30):
             async with manager:
                 assert manager.statistics().opens.unavailable == ("s3",)

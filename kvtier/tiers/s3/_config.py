@@ -168,7 +168,7 @@ class S3Config(Section):
     # requests count in index_load_requests, not request_path_requests), and
     # ``S3Tier.wait_index_loaded()`` / index_listing_complete say when it is whole. False:
     # open() lists (bounded by index_list_timeout) before it returns.
-    index_background_load: bool = field(default=True, metadata=spec(parse_bool))
+    index_background_load: bool = field(default=False, metadata=spec(parse_bool))
     # Blocks stored together per object (a pack, ``_pack_format``); None: 8 in the index mode, 1
     # in the ask mode (a HEAD by key cannot see a block inside a pack). See ``pack_blocks``.
     pack_blocks: int | None = field(default=None, metadata=spec(optional(parse_positive_int)))

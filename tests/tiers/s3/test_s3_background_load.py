@@ -1,5 +1,5 @@
 """An S3 tier that opens at once and loads its index in the background
-(``index_background_load``, the default), against a real SeaweedFS: first HITs before the
+(``index_background_load``), against a real SeaweedFS: first HITs before the
 index is complete, a key deleted meanwhile never brought back, a close during the load that
 leaves nothing running and no waiter hanging (the index's own rules while it loads:
 ``test_s3_load_rules``)."""
