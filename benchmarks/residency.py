@@ -31,6 +31,7 @@ events in flight (``in_flight``).
 
     python -m benchmarks.residency --quick --json       # seconds: what the tests run
     python -m benchmarks.residency --rounds 40          # every kind 40 times
+    python -m benchmarks.residency --skip s3_removed_behind   # all kinds but that one
 
 Without ``--s3-endpoint`` it starts a SeaweedFS of its own (``devtools``) and stops it after.
 """
@@ -306,6 +307,14 @@ class Run:
     in_flight: dict[str, Tally] = field(default_factory=lambda: {"fs": Tally(), "s3": Tally()})
     router_stats: list[dict[str, int]] = field(default_factory=list)
     left_wrong: dict[str, dict[str, int]] = field(default_factory=dict)  # past the bound, by kind
+    # The divergence that last touched a key, to say which one left a key wrong (a key no
+    # divergence touched is "stored": a plain store of the workload).
+    touched: dict[bytes, str] = field(default_factory=dict)
+    wrong_by_cause: dict[str, int] = field(default_factory=dict)  # at the end of each round
+    # S3 keys wrong at the end of the last round: a whole-view divergence of this round is
+    # also judged apart from them (what it changed itself), in ``by_tier``.
+    carried: set[bytes] = field(default_factory=set)
+    by_tier: dict[str, dict[str, list[float | None]]] = field(default_factory=dict)
     counter: int = 0
 
     def new_keys(self, n: int) -> list[bytes]:
@@ -329,11 +338,31 @@ class Run:
         return None
 
     async def until_agree(self, started: float, kind: str) -> float | None:
-        while time.perf_counter() - started < self.args.bound:
-            if await self.agree():
-                return time.perf_counter() - started
+        """Seconds until the whole view agrees (None past the bound); also when each tier
+        did (``by_tier``; S3 apart from keys an earlier round left wrong, ``carried``)."""
+        fs_at: float | None = None
+        s3_at: float | None = None
+        took: float | None = None
+        while (now := time.perf_counter() - started) < self.args.bound:
+            (fs, s3), (vfs, vs3) = await self.truth(), self.router.snapshot(len(self.nodes))
+            if fs_at is None and fs == vfs:
+                fs_at = now
+            if s3_at is None and not (s3 ^ vs3) - self.carried:
+                s3_at = now
+            if fs == vfs and s3 == vs3:
+                took = now
+                break
             await asyncio.sleep(_POLL_S)
+        by_tier = self.by_tier.setdefault(kind, {"fs": [], "s3_apart_from_carried": []})
+        by_tier["fs"].append(fs_at)
+        by_tier["s3_apart_from_carried"].append(s3_at)
+        if took is not None:
+            if kind == "end_of_round":
+                self.carried = set()
+            return took
         (fs, s3), (vfs, vs3) = await self.truth(), self.router.snapshot(len(self.nodes))
+        if kind == "end_of_round":
+            self.carried = s3 ^ vs3
         left = self.left_wrong.setdefault(kind, {})
         for name, count in (
             ("fs_believed_not_true", sum(len(v - t) for v, t in zip(vfs, fs, strict=True))),
@@ -342,6 +371,14 @@ class Run:
             ("s3_true_not_believed", len(s3 - vs3)),
         ):
             left[name] = left.get(name, 0) + count
+        if kind == "end_of_round":
+            for tier, wrong in (
+                ("fs", set().union(*(v ^ t for v, t in zip(vfs, fs, strict=True)))),
+                ("s3", vs3 ^ s3),
+            ):
+                for key in wrong:
+                    cause = f"{tier}:{self.touched.get(key, 'stored')}"
+                    self.wrong_by_cause[cause] = self.wrong_by_cause.get(cause, 0) + 1
         return None
 
     def believed_fs(self, node: int, key: bytes) -> bool:
@@ -380,6 +417,7 @@ async def diverge(run: Run, kind: str) -> None:
         took = await run.until(lambda: not any(run.believed_fs(node.index, k) for k in gone), t0)
     elif kind in ("corrupt", "fs_removed_by_hand", "fs_deleted"):
         key = rng.choice(sorted(await asyncio.to_thread(fs_truth, node.root)))
+        run.touched[key] = kind
         t0 = time.perf_counter()
         path = fs_path(node.root, key)
         assert path is not None
@@ -391,6 +429,7 @@ async def diverge(run: Run, kind: str) -> None:
         took = await run.until(lambda: not run.believed_fs(node.index, key), t0)
     elif kind in ("s3_deleted", "s3_removed_behind"):
         key = rng.choice(sorted(await run.bucket.truth()))
+        run.touched[key] = kind
         t0 = time.perf_counter()
         if kind == "s3_removed_behind":
             await run.bucket.remove(key)
@@ -400,6 +439,7 @@ async def diverge(run: Run, kind: str) -> None:
         took = await run.until(lambda: not run.believed_s3(key), t0)
     elif kind == "s3_other_store":
         (key,) = run.new_keys(1)
+        run.touched[key] = kind
         await node.call("store", "s3", [key])
         took = await run.until(lambda: run.believed_s3(key), t0)
     elif kind == "node_restart":
@@ -457,7 +497,8 @@ async def run_all(args: argparse.Namespace, endpoint: str, bucket: str) -> dict[
                         await background(run, n)
                         await run.sample(run.in_flight)
                     for kind in KINDS:
-                        await diverge(run, kind)
+                        if kind not in args.skip:
+                            await diverge(run, kind)
                     await run.until_agree(time.perf_counter(), "end_of_round")
                     await run.sample(run.settled)
                     print(f"round {round_ + 1}/{args.rounds}", file=sys.stderr, flush=True)
@@ -492,8 +533,13 @@ def summary(run: Run, wall: float) -> dict[str, Any]:
         "precision": {tier: t.figures()["precision"] for tier, t in run.settled.items()},
         "recall": {tier: t.figures()["recall"] for tier, t in run.settled.items()},
         "convergence": {kind: times(v) for kind, v in run.converged.items()},
+        "convergence_by_tier": {
+            kind: {tier: times(v) for tier, v in tiers.items()}
+            for kind, tiers in run.by_tier.items()
+        },
         "router": stats,
         "left_wrong_past_the_bound": run.left_wrong,
+        "wrong_at_end_of_round_by_cause": run.wrong_by_cause,
     }
 
 
@@ -513,8 +559,20 @@ def report(out: dict[str, Any]) -> None:
             f"{kind:>20}: {c['converged']}/{c['count']} converged, p50 {p50}, max {top}",
             file=sys.stderr,
         )
+    for kind, tiers in out["convergence_by_tier"].items():
+        cells = ", ".join(
+            f"{tier} {c['converged']}/{c['count']}"
+            + ("" if c["p50_s"] is None else f" (p50 {c['p50_s'] * 1000:.0f} ms)")
+            for tier, c in tiers.items()
+        )
+        print(f"{kind:>20}: by tier: {cells}", file=sys.stderr)
     print(f"router: {out['router']}", file=sys.stderr)
     print(f"wrong past the bound: {out['left_wrong_past_the_bound']}", file=sys.stderr)
+    print(
+        f"wrong at the end of a round, by what last touched the key: "
+        f"{out['wrong_at_end_of_round_by_cause']}",
+        file=sys.stderr,
+    )
 
 
 @contextlib.contextmanager
@@ -550,9 +608,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hwm", type=int, default=8, help="the publishers' send high-water mark")
     p.add_argument("--rcvhwm", type=int, default=8, help="the router's receive high-water mark")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--skip",
+        type=lambda text: set(filter(None, text.split(","))),
+        default=set(),
+        metavar="KIND,...",
+        help="divergences not to make (to see what the others leave wrong on their own)",
+    )
     p.add_argument("--s3-endpoint", help="an S3 endpoint (default: a SeaweedFS of its own)")
     p.add_argument("--s3-bucket", default="kvtier-bench")
     args = p.parse_args(argv)
+    if unknown := args.skip - set(KINDS):
+        p.error(f"--skip: unknown kinds {sorted(unknown)}; known: {', '.join(KINDS)}")
     if args.rounds is None:
         args.rounds = 1 if args.quick else 20
     return args
@@ -562,7 +629,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     with json_output(args.json) as out, object_store(args) as endpoint:
         out.update(asyncio.run(run_all(args, endpoint, args.s3_bucket)))
-        out["settings"] = {k: v for k, v in vars(args).items() if k != "json"}
+        out["settings"] = {k: v for k, v in vars(args).items() if k not in ("json", "skip")}
+        out["settings"]["skip"] = sorted(args.skip)
         report(out)
     return 0
 

@@ -19,6 +19,8 @@ buffers, which stay bounded (past their capacity the newest are dropped and coun
 ``full_state()`` is what the stream's tiers hold now, as batches a router takes as a reset
 (``_full_state``): the tiers that can say what they hold (``held_keys``: ``FSTier``,
 ``S3Tier``) are in it; a buffer given on its own has no tier to ask and is left out.
+``held_known()`` waits until the tiers that load what they hold in the background (an S3
+index) have read it, so a full state taken after it is whole.
 """
 
 from __future__ import annotations
@@ -31,7 +33,12 @@ from typing import Protocol, Self
 from anyio.abc import AsyncResource
 
 from kvtier.common._events import EventBuffer, TierEvent
-from kvtier.integrations._full_state import FULL_STATE_CHUNK_KEYS, HoldsBlocks, full_state
+from kvtier.integrations._full_state import (
+    FULL_STATE_CHUNK_KEYS,
+    HoldsBlocks,
+    LoadsInBackground,
+    full_state,
+)
 
 __all__ = ["EventStream"]
 
@@ -90,6 +97,14 @@ class EventStream(AsyncResource):
         """Whether any of the stream's tiers can say what it holds: without one, a full state
         would claim the node holds nothing."""
         return bool(self._holders)
+
+    async def held_known(self) -> None:
+        """Until every tier of the stream that loads what it holds in the background
+        (``LoadsInBackground``: an S3 tier's index) has ended that load: a full state taken
+        before would leave out what it had not read yet."""
+        for holder in self._holders:
+            if isinstance(holder, LoadsInBackground):
+                await holder.wait_index_loaded()
 
     def full_state(self, chunk_keys: int = FULL_STATE_CHUNK_KEYS) -> list[list[TierEvent]]:
         """What the stream's tiers hold now, as batches a router takes as a reset (the module

@@ -19,11 +19,11 @@ change nothing, since the last event about a key before the snapshot agrees with
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from kvtier.common._events import EventBuffer, EventKind, TierEvent
 
-__all__ = ["FULL_STATE_CHUNK_KEYS", "HoldsBlocks", "full_state"]
+__all__ = ["FULL_STATE_CHUNK_KEYS", "HoldsBlocks", "LoadsInBackground", "full_state"]
 
 FULL_STATE_CHUNK_KEYS = 4096  # keys per STORED event of a full state: about 70 kB on the wire
 
@@ -35,6 +35,17 @@ class HoldsBlocks(Protocol):
     def events(self) -> EventBuffer: ...
 
     def held_keys(self) -> list[bytes]: ...
+
+
+@runtime_checkable
+class LoadsInBackground(Protocol):
+    """A tier that opens before it knows all it holds (``S3Tier``: its index loads in the
+    background). A full state taken before the load ends would claim the node holds less than
+    it does, and a router that takes it as a reset would forget blocks only this node vouches
+    for: so the full state waits for the load (which ends, complete or not, within the tier's
+    own bound)."""
+
+    async def wait_index_loaded(self) -> bool: ...
 
 
 def full_state(

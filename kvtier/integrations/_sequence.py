@@ -9,8 +9,11 @@ of every batch says so: batches are numbered from 0 by each publisher, one after
   a replay from the first missing one (``want`` is ``"replay"``);
 - a replay that ends without reaching the held batches, or a gap wider than the held batches,
   asks for the full state (``want`` is ``"full"``): the publisher no longer holds what was lost;
-- a live batch with a lower sequence than expected means the publisher restarted (live
-  sequences never go back);
+- a live batch whose sequence is not above the last live one means the publisher restarted
+  (one connection delivers a publisher's batches in order, so live sequences only go back
+  for a new publisher); one above the last live one but below the next expected was already
+  covered by a replay or a full state answered on the other socket, which can overtake the
+  live stream: it is dropped (``stale``);
 - a batch that begins with ``AllBlocksCleared`` is a reset (a full state's first batch, or a
   restarted node's announcement): from it on the subscriber is in sync, whatever it missed
   before; a full state answered on the replay socket carries the sequence of the first live
@@ -41,6 +44,7 @@ class SequenceStatistics:
     resets: int = 0  # resets applied (full states, restarted publishers)
     restarts: int = 0  # times the live sequence went back
     held_dropped: int = 0  # batches past ``max_held`` while waiting for a repair
+    stale: int = 0  # live batches a replay or a full state had already covered, dropped
     replays_asked: int = 0
     full_states_asked: int = 0
     gaps_seen: list[int] = field(default_factory=list)  # sizes of the last gaps (bounded)
@@ -56,6 +60,7 @@ class SequenceTracker:
         self.want: str | None = "full"  # "replay", "full" or None
         self.max_held = max_held
         self._held: dict[int, Batch] = {}
+        self._last_live: int | None = None  # the sequence of the last live batch
         self.stats = SequenceStatistics()
 
     @property
@@ -64,10 +69,15 @@ class SequenceTracker:
 
     def live(self, sequence: int, batch: Batch) -> list[Batch]:
         """A batch from the PUB socket; the batches to apply now, in order."""
-        if self.next is not None and sequence < self.next:  # the publisher restarted
+        went_back = self._last_live is not None and sequence <= self._last_live
+        self._last_live = sequence
+        if went_back:  # a new publisher: nothing held or expected of the old one holds
             self.stats.restarts += 1
             self.next, self.want = None, "full"
             self._held.clear()
+        elif self.next is not None and sequence < self.next:  # a repair covered it already
+            self.stats.stale += 1
+            return []
         if _is_reset(batch):
             return self._reset_at(sequence, batch)
         if self.next is None:

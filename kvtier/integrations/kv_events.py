@@ -27,8 +27,9 @@ The wire, as vLLM's ``ZmqEventPublisher`` speaks it (``vllm.distributed.kv_event
 
 Full state (kvtier's, beside vLLM's wire): what the node's tiers hold now, as batches a router
 takes as a reset (``AllBlocksCleared`` then ``BlockStored`` chunks; ``_full_state``). It goes
-out on the PUB socket, to every subscriber, when ``publish_stream`` starts (a node that
-restarts announces what its folder and bucket kept), and to one subscriber on the replay socket
+out on the PUB socket, to every subscriber, when ``publish_stream`` starts, once its tiers
+know what they hold (a node that restarts announces what its folder and bucket kept; an S3
+index that loads in the background is read first), and to one subscriber on the replay socket
 when it sends ``FULL_STATE_REQUEST`` instead of a sequence: the batches, each framed as a
 replayed one and carrying the sequence of the next live batch (the state is that of every
 batch before it), then the end marker. Requests that arrive together share one snapshot. A
@@ -40,6 +41,16 @@ Block hashes are kvtier's keys as bytes (vLLM accepts bytes or ints) unless ``bl
 maps them; a key it maps to None is left out (counted in ``unmapped``). What it returns is
 checked before encoding: bytes, or an int msgpack carries (64 bits). A router computes the same
 keys from a request's tokens with ``kvtier.block_keys``.
+
+Sequences: each batch takes its number when it is published, so one dropped (the queue was
+full, it could not be encoded or sent, the publisher closed first) leaves a gap a subscriber
+sees and repairs (``kv_subscriber``: by replay, or by the full state since a dropped batch is
+not held for replay); one with no event to say goes out as an empty batch (``[ts, []]``). A
+PUB socket drops a subscriber's messages past its high-water mark, the newest first, and a
+gap shows only when a later batch arrives: so a publisher idle for ``heartbeat_s`` sends an
+empty batch with the next number (a *heartbeat*), and a subscriber that lost the last batches
+of a burst learns it within that time of reading again (vLLM's decoder reads an empty batch
+as one with no events).
 
 Nothing here blocks the caller: ``publish`` encodes nothing and only queues the batch, or drops
 and counts it when ``queue_batches`` are already waiting. One thread owns both sockets,
@@ -105,7 +116,7 @@ BlockHash = bytes | int
 class PublisherStatistics:
     """What a ``KVEventPublisher`` sent, dropped and served, for its operator."""
 
-    published: int  # batches sent on the PUB socket
+    published: int  # batches sent on the PUB socket (heartbeats not counted)
     dropped: int  # batches not sent: the thread was ``queue_batches`` behind, or was closed
     unmapped: int  # keys ``block_hash`` mapped to None
     replays: int  # replay requests served
@@ -113,15 +124,18 @@ class PublisherStatistics:
     failed: int = 0  # batches dropped because encoding or sending them raised (logged)
     full_states: int = 0  # full states sent: announced on the PUB socket, or answered
     full_states_unavailable: int = 0  # requests answered with the end marker alone
+    heartbeats: int = 0  # empty batches sent because the publisher was idle
 
 
 @dataclass(frozen=True, slots=True)
 class _FullState:
-    """A snapshot for the thread to send: on the PUB socket (``to`` None) or to each
-    requester on the replay socket."""
+    """A snapshot for the thread to send: on the PUB socket (``to`` None: its batches take
+    the sequences from ``sequence`` on) or to each requester on the replay socket (framed
+    with ``sequence``, the first taken after the snapshot: it is the state of those before)."""
 
     batches: list[list[TierEvent]]
     to: tuple[bytes, ...] | None
+    sequence: int
 
 
 def encode_event(
@@ -173,8 +187,15 @@ class KVEventPublisher(AsyncResource):
         data_parallel_rank: int | None = None,
         block_hash: Callable[[bytes], BlockHash | None] | None = None,
         clock: Callable[[], float] = time.time,
+        heartbeat_s: float | None = 0.5,
     ) -> None:
         _check_settings(block_size, replay_batches, hwm, queue_batches)
+        if heartbeat_s is not None and not heartbeat_s > 0:
+            raise InvalidArgumentError(
+                f"heartbeat_s must be positive (seconds idle before an empty batch), or None "
+                f"for no heartbeat; got {heartbeat_s}"
+            )
+        self.heartbeat_s = heartbeat_s
         zmq, self._encoder = _wire_modules()
         self.block_size = block_size
         self._topic = topic.encode()
@@ -182,6 +203,11 @@ class KVEventPublisher(AsyncResource):
         self._block_hash: Callable[[bytes], BlockHash | None] = block_hash or bytes
         self._clock = clock
         self._queue: queue.Queue[object] = queue.Queue(maxsize=queue_batches)
+        # Held while a sequence is taken and its batch queued, so the queue is in sequence order.
+        self._sequence_lock = threading.Lock()
+        self._next_sequence = 0  # the sequence the next batch takes
+        self._heartbeats = 0
+        self._last_sent = time.monotonic()  # the thread's: when it last sent on the PUB socket
         self._held: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=replay_batches)
         self._closed = False
         self._on_close: set[Callable[[], None]] = set()  # wakes each ``publish_stream``
@@ -223,11 +249,14 @@ class KVEventPublisher(AsyncResource):
             raise LifecycleError("publish on a closed KVEventPublisher")
         if not events:
             return True
-        try:
-            self._queue.put_nowait(list(events))
-        except queue.Full:
-            self._dropped += 1
-            return False
+        with self._sequence_lock:
+            sequence = self._next_sequence
+            self._next_sequence += 1
+            try:
+                self._queue.put_nowait((sequence, list(events)))
+            except queue.Full:  # its sequence stays taken: subscribers see the gap
+                self._dropped += 1
+                return False
         return True
 
     async def publish_stream(self, stream: EventStream, *, announce: bool = True) -> None:
@@ -235,10 +264,12 @@ class KVEventPublisher(AsyncResource):
         an idle stream does not hold it: closing the publisher from any thread ends it. The
         stream stays open (it is the caller's).
 
-        ``announce``: first publish the stream's full state (what its tiers hold now: a node
-        that restarted tells routers what it kept). While it runs, full-state requests on the
-        replay socket are answered from snapshots of the stream's tiers. A stream of buffers
-        alone (no tier that can say what it holds) has no full state: neither is done."""
+        ``announce``: publish the stream's full state (what its tiers hold: a node that
+        restarted tells routers what it kept) as soon as its tiers know it (an S3 index that
+        loads in the background has been read: ``EventStream.held_known``); live batches go
+        out meanwhile. While it runs, full-state requests on the replay socket are answered
+        from snapshots of the stream's tiers, also once they know. A stream of buffers alone
+        (no tier that can say what it holds) has no full state: neither is done."""
         loop = asyncio.get_running_loop()
         wanted = asyncio.Event()
         with anyio.CancelScope() as scope:
@@ -259,10 +290,9 @@ class KVEventPublisher(AsyncResource):
                 if knows:
                     self._full_state_source = want
             try:
-                if announce and knows:
-                    self._queue_full_state(_FullState(stream.full_state(), None))
                 async with anyio.create_task_group() as tg:
-                    tg.start_soon(self._answer_full_states, stream, wanted)
+                    if knows:
+                        tg.start_soon(self._answer_full_states, stream, wanted, announce)
                     async for batch in stream:
                         self.publish(batch)
                     tg.cancel_scope.cancel()
@@ -274,23 +304,40 @@ class KVEventPublisher(AsyncResource):
                     if self._full_state_source is want:
                         self._full_state_source = None
 
-    async def _answer_full_states(self, stream: EventStream, wanted: asyncio.Event) -> None:
-        """One snapshot for every requester waiting when it is taken, each time one asks."""
-        while True:
-            await wanted.wait()
-            wanted.clear()
-            with self._state_lock:
-                requesters, self._wanting = self._wanting, []
-            if requesters:
-                self._queue_full_state(_FullState(stream.full_state(), tuple(requesters)))
+    async def _answer_full_states(
+        self, stream: EventStream, wanted: asyncio.Event, announce: bool
+    ) -> None:
+        """Once the stream's tiers know what they hold (an S3 index loads in the background;
+        live batches go out meanwhile), announce the full state; then one snapshot for every
+        requester waiting when it is taken, each time one asks (those who asked during the
+        load are answered after it)."""
+        await stream.held_known()
+        with contextlib.suppress(LifecycleError):  # closed meanwhile: nothing more to send
+            if announce:
+                self._queue_full_state(stream.full_state(), None)
+            while True:
+                await wanted.wait()
+                wanted.clear()
+                with self._state_lock:
+                    requesters, self._wanting = self._wanting, []
+                if requesters:
+                    self._queue_full_state(stream.full_state(), tuple(requesters))
 
-    def _queue_full_state(self, full_state: _FullState) -> None:
+    def _queue_full_state(
+        self, batches: list[list[TierEvent]], to: tuple[bytes, ...] | None
+    ) -> None:
+        """Queue a snapshot taken just now: announced (``to`` None: its batches take the next
+        sequences) or answered (framed with the next sequence, which it takes nothing of)."""
         if self._closed:
             raise LifecycleError("publish on a closed KVEventPublisher")
-        try:
-            self._queue.put_nowait(full_state)
-        except queue.Full:  # its requesters hear nothing and ask again
-            self._dropped += 1
+        with self._sequence_lock:
+            sequence = self._next_sequence
+            if to is None:
+                self._next_sequence += len(batches)
+            try:
+                self._queue.put_nowait(_FullState(batches, to, sequence))
+            except queue.Full:  # subscribers see the gap; requesters hear nothing and ask again
+                self._dropped += 1
 
     def statistics(self) -> PublisherStatistics:
         return PublisherStatistics(
@@ -302,6 +349,7 @@ class KVEventPublisher(AsyncResource):
             self._failed,
             self._full_states,
             self._full_states_unavailable,
+            self._heartbeats,
         )
 
     def close(self) -> None:
@@ -359,6 +407,7 @@ class KVEventPublisher(AsyncResource):
                 except queue.Empty:
                     if self._closed:
                         break
+                    self._heartbeat()
                     continue
                 if batch is _STOP:
                     break
@@ -366,8 +415,8 @@ class KVEventPublisher(AsyncResource):
                     if isinstance(batch, _FullState):
                         self._send_full_state(batch)
                     else:
-                        assert isinstance(batch, list)
-                        self._send(batch)
+                        assert isinstance(batch, tuple)
+                        self._send(*batch)
                 except Exception as exc:  # one bad batch never ends the thread
                     self._failed += 1
                     self._log.warning(
@@ -383,48 +432,63 @@ class KVEventPublisher(AsyncResource):
                 if left is not _STOP:
                     self._left += 1
 
-    def _encode(self, batch: list[TierEvent]) -> bytes | None:
-        """The payload of ``batch``; None when none of its events has anything to say."""
+    def _encode(self, batch: list[TierEvent]) -> bytes:
+        """The payload of ``batch``: an empty batch when none of its events has anything to
+        say (it keeps its sequence)."""
         events = []
         for event in batch:
             encoded, unmapped = encode_event(event, self.block_size, self._block_hash)
             self._unmapped += unmapped
             if encoded is not None:
                 events.append(encoded)
-        if not events:
-            return None
         body: list[Any] = [self._clock(), events]
         if self._rank is not None:
             body.append(self._rank)
         return self._encoder(body)
 
-    def _send(self, batch: list[TierEvent]) -> None:
-        payload = self._encode(batch)
-        if payload is None:
-            return
+    def _send(self, sequence: int, batch: list[TierEvent]) -> None:
+        self._send_payload(sequence, self._encode(batch))
+
+    def _send_payload(self, sequence: int, payload: bytes, *, heartbeat: bool = False) -> None:
         with self._sockets_lock:
             if not self._sockets_open:  # close took the sockets while this batch was encoded
-                self._left += 1
+                self._left += not heartbeat
                 return
-            sequence = self._published
             self._pub.send_multipart((self._topic, sequence.to_bytes(8, "big"), payload))
             self._held.append((sequence, payload))
-            self._published += 1
+            self._last_sent = time.monotonic()
+            if heartbeat:
+                self._heartbeats += 1
+            else:
+                self._published += 1
+
+    def _heartbeat(self) -> None:
+        """Idle for ``heartbeat_s``: an empty batch with the next sequence. Taken only while
+        the queue is empty (under the lock publishers queue under), so every batch before it
+        has been sent or dropped: it never overtakes one."""
+        if self.heartbeat_s is None or time.monotonic() - self._last_sent < self.heartbeat_s:
+            return
+        with self._sequence_lock:
+            if not self._queue.empty():
+                return
+            sequence = self._next_sequence
+            self._next_sequence += 1
+        self._send_payload(sequence, self._encode([]), heartbeat=True)
 
     def _send_full_state(self, full_state: _FullState) -> None:
         """Announce it on the PUB socket, or send it to each requester, then the end marker.
         A requester that does not read loses the rest of it, and asks again."""
         if full_state.to is None:
-            for batch in full_state.batches:
-                self._send(batch)
+            for offset, batch in enumerate(full_state.batches):
+                self._send(full_state.sequence + offset, batch)
             self._full_states += 1
             return
-        payloads = [p for batch in full_state.batches if (p := self._encode(batch)) is not None]
+        payloads = [self._encode(batch) for batch in full_state.batches]
         zmq = self._zmq
         with self._sockets_lock:
             if not self._sockets_open:
                 return
-            after = self._published.to_bytes(8, "big")  # the state of every batch before it
+            after = full_state.sequence.to_bytes(8, "big")  # the state of every batch before it
             for requester in full_state.to:
                 try:
                     for payload in payloads:

@@ -97,6 +97,7 @@ class KVEventSubscriber(AsyncResource):
         self._sub.connect(endpoint)
         self._wanted = asyncio.Event()
         self._wanted.set()  # a subscriber that joins asks for the full state first
+        self._in_sync = asyncio.Event()  # set once the first reset is applied
         self._closed = False
 
     @property
@@ -106,13 +107,19 @@ class KVEventSubscriber(AsyncResource):
     async def run(self) -> None:
         """Read live batches and repair gaps until cancelled or closed."""
         async with asyncio.TaskGroup() as tg:
-            if self.replay_endpoint is not None:
-                tg.create_task(self._repair())
+            repair = tg.create_task(self._repair()) if self.replay_endpoint else None
             await self._live()
+            if repair is not None:  # closed: a repair in flight has nothing left to ask with
+                repair.cancel()
 
     async def _live(self) -> None:
         while not self._closed:
-            frames = await self._sub.recv_multipart()
+            try:
+                frames = await self._sub.recv_multipart()
+            except self._zmq.ZMQError:
+                if self._closed:  # close took the socket away under this read
+                    return
+                raise
             parsed = self._parse(frames)
             if parsed is not None:
                 self._apply(self.tracker.live(*parsed))
@@ -127,9 +134,17 @@ class KVEventSubscriber(AsyncResource):
             self.bad_messages += 1
             return None
 
+    async def wait_in_sync(self) -> None:
+        """Until the view has taken this publisher's full state (or its restart's
+        announcement) once: a router that routes before then routes on part of what the node
+        holds. ``run`` must be running."""
+        await self._in_sync.wait()
+
     def _apply(self, batches: list[list[WireEvent]]) -> None:
         for batch in batches:
             self._on_batch(batch)
+        if self.tracker.in_sync:
+            self._in_sync.set()
         if self.tracker.want is not None:
             self._wanted.set()
 
@@ -155,39 +170,49 @@ class KVEventSubscriber(AsyncResource):
         zmq = self._zmq
         start = self.tracker.next or 0
         request = FULL_STATE_REQUEST if want == "full" else start.to_bytes(8, "big")
+        if self._closed:
+            return False
         dealer = self._context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
-        full: list[list[WireEvent]] = []
-        after: int | None = None
         try:
-            assert self.replay_endpoint is not None
-            dealer.connect(self.replay_endpoint)
-            await dealer.send_multipart((b"", request))
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + self._timeout
-            while (left := deadline - loop.time()) > 0:
-                if not await dealer.poll(left * 1000):
-                    break
-                frames = await dealer.recv_multipart()
-                if len(frames) == 4 and frames[2] == END_OF_REPLAY:
-                    if want == "full":
-                        if after is None:
-                            return False  # the publisher has no tiers to ask now
-                        self._apply(self.tracker.full_state(after, full))
-                    else:
-                        self.tracker.replay_ended()
-                    return True
-                parsed = self._parse(frames[1:])
-                if parsed is None:
-                    continue
-                if want == "full":
-                    after = parsed[0]
-                    full.append(parsed[1])
-                else:
-                    self._apply(self.tracker.replayed(*parsed))
-            return False
+            return await self._ask_on(dealer, want, request)
+        except zmq.ZMQError:
+            if self._closed:  # close took the socket away under this request
+                return False
+            raise
         finally:
             dealer.close(linger=0)
+
+    async def _ask_on(self, dealer: Any, want: str, request: bytes) -> bool:
+        """``ask`` on its own ``dealer``: send ``request``, apply the answer."""
+        full: list[list[WireEvent]] = []
+        after: int | None = None
+        assert self.replay_endpoint is not None
+        dealer.connect(self.replay_endpoint)
+        await dealer.send_multipart((b"", request))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._timeout
+        while (left := deadline - loop.time()) > 0:
+            if not await dealer.poll(left * 1000):
+                break
+            frames = await dealer.recv_multipart()
+            if len(frames) == 4 and frames[2] == END_OF_REPLAY:
+                if want == "full":
+                    if after is None:
+                        return False  # the publisher has no tiers to ask now
+                    self._apply(self.tracker.full_state(after, full))
+                else:
+                    self.tracker.replay_ended()
+                return True
+            parsed = self._parse(frames[1:])
+            if parsed is None:
+                continue
+            if want == "full":
+                after = parsed[0]
+                full.append(parsed[1])
+            else:
+                self._apply(self.tracker.replayed(*parsed))
+        return False
 
     def close(self) -> None:
         """Close the sockets; a running ``run`` ends at its next step (cancel it to end it
@@ -195,8 +220,8 @@ class KVEventSubscriber(AsyncResource):
         if self._closed:
             return
         self._closed = True
-        self._sub.close(linger=0)
-        self._context.term()
+        self._wanted.set()  # a repair waiting for a gap looks again and sees the close
+        self._context.destroy(linger=0)  # the SUB socket and any request's, at once
 
     async def aclose(self) -> None:
         self.close()

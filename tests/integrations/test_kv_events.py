@@ -77,7 +77,9 @@ def joined(publisher: KVEventPublisher, sub: Any) -> int:
 
 
 def test_batches_carry_topic_sequence_and_vllms_event_maps(context: Any) -> None:
-    with KVEventPublisher(ANY_PORT, block_size=16, topic="kv", data_parallel_rank=2) as publisher:
+    with KVEventPublisher(
+        ANY_PORT, block_size=16, topic="kv", data_parallel_rank=2, heartbeat_s=None
+    ) as publisher:
         sub = subscriber(context, publisher.endpoint, b"kv")
         first = joined(publisher, sub)
         publisher.publish(
@@ -121,7 +123,9 @@ def test_batches_carry_topic_sequence_and_vllms_event_maps(context: Any) -> None
 
 
 def test_a_late_subscriber_replays_what_it_missed_then_gets_the_end_marker(context: Any) -> None:
-    with KVEventPublisher(ANY_PORT, block_size=4, replay_endpoint=ANY_PORT) as publisher:
+    with KVEventPublisher(
+        ANY_PORT, block_size=4, replay_endpoint=ANY_PORT, heartbeat_s=None
+    ) as publisher:
         sub = subscriber(context, publisher.endpoint)
         start = joined(publisher, sub)
         for i in range(5):
@@ -150,7 +154,9 @@ def test_a_late_subscriber_replays_what_it_missed_then_gets_the_end_marker(conte
 
 
 def test_a_replay_request_of_the_wrong_shape_is_counted_and_ignored(context: Any) -> None:
-    with KVEventPublisher(ANY_PORT, block_size=4, replay_endpoint=ANY_PORT) as publisher:
+    with KVEventPublisher(
+        ANY_PORT, block_size=4, replay_endpoint=ANY_PORT, heartbeat_s=None
+    ) as publisher:
         assert publisher.replay_endpoint is not None
         dealer = context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
@@ -209,11 +215,71 @@ def test_a_thread_behind_drops_and_counts_and_publish_never_waits(context: Any) 
     assert publisher.statistics().dropped == outcomes.count(False)
 
 
+def test_a_batch_dropped_by_a_full_queue_leaves_a_gap_in_the_sequence(context: Any) -> None:
+    """A dropped batch took its sequence when published: the next batch sent shows the gap
+    to every subscriber (the replay holds only what was sent, so a subscriber repairs it
+    with the full state)."""
+    busy, release = threading.Event(), threading.Event()
+
+    def held(key: bytes) -> bytes:
+        if key == b"held":
+            busy.set()
+            release.wait(RECEIVE_MS / 1000)
+        return key
+
+    publisher = KVEventPublisher(
+        ANY_PORT, block_size=4, queue_batches=1, replay_endpoint=ANY_PORT, block_hash=held
+    )
+    with subscriber(context, publisher.endpoint) as sub:
+        first = joined(publisher, sub)
+        publisher.publish([stored(b"held")])
+        assert busy.wait(RECEIVE_MS / 1000)  # the thread is inside block_hash
+        outcomes = [publisher.publish([stored(bytes([i]))]) for i in range(3)]
+        release.set()
+        received: list[tuple[int, list[bytes]]] = []
+
+        def until(last: bytes) -> None:
+            while not received or received[-1][1] != [last]:
+                _, sequence, payload = sub.recv_multipart()
+                if hashes := [e["block_hashes"] for e in msgspec.msgpack.decode(payload)[1]]:
+                    received.append((int.from_bytes(sequence, "big"), hashes[0]))
+
+        until(b"\x00")  # the queue is empty again
+        assert publisher.publish([stored(b"after")])
+        until(b"after")
+    publisher.close()
+    assert outcomes == [True, False, False]  # one fits the queue behind the held batch
+    assert publisher.statistics().dropped == 2
+    assert received == [(first, [b"held"]), (first + 1, [b"\x00"]), (first + 4, [b"after"])]
+
+
+def test_an_idle_publisher_sends_empty_batches_with_the_next_sequences(context: Any) -> None:
+    """A subscriber that lost the last batches of a burst learns it from the next message:
+    an idle publisher sends one every ``heartbeat_s``, an empty batch with the next sequence."""
+    with KVEventPublisher(ANY_PORT, block_size=4, heartbeat_s=0.05) as publisher:
+        sub = subscriber(context, publisher.endpoint)
+        while not sub.poll(50):  # until the subscription reached the publisher
+            publisher.publish([stored(b"probe")])
+        publisher.publish([stored(b"last")])
+        received: list[tuple[int, bool]] = []  # (sequence, whether it held events)
+        while len(received) < 4 or any(events for _, events in received[-3:]):
+            _, sequence, payload = sub.recv_multipart()
+            events = bool(msgspec.msgpack.decode(payload)[1])
+            received.append((int.from_bytes(sequence, "big"), events))
+        sub.close()
+    sequences = [s for s, _ in received]
+    assert sequences == list(range(sequences[0], sequences[0] + len(sequences)))  # no gap
+    assert received[-3:] == [(s, False) for s in sequences[-3:]]
+    assert publisher.statistics().heartbeats >= 3
+
+
 def test_keys_without_a_hash_are_left_out_and_counted(context: Any) -> None:
     def only_even(key: bytes) -> int | None:
         return key[0] if key[0] % 2 == 0 else None
 
-    with KVEventPublisher(ANY_PORT, block_size=4, block_hash=only_even) as publisher:
+    with KVEventPublisher(
+        ANY_PORT, block_size=4, block_hash=only_even, heartbeat_s=None
+    ) as publisher:
         sub = subscriber(context, publisher.endpoint)
         joined(publisher, sub)
         publisher.publish([stored(b"\x01", b"\x02", b"\x03"), stored(b"\x05")])
@@ -226,7 +292,7 @@ def test_keys_without_a_hash_are_left_out_and_counted(context: Any) -> None:
 
 async def test_a_stream_of_a_buffer_is_published_until_it_closes(context: Any) -> None:
     buffer = EventBuffer("fs", capacity=100)
-    async with KVEventPublisher(ANY_PORT, block_size=4) as publisher:
+    async with KVEventPublisher(ANY_PORT, block_size=4, heartbeat_s=None) as publisher:
         sub = subscriber(context, publisher.endpoint)
         joined(publisher, sub)
         async with anyio.create_task_group() as tg, kvtier.EventStream(buffer) as stream:
@@ -254,7 +320,8 @@ def test_a_batch_that_cannot_be_encoded_is_dropped_and_counted_and_the_thread_go
         publisher.publish([stored(b"\x07")])
         _, sequence, payload = sub.recv_multipart()  # sent after the two bad ones
     publisher.close()
-    assert int.from_bytes(sequence, "big") == first  # the dropped ones took no sequence
+    # The dropped ones kept their sequences: a gap a subscriber sees and repairs.
+    assert int.from_bytes(sequence, "big") == first + 2
     assert msgspec.msgpack.decode(payload)[1][0]["block_hashes"] == [7]
     assert publisher.statistics().failed == 2
     logged = [r for r in caplog.records if r.name == "kvtier.integrations.kv_events"]

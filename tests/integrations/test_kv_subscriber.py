@@ -93,6 +93,31 @@ def test_a_restart_without_its_reset_asks_for_the_full_state() -> None:
     assert tracker.want == "full" and not tracker.in_sync
 
 
+def test_a_heartbeat_after_a_lost_tail_opens_the_gap_a_replay_closes() -> None:
+    """The last batch of a burst was lost: nothing showed it until the publisher's next
+    message, an empty batch with the next sequence."""
+    tracker = SequenceTracker()
+    synced(tracker)
+    assert tracker.live(2, []) == []  # batch 1 never came
+    assert tracker.want == "replay" and tracker.stats.missed == 1
+    lost = [stored(b"tail")]
+    assert tracker.replayed(1, lost) == [lost, []]
+    assert tracker.in_sync and tracker.next == 3
+
+
+def test_a_live_batch_a_full_state_reply_overtook_is_dropped_not_taken_for_a_restart() -> None:
+    """The reply comes on the replay socket and can arrive before live batches sent ahead
+    of it: those are in the state already, and the publisher did not restart."""
+    tracker = SequenceTracker()
+    assert tracker.live(3, [stored(b"a")]) == [[stored(b"a")]]
+    state = [[CLEARED, stored(b"a"), stored(b"b")]]
+    assert tracker.full_state(6, state) == state  # covers batches 4 and 5, still in flight
+    assert tracker.live(4, [stored(b"b")]) == [] and tracker.live(5, [removed(b"z")]) == []
+    assert tracker.stats.stale == 2 and tracker.stats.restarts == 0
+    assert tracker.in_sync and tracker.want is None
+    assert tracker.live(6, [stored(b"c")]) == [[stored(b"c")]]
+
+
 def test_a_full_state_reply_that_does_not_start_with_a_reset_is_not_taken() -> None:
     tracker = SequenceTracker()
     assert tracker.full_state(4, [[stored(b"a")]]) == []
@@ -187,10 +212,12 @@ class Watched:
 
     def __init__(self, nodes: int = 1) -> None:
         self.view = ResidencyView(nodes)
+        self.batches = 0  # applied, heartbeats (empty batches) included
         self._changed = anyio.Event()
 
     def apply(self, node: int, events: list[WireEvent]) -> None:
         self.view.apply(node, events)
+        self.batches += 1
         self._changed.set()
 
     async def until(self, condition: Callable[[], bool]) -> None:
@@ -233,6 +260,51 @@ async def test_a_restarted_node_announces_its_folder_and_a_late_router_asks_for_
             tg.cancel_scope.cancel()
     stats = publisher.statistics()
     assert stats.full_states == 2  # the announcement and the answer
+
+
+class Loading(Holder):
+    """A tier whose index loads in the background (as an S3 tier's does)."""
+
+    def __init__(self, name: str, keys: list[bytes]) -> None:
+        super().__init__(name, keys, shared=True)
+        self.loaded = anyio.Event()
+
+    async def wait_index_loaded(self) -> bool:
+        await self.loaded.wait()
+        return True
+
+
+async def test_the_full_state_waits_for_a_tier_whose_index_loads_in_the_background() -> None:
+    """Announced before the load, it would say the node holds nothing there: a router taking
+    it as a reset would drop the blocks only this node vouches for."""
+    tier = Loading("s3", [b"listed"])
+    watched = Watched()
+    async with (
+        KVEventPublisher(
+            ANY_PORT, block_size=16, replay_endpoint=ANY_PORT, heartbeat_s=0.05
+        ) as publisher,
+        EventStream(tier) as stream,
+        anyio.create_task_group() as tg,
+    ):
+        subscriber = KVEventSubscriber(
+            publisher.endpoint,
+            replay_endpoint=publisher.replay_endpoint,
+            on_batch=functools.partial(watched.apply, 0),
+            request_timeout=0.5,
+        )
+        async with subscriber:
+            tg.start_soon(subscriber.run)
+            tg.start_soon(publisher.publish_stream, stream)
+            await watched.until(lambda: watched.batches > 0)  # a heartbeat: subscribed
+            tier.events.emit(EventKind.STORED, [b"live"])  # live batches go out meanwhile
+            await watched.until(lambda: b"live" in watched.view.shared("s3"))
+            assert publisher.statistics().full_states == 0
+            assert subscriber.statistics.resets == 0  # its request waits for the load
+            tier.loaded.set()
+            await watched.until(lambda: watched.view.shared("s3") == {b"listed"})
+            assert subscriber.statistics.resets >= 1
+            stream.close()
+            tg.cancel_scope.cancel()
 
 
 async def test_a_full_state_request_without_a_stream_gets_the_end_marker_alone() -> None:

@@ -44,7 +44,9 @@ def context() -> Iterator[Any]:
 
 
 def test_live_batches_decode_as_vllms_kv_event_batch(context: Any) -> None:
-    with KVEventPublisher(ANY_PORT, block_size=16, topic="kv", data_parallel_rank=1) as publisher:
+    with KVEventPublisher(
+        ANY_PORT, block_size=16, topic="kv", data_parallel_rank=1, heartbeat_s=None
+    ) as publisher:
         sub = subscriber(context, publisher.endpoint, b"kv")
         joined(publisher, sub)
         publisher.publish(
@@ -72,7 +74,7 @@ def test_live_batches_decode_as_vllms_kv_event_batch(context: Any) -> None:
 def test_replayed_batches_decode_and_frame_as_vllms_publisher_frames_them(context: Any) -> None:
     """The same replay request to vLLM's publisher and to kvtier's gets frames of the same
     shape, and both decode with vLLM's classes."""
-    ours = KVEventPublisher(ANY_PORT, block_size=4, replay_endpoint=ANY_PORT)
+    ours = KVEventPublisher(ANY_PORT, block_size=4, replay_endpoint=ANY_PORT, heartbeat_s=None)
     theirs_endpoint = f"tcp://127.0.0.1:{free_port()}"
     theirs = VllmPublisher(0, endpoint="inproc://kvtier-test-vllm", replay_endpoint=theirs_endpoint)
     try:
@@ -92,6 +94,18 @@ def test_replayed_batches_decode_and_frame_as_vllms_publisher_frames_them(contex
     (event,) = decode(replies["ours"][0][3]).events
     assert isinstance(event, BlockStored) and event.block_hashes == [b"x"]
     assert isinstance(decode(replies["theirs"][0][3]).events[0], BlockRemoved)
+
+
+def test_a_heartbeat_decodes_as_an_empty_kv_event_batch(context: Any) -> None:
+    """An idle publisher's heartbeat (the next sequence, no events) is a batch vLLM reads."""
+    with KVEventPublisher(ANY_PORT, block_size=16, heartbeat_s=0.05) as publisher:
+        sub = subscriber(context, publisher.endpoint)
+        while True:  # the first messages may come before the subscription: wait for one
+            _, _, payload = sub.recv_multipart()
+            if not decode(payload).events:
+                break
+        sub.close()
+    assert decode(payload).events == [] and publisher.statistics().heartbeats >= 1
 
 
 def free_port() -> int:
@@ -134,7 +148,9 @@ def test_shared_tier_fields_and_a_full_state_decode_as_vllms_kv_event_batch(
             await tier.store(b"k" * 16, memoryview(bytes(4096)))
         async with (
             FSTier(tmp_path / "c", name="disk") as tier,
-            KVEventPublisher(ANY_PORT, block_size=16, replay_endpoint=ANY_PORT) as ours,
+            KVEventPublisher(
+                ANY_PORT, block_size=16, replay_endpoint=ANY_PORT, heartbeat_s=None
+            ) as ours,
             EventStream(tier) as stream,
             anyio.create_task_group() as tg,
         ):

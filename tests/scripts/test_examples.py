@@ -4,6 +4,7 @@ sharing a bucket, and the ASGI app's session; each read from its ``--json`` obje
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import anyio
@@ -228,34 +229,80 @@ def test_asgi_app_serves_shared_prefixes(run_json: RunJson) -> None:
     assert out["bad_request"]["status"] == 400
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_kv_router_sends_turns_where_their_prefix_is(run_json: RunJson) -> None:
-    """Both policies serve every request on fresh nodes; the router learns what each node
-    holds from the events its file tier publishes, and KV-aware routing, sending later turns
-    where their prefix is, loads more of each prompt than round-robin; the logits agree, and
-    each shutdown leaves no task, publisher thread or folder behind."""
+    """Every policy serves every request on fresh nodes; the router learns what each node
+    holds from the events its file tier publishes (through ``KVEventSubscriber`` into a
+    ``ResidencyView``), and KV-aware routing, sending later turns where their prefix is,
+    loads more of each prompt than round-robin; the logits agree, and each shutdown leaves no
+    task, publisher thread or folder behind."""
     pytest.importorskip("zmq", reason="the router example needs the kvtier[events] extra")
     pytest.importorskip("msgspec", reason="the router example needs the kvtier[events] extra")
     out = run_json("examples/kv_router.py", "--quick").out
     settings = out["settings"]
     nodes, requests = settings["nodes"], settings["sessions"] * settings["turns"]
-    rr, kv = out["policies"]["round-robin"], out["policies"]["kv-aware"]
-    for figures in (rr, kv):
-        assert figures["requests"] == sum(figures["requests_per_node"]) == requests > 0
-        assert len(figures["requests_per_node"]) == nodes > 1
-        assert positive(figures["ttft_p50_s"]) and positive(figures["ttft_p95_s"])
-        events = figures["events"]
-        assert events["bad_messages"] == 0
-        # the router learnt blocks only from events, and only blocks the nodes stored
-        assert 0 < events["stored_blocks"] <= sum(figures["fs_blocks_stored"])
-        assert events["batches"] <= sum(figures["published_batches"])
-        assert figures["left_after_shutdown"] == {"tasks": 0, "event_threads": 0, "folders": 0}
+    policies = out["policies"]
+    assert list(policies) == ["round-robin", "block-count", "weighted"]
+    rr = policies["round-robin"]
+    for figures in policies.values():
+        assert_router_figures(figures, nodes, requests)
+        assert figures["s3_blocks_stored"] == [0] * nodes  # no shared tier in this mode
+        assert figures["events"]["tier_classes"] == {"fs": "disk"}
     assert rr["requests_per_node"] == [requests // nodes] * nodes  # dealt in turn
-    assert rr["prompt_blocks"] == kv["prompt_blocks"] > 0  # the same requests both ways
-    assert kv["routed_to_a_known_prefix"] > 0
-    assert kv["prefix_hit_ratio"] > rr["prefix_hit_ratio"]
-    ratios = out["kv_aware_vs_round_robin"]
-    assert ratios["baseline"] == "round-robin"
-    assert positive(ratios["ttft_p50_speedup"]) and positive(ratios["ttft_p95_speedup"])
-    assert ratios["prefix_hit_ratio_gain"] > 1
+    for policy in ("block-count", "weighted"):
+        kv = policies[policy]
+        assert rr["prompt_blocks"] == kv["prompt_blocks"] > 0  # the same requests each way
+        assert kv["routed_to_a_known_prefix"] > 0
+        assert kv["prefix_hit_ratio"] > rr["prefix_hit_ratio"]
+        ratios = out[f"{policy.replace('-', '_')}_vs_round_robin"]
+        assert ratios["baseline"] == "round-robin"
+        assert positive(ratios["ttft_p50_speedup"]) and positive(ratios["ttft_p95_speedup"])
+        assert ratios["prefix_hit_ratio_gain"] > 1
+    assert out["weighted_vs_block_count"]["baseline"] == "block-count"
+    assert_logits_match(out)
+
+
+def assert_router_figures(figures: dict[str, Any], nodes: int, requests: int) -> None:
+    """What holds for every policy's run: each request served once, the router's events
+    only what the nodes sent, nothing left after the shutdown."""
+    assert figures["requests"] == sum(figures["requests_per_node"]) == requests > 0
+    assert len(figures["requests_per_node"]) == nodes > 1
+    assert positive(figures["ttft_p50_s"]) and positive(figures["ttft_p95_s"])
+    events = figures["events"]
+    assert events["bad_messages"] == 0
+    assert events["resets"] >= nodes  # each node's full state, taken before routing
+    # the router learnt blocks only from events, and only blocks the nodes stored
+    assert 0 < events["stored_blocks"] <= sum(figures["fs_blocks_stored"])
+    assert events["batches"] <= sum(figures["published_batches"])
+    assert figures["left_after_shutdown"] == {"tasks": 0, "event_threads": 0, "folders": 0}
+
+
+@pytest.mark.timeout(300)
+def test_kv_router_credits_a_shared_s3_tier_to_every_node(run_json: RunJson, store: Store) -> None:
+    """With one S3 prefix shared by the nodes (the run's SeaweedFS), the first turns of some
+    sessions live only in it when the run starts: the router keeps the shared tier's blocks
+    once, credits them to every node (the tier's class from the events), and the nodes load
+    them from the bucket; every policy serves the same requests and the logits agree."""
+    pytest.importorskip("zmq", reason="the router example needs the kvtier[events] extra")
+    out = run_json("examples/kv_router.py", "--quick", "--shared-s3", *store.flags(pid=False)).out
+    settings = out["settings"]
+    assert settings["shared_s3"] is True and settings["s3_endpoint"] == store.endpoint
+    assert settings["tier_weights"]["object_store"] == 0.2
+    nodes, requests = settings["nodes"], settings["sessions"] * settings["turns"]
+    policies = out["policies"]
+    for figures in policies.values():
+        assert_router_figures(figures, nodes, requests)
+        events = figures["events"]
+        assert events["tier_classes"] == {"fs": "disk", "s3": "object_store"}
+        assert events["shared_stored_blocks"] > 0 and events["shared_blocks_known_at_end"] > 0
+        assert figures["shared_only_requests"] == settings["sessions"] // 2
+        assert positive(figures["shared_only_ttft_p50_s"])
+        assert sum(figures["s3_blocks_loaded"]) > 0  # the seeded blocks came from the bucket
+    # Every node is credited with the shared blocks: round-robin's requests went to nodes
+    # that never stored them and were still routed to a known prefix.
+    assert policies["round-robin"]["routed_to_a_known_prefix"] == requests
+    versus = out["weighted_vs_block_count"]
+    assert versus["baseline"] == "block-count"
+    assert positive(versus["ttft_p50_speedup"])
+    assert positive(versus["shared_only_ttft_p50_speedup"])
     assert_logits_match(out)
