@@ -83,6 +83,8 @@ class SessionStatistics:
     """Unclaimed blocks made the next to be evicted (stale plans, ended sessions)."""
     blocks_retired: int
     """Private blocks of sessions ended, forgotten or gone quiet made the next to go."""
+    tier_blocks_retired: int
+    """The same in the tiers that evict (a bounded FS tier), summed over them."""
     quiet: int
     """Times a session went quiet (still away far past its predicted return)."""
     bytes_promoted: int
@@ -152,6 +154,7 @@ class BringBacks:
         self._wake = anyio.Event()
         self._driving = False
         self.blocks_retired = 0
+        self.tier_blocks_retired = 0
 
     def _now(self) -> float:
         return self.manager.cost.clock()
@@ -183,10 +186,13 @@ class BringBacks:
         self._retire()
 
     def _retire(self) -> None:
-        """Demote the private blocks of the sessions the table let go; the spare slots
-        that makes wake the guesses waiting for some."""
+        """Demote the private blocks of the sessions the table let go, in the pool and in the
+        tiers that evict (a bounded FS tier); the spare slots that makes wake the guesses
+        waiting for some."""
         retired = self.table.take_retired()
         if retired:
+            for tier in self.manager.tiers:
+                self.tier_blocks_retired += tier.demote(retired)
             demoted = self.manager.pool.table.demote(retired)
             self.blocks_retired += demoted
             if demoted:
@@ -311,6 +317,7 @@ class BringBacks:
             blocks_claimed=prefetch.blocks_claimed,
             blocks_demoted=self.prefetches.blocks_demoted,
             blocks_retired=self.blocks_retired,
+            tier_blocks_retired=self.tier_blocks_retired,
             quiet=table.quiet,
             bytes_promoted=prefetch.bytes_prefetched,
             held=prefetch.held,

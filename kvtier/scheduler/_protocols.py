@@ -14,7 +14,13 @@ from kvtier.manager._cost import CostModel, ScanBudget
 from kvtier.manager._watch import KeyWatch
 from kvtier.pools._base import PrimaryPool
 
-__all__ = ["SupportsLookup", "SupportsPrefetch", "SupportsScheduling"]
+__all__ = ["Demotes", "SupportsLookup", "SupportsPrefetch", "SupportsScheduling"]
+
+
+class Demotes(Protocol):
+    """A tier that can let a prefix's blocks go first (``SecondaryTier.demote``)."""
+
+    def demote(self, keys: Sequence[bytes]) -> int: ...
 
 
 @runtime_checkable
@@ -58,13 +64,17 @@ class SupportsScheduling(SupportsLookup, Protocol):
 class SupportsPrefetch(SupportsScheduling, Protocol):
     """What ``prefetch`` needs beyond a scan (``TieringManager`` has it): the ``pool`` (its
     size bounds the share prefetches may hold), ``run_soon`` (a prefetch is a task in the
-    manager's task group, ended when the manager closes) and ``last_miss_reason`` (where a
-    prefetched prefix ended, and why)."""
+    manager's task group, ended when the manager closes), ``last_miss_reason`` (where a
+    prefetched prefix ended, and why) and ``tiers`` (an ended session's own blocks are
+    demoted in those that evict)."""
 
     @property
     def pool(self) -> PrimaryPool: ...
 
     @property
     def last_miss_reason(self) -> str: ...
+
+    @property
+    def tiers(self) -> Sequence[Demotes]: ...
 
     def run_soon(self, work: Callable[[], Coroutine[Any, Any, None]]) -> None: ...

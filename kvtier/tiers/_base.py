@@ -325,6 +325,12 @@ class SecondaryTier(AsyncResource):
     def record_hit(self, key: bytes) -> None:
         """``key`` was just stored here: answer HIT without asking the storage."""
 
+    def demote(self, keys: Sequence[bytes]) -> int:
+        """Let ``keys`` (a prefix's, head first) go first, the tail first, when this tier must
+        evict (a session that ended no longer needs its own blocks); how many it holds and
+        demoted. A tier that evicts nothing, or keeps no order, ignores it."""
+        return 0
+
     # -- change notification -----------------------------------------------------------------
 
     def add_listener(self, listener: Listener) -> Callable[[], None]:

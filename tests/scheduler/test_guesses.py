@@ -7,10 +7,12 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import anyio
 
 from kvtier import (
+    FSTier,
     HostPool,
     MemoryTier,
     OffloadScheduler,
@@ -18,6 +20,7 @@ from kvtier import (
     SlotState,
     TieringManager,
 )
+from kvtier.common._format import header_size
 from tests.support import BB, assert_idle, fill, fresh_keys, random_blocks
 
 GUESS_NOW = SessionSettings(prior_gap=1e-3, prior_spread=0.1, min_hold=600.0)
@@ -117,6 +120,33 @@ async def test_ending_a_session_demotes_its_own_blocks_not_a_shared_prefix() -> 
         assert ready(manager, system) == [True] * 3  # b still uses the system prompt
         assert ready(manager, b_own) == [True] * 4
         assert ready(manager, a_own) == [False] * 4  # a's own went first
+        b.end()
+        await settled(manager)
+        assert_idle(manager)
+
+
+async def test_ending_a_session_demotes_its_own_blocks_in_a_bounded_fs_tier(
+    tmp_path: Path,
+) -> None:
+    """The FS tier below keeps a shared prefix and a live session's blocks over an ended
+    session's own, though those were written last."""
+    system, a_own, b_own = fresh_keys(2), fresh_keys(3), fresh_keys(3)
+    fs = FSTier(tmp_path / "fs", fsync="never", capacity_bytes=8 * (header_size(16) + BB))
+    async with TieringManager(HostPool(16, BB), [fs]) as manager:
+        scheduler = OffloadScheduler(manager, sessions=GUESS_NOW)
+        b, a = scheduler.session("b"), scheduler.session("a")
+        for keys in ([*system, *b_own], [*system, *a_own]):  # a's blocks are the newest
+            await manager.store(keys, random_blocks(len(keys)))
+        await settled(manager)
+        b.turn_done([*system, *b_own], expect_back_in=1e6)
+        a.turn_done([*system, *a_own], expect_back_in=1e6)
+        a.end()
+        stats = scheduler.statistics().sessions
+        assert stats is not None and stats.tier_blocks_retired == 3
+        more = fresh_keys(3)
+        await fill(fs, more, random_blocks(3, seed=4))  # three must go for them
+        held = await fs.contains_many([*system, *b_own, *a_own, *more])
+        assert held == [True] * 5 + [False] * 3 + [True] * 3  # a's own went, nothing else
         b.end()
         await settled(manager)
         assert_idle(manager)

@@ -235,6 +235,19 @@ class Catalog(Generic[W]):
         elif self.changes is not None:
             self.changes.note(Change.ADD, name, held)
 
+    def demote(self, names: Iterable[str]) -> int:
+        """Make ``names`` (a prefix's, head first) the least recently used, the tail evicted
+        first; how many are held. Not logged: after a restart a demoted block stands where its
+        last use put it."""
+        index = self._index
+        demoted = 0
+        for name in names:  # each to the front: the last, the tail, ends up first
+            ident = ident_of_name(name)
+            if ident is not None and ident in index:
+                index.move_to_end(ident, last=False)
+                demoted += 1
+        return demoted
+
     def checked(self, name: str, size: int | None, since: int) -> bool:
         """An existence check that began at epoch ``since`` found the file (``size``) or
         found none (``None``). A file another process wrote is counted from now on.

@@ -417,6 +417,11 @@ class FSTier(SecondaryTier):
             self.events.emit(EventKind.REMOVED, (key,), reason="deleted")
         self._ledger.meter.deletes += removed
 
+    def demote(self, keys: Sequence[bytes]) -> int:
+        """Let ``keys`` go first when the tier must evict for ``capacity_bytes``: the
+        catalog's order (what it does not hold, it leaves alone)."""
+        return self._catalog.demote(name_of(key) for key in keys)
+
     # -- state ---------------------------------------------------------------------------------
 
     def held_keys(self) -> list[bytes]:

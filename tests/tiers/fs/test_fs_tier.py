@@ -451,6 +451,28 @@ async def test_capacity_evicts_least_recently_used(tmp_path: Path, no_blocking: 
         assert (s.evictions, s.blocks, s.bytes_stored) == (2, 3, 3 * FILE)
 
 
+async def test_demoted_blocks_are_evicted_first_tail_first(tmp_path: Path) -> None:
+    """A prefix demoted (a session that ended) leaves before blocks used less recently,
+    its tail first; keys the tier does not hold are left alone."""
+    async with FSTier(tmp_path / "c", capacity_bytes=4 * FILE) as tier:
+        for i in range(4):
+            await tier.store(key(i), memoryview(data(i)))
+        await load(tier, key(1))
+        await load(tier, key(2))  # the order, oldest first: 0, 3, 1, 2
+        assert tier.demote([key(1), key(2), key(9)]) == 2  # the prefix 1, 2; 9 is not held
+        await tier.store(key(4), memoryview(data(4)))
+        assert await tier.contains_many([key(i) for i in range(5)]) == [
+            True,
+            True,
+            False,  # the demoted tail went first
+            True,
+            True,
+        ]
+        await tier.store(key(5), memoryview(data(5)))
+        assert await tier.contains_many([key(1), key(0), key(3)]) == [False, True, True]
+        assert tier.statistics().evictions == 2
+
+
 async def test_usage_is_rebuilt_on_open_oldest_first(tmp_path: Path) -> None:
     """Without the catalog it kept (removed here), a tier rebuilds the LRU order from the
     files' times."""
