@@ -140,12 +140,14 @@ def two_nodes(session: nox.Session) -> None:
 QUICK_BENCHMARKS = (
     ("bench_lookup", "--quick"),
     ("bench_fs", "--quick"),
+    ("bench_fs_catalog", "--quick"),
     ("bench_s3", "--quick"),
     ("bench_s3_packs", "--quick"),
     ("bench_load", "--quick"),
     ("bench_demo_tiers", "--quick", "--rounds", "1"),
     ("replay_trace", "--quick"),
     ("restart", "--quick"),  # starts its own SeaweedFS
+    ("residency", "--quick"),  # starts its own SeaweedFS
 )
 S3_BENCHMARKS = ("bench_s3", "bench_s3_cpu", "bench_s3_packs", "bench_demo_tiers", "cluster_replay")
 

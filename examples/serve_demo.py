@@ -186,7 +186,8 @@ def report(
             print(
                 f"  {tier.name:<14} {tier.request_path_requests:,} requests on the request path "
                 f"for keys its index did not hold ({tier.lookup_mode} mode, "
-                f"{tier.index_keys:,} keys indexed)"
+                f"{tier.index_keys:,} keys indexed; {tier.index_load_requests:,} while it "
+                "loaded)"
             )
     if other > 0:
         print(f"  {'meanwhile':<14} {other:,} stored by concurrent requests during the lookup")
@@ -210,6 +211,7 @@ def report(
         if isinstance(tier, kvtier.S3TierStatistics):
             out["tier_io"][tier.name].update(
                 request_path_requests=tier.request_path_requests,
+                index_load_requests=tier.index_load_requests,
                 lookup_mode=tier.lookup_mode,
                 index_keys=tier.index_keys,
             )
