@@ -15,7 +15,9 @@ Events (``kvtier.common._events``): a block that landed (renamed into place: vis
 (``not_found``), an existence check finds it gone, or a rescan of the folder (at open, or when
 a root that was unusable comes back) no longer finds it (``not_found``: another process, or
 someone by hand, removed it). A key the catalog never held is never removed: a miss of a key
-nobody announced (a load or a check of an unknown key) says nothing to a router.
+nobody announced (a load or a check of an unknown key) says nothing to a router. The walk
+after an open from a kept catalog (``_reconcile``) tells both ways what the catalog as loaded
+got wrong: a file it lacked is stored, an entry without a file removed (``not_found``).
 """
 
 from __future__ import annotations
@@ -214,6 +216,16 @@ class Ledger:
         removed."""
         gone = self.catalog.reset(entries, since)
         self.forget([k for name in gone if (k := key_of(name))])
+
+    def found_files(self, names: list[str]) -> None:
+        """The files ``names``, which the catalog did not hold, are there (the walk after an
+        open from a kept catalog found them): hits from now on, stored."""
+        keys = [k for name in names if (k := key_of(name)) is not None]
+        for key in keys:
+            self.verdicts.record(key, True)
+        if keys:
+            self.events.emit(EventKind.STORED, keys)
+            self.notify(keys)
 
     def forget_files(self, names: list[str]) -> None:
         """``forget`` the keys of the files ``names``."""

@@ -73,11 +73,14 @@ class CatalogPersistence:
         forget: Callable[[list[str]], None],
         fsync: str,
         limits: Limits | None = None,
+        *,
+        found: Callable[[list[str]], None] = lambda names: None,
     ) -> None:
         self.name = name
         self.root = root
         self._catalog = catalog
         self._forget = forget  # entries the walk found without a file: ``not_found``
+        self._found = found  # files the walk found that the catalog lacked: ``stored``
         self._limits = limits or Limits()
         self._durable = fsync != "never"
         self.loaded: Loaded | None = None  # read by ``load``, until the walk has compared it
@@ -156,7 +159,7 @@ class CatalogPersistence:
             diff = await anyio.to_thread.run_sync(compare, self.root, base, abandon_on_cancel=True)
             self.loaded = self._base = None  # compared: its memory goes
             del base
-            done = await apply(self._catalog, diff, since, self._forget)
+            done = await apply(self._catalog, diff, since, self._forget, self._found)
             self.complete = True
             on_complete()
         except Exception as exc:  # a task that serves the tier lives on, and says so

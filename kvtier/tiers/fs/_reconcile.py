@@ -7,7 +7,9 @@ folder is walked in the background (``compare``, in a worker thread: the walk at
 replaces, stale temporary files removed as there) and the difference applied on the event loop
 (``apply``, a slice at a time): files the catalog did not know join it at the most recent end,
 in the order they were written; entries with no file are dropped (``not_found``); sizes are
-corrected where they stand.
+corrected where they stand. Both are told as they are applied (``found``, ``forget``: the tier
+announces them as ``stored`` and ``removed`` events), so a router that took the node's state
+before the walk ended learns the difference too.
 
 The tier keeps storing, loading, deleting and evicting meanwhile, and the walk must not undo
 any of it: the difference is taken against the catalog as loaded (the epoch ``since`` the walk
@@ -78,9 +80,11 @@ async def apply(
     diff: Difference,
     since: int,
     forget: Callable[[list[str]], None],
+    found: Callable[[list[str]], None],
 ) -> Applied:
     """Apply ``diff`` (taken from epoch ``since`` on) to ``catalog``, ``SLICE`` changes per
-    turn of the loop; ``forget(names)`` is told the entries dropped, as they are."""
+    turn of the loop; ``forget(names)`` is told the entries dropped, ``found(names)`` the
+    files added, as they are."""
     gone: list[str] = []
     for start in range(0, len(diff.gone), SLICE):
         dropped = [
@@ -89,15 +93,18 @@ async def apply(
         gone.extend(dropped)
         forget(dropped)
         await anyio.lowlevel.checkpoint()
-    found = resized = 0
+    added = resized = 0
     for start in range(0, len(diff.found), SLICE):
+        names: list[str] = []
         for name, size in diff.found[start : start + SLICE]:
             if name not in catalog and not catalog.changed_since(name, since):
                 catalog.add(name, size)
-                found += 1
+                names.append(name)
+        added += len(names)
+        found(names)
         await anyio.lowlevel.checkpoint()
     for name, size in diff.resized:
         if not catalog.changed_since(name, since) and catalog.size_of(name) not in (None, size):
             catalog.resize(name, size)
             resized += 1
-    return Applied(found, gone, resized)
+    return Applied(added, gone, resized)

@@ -122,7 +122,12 @@ class FSTier(SecondaryTier):
         )
         self._upkeep = Upkeep(self._files, self._ledger, settings.lookup_timeout, self._share)
         self._persistence = CatalogPersistence(
-            self.name, self.root, self._catalog, self._ledger.forget_files, settings.fsync
+            self.name,
+            self.root,
+            self._catalog,
+            self._ledger.forget_files,
+            settings.fsync,
+            found=self._ledger.found_files,
         )
         self._keeping = False  # this open made the tier the owner: it keeps its catalog
 

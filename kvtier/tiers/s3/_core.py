@@ -12,7 +12,8 @@ without an event loop.
 Events: a block is ``STORED`` (``LOCAL``) once this node's PUT of it succeeded (its own object
 or a pack's section; or the conditional PUT found it there already): a GET finds it from then
 on. It is ``REMOVED`` when this node stops holding it: ``corrupt`` when a load found it
-damaged, ``not_found`` when a load found it gone, ``deleted`` on ``delete``. Only a key this
+damaged, ``not_found`` when a load found it gone (and published in the journal as a removal,
+so the other nodes drop it too), ``deleted`` on ``delete``. Only a key this
 tier held (indexed, or answered present in the ask mode) is removed: a miss of a key nobody
 announced says nothing. The S3 tier never evicts for capacity. Other nodes' stores and
 deletes arrive through the journal as ``REMOTE`` events (``_sync``).
@@ -176,11 +177,23 @@ class S3Core:
 
     def lost(self, key: bytes, reason: MissReason) -> None:
         """A load found ``key``'s block gone or corrupt (``reason``): a miss from now on,
-        and removed if this tier held it. (Any other failure only suppresses it a while.)"""
+        and removed if this tier held it. (Any other failure only suppresses it a while.)
+
+        A held block found gone was removed behind kvtier's back (a lifecycle rule, a
+        person): nobody else will publish that, so this node does, in its next removal
+        segment, as ``deleted`` (the reason codes every reader knows). The other nodes
+        check the bucket before they drop the key, so one stored again meanwhile stays. A
+        block found corrupt is published once its delete succeeds (``end_delete``); one
+        left in place (a newer format, signed) may be valid to others: not published. A
+        key this node did not hold is not published: in the index mode a load follows a
+        HIT, so a miss of an unheld key is a caller's guess (or a key in a pack the index
+        has not brought yet), and a removal costs every node that holds the key a HEAD."""
         held = self.holds(key)
         self.record_miss(key, reason)
         if held and reason in (MissReason.NOT_FOUND, MissReason.CORRUPT):
             self.events.emit(EventKind.REMOVED, (key,), reason=reason.value)
+        if held and reason is MissReason.NOT_FOUND:
+            self.index.deleted(key, "deleted")
 
     def deleted(self, key: bytes, why: str) -> None:
         """This node deleted ``key``'s object (``why``: "deleted" on request, "corrupt"):

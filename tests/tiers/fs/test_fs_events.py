@@ -121,6 +121,32 @@ async def test_a_file_another_process_removes_from_an_owned_folder(tmp_path: Pat
         assert tier.lookup(keys[1]) is LookupResult.MISS
 
 
+async def test_the_walk_after_a_reopen_announces_what_changed_while_closed(
+    tmp_path: Path,
+) -> None:
+    """An owner reopened from its kept catalog serves from it at once; the walk that follows
+    tells a router both ways what the folder has that the catalog did not say: a file another
+    process stored meanwhile is stored, a file removed by hand is removed (``not_found``)."""
+    root = tmp_path / "c"
+    keys = fresh_keys(3)
+    async with FSTier(root, shared=False) as tier:
+        for i, key in enumerate(keys[:2]):
+            await tier.store(key, payload(i))
+    async with FSTier(root, shared=True) as other:  # another process, while it is closed
+        await other.store(keys[2], payload(2))
+    path_of(root, keys[0]).unlink()  # by hand, while it is closed
+    async with FSTier(root, shared=False, name="disk") as tier:
+        assert tier.statistics().catalog_from_checkpoint
+        await tier._persistence.walked()
+        events = tier.events.drain()
+        assert removed(events) == [(keys[0], "not_found")]
+        assert [e for e in events if e.kind is EventKind.STORED] == [
+            TierEvent(EventKind.STORED, (keys[2],), "disk")
+        ]
+        assert sorted(tier.held_keys()) == sorted(keys[1:])
+        assert tier.lookup(keys[2]) is LookupResult.HIT
+
+
 async def test_a_file_another_process_removes_from_a_shared_folder(tmp_path: Path) -> None:
     """A key answered present whose existence check finds it gone, or whose load does, is
     removed (``not_found``); the key another process wrote too, once this tier saw it."""

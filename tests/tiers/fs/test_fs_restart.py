@@ -118,8 +118,9 @@ async def test_the_walk_reconciles_what_changed_while_closed(tmp_path: Path) -> 
     async with FSTier(root, shared=False) as tier:
         tier.events.drain()
         await tier._persistence.walked()
-        removed = {(k, e.reason) for e in tier.events.drain() for k in e.keys}
-        assert removed == {(key(1), "not_found"), (key(2), "not_found")}
+        told = {(k, e.reason) for e in tier.events.drain() for k in e.keys}
+        # gone: removed (not_found); found: stored (no reason); resized: nothing to tell
+        assert told == {(key(1), "not_found"), (key(2), "not_found"), (key(4), None)}
         assert [tier.lookup(key(i)) for i in range(5)] == [HIT, MISS, MISS, HIT, HIT]
         sizes = dict(tier._catalog.entries())
         assert sizes[key(3).hex()] == file_of(root, 3).stat().st_size

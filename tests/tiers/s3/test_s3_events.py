@@ -156,6 +156,65 @@ async def test_a_block_one_node_deletes_is_removed_on_the_others(
         assert b.statistics().journal_segments_rejected == 0
 
 
+@pytest.mark.parametrize("mode", ["index", "ask"])
+async def test_a_block_removed_behind_kvtiers_back_is_published_by_the_node_that_found_it(
+    weed_server: WeedServer, prefix: str, mode: str
+) -> None:
+    """Nobody deletes it through kvtier (a lifecycle rule, a person): the node whose load
+    finds it gone publishes its removal, so every other node drops it and stops vouching for
+    it in its full state, instead of holding it until it loads it itself."""
+    keys = fresh_keys(2)
+    async with (
+        s3_tier(weed_server, prefix, name="a", lookup_mode=mode, **INDEX_BY_HAND) as a,
+        s3_tier(weed_server, prefix, name="b", **INDEX_BY_HAND) as b,
+    ):
+        for key in keys:
+            await a.store(key, block())
+        await a.refresh_index()
+        await b.refresh_index()
+        assert b.lookup(keys[0]) is LookupResult.HIT
+        a.events.drain(), b.events.drain()
+        await overwrite(weed_server, a, keys[0], None)  # behind kvtier's back
+        with pytest.raises(BlockNotFoundError):
+            await a.load(keys[0], memoryview(bytearray(BLOCK)))
+        assert a.events.drain() == [removed(keys[0], "a", "not_found")]
+        await a.refresh_index()  # publishes the removal
+        await b.refresh_index()  # reads it, finds the object gone: dropped
+        assert b.events.drain() == [removed(keys[0], "b", "deleted", "REMOTE")]
+        assert b.lookup(keys[0]) is LookupResult.MISS
+        assert sorted(b.held_keys()) == [keys[1]]
+        assert b.statistics().index_forgotten == 1
+
+
+async def test_a_block_removed_behind_kvtiers_back_and_stored_again_stays_held(
+    weed_server: WeedServer, prefix: str
+) -> None:
+    """The removal a load found is checked by the others like a delete: a node that stored
+    the block again before they read it keeps it, and they with it."""
+    (key,) = fresh_keys(1)
+    async with (
+        s3_tier(weed_server, prefix, name="a", **INDEX_BY_HAND) as a,
+        s3_tier(weed_server, prefix, name="b", **INDEX_BY_HAND) as b,
+        s3_tier(weed_server, prefix, name="c", **INDEX_BY_HAND) as c,
+    ):
+        assert await c.wait_index_loaded()  # c never learns the key: its store lands
+        await a.store(key, block())
+        await a.refresh_index()
+        await b.refresh_index()
+        await overwrite(weed_server, a, key, None)
+        with pytest.raises(BlockNotFoundError):
+            await a.load(key, memoryview(bytearray(BLOCK)))
+        await c.store(key, block())
+        assert c.statistics().stores_skipped_existing == 0
+        await a.refresh_index()  # the removal, published after c's PUT
+        b.events.drain()
+        await b.refresh_index()
+        assert b.events.drain() == []  # checked: there again, held all along
+        assert b.lookup(key) is LookupResult.HIT
+        assert b.statistics().index_removals_kept == 1
+        await b.load(key, memoryview(bytearray(BLOCK)))
+
+
 async def test_a_block_stored_again_after_its_removal_stays_held(
     weed_server: WeedServer, prefix: str
 ) -> None:

@@ -15,8 +15,10 @@ itself). A block another node deletes (on request, or as corrupt) stops being a 
 within the same bound: its removal is published at that node's next refresh, read at this
 node's next poll, checked against the bucket in the same round (``_rechecks``: a block
 stored again since stays, whatever order the segments' names give), and told as a REMOTE
-removed event (``forgot``). A block deleted by anything but a kvtier node is never
-published: it stays a HIT here until a load finds it gone (one GET, a ``not_found`` event).
+removed event (``forgot``). A block deleted by anything but a kvtier node (a lifecycle
+rule, a person) stays a HIT on every node until a load on one of them finds it gone (one
+GET, a ``not_found`` event); that node then publishes the removal as it publishes a delete
+(``S3Core.lost``), and the others drop it within the same bound.
 
 The loop catches every ``Exception`` (a botocore error kvtier does not translate, such as a
 failing credential provider, included) and counts it: it runs in a task group entered in the
