@@ -155,4 +155,6 @@ async def run_sync(
             future: asyncio.Future[T] = loop.create_future()
             _workers.submit(_Call(fn, args, contextvars.copy_context(), loop, future))
             result = await future
+    # A cancellation deferred while the call ran is raised now, not at some later await.
+    await anyio.lowlevel.checkpoint_if_cancelled()
     return result

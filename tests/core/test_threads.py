@@ -135,8 +135,12 @@ async def test_a_cancelled_caller_that_does_not_abandon_waits_for_the_call() -> 
         finish.wait(30)
         finished.set()
 
+    went_on = False
+
     async def caller() -> None:
+        nonlocal went_on
         await run_sync(call)
+        went_on = True  # never: the deferred cancellation is raised as the call returns
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(caller)
@@ -145,6 +149,7 @@ async def test_a_cancelled_caller_that_does_not_abandon_waits_for_the_call() -> 
         assert not finished.is_set()
         finish.set()
     assert finished.is_set()  # the task group ended only once the call had returned
+    assert not went_on
 
 
 async def test_spare_workers_exit_once_idle() -> None:
