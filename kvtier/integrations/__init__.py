@@ -7,6 +7,7 @@ kvtier tier driven from a synchronous engine thread, is ``kvtier.integrations.br
 - ``_event_stream``: ``EventStream``, the tiers' events as an async iterator of batches, for
   routers and for ``kv_events``;
 - ``kv_events``: ``KVEventPublisher``, those events as vLLM's KV events on a ZeroMQ socket,
+  ``_kv_wire`` (what a message is: vLLM's batches, the replay's framing, the block hashes)
   and ``_full_state`` (what the tiers hold, as batches a router takes as a reset);
 - ``kv_subscriber``: a router's side of those events, ``KVEventSubscriber`` (``_sequence``:
   gaps repaired by replay or full state) and ``ResidencyView`` (``_residency``: shared tiers

@@ -41,6 +41,7 @@ from typing import Any, Self
 from anyio.abc import AsyncResource
 
 from kvtier.common._errors import ExtraNotInstalledError
+from kvtier.integrations._kv_wire import END_OF_REPLAY, FULL_STATE_REQUEST
 from kvtier.integrations._residency import (
     TIER_CLASSES,
     ResidencyView,
@@ -49,7 +50,6 @@ from kvtier.integrations._residency import (
     tier_class,
 )
 from kvtier.integrations._sequence import SequenceStatistics, SequenceTracker
-from kvtier.integrations.kv_events import END_OF_REPLAY, FULL_STATE_REQUEST
 
 __all__ = [
     "TIER_CLASSES",
