@@ -100,16 +100,23 @@ async def test_the_limiter_bounds_calls_in_flight(thread_starts: list[int]) -> N
     assert most == 2
 
 
+class HeldCall:
+    """A call that runs until the test lets it finish, and says where it is."""
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.finish = threading.Event()
+        self.finished = threading.Event()
+
+    def __call__(self) -> None:
+        self.started.set()
+        self.finish.wait(30)
+        self.finished.set()
+
+
 async def test_a_cancelled_caller_that_abandons_returns_while_the_call_runs_on() -> None:
-    started = threading.Event()
-    finish = threading.Event()
-    finished = threading.Event()
-
-    def call() -> None:
-        started.set()
-        finish.wait(30)
-        finished.set()
-
+    call = HeldCall()
+    started, finish, finished = call.started, call.finish, call.finished
     with anyio.move_on_after(30) as scope:
         async with anyio.create_task_group() as tg:
 
@@ -126,15 +133,8 @@ async def test_a_cancelled_caller_that_abandons_returns_while_the_call_runs_on()
 
 
 async def test_a_cancelled_caller_that_does_not_abandon_waits_for_the_call() -> None:
-    started = threading.Event()
-    finish = threading.Event()
-    finished = threading.Event()
-
-    def call() -> None:
-        started.set()
-        finish.wait(30)
-        finished.set()
-
+    call = HeldCall()
+    started, finish, finished = call.started, call.finish, call.finished
     went_on = False
 
     async def caller() -> None:
