@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import faulthandler
 import io as stdio
 import os
 import subprocess
 import sys
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+import time
+from collections.abc import AsyncIterator, Callable, Generator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,53 @@ from kvtier.tiers.fs import _write as _fs_write
 from tests.support import HUNG_FAILSAFE, BlockingCallError, Hang, ManualClock, fresh_keys
 
 RunScript = Callable[..., subprocess.CompletedProcess[str]]
+
+
+class HangWatchdog:
+    """The last resort against a hang that pytest-timeout cannot break: its timer stops once
+    a test has failed (and so does faulthandler's), and a teardown can then wait for ever in a
+    C call (a zmq context waiting for a socket the failed test never closed). Past a test's
+    deadline every thread's stack goes to the terminal and the run exits: CI fails in minutes,
+    with the place of the hang, instead of at its own limit."""
+
+    def __init__(self) -> None:
+        self._report_fd = os.dup(2)  # the terminal's stderr, kept before pytest captures it
+        self._deadline: float | None = None
+        threading.Thread(target=self._watch, name="test-hang-watchdog", daemon=True).start()
+
+    def arm(self, seconds: float) -> None:
+        self._deadline = time.monotonic() + seconds
+
+    def disarm(self) -> None:
+        self._deadline = None
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(1.0)
+            deadline = self._deadline
+            if deadline is not None and time.monotonic() > deadline:
+                os.write(self._report_fd, b"\nA test hung past its deadline; the stacks:\n")
+                faulthandler.dump_traceback(file=self._report_fd, all_threads=True)
+                os._exit(1)
+
+
+_WATCHDOG: list[HangWatchdog] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _WATCHDOG.append(HangWatchdog())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, None, None]:
+    """Each test, its setup and teardown included, within twice its timeout and a minute."""
+    marker = item.get_closest_marker("timeout")
+    limit = float(marker.args[0] if marker and marker.args else item.config.getini("timeout"))
+    _WATCHDOG[0].arm(2 * limit + 60)
+    try:
+        yield
+    finally:
+        _WATCHDOG[0].disarm()
 
 
 @pytest.fixture

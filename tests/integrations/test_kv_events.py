@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import socket
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -31,13 +30,6 @@ def as_int(key: bytes) -> int:
 
 def stored(*keys: bytes, tier: str = "fs", locality: str = "LOCAL") -> TierEvent:
     return TierEvent(EventKind.STORED, keys, tier, locality=locality)
-
-
-@pytest.fixture
-def context() -> Iterator[Any]:
-    ctx = zmq.Context()
-    yield ctx
-    ctx.term()
 
 
 def subscriber(context: Any, endpoint: str, topic: bytes = b"") -> Any:
