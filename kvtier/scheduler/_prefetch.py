@@ -135,6 +135,7 @@ class PrefetchHandle:
         self._capped = False  # its latest scan stopped at the share (or, a guess, the spare)
         self._spare = 0  # a guess: spare slots it may still fill in this scan
         self._pinned: set[bytes] = set()  # a guess: its promoted blocks it pins, kept across scans
+        self._held_now: int | None = None  # the share's use in this scan step (None: not taken)
         self._scope: anyio.CancelScope | None = None
         self._scanned = anyio.Event()  # the scan is over (answer, deadline, claim, cancel)
         self._ended = anyio.Event()  # claimed, expired or cancelled
@@ -199,6 +200,7 @@ class PrefetchHandle:
         """Pin the hits the scan counts, head first, as far as the share has room: past it
         they are only touched (the fast prefix made them the youngest), not held."""
         owner = self._owner
+        self._held_now = None  # pins change it: taken afresh at the next ask
         room = owner.limit - owner.held()
         if room <= 0 or self._ended.is_set():  # ended as its scan woke: nothing to hold for
             return []
@@ -217,15 +219,23 @@ class PrefetchHandle:
 
     def _ask(self, key: bytes, budget: ScanBudget) -> LookupResult:
         """The scan's ask: the budget's, but no promotion past the share, and the promotions
-        it starts counted as this prefetch's."""
+        it starts counted as this prefetch's.
+
+        The share's use is taken once per scan step and counted on from there: within a
+        step only this scan changes it (one more slot per promotion it starts), and taking
+        it afresh for each key would cost a walk of every prefetch's keys per key."""
         owner = self._owner
         pool = owner.manager.pool
         fresh = key not in pool.table.ready and pool.state_of(key) is SlotState.FREE
-        if fresh and (owner.held() >= owner.limit or (self.guess and self._spare <= 0)):
-            owner.capped_now(self)
-            self._capped = True
-            self._reasons[key] = SPARE_REASON if owner.held() < owner.limit else SHARE_REASON
-            return MISS
+        if fresh:
+            if self._held_now is None:
+                self._held_now = owner.held()
+            if self._held_now >= owner.limit or (self.guess and self._spare <= 0):
+                owner.capped_now(self)
+                self._capped = True
+                full = self._held_now >= owner.limit
+                self._reasons[key] = SHARE_REASON if full else SPARE_REASON
+                return MISS
         result = budget.ask(key)
         if result is MISS:
             self._reasons[key] = owner.manager.last_miss_reason
@@ -234,6 +244,8 @@ class PrefetchHandle:
             self._spare -= 1
             self.prefetched += 1
             owner.blocks_prefetched += 1
+            if self._held_now is not None:
+                self._held_now += 1
         return result
 
     async def run(self) -> None:
@@ -298,10 +310,12 @@ class PrefetchHandle:
         scan.lease = self._lease  # pins go straight to the handle: released by _end
         changes = KeyWatch()
         try:
+            self._held_now = None
             result = scan.start()
             while result is None:
                 manager.watch(scan.take_watches(), changes)
                 await changes.wait()
+                self._held_now = None  # others' prefetches moved on while this one waited
                 result = scan.resume(changes.take())
             return result
         finally:
