@@ -100,7 +100,8 @@ the way httpcore's pool is a state machine with I/O outside it.
 - ``_errors``: where botocore and network errors become kvtier errors, once.
 - ``_blocks``: loads and stores of block objects and pack sections, around the core.
 - ``_codec``: the block format as an object (build, stream into a buffer and check).
-- ``_pack_format`` (the format, no I/O) and ``_pack`` (group commit of stores, coalesced reads).
+- ``_pack_format`` (the format, no I/O), ``_pack`` (group commit of stores, coalesced reads)
+  and ``_pack_table`` (a pack's table read from the bucket: at open, and before a delete).
 - ``index``, the fleet index: ``_existence`` (the existence index), ``_journal_format`` (the
   format, no I/O), ``_listing`` (the listing at open) and ``_sync`` (the journal loop;
   ``_skew``, its clock check);

@@ -43,6 +43,8 @@ from kvtier.tiers.s3._config import S3Config, S3Overrides, check_bucket_name
 from kvtier.tiers.s3._core import S3Core, S3TierStatistics
 from kvtier.tiers.s3._errors import Fault
 from kvtier.tiers.s3._integrity import OpenPlace, check_marker, claim_identity
+from kvtier.tiers.s3._pack_format import PackTableError
+from kvtier.tiers.s3._pack_table import read_table
 from kvtier.tiers.s3._requests import Requests, acquire
 from kvtier.tiers.s3.index._sync import IndexSync
 
@@ -412,14 +414,17 @@ class S3Tier(SecondaryTier):
     async def delete(self, key: bytes) -> None:
         """Delete ``key``'s object, and the pack that holds it if any: S3 cannot delete part
         of an object, so the pack's other blocks go too (misses from then on, on every node;
-        this is a cache, and no block is ever served from a pack that is gone). The key is
-        published as removed at the next journal refresh; the pack's other blocks are not
-        (their keys are not at hand): each node finds them gone at its next load of one."""
+        this is a cache, and no block is ever served from a pack that is gone). The pack's
+        table is read first, so its other keys that the index places in it are removed with
+        it: announced as removed and published at the next journal refresh, as the key is
+        (a table that cannot be read leaves them to be found gone at their next load)."""
         check_key(key)
         client = self._require_client("delete")
         core = self._core
         where = self._index.location(key)
-        names = [core.object_key(key)] + ([where.pack] if where is not None else [])
+        pack = None if where is None else where.pack
+        names = [core.object_key(key)] + ([pack] if pack is not None else [])
+        neighbours = [] if pack is None else await self._pack_neighbours(client, key, pack)
         try:
             for name in names:
                 await self._requests.call(
@@ -433,6 +438,26 @@ class S3Tier(SecondaryTier):
             raise
         core.meter.deletes += 1
         core.deleted(key, "deleted")
+        for other in neighbours:
+            if (place := self._index.location(other)) is not None and place.pack == pack:
+                core.deleted(other, "deleted")  # still placed in the pack that is gone
+
+    async def _pack_neighbours(self, client: Any, key: bytes, pack: str) -> list[bytes]:
+        """The other keys pack ``pack``'s table names (none if it cannot be read)."""
+        try:
+            entries = await read_table(
+                self._requests.call, client, self.bucket, pack, "delete", key
+            )
+        except (PackTableError, TierError) as exc:
+            logger.warning(
+                "%s: could not read the table of pack %s before deleting it (%s): its other "
+                "blocks are found gone at their next load",
+                self.name,
+                pack,
+                exc,
+            )
+            return []
+        return [other for other, _ in entries if other != key]
 
     # -- feedback and statistics ---------------------------------------------------------------
 

@@ -18,6 +18,7 @@ from devtools.weed_server import (
 from kvtier import (
     BlockNotFoundError,
     CorruptBlockError,
+    EventKind,
     InvalidArgumentError,
     LookupResult,
     TierUnavailableError,
@@ -176,6 +177,32 @@ async def test_delete_of_a_packed_key_deletes_its_pack(
         with pytest.raises(BlockNotFoundError):  # its neighbour went with the pack
             await tier.load(keys[1], memoryview(bytearray(BLOCK)))
         assert tier.lookup(keys[1]) is LookupResult.MISS
+
+
+async def test_a_deleted_packs_other_keys_are_removed_with_it_here_and_on_other_nodes(
+    weed_server: WeedServer, prefix: str
+) -> None:
+    """The pack's table is read before the delete: its other keys are announced as removed
+    at once (a router learns it without waiting for a load) and published in the journal,
+    so another node drops them too, with no load of its own."""
+    keys, blocks = _keys_and_blocks(3)
+    async with (
+        s3_tier(weed_server, prefix, name="a", pack_blocks=4, **INDEX_BY_HAND) as a,
+        s3_tier(weed_server, prefix, name="b", **INDEX_BY_HAND) as b,
+    ):
+        await _store_together(a, keys, blocks)
+        await a.refresh_index()
+        await b.refresh_index()
+        assert all(b.lookup(k) is LookupResult.HIT for k in keys)
+        a.events.drain()
+        await a.delete(keys[1])
+        removed = [e.keys for e in a.events.drain() if e.kind is EventKind.REMOVED]
+        assert sorted(removed) == sorted((k,) for k in keys)
+        assert [a.lookup(k) for k in keys] == [LookupResult.MISS] * 3
+        await a.refresh_index()  # publishes the three removals
+        await b.refresh_index()  # checks each against the bucket, then drops it
+        assert [b.lookup(k) for k in keys] == [LookupResult.MISS] * 3
+        assert b.statistics().loads == 0
 
 
 @pytest.mark.parametrize("damage", ["payload", "table offset", "truncated"])

@@ -22,14 +22,12 @@ from kvtier.common._errors import TierError
 from kvtier.common._logging import BurstLogger
 from kvtier.tiers.s3._errors import Fault
 from kvtier.tiers.s3._pack_format import (
-    TABLE_PROBE_BYTES,
     Location,
     PackTableError,
-    decode_table,
     is_pack_name,
-    table_size,
 )
-from kvtier.tiers.s3._requests import Call, get_bytes
+from kvtier.tiers.s3._pack_table import read_table
+from kvtier.tiers.s3._requests import Call
 from kvtier.tiers.s3.index._existence import ExistenceIndex, key_from_object
 from kvtier.tiers.s3.index._journal_format import journal_prefix
 
@@ -146,29 +144,8 @@ class Listing:
                 tg.start_soon(reader)
 
     async def _read_table(self, name: str) -> list[tuple[bytes, Location | None]]:
-        client, bucket = self.client, self.bucket
-        expected = frozenset({Fault.NOT_FOUND})
         try:
-            data = await self.call(
-                "list",
-                None,
-                lambda: get_bytes(client, bucket, name, 0, TABLE_PROBE_BYTES),
-                expected=expected,
-            )
-            if isinstance(data, Fault):
-                return []  # deleted since the listing
-            size = table_size(data)
-            if size > len(data):
-                more = await self.call(
-                    "list",
-                    None,
-                    lambda: get_bytes(client, bucket, name, len(data), size),
-                    expected=expected,
-                )
-                if isinstance(more, Fault):
-                    return []
-                data += more
-            return list(decode_table(data, name))
+            return list(await read_table(self.call, self.client, self.bucket, name, "list"))
         except PackTableError as exc:
             self._log.warning("pack", "%s: ignoring pack %s: %s", self.name, name, exc)
         except TierError as exc:  # its keys miss until a journal or a store names them
