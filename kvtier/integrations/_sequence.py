@@ -2,7 +2,8 @@
 
 A PUB socket drops messages for a subscriber past its high-water mark, and a subscriber that
 joins late or whose publisher restarted has seen none of what came before. The sequence number
-of every batch says so: batches are numbered from 0 by each publisher, one after the other, so
+of every batch says so: each publisher numbers its batches one after the other (vLLM's from 0,
+kvtier's from its start time, so a restarted node's numbers jump ahead), so
 
 - the next expected batch is applied, and so are those held after it;
 - a later one means batches were lost: it is held (``max_held`` at most) and the repair asks for

@@ -34,6 +34,13 @@ empty batch with the next number (a *heartbeat*), and a subscriber that lost the
 of a burst learns it within that time of reading again (vLLM's decoder reads an empty batch
 as one with no events).
 
+A publisher numbers its batches from the microseconds since the epoch at its start, not from
+0: a node that restarts then continues above what its previous life sent (no publisher sends
+a batch per microsecond for long), so a subscriber that missed the restart and its
+announcement sees a gap, not a run of numbers it takes for ones it already applied, and
+repairs it (a replay the new publisher cannot serve, then its full state). Subscribers take
+the first number they see as where they join, as vLLM's do.
+
 Nothing here blocks the caller: ``publish`` encodes nothing and only queues the batch, or drops
 and counts it when ``queue_batches`` are already waiting. One thread owns both sockets,
 encodes, sends without blocking (a PUB socket drops for a subscriber past its high-water mark;
@@ -153,7 +160,7 @@ class KVEventPublisher(AsyncResource):
         self._queue: queue.Queue[object] = queue.Queue(maxsize=queue_batches)
         # Held while a sequence is taken and its batch queued, so the queue is in sequence order.
         self._sequence_lock = threading.Lock()
-        self._next_sequence = 0  # the sequence the next batch takes
+        self._next_sequence = first_sequence()  # the sequence the next batch takes
         self._heartbeats = 0
         self._last_sent = time.monotonic()  # the thread's: when it last sent on the PUB socket
         self._held: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=replay_batches)
@@ -461,6 +468,7 @@ class KVEventPublisher(AsyncResource):
                 continue
             requester, delimiter, first = frames
             start = int.from_bytes(first, "big")
+            self._replays += 1  # counted before its end marker goes out: seen once it came
             try:
                 for sequence, payload in list(self._held):
                     if sequence >= start:
@@ -477,7 +485,6 @@ class KVEventPublisher(AsyncResource):
                 )
             except zmq.Again:  # the requester does not read: the rest of its replay is dropped
                 pass
-            self._replays += 1
 
     def _want_full_state(self, requester: bytes) -> None:
         """Ask the running ``publish_stream`` for a snapshot; without one, end at once."""
@@ -504,6 +511,12 @@ class KVEventPublisher(AsyncResource):
             if self._replay is not None:
                 assert self.replay_endpoint is not None
                 _unbind(self._zmq, self._replay, self.replay_endpoint)
+
+
+def first_sequence() -> int:
+    """The number of a new publisher's first batch: the microseconds since the epoch (module
+    doc), so a restarted node's numbers continue above its previous life's."""
+    return time.time_ns() // 1000
 
 
 def _check_settings(block_size: int, replay_batches: int, hwm: int, queue_batches: int) -> None:

@@ -145,6 +145,25 @@ def test_a_late_subscriber_replays_what_it_missed_then_gets_the_end_marker(conte
     ]
 
 
+def test_a_restarted_publisher_numbers_its_batches_on_above_its_previous_life(
+    context: Any,
+) -> None:
+    """Numbers start from the clock, not 0: a subscriber that missed a node's restart sees
+    its new batches as a gap (and repairs it), never as numbers it already applied."""
+    with KVEventPublisher(ANY_PORT, block_size=4, heartbeat_s=None) as before:
+        sub = subscriber(context, before.endpoint)
+        last = joined(before, sub) - 1
+        for i in range(200):
+            before.publish([stored(bytes([i % 256]))])
+        last += 200
+        sub.close()
+    with KVEventPublisher(ANY_PORT, block_size=4, heartbeat_s=None) as after:
+        sub = subscriber(context, after.endpoint)
+        first_after = joined(after, sub) - 1  # at least the probe's number
+        sub.close()
+    assert first_after > last + 1
+
+
 def test_a_replay_request_of_the_wrong_shape_is_counted_and_ignored(context: Any) -> None:
     with KVEventPublisher(
         ANY_PORT, block_size=4, replay_endpoint=ANY_PORT, heartbeat_s=None

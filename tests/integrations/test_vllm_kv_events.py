@@ -81,7 +81,8 @@ def test_replayed_batches_decode_and_frame_as_vllms_publisher_frames_them(contex
         theirs.shutdown()
     for frames in replies.values():
         assert [len(f) for f in frames] == [4, 4]  # delimiter, topic, sequence, payload
-        assert frames[0][2] == (0).to_bytes(8, "big") and frames[-1][2] == END_OF_REPLAY
+        assert frames[-1][2] == END_OF_REPLAY
+    assert replies["theirs"][0][2] == (0).to_bytes(8, "big")  # kvtier's count from its start
     (event,) = decode(replies["ours"][0][3]).events
     assert isinstance(event, BlockStored) and event.block_hashes == [b"x"]
     assert isinstance(decode(replies["theirs"][0][3]).events[0], BlockRemoved)
