@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol, Self
 
 from anyio.abc import AsyncResource
@@ -38,6 +38,7 @@ from kvtier.integrations._full_state import (
     HoldsBlocks,
     LoadsInBackground,
     full_state,
+    full_state_reader,
 )
 
 __all__ = ["EventStream"]
@@ -110,6 +111,13 @@ class EventStream(AsyncResource):
         """What the stream's tiers hold now, as batches a router takes as a reset (the module
         doc): call it on the loop that runs the tiers."""
         return full_state(self._holders, chunk_keys)
+
+    def full_state_reader(
+        self, chunk_keys: int = FULL_STATE_CHUNK_KEYS
+    ) -> Callable[[], list[list[TierEvent]]]:
+        """``full_state`` as the tiers are now (taken on their loop), to make in a worker
+        thread: a publisher holds its live batches back until it has queued the state."""
+        return full_state_reader(self._holders, chunk_keys)
 
     def _queued(self) -> None:
         """An event was queued (on any thread): wake the waiting consumer, if it waits."""
@@ -192,7 +200,7 @@ def _holders(sources: Iterable[object]) -> Iterable[HoldsBlocks]:
     """The tiers among ``sources`` that can say what they hold (``HoldsBlocks``)."""
     for source in sources:
         buffer = getattr(source, "events", None)
-        if isinstance(buffer, EventBuffer) and callable(getattr(source, "held_keys", None)):
+        if isinstance(buffer, EventBuffer) and callable(getattr(source, "held_keys_reader", None)):
             yield source  # type: ignore[misc]  # checked just above, as HoldsBlocks says
 
 

@@ -13,17 +13,27 @@ capacity and the S3 index's ``index_max_keys``, bound how many there are).
 
 Taken on the event loop that changes the tiers, at once: it reflects every event emitted
 before it. Events emitted before it that are still queued reach the router after it; they
-change nothing, since the last event about a key before the snapshot agrees with it.
+change nothing, since the last event about a key before the snapshot agrees with it. Events
+emitted after it must not reach the router before it (a removal, then a state that still
+holds the key): ``full_state_reader`` takes the snapshot on the loop (each tier copies what it
+holds, at memory speed) and makes the batches in a worker thread, so whoever publishes holds
+its live batches back until the state is queued (``KVEventPublisher`` does).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol, runtime_checkable
 
 from kvtier.common._events import EventBuffer, EventKind, TierEvent
 
-__all__ = ["FULL_STATE_CHUNK_KEYS", "HoldsBlocks", "LoadsInBackground", "full_state"]
+__all__ = [
+    "FULL_STATE_CHUNK_KEYS",
+    "HoldsBlocks",
+    "LoadsInBackground",
+    "full_state",
+    "full_state_reader",
+]
 
 FULL_STATE_CHUNK_KEYS = 4096  # keys per STORED event of a full state: about 70 kB on the wire
 
@@ -35,6 +45,8 @@ class HoldsBlocks(Protocol):
     def events(self) -> EventBuffer: ...
 
     def held_keys(self) -> list[bytes]: ...
+
+    def held_keys_reader(self) -> Callable[[], list[bytes]]: ...
 
 
 @runtime_checkable
@@ -55,21 +67,31 @@ def full_state(
 
     ``CLEARED`` comes first even when the tiers hold nothing, so the router forgets what it
     believed of this node either way."""
+    return full_state_reader(tiers, chunk_keys)()
+
+
+def full_state_reader(
+    tiers: Iterable[HoldsBlocks], chunk_keys: int = FULL_STATE_CHUNK_KEYS
+) -> Callable[[], list[list[TierEvent]]]:
+    """``full_state`` as the tiers are now, to make in a worker thread (the module doc)."""
     if chunk_keys < 1:
         raise ValueError(f"chunk_keys must be 1 or more, got {chunk_keys}")
-    tiers = list(tiers)
-    name = ",".join(tier.events.tier for tier in tiers) or "*"
-    events: list[TierEvent] = [TierEvent(EventKind.CLEARED, (), name)]
-    for tier in tiers:
-        buffer = tier.events
-        keys = tier.held_keys()
-        events.extend(
-            _stored(buffer, keys[start : start + chunk_keys])
-            for start in range(0, len(keys), chunk_keys)
-        )
-    if len(events) == 1:
-        return [events]
-    return [events[:2], *([event] for event in events[2:])]
+    readers = [(tier.events, tier.held_keys_reader()) for tier in tiers]
+
+    def make() -> list[list[TierEvent]]:
+        name = ",".join(buffer.tier for buffer, _ in readers) or "*"
+        events: list[TierEvent] = [TierEvent(EventKind.CLEARED, (), name)]
+        for buffer, read in readers:
+            keys = read()
+            events.extend(
+                _stored(buffer, keys[start : start + chunk_keys])
+                for start in range(0, len(keys), chunk_keys)
+            )
+        if len(events) == 1:
+            return [events]
+        return [events[:2], *([event] for event in events[2:])]
+
+    return make
 
 
 def _stored(buffer: EventBuffer, keys: Sequence[bytes]) -> TierEvent:

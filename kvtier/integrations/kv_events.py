@@ -76,6 +76,7 @@ from anyio.abc import AsyncResource
 from kvtier.common._errors import ExtraNotInstalledError, InvalidArgumentError, LifecycleError
 from kvtier.common._events import TierEvent
 from kvtier.common._logging import BurstLogger
+from kvtier.common._threads import run_sync
 from kvtier.integrations._event_stream import EventStream
 from kvtier.integrations._kv_wire import (
     END_OF_REPLAY,
@@ -244,11 +245,15 @@ class KVEventPublisher(AsyncResource):
                 self._on_close.add(stop)
                 if knows:
                     self._full_state_source = want
+            taking = anyio.Lock()  # held while a full state is made, until it is queued
             try:
                 async with anyio.create_task_group() as tg:
                     if knows:
-                        tg.start_soon(self._answer_full_states, stream, wanted, announce)
+                        tg.start_soon(self._answer_full_states, stream, wanted, announce, taking)
                     async for batch in stream:
+                        if taking.locked():  # it may hold events after the snapshot: state first
+                            async with taking:
+                                pass
                         self.publish(batch)
                     tg.cancel_scope.cancel()
             except LifecycleError:  # closed on another thread since the batch came
@@ -260,7 +265,7 @@ class KVEventPublisher(AsyncResource):
                         self._full_state_source = None
 
     async def _answer_full_states(
-        self, stream: EventStream, wanted: asyncio.Event, announce: bool
+        self, stream: EventStream, wanted: asyncio.Event, announce: bool, taking: anyio.Lock
     ) -> None:
         """Once the stream's tiers know what they hold (an S3 index loads in the background;
         live batches go out meanwhile), announce the full state; then one snapshot for every
@@ -269,14 +274,24 @@ class KVEventPublisher(AsyncResource):
         await stream.held_known()
         with contextlib.suppress(LifecycleError):  # closed meanwhile: nothing more to send
             if announce:
-                self._queue_full_state(stream.full_state(), None)
+                await self._take_full_state(stream, taking, None)
             while True:
                 await wanted.wait()
                 wanted.clear()
                 with self._state_lock:
                     requesters, self._wanting = self._wanting, []
                 if requesters:
-                    self._queue_full_state(stream.full_state(), tuple(requesters))
+                    await self._take_full_state(stream, taking, tuple(requesters))
+
+    async def _take_full_state(
+        self, stream: EventStream, taking: anyio.Lock, to: tuple[bytes, ...] | None
+    ) -> None:
+        """Snapshot the tiers on the loop, make the batches in a worker thread (millions of
+        keys never hold the loop), and queue them; ``taking`` holds the live batches back
+        meanwhile, since those may say what happened after the snapshot."""
+        async with taking:
+            batches = await run_sync(stream.full_state_reader())
+            self._queue_full_state(batches, to)
 
     def _queue_full_state(
         self, batches: list[list[TierEvent]], to: tuple[bytes, ...] | None

@@ -6,10 +6,13 @@ and the publisher's full state run over real ZMQ sockets on 127.0.0.1 with a rea
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import anyio
+import msgspec
 import pytest
 
 from kvtier import EventBuffer, EventKind, EventStream, FSTier
@@ -23,6 +26,7 @@ from kvtier.integrations.kv_subscriber import (
     decode_events,
     tier_class,
 )
+from tests.integrations.test_kv_events import RECEIVE_MS, joined, subscriber
 from tests.support import fresh_keys
 
 ANY_PORT = "tcp://127.0.0.1:0"
@@ -185,6 +189,10 @@ class Holder:
     def held_keys(self) -> list[bytes]:
         return list(self._keys)
 
+    def held_keys_reader(self) -> Callable[[], list[bytes]]:
+        keys = list(self._keys)
+        return lambda: keys
+
 
 def test_a_full_state_is_a_reset_then_bounded_chunks_stamped_with_the_tier() -> None:
     batches = full_state([Holder("fs", [b"a", b"b", b"c"]), Holder("s3", [b"d"], shared=True)], 2)
@@ -260,6 +268,52 @@ async def test_a_restarted_node_announces_its_folder_and_a_late_router_asks_for_
             tg.cancel_scope.cancel()
     stats = publisher.statistics()
     assert stats.full_states == 2  # the announcement and the answer
+
+
+class Slow(Holder):
+    """A tier whose full state is made only when the test lets the worker thread go on."""
+
+    def __init__(self, name: str, keys: list[bytes]) -> None:
+        super().__init__(name, keys)
+        self.reading = threading.Event()
+        self.release = threading.Event()
+
+    def held_keys_reader(self) -> Callable[[], list[bytes]]:
+        keys = list(self._keys)
+
+        def read() -> list[bytes]:
+            self.reading.set()
+            self.release.wait(RECEIVE_MS / 1000)  # a failsafe: the test releases it
+            return keys
+
+        return read
+
+
+async def test_what_happens_after_the_snapshot_goes_out_after_the_full_state(context: Any) -> None:
+    """The full state's batches are made in a worker thread; a removal emitted meanwhile is
+    news the snapshot does not hold, so it must reach the router after the state (before it,
+    the state would bring the removed block back)."""
+    tier = Slow("fs", [b"a"])
+    async with (
+        KVEventPublisher(ANY_PORT, block_size=4, heartbeat_s=None) as publisher,
+        EventStream(tier) as stream,
+        anyio.create_task_group() as tg,
+    ):
+        sub = subscriber(context, publisher.endpoint)
+        await anyio.to_thread.run_sync(joined, publisher, sub)
+        tg.start_soon(publisher.publish_stream, stream)
+        await anyio.to_thread.run_sync(tier.reading.wait)  # the snapshot is taken
+        tier.events.emit(EventKind.REMOVED, (b"a",), reason="evicted")
+        await anyio.wait_all_tasks_blocked()  # the stream's consumer holds the removal
+        tier.release.set()
+        first, second = [(await anyio.to_thread.run_sync(sub.recv_multipart))[2] for _ in "ab"]
+        sub.close()
+        stream.close()
+    assert [e.type for e in decode_events(msgspec.msgpack.decode(first))] == [
+        "AllBlocksCleared",
+        "BlockStored",
+    ]
+    assert [e.type for e in decode_events(msgspec.msgpack.decode(second))] == ["BlockRemoved"]
 
 
 class Loading(Holder):

@@ -19,7 +19,7 @@ a second store of a key can wait for the first without the catalog knowing about
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
@@ -163,6 +163,11 @@ class Catalog(Generic[W]):
     def names(self) -> list[str]:
         """File names, least recently used first."""
         return list(map(name_of_ident, self._index))
+
+    def keys_reader(self) -> Callable[[], list[bytes]]:
+        """A function returning the keys of the block files named by their key, to run in a
+        worker thread (``PackedOrder.keys_reader``: the catalog as it is now)."""
+        return self._index.keys_reader()
 
     def entries(self) -> list[tuple[str, int]]:
         """File names and sizes, least recently used first (a checkpoint's contents)."""

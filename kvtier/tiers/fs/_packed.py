@@ -27,7 +27,7 @@ cannot be made to collide. Removed rows are reused, never moved.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Final, TypeVar, overload
 
 import numpy as np
@@ -188,6 +188,26 @@ class PackedOrder:
     def __iter__(self) -> Iterator[bytes]:
         """Idents, least recently used first."""
         return map(self.ident, self._rows())
+
+    def keys_reader(self) -> Callable[[], list[bytes]]:
+        """A function returning every ident that is a key (a name of hex digits; hashed names
+        are left out: their keys are not known), in no particular order, to run in a worker
+        thread: the columns it reads are copied here, at memory speed, so the index may change
+        on the loop while the thread turns them into ``bytes``."""
+        lane = np.frombuffer(bytes(self._lane), dtype=np.uint8)
+        pos = np.frombuffer(self._pos, dtype=f"u{self._pos.itemsize}").copy()
+        used = np.flatnonzero(np.bincount(lane, minlength=MAX_LANE + 1)[1 : MAX_HEX_KEY + 1]) + 1
+        lanes = {n: bytes(self._keys[n]) for n in used.tolist()}
+
+        def read() -> list[bytes]:
+            keys: list[bytes] = []
+            for n, column in lanes.items():
+                rows = pos[lane[: len(pos)] == n].astype(np.int64) * n
+                view = memoryview(column)
+                keys.extend(bytes(view[start : start + n]) for start in rows.tolist())
+            return keys
+
+        return read
 
     def items(self) -> Iterator[tuple[bytes, int]]:
         """(ident, size) pairs, least recently used first."""

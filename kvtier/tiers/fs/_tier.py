@@ -18,7 +18,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Unpack, cast
 
@@ -48,7 +48,7 @@ from kvtier.tiers.fs._config import FSConfig, FSOverrides
 from kvtier.tiers.fs._exists import stat_many
 from kvtier.tiers.fs._index import IndexLookups, IndexThenChecks
 from kvtier.tiers.fs._keeper import FolderKeeper
-from kvtier.tiers.fs._layout import IncompatibleRoot, key_of, name_of
+from kvtier.tiers.fs._layout import IncompatibleRoot, name_of
 from kvtier.tiers.fs._ledger import Ledger
 from kvtier.tiers.fs._ownership import FolderBusy
 from kvtier.tiers.fs._persistence import CatalogPersistence, FSTierStatistics
@@ -431,7 +431,12 @@ class FSTier(SecondaryTier):
 
     def held_keys(self) -> list[bytes]:
         """The keys of the blocks the catalog holds (a router's full state; read-only)."""
-        return [key for name in self._catalog.names() if (key := key_of(name)) is not None]
+        return self.held_keys_reader()()
+
+    def held_keys_reader(self) -> Callable[[], list[bytes]]:
+        """``held_keys`` as the catalog is now, to read in a worker thread: a full state of
+        millions of blocks never holds the loop for more than a copy of its columns."""
+        return self._catalog.keys_reader()
 
     def statistics(self) -> FSTierStatistics:
         self._files.calls.drain_late()

@@ -487,7 +487,13 @@ class S3Tier(SecondaryTier):
 
     def held_keys(self) -> list[bytes]:
         """The keys the existence index holds (a router's full state; read-only)."""
-        return [key for key, _ in self._index.entries_reader()()]
+        return self.held_keys_reader()()
+
+    def held_keys_reader(self) -> Callable[[], list[bytes]]:
+        """``held_keys`` as the index is now, to read in a worker thread (its columns are
+        copied here; the keys are made in the thread)."""
+        entries = self._index.entries_reader()
+        return lambda: [key for key, _ in entries()]
 
     @property
     def breaker_state(self) -> BreakerState:

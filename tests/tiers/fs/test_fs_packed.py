@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.tiers.fs._idents import PAD, ident_of_key, ident_of_name, name_of_ident
+from kvtier.tiers.fs._idents import MAX_HEX_KEY, PAD, ident_of_key, ident_of_name, name_of_ident
 from kvtier.tiers.fs._layout import name_of
 from kvtier.tiers.fs._packed import PackedOrder
 
@@ -167,6 +167,28 @@ def test_iterating_while_the_order_changes_raises() -> None:
     packed.move_to_end(idents[0])
     with pytest.raises(RuntimeError, match="changed during iteration"):
         list(walk)
+
+
+def test_the_keys_reader_reads_the_index_as_it_was_when_taken() -> None:
+    """Every ident that is a key (any length, trailing zero bytes kept), no hashed name's,
+    no removed row's; changes after it was taken, while a thread would read, do not show."""
+    rng = random.Random(9)
+    idents = pool(rng, 2000)
+    packed = PackedOrder((i, 1) for i in idents)
+    zeros = b"\x00" * 8
+    packed[zeros] = 1
+    gone = set(rng.sample(idents, 500))
+    for ident in gone:
+        packed.pop(ident)
+    read = packed.keys_reader()
+    packed[b"later"] = 1
+    packed.pop(next(i for i in idents if i not in gone))
+    kept = [i for i in idents if i not in gone]
+    assert any(len(i) > MAX_HEX_KEY for i in kept)  # hashed names are there to leave out
+    keys = read()
+    assert len(keys) == len(set(keys)) and set(keys) == {
+        i for i in kept if len(i) <= MAX_HEX_KEY
+    } | {zeros}
 
 
 def test_draining_from_either_end_and_refilling_reuses_rows() -> None:
