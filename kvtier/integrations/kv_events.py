@@ -97,6 +97,7 @@ _STOP = object()  # queued by close: the thread sends what came before and ends
 _IDLE_POLL_S = 0.05  # how long the thread waits for a batch before it looks for replay requests
 _CLOSE_S = 2.0  # how long close waits for the thread before it closes the sockets itself
 _UNBIND_S = 1.0  # how long closing a socket waits for ZMQ to close its listener
+_CLOSE_LINGER_MS = 100  # what a closing socket gives its connections to finish (``_unbind``)
 
 _logger = logging.getLogger(__name__)
 
@@ -563,19 +564,24 @@ def _wire_modules() -> tuple[Any, Callable[[Any], bytes]]:
 
 def _unbind(zmq: Any, socket: Any, endpoint: str) -> None:
     """Close ``socket``, with ``endpoint`` free again on return: ZMQ closes a listener on its
-    I/O thread after ``close`` returns, so this unbinds first and waits for the listener's
-    closed event (``_UNBIND_S`` at most; an ``inproc`` endpoint has no listener)."""
-    if not endpoint.startswith("inproc://"):
-        monitor = socket.get_monitor_socket(zmq.EVENT_CLOSED)
-        try:
-            socket.unbind(endpoint)
-            monitor.poll(_UNBIND_S * 1000)
-        except zmq.ZMQError:  # nothing bound there any more: nothing to wait for
-            pass
-        finally:
-            socket.disable_monitor()
-            monitor.close(linger=0)
-    socket.close(linger=0)
+    I/O thread after ``close`` returns, so this waits for the listener's closed event
+    (``_UNBIND_S`` at most; an ``inproc`` endpoint has no listener).
+
+    Closed with a short linger, never unbound first nor closed with none: libzmq (4.3.5)
+    aborts the whole process when a connection's session is torn down at once while the
+    peer's disconnect is being handled with a multipart message still queued for it (an
+    ``errno_assert`` as it empties the pipe: a router that went away just before this node
+    closed). The linger lets the disconnect finish first; what is still queued after it is
+    dropped."""
+    if endpoint.startswith("inproc://"):
+        socket.close(linger=0)
+        return
+    monitor = socket.get_monitor_socket(zmq.EVENT_CLOSED)
+    try:
+        socket.close(linger=_CLOSE_LINGER_MS)
+        monitor.poll(_UNBIND_S * 1000)
+    finally:
+        monitor.close(linger=0)
 
 
 def _bound(socket: Any, endpoint: str, hwm: int, option: int) -> Any:
