@@ -141,6 +141,7 @@ QUICK_BENCHMARKS = (
     ("bench_lookup", "--quick"),
     ("bench_fs", "--quick"),
     ("bench_fs_catalog", "--quick"),
+    ("bench_fs_walk", "--quick"),
     ("bench_s3", "--quick"),
     ("bench_s3_packs", "--quick"),
     ("bench_load", "--quick"),

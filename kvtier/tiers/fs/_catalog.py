@@ -177,15 +177,6 @@ class Catalog(Generic[W]):
         ident = ident_of_name(name)
         return None if ident is None else self._index.get(ident)
 
-    def resize(self, name: str, size: int) -> None:
-        """``name``'s file turned out to be ``size`` bytes: corrected where it stands."""
-        ident = ident_of_name(name)
-        held = None if ident is None else self._index.get(ident)
-        if ident is not None and held is not None and held != size:
-            self._index[ident] = size
-            self.used += size - held
-            self._note(Change.SIZE, name, size)
-
     def changed_since(self, name: str, since: int) -> bool:
         """Whether a store, load, delete or eviction added or dropped ``name`` after epoch
         ``since`` (known while a watcher that began at ``since`` runs)."""
@@ -232,13 +223,20 @@ class Catalog(Generic[W]):
         return True
 
     def loaded(self, name: str, size: int) -> None:
-        """A load read the file: it is the most recently used (and known, if it was not)."""
+        """A load read the file, of ``size`` bytes: it is the most recently used (and known,
+        if it was not). A size that differs from the one held is corrected: the reconcile
+        takes a known name's file as it is, so one another writer replaced with a block of
+        another size is accounted right from its first load."""
         ident = ident_of_name(name)
         held = None if ident is None else self._index.touch(ident)
-        if held is None:
+        if ident is None or held is None:
             self.add(name, size)
-        elif self.changes is not None:
-            self.changes.note(Change.ADD, name, held)
+            return
+        if held != size:
+            self._index[ident] = size
+            self.used += size - held
+        if self.changes is not None:
+            self.changes.note(Change.ADD, name, size)
 
     def demote(self, names: Iterable[str]) -> int:
         """Make ``names`` (a prefix's, head first) the least recently used, the tail evicted

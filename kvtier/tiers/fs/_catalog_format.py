@@ -94,7 +94,7 @@ class Change(enum.IntEnum):
     ADD = 1  # the name is (now) the most recently used, with this size
     DROP = 2  # the name is gone
     BACK = 3  # a victim a failed store returns: the least recently used end, if absent
-    SIZE = 4  # the name's size is corrected where it stands
+    SIZE = 4  # the name's size corrected where it stands: no longer written, still read
 
 
 @dataclass(frozen=True, slots=True)

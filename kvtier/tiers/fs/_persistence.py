@@ -174,13 +174,11 @@ class CatalogPersistence:
             self._unwatch()
             self._walked.set()
         logger.info(
-            "%s: %s: catalog complete: %d files found, %d entries without a file dropped, "
-            "%d sizes corrected",
+            "%s: %s: catalog complete: %d files found, %d entries without a file dropped",
             self.name,
             self.root,
             done.found,
             len(done.gone),
-            done.resized,
         )
 
     async def walked(self) -> None:

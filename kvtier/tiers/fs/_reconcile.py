@@ -6,10 +6,18 @@ hand, a kill -9 lost the last changes of the log). So after an open from a check
 folder is walked in the background (``compare``, in a worker thread: the walk at open it
 replaces, stale temporary files removed as there) and the difference applied on the event loop
 (``apply``, a slice at a time): files the catalog did not know join it at the most recent end,
-in the order they were written; entries with no file are dropped (``not_found``); sizes are
-corrected where they stand. Both are told as they are applied (``found``, ``forget``: the tier
-announces them as ``stored`` and ``removed`` events), so a router that took the node's state
-before the walk ended learns the difference too.
+in the order they were written; entries with no file are dropped (``not_found``). Both are
+told as they are applied (``found``, ``forget``: the tier announces them as ``stored`` and
+``removed`` events), so a router that took the node's state before the walk ended learns the
+difference too.
+
+The walk ``stat``s only the files the catalog did not know (``_root.list_changes``): a name it
+knows is there when its folder lists a regular file by that name, which the folder's entry
+says without a ``stat`` (on a cold page cache a ``stat`` per file is much of what a walk of
+many files costs). So a file that another writer replaced with one of another size keeps the
+size the catalog had: the capacity's account is off by the difference until the block is
+evicted, deleted or stored again, and the load that reads the file verifies every byte, as
+every load does (a file that is not the block is a miss with a reason, and is dropped).
 
 The tier keeps storing, loading, deleting and evicting meanwhile, and the walk must not undo
 any of it: the difference is taken against the catalog as loaded (the epoch ``since`` the walk
@@ -28,7 +36,7 @@ import anyio.lowlevel
 
 from kvtier.tiers.fs._catalog import Catalog
 from kvtier.tiers.fs._packed_build import Columns, names_of
-from kvtier.tiers.fs._root import list_blocks
+from kvtier.tiers.fs._root import list_changes
 
 __all__ = ["SLICE", "Difference", "apply", "compare"]
 
@@ -38,41 +46,28 @@ SLICE = 256
 
 @dataclass(frozen=True, slots=True)
 class Difference:
-    """The folder against the catalog as loaded: files it did not know (oldest first),
-    entries with no file, and entries whose file has another size."""
+    """The folder against the catalog as loaded: files it did not know with their sizes
+    (oldest first), and entries with no file (in the catalog's order)."""
 
     found: list[tuple[str, int]]
     gone: list[str]
-    resized: list[tuple[str, int]]
 
 
 @dataclass(frozen=True, slots=True)
 class Applied:
-    """What ``apply`` changed: names added and resized, names dropped."""
+    """What ``apply`` changed: names added, names dropped."""
 
     found: int
     gone: list[str]
-    resized: int
 
 
 def compare(root: Path, loaded: Columns) -> Difference:
     """Walk ``root`` and compare it with the catalog as ``loaded``. Blocks; a worker
     thread's."""
-    walked = list_blocks(root)
     names = names_of(loaded)
-    known = dict(zip(names, loaded.sizes.tolist(), strict=True))
-    found: list[tuple[str, int]] = []
-    resized: list[tuple[str, int]] = []
-    on_disk: set[str] = set()
-    for entry in walked:
-        on_disk.add(entry.name)
-        size = known.get(entry.name)
-        if size is None:
-            found.append((entry.name, entry.size))
-        elif size != entry.size:
-            resized.append((entry.name, entry.size))
-    gone = [name for name in names if name not in on_disk]
-    return Difference(found, gone, resized)
+    listed = list_changes(root, set(names))
+    gone = [name for name in names if name in listed.gone]
+    return Difference([(entry.name, entry.size) for entry in listed.found], gone)
 
 
 async def apply(
@@ -93,7 +88,7 @@ async def apply(
         gone.extend(dropped)
         forget(dropped)
         await anyio.lowlevel.checkpoint()
-    added = resized = 0
+    added = 0
     for start in range(0, len(diff.found), SLICE):
         names: list[str] = []
         for name, size in diff.found[start : start + SLICE]:
@@ -103,8 +98,4 @@ async def apply(
         added += len(names)
         found(names)
         await anyio.lowlevel.checkpoint()
-    for name, size in diff.resized:
-        if not catalog.changed_since(name, since) and catalog.size_of(name) not in (None, size):
-            catalog.resize(name, size)
-            resized += 1
-    return Applied(added, gone, resized)
+    return Applied(added, gone)

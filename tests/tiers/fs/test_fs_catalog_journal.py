@@ -83,7 +83,7 @@ def step(kept: Kept, rng: random.Random) -> None:
         catalog.evict_more(res, rng.choice((10, 40)))
         catalog.settle(res, None, written=False, touched=rng.random() < 0.5)
     elif op == 5:
-        catalog.resize(name(i), rng.choice((15, 25)))
+        catalog.loaded(name(i), rng.choice((15, 25)))  # a file replaced: its size as read
     elif rng.random() < 0.05:
         catalog.reset([(name(j), 10) for j in rng.sample(range(40), 5)])
 

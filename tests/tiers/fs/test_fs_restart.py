@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import sys
 import threading
 from collections.abc import Iterator
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 
 import anyio
@@ -25,6 +27,7 @@ from kvtier.testing import resolve_lookup
 from kvtier.tiers.fs import FSTier, _reconcile
 from kvtier.tiers.fs._catalog_files import CHECKPOINT_NAME, LOG_NAME, STEPS
 from kvtier.tiers.fs._layout import path_of
+from kvtier.tiers.fs._root import Changes
 from tests.tiers.fs import catalog_worker
 from tests.tiers.fs.fs_worker import key_and_data
 
@@ -55,15 +58,15 @@ class HeldWalk:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.listed = threading.Event()
         self._go = threading.Event()
-        real = _reconcile.list_blocks  # type: ignore[attr-defined]  # the seam the walk calls
+        real = _reconcile.list_changes  # type: ignore[attr-defined]  # the seam the walk calls
 
-        def held(root: Path) -> list[object]:
-            found = real(root)
+        def held(root: Path, known: AbstractSet[str]) -> Changes:
+            found = real(root, known)
             self.listed.set()
             self._go.wait(30)
-            return found  # type: ignore[return-value]
+            return found
 
-        monkeypatch.setattr(_reconcile, "list_blocks", held)
+        monkeypatch.setattr(_reconcile, "list_changes", held)
 
     async def wait_listed(self) -> None:
         await anyio.to_thread.run_sync(self.listed.wait, 30)
@@ -117,17 +120,48 @@ async def test_the_walk_reconciles_what_changed_while_closed(tmp_path: Path) -> 
     file_of(root, 1).unlink()  # by hand
     async with FSTier(root, shared=False) as tier:
         tier.events.drain()
+        before = dict(tier._catalog.entries())
         await tier._persistence.walked()
         told = {(k, e.reason) for e in tier.events.drain() for k in e.keys}
-        # gone: removed (not_found); found: stored (no reason); resized: nothing to tell
+        # gone: removed (not_found); found: stored (no reason); replaced: nothing to tell
         assert told == {(key(1), "not_found"), (key(2), "not_found"), (key(4), None)}
         assert [tier.lookup(key(i)) for i in range(5)] == [HIT, MISS, MISS, HIT, HIT]
         sizes = dict(tier._catalog.entries())
-        assert sizes[key(3).hex()] == file_of(root, 3).stat().st_size
+        # A known name's file is not stat'ed: the one replaced with another size keeps the
+        # size the catalog had; a found file comes with its own.
+        assert file_of(root, 3).stat().st_size != before[key(3).hex()]
+        assert sizes[key(3).hex()] == before[key(3).hex()]
+        assert sizes[key(4).hex()] == file_of(root, 4).stat().st_size
         assert tier.statistics().bytes_stored == sum(sizes.values())
         dst = bytearray(2 * BLOCK)
-        await tier.load(key(3), memoryview(dst))
+        await tier.load(key(3), memoryview(dst))  # the load reads the file as it is
         assert bytes(dst) == data(3) * 2
+        sizes = dict(tier._catalog.entries())  # and corrects its size
+        assert sizes[key(3).hex()] == file_of(root, 3).stat().st_size
+        assert tier.statistics().bytes_stored == sum(sizes.values())
+
+
+async def test_the_walk_drops_a_known_name_that_is_no_longer_a_file(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    async with FSTier(root, shared=False) as tier:
+        await stored(tier, 0, 1, 2, 3)
+    file_of(root, 1).unlink()
+    file_of(root, 1).mkdir()  # a folder by a known name
+    file_of(root, 2).unlink()
+    file_of(root, 2).symlink_to(file_of(root, 0))  # a link to a good block, by a known name
+    file_of(root, 3).unlink()
+    os.mkfifo(file_of(root, 3))  # neither a file nor a folder: never opened
+    async with FSTier(root, shared=False) as tier:
+        tier.events.drain()
+        await tier._persistence.walked()
+        told = {(k, e.reason) for e in tier.events.drain() for k in e.keys}
+        assert told == {(key(i), "not_found") for i in (1, 2, 3)}
+        assert [tier.lookup(key(i)) for i in range(4)] == [HIT, MISS, MISS, MISS]
+        assert tier.statistics().blocks == 1
+        assert await read(tier, 0) == data(0)
+    # Not kvtier's: left where they are.
+    assert file_of(root, 1).is_dir() and file_of(root, 2).is_symlink()
+    assert file_of(root, 3).is_fifo()
 
 
 async def test_what_happens_during_the_walk_is_not_undone(tmp_path: Path, held: HeldWalk) -> None:
