@@ -88,15 +88,17 @@ class ManagerConfig(Section):
     open_timeout: float | None = field(default=120.0, metadata=spec(optional(parse_seconds)))
     promote_write_up: bool = field(default=True, metadata=spec(parse_bool))
     # A tier that cannot open (an endpoint refused or silent, credentials refused) does not
-    # stop the manager: it opens with the tiers that opened within tier_open_wait seconds,
-    # the others are unavailable (lookups skip them, writes to them are dropped) and are
-    # opened again in the background, with backoff, until they join; a healthy tier still
-    # opening past the wait (an S3 tier listing a large prefix inside open) joins when its
-    # open ends, said in the log. The wait covers such an open on a busy machine; with an S3
-    # tier that has index_background_load, 1 s is enough (counted from the tiers' local
-    # warm-up). require_all_tiers: fail the open instead, as soon as one tier fails or passes
+    # stop the manager: it opens with the tiers open by then, the others are unavailable
+    # (lookups skip them, writes to them are dropped) and are opened again in the background,
+    # with backoff, until they join. Two waits, both counted from the tiers' local warm-up:
+    # tier_answer_wait bounds how long a tier's backend may take to answer at all (an S3
+    # endpoint, the FS root's file system); a tier that answered is waited for up to
+    # tier_open_wait in all (an S3 tier listing a large prefix inside open, an FS tier
+    # reading a large catalog), and one still opening then joins when its open ends, said in
+    # the log. require_all_tiers: fail the open instead, as soon as one tier fails or passes
     # open_timeout.
     require_all_tiers: bool = field(default=False, metadata=spec(parse_bool))
+    tier_answer_wait: float = field(default=1.0, metadata=spec(parse_non_negative_seconds))
     tier_open_wait: float = field(default=10.0, metadata=spec(parse_non_negative_seconds))
 
     def tier_in_flight_bytes(self, tiers: int, block_bytes: int) -> int:
@@ -164,4 +166,5 @@ class ManagerOverrides(TypedDict, total=False):
     open_timeout: float | None
     promote_write_up: bool
     require_all_tiers: bool
+    tier_answer_wait: float
     tier_open_wait: float

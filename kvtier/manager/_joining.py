@@ -4,11 +4,14 @@ soon as it can (the default; docs/operating.md, "Failure modes").
 By default a tier that cannot open (an endpoint that refuses connections or never answers,
 credentials refused) does not stop the manager. Each tier is opened by a keeper, a task of
 its own, all at once: the manager waits until every tier has opened or failed its first
-attempt, or ``tier_open_wait`` seconds have passed, and opens with the tiers that are open.
-The wait starts once each tier has prepared what its open needs from this process alone
-(``warm_up``, where a tier has one: the S3 tier parses botocore's model, about a second in a
-fresh process on a busy machine), so it bounds how long an endpoint or a mount takes to
-answer, not how long the process takes to start.
+attempt, and opens with the tiers that are open. A tier whose backend has not answered
+within ``tier_answer_wait`` seconds (an endpoint that accepts connections and says nothing)
+is not waited for longer; one that answered (``_answer``: its open has work of its own left,
+a large listing or catalog) is waited for until ``tier_open_wait`` seconds have passed in
+all. The waits start once each tier has prepared what its open needs from this process
+alone (``warm_up``, where a tier has one: the S3 tier parses botocore's model, about a
+second in a fresh process on a busy machine), so they bound how long an endpoint or a mount
+takes to answer, not how long the process takes to start.
 The others are unavailable: the manager does not ask them (lookups that no open tier
 answers are ``unavailable`` misses; writes to them are dropped, counted by the admission),
 and their keepers open them again in the background with backoff until they join.
@@ -36,6 +39,7 @@ from kvtier.common._errors import InvalidArgumentError, TierTimeoutError
 from kvtier.common._logging import BurstLogger
 from kvtier.manager._config import ManagerConfig
 from kvtier.manager._statistics import TierOpenCounts
+from kvtier.tiers._answer import hearing_answers
 from kvtier.tiers._base import Listener, SecondaryTier
 
 __all__ = ["RETRY_FIRST", "RETRY_MOST", "TierKeepers", "open_every_tier"]
@@ -102,11 +106,21 @@ async def _warm_up(tier: SecondaryTier, warm: anyio.Event) -> None:
 
 
 class _Keeper:
-    """One tier's keeper state: whether its tier is open, whether its first attempt has
-    ended (``settled``), the configuration error that ended it, and the scope that close
-    cancels while the tier is not open."""
+    """One tier's keeper state: whether its tier is open, whether its backend answered
+    (``answered``) and its first attempt has ended (``settled``), the configuration error
+    that ended it, and the scope that close cancels while the tier is not open."""
 
-    __slots__ = ("attempts", "fatal", "is_open", "scope", "settled", "stop", "tier", "warm")
+    __slots__ = (
+        "answered",
+        "attempts",
+        "fatal",
+        "is_open",
+        "scope",
+        "settled",
+        "stop",
+        "tier",
+        "warm",
+    )
 
     def __init__(self, tier: SecondaryTier) -> None:
         self.tier = tier
@@ -114,6 +128,9 @@ class _Keeper:
         self.attempts = 0
         self.warm = anyio.Event()  # its local preparation (``warm_up``) has ended
         self.settled = anyio.Event()
+        self.answered = anyio.Event()  # its backend answered, or its first attempt ended
+        if not tier.tells_answer:  # the whole open is waited for, as one that answered
+            self.answered.set()
         self.stop = anyio.Event()  # set at close: an open tier is closed, not cancelled
         self.fatal: InvalidArgumentError | None = None
         self.scope = anyio.CancelScope()
@@ -167,10 +184,11 @@ class TierKeepers:
             joined_late=self.joined_late,
         )
 
-    async def open(self, wait: float) -> None:
+    async def open(self, answer_wait: float, wait: float) -> None:
         """Start the keepers; return once every tier has opened or failed its first
-        attempt, or ``wait`` seconds have passed. A configuration error in a first attempt
-        is raised here (the first in tier order), after every keeper has stopped."""
+        attempt, or has not answered within ``answer_wait`` seconds, or ``wait`` seconds have
+        passed. A configuration error in a first attempt is raised here (the first in tier
+        order), after every keeper has stopped."""
         self._keepers = [_Keeper(tier) for tier in self._tiers]
         self._task_group = task_group = await enter_task_group()
         try:
@@ -183,9 +201,14 @@ class TierKeepers:
             ):
                 for keeper in self._keepers:
                     await keeper.warm.wait()
-            with anyio.move_on_after(wait):
+            until = anyio.current_time() + wait
+            with anyio.move_on_after(min(answer_wait, wait)):
                 for keeper in self._keepers:
-                    await keeper.settled.wait()
+                    await keeper.answered.wait()
+            with anyio.move_on_after(until - anyio.current_time()):
+                for keeper in self._keepers:
+                    if keeper.answered.is_set():  # the others are not waited for again
+                        await keeper.settled.wait()
         except BaseException:
             await self.aclose()
             raise
@@ -195,7 +218,15 @@ class TierKeepers:
             raise fatal
         self._late = True
         for keeper in self._keepers:
-            if not keeper.settled.is_set():  # neither open nor failed: a slow open
+            if not keeper.answered.is_set():  # its backend said nothing: one that never answers
+                logger.warning(
+                    "tier %s has not answered within tier_answer_wait=%g s (an endpoint or "
+                    "a mount that says nothing): the manager opens without it, and it joins "
+                    "when an attempt to open it succeeds",
+                    keeper.tier.name,
+                    answer_wait,
+                )
+            elif not keeper.settled.is_set():  # answered, neither open nor failed: slow
                 logger.warning(
                     "tier %s is still opening after tier_open_wait=%g s: the manager opens "
                     "without it and it joins when its open ends (writes to it are dropped "
@@ -227,6 +258,7 @@ class TierKeepers:
             while True:
                 await self._attempt(keeper)  # returns when it failed, or at close
                 keeper.settled.set()
+                keeper.answered.set()
                 if keeper.stop.is_set() or (keeper.fatal is not None and not self._late):
                     return  # closing, or the manager's open raises the error
                 await anyio.sleep(delay)
@@ -247,7 +279,8 @@ class TierKeepers:
                     bound.deadline = anyio.current_time() + self._open_timeout
                 try:
                     await _warm_up(tier, keeper.warm)
-                    await tier.__aenter__()
+                    with hearing_answers(keeper.answered.set):
+                        await tier.__aenter__()
                 except Exception as exc:
                     self._failed(keeper, exc)
                     return
@@ -277,6 +310,7 @@ class TierKeepers:
                 )
             self._changed()
             keeper.settled.set()
+            keeper.answered.set()
             await keeper.stop.wait()
         finally:
             keeper.is_open = False

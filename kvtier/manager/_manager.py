@@ -97,13 +97,15 @@ class TieringManager(AsyncResource):
     ``writes.deferred`` and ``writes.deferred_written``); closing gives the ones still waiting
     ``close_timeout``, whatever the tier's latency.
 
-    Entering opens every tier at once and waits up to ``tier_open_wait`` seconds; a tier not
-    open by then (its endpoint refuses or never answers, its credentials are refused) is
-    unavailable: lookups skip it (``unavailable`` misses), writes to it are dropped, and it
-    is opened again in the background, with backoff, until it joins (``statistics().opens``
-    says which). Each attempt is bounded by ``open_timeout`` (None: no bound; keep it above
-    the ``index_list_timeout`` of an S3 tier that loads its index inside ``open()``). A
-    configuration error (``InvalidArgumentError``) still fails the entry. With
+    Entering opens every tier at once and waits for them: up to ``tier_answer_wait`` seconds
+    for a tier's backend to answer, up to ``tier_open_wait`` in all for one that answered
+    to open; a tier not open by then (its endpoint refuses or never answers, its credentials
+    are refused) is unavailable: lookups skip it (``unavailable`` misses), writes to it are
+    dropped, and it is opened again in the background, with backoff, until it joins
+    (``statistics().opens`` says which). Each attempt is bounded by ``open_timeout`` (None:
+    no bound; keep it above the ``index_list_timeout`` of an S3 tier that loads its index
+    inside ``open()``). A configuration error (``InvalidArgumentError``) still fails the
+    entry. With
     ``require_all_tiers`` the tiers open in turn and the first that fails or passes
     ``open_timeout`` fails the entry (``TierTimeoutError`` naming it), the tiers opened
     before it closed again.
@@ -221,7 +223,8 @@ class TieringManager(AsyncResource):
             )
         else:
             stack = AsyncExitStack()
-            await self._keepers.open(settings.tier_open_wait)  # each joins as it opens
+            # Each joins as it opens.
+            await self._keepers.open(settings.tier_answer_wait, settings.tier_open_wait)
             stack.push_async_callback(self._keepers.aclose)  # left after the task group
         self._tiers_changed()
         try:

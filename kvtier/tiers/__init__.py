@@ -1,6 +1,7 @@
 """Secondary tiers: the interface, the async lookup helper, and the tiers kvtier ships.
 
 - ``_base``: ``SecondaryTier``, the interface every tier implements, and its statistics;
+- ``_answer``: how a tier's open tells its opener that the backend answered;
 - ``_checks``: the batched existence checks the FS (shared) and S3 (ask) tiers build alike;
 - ``_async_lookup``: ``AsyncLookupManager``, batched existence checks that answer RETRY while
   they are in flight;

@@ -596,6 +596,7 @@ def test_manager_defaults_are_the_classes_defaults() -> None:
     assert config.open_timeout == manager["open_timeout"]
     assert config.promote_write_up == manager["promote_write_up"]
     assert config.require_all_tiers == manager["require_all_tiers"]
+    assert config.tier_answer_wait == manager["tier_answer_wait"]
     assert config.tier_open_wait == manager["tier_open_wait"]
     # Every ManagerConfig key is checked above or is one of these (a new key must be added).
     checked = {
@@ -603,7 +604,7 @@ def test_manager_defaults_are_the_classes_defaults() -> None:
         "failure_ttl", "write_back_limit", "recompute_seconds_per_block",
         "promotion_probe_interval", "max_write_latency", "write_probe_interval", "write_back",
         "deferred", "max_write_rate", "open_timeout", "promote_write_up", "require_all_tiers",
-        "tier_open_wait",
+        "tier_answer_wait", "tier_open_wait",
         "tier_max_in_flight_bytes",  # None: the manager's default_tier_in_flight_bytes()
     }  # fmt: skip
     assert {f.name for f in dataclasses.fields(ManagerConfig)} == checked

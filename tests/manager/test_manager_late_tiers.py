@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -30,6 +31,7 @@ from kvtier import (
     TieringManager,
     TierUnavailableError,
 )
+from kvtier.tiers.fs._persistence import CatalogPersistence
 from tests.support import fresh_keys, s3_tier
 
 BLOCK = 4096
@@ -187,7 +189,7 @@ async def test_s3_refusing_then_started_joins_without_a_restart(tmp_path: Path) 
 
 
 async def test_s3_endpoint_that_never_answers_does_not_hold_the_open_or_the_close(
-    tmp_path: Path,
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """An endpoint that accepts connections and never answers: the manager opens promptly
     (not after the S3 tier's read timeout or open_timeout) and serves from FS; closing it
@@ -199,13 +201,14 @@ async def test_s3_endpoint_that_never_answers_does_not_hold_the_open_or_the_clos
         # Left alone, one attempt would wait 60 s for the bucket's answer.
         s3 = s3_tier(url, f"t/{uuid.uuid4().hex}", name="s3", read_timeout=60.0, max_attempts=1)
         fs = FSTier(tmp_path / "fs", fsync="never", name="fs")
-        # A tier_open_wait of 1 s (what a tier loading its index in the background allows)
-        # holds the open; bounded well below the 60 s one attempt would wait: neither the
-        # open nor the close may wait for the silent endpoint.
-        manager = TieringManager(HostPool(8, BLOCK), [fs, s3], tier_open_wait=1.0)
+        # The default tier_answer_wait holds the open, whatever tier_open_wait allows a tier
+        # that answered; bounded well below the 60 s one attempt would wait: neither the open
+        # nor the close may wait for the silent endpoint.
+        manager = TieringManager(HostPool(8, BLOCK), [fs, s3], tier_open_wait=600.0)
         with anyio.fail_after(30):
             async with manager:
                 assert manager.statistics().opens.unavailable == ("s3",)
+                assert "tier s3 has not answered within tier_answer_wait" in caplog.text
                 assert await manager.wait_settled(keys[0], timeout=10) is LookupResult.HIT
                 assert manager.lookup(keys[1]) is LookupResult.MISS
                 assert manager.last_miss_reason == UNAVAILABLE
@@ -247,9 +250,10 @@ async def test_a_healthy_tier_still_opening_joins_late_and_says_what_it_missed(
     caplog: pytest.LogCaptureFixture,
     deferred: bool,
 ) -> None:
-    """A healthy S3 tier whose open outlasts ``tier_open_wait`` (0 here, so that no tier is
-    in at the open and nothing races the clock; the FS tier joins once its open ends) does
-    not hold the manager, and joins when its open ends. What it missed is said: a warning
+    """A healthy S3 tier whose open outlasts the waits (held before its endpoint answered;
+    ``tier_open_wait`` 0, so that no tier is in at the open and nothing races the clock; the
+    FS tier joins once its open ends) does not hold the manager, and joins when its open
+    ends. What it missed is said: a warning
     names it at the open, and each write it could not take is counted as ``unavailable``; a
     tier named in ``deferred`` gets those writes once it joins."""
     keys = fresh_keys(2)
@@ -264,7 +268,7 @@ async def test_a_healthy_tier_still_opening_joins_late_and_says_what_it_missed(
             await s3.opening.wait()
             await fs.opened.wait()  # joined in the same step
             assert manager.statistics().opens.unavailable == ("s3",)
-            assert "tier s3 is still opening" in caplog.text
+            assert "tier s3 has not answered within tier_answer_wait" in caplog.text
             assert await manager.store([keys[0]], data[0:1]) == 1  # while S3 opens
             await manager.wait_idle()
             assert fs.lookup(keys[0]) is LookupResult.HIT
@@ -283,6 +287,111 @@ async def test_a_healthy_tier_still_opening_joins_late_and_says_what_it_missed(
             assert manager.statistics().writes.deferred_written == int(deferred)
             held = await s3.contains_many(keys)
             assert held == [deferred, True]  # the first only if deferred
+    assert not tasks_left()
+
+
+class SlowAfterAnswering(S3Tier):
+    """The real S3 tier whose open, once the bucket has answered, waits for ``go`` (an S3
+    tier listing a large prefix inside its open): ``probed`` once the bucket answered,
+    ``opened`` once the open succeeded."""
+
+    def __init__(self, bucket: str, **settings: Any) -> None:
+        super().__init__(bucket, **settings)
+        self.probed, self.go, self.opened = anyio.Event(), anyio.Event(), anyio.Event()
+
+    async def _probe(self) -> None:
+        await super()._probe()
+        self.probed.set()
+        await self.go.wait()
+
+    async def open(self) -> None:
+        await super().open()
+        self.opened.set()
+
+
+@pytest.mark.parametrize("open_wait", [600.0, 0.0], ids=["waited-for", "joins-late"])
+async def test_a_tier_that_answered_is_waited_for_up_to_the_open_wait(
+    weed_server: WeedServer, caplog: pytest.LogCaptureFixture, open_wait: float
+) -> None:
+    """An S3 tier whose endpoint answered and whose open then takes its time is a healthy
+    tier: the manager waits for it past ``tier_answer_wait`` (0 here), up to
+    ``tier_open_wait``, and opens with it; past ``tier_open_wait`` (0) it opens without it,
+    says the tier is still opening, and the tier joins late. The waits begin once every tier
+    has warmed up: a second tier's warm-up holds them until the S3 tier has answered."""
+    s3 = SlowAfterAnswering(BUCKET, **_s3_settings(weed_server.endpoint_url), name="s3")
+    warming = WarmsUpSlowly("memory")
+    manager = TieringManager(
+        HostPool(8, BLOCK), [warming, s3], tier_answer_wait=0.0, tier_open_wait=open_wait
+    )
+    entered, leave = anyio.Event(), anyio.Event()
+
+    async def run() -> None:
+        async with manager:
+            entered.set()
+            await leave.wait()
+
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run)
+            await s3.probed.wait()
+            warming.go.set()  # the waits begin: the S3 tier has answered
+            await anyio.wait_all_tasks_blocked()
+            if open_wait:
+                assert not entered.is_set()  # waited for
+            else:
+                await entered.wait()
+                assert manager.statistics().opens.unavailable == ("s3",)
+                assert "tier s3 is still opening after tier_open_wait" in caplog.text
+            s3.go.set()
+            await entered.wait()
+            await s3.opened.wait()  # joined in the same step
+            leave.set()
+    assert manager.statistics().opens.joined_late == (0 if open_wait else 1)
+    assert "has not answered" not in caplog.text
+    assert not tasks_left()
+
+
+async def test_an_fs_tier_reading_its_catalog_is_waited_for_past_the_answer_wait(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An FS tier answers once its root is ready: reading a large catalog after that is its
+    own work, which the manager waits for (``tier_answer_wait`` 0 here; the waits begin
+    once the other tier has warmed up, after the FS tier answered)."""
+    key, block = fresh_keys(1)[0], blocks(1)[0].tobytes()
+    await fs_holding(tmp_path / "fs", key, block)  # a catalog to read at the next open
+    reading, go = threading.Event(), threading.Event()
+    real = CatalogPersistence.load
+
+    def held(self: CatalogPersistence) -> bool:  # in the open's worker thread
+        reading.set()
+        go.wait(30)
+        return real(self)
+
+    monkeypatch.setattr(CatalogPersistence, "load", held)
+    fs = FSTier(tmp_path / "fs", fsync="never", name="fs")
+    warming = WarmsUpSlowly("memory")
+    manager = TieringManager(
+        HostPool(8, BLOCK), [warming, fs], tier_answer_wait=0.0, tier_open_wait=600.0
+    )
+    entered, leave = anyio.Event(), anyio.Event()
+
+    async def run() -> None:
+        async with manager:
+            entered.set()
+            assert manager.statistics().opens.unavailable == ()
+            await leave.wait()
+
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run)
+            await anyio.to_thread.run_sync(reading.wait, 30)
+            warming.go.set()
+            await anyio.wait_all_tasks_blocked()
+            assert not entered.is_set()  # waited for
+            go.set()
+            await entered.wait()
+            leave.set()
+    assert manager.statistics().opens.joined_late == 0
     assert not tasks_left()
 
 
@@ -468,6 +577,8 @@ async def test_a_failed_fs_open_can_be_opened_again(tmp_path: Path) -> None:
 
 
 def test_the_settings_are_checked() -> None:
+    with pytest.raises(InvalidArgumentError, match="tier_answer_wait"):
+        TieringManager(HostPool(4, BLOCK), [MemoryTier()], tier_answer_wait=-1.0)
     with pytest.raises(InvalidArgumentError, match="tier_open_wait"):
         TieringManager(HostPool(4, BLOCK), [MemoryTier()], tier_open_wait=-1.0)
     with pytest.raises(InvalidArgumentError, match="require_all_tiers"):

@@ -29,6 +29,7 @@ from kvtier.common._identity import CacheIdentity, scoped_name
 from kvtier.common._keys import check_key
 from kvtier.common._lookup import LookupResult, MissReason
 from kvtier.common._resilience import BreakerState
+from kvtier.tiers._answer import answer_teller
 from kvtier.tiers._async_lookup import AsyncLookupManager
 from kvtier.tiers._base import SecondaryTier
 from kvtier.tiers._checks import existence_checks
@@ -79,6 +80,8 @@ class S3Tier(SecondaryTier):
     ``separate_identities``, each identity keeps its blocks under ``<prefix>/id-<digest>``).
     Without one the prefix is used as it is: you vouch for the keys' namespace.
     """
+
+    tells_answer = True  # once the bucket's probe returns (``_probe``)
 
     def __init__(
         self,
@@ -230,7 +233,8 @@ class S3Tier(SecondaryTier):
         await anyio.to_thread.run_sync(warm_session, shared_session())
 
     async def _probe(self) -> None:
-        """Check that the bucket is there, then the prefix's integrity marker."""
+        """Check that the bucket is there, then the prefix's integrity marker. The bucket's
+        answer, whatever it is, tells the opener the endpoint answers (``_answer``)."""
         core, client = self._core, self._client
         probe = await self._requests.call(
             "open",
@@ -238,6 +242,7 @@ class S3Tier(SecondaryTier):
             lambda: client.head_bucket(Bucket=self.bucket),
             expected=frozenset({Fault.NOT_FOUND}),
         )
+        answer_teller()()  # the endpoint answered: what is left of the open is this tier's
         if probe is Fault.NOT_FOUND:
             raise TierUnavailableError(
                 f"bucket {self.bucket!r} does not exist at {self.config.endpoint_label}: "
