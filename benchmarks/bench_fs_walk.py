@@ -13,10 +13,15 @@ that folder, alternating, ``--rounds`` times:
 
 - ``stat_every_file``: ``list_blocks``, every block file with its size and mtime (the walk at
   an open with no catalog, and what the reconcile walked before);
-- ``known_by_type``: ``list_changes`` with every name known, the reconcile's walk: a known
-  name's file is taken by its folder entry's type, only the files not known are ``stat``-ed;
+- ``known_by_type``: ``_reconcile.compare`` with a catalog of every name, the reconcile's
+  walk: a known name's file is taken by its folder entry's type (asked a folder at a time of
+  the catalog's key columns, ``_known``), only the files not known are ``stat``-ed;
 - ``floor``: ``os.scandir`` of every shard folder, each name read and nothing else: what any
   walk that learns the folder's contents spends.
+
+Memory: the most bytes ``tracemalloc`` saw at once during one reconcile walk, per block,
+against a set of the catalog's names as strings alone (what a walk that asks a set of names
+holds for as long as it runs).
 
 Before each walk the page cache is dropped where the process may (``os.sync()``, then ``3``
 into ``/proc/sys/vm/drop_caches``: root on a machine that allows it); where it may not, every
@@ -33,13 +38,18 @@ import shutil
 import statistics
 import tempfile
 import time
+import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from benchmarks.common import add_json_flag, json_output
 from kvtier.tiers.fs._layout import name_of, path_of
-from kvtier.tiers.fs._root import list_blocks, list_changes, ready_root
+from kvtier.tiers.fs._packed_build import from_names, names_of, snapshot
+from kvtier.tiers.fs._reconcile import compare
+from kvtier.tiers.fs._root import list_blocks, ready_root
 
 FILE_BYTES = 4096 + 64  # a 4 KiB block and its header
 KEY_BYTES = 16
@@ -60,11 +70,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def fill(root: Path, blocks: int) -> set[str]:
+def fill(root: Path, blocks: int) -> list[str]:
     """``blocks`` block files under ``root``; their names."""
     ready_root(root)
     payload = b"\0" * FILE_BYTES
-    names: set[str] = set()
+    names: list[str] = []
     for i in range(blocks):
         name = name_of(i.to_bytes(KEY_BYTES, "big"))
         path = path_of(root, name)
@@ -77,7 +87,7 @@ def fill(root: Path, blocks: int) -> set[str]:
             os.write(fd, payload)
         finally:
             os.close(fd)
-        names.add(name)
+        names.append(name)
     return names
 
 
@@ -107,6 +117,16 @@ def drop_page_cache() -> bool:
     return True
 
 
+def peak_traced(work: Callable[[], object]) -> int:
+    """The most bytes ``tracemalloc`` saw allocated at once while ``work`` ran."""
+    tracemalloc.start()
+    try:
+        work()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
 def timed(walk: Callable[[], object]) -> float:
     started = time.perf_counter()
     walk()
@@ -120,18 +140,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         started = time.perf_counter()
         names = fill(root, args.blocks)
         fill_s = time.perf_counter() - started
-        frozen = frozenset(names)
+        catalog = snapshot(from_names(names, np.full(len(names), FILE_BYTES, np.uint64)))
+        del names
         walks: dict[str, Callable[[], object]] = {
             "stat_every_file": lambda: list_blocks(root),
-            "known_by_type": lambda: list_changes(root, frozen),
+            "known_by_type": lambda: compare(root, catalog),
             "floor": lambda: floor(root),
         }
         # What each walk must find, checked once: a walk that skipped files would be fast.
-        changes = list_changes(root, frozen)
-        if len(list_blocks(root)) != args.blocks or changes.gone or changes.found:
+        difference = compare(root, catalog)
+        if len(list_blocks(root)) != args.blocks or difference.found or difference.gone:
             raise RuntimeError("a walk did not find the folder's block files")
         if floor(root) != args.blocks:
             raise RuntimeError("the folders do not hold the block files alone")
+        memory = {
+            "known_by_type": peak_traced(lambda: compare(root, catalog)),
+            "set_of_names": peak_traced(lambda: frozenset(names_of(catalog))),
+        }
         seconds: dict[str, list[float]] = {kind: [] for kind in walks}
         cold = True
         for _ in range(args.rounds):
@@ -149,6 +174,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "seconds": {
             kind: {"min": round(min(s), 3), "median": round(medians[kind], 3)}
             for kind, s in seconds.items()
+        },
+        "peak_traced_bytes_per_block": {
+            kind: round(peak / args.blocks, 1) for kind, peak in memory.items()
         },
         "stat_every_file_over_known_by_type": round(
             medians["stat_every_file"] / medians["known_by_type"], 2
@@ -170,6 +198,11 @@ def main(argv: list[str] | None = None) -> None:
         )
         for kind, s in result["seconds"].items():
             print(f"  {kind:16} min {s['min']:8.3f} s   median {s['median']:8.3f} s")
+        peak = result["peak_traced_bytes_per_block"]
+        print(
+            f"  peak traced bytes per block: the walk {peak['known_by_type']}, "
+            f"a set of the catalog's names alone {peak['set_of_names']}"
+        )
         print(
             "  stat_every_file / known_by_type: "
             f"{result['stat_every_file_over_known_by_type']}x;  known_by_type / floor: "

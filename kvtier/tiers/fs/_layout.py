@@ -33,7 +33,7 @@ import re
 import secrets
 import socket
 import stat
-from collections.abc import Callable, Container, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -396,7 +396,6 @@ def fsync_folder(folder: Path) -> None:
 class Kind(enum.Enum):
     SHARD = "shard"  # a second-level shard folder, about to be walked
     BLOCK = "block"  # a regular file named as ``name_of`` names blocks
-    KNOWN = "known"  # a regular file by a name the walk was given, not stat'ed (``walk``)
     TEMPORARY = "temporary"  # a block file being written, or left by a writer that died
     FOREIGN = "foreign"  # anything else: not kvtier's, never followed, read or removed
 
@@ -414,17 +413,21 @@ class Item:
     mtime: float = 0.0
 
 
-def walk(root: Path, known: Container[str] = frozenset()) -> Generator[Item, None, None]:
+Known = Callable[[Sequence[str]], list[bool]]
+"""Asked the names of one shard folder's regular files, says which the caller already has."""
+
+
+def walk(root: Path, known: Known | None = None) -> Generator[Item, None, None]:
     """Everything under ``root`` by the layout, in name order, through descriptors opened
     without following links (a link anywhere below the root is ``FOREIGN``). The marker and
     kvtier's own dot files at the root are not reported.
 
-    A regular file whose name is in ``known`` (block names the caller already has, taken as
-    such) is ``KNOWN``: told from anything else by the type its folder's entry gives, with
-    no ``stat``, so it has no size or mtime (both 0). On a cold page cache the ``stat`` of
-    every file is much of what a walk of many blocks costs. Only where the file system gives
-    no type is such a file ``stat``-ed (``os.DirEntry`` does it); a known name that is not a
-    regular file (a folder, a link) is ``FOREIGN``, as any other would be."""
+    With ``known``, each shard folder's regular files (told by the type its entries give,
+    with no ``stat``) are asked of it at once, and those it has are not reported: on a cold
+    page cache the ``stat`` of every file is much of what a walk of many blocks costs. Only
+    where the file system gives no type is a file ``stat``-ed to tell (``os.DirEntry``
+    does it). A name ``known`` has that is not a regular file (a folder, a link) is never
+    asked, so it is reported as any other would be."""
     root_fd = os.open(root, _ROOT_FLAGS)
     try:
         for first, is_dir in _entries(root_fd):
@@ -462,25 +465,29 @@ def _entries(dir_fd: int) -> list[tuple[str, bool]]:
         return sorted((e.name, e.is_dir(follow_symlinks=False)) for e in it)
 
 
-def _walk_shard(shard: tuple[str, str], fd: int, known: Container[str]) -> Iterator[Item]:
-    with os.scandir(fd) as entries:
-        for entry in entries:
-            name = entry.name
-            parts = (*shard, name)
-            if name.startswith(TMP_PREFIX):
-                yield Item(Kind.TEMPORARY, parts, fd)
-                continue
-            if name in known:
-                # The entry's type, or an lstat where the file system gives none (then a
-                # file removed meanwhile is not a file either); a link is never followed.
-                regular = entry.is_file(follow_symlinks=False)
-                yield Item(Kind.KNOWN if regular else Kind.FOREIGN, parts, fd)
-                continue
-            try:
-                st = entry.stat(follow_symlinks=False)
-            except FileNotFoundError:
-                continue  # removed while we looked
-            if is_block_name(name) and stat.S_ISREG(st.st_mode):
-                yield Item(Kind.BLOCK, parts, fd, st.st_size, st.st_mtime)
-            else:
-                yield Item(Kind.FOREIGN, parts, fd)
+def _walk_shard(shard: tuple[str, str], fd: int, known: Known | None) -> Iterator[Item]:
+    with os.scandir(fd) as listing:
+        entries = list(listing)
+    if known is not None:
+        # The entry's type, or an lstat where the file system gives none (then a file
+        # removed meanwhile is not a file either); a link is never followed.
+        files = [
+            entry.name
+            for entry in entries
+            if not entry.name.startswith(TMP_PREFIX) and entry.is_file(follow_symlinks=False)
+        ]
+        held = {name for name, is_held in zip(files, known(files), strict=True) if is_held}
+        entries = [entry for entry in entries if entry.name not in held]
+    for entry in entries:
+        parts = (*shard, entry.name)
+        if entry.name.startswith(TMP_PREFIX):
+            yield Item(Kind.TEMPORARY, parts, fd)
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except FileNotFoundError:
+            continue  # removed while we looked
+        if is_block_name(entry.name) and stat.S_ISREG(st.st_mode):
+            yield Item(Kind.BLOCK, parts, fd, st.st_size, st.st_mtime)
+        else:
+            yield Item(Kind.FOREIGN, parts, fd)

@@ -11,13 +11,13 @@ told as they are applied (``found``, ``forget``: the tier announces them as ``st
 ``removed`` events), so a router that took the node's state before the walk ended learns the
 difference too.
 
-The walk ``stat``s only the files the catalog did not know (``_root.list_changes``): a name it
-knows is there when its folder lists a regular file by that name, which the folder's entry
-says without a ``stat`` (on a cold page cache a ``stat`` per file is much of what a walk of
-many files costs). So a file that another writer replaced with one of another size keeps the
-size the catalog had: the capacity's account is off by the difference until the block is
-evicted, deleted or stored again, and the load that reads the file verifies every byte, as
-every load does (a file that is not the block is a miss with a reason, and is dropped).
+The walk ``stat``s only the files the catalog did not know (``_root.list_blocks`` with the
+catalog's names, ``_known``): a name it knows is there when its folder lists a regular file
+by that name, which the folder's entry says without a ``stat`` (on a cold page cache a
+``stat`` per file is much of what a walk of many files costs). So a file that another writer
+replaced with one of another size keeps the size the catalog had until its first load, which
+corrects it (``Catalog.loaded``); that load verifies every byte, as every load does (a file
+that is not the block is a miss with a reason, and is dropped).
 
 The tier keeps storing, loading, deleting and evicting meanwhile, and the walk must not undo
 any of it: the difference is taken against the catalog as loaded (the epoch ``since`` the walk
@@ -35,8 +35,9 @@ from pathlib import Path
 import anyio.lowlevel
 
 from kvtier.tiers.fs._catalog import Catalog
-from kvtier.tiers.fs._packed_build import Columns, names_of
-from kvtier.tiers.fs._root import list_changes
+from kvtier.tiers.fs._known import KnownNames
+from kvtier.tiers.fs._packed_build import Columns
+from kvtier.tiers.fs._root import list_blocks
 
 __all__ = ["SLICE", "Difference", "apply", "compare"]
 
@@ -64,10 +65,9 @@ class Applied:
 def compare(root: Path, loaded: Columns) -> Difference:
     """Walk ``root`` and compare it with the catalog as ``loaded``. Blocks; a worker
     thread's."""
-    names = names_of(loaded)
-    listed = list_changes(root, set(names))
-    gone = [name for name in names if name in listed.gone]
-    return Difference([(entry.name, entry.size) for entry in listed.found], gone)
+    known = KnownNames(loaded)
+    found = list_blocks(root, known.mark)
+    return Difference([(entry.name, entry.size) for entry in found], known.unseen())
 
 
 async def apply(

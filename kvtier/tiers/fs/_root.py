@@ -1,11 +1,10 @@
 """Opening an FS tier's root: make it, clear what dead writers left, list its blocks, probe
 O_DIRECT; and the error an unusable root is at open.
 
-Two listings: every block with its size and mtime (``list_blocks``, the walk at open when
-there is no catalog to start from), and the folder against the names a loaded catalog already
-has (``list_changes``, the walk that reconciles it), which ``stat``s only the files it did not
-know. Plain functions that block; the ``FolderKeeper`` (``_keeper``) and the reconcile
-(``_reconcile``) call them in worker threads.
+The listing of its blocks (``list_blocks``) is the walk at open when there is no catalog to
+start from, and the walk that reconciles a loaded catalog with the folder, which ``stat``s
+only the files the catalog does not know. Plain functions that block; the ``FolderKeeper``
+(``_keeper``) and the reconcile (``_reconcile``) call them in worker threads.
 """
 
 from __future__ import annotations
@@ -17,8 +16,6 @@ import mmap
 import os
 import secrets
 import time
-from collections.abc import Set as AbstractSet
-from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.common._errors import InvalidArgumentError
@@ -34,16 +31,15 @@ from kvtier.tiers.fs._layout import (
     STALE_TMP_SECONDS,
     Entry,
     Kind,
+    Known,
     walk,
 )
 from kvtier.tiers.fs._marker import check_marker
 
 __all__ = [
-    "Changes",
     "UnusableRootError",
     "direct_refused",
     "list_blocks",
-    "list_changes",
     "make_root",
     "ready_root",
     "remove_if_stale",
@@ -83,40 +79,20 @@ def ready_root(root: Path, marker: dict[str, object] | None = None) -> None:
     check_marker(root, MARKER if marker is None else marker)
 
 
-def list_blocks(root: Path) -> list[Entry]:
-    """Every block file, oldest first; temporary files whose writer is gone are removed."""
-    return list_changes(root, frozenset()).found
-
-
-@dataclass(frozen=True, slots=True)
-class Changes:
-    """The folder against the block names a caller knows (``list_changes``)."""
-
-    gone: set[str]  # known names with no block file
-    found: list[Entry]  # block files whose names were not known, oldest first
-
-
-def list_changes(root: Path, known: AbstractSet[str]) -> Changes:
-    """The block files under ``root`` against the ``known`` block names: the known names
-    that have no block file there (removed, or now a folder or a link), and the block files
-    whose names were not known, with their sizes, oldest first. Temporary files whose writer
-    is gone are removed.
-
-    Only the files not known are ``stat``-ed (``walk``): a known name's file is taken as it
-    is, so one that another writer replaced with a file of another size is not told apart
-    here (the load that reads it verifies every byte, and a wrong file is a miss)."""
-    gone = set(known)
-    found: list[Entry] = []
+def list_blocks(root: Path, known: Known | None = None) -> list[Entry]:
+    """Every block file, oldest first, or with ``known`` those it does not have (``walk``:
+    a known name's file is not ``stat``-ed, so one that another writer replaced with a file
+    of another size is not told apart here; the load that reads it verifies every byte, and
+    a wrong file is a miss). Temporary files whose writer is gone are removed."""
+    entries: list[Entry] = []
     now = time.time()
     for item in walk(root, known):
-        if item.kind is Kind.KNOWN:
-            gone.discard(item.parts[-1])
-        elif item.kind is Kind.BLOCK:
-            found.append(Entry(item.parts[-1], item.size, item.mtime))
+        if item.kind is Kind.BLOCK:
+            entries.append(Entry(item.parts[-1], item.size, item.mtime))
         elif item.kind is Kind.TEMPORARY:
             remove_if_stale(item.folder, item.parts[-1], now)
-    found.sort(key=lambda e: e.mtime)
-    return Changes(gone, found)
+    entries.sort(key=lambda e: e.mtime)
+    return entries
 
 
 def make_root(root: Path) -> None:

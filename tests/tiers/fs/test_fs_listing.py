@@ -1,22 +1,22 @@
-"""The FS layout's two listings of a root: every block with its size and mtime (the walk at
-open), and the folder against the names a loaded catalog knows (the reconcile), which takes a
-known name's file by its folder entry's type, without a ``stat``.
+"""The FS layout's listing of a root: every block with its size and mtime (the walk at open),
+or, given the names a loaded catalog holds (``KnownNames``, the reconcile), only the blocks it
+lacks, a known name's file taken by its folder entry's type without a ``stat``; and what the
+catalog holds that no folder had.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from pathlib import Path
 
-from kvtier.tiers.fs._layout import (
-    STALE_TMP_SECONDS,
-    Entry,
-    Kind,
-    path_of,
-    walk,
-)
-from kvtier.tiers.fs._root import Changes, list_blocks, list_changes, ready_root
+import numpy as np
+
+from kvtier.tiers.fs._known import KnownNames
+from kvtier.tiers.fs._layout import STALE_TMP_SECONDS, Entry, Kind, name_of, path_of, walk
+from kvtier.tiers.fs._packed_build import Columns, from_names, snapshot
+from kvtier.tiers.fs._root import list_blocks, ready_root
 
 NOW = time.time()
 
@@ -34,7 +34,14 @@ def names(i: int) -> str:
     return f"{i:02x}" * 16
 
 
-def test_list_changes_takes_known_names_by_type_and_lists_the_rest(tmp_path: Path) -> None:
+def columns(held: list[str]) -> Columns:
+    """A catalog of ``held`` as loaded, oldest first."""
+    return snapshot(from_names(held, np.full(len(held), 10, dtype=np.uint64)))
+
+
+def test_the_walk_with_known_names_lists_only_the_rest_and_says_what_is_gone(
+    tmp_path: Path,
+) -> None:
     root = tmp_path / "c"
     ready_root(root)
     here = block(root, names(1), 10, 50)
@@ -55,37 +62,64 @@ def test_list_changes_takes_known_names_by_type_and_lists_the_rest(tmp_path: Pat
     old = NOW - 2 * STALE_TMP_SECONDS
     os.utime(old_tmp, (old, old))
 
-    known = {names(i) for i in (1, 2, 3, 4)} | {names(0xAA)}  # 0xaa never had a file
-    got = list_changes(root, frozenset(known))
+    known = KnownNames(columns([names(i) for i in (0xAA, 4, 1, 3, 2)]))  # 0xaa: never a file
+    found = list_blocks(root, known.mark)
 
     mtime = path_of(root, names(6)).stat().st_mtime, path_of(root, names(5)).stat().st_mtime
-    assert got == Changes(
-        gone={names(i) for i in (2, 3, 4, 0xAA)},
-        found=[Entry(names(6), 30, mtime[0]), Entry(names(5), 20, mtime[1])],  # oldest first
-    )
+    assert found == [Entry(names(6), 30, mtime[0]), Entry(names(5), 20, mtime[1])]  # by age
+    assert known.unseen() == [names(i) for i in (0xAA, 4, 3, 2)]  # in the catalog's order
     assert not old_tmp.exists() and fresh_tmp.exists()  # a dead writer's, as at open
     assert (here.parent / "notes.txt").exists() and path_of(root, names(3)).is_dir()
 
 
-def test_a_known_file_has_no_size_and_the_walk_at_open_has_all(tmp_path: Path) -> None:
+def test_a_known_file_is_not_reported_and_the_walk_at_open_lists_all(tmp_path: Path) -> None:
     root = tmp_path / "c"
     ready_root(root)
     for i, (size, age) in enumerate([(10, 3), (20, 1), (30, 2)]):
         block(root, names(i), size, age)
-    known = frozenset({names(0), names(1)})
-    kinds = {
-        item.parts[-1]: (item.kind, item.size) for item in walk(root, known) if len(item.parts) == 3
-    }
-    assert kinds == {
-        names(0): (Kind.KNOWN, 0),
-        names(1): (Kind.KNOWN, 0),
-        names(2): (Kind.BLOCK, 30),
-    }
-    every = list_blocks(root)
-    assert list_changes(root, known).found == [e for e in every if e.name not in known]
-    assert [(e.name, e.size) for e in every] == [  # with sizes, oldest first
+    known = KnownNames(columns([names(0), names(1)]))
+    reported = {item.parts[-1]: item.kind for item in walk(root, known.mark)}
+    assert reported[names(2)] is Kind.BLOCK
+    assert names(0) not in reported and names(1) not in reported
+    assert known.unseen() == []
+    assert [(e.name, e.size) for e in list_blocks(root)] == [  # with sizes, oldest first
         (names(0), 10),
         (names(2), 30),
         (names(1), 20),
     ]
-    assert all(item.kind is not Kind.KNOWN for item in walk(root))
+
+
+def test_known_names_of_every_lane_hashed_and_repeated() -> None:
+    short, long_key = bytes([0xAB, 1, 2]), bytes(range(120))  # 3 bytes; one too long for hex
+    hashed = name_of(long_key)
+    assert hashed.startswith("h")
+    other_hashed = "h" + hashlib.blake2b(b"other", digest_size=32).hexdigest()
+    held = [names(1), short.hex(), hashed, names(2), names(1)]  # names(1) twice
+    known = KnownNames(snapshot_with_repeats(held))
+    asked = [names(1), hashed, other_hashed, "ab", short.hex().upper(), "zz", names(3), ""]
+    assert known.mark(asked) == [True, True, False, False, False, False, False, False]
+    assert known.unseen() == [short.hex(), names(2)]  # both places of names(1) are seen
+    assert known.mark([short.hex(), names(2)]) == [True, True]
+    assert known.unseen() == []
+
+
+def snapshot_with_repeats(held: list[str]) -> Columns:
+    """Columns that hold a name more than once, as a checkpoint may (the index keeps one)."""
+    once = snapshot(from_names(list(dict.fromkeys(held)), np.zeros(len(set(held)), np.uint64)))
+    lanes, positions = [], []
+    place = {name: i for i, name in enumerate(dict.fromkeys(held))}
+    for name in held:
+        lanes.append(once.lanes[place[name]])
+        positions.append(once.positions[place[name]])
+    return Columns(
+        once.keys,
+        np.array(lanes, dtype=np.uint8),
+        np.array(positions, dtype=np.uint32),
+        np.zeros(len(held), dtype=np.uint64),
+    )
+
+
+def test_no_known_names() -> None:
+    known = KnownNames(columns([]))
+    assert known.mark([names(1)]) == [False]
+    assert known.unseen() == []

@@ -16,7 +16,6 @@ import signal
 import sys
 import threading
 from collections.abc import Iterator
-from collections.abc import Set as AbstractSet
 from pathlib import Path
 
 import anyio
@@ -26,8 +25,7 @@ from kvtier import BlockNotFoundError, LookupResult
 from kvtier.testing import resolve_lookup
 from kvtier.tiers.fs import FSTier, _reconcile
 from kvtier.tiers.fs._catalog_files import CHECKPOINT_NAME, LOG_NAME, STEPS
-from kvtier.tiers.fs._layout import path_of
-from kvtier.tiers.fs._root import Changes
+from kvtier.tiers.fs._layout import Entry, Known, path_of
 from tests.tiers.fs import catalog_worker
 from tests.tiers.fs.fs_worker import key_and_data
 
@@ -58,15 +56,15 @@ class HeldWalk:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.listed = threading.Event()
         self._go = threading.Event()
-        real = _reconcile.list_changes  # type: ignore[attr-defined]  # the seam the walk calls
+        real = _reconcile.list_blocks  # type: ignore[attr-defined]  # the seam the walk calls
 
-        def held(root: Path, known: AbstractSet[str]) -> Changes:
+        def held(root: Path, known: Known | None = None) -> list[Entry]:
             found = real(root, known)
             self.listed.set()
             self._go.wait(30)
             return found
 
-        monkeypatch.setattr(_reconcile, "list_changes", held)
+        monkeypatch.setattr(_reconcile, "list_blocks", held)
 
     async def wait_listed(self) -> None:
         await anyio.to_thread.run_sync(self.listed.wait, 30)
