@@ -28,7 +28,7 @@ import numpy as np
 from kvtier.tiers.fs._catalog_format import Change
 from kvtier.tiers.fs._idents import MAX_HEX_KEY, ident_of_key, ident_of_name, name_of_ident
 from kvtier.tiers.fs._packed import PackedOrder
-from kvtier.tiers.fs._packed_build import from_names
+from kvtier.tiers.fs._packed_build import Columns, from_names, snapshot
 
 __all__ = ["Built", "Catalog", "Changes", "NoRoom", "Reservation"]
 
@@ -92,6 +92,9 @@ class Catalog(Generic[W]):
         # ``lookup`` answered RETRY for (they are told when their store ends), and how many
         # lookups were answered so.
         self.storing: dict[bytes, W] = {}
+        # Victims of stores in flight: out of the index, their files perhaps not yet removed
+        # (a walk that sees one must not take it back in).
+        self.leaving: set[str] = set()
         self._retried: set[bytes] = set()
         self.writing_retries = 0
         # A check (or load) that finds no file must not drop a name stored while it ran: the
@@ -168,6 +171,11 @@ class Catalog(Generic[W]):
         """A function returning the keys of the block files named by their key, to run in a
         worker thread (``PackedOrder.keys_reader``: the catalog as it is now)."""
         return self._index.keys_reader()
+
+    def columns(self) -> Columns:
+        """A copy of the entries as columns, oldest first (a fraction of the index's memory,
+        made in a few array copies): what a walk of the folder compares it with."""
+        return snapshot(self._index)
 
     def entries(self) -> list[tuple[str, int]]:
         """File names and sizes, least recently used first (a checkpoint's contents)."""
@@ -326,6 +334,7 @@ class Catalog(Generic[W]):
                     continue
                 self.used -= victim_size
                 self._taken(victim)
+                self.leaving.add(victim)
                 self._note(Change.DROP, victim, 0)
                 victims.append((victim, victim_size))
         self.reserved += size
@@ -348,6 +357,7 @@ class Catalog(Generic[W]):
                 continue
             self.used -= victim_size
             self._taken(victim)
+            self.leaving.add(victim)
             self._note(Change.DROP, victim, 0)
             res.victims.append((victim, victim_size))
             freed += victim_size
@@ -365,8 +375,11 @@ class Catalog(Generic[W]):
         never count them again); the others go back where they were in the LRU order.
         """
         self.reserved -= res.size
+        self.leaving.difference_update(victim for victim, _ in res.victims)
         if written or (landed is None and touched):
             gone = res.victims
+            for victim, _ in gone:  # removed just now: a walk begun before must not revive it
+                self._taken(victim)
         else:  # nothing happened on disk, or the file was there and needed no room
             gone = []
             for victim, victim_size in reversed(res.victims):

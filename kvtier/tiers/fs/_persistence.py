@@ -24,6 +24,7 @@ what the other process changed is reconciled at the next open.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,8 @@ from pathlib import Path
 import anyio
 import anyio.abc
 
+from kvtier.common._logging import BurstLogger
+from kvtier.common._threads import run_sync
 from kvtier.tiers._base import TierStatistics
 from kvtier.tiers.fs import _catalog_files
 from kvtier.tiers.fs._catalog import Built, Catalog
@@ -45,6 +48,12 @@ from kvtier.tiers.fs._reconcile import apply, compare
 __all__ = ["CatalogPersistence", "FSTierStatistics"]
 
 logger = logging.getLogger("kvtier.tiers.fs")
+_walk_log = BurstLogger(logger)
+
+WALK_COST_RATIO = 50
+"""A walk while open waits at least this many times as long as the last one took: on a large
+folder a walk is seconds of a thread and of the device, and a check for what nobody announced
+should take a few percent of them at most."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +69,8 @@ class FSTierStatistics(TierStatistics):
     catalog_log_writes: int = 0
     catalog_write_failures: int = 0
     catalog_unwritten_changes: int = 0  # what a kill -9 would lose of the LRU order now
+    catalog_walks: int = 0  # walks while open that brought the catalog in line (``walk_interval``)
+    catalog_walk_failures: int = 0
 
 
 class CatalogPersistence:
@@ -91,6 +102,8 @@ class CatalogPersistence:
         self._since: int | None = None  # the epoch the walk compares from, while watched
         self._walked = anyio.Event()  # the walk ended (or there is none)
         self._walked.set()
+        self.walks = self.walk_failures = 0  # the walks while open (``walk_again``)
+        self._walk_seconds = 0.0  # how long the last walk took
 
     # -- open ----------------------------------------------------------------------------------
 
@@ -144,11 +157,20 @@ class CatalogPersistence:
             f"; {loaded.log_note}" if loaded.log_note else "",
         )
 
-    def start(self, tg: anyio.abc.TaskGroup, on_complete: Callable[[], None]) -> None:
-        """The tier's task group is open: write in the background, and reconcile a catalog
-        loaded from a checkpoint with the folder."""
+    def start(
+        self,
+        tg: anyio.abc.TaskGroup,
+        on_complete: Callable[[], None],
+        walk_interval: float | None,
+        owner: Callable[[], bool],
+    ) -> None:
+        """The tier's task group is open: write in the background, reconcile a catalog
+        loaded from a checkpoint with the folder, and walk it again every ``walk_interval``
+        seconds while ``owner()`` (``walk_again``)."""
         if self.journal is not None:
             tg.start_soon(self.journal.run)
+            if walk_interval is not None:
+                tg.start_soon(self.walk_again, walk_interval, owner)
         if self._base is not None and self._since is not None:
             tg.start_soon(self._reconcile, self._base, on_complete)
 
@@ -156,7 +178,7 @@ class CatalogPersistence:
         since = self._since
         assert since is not None
         try:
-            diff = await anyio.to_thread.run_sync(compare, self.root, base, abandon_on_cancel=True)
+            diff = await run_sync(compare, self.root, base, abandon_on_cancel=True)
             self.loaded = self._base = None  # compared: its memory goes
             del base
             done = await apply(self._catalog, diff, since, self._forget, self._found)
@@ -180,6 +202,49 @@ class CatalogPersistence:
             done.found,
             len(done.gone),
         )
+
+    async def walk_again(self, every: float, owner: Callable[[], bool]) -> None:
+        """Walk the folder again every ``every`` seconds, and at least ``WALK_COST_RATIO``
+        times as long as the last walk took, while the tier answers lookups from its catalog
+        (``owner()``): a file removed behind the tier's back (by hand, by a cleanup job) is
+        dropped and said as removed (``not_found``), a block file the catalog lacked is taken
+        in and said as stored, within a bound rather than at the block's next load or the
+        next open. The walk at open comes first. Until cancelled (the tier's close)."""
+        await self._walked.wait()
+        while True:
+            await anyio.sleep(max(every, WALK_COST_RATIO * self._walk_seconds))
+            if owner():
+                await self._walk_once()
+
+    async def _walk_once(self) -> None:
+        """One walk while open, compared with the catalog as it is when the walk begins
+        (what the tier does meanwhile is not undone: ``_reconcile``); a failure is logged
+        and counted, and the next walk runs on time."""
+        catalog = self._catalog
+        started = time.monotonic()
+        try:
+            with catalog.watching() as since:
+                base = catalog.columns()
+                diff = await run_sync(compare, self.root, base, abandon_on_cancel=True)
+                del base
+                done = await apply(catalog, diff, since, self._forget, self._found)
+        except Exception as exc:  # a task that serves the tier lives on, and says so
+            self.walk_failures += 1
+            _walk_log.warning(
+                f"walk:{self.root}", "%s: walking %s failed (%r)", self.name, self.root, exc
+            )
+            return
+        finally:
+            self._walk_seconds = time.monotonic() - started
+        self.walks += 1
+        if done.found or done.gone:
+            logger.info(
+                "%s: %s: a walk found %d files the catalog lacked and %d entries without a file",
+                self.name,
+                self.root,
+                done.found,
+                len(done.gone),
+            )
 
     async def walked(self) -> None:
         """Wait until the walk that reconciles a loaded catalog has ended (at once when there
@@ -214,4 +279,6 @@ class CatalogPersistence:
             catalog_log_writes=journal.appends if journal else 0,
             catalog_write_failures=journal.failures if journal else 0,
             catalog_unwritten_changes=journal.unwritten if journal else 0,
+            catalog_walks=self.walks,
+            catalog_walk_failures=self.walk_failures,
         )

@@ -23,7 +23,10 @@ The tier keeps storing, loading, deleting and evicting meanwhile, and the walk m
 any of it: the difference is taken against the catalog as loaded (the epoch ``since`` the walk
 began at, a watcher held throughout), and a name that an operation added or dropped after
 ``since`` keeps what the operation made of it (``Catalog.changed_since``,
-``Catalog.drop_unless_newer``).
+``Catalog.drop_unless_newer``). A store's victim is out of the catalog before its file is
+removed: one whose store is still in flight (``Catalog.leaving``), or ended after ``since``,
+is not taken back in. The same walk runs again while the tier is open (``walk_interval``,
+``_persistence``), compared with the catalog as it was when that walk began.
 """
 
 from __future__ import annotations
@@ -92,7 +95,8 @@ async def apply(
     for start in range(0, len(diff.found), SLICE):
         names: list[str] = []
         for name, size in diff.found[start : start + SLICE]:
-            if name not in catalog and not catalog.changed_since(name, since):
+            leaving = name in catalog.leaving  # a victim whose file is being removed
+            if name not in catalog and not leaving and not catalog.changed_since(name, since):
                 catalog.add(name, size)
                 names.append(name)
         added += len(names)

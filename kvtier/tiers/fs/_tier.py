@@ -162,7 +162,9 @@ class FSTier(SecondaryTier):
         self._task_group = tg = await enter_task_group()
         tg.start_soon(self._upkeep.run)
         if self._keeping:
-            self._persistence.start(tg, self._reconciled)
+            self._persistence.start(
+                tg, self._reconciled, self.config.walk_interval, self._answers_from_index
+            )
 
     async def aclose(self) -> None:
         """Stop the checks, write the catalog's last checkpoint (an owner), and let go of the
@@ -245,6 +247,11 @@ class FSTier(SecondaryTier):
         if self._lookups is not self._checks:
             logger.warning("%s: %s is %s: lookups check the disk", self.name, self.root, why)
             self._lookups = self._ledger.verdicts = self._checks
+
+    def _answers_from_index(self) -> bool:
+        """Whether lookups are answered from the catalog alone (an owner whose catalog is in
+        line with the folder), which a walk while open keeps so."""
+        return self._lookups is self._index
 
     def _reconciled(self) -> None:
         """The catalog loaded at open is in line with the folder: the index answers alone."""

@@ -8,10 +8,14 @@ orders the tier makes them, and check its state after each.
 
 from __future__ import annotations
 
+from typing import Any
+
+import anyio
 import pytest
 
 from kvtier.tiers.fs._catalog import Catalog, NoRoom, Reservation
 from kvtier.tiers.fs._layout import name_of
+from kvtier.tiers.fs._reconcile import Difference, apply
 
 
 def key(i: int) -> bytes:
@@ -29,7 +33,7 @@ def filled(capacity: int | None, *sizes: int) -> Catalog[str]:
     return catalog
 
 
-def written(catalog: Catalog[str], res: Reservation) -> list[tuple[str, int]]:
+def written(catalog: Catalog[Any], res: Reservation) -> list[tuple[str, int]]:
     return catalog.settle(res, res.size, written=True, touched=True)
 
 
@@ -328,3 +332,28 @@ def test_a_read_without_an_epoch_is_the_whole_truth() -> None:
     catalog = filled(None, 10, 20)
     assert catalog.reset([(name(1), 20)]) == [name(0)]
     assert catalog.names() == [name(1)] and catalog.used == 20
+
+
+# -- a walk of the folder meanwhile ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("settled", [False, True], ids=["store-in-flight", "store-ended"])
+async def test_a_walk_does_not_take_back_a_victim_whose_file_it_saw_before_removal(
+    settled: bool,
+) -> None:
+    """A store's victim leaves the index before its file is removed: a walk that began after
+    and saw the file must not take it back in, whether the store is still in flight when the
+    walk's difference is applied (``leaving``) or ended after the walk began."""
+    catalog: Catalog[anyio.Event] = Catalog(100)
+    catalog.reset([(name(0), 50), (name(1), 50)])
+    res = catalog.reserve(key(2), name(2), 50)  # block 0 is its victim
+    since = catalog.watch()  # the walk begins, and sees block 0's file still there
+    if settled:
+        assert written(catalog, res) == [(name(0), 50)]
+    found: list[str] = []
+    await apply(catalog, Difference([(name(0), 50)], []), since, lambda _: None, found.extend)
+    assert found == [] and name(0) not in catalog
+    if not settled:
+        assert written(catalog, res) == [(name(0), 50)]
+    catalog.unwatch()
+    assert catalog.names() == [name(1), name(2)] and not catalog.leaving

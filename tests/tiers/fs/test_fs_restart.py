@@ -139,6 +139,34 @@ async def test_the_walk_reconciles_what_changed_while_closed(tmp_path: Path) -> 
         assert tier.statistics().bytes_stored == sum(sizes.values())
 
 
+async def test_a_walk_while_open_finds_what_changed_behind_the_tiers_back(tmp_path: Path) -> None:
+    """An owner walks its folder again while open (``walk_interval``): a file removed by hand
+    is dropped and said as removed, a block file copied in is taken in and said as stored,
+    without waiting for a load or the next open."""
+    root, other = tmp_path / "c", tmp_path / "other"
+    async with FSTier(other, shared=False) as elsewhere:
+        await stored(elsewhere, 9)  # a block file to copy in by hand
+    async with FSTier(root, shared=False, walk_interval=0.05) as tier:
+        await stored(tier, 0, 1, 2)
+        heard = {key(1): anyio.Event(), key(9): anyio.Event()}
+        tier.add_listener(lambda k: heard[k].set() if k in heard else None)
+        tier.events.drain()
+        file_of(root, 1).unlink()
+        file_of(root, 9).parent.mkdir(parents=True, exist_ok=True)
+        file_of(root, 9).write_bytes(file_of(other, 9).read_bytes())
+        assert [tier.lookup(key(i)) for i in (1, 9)] == [HIT, MISS]  # from the catalog
+        with anyio.fail_after(30):
+            for event in heard.values():
+                await event.wait()
+        told = {(k, e.kind.value, e.reason) for e in tier.events.drain() for k in e.keys}
+        assert told == {(key(1), "removed", "not_found"), (key(9), "stored", None)}
+        assert [tier.lookup(key(i)) for i in (0, 1, 2, 9)] == [HIT, MISS, HIT, HIT]
+        assert await read(tier, 9) == data(9)
+        stats = tier.statistics()
+        assert stats.catalog_walks >= 1 and stats.catalog_walk_failures == 0
+        assert stats.blocks == 3
+
+
 async def test_the_walk_drops_a_known_name_that_is_no_longer_a_file(tmp_path: Path) -> None:
     root = tmp_path / "c"
     async with FSTier(root, shared=False) as tier:
