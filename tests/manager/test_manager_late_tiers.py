@@ -112,6 +112,25 @@ async def silent_endpoint() -> AsyncIterator[str]:
         await server.wait_closed()
 
 
+@asynccontextmanager
+async def entering(manager: TieringManager) -> AsyncIterator[anyio.Event]:
+    """Enter ``manager`` in a task of its own while the block runs: the event is set once it
+    has entered; the manager is left when the block ends."""
+    entered, leave = anyio.Event(), anyio.Event()
+
+    async def run() -> None:
+        async with manager:
+            entered.set()
+            await leave.wait()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run)
+        try:
+            yield entered
+        finally:
+            leave.set()
+
+
 class OpensWhenAllowed(MemoryTier):
     """A MemoryTier whose open fails (``TierUnavailableError``) until ``allow`` is set: a
     tier whose endpoint is down at start and comes back. ``failed`` counts the failed opens
@@ -323,16 +342,8 @@ async def test_a_tier_that_answered_is_waited_for_up_to_the_open_wait(
     manager = TieringManager(
         HostPool(8, BLOCK), [warming, s3], tier_answer_wait=0.0, tier_open_wait=open_wait
     )
-    entered, leave = anyio.Event(), anyio.Event()
-
-    async def run() -> None:
-        async with manager:
-            entered.set()
-            await leave.wait()
-
     with anyio.fail_after(60):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(run)
+        async with entering(manager) as entered:
             await s3.probed.wait()
             warming.go.set()  # the waits begin: the S3 tier has answered
             await anyio.wait_all_tasks_blocked()
@@ -345,7 +356,6 @@ async def test_a_tier_that_answered_is_waited_for_up_to_the_open_wait(
             s3.go.set()
             await entered.wait()
             await s3.opened.wait()  # joined in the same step
-            leave.set()
     assert manager.statistics().opens.joined_late == (0 if open_wait else 1)
     assert "has not answered" not in caplog.text
     assert not tasks_left()
@@ -373,24 +383,15 @@ async def test_an_fs_tier_reading_its_catalog_is_waited_for_past_the_answer_wait
     manager = TieringManager(
         HostPool(8, BLOCK), [warming, fs], tier_answer_wait=0.0, tier_open_wait=600.0
     )
-    entered, leave = anyio.Event(), anyio.Event()
-
-    async def run() -> None:
-        async with manager:
-            entered.set()
-            assert manager.statistics().opens.unavailable == ()
-            await leave.wait()
-
     with anyio.fail_after(60):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(run)
+        async with entering(manager) as entered:
             await anyio.to_thread.run_sync(reading.wait, 30)
             warming.go.set()
             await anyio.wait_all_tasks_blocked()
             assert not entered.is_set()  # waited for
             go.set()
             await entered.wait()
-            leave.set()
+            assert manager.statistics().opens.unavailable == ()
     assert manager.statistics().opens.joined_late == 0
     assert not tasks_left()
 
@@ -502,22 +503,13 @@ async def test_the_open_wait_starts_once_the_tiers_have_warmed_up() -> None:
     returns once it ended (a tier that fails or hangs after it is not waited for)."""
     tier = WarmsUpSlowly("slow")
     manager = TieringManager(HostPool(4, BLOCK), [tier], tier_open_wait=0.0)
-    entered, leave = anyio.Event(), anyio.Event()
-
-    async def run() -> None:
-        async with manager:
-            entered.set()
-            await leave.wait()
-
     with anyio.fail_after(30):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(run)
+        async with entering(manager) as entered:
             await tier.warming.wait()
             await anyio.wait_all_tasks_blocked()
             assert not entered.is_set()  # the 0 s wait has not begun
             tier.go.set()
             await entered.wait()
-            leave.set()
     assert not tasks_left()
 
 
