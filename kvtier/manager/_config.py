@@ -92,7 +92,7 @@ class ManagerConfig(Section):
     # (lookups skip them, writes to them are dropped) and are opened again in the background,
     # with backoff, until they join. Two waits, both counted from the tiers' local warm-up:
     # tier_answer_wait bounds how long a tier's backend may take to answer at all (an S3
-    # endpoint, the FS root's file system); a tier that answered is waited for up to
+    # endpoint); a tier that answered, or does not say (an FS tier), is waited for up to
     # tier_open_wait in all (an S3 tier listing a large prefix inside open, an FS tier
     # reading a large catalog), and one still opening then joins when its open ends, said in
     # the log. require_all_tiers: fail the open instead, as soon as one tier fails or passes

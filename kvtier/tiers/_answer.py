@@ -1,12 +1,14 @@
 """A tier that opens tells whoever opens it when its backend first answered.
 
 An open can be slow for two reasons a manager must tell apart: the backend does not answer (an
-endpoint that accepts connections and says nothing, a hung mount), or it answers and the open
-has work to do after that (an S3 tier listing a large prefix, an FS tier reading its catalog).
-The first is worth waiting for only briefly; the second is a healthy tier the manager should
-open with. So the opener listens (``hearing_answers``, around the tier's ``open()``), and the
-tier calls the teller it takes at the start of its open (``answer_teller``) once the backend
-has answered: the S3 tier when the bucket's probe returns, the FS tier when its root is ready.
+endpoint that accepts connections and says nothing), or it answers and the open has work to do
+after that (an S3 tier listing a large prefix inside its open). The first is worth waiting for
+only briefly; the second is a healthy tier the manager should open with. So the opener listens
+(``hearing_answers``, around the tier's ``open()``), and the tier calls the teller it takes at
+the start of its open (``answer_teller``) once the backend has answered: the S3 tier when the
+bucket's probe returns. The FS tier does not tell: its disk is local, a hung mount is bounded
+by its own deadlines (it opens degraded), and a loaded machine may well take a second to
+answer at start-up, which is no reason to open without it.
 
 The listener travels in a context variable, so the tier's open takes no extra argument and an
 open nobody listens to (a tier opened by hand, ``require_all_tiers``) tells no one. The teller

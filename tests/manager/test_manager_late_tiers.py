@@ -361,12 +361,13 @@ async def test_a_tier_that_answered_is_waited_for_up_to_the_open_wait(
     assert not tasks_left()
 
 
-async def test_an_fs_tier_reading_its_catalog_is_waited_for_past_the_answer_wait(
+async def test_an_fs_tier_reading_its_catalog_is_waited_for_whatever_the_answer_wait(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """An FS tier answers once its root is ready: reading a large catalog after that is its
-    own work, which the manager waits for (``tier_answer_wait`` 0 here; the waits begin
-    once the other tier has warmed up, after the FS tier answered)."""
+    """An FS tier does not say when its disk answered (``tells_answer`` False): its open, a
+    large catalog read included, is waited for up to ``tier_open_wait`` whatever
+    ``tier_answer_wait`` (0 here; the waits begin once the other tier has warmed up, while
+    the FS tier reads its catalog)."""
     key, block = fresh_keys(1)[0], blocks(1)[0].tobytes()
     await fs_holding(tmp_path / "fs", key, block)  # a catalog to read at the next open
     reading, go = threading.Event(), threading.Event()

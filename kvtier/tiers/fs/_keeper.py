@@ -136,20 +136,15 @@ class FolderKeeper:
         return self._generation
 
     def prepare(
-        self,
-        probe_direct: bool,
-        generation: int,
-        load: Callable[[], bool] | None = None,
-        answered: Callable[[], None] | None = None,
+        self, probe_direct: bool, generation: int, load: Callable[[], bool] | None = None
     ) -> Prepared:
         """Make the root ready (``_root.ready_root``), check its identity, probe O_DIRECT,
         claim the folder unless this tier holds it already, or was closed since
         ``generation`` (a prepare that hung until after the close claims nothing), and list
         its blocks (``_root.list_blocks``), unless the claim made the tier the owner and
         ``load`` read the catalog it kept (``Prepared.loaded``: the blocks are listed in the
-        background instead). ``answered`` is called once the folder has answered, before the
-        catalog or the listing, which take long in a large folder. Raises ``OSError``,
-        ``IncompatibleRoot``, ``FolderBusy`` and the identity errors."""
+        background instead). Raises ``OSError``, ``IncompatibleRoot``, ``FolderBusy`` and the
+        identity errors."""
         with self._lock:
             if self._container is not None:
                 _root.make_root(self._container)
@@ -166,8 +161,6 @@ class FolderKeeper:
             claimed = None
             if self.claim is None and generation == self._generation:
                 self.claim = claimed = claim(self.root, self._shared)
-            if answered is not None:
-                answered()
             try:
                 if claimed is not None and claimed.owner and load is not None and load():
                     return Prepared([], refused, claimed, loaded=True)

@@ -34,7 +34,6 @@ from kvtier.common._identity import CacheIdentity, scoped_name
 from kvtier.common._keys import check_key
 from kvtier.common._lending import Lender
 from kvtier.common._lookup import LookupResult, MissReason
-from kvtier.tiers._answer import answer_teller
 from kvtier.tiers._async_lookup import AsyncLookupManager
 from kvtier.tiers._base import (
     BatchResults,
@@ -66,8 +65,6 @@ logger = logging.getLogger("kvtier.tiers.fs")
 
 class FSTier(SecondaryTier):
     """Blocks as files under ``root``; see ``kvtier.tiers.fs`` for the guarantees."""
-
-    tells_answer = True  # once the root is ready, before its catalog or its listing
 
     def __init__(
         self,
@@ -198,11 +195,9 @@ class FSTier(SecondaryTier):
         generation = keeper.generation
         kept = self._persistence
         load = None if raise_unavailable else kept.load  # at open only
-        answered = answer_teller()  # the root answers: what is left (a catalog, a walk) is ours
         try:
             ready, built = await files.calls.run(
-                lambda _: kept.built(keeper.prepare(probe, generation, load, answered)),
-                limiter=files.reads,
+                lambda _: kept.built(keeper.prepare(probe, generation, load)), limiter=files.reads
             )
         except (IncompatibleRoot, FolderBusy) as exc:
             if raise_unavailable:  # at a store: the folder became another tier's
