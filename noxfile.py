@@ -148,6 +148,7 @@ QUICK_BENCHMARKS = (
     ("bench_demo_tiers", "--quick", "--rounds", "1"),
     ("replay_trace", "--quick"),
     ("restart", "--quick"),  # starts its own SeaweedFS
+    ("open_unreachable", "--opens", "1"),
     ("residency", "--quick"),  # starts its own SeaweedFS
 )
 S3_BENCHMARKS = ("bench_s3", "bench_s3_cpu", "bench_s3_packs", "bench_demo_tiers", "cluster_replay")

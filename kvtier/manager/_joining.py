@@ -5,13 +5,14 @@ By default a tier that cannot open (an endpoint that refuses connections or neve
 credentials refused) does not stop the manager. Each tier is opened by a keeper, a task of
 its own, all at once: the manager waits until every tier has opened or failed its first
 attempt, and opens with the tiers that are open. A tier whose backend has not answered
-within ``tier_answer_wait`` seconds (an endpoint that accepts connections and says nothing)
-is not waited for longer; one that answered (``_answer``: its open has work of its own left,
-a large listing or catalog) is waited for until ``tier_open_wait`` seconds have passed in
-all. The waits start once each tier has prepared what its open needs from this process
-alone (``warm_up``, where a tier has one: the S3 tier parses botocore's model, about a
-second in a fresh process on a busy machine), so they bound how long an endpoint or a mount
-takes to answer, not how long the process takes to start.
+within ``tier_answer_wait`` seconds (an S3 endpoint that accepts connections and says
+nothing) is not waited for longer; one that answered (``_answer``: its open has work of its
+own left, a large listing), or does not say (``tells_answer`` False: an FS tier), is waited
+for until ``tier_open_wait`` seconds have passed in all. The waits start once each tier
+has prepared what its open needs from this process alone (``warm_up``, where a tier has
+one: the S3 tier parses botocore's model, about a second in a fresh process on a busy
+machine), so they bound how long an endpoint or a mount takes to answer, not how long the
+process takes to start.
 The others are unavailable: the manager does not ask them (lookups that no open tier
 answers are ``unavailable`` misses; writes to them are dropped, counted by the admission),
 and their keepers open them again in the background with backoff until they join.
@@ -220,8 +221,8 @@ class TierKeepers:
         for keeper in self._keepers:
             if not keeper.answered.is_set():  # its backend said nothing: one that never answers
                 logger.warning(
-                    "tier %s has not answered within tier_answer_wait=%g s (an endpoint or "
-                    "a mount that says nothing): the manager opens without it, and it joins "
+                    "tier %s has not answered within tier_answer_wait=%g s (an endpoint "
+                    "that says nothing): the manager opens without it, and it joins "
                     "when an attempt to open it succeeds",
                     keeper.tier.name,
                     answer_wait,
