@@ -98,14 +98,14 @@ class TieringManager(AsyncResource):
     ``close_timeout``, whatever the tier's latency.
 
     Entering opens every tier at once and waits for them: up to ``tier_answer_wait`` seconds
-    for a tier's backend to answer, up to ``tier_open_wait`` in all for one that answered
-    to open; a tier not open by then (its endpoint refuses or never answers, its credentials
-    are refused) is unavailable: lookups skip it (``unavailable`` misses), writes to it are
-    dropped, and it is opened again in the background, with backoff, until it joins
-    (``statistics().opens`` says which). Each attempt is bounded by ``open_timeout`` (None:
-    no bound; keep it above the ``index_list_timeout`` of an S3 tier that loads its index
-    inside ``open()``). A configuration error (``InvalidArgumentError``) still fails the
-    entry. With
+    for an S3 tier's endpoint to answer, up to ``tier_open_wait`` in all for a tier that
+    answered, or does not say (an FS tier), to open; a tier not open by then (its endpoint
+    refuses or never answers, its credentials are refused) is unavailable: lookups skip it
+    (``unavailable`` misses), writes to it are dropped, and it is opened again in the
+    background, with backoff, until it joins (``statistics().opens`` says which). Each
+    attempt is bounded by ``open_timeout`` (None: no bound; keep it above the
+    ``index_list_timeout`` of an S3 tier that loads its index inside ``open()``). A
+    configuration error (``InvalidArgumentError``) still fails the entry. With
     ``require_all_tiers`` the tiers open in turn and the first that fails or passes
     ``open_timeout`` fails the entry (``TierTimeoutError`` naming it), the tiers opened
     before it closed again.

@@ -187,10 +187,10 @@ class SecondaryTier(AsyncResource):
     #: arriving together into one object (S3) sets it to its pack size, and the manager
     #: then starts its deferred writes in groups of that many. 1: no preference.
     write_batch: int = 1
-    #: Whether this tier's open says when its backend first answered (``_answer``): a
-    #: manager then waits only ``tier_answer_wait`` for a backend that says nothing, and up to
-    #: ``tier_open_wait`` for an open that has answered. False: the whole open is waited for
-    #: up to ``tier_open_wait``, as one that answered.
+    #: Whether this tier's open says when its backend first answered (``_answer``; the S3
+    #: tier does): a manager then waits only ``tier_answer_wait`` for a backend that says
+    #: nothing, and up to ``tier_open_wait`` for an open that has answered. False: the whole
+    #: open is waited for up to ``tier_open_wait``, as one that answered.
     tells_answer: bool = False
 
     def __init__(self, name: str) -> None:
