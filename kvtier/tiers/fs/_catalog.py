@@ -18,6 +18,7 @@ a second store of a key can wait for the first without the catalog knowing about
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -92,9 +93,11 @@ class Catalog(Generic[W]):
         # ``lookup`` answered RETRY for (they are told when their store ends), and how many
         # lookups were answered so.
         self.storing: dict[bytes, W] = {}
-        # Victims of stores in flight: out of the index, their files perhaps not yet removed
-        # (a walk that sees one must not take it back in).
-        self.leaving: set[str] = set()
+        # Names whose files operations in flight are changing (``changing``), with how many
+        # each: a store's own name (its file renamed into place before the catalog adds it),
+        # its victims (out of the index before their files are removed) and a delete's name
+        # (its file removed before the name is dropped).
+        self._changing: collections.Counter[str] = collections.Counter()
         self._retried: set[bytes] = set()
         self.writing_retries = 0
         # A check (or load) that finds no file must not drop a name stored while it ran: the
@@ -184,6 +187,23 @@ class Catalog(Generic[W]):
     def size_of(self, name: str) -> int | None:
         ident = ident_of_name(name)
         return None if ident is None else self._index.get(ident)
+
+    def changing(self, name: str) -> bool:
+        """Whether an operation in flight is changing ``name``'s file (a store writing it or
+        evicting it, a delete): a walk of the folder meanwhile leaves it to that operation."""
+        return name in self._changing
+
+    def change(self, name: str) -> None:
+        """A delete of ``name`` begins (stores say so in ``reserve``)."""
+        self._changing[name] += 1
+
+    def changed(self, names: Iterable[str]) -> None:
+        """The operation that was changing ``names`` ended (``settle`` says so for stores)."""
+        changing = self._changing
+        for name in names:
+            changing[name] -= 1
+            if changing[name] <= 0:
+                del changing[name]
 
     def changed_since(self, name: str, since: int) -> bool:
         """Whether a store, load, delete or eviction added or dropped ``name`` after epoch
@@ -334,10 +354,11 @@ class Catalog(Generic[W]):
                     continue
                 self.used -= victim_size
                 self._taken(victim)
-                self.leaving.add(victim)
+                self._changing[victim] += 1
                 self._note(Change.DROP, victim, 0)
                 victims.append((victim, victim_size))
         self.reserved += size
+        self._changing[name] += 1
         return Reservation(key, name, size, victims)
 
     def evict_more(self, res: Reservation, size: int) -> int:
@@ -357,7 +378,7 @@ class Catalog(Generic[W]):
                 continue
             self.used -= victim_size
             self._taken(victim)
-            self.leaving.add(victim)
+            self._changing[victim] += 1
             self._note(Change.DROP, victim, 0)
             res.victims.append((victim, victim_size))
             freed += victim_size
@@ -375,7 +396,7 @@ class Catalog(Generic[W]):
         never count them again); the others go back where they were in the LRU order.
         """
         self.reserved -= res.size
-        self.leaving.difference_update(victim for victim, _ in res.victims)
+        self.changed([res.name, *(victim for victim, _ in res.victims)])
         if written or (landed is None and touched):
             gone = res.victims
             for victim, _ in gone:  # removed just now: a walk begun before must not revive it

@@ -23,10 +23,13 @@ The tier keeps storing, loading, deleting and evicting meanwhile, and the walk m
 any of it: the difference is taken against the catalog as loaded (the epoch ``since`` the walk
 began at, a watcher held throughout), and a name that an operation added or dropped after
 ``since`` keeps what the operation made of it (``Catalog.changed_since``,
-``Catalog.drop_unless_newer``). A store's victim is out of the catalog before its file is
-removed: one whose store is still in flight (``Catalog.leaving``), or ended after ``since``,
-is not taken back in. The same walk runs again while the tier is open (``walk_interval``,
-``_persistence``), compared with the catalog as it was when that walk began.
+``Catalog.drop_unless_newer``). And the catalog hears of some changes only after the files
+changed: a store's file is renamed into place before the catalog adds its name, its victims
+leave the catalog before their files are removed, a delete removes its file before the name
+is dropped. While such an operation is in flight (``Catalog.changing``) the walk leaves its
+names to it, so each change is told once, by the operation that made it. The same walk runs
+again while the tier is open (``walk_interval``, ``_persistence``), compared with the
+catalog as it was when that walk began.
 """
 
 from __future__ import annotations
@@ -86,7 +89,9 @@ async def apply(
     gone: list[str] = []
     for start in range(0, len(diff.gone), SLICE):
         dropped = [
-            n for n in diff.gone[start : start + SLICE] if catalog.drop_unless_newer(n, since)
+            n
+            for n in diff.gone[start : start + SLICE]
+            if not catalog.changing(n) and catalog.drop_unless_newer(n, since)
         ]
         gone.extend(dropped)
         forget(dropped)
@@ -95,8 +100,11 @@ async def apply(
     for start in range(0, len(diff.found), SLICE):
         names: list[str] = []
         for name, size in diff.found[start : start + SLICE]:
-            leaving = name in catalog.leaving  # a victim whose file is being removed
-            if name not in catalog and not leaving and not catalog.changed_since(name, since):
+            if (
+                name not in catalog
+                and not catalog.changing(name)
+                and not catalog.changed_since(name, since)
+            ):
                 catalog.add(name, size)
                 names.append(name)
         added += len(names)

@@ -418,12 +418,15 @@ class FSTier(SecondaryTier):
     async def delete(self, key: bytes) -> None:
         check_key(key)
         name = name_of(key)
-        root, files = self.root, self._files
+        root, files, catalog = self.root, self._files, self._catalog
+        catalog.change(name)  # a walk meanwhile leaves its removal to this delete
         try:
             removed = await files.calls.run(lambda _: remove_block(root, name), limiter=files.reads)
         except (OSError, Stuck) as exc:
             raise self._ledger.error(exc, "delete", key) from exc
-        held = self._catalog.drop(name)
+        finally:
+            catalog.changed([name])
+        held = catalog.drop(name)
         self._lookups.record(key, False, MissReason.NOT_FOUND)
         if removed or held:
             self.events.emit(EventKind.REMOVED, (key,), reason="deleted")

@@ -343,7 +343,7 @@ async def test_a_walk_does_not_take_back_a_victim_whose_file_it_saw_before_remov
 ) -> None:
     """A store's victim leaves the index before its file is removed: a walk that began after
     and saw the file must not take it back in, whether the store is still in flight when the
-    walk's difference is applied (``leaving``) or ended after the walk began."""
+    walk's difference is applied (``changing``) or ended after the walk began."""
     catalog: Catalog[anyio.Event] = Catalog(100)
     catalog.reset([(name(0), 50), (name(1), 50)])
     res = catalog.reserve(key(2), name(2), 50)  # block 0 is its victim
@@ -356,4 +356,5 @@ async def test_a_walk_does_not_take_back_a_victim_whose_file_it_saw_before_remov
     if not settled:
         assert written(catalog, res) == [(name(0), 50)]
     catalog.unwatch()
-    assert catalog.names() == [name(1), name(2)] and not catalog.leaving
+    assert catalog.names() == [name(1), name(2)]
+    assert not catalog.changing(name(0)) and not catalog.changing(name(2))

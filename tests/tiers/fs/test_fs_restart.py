@@ -23,7 +23,7 @@ import pytest
 
 from kvtier import BlockNotFoundError, LookupResult
 from kvtier.testing import resolve_lookup
-from kvtier.tiers.fs import FSTier, _reconcile
+from kvtier.tiers.fs import FSTier, _persistence, _reconcile
 from kvtier.tiers.fs._catalog_files import CHECKPOINT_NAME, LOG_NAME, STEPS
 from kvtier.tiers.fs._layout import Entry, Known, path_of
 from tests.tiers.fs import catalog_worker
@@ -165,6 +165,36 @@ async def test_a_walk_while_open_finds_what_changed_behind_the_tiers_back(tmp_pa
         stats = tier.statistics()
         assert stats.catalog_walks >= 1 and stats.catalog_walk_failures == 0
         assert stats.blocks == 3
+
+
+async def test_walks_while_stores_evict_and_delete_find_nothing_changed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Walks back to back while stores evict (their victims' files removed in worker threads
+    after the catalog let them go) and deletes remove files: nothing changed behind the
+    tier's back, so no walk may find a file the catalog lacks or an entry without a file."""
+    monkeypatch.setattr(_persistence, "WALK_COST_RATIO", 0)  # a walk as soon as one ends
+    caplog.set_level(logging.INFO, logger="kvtier.tiers.fs")
+    capacity = 24 * (BLOCK + 4096)  # a block file is its payload and a header: 24 fit
+    async with FSTier(
+        tmp_path / "c", shared=False, capacity_bytes=capacity, walk_interval=0.001
+    ) as tier:
+        walks_before = tier.statistics().catalog_walks
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                for lane in range(4):
+                    tg.start_soon(churn, tier, lane)
+        assert tier.statistics().catalog_walks - walks_before >= 5
+    assert "a walk found" not in caplog.text
+    assert tier.statistics().catalog_walk_failures == 0
+
+
+async def churn(tier: FSTier, lane: int) -> None:
+    """Stores of fresh blocks past the capacity, every third one deleted again."""
+    for i in range(lane * 1000, lane * 1000 + 150):
+        await tier.store(key(i), memoryview(data(i)))
+        if i % 3 == 0:
+            await tier.delete(key(i))
 
 
 async def test_the_walk_drops_a_known_name_that_is_no_longer_a_file(tmp_path: Path) -> None:
