@@ -151,8 +151,9 @@ async def kvtier_run(
     args: argparse.Namespace,
     pool_blocks: int,
     hints: bool,
-) -> tuple[RunResult, kvtier.SchedulerStatistics]:
-    """One run with kvtier, from empty tiers of its own (its own S3 prefix too)."""
+) -> tuple[RunResult, kvtier.SchedulerStatistics, dict[str, int]]:
+    """One run with kvtier, from empty tiers of its own (its own S3 prefix too); with the
+    scheduler's statistics and the manager's misses by reason."""
     config = engine.config
     own = argparse.Namespace(**vars(args))
     own.s3_prefix = f"{args.s3_prefix}{label.replace(' ', '-')}/"
@@ -173,7 +174,8 @@ async def kvtier_run(
             prefetch=not args.no_prefetch,
         )
         run = await run_agents(label, engine, sessions, tiering, args, hints)
-        return run, scheduler.statistics()
+        misses = dict(manager.statistics().lookups.misses_by_reason)
+        return run, scheduler.statistics(), misses
 
 
 def figures(
@@ -247,12 +249,15 @@ async def amain(args: argparse.Namespace, out: dict[str, Any]) -> int:
     )
     runs: list[RunResult] = [await run_agents(WITHOUT, engine, sessions, None, args, False)]
     session_stats: kvtier.SessionStatistics | None = None
+    misses_by_run: dict[str, dict[str, int]] = {}
     for label, blocks, hints in (
         (NO_HINTS, pool_blocks, False),
         (HINTS, pool_blocks, True),
         (CEILING, ceiling_blocks, False),
     ):
-        run, stats = await kvtier_run(label, engine, sessions, args, blocks, hints)
+        run, stats, misses_by_run[label] = await kvtier_run(
+            label, engine, sessions, args, blocks, hints
+        )
         runs.append(run)
         if hints:
             session_stats = stats.sessions
@@ -272,6 +277,8 @@ async def amain(args: argparse.Namespace, out: dict[str, Any]) -> int:
     out["runs"] = {
         run.label: figures(run, None if run is base else base, config, firsts) for run in runs
     }
+    for label, misses in misses_by_run.items():
+        out["runs"][label]["misses_by_reason"] = misses
     base_p50 = out["runs"][WITHOUT]["returning_ttft_p50_s"]
     base_p95 = out["runs"][WITHOUT]["returning_ttft_p95_s"]
     for figure in out["runs"].values():

@@ -400,7 +400,9 @@ class Catalog(Generic[W]):
         if written or (landed is None and touched):
             gone = res.victims
             for victim, _ in gone:  # removed just now: a walk begun before must not revive it
-                self._taken(victim)
+                ident = ident_of_name(victim)
+                if ident is not None and ident not in self._index:  # not stored again since
+                    self._taken(victim)
         else:  # nothing happened on disk, or the file was there and needed no room
             gone = []
             for victim, victim_size in reversed(res.victims):
