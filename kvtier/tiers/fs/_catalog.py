@@ -89,9 +89,9 @@ class Catalog(Generic[W]):
         self._index = PackedOrder()
         self.used = 0  # bytes of the files in the index
         self.reserved = 0  # bytes of stores in flight, counted against the capacity
-        # Keys being stored (a second store of one waits for the first), the ones among them
-        # ``lookup`` answered RETRY for (they are told when their store ends), and how many
-        # lookups were answered so.
+        # Keys being stored or deleted (a second store or delete of one waits for the first),
+        # the ones among them ``lookup`` answered RETRY for (they are told when their store
+        # ends), and how many lookups were answered so.
         self.storing: dict[bytes, W] = {}
         # Names whose files operations in flight are changing (``changing``), with how many
         # each: a store's own name (its file renamed into place before the catalog adds it),

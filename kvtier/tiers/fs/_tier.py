@@ -416,7 +416,26 @@ class FSTier(SecondaryTier):
             self._upkeep.follow()
 
     async def delete(self, key: bytes) -> None:
+        """Remove ``key``'s block. Stores and deletes of one key run one at a time: a delete
+        waits for a store of the key in flight, and a store for a delete (both are in
+        ``Catalog.storing`` while they run). Run together, a delete whose file removal came
+        after a store's rename, and whose catalog drop after that store's add, would leave
+        the owner's catalog without a file that is there (a miss until the next open), or
+        take the block a store had just acknowledged."""
         check_key(key)
+        catalog = self._catalog
+        while (busy := catalog.storing.get(key)) is not None:
+            await busy.wait()  # the key is being written: this delete comes after it
+        done = anyio.Event()
+        catalog.begin_store(key, done)
+        try:
+            await self._delete(key)
+        finally:
+            catalog.end_store(key)
+            done.set()
+            self._ledger.stores_ended([key])
+
+    async def _delete(self, key: bytes) -> None:
         name = name_of(key)
         root, files, catalog = self.root, self._files, self._catalog
         catalog.change(name)  # a walk meanwhile leaves its removal to this delete

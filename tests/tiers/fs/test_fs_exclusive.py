@@ -17,7 +17,10 @@ import pytest
 from kvtier import HostPool, InvalidArgumentError, LookupResult, MissReason, OffloadScheduler
 from kvtier.manager import TieringManager
 from kvtier.tiers.fs import FSTier
+from kvtier.tiers.fs import _blocks as _fs_blocks
 from kvtier.tiers.fs import _exists as _fs_exists
+from kvtier.tiers.fs import _tier as _fs_tier
+from kvtier.tiers.fs._layout import name_of, path_of
 from tests.tiers.fs.fs_worker import key_and_data
 
 BLOCK = 4096
@@ -122,3 +125,68 @@ async def test_a_store_that_lands_while_the_folder_is_read_again_stays_a_hit(
             resume.set()
         for i in (1, 2, 3):
             assert tier.lookup(key(i)) is LookupResult.HIT, i
+
+
+@pytest.mark.parametrize("first", ["delete", "store"])
+async def test_a_store_and_a_delete_of_one_key_run_one_after_the_other(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, first: str
+) -> None:
+    """A store and a delete of one key, the first held in its worker thread when the second
+    comes: the second waits for it, so the outcome is the later one's, and the owner's index
+    agrees with the folder (run together, a delete's removal could take the block a store had
+    just acknowledged, or its drop forget a file that is there: a miss until the next open)."""
+    root = tmp_path / "c"
+    entered, release = threading.Event(), threading.Event()
+    real_remove = _fs_tier.remove_block  # type: ignore[attr-defined]  # the seam delete calls
+    real_write = _fs_blocks.write_from_slot
+
+    def held_remove(*args: Any) -> bool:
+        entered.set()
+        release.wait(30)
+        return real_remove(*args)
+
+    def held_write(*args: Any, **kwargs: Any) -> Any:
+        entered.set()
+        release.wait(30)
+        return real_write(*args, **kwargs)
+
+    async with FSTier(root, shared=False) as tier:
+        await tier.store(key(1), memoryview(data(1)))
+        if first == "delete":
+            monkeypatch.setattr(_fs_tier, "remove_block", held_remove)
+        else:
+            monkeypatch.setattr(_fs_blocks, "write_from_slot", held_write)
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(one_op, tier, first)
+                await anyio.to_thread.run_sync(entered.wait, 30)
+                second_done = anyio.Event()
+
+                async def second() -> None:
+                    await one_op(tier, "store" if first == "delete" else "delete")
+                    second_done.set()
+
+                tg.start_soon(second)
+                await anyio.wait_all_tasks_blocked()
+                assert not second_done.is_set()  # it waits for the first
+                monkeypatch.undo()
+                release.set()
+        on_disk = fs_path(root, key(1)).exists()
+        if first == "delete":  # then the store: the block is there, and a hit
+            assert on_disk and tier.lookup(key(1)) is LookupResult.HIT
+            dst = bytearray(BLOCK)
+            await tier.load(key(1), memoryview(dst))
+            assert bytes(dst) == data(1)
+        else:  # then the delete: gone from both
+            assert not on_disk and tier.lookup(key(1)) is LookupResult.MISS
+
+
+def fs_path(root: Path, k: bytes) -> Path:
+    return path_of(root, name_of(k))
+
+
+async def one_op(tier: FSTier, op: str) -> None:
+    if op == "delete":
+        await tier.delete(key(1))
+    else:
+        await tier.store(key(1), memoryview(data(1)))
