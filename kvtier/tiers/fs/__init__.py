@@ -100,17 +100,17 @@ What makes it trustworthy:
   does not hold yet answers ``RETRY``, and having answered so, its listeners hear the key
   when the store ends (landed or failed). A deferred write to a slower tier that copies
   the block from here then waits for it instead of giving the block up
-  (``settled_lookup``).
-- **Tells routers what it holds** (``events``, ``kvtier.common._events``): a block is stored once
-its
-  file is in place, and removed when it is evicted, found corrupt, deleted, or found gone,
-  only ever for a key the tier held (see ``_ledger``). A file another process removes is
-  found gone (``not_found``) by the next load of it, by the walk at (or after) the next
-  open, or, in a shared folder, by the next existence check of it. A shared folder's present
-  verdicts do not expire (only the bounded verdict cache drops the oldest), so that check
-  rarely comes first: the bound is the next load, which the manager makes only of a block
-  it is about to use, so a stale HIT costs one failed read. The owner's bound is the same
-  (``_index``).
+  (``settled_lookup``). Stores and deletes of one key run one at a time, in this process:
+  the later one's outcome is the folder's and the catalog's.
+- **Tells routers what it holds** (``events``, ``kvtier.common._events``): a block is stored
+  once its file is in place, and removed when it is evicted, found corrupt, deleted, or found
+  gone, only ever for a key the tier held (see ``_ledger``). A file another process removes
+  is found gone (``not_found``) by the next load of it, by the walk at (or after) the next
+  open or an owner's walk while open (``walk_interval``), or, in a shared folder, by the
+  next existence check of it. A shared folder's present verdicts do not expire (only the
+  bounded verdict cache drops the oldest), so that check rarely comes first: the bound is
+  the next load, which the manager makes only of a block it is about to use, so a stale HIT
+  costs one failed read. An owner's bound is its walk while open (``_index``).
 - **Signed blocks.** With ``integrity_key`` every block carries a keyed BLAKE3 MAC (blocks
   signed with keyed BLAKE2b before still verify) and only blocks that verify are served
   (anything else is a ``corrupt`` miss): someone who can write to a shared folder can no
