@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import add_json_flag, json_output
+from benchmarks.common import add_json_flag, drop_page_cache, json_output
 from kvtier.tiers.fs._layout import name_of, path_of
 from kvtier.tiers.fs._packed_build import from_names, names_of, snapshot
 from kvtier.tiers.fs._reconcile import compare
@@ -106,17 +106,6 @@ def floor(root: Path) -> int:
     return count
 
 
-def drop_page_cache() -> bool:
-    """``os.sync()``, then drop the clean page cache, dentries and inodes; whether it could."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-    except OSError:
-        return False
-    return True
-
-
 def peak_traced(work: Callable[[], object]) -> int:
     """The most bytes ``tracemalloc`` saw allocated at once while ``work`` ran."""
     tracemalloc.start()
@@ -161,7 +150,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         cold = True
         for _ in range(args.rounds):
             for kind, walk in walks.items():
-                cold = drop_page_cache() and cold
+                cold = drop_page_cache()[0] and cold
                 seconds[kind].append(timed(walk))
     finally:
         shutil.rmtree(folder, ignore_errors=True)

@@ -141,3 +141,16 @@ def drop_cache(paths: Iterable[Path]) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+
+
+def drop_page_cache() -> tuple[bool, str | None]:
+    """``os.sync()``, then drop the clean page cache, dentries and inodes (``3`` into
+    ``/proc/sys/vm/drop_caches``: root on a machine that allows it); whether it was dropped,
+    and why not."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+    except OSError as exc:
+        return False, f"page cache not dropped ({exc.strerror or exc}): reads meet it warm"
+    return True, None

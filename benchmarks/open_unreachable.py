@@ -23,17 +23,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import socket
 import statistics
 import tempfile
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import kvtier
 from benchmarks.common import add_json_flag, json_output
+from devtools.silent_endpoint import silent_endpoint
 
 BLOCK = 4096
 
@@ -46,24 +45,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.opens < 1:
         parser.error("--opens must be at least 1")
     return args
-
-
-@contextlib.asynccontextmanager
-async def silent_endpoint() -> AsyncIterator[str]:
-    """An endpoint on 127.0.0.1 that accepts connections and never answers: its URL."""
-    release = asyncio.Event()
-
-    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await release.wait()
-        writer.close()
-
-    server = await asyncio.start_server(hold, "127.0.0.1", 0)
-    try:
-        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    finally:
-        release.set()
-        server.close()
-        await server.wait_closed()
 
 
 def refused_endpoint() -> str:

@@ -74,7 +74,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from benchmarks.common import add_json_flag, json_output, settings
+from benchmarks.common import add_json_flag, drop_page_cache, json_output, settings
 from benchmarks.restart_worker import READY, Spec
 from kvtier.common._settings import parse_size
 
@@ -178,17 +178,6 @@ def run_worker(role: str, spec: Spec, env: dict[str, str]) -> dict[str, Any]:
         raise RuntimeError(f"the {role} process exited with status {done.returncode}")
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return result
-
-
-def drop_page_cache() -> tuple[bool, str | None]:
-    """``os.sync()``, then drop the clean page cache; whether it was dropped, and why not."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-    except OSError as exc:
-        return False, f"page cache not dropped ({exc.strerror or exc}): reopens read it warm"
-    return True, None
 
 
 # -- one case --------------------------------------------------------------------------------------

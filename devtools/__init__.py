@@ -6,6 +6,8 @@ kvtier and not in its wheel (pyproject's package find takes ``kvtier*`` only).
 - ``devtools.weed_server``: SeaweedFS (``weed server`` with its S3 gateway) on 127.0.0.1.
 - ``devtools.moto_server``: moto's ``ThreadedMotoServer`` on 127.0.0.1, for tests that inject
   S3 faults (IAM auth on, denied actions).
+- ``devtools.silent_endpoint``: an endpoint on 127.0.0.1 that accepts connections and never
+  answers (a silent S3 endpoint, for the tests and ``benchmarks/open_unreachable.py``).
 - ``devtools.with_seaweedfs``: ``python -m devtools.with_seaweedfs BUCKET COMMAND...`` runs a
   script against a SeaweedFS started for it (the nox sessions that need S3 use it).
 

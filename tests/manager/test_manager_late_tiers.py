@@ -19,6 +19,7 @@ import anyio
 import numpy as np
 import pytest
 
+from devtools.silent_endpoint import silent_endpoint
 from devtools.weed_server import ACCESS_KEY, BUCKET, REGION, SECRET_KEY, WeedServer, ensure_bucket
 from kvtier import (
     FSTier,
@@ -84,32 +85,6 @@ async def fs_holding(root: Path, key: bytes, block: bytes) -> None:
 
 def tasks_left() -> set[asyncio.Task[Any]]:
     return {t for t in asyncio.all_tasks() if t is not asyncio.current_task() and not t.done()}
-
-
-@asynccontextmanager
-async def silent_endpoint() -> AsyncIterator[str]:
-    """An endpoint that accepts connections and never answers a byte (a wedged load balancer,
-    a server stuck in a GC pause): its URL."""
-    release = asyncio.Event()
-    writers: list[asyncio.StreamWriter] = []
-    handlers: list[asyncio.Task[Any]] = []
-
-    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        writers.append(writer)
-        handlers.append(asyncio.current_task())  # type: ignore[arg-type]
-        await release.wait()
-
-    server = await asyncio.start_server(hold, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        release.set()
-        for writer in writers:
-            writer.close()
-        await asyncio.gather(*handlers)
-        server.close()
-        await server.wait_closed()
 
 
 @asynccontextmanager
