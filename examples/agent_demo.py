@@ -18,7 +18,9 @@ and ``end()`` after the session's last turn. ``--predict-returns`` leaves out
 Reported per run: TTFT over the returning turns (every turn but a session's first), p50 and
 p95, and the speedup of each against the run without kvtier; the correctness check is the
 default demo's (next-token logits from loaded KV against full recompute), over every run
-with kvtier.
+with kvtier. With ``--repeat N`` the four runs are made N times (the kvtier setups in a
+rotating order, each from empty tiers) and each figure is taken over the turns of all N: on
+a small shared machine one run's p50 moves by tens of percent with what else runs.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import asyncio
 import math
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -151,13 +154,16 @@ async def kvtier_run(
     args: argparse.Namespace,
     pool_blocks: int,
     hints: bool,
+    repeat: int,
 ) -> tuple[RunResult, kvtier.SchedulerStatistics, dict[str, int]]:
-    """One run with kvtier, from empty tiers of its own (its own S3 prefix too); with the
-    scheduler's statistics and the manager's misses by reason."""
+    """One run with kvtier, from empty tiers of its own (its own S3 prefix and folder for
+    each label and repeat); with the scheduler's statistics and the manager's misses by
+    reason."""
     config = engine.config
     own = argparse.Namespace(**vars(args))
-    own.s3_prefix = f"{args.s3_prefix}{label.replace(' ', '-')}/"
-    own.fs_root = None if args.fs_root is None else f"{args.fs_root}/{label.replace(' ', '-')}"
+    place = f"{label.replace(' ', '-')}-{repeat}"
+    own.s3_prefix = f"{args.s3_prefix}{place}/"
+    own.fs_root = None if args.fs_root is None else f"{args.fs_root}/{place}"
     async with AsyncExitStack() as stack:
         tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-agents-"))
         tiers = demo.make_tiers(own, tmp)
@@ -235,7 +241,7 @@ async def amain(args: argparse.Namespace, out: dict[str, Any]) -> int:
     """The four runs, the report; 1 when the correctness check failed."""
     engine, sessions, longest = await start_engine(args)
     config = engine.config
-    firsts = {chat[0].request.rid for chat in sessions if chat}
+    first_turns = {chat[0].request.rid for chat in sessions if chat}
     touched = touched_blocks(sessions, config)
     pool_blocks = args.pool_blocks or max(int(touched * POOL_SHARE), 1)
     ceiling_blocks = touched + args.concurrency * 8  # every session, and room to spare
@@ -247,20 +253,38 @@ async def amain(args: argparse.Namespace, out: dict[str, Any]) -> int:
         + ("predicted" if args.predict_returns else "hinted (expect_back_in)"),
         flush=True,
     )
-    runs: list[RunResult] = [await run_agents(WITHOUT, engine, sessions, None, args, False)]
-    session_stats: kvtier.SessionStatistics | None = None
-    misses_by_run: dict[str, dict[str, int]] = {}
-    for label, blocks, hints in (
+    setups = [
         (NO_HINTS, pool_blocks, False),
         (HINTS, pool_blocks, True),
         (CEILING, ceiling_blocks, False),
-    ):
-        run, stats, misses_by_run[label] = await kvtier_run(
-            label, engine, sessions, args, blocks, hints
-        )
-        runs.append(run)
-        if hints:
-            session_stats = stats.sessions
+    ]
+    merged = {label: RunResult(label, 0.0) for label in (WITHOUT, *(s[0] for s in setups))}
+    per_repeat: dict[str, list[float]] = {label: [] for label in merged}
+    session_stats: list[kvtier.SessionStatistics] = []
+    misses_by_run: dict[str, Counter[str]] = {label: Counter() for label, _, _ in setups}
+    firsts: set[int] = set()
+    for repeat in range(args.repeat):
+        # Each repeat runs the kvtier setups in another order, so that a machine that gets
+        # busier or quieter through the runs does not favour one setup.
+        turn = setups[repeat % len(setups) :] + setups[: repeat % len(setups)]
+        runs = [await run_agents(WITHOUT, engine, sessions, None, args, False)]
+        for label, blocks, hints in turn:
+            run, stats, misses = await kvtier_run(
+                label, engine, sessions, args, blocks, hints, repeat
+            )
+            runs.append(run)
+            misses_by_run[label].update(misses)
+            if hints and stats.sessions is not None:
+                session_stats.append(stats.sessions)
+        offset = repeat * args.requests  # request ids of every repeat kept apart
+        firsts |= {rid + offset for rid in first_turns}
+        for run in runs:
+            into = merged[run.label]
+            into.results |= {rid + offset: r for rid, r in run.results.items()}
+            into.wall += run.wall / args.repeat
+            returning = [r.ttft for rid, r in run.results.items() if rid not in first_turns]
+            per_repeat[run.label].append(percentile(returning, 50))
+    runs = list(merged.values())
     base = runs[0]
     out["workload"] = {
         "kind": "agent",
@@ -278,17 +302,23 @@ async def amain(args: argparse.Namespace, out: dict[str, Any]) -> int:
         run.label: figures(run, None if run is base else base, config, firsts) for run in runs
     }
     for label, misses in misses_by_run.items():
-        out["runs"][label]["misses_by_reason"] = misses
+        out["runs"][label]["misses_by_reason"] = dict(misses)
+    if args.repeat > 1:
+        for label, p50s in per_repeat.items():
+            out["runs"][label]["returning_ttft_p50_s_per_repeat"] = p50s
     base_p50 = out["runs"][WITHOUT]["returning_ttft_p50_s"]
     base_p95 = out["runs"][WITHOUT]["returning_ttft_p95_s"]
     for figure in out["runs"].values():
         figure["returning_speedup_p50"] = base_p50 / figure["returning_ttft_p50_s"]
         figure["returning_speedup_p95"] = base_p95 / figure["returning_ttft_p95_s"]
-    if session_stats is not None:
+    if session_stats:
         out["sessions"] = {
-            name: getattr(session_stats, name)
-            for name in ("turns", "hinted", "bring_backs", "claimed", "stale", "blocks_promoted")
-        } | {"blocks_claimed": session_stats.blocks_claimed}
+            name: sum(getattr(stats, name) for stats in session_stats)
+            for name in (
+                *("turns", "hinted", "bring_backs", "claimed", "stale", "blocks_promoted"),
+                "blocks_claimed",
+            )
+        }
     diffs = [
         figure["correctness"]["max_abs_diff"]
         for figure in out["runs"].values()

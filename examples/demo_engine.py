@@ -668,6 +668,13 @@ def parse_args(
         help="--workload agent: do not tell kvtier when a tool call returns (it predicts it)",
     )
     p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="--workload agent: make the four runs this many times and report each figure "
+        "over the turns of all of them",
+    )
+    p.add_argument(
         "--full",
         action="store_true",
         help="the long run (the default; `nox -s demo` is quick unless given --full)",
@@ -782,7 +789,7 @@ def parse_args(
     args.turn_tokens = (32, 128) if quick else (64, 256)
     args.answer_tokens = (16, 64) if quick else (32, 128)
     args.gap_seconds = (0.1, 1.0) if quick else (0.2, 3.0)  # an agent's tool calls
-    positive = ("requests", "sessions", "concurrency", "decode_tokens")
+    positive = ("requests", "sessions", "concurrency", "decode_tokens", "repeat")
     for name in (*positive, *(() if agent and args.pool_blocks == 0 else ("pool_blocks",))):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive")

@@ -301,7 +301,7 @@ SETTINGS = (
     *("fs_capacity_mb", "fsync", "s3_endpoint", "s3_bucket", "s3_prefix"),
     *("system_tokens", "decode_tokens", "seed", "slow_tier", "no_recompute_cost"),
     *("write_back", "defer", "s3_write_rate", "s3_write_through", "no_promote_write_up"),
-    *("workload", "predict_returns"),
+    *("workload", "predict_returns", "repeat"),
 )
 """The options the JSON output states the run was asked for."""
 
