@@ -258,8 +258,11 @@ def s3_tier(
     server: HasEndpoint | str, prefix: str, *, bucket: str = BUCKET, **overrides: Any
 ) -> S3Tier:
     """An S3Tier on ``server`` (or an endpoint URL) with the test credentials, in ``bucket``
-    under ``prefix``; ``overrides`` are S3Tier keywords (they win over these)."""
+    under ``prefix``; ``overrides`` are S3Tier keywords (they win over these). No audits
+    unless asked for: one falls due at a wall-clock instant, which a test must not meet by
+    chance (``test_s3_audit`` asks)."""
     settings: dict[str, Any] = {
+        "index_audit_every": None,
         "prefix": prefix,
         "endpoint_url": server if isinstance(server, str) else server.endpoint_url,
         "region_name": REGION,

@@ -169,6 +169,11 @@ class S3Config(Section):
     # ``S3Tier.wait_index_loaded()`` / index_listing_complete say when it is whole. False:
     # open() lists (bounded by index_list_timeout) before it returns.
     index_background_load: bool = field(default=False, metadata=spec(parse_bool))
+    # Seconds between audits of the index against a listing of the prefix, one node of the
+    # fleet at a time (``_audit``): objects removed behind kvtier's back that nobody loads,
+    # and stores or deletes a killed node never published, are found within about this plus
+    # one listing. None: never (each node then learns them only by loading).
+    index_audit_every: float | None = field(default=600.0, metadata=spec(optional(parse_seconds)))
     # Blocks stored together per object (a pack, ``_pack_format``); None: 8 in the index mode, 1
     # in the ask mode (a HEAD by key cannot see a block inside a pack). See ``pack_blocks``.
     pack_blocks: int | None = field(default=None, metadata=spec(optional(parse_positive_int)))
@@ -277,5 +282,6 @@ class S3Overrides(TypedDict, total=False):
     index_snapshot_max_bytes: int
     index_digests: bool
     index_background_load: bool
+    index_audit_every: float | None
     pack_blocks: int | None
     separate_identities: bool

@@ -96,6 +96,10 @@ class S3TierStatistics(TierStatistics):
     journal_segments_rejected: int = 0  # unparsable, unauthenticated or oversized segments
     journal_entries_rejected: int = 0  # entries naming no pack of this prefix, or a bad key
     journal_clock_skew: float = 0.0  # this node's wall clock minus the server's, seconds
+    index_audits: int = 0  # audits of the index against a listing this node ran (its turns)
+    index_audit_failures: int = 0  # audits cut short: a request failed, or the listing's bound
+    index_audit_removed: int = 0  # keys an audit's listing lacked, found gone: dropped, published
+    index_audit_learnt: int = 0  # blocks an audit's listing had that the index lacked: indexed
 
 
 class S3Core:
@@ -304,6 +308,7 @@ class S3Core:
             index_learnt=self.index.learnt,
             index_forgotten=self.index.forgotten,
             index_removals_kept=self.index.removals_kept,
+            index_audit_removed=self.index.audit_removed,
             index_evictions=self.index.evictions,
             index_loading=self.index.loading,
             index_load_skipped=self.index.load_skipped,

@@ -175,8 +175,12 @@ class S3Tier(SecondaryTier):
 
     def _forgot(self, keys: list[bytes], why: str) -> None:
         """Keys another node deleted (``why``: as it published), dropped from the index:
-        REMOTE removed events, then the listeners."""
-        self.events.emit(EventKind.REMOVED, keys, locality="REMOTE", reason=why)
+        REMOTE removed events, then the listeners; keys the audit found gone (``not_found``:
+        nobody announced them) are this node's finding, LOCAL as a load's."""
+        local = why == MissReason.NOT_FOUND.value
+        self.events.emit(
+            EventKind.REMOVED, keys, locality="LOCAL" if local else "REMOTE", reason=why
+        )
         self.notify(keys)
 
     def object_key(self, key: bytes) -> str:
@@ -480,6 +484,21 @@ class S3Tier(SecondaryTier):
         self._require_client("refresh_index")
         await self._sync.load.wait()
         await self._sync.refresh_once(full=True)
+
+    async def audit_index(self) -> None:
+        """List the prefix and settle the index against it now, whoever's turn it is (tests,
+        and an operator after a lifecycle rule or a cleanup by hand): blocks the listing has
+        that the index lacks are indexed and published; keys it lacks are checked with a
+        HEAD at the next refresh round, then dropped and published (``_audit``). Raises
+        ``TierError`` when a request fails and ``TimeoutError`` past
+        ``index_list_timeout``."""
+        self._require_client("audit_index")
+        if not self._index_mode:
+            raise InvalidArgumentError(
+                f"S3Tier {self.name!r} is in the ask mode: it keeps no index to audit"
+            )
+        await self._sync.load.wait()
+        await self._sync.audit.audit()
 
     async def wait_index_loaded(self) -> bool:
         """Until the index's load at open has ended (at once if ``open()`` loaded it); whether

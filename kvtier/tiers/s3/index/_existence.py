@@ -44,6 +44,13 @@ keys arrives through ``load_many``, which skips every key this node found gone, 
 saw another node remove since the load began (``_gone``): the snapshot or listing being read
 is older than those facts, and must not turn a key answered MISS for them back into a HIT.
 ``loading`` tells the tier to ask the bucket about keys not indexed yet.
+
+The audit (``_audit``) compares the index with a listing of the bucket: a key the listing
+lacks is doubted as a removal is (``audit_doubt``), and when its check finds it gone it is
+also queued for this node's removal segment, since no node announced it; a block the listing
+has that the index lacks is indexed and queued for the next store segment (``audit_learn``),
+unless this node learnt it gone while the listing ran (``begin_audit``, ``_gone`` as for a
+load).
 """
 
 from __future__ import annotations
@@ -65,6 +72,8 @@ __all__ = ["ExistenceIndex", "key_from_object", "object_name"]
 
 logger = logging.getLogger(__name__)
 _NOT_FOUND = MissReason.NOT_FOUND.value
+AUDITED = "audited"
+"""The doubt of a key the audit's listing lacked (no removal segment carries this reason)."""
 _V = TypeVar("_V")
 
 
@@ -122,6 +131,7 @@ class ExistenceIndex(CountedLookups):
         self._checking: dict[bytes, str] = {}  # taken for a check that has not settled
         self._seen: dict[str, int] = {}  # segment name -> its wall ms
         self.loading = False  # a background load is filling the index (see the module doc)
+        self.auditing = False  # an audit's listing runs (see the module doc)
         self._gone: set[bytes] = set()  # keys the running load must not bring back
         self.full = False  # max_keys reached at least once
         self.evictions = 0  # keys evicted to make room for newer ones
@@ -130,6 +140,7 @@ class ExistenceIndex(CountedLookups):
         self.learnt = 0  # keys learnt from other writers' journals
         self.forgotten = 0  # keys dropped because another writer published their removal
         self.removals_kept = 0  # removals whose key's object was found in the bucket
+        self.audit_removed = 0  # keys an audit's listing lacked, found gone by their check
         self.load_skipped = 0  # keys a background load did not bring back (``_gone``)
 
     def __len__(self) -> int:
@@ -233,9 +244,39 @@ class ExistenceIndex(CountedLookups):
         return sum(load(key, where) for key, where in entries)
 
     def _went(self, key: bytes) -> None:
-        """``key`` is gone by a fact newer than a running load: the load skips it."""
-        if self.loading and len(self._gone) < self._max_keys:
+        """``key`` is gone by a fact newer than a running load or audit: it skips it."""
+        if (self.loading or self.auditing) and len(self._gone) < self._max_keys:
             self._gone.add(key)
+
+    # -- an audit ------------------------------------------------------------------------------
+
+    def begin_audit(self) -> None:
+        """An audit's listing starts: keys found gone from now on are not learnt from it."""
+        if not self.loading:
+            self._gone.clear()
+        self.auditing = True
+
+    def end_audit(self) -> None:
+        self.auditing = False
+        if not self.loading:
+            self._gone.clear()
+
+    def audit_doubt(self, keys: Iterable[bytes]) -> int:
+        """The audit's listing lacked ``keys``: those still indexed are checked (and, found
+        gone, published as removed: ``settle``); how many."""
+        return self.doubt(keys, AUDITED)
+
+    def audit_learn(self, key: bytes, where: Location | None) -> bool:
+        """The audit's listing found ``key`` (in the pack section ``where``) and the index
+        lacked it: index it and queue it for the next store segment, unless it went while
+        the listing ran. Whether it was learnt."""
+        if key in self._gone or not self.add(key, where):
+            return False
+        if len(self._unpublished) < self._max_keys:
+            self._unpublished[key] = where
+        else:
+            self.unpublished_dropped += 1
+        return True
 
     def wrote(self, key: bytes, where: Location | None = None) -> None:
         """This node stored ``key``: index it and queue it for the next journal segment. A
@@ -286,7 +327,8 @@ class ExistenceIndex(CountedLookups):
         """The check of doubted ``key`` ended: its object ``exists``, or None when the check
         failed (it is checked again later). ``stale``: a pack location found gone while the
         key's own object is there (forgotten, unless a newer one replaced it). Returns why
-        the key was removed if the check dropped it; None if it stays, or if this node
+        the key was removed if the check dropped it (``not_found`` for an audit's doubt,
+        which is also queued for the removal segment); None if it stays, or if this node
         stored, deleted or dropped it meanwhile (that is newer than the check)."""
         why = self._checking.pop(key, None)
         if why is None or key not in self:
@@ -297,8 +339,12 @@ class ExistenceIndex(CountedLookups):
         if exists:
             if stale is not None and self._table.location(key) == stale:
                 self._table.set_location(self._table.find(key), None)
-            self.removals_kept += 1
+            self.removals_kept += why != AUDITED
             return None
+        if why == AUDITED:  # nobody announced it: this node publishes it, as a load would
+            self.deleted(key, "deleted")
+            self.audit_removed += 1
+            return _NOT_FOUND
         self.discard(key)
         self._unpublished.pop(key, None)  # gone since this node wrote it: not a store to tell
         self.forgotten += 1

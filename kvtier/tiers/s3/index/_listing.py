@@ -1,4 +1,5 @@
-"""The listing at open: every block object and pack under the prefix, into the existence index.
+"""Listing the prefix: every block object and pack under it, each handed to a ``keep`` function
+(the existence index's ``load_one`` at open; the audit's tally in ``_audit``).
 
 One LIST page after another (bounded by ``index_list_timeout``, progress in the log every few
 seconds), then each listed pack's table, with one small ranged GET each (two for a table past
@@ -13,6 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
@@ -28,7 +30,7 @@ from kvtier.tiers.s3._pack_format import (
 )
 from kvtier.tiers.s3._pack_table import read_table
 from kvtier.tiers.s3._requests import Call
-from kvtier.tiers.s3.index._existence import ExistenceIndex, key_from_object
+from kvtier.tiers.s3.index._existence import key_from_object
 from kvtier.tiers.s3.index._journal_format import journal_prefix
 
 __all__ = ["Listing"]
@@ -41,15 +43,18 @@ _TABLE_READS = 16  # pack tables read at once
 
 @dataclass(eq=False, repr=False)
 class Listing:
-    """One listing at open: what it found so far, and when to say so in the log."""
+    """One listing: what it found so far, and when to say so in the log. ``keep(key, where)``
+    takes each block found (``where``: its pack section, None for its own object) and says
+    whether it counts in ``found``."""
 
-    index: ExistenceIndex
+    keep: Callable[[bytes, Location | None], bool]
     call: Call
     client: Any
     _: KW_ONLY
     name: str
     bucket: str
     prefix: str
+    doing: str = "indexing"  # what the progress lines say the listing is for
     found: int = field(default=0, init=False)
     pages: int = field(default=0, init=False)
     _log: BurstLogger = field(default_factory=lambda: BurstLogger(logger), init=False)
@@ -62,14 +67,11 @@ class Listing:
         self._reported = self._started
 
     async def run(self, index_list_timeout: float) -> bool:
-        """Index every block object and packed block under the prefix within
-        ``index_list_timeout`` seconds; whether the listing completed. Sets
-        ``ExistenceIndex.listed``."""
+        """Hand every block object and packed block under the prefix to ``keep`` within
+        ``index_list_timeout`` seconds; whether the listing completed."""
         with anyio.move_on_after(index_list_timeout) as scope:
             packs = await self.list_pages()
             await self.read_tables(packs)
-        self.index.listed = self.found
-        self.report(complete=not scope.cancelled_caught, timeout=index_list_timeout)
         return not scope.cancelled_caught
 
     def _progress_due(self) -> float | None:
@@ -101,12 +103,13 @@ class Listing:
                     packs.append(name)
                     continue
                 key = key_from_object(name, self.prefix)
-                if key is not None and self.index.load_one(key):
+                if key is not None and self.keep(key, None):
                     self.found += 1
             if (elapsed := self._progress_due()) is not None:
                 logger.info(
-                    "%s: indexing %s: %d blocks after %.0f s (%d pages)",
+                    "%s: %s %s: %d blocks after %.0f s (%d pages)",
                     self.name,
+                    self.doing,
                     self._where,
                     self.found,
                     elapsed,
@@ -118,21 +121,22 @@ class Listing:
             kwargs["ContinuationToken"] = token
 
     async def read_tables(self, packs: list[str]) -> None:
-        """Index the keys of the listed ``packs`` from their tables, ``_TABLE_READS`` at a
-        time."""
+        """Hand the keys of the listed ``packs`` to ``keep`` from their tables,
+        ``_TABLE_READS`` at a time."""
         done = 0
         pending = iter(packs)
 
         async def reader() -> None:
             nonlocal done
             for name in pending:
-                entries = await self._read_table(name)
-                self.found += self.index.load_many(entries)
+                keep = self.keep
+                self.found += sum(keep(key, where) for key, where in await self._read_table(name))
                 done += 1
                 if (elapsed := self._progress_due()) is not None:
                     logger.info(
-                        "%s: indexing %s: read %d of %d pack tables after %.0f s",
+                        "%s: %s %s: read %d of %d pack tables after %.0f s",
                         self.name,
+                        self.doing,
                         self._where,
                         done,
                         len(packs),

@@ -43,6 +43,10 @@ lost segments their writers deleted, so its view has a gap (``view_complete``) u
 a newer snapshot. Every ``index_snapshot_every`` seconds a node looks at the snapshot folder
 and, if its view is complete, compacts when one is due.
 
+The audit (``_audit``, every ``index_audit_every``, one node at a time) runs beside the
+journal loop once the index is whole: it lists the prefix and finds what no journal says, an
+object removed behind kvtier's back or a store whose node was killed before it published.
+
 Journal digests (``_digest``, ``index_digests``): the refresh reads one digest per
 interval by name instead of listing the journal and reading every writer's segments, and
 falls back to that reading when a digest is missing for a whole interval or rejected
@@ -64,6 +68,7 @@ from kvtier.common._format import IntegrityKey
 from kvtier.common._logging import BurstLogger
 from kvtier.tiers.s3._config import S3Config
 from kvtier.tiers.s3._requests import Call
+from kvtier.tiers.s3.index._audit import BucketAudit
 from kvtier.tiers.s3.index._digest import CARRY_INTERVALS, Digests
 from kvtier.tiers.s3.index._digest_format import Digest
 from kvtier.tiers.s3.index._existence import ExistenceIndex
@@ -143,6 +148,17 @@ class IndexSync:
         self.view_complete = False
         self.load = IndexLoad(index)  # the background load at open, if any
         self._section_gets = 0  # of the loads that ended
+        self.audit = BucketAudit(
+            index,
+            self._upkeep,
+            every=config.index_audit_every if read_journal else None,
+            list_timeout=config.index_list_timeout,
+            writer=writer,
+            client=client,
+            ready=lambda: self.listing_complete and not index.loading and self.view_complete,
+            notify=self.reader.tell,
+            wall=lambda: self._wall(),
+        )
 
     def _build_readers(self, config: S3Config, link: SnapshotLink) -> None:
         """The segment reader, and the snapshots and digests when this tier uses them.
@@ -189,6 +205,9 @@ class IndexSync:
             "journal_segments_rejected": reader.segments_rejected,
             "journal_entries_rejected": reader.entries_rejected,
             "journal_clock_skew": self.clock_skew,
+            "index_audits": self.audit.audits,
+            "index_audit_failures": self.audit.failures,
+            "index_audit_learnt": self.audit.learnt,
         }
 
     # -- the listing at open -------------------------------------------------------------------
@@ -202,7 +221,7 @@ class IndexSync:
             self.listing_complete = True
             return
         listing = Listing(
-            self._index,
+            self._index.load_one,
             self._call,
             self._client(),
             name=self.name,
@@ -210,6 +229,8 @@ class IndexSync:
             prefix=self._prefix,
         )
         self.listing_complete = await listing.run(self._list_timeout)
+        self._index.listed = listing.found
+        listing.report(complete=self.listing_complete, timeout=self._list_timeout)
         self.covered_ms, self.view_complete = started_ms, self.listing_complete
 
     async def _load_snapshot(self, wall_ms: int, survey: Survey | None = None) -> bool:
@@ -316,14 +337,17 @@ class IndexSync:
             self._failed(exc)
 
     async def run(self) -> None:
-        """The background load if any, then publish and poll every ``index_refresh`` s."""
+        """The background load if any, then publish and poll every ``index_refresh`` s, and
+        the audits beside."""
         if self.load.running:
             await self.load_in_background()
-        if self.digests is not None:
-            await self._run_digests(self.digests)
-        while True:
-            await anyio.sleep(self.index_refresh)
-            await self.refresh_once()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self.audit.run)
+            if self.digests is not None:
+                await self._run_digests(self.digests)
+            while True:
+                await anyio.sleep(self.index_refresh)
+                await self.refresh_once()
 
     async def _run_digests(self, digests: Digests) -> None:
         """Three turns an interval, in order: at its start a node whose turn it is digests
