@@ -13,8 +13,10 @@ rounds and, in each, one of every kind of divergence:
 - ``fs_deleted`` / ``s3_deleted``: ``tier.delete`` on a node; ``s3_other_store``: a block one
   node stores in the shared prefix (every node can load it);
 - ``s3_removed_behind``: an object deleted in the bucket by something else (a lifecycle rule),
-  then loaded by one node (a request touching it); ``fs_removed_by_hand``: a block file
-  unlinked, then loaded;
+  then loaded by one node (a request touching it); ``s3_removed_unloaded``: the same, loaded
+  by nobody (the S3 index's audit finds it, every ``--audit-every`` seconds, so it is waited
+  for up to that plus ``--bound``); ``fs_removed_by_hand``: a block file unlinked, then
+  loaded;
 - ``node_restart``: a node killed with SIGKILL and started again (it announces what it kept);
 - ``router_restart``: the router's view and sockets thrown away and made again (it asks each
   node for its full state);
@@ -62,7 +64,8 @@ from kvtier.integrations.kv_subscriber import KVEventSubscriber, ResidencyView, 
 
 KINDS = (
     *("evicted", "corrupt", "fs_deleted", "s3_deleted", "s3_other_store"),
-    *("s3_removed_behind", "fs_removed_by_hand", "node_restart", "router_restart"),
+    *("s3_removed_behind", "s3_removed_unloaded", "fs_removed_by_hand", "node_restart"),
+    "router_restart",
     "slow_subscriber",
 )
 _HEX_KEY = re.compile(r"[0-9a-f]{32}")
@@ -329,9 +332,12 @@ class Run:
         (fs, s3), (vfs, vs3) = await self.truth(), self.router.snapshot(len(self.nodes))
         return fs == vfs and s3 == vs3
 
-    async def until(self, check: Callable[[], bool], started: float) -> float | None:
-        """Seconds from ``started`` until ``check()`` holds; None past the bound."""
-        while time.perf_counter() - started < self.args.bound:
+    async def until(
+        self, check: Callable[[], bool], started: float, bound: float | None = None
+    ) -> float | None:
+        """Seconds from ``started`` until ``check()`` holds; None past ``bound`` (default
+        ``--bound``)."""
+        while time.perf_counter() - started < (self.args.bound if bound is None else bound):
             if check():
                 return time.perf_counter() - started
             await asyncio.sleep(_POLL_S)
@@ -427,16 +433,20 @@ async def diverge(run: Run, kind: str) -> None:
             os.unlink(path)
         await node.call("delete" if kind == "fs_deleted" else "load", "fs", [key])
         took = await run.until(lambda: not run.believed_fs(node.index, key), t0)
-    elif kind in ("s3_deleted", "s3_removed_behind"):
+    elif kind in ("s3_deleted", "s3_removed_behind", "s3_removed_unloaded"):
         key = rng.choice(sorted(await run.bucket.truth()))
         run.touched[key] = kind
         t0 = time.perf_counter()
+        bound = None
         if kind == "s3_removed_behind":
             await run.bucket.remove(key)
             await other.call("load", "s3", [key])  # the next request touching it, on one node
+        elif kind == "s3_removed_unloaded":
+            await run.bucket.remove(key)  # and nobody loads it: the next audit finds it
+            bound = run.args.audit_every + run.args.bound
         else:
             await other.call("delete", "s3", [key])
-        took = await run.until(lambda: not run.believed_s3(key), t0)
+        took = await run.until(lambda: not run.believed_s3(key), t0, bound)
     elif kind == "s3_other_store":
         (key,) = run.new_keys(1)
         run.touched[key] = kind
@@ -474,6 +484,7 @@ async def run_all(args: argparse.Namespace, endpoint: str, bucket: str) -> dict[
             *("--replay", f"tcp://127.0.0.1:{replay}", "--s3-endpoint", endpoint),
             *("--bucket", bucket, "--prefix", prefix, "--fs-blocks", str(args.fs_blocks)),
             *("--index-refresh", str(args.index_refresh), "--hwm", str(args.hwm)),
+            *("--audit-every", str(args.audit_every)),
         ]
         nodes.append(Node(i, root, f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}", argv))
     client_cm = get_session().create_client(
@@ -603,6 +614,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--s3-stores", type=int, default=8, help="S3 stores per node per round")
     p.add_argument("--loads", type=int, default=8, help="FS loads per node per round")
     p.add_argument("--index-refresh", type=float, default=0.5, help="the S3 tiers' journal period")
+    p.add_argument(
+        "--audit-every",
+        type=float,
+        default=2.0,
+        help="the S3 tiers' index_audit_every (one node lists the shared prefix this often)",
+    )
     p.add_argument("--bound", type=float, default=3.0, help="how long to wait for agreement")
     p.add_argument("--stall", type=float, default=0.5, help="how long the slow subscriber stalls")
     p.add_argument("--hwm", type=int, default=8, help="the publishers' send high-water mark")

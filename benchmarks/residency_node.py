@@ -31,6 +31,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.add_argument(f"--{name}", required=True)
     p.add_argument("--fs-blocks", type=int, required=True, help="FS capacity, in blocks")
     p.add_argument("--index-refresh", type=float, required=True)
+    p.add_argument("--audit-every", type=float, required=True)
     p.add_argument("--hwm", type=int, required=True, help="the publisher's high-water mark")
     return p.parse_args(argv)
 
@@ -45,6 +46,7 @@ async def serve(args: argparse.Namespace) -> None:
         aws_access_key_id="bench",
         aws_secret_access_key="bench-secret",
         index_refresh=args.index_refresh,
+        index_audit_every=args.audit_every,
         pack_blocks=1,
     )
     tiers = {"fs": fs, "s3": s3}
