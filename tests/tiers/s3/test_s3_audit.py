@@ -5,6 +5,7 @@ told and published; one node audits an interval; the index's bookkeeping of an a
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import anyio
 import anyio.lowlevel
@@ -117,7 +118,7 @@ async def test_a_store_whose_segment_nobody_read_is_learnt_by_an_audit(
 async def test_one_node_audits_an_interval_and_clears_older_markers(
     weed_server: WeedServer, prefix: str
 ) -> None:
-    settings = INDEX_BY_HAND | {"index_audit_every": 3600.0}
+    settings: dict[str, Any] = {**INDEX_BY_HAND, "index_audit_every": 3600.0}
     async with (
         s3_tier(weed_server, prefix, name="a", **settings) as a,
         s3_tier(weed_server, prefix, name="b", **settings) as b,
