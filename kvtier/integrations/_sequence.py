@@ -15,6 +15,9 @@ kvtier's from its start time, so a restarted node's numbers jump ahead), so
   for a new publisher); one above the last live one but below the next expected was already
   covered by a replay or a full state answered on the other socket, which can overtake the
   live stream: it is dropped (``stale``);
+- a live batch more than ``RESTART_JUMP`` ahead of the next expected one is a kvtier
+  publisher that started again (its numbers jump by the microseconds between its starts): a
+  gap as any other to repair, counted in ``restarts``, not in ``missed``;
 - a batch that begins with ``AllBlocksCleared`` is a reset (a full state's first batch, or a
   restarted node's announcement): from it on the subscriber is in sync, whatever it missed
   before; a full state answered on the replay socket carries the sequence of the first live
@@ -30,7 +33,11 @@ from dataclasses import dataclass, field
 
 from kvtier.integrations._residency import CLEARED, WireEvent
 
-__all__ = ["SequenceStatistics", "SequenceTracker"]
+__all__ = ["RESTART_JUMP", "SequenceStatistics", "SequenceTracker"]
+
+RESTART_JUMP = 1_000_000
+"""A forward gap wider than this is a publisher's restart, not batches lost: no publisher's
+replay holds that many, and a kvtier publisher started a second later numbers a million on."""
 
 Batch = list[WireEvent]
 
@@ -43,7 +50,7 @@ class SequenceStatistics:
     missed: int = 0  # batches the live stream skipped (sequence gaps)
     replayed: int = 0  # batches applied from a replay
     resets: int = 0  # resets applied (full states, restarted publishers)
-    restarts: int = 0  # times the live sequence went back
+    restarts: int = 0  # times the live sequence went back, or jumped ahead past RESTART_JUMP
     held_dropped: int = 0  # batches past ``max_held`` while waiting for a repair
     stale: int = 0  # live batches a replay or a full state had already covered, dropped
     replays_asked: int = 0
@@ -87,7 +94,9 @@ class SequenceTracker:
             self._hold(sequence, batch)
             return [batch]
         if sequence > self.next:
-            if not self._held:
+            if sequence - self.next > RESTART_JUMP:
+                self.stats.restarts += 1
+            elif not self._held:
                 self.stats.missed += sequence - self.next
                 self.stats.gaps_seen = [*self.stats.gaps_seen[-31:], sequence - self.next]
             self._hold(sequence, batch)

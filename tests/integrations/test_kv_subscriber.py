@@ -90,6 +90,17 @@ def test_a_restarted_publisher_is_followed_from_its_announced_reset() -> None:
     assert tracker.next == 1 and tracker.stats.restarts == 1 and tracker.in_sync
 
 
+def test_a_kvtier_publisher_restarted_jumps_ahead_counted_as_a_restart_not_as_missed() -> None:
+    tracker = SequenceTracker()
+    synced(tracker, at=1_700_000_000_000_000)  # numbered from its start's microseconds
+    restarted = 1_700_000_005_000_000  # started again five seconds later
+    assert tracker.live(restarted, [stored(b"a")]) == []
+    assert tracker.stats.restarts == 1 and tracker.stats.missed == 0
+    assert tracker.asked() in ("replay", "full")
+    assert tracker.full_state(restarted + 1, [[CLEARED]]) == [[CLEARED]]
+    assert tracker.in_sync and tracker.next == restarted + 1
+
+
 def test_a_restart_without_its_reset_asks_for_the_full_state() -> None:
     tracker = SequenceTracker()
     synced(tracker, at=100)

@@ -15,6 +15,8 @@ module that reads or writes them:
   ``_snapshot_directory`` names each chunk of the body's byte range and key range, and
   ``_snapshot_sections`` fetches the chunk that holds a key the stream has not brought yet;
 - ``_digest_format`` / ``_digest``: one interval's segments in one object;
+- ``_audit``: the audit that lists the prefix now and then and finds what no journal said
+  (objects removed behind kvtier's back, stores a killed node never published);
 - ``_skew``: this node's clock against the object store's;
 - ``_upkeep``: how the journal loop's helpers reach the bucket and count their requests;
 - ``_sync``: ``IndexSync``, which keeps the index current from all of the above.
