@@ -52,6 +52,9 @@ from kvtier.scheduler._sessions import Plan, SessionTable, promotion_lead
 
 __all__ = ["BringBacks", "Session", "SessionStatistics"]
 
+_LEARN_WEIGHT = 0.3
+"""Weight of a new bring-back's duration in ``seconds_per_block``."""
+
 
 @dataclass(frozen=True, slots=True)
 class SessionStatistics:
@@ -151,6 +154,9 @@ class BringBacks:
             on_freed=self._kick,
         )
         self._handles: dict[Plan, PrefetchHandle] = {}
+        self._started_at: dict[Plan, float] = {}  # bring-backs whose duration is not known yet
+        # Seconds a bring-back took per block it promoted, as measured (a moving estimate).
+        self.seconds_per_block: float | None = None
         self._wake = anyio.Event()
         self._driving = False
         self.blocks_retired = 0
@@ -200,8 +206,14 @@ class BringBacks:
 
     def lead(self, blocks: int) -> float:
         """Seconds before the expected return a bring-back of ``blocks`` blocks should start:
-        from the slowest tier the cost model has measured, or ``default_lead``."""
+        from the slowest tier the cost model has measured, or ``default_lead``; at least
+        what bring-backs have taken per block (``seconds_per_block``). The cost model's
+        per-block estimate comes from promotions that overlap, so it can say a block adds
+        next to nothing, while a bring-back of tens of blocks behind the engine's own work
+        takes tens of milliseconds: only what bring-backs took says how early to start."""
         margin = self.settings.lead_margin
+        taken = self.seconds_per_block
+        learnt = 0.0 if taken is None else margin * taken * blocks
         leads = [
             promotion_lead(
                 blocks,
@@ -213,8 +225,31 @@ class BringBacks:
             )
             for tier in self.manager.cost.statistics().tiers
         ]
-        return max((lead for lead in leads if lead is not None), default=None) or (
-            self.settings.default_lead
+        model = max((lead for lead in leads if lead is not None), default=None)
+        return max(model or self.settings.default_lead, learnt)
+
+    def _measure(self, now: float) -> None:
+        """Learn from the bring-backs that have their answer now; forget the ones that
+        ended without one."""
+        for plan in list(self._started_at):
+            handle = self._handles.get(plan)
+            if handle is None or handle.done:
+                del self._started_at[plan]
+            elif handle.prefix is not None:
+                self._learn(plan, handle, now)
+
+    def _learn(self, plan: Plan, handle: PrefetchHandle, now: float) -> None:
+        """How long ``plan``'s bring-back took per block it promoted, into
+        ``seconds_per_block``. Called also for one its turn claimed before it had its
+        answer: it took at least that long, and leaving out the slow ones would teach a
+        lead too short."""
+        started = self._started_at.pop(plan, None)
+        if started is None or not handle.prefetched:
+            return
+        sample = (now - started) / handle.prefetched
+        taken = self.seconds_per_block
+        self.seconds_per_block = (
+            sample if taken is None else taken + _LEARN_WEIGHT * (sample - taken)
         )
 
     def handle_of(self, plan: Plan) -> PrefetchHandle | None:
@@ -227,8 +262,11 @@ class BringBacks:
         bring-backs stop and keep their pins until ``release``."""
         if not self._handles and not self.table.plans:
             return []
-        for plan in self.table.arrived(keys, self._now()):
-            self._handles.pop(plan, None)
+        now = self._now()
+        for plan in self.table.arrived(keys, now):
+            handle = self._handles.pop(plan, None)
+            if handle is not None:
+                self._learn(plan, handle, now)
         return self.prefetches.claim(keys)
 
     def release(self, claimed: list[PrefetchHandle]) -> None:
@@ -265,12 +303,14 @@ class BringBacks:
         self._handles[plan] = self.prefetches.start(
             list(plan.keys), hold, hold, guess=not plan.hinted
         )
+        self._started_at[plan] = now
 
     async def _drive(self) -> None:
         try:
             while True:
                 wake = self._wake = anyio.Event()  # a kick from now on is not lost
                 now = self._now()
+                self._measure(now)
                 for plan in self.table.expire(now):
                     self._stop(plan, demote=True)
                 self._retire()

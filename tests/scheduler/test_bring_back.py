@@ -13,6 +13,7 @@ import anyio
 import pytest
 
 from kvtier import (
+    CostModel,
     FSTier,
     HostPool,
     MemoryTier,
@@ -26,7 +27,7 @@ from kvtier import (
     TieringManager,
 )
 from kvtier.testing import StallingTier
-from tests.support import BB, assert_idle, fill, fresh_keys, random_blocks
+from tests.support import BB, ManualClock, assert_idle, fill, fresh_keys, random_blocks
 
 SOON = 1e-3
 """An expected return so close that the bring-back is due at once (any lead is longer)."""
@@ -110,6 +111,39 @@ async def test_a_turn_arriving_during_the_bring_back_waits_for_it_once() -> None
                 tier.release("load")
         assert answer == [5]
         assert tier.statistics().loads == 5  # promoted once
+        session.end()
+        await manager.wait_idle()
+        assert_idle(manager)
+
+
+async def test_a_bring_back_its_turn_overtook_teaches_a_longer_lead() -> None:
+    """The cost model's per-block estimate comes from promotions that overlap; what the
+    bring-backs themselves took sets how early the next one starts."""
+    keys = fresh_keys(5)
+    tier = StallingTier(name="stalling")
+    await fill(tier.inner, keys)
+    clock = ManualClock(100.0)
+    pool = HostPool(16, BB)
+    async with TieringManager(pool, [tier], cost=CostModel(clock=clock)) as manager:
+        scheduler = OffloadScheduler(manager, sessions=SessionSettings(lead_margin=2.0))
+        bring_backs = scheduler._bring_backs
+        assert bring_backs is not None and bring_backs.seconds_per_block is None
+        before = bring_backs.lead(5)
+        tier.stall("load")
+        session = scheduler.session("s")
+        session.turn_done(keys, expect_back_in=SOON)
+        with anyio.fail_after(10):
+            await tier.wait_stalled("load")
+        handle = await running(session)
+        clock.advance(0.5)  # the promotions took half a second; the turn came meanwhile
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(scheduler.lookup, keys)
+            await anyio.wait_all_tasks_blocked()
+            tier.release("load")
+        per_block = 0.5 / handle.prefetched
+        assert handle.prefetched and bring_backs.seconds_per_block == pytest.approx(per_block)
+        assert bring_backs.lead(5) == pytest.approx(max(before, 2.0 * per_block * 5))
+        assert bring_backs.lead(50) == pytest.approx(2.0 * per_block * 50)  # past the model's
         session.end()
         await manager.wait_idle()
         assert_idle(manager)
