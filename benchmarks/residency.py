@@ -139,6 +139,14 @@ class Router:
             s3 = {k for k in self.view.shared("s3") if isinstance(k, bytes)}
         return fs, s3
 
+    def s3_credited_apart(self, nodes: int) -> int:
+        """S3 blocks the view credits to one node alone (as a private tier), and nodes the
+        shared tier is not credited to: both should stay 0."""
+        with self.lock:
+            alone = sum(len(self.view.believed(i, "s3")) for i in range(nodes))
+            unreached = sum(not self.view.reaches(i, "s3") for i in range(nodes))
+        return alone + unreached
+
     def stats(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for s in self.subscribers:
@@ -319,6 +327,7 @@ class Run:
     carried: set[bytes] = field(default_factory=set)
     by_tier: dict[str, dict[str, list[float | None]]] = field(default_factory=dict)
     counter: int = 0
+    s3_credited_apart: int = 0  # the most seen at a sample (see Router.s3_credited_apart)
 
     def new_keys(self, n: int) -> list[bytes]:
         self.counter += n
@@ -398,6 +407,8 @@ class Run:
         for true, believed in zip(fs, vfs, strict=True):
             tallies["fs"].add(believed, true)
         tallies["s3"].add(vs3, s3)
+        apart = self.router.s3_credited_apart(len(self.nodes))
+        self.s3_credited_apart = max(self.s3_credited_apart, apart)
 
 
 async def background(run: Run, node: Node) -> None:
@@ -549,6 +560,7 @@ def summary(run: Run, wall: float) -> dict[str, Any]:
             for kind, tiers in run.by_tier.items()
         },
         "router": stats,
+        "s3_blocks_credited_to_one_node_or_nodes_not_credited": run.s3_credited_apart,
         "left_wrong_past_the_bound": run.left_wrong,
         "wrong_at_end_of_round_by_cause": run.wrong_by_cause,
     }
@@ -578,6 +590,11 @@ def report(out: dict[str, Any]) -> None:
         )
         print(f"{kind:>20}: by tier: {cells}", file=sys.stderr)
     print(f"router: {out['router']}", file=sys.stderr)
+    apart = out["s3_blocks_credited_to_one_node_or_nodes_not_credited"]
+    print(
+        f"shared S3 blocks credited to one node alone, or nodes not credited: {apart}",
+        file=sys.stderr,
+    )
     print(f"wrong past the bound: {out['left_wrong_past_the_bound']}", file=sys.stderr)
     print(
         f"wrong at the end of a round, by what last touched the key: "

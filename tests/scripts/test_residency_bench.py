@@ -37,3 +37,4 @@ def test_residency_quick_reports_every_divergence_and_kvtiers_own_changes_conver
     fs = out["settled"]["fs"]
     assert fs["samples"] >= 1 and fs["precision"] == fs["recall"] == 1.0
     assert out["block_operations"] > 0 and out["router"]["bad_messages"] == 0
+    assert out["s3_blocks_credited_to_one_node_or_nodes_not_credited"] == 0
