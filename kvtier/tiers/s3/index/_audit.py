@@ -6,11 +6,12 @@ before its next publish. The bucket's listing is the only record of either, so o
 ``index_audit_every`` seconds one node of the fleet lists the prefix and compares the listing
 with its index:
 
-- a key the index held when the audit began that the listing lacks is doubted, as a removal
-  another node published is (``_rechecks``): a HEAD in a later refresh round, then, found
-  gone, it is dropped, told as removed (``not_found``, LOCAL) and published in this node's
-  removal segment as ``deleted``, so the other nodes check and drop it within about twice
-  ``index_refresh``. A key stored again while the listing ran is found by its HEAD and stays;
+- a key the index held when the audit began that the listing lacks is doubted (at most
+  ``MAX_DOUBTED`` an audit), as a removal another node published is (``_rechecks``): a HEAD
+  in a later refresh round, then, found gone, it is dropped, told as removed (``not_found``,
+  LOCAL) and published in this node's removal segment as ``deleted``, so the other nodes
+  check and drop it within about twice ``index_refresh``. A key stored again while the
+  listing ran is found by its HEAD and stays;
 - a block the listing has that the index lacks is indexed, told as stored (``notify``) and
   published in this node's next store segment, so the others learn it; one this node learnt
   gone while the listing ran is not brought back (``ExistenceIndex.begin_audit``). An index
@@ -43,6 +44,7 @@ from collections.abc import Callable
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import anyio.to_thread
 import numpy as np
 import xxhash
@@ -56,13 +58,17 @@ from kvtier.tiers.s3.index._listing import Listing
 from kvtier.tiers.s3.index._snapshot import delete_object, put_if_absent
 from kvtier.tiers.s3.index._upkeep import Upkeep
 
-__all__ = ["AUDIT_DIR", "MAX_LEARNT", "BucketAudit", "audit_marker"]
+__all__ = ["AUDIT_DIR", "MAX_DOUBTED", "MAX_LEARNT", "BucketAudit", "audit_marker"]
 
 logger = logging.getLogger("kvtier.tiers.s3.index._sync")
 
 AUDIT_DIR = "_kvtier_audits"
 MAX_LEARNT = 65_536
 """Blocks one audit indexes that the index lacked; the rest wait for the next audit."""
+MAX_DOUBTED = 65_536
+"""Keys one audit doubts (the checks drain ``MAX_CHECKS_PER_ROUND`` a round); the rest wait
+for the next audit."""
+_SLICE = 4_096  # keys doubted or learnt between two yields to the event loop
 
 _Entries = Callable[[], list[tuple[bytes, Location | None]]]
 
@@ -185,12 +191,19 @@ class BucketAudit:
             upkeep.requests["list"] += listing.pages
             if not complete:
                 raise TimeoutError(f"listing past index_list_timeout ({self._list_timeout} s)")
-            learnt = [key for key, where in unlisted.items() if index.audit_learn(key, where)]
+            found = list(unlisted.items())
+            learnt: list[bytes] = []
+            for start in range(0, len(found), _SLICE):
+                await anyio.lowlevel.checkpoint()
+                entries = found[start : start + _SLICE]
+                learnt.extend(key for key, where in entries if index.audit_learn(key, where))
         finally:
             index.end_audit()
         listed = np.sort(np.frombuffer(hashes, dtype=np.uint64))
-        missing = await anyio.to_thread.run_sync(_missing, before, listed)
-        self.doubted += index.audit_doubt(missing)
+        missing = (await anyio.to_thread.run_sync(_missing, before, listed))[:MAX_DOUBTED]
+        for start in range(0, len(missing), _SLICE):
+            await anyio.lowlevel.checkpoint()
+            self.doubted += index.audit_doubt(missing[start : start + _SLICE])
         self.learnt += len(learnt)
         self.audits += 1
         if learnt:
