@@ -98,6 +98,7 @@ class SoakSettings:
     store_timeout: float = 5.0
     s3_read_timeout: float = 2.0
     index_refresh: float = 1.0
+    index_audit_every: float = 10.0  # the S3 index's audit, often enough to run in a quick soak
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

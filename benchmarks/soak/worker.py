@@ -229,6 +229,7 @@ class Run:
             read_timeout=s.s3_read_timeout,
             breaker_reset=1.0,
             index_refresh=s.index_refresh,
+            index_audit_every=s.index_audit_every,
             index_lookback=30.0,
             index_snapshots=True,
             index_snapshot_every=5.0,

@@ -119,6 +119,7 @@ class BucketAudit:
         self.failures = 0  # audits cut short (a request failed, the listing's bound)
         self.doubted = 0  # indexed keys a listing lacked, doubted (then checked)
         self.learnt = 0  # blocks a listing had that the index lacked, indexed
+        self._one_at_a_time = anyio.Lock()  # a turn and ``S3Tier.audit_index`` may meet
 
     async def run(self) -> None:
         """Claim and run the audit of every interval, from the next one on (never, without
@@ -162,8 +163,13 @@ class BucketAudit:
         return True
 
     async def audit(self) -> None:
-        """List the prefix and settle the index against it (see the module docstring).
-        Raises ``TierError`` when a request fails, and ``TimeoutError`` past the bound."""
+        """List the prefix and settle the index against it (see the module docstring), one
+        audit at a time. Raises ``TierError`` when a request fails, and ``TimeoutError``
+        past the bound."""
+        async with self._one_at_a_time:
+            await self._audit()
+
+    async def _audit(self) -> None:
         index, upkeep = self._index, self._upkeep
         before = index.entries_reader()  # the keys held now: a later store is not missing
         learn = not index.full
