@@ -16,7 +16,8 @@ rounds and, in each, one of every kind of divergence:
   then loaded by one node (a request touching it); ``s3_removed_unloaded``: the same, loaded
   by nobody (the S3 index's audit finds it, every ``--audit-every`` seconds, so it is waited
   for up to that plus ``--bound``); ``fs_removed_by_hand``: a block file unlinked, then
-  loaded;
+  loaded; ``fs_removed_unloaded``: the same, loaded by nobody (the owner's walk of its folder
+  finds it, every ``--walk-every`` seconds);
 - ``node_restart``: a node killed with SIGKILL and started again (it announces what it kept);
 - ``router_restart``: the router's view and sockets thrown away and made again (it asks each
   node for its full state);
@@ -64,8 +65,8 @@ from kvtier.integrations.kv_subscriber import KVEventSubscriber, ResidencyView, 
 
 KINDS = (
     *("evicted", "corrupt", "fs_deleted", "s3_deleted", "s3_other_store"),
-    *("s3_removed_behind", "s3_removed_unloaded", "fs_removed_by_hand", "node_restart"),
-    "router_restart",
+    *("s3_removed_behind", "s3_removed_unloaded", "fs_removed_by_hand", "fs_removed_unloaded"),
+    *("node_restart", "router_restart"),
     "slow_subscriber",
 )
 _HEX_KEY = re.compile(r"[0-9a-f]{32}")
@@ -432,18 +433,22 @@ async def diverge(run: Run, kind: str) -> None:
         await node.call("store", "fs", run.new_keys(run.args.fs_blocks))  # pushes all out
         gone = before - await asyncio.to_thread(fs_truth, node.root)
         took = await run.until(lambda: not any(run.believed_fs(node.index, k) for k in gone), t0)
-    elif kind in ("corrupt", "fs_removed_by_hand", "fs_deleted"):
+    elif kind in ("corrupt", "fs_removed_by_hand", "fs_removed_unloaded", "fs_deleted"):
         key = rng.choice(sorted(await asyncio.to_thread(fs_truth, node.root)))
         run.touched[key] = kind
         t0 = time.perf_counter()
         path = fs_path(node.root, key)
         assert path is not None
+        bound = None
         if kind == "corrupt":
             await asyncio.to_thread(damage, path)
-        elif kind == "fs_removed_by_hand":
+        elif kind in ("fs_removed_by_hand", "fs_removed_unloaded"):
             os.unlink(path)
-        await node.call("delete" if kind == "fs_deleted" else "load", "fs", [key])
-        took = await run.until(lambda: not run.believed_fs(node.index, key), t0)
+        if kind == "fs_removed_unloaded":  # nobody loads it: the owner's next walk finds it
+            bound = run.args.walk_every + run.args.bound
+        else:
+            await node.call("delete" if kind == "fs_deleted" else "load", "fs", [key])
+        took = await run.until(lambda: not run.believed_fs(node.index, key), t0, bound)
     elif kind in ("s3_deleted", "s3_removed_behind", "s3_removed_unloaded"):
         key = rng.choice(sorted(await run.bucket.truth()))
         run.touched[key] = kind
@@ -495,7 +500,7 @@ async def run_all(args: argparse.Namespace, endpoint: str, bucket: str) -> dict[
             *("--replay", f"tcp://127.0.0.1:{replay}", "--s3-endpoint", endpoint),
             *("--bucket", bucket, "--prefix", prefix, "--fs-blocks", str(args.fs_blocks)),
             *("--index-refresh", str(args.index_refresh), "--hwm", str(args.hwm)),
-            *("--audit-every", str(args.audit_every)),
+            *("--audit-every", str(args.audit_every), "--walk-every", str(args.walk_every)),
         ]
         nodes.append(Node(i, root, f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}", argv))
     client_cm = get_session().create_client(
@@ -636,6 +641,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=2.0,
         help="the S3 tiers' index_audit_every (one node lists the shared prefix this often)",
+    )
+    p.add_argument(
+        "--walk-every",
+        type=float,
+        default=2.0,
+        help="the FS tiers' walk_interval (each owner walks its folder this often)",
     )
     p.add_argument("--bound", type=float, default=3.0, help="how long to wait for agreement")
     p.add_argument("--stall", type=float, default=0.5, help="how long the slow subscriber stalls")

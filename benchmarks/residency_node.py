@@ -32,12 +32,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fs-blocks", type=int, required=True, help="FS capacity, in blocks")
     p.add_argument("--index-refresh", type=float, required=True)
     p.add_argument("--audit-every", type=float, required=True)
+    p.add_argument("--walk-every", type=float, required=True)
     p.add_argument("--hwm", type=int, required=True, help="the publisher's high-water mark")
     return p.parse_args(argv)
 
 
 async def serve(args: argparse.Namespace) -> None:
-    fs = kvtier.FSTier(args.root, name="fs", capacity_bytes=args.fs_blocks * (BLOCK + 4096))
+    fs = kvtier.FSTier(
+        args.root,
+        name="fs",
+        capacity_bytes=args.fs_blocks * (BLOCK + 4096),
+        walk_interval=args.walk_every,
+    )
     s3 = kvtier.S3Tier(
         args.bucket,
         name="s3",

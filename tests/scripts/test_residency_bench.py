@@ -1,9 +1,9 @@
 """benchmarks/residency.py: node processes on the run's SeaweedFS, a router fed only by their
 events, one divergence of every kind. What kvtier announces itself (FS evictions, corrupt and
 deleted blocks, S3 stores and deletes) must reach the view, and so must an object removed
-from the bucket behind kvtier's back that nobody loads (the S3 index's audit finds it); the
-nodes' folders must agree again after a router restart and a stalled router; the whole-view
-figures are reported, not asserted."""
+from the bucket behind kvtier's back or a file removed by hand that nobody loads (the S3
+index's audit, the FS owner's walk find them); the nodes' folders must agree again after a
+router restart and a stalled router; the whole-view figures are reported, not asserted."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from tests.scripts.runner import Store
 
 ANNOUNCED = (
     *("evicted", "corrupt", "fs_deleted", "s3_deleted", "s3_other_store"),
-    "s3_removed_unloaded",
+    *("s3_removed_unloaded", "fs_removed_unloaded"),
 )
 
 
