@@ -18,8 +18,9 @@ with its index:
   that has been full (``index_max_keys``) learns nothing this way: it would evict keys it
   holds to make room for keys nobody asked for.
 
-A listing cut short by ``index_list_timeout`` or by a failed request settles nothing: a key
-it did not reach is not missing. The audit never runs while the index loads or is incomplete.
+A listing cut short by a failed request or by its bound (the longer of ``index_list_timeout``
+and ``index_audit_every``: a prefix too large to list at open may still be audited, once an
+interval) settles nothing: a key it did not reach is not missing. The audit never runs while the index loads or is incomplete.
 
 Whose turn: the wall clock cuts time into intervals of ``index_audit_every``; the node whose
 conditional PUT (``If-None-Match: *``) of the marker ``<prefix>/_kvtier_audits/<interval>``
@@ -109,10 +110,12 @@ class BucketAudit:
     ) -> None:
         """Audit ``index`` every ``every`` seconds (None: only when ``audit`` is called)
         when it is this node's turn (``writer`` names it in the marker) and ``ready()`` says
-        the index is whole; ``notify(keys)`` is told the blocks an audit indexed."""
+        the index is whole, listing for at most the longer of ``list_timeout`` and
+        ``every``; ``notify(keys)`` is told the blocks an audit indexed."""
         self._index, self._upkeep, self.name = index, upkeep, upkeep.name
         self.interval_ms = None if every is None else max(int(every * 1000), 1)
-        self._list_timeout, self._writer = list_timeout, writer
+        self._list_timeout = max(list_timeout, every or 0.0)
+        self._writer = writer
         self._client, self._ready, self._notify, self._wall = client, ready, notify, wall
         self._log = BurstLogger(logger)
         self.audits = 0  # audits that listed the whole prefix and compared it
@@ -196,7 +199,7 @@ class BucketAudit:
             complete = await listing.run(self._list_timeout)
             upkeep.requests["list"] += listing.pages
             if not complete:
-                raise TimeoutError(f"listing past index_list_timeout ({self._list_timeout} s)")
+                raise TimeoutError(f"listing the prefix took over {self._list_timeout} s")
             found = list(unlisted.items())
             learnt: list[bytes] = []
             for start in range(0, len(found), _SLICE):
