@@ -20,7 +20,8 @@ with its index:
 
 A listing cut short by a failed request or by its bound (the longer of ``index_list_timeout``
 and ``index_audit_every``: a prefix too large to list at open may still be audited, once an
-interval) settles nothing: a key it did not reach is not missing. The audit never runs while the index loads or is incomplete.
+interval) settles nothing: a key it did not reach is not missing. The audit never runs while
+the index loads or is incomplete.
 
 Whose turn: the wall clock cuts time into intervals of ``index_audit_every``; the node whose
 conditional PUT (``If-None-Match: *``) of the marker ``<prefix>/_kvtier_audits/<interval>``
