@@ -210,14 +210,16 @@ async def test_s3_endpoint_that_never_answers_does_not_hold_the_open_or_the_clos
     assert not tasks_left()
 
 
-class WatchedFSTier(FSTier):
-    """The real FS tier, with an event set when an open succeeds (as ``WatchedS3Tier``)."""
+class HeldFSTier(FSTier):
+    """The real FS tier whose open waits for ``go`` first, with an event set when it has
+    opened (as ``HeldS3Tier``)."""
 
     def __init__(self, root: Path, **settings: Any) -> None:
         super().__init__(root, **settings)
-        self.opened = anyio.Event()
+        self.go, self.opened = anyio.Event(), anyio.Event()
 
     async def open(self) -> None:
+        await self.go.wait()
         await super().open()
         self.opened.set()
 
@@ -245,21 +247,24 @@ async def test_a_healthy_tier_still_opening_joins_late_and_says_what_it_missed(
     deferred: bool,
 ) -> None:
     """A healthy S3 tier whose open outlasts the waits (held before its endpoint answered;
-    ``tier_open_wait`` 0, so that no tier is in at the open and nothing races the clock; the
-    FS tier joins once its open ends) does not hold the manager, and joins when its open
-    ends. What it missed is said: a warning
+    ``tier_open_wait`` 0, and the FS tier held until the manager has opened, so that no tier
+    is in at the open and nothing races the clock: a loaded machine once let the FS open end
+    while the S3 tier warmed up) does not hold the manager, and joins when its open ends.
+    What it missed is said: a warning
     names it at the open, and each write it could not take is counted as ``unavailable``; a
     tier named in ``deferred`` gets those writes once it joins."""
     keys = fresh_keys(2)
     data = blocks(2)
     s3 = HeldS3Tier(BUCKET, **_s3_settings(weed_server.endpoint_url), name="s3")
-    fs = WatchedFSTier(tmp_path / "fs", fsync="never", name="fs")
+    fs = HeldFSTier(tmp_path / "fs", fsync="never", name="fs")
     manager = TieringManager(
         HostPool(8, BLOCK), [fs, s3], tier_open_wait=0.0, deferred=("s3",) if deferred else ()
     )
     with anyio.fail_after(60):
         async with manager:
             await s3.opening.wait()
+            assert manager.statistics().opens.unavailable == ("fs", "s3")
+            fs.go.set()
             await fs.opened.wait()  # joined in the same step
             assert manager.statistics().opens.unavailable == ("s3",)
             assert "tier s3 has not answered within tier_answer_wait" in caplog.text
