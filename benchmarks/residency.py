@@ -71,6 +71,7 @@ KINDS = (
 )
 _HEX_KEY = re.compile(r"[0-9a-f]{32}")
 _POLL_S = 0.005
+_CALL_KEYS = 1_000  # keys per command to a node
 
 
 # -- the router, on a thread of its own ---------------------------------------------------------
@@ -413,10 +414,12 @@ class Run:
 
 
 async def background(run: Run, node: Node) -> None:
-    """A node's share of a round: FS stores past its capacity (evictions), S3 stores, loads."""
+    """A node's share of a round: FS stores past its capacity (evictions), S3 stores, loads;
+    stores sent ``_CALL_KEYS`` at a time (each command's answer is waited for a minute)."""
     a = run.args
-    await node.call("store", "fs", run.new_keys(a.fs_stores))
-    await node.call("store", "s3", run.new_keys(a.s3_stores))
+    for tier, count in (("fs", a.fs_stores), ("s3", a.s3_stores)):
+        for start in range(0, count, _CALL_KEYS):
+            await node.call("store", tier, run.new_keys(min(_CALL_KEYS, count - start)))
     held = sorted(await asyncio.to_thread(fs_truth, node.root))
     await node.call("load", "fs", run.rng.sample(held, min(len(held), a.loads)))
 
