@@ -229,13 +229,10 @@ class BringBacks:
         return max(model or self.settings.default_lead, learnt)
 
     def _measure(self, now: float) -> None:
-        """Learn from the bring-backs that have their answer now; forget the ones that
-        ended without one."""
+        """Learn from the bring-backs that have their answer now."""
         for plan in list(self._started_at):
             handle = self._handles.get(plan)
-            if handle is None or handle.done:
-                del self._started_at[plan]
-            elif handle.prefix is not None:
+            if handle is not None and handle.prefix is not None:
                 self._learn(plan, handle, now)
 
     def _learn(self, plan: Plan, handle: PrefetchHandle, now: float) -> None:
@@ -290,6 +287,7 @@ class BringBacks:
         self._driving = True
 
     def _stop(self, plan: Plan, *, demote: bool) -> None:
+        self._started_at.pop(plan, None)
         handle = self._handles.pop(plan, None)
         if handle is None:
             return
@@ -316,6 +314,7 @@ class BringBacks:
                 self._retire()
                 for plan in [p for p, h in self._handles.items() if h.done]:
                     del self._handles[plan]  # expired by its TTL, or cancelled by a close
+                    self._started_at.pop(plan, None)
                 scanning = [h for h in self._handles.values() if self._scanning(h)]
                 for plan in self.table.due(now, self.settings.max_running - len(scanning)):
                     self._start(plan, now)

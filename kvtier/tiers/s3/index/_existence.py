@@ -272,11 +272,15 @@ class ExistenceIndex(CountedLookups):
         the listing ran. Whether it was learnt."""
         if key in self._gone or not self.add(key, where):
             return False
-        if len(self._unpublished) < self._max_keys:
+        self._queue_store(key, where)
+        return True
+
+    def _queue_store(self, key: bytes, where: Location | None) -> None:
+        """Queue ``key`` for the next store segment (bounded by ``max_keys``)."""
+        if len(self._unpublished) < self._max_keys or key in self._unpublished:
             self._unpublished[key] = where
         else:
             self.unpublished_dropped += 1
-        return True
 
     def wrote(self, key: bytes, where: Location | None = None) -> None:
         """This node stored ``key``: index it and queue it for the next journal segment. A
@@ -285,10 +289,7 @@ class ExistenceIndex(CountedLookups):
         self._removals.pop(key, None)
         self._doubts.pop(key, None)
         self._checking.pop(key, None)
-        if len(self._unpublished) < self._max_keys or key in self._unpublished:
-            self._unpublished[key] = where
-        else:
-            self.unpublished_dropped += 1
+        self._queue_store(key, where)
 
     def deleted(self, key: bytes, why: str) -> None:
         """This node deleted ``key``'s object (``why``: "deleted" or "corrupt"): drop it and
