@@ -33,7 +33,8 @@ import re
 import secrets
 import socket
 import stat
-from collections.abc import Callable, Generator, Iterator, Sequence
+import time
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,6 +61,7 @@ __all__ = [
     "IncompatibleRoot",
     "Item",
     "Kind",
+    "Pruning",
     "ShardFolders",
     "fsync_folder",
     "is_block_name",
@@ -417,10 +419,40 @@ Known = Callable[[Sequence[str]], list[bool]]
 """Asked the names of one shard folder's regular files, says which the caller already has."""
 
 
-def walk(root: Path, known: Known | None = None) -> Generator[Item, None, None]:
+@dataclass(slots=True)
+class Pruning:
+    """What a walk with ``prune`` removed: empty shard folders, and the CPU time the removals
+    took (the stores that made the folders owed it; the walk's own cost is the rest)."""
+
+    folders: int = 0
+    cpu_seconds: float = 0.0
+
+    def remove_if_empty(self, name: str, dir_fd: int) -> bool:
+        """Remove the folder ``name`` if it is empty; whether it was removed (a store may
+        have put a file in it since it was read)."""
+        started = time.thread_time()
+        try:
+            os.rmdir(name, dir_fd=dir_fd)
+        except OSError:
+            return False
+        finally:
+            self.cpu_seconds += time.thread_time() - started
+        self.folders += 1
+        return True
+
+
+def walk(
+    root: Path, known: Known | None = None, *, prune: Pruning | None = None
+) -> Generator[Item, None, None]:
     """Everything under ``root`` by the layout, in name order, through descriptors opened
     without following links (a link anywhere below the root is ``FOREIGN``). The marker and
     kvtier's own dot files at the root are not reported.
+
+    With ``prune``, shard folders found empty are removed (a first-level one once nothing is
+    left in it): a small tier under churn leaves behind a folder for nearly every shard a
+    block ever passed through, and each walk would otherwise visit them all for good.
+    ``rmdir`` removes only an empty folder, so one a store has just put a file in stays; a
+    store whose folder went between its open and its write makes it again (``_write``).
 
     With ``known``, each shard folder's regular files (told by the type its entries give,
     with no ``stat``) are asked of it at once, and those it has are not reported: on a cold
@@ -437,21 +469,36 @@ def walk(root: Path, known: Known | None = None) -> Generator[Item, None, None]:
                     yield Item(Kind.FOREIGN, (first,), root_fd)
                 continue
             try:
-                for second, second_is_dir in _entries(first_fd):
-                    ok = second_is_dir and is_shard_name(second)
-                    second_fd = open_folder(second, first_fd) if ok else None
-                    if second_fd is None:
-                        yield Item(Kind.FOREIGN, (first, second), first_fd)
-                        continue
-                    try:
-                        yield Item(Kind.SHARD, (first, second), first_fd)
-                        yield from _walk_shard((first, second), second_fd, known)
-                    finally:
-                        os.close(second_fd)
+                emptied = yield from _walk_first(first, first_fd, known, prune)
             finally:
                 os.close(first_fd)
+            if emptied and prune is not None:
+                prune.remove_if_empty(first, root_fd)
     finally:
         os.close(root_fd)
+
+
+def _walk_first(
+    first: str, first_fd: int, known: Known | None, prune: Pruning | None
+) -> Generator[Item, None, bool]:
+    """The items below one first-level shard folder; returns whether ``prune`` left it
+    holding nothing."""
+    left = 0
+    for second, second_is_dir in _entries(first_fd):
+        ok = second_is_dir and is_shard_name(second)
+        second_fd = open_folder(second, first_fd) if ok else None
+        if second_fd is None:
+            left += 1
+            yield Item(Kind.FOREIGN, (first, second), first_fd)
+            continue
+        try:
+            yield Item(Kind.SHARD, (first, second), first_fd)
+            empty = yield from _walk_shard((first, second), second_fd, known)
+        finally:
+            os.close(second_fd)
+        if not (empty and prune is not None and prune.remove_if_empty(second, first_fd)):
+            left += 1
+    return left == 0
 
 
 def is_shard_name(name: str) -> bool:
@@ -465,9 +512,14 @@ def _entries(dir_fd: int) -> list[tuple[str, bool]]:
         return sorted((e.name, e.is_dir(follow_symlinks=False)) for e in it)
 
 
-def _walk_shard(shard: tuple[str, str], fd: int, known: Known | None) -> Iterator[Item]:
+def _walk_shard(
+    shard: tuple[str, str], fd: int, known: Known | None
+) -> Generator[Item, None, bool]:
+    """The shard's items; returns whether the folder held nothing at all."""
     with os.scandir(fd) as listing:
         entries = list(listing)
+    if not entries:
+        return True
     if known is not None:
         # The entry's type, or an lstat where the file system gives none (then a file
         # removed meanwhile is not a file either); a link is never followed.
@@ -491,3 +543,4 @@ def _walk_shard(shard: tuple[str, str], fd: int, known: Known | None) -> Iterato
             yield Item(Kind.BLOCK, parts, fd, st.st_size, st.st_mtime)
         else:
             yield Item(Kind.FOREIGN, parts, fd)
+    return False

@@ -43,7 +43,7 @@ from kvtier.tiers.fs._catalog_journal import CatalogJournal
 from kvtier.tiers.fs._keeper import Prepared
 from kvtier.tiers.fs._layout import Entry
 from kvtier.tiers.fs._packed_build import Columns
-from kvtier.tiers.fs._reconcile import apply, compare
+from kvtier.tiers.fs._reconcile import Difference, apply, compare
 
 __all__ = ["CatalogPersistence", "FSTierStatistics"]
 
@@ -51,9 +51,11 @@ logger = logging.getLogger("kvtier.tiers.fs")
 _walk_log = BurstLogger(logger)
 
 WALK_COST_RATIO = 50
-"""A walk while open waits at least this many times as long as the last one took: on a large
-folder a walk is seconds of a thread and of the device, and a check for what nobody announced
-should take a few percent of them at most."""
+"""A walk while open waits at least this many times the CPU time the last one took: on a large
+folder a walk is seconds of a thread, and a check for what nobody announced should take a few
+percent of it at most. CPU time, not wall time: under a burst of stores the walk's thread waits
+for the interpreter lock many times longer than it works, and a ratio of that wait would put
+the next walk off for many minutes."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +105,7 @@ class CatalogPersistence:
         self._walked = anyio.Event()  # the walk ended (or there is none)
         self._walked.set()
         self.walks = self.walk_failures = 0  # the walks while open (``walk_again``)
-        self._walk_seconds = 0.0  # how long the last walk took
+        self._walk_cpu = 0.0  # the CPU time the last walk took
 
     # -- open ----------------------------------------------------------------------------------
 
@@ -205,14 +207,14 @@ class CatalogPersistence:
 
     async def walk_again(self, every: float, owner: Callable[[], bool]) -> None:
         """Walk the folder again every ``every`` seconds, and at least ``WALK_COST_RATIO``
-        times as long as the last walk took, while the tier answers lookups from its catalog
+        times the CPU time the last walk took, while the tier answers lookups from its catalog
         (``owner()``): a file removed behind the tier's back (by hand, by a cleanup job) is
         dropped and said as removed (``not_found``), a block file the catalog lacked is taken
         in and said as stored, within a bound rather than at the block's next load or the
         next open. The walk at open comes first. Until cancelled (the tier's close)."""
         await self._walked.wait()
         while True:
-            await anyio.sleep(max(every, WALK_COST_RATIO * self._walk_seconds))
+            await anyio.sleep(max(every, WALK_COST_RATIO * self._walk_cpu))
             if owner():
                 await self._walk_once()
 
@@ -221,11 +223,13 @@ class CatalogPersistence:
         (what the tier does meanwhile is not undone: ``_reconcile``); a failure is logged
         and counted, and the next walk runs on time."""
         catalog = self._catalog
-        started = time.monotonic()
+        self._walk_cpu = 0.0
         try:
             with catalog.watching() as since:
                 base = catalog.columns()
-                diff = await run_sync(compare, self.root, base, abandon_on_cancel=True)
+                diff, self._walk_cpu = await run_sync(
+                    _compare_timed, self.root, base, abandon_on_cancel=True
+                )
                 del base
                 done = await apply(catalog, diff, since, self._forget, self._found)
         except Exception as exc:  # a task that serves the tier lives on, and says so
@@ -234,8 +238,6 @@ class CatalogPersistence:
                 f"walk:{self.root}", "%s: walking %s failed (%r)", self.name, self.root, exc
             )
             return
-        finally:
-            self._walk_seconds = time.monotonic() - started
         self.walks += 1
         if done.found or done.gone:
             logger.info(
@@ -282,3 +284,11 @@ class CatalogPersistence:
             catalog_walks=self.walks,
             catalog_walk_failures=self.walk_failures,
         )
+
+
+def _compare_timed(root: Path, base: Columns) -> tuple[Difference, float]:
+    """``compare`` in a worker thread, with the CPU time the thread spent on the walk itself
+    (the removal of the empty shard folders it found is the stores' cost, not the walk's)."""
+    cpu = time.thread_time()
+    diff = compare(root, base)
+    return diff, time.thread_time() - cpu - diff.pruning.cpu_seconds

@@ -35,13 +35,14 @@ catalog as it was when that walk began.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import anyio.lowlevel
 
 from kvtier.tiers.fs._catalog import Catalog
 from kvtier.tiers.fs._known import KnownNames
+from kvtier.tiers.fs._layout import Pruning
 from kvtier.tiers.fs._packed_build import Columns
 from kvtier.tiers.fs._root import list_blocks
 
@@ -54,10 +55,12 @@ SLICE = 256
 @dataclass(frozen=True, slots=True)
 class Difference:
     """The folder against the catalog as loaded: files it did not know with their sizes
-    (oldest first), and entries with no file (in the catalog's order)."""
+    (oldest first), and entries with no file (in the catalog's order); and the empty shard
+    folders the walk removed."""
 
     found: list[tuple[str, int]]
     gone: list[str]
+    pruning: Pruning = field(default_factory=Pruning)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,9 +74,9 @@ class Applied:
 def compare(root: Path, loaded: Columns) -> Difference:
     """Walk ``root`` and compare it with the catalog as ``loaded``. Blocks; a worker
     thread's."""
-    known = KnownNames(loaded)
-    found = list_blocks(root, known.mark)
-    return Difference([(entry.name, entry.size) for entry in found], known.unseen())
+    known, pruning = KnownNames(loaded), Pruning()
+    found = list_blocks(root, known.mark, pruning)
+    return Difference([(entry.name, entry.size) for entry in found], known.unseen(), pruning)
 
 
 async def apply(

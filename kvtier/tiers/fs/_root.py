@@ -32,6 +32,7 @@ from kvtier.tiers.fs._layout import (
     Entry,
     Kind,
     Known,
+    Pruning,
     walk,
 )
 from kvtier.tiers.fs._marker import check_marker
@@ -79,14 +80,17 @@ def ready_root(root: Path, marker: dict[str, object] | None = None) -> None:
     check_marker(root, MARKER if marker is None else marker)
 
 
-def list_blocks(root: Path, known: Known | None = None) -> list[Entry]:
+def list_blocks(
+    root: Path, known: Known | None = None, pruning: Pruning | None = None
+) -> list[Entry]:
     """Every block file, oldest first, or with ``known`` those it does not have (``walk``:
     a known name's file is not ``stat``-ed, so one that another writer replaced with a file
     of another size is not told apart here; the load that reads it verifies every byte, and
-    a wrong file is a miss). Temporary files whose writer is gone are removed."""
+    a wrong file is a miss). Temporary files whose writer is gone are removed, and so are
+    shard folders left empty (told to ``pruning`` when given)."""
     entries: list[Entry] = []
     now = time.time()
-    for item in walk(root, known):
+    for item in walk(root, known, prune=Pruning() if pruning is None else pruning):
         if item.kind is Kind.BLOCK:
             entries.append(Entry(item.parts[-1], item.size, item.mtime))
         elif item.kind is Kind.TEMPORARY:

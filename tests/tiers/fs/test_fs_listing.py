@@ -14,7 +14,15 @@ from pathlib import Path
 import numpy as np
 
 from kvtier.tiers.fs._known import KnownNames
-from kvtier.tiers.fs._layout import STALE_TMP_SECONDS, Entry, Kind, name_of, path_of, walk
+from kvtier.tiers.fs._layout import (
+    STALE_TMP_SECONDS,
+    Entry,
+    Kind,
+    Pruning,
+    name_of,
+    path_of,
+    walk,
+)
 from kvtier.tiers.fs._packed_build import Columns, from_names, snapshot
 from kvtier.tiers.fs._root import list_blocks, ready_root
 
@@ -86,6 +94,44 @@ def test_a_known_file_is_not_reported_and_the_walk_at_open_lists_all(tmp_path: P
         (names(0), 10),
         (names(2), 30),
         (names(1), 20),
+    ]
+
+
+def test_the_listing_removes_shard_folders_left_empty_and_keeps_the_rest(
+    tmp_path: Path,
+) -> None:
+    """A small tier under churn leaves a folder behind for every shard a block passed
+    through; the listing removes the empty ones (a first-level folder once nothing is left in
+    it) and nothing else: a folder with a block, a file not kvtier's or a block being
+    written stays. A walk without ``prune`` (the folder commands) removes nothing."""
+    root = tmp_path / "c"
+    ready_root(root)
+    kept = block(root, names(1), 10, 5).parent  # 01/01
+    (root / "01" / "aa").mkdir()  # empty beside it: removed, 01 stays
+    (root / "02" / "02").mkdir(parents=True)  # empty and alone: both levels removed
+    foreign = root / "03" / "03" / "notes.txt"
+    foreign.parent.mkdir(parents=True)
+    foreign.write_bytes(b"not kvtier's")
+    writing = path_of(root, names(4)).parent / f".tmp-ffffffff-1-0001-{names(4)}"
+    writing.parent.mkdir(parents=True)
+    writing.write_bytes(b"half a block")  # a writer's, fresh: stays, and so does its folder
+
+    before = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_dir())
+    assert len(list(walk(root))) > 0
+    assert sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_dir()) == before
+
+    pruning = Pruning()
+    assert [e.name for e in list_blocks(root, None, pruning)] == [names(1)]
+    assert pruning.folders == 3  # 01/aa, 02/02, 02
+    assert kept.is_dir() and foreign.exists() and writing.exists()
+    assert not (root / "01" / "aa").exists() and not (root / "02").exists()
+    assert sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_dir()) == [
+        "01",
+        "01/01",
+        "03",
+        "03/03",
+        "04",
+        "04/04",
     ]
 
 

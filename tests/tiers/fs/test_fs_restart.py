@@ -25,7 +25,7 @@ from kvtier import BlockNotFoundError, LookupResult
 from kvtier.testing import resolve_lookup
 from kvtier.tiers.fs import FSTier, _persistence, _reconcile
 from kvtier.tiers.fs._catalog_files import CHECKPOINT_NAME, LOG_NAME, STEPS
-from kvtier.tiers.fs._layout import Entry, Known, path_of
+from kvtier.tiers.fs._layout import Entry, Known, Pruning, path_of
 from tests.tiers.fs import catalog_worker
 from tests.tiers.fs.fs_worker import key_and_data
 
@@ -58,8 +58,10 @@ class HeldWalk:
         self._go = threading.Event()
         real = _reconcile.list_blocks  # type: ignore[attr-defined]  # the seam the walk calls
 
-        def held(root: Path, known: Known | None = None) -> list[Entry]:
-            found = real(root, known)
+        def held(
+            root: Path, known: Known | None = None, pruning: Pruning | None = None
+        ) -> list[Entry]:
+            found = real(root, known, pruning)
             self.listed.set()
             self._go.wait(30)
             return found
@@ -187,6 +189,32 @@ async def test_walks_while_stores_evict_and_delete_find_nothing_changed(
         assert tier.statistics().catalog_walks - walks_before >= 5
     assert "a walk found" not in caplog.text
     assert tier.statistics().catalog_walk_failures == 0
+
+
+async def test_walks_while_open_remove_the_shard_folders_churn_left_empty(
+    tmp_path: Path,
+) -> None:
+    """Stores past a small capacity leave a shard folder behind for nearly every block
+    that passed through; the owner's walks remove those left empty, so a walk's cost
+    follows the blocks held, not every block ever stored, while the blocks held stay
+    whole."""
+    root = tmp_path / "c"
+    capacity = 24 * (BLOCK + 4096)
+    async with FSTier(root, shared=False, capacity_bytes=capacity, walk_interval=3600) as tier:
+        await stored(tier, *range(300))
+        held = [i for i in range(300) if tier.lookup(key(i)) is HIT]
+        assert 0 < len(held) < 60
+        leaves = {file_of(root, i).parent for i in held}
+        assert len(shard_folders(root)) > 3 * len(leaves)  # the churn's: more than held
+        with anyio.fail_after(30):
+            await tier._persistence._walk_once()  # as the owner's next walk
+        assert shard_folders(root) == leaves | {leaf.parent for leaf in leaves}
+        assert [await read(tier, i) for i in held] == [data(i) for i in held]
+        assert tier.statistics().catalog_walk_failures == 0
+
+
+def shard_folders(root: Path) -> set[Path]:
+    return {p for p in root.rglob("*") if p.is_dir()}
 
 
 async def churn(tier: FSTier, lane: int) -> None:
