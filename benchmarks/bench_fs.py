@@ -241,17 +241,25 @@ def plain_latency(paths: Sequence[Path], block_bytes: int, cold: bool) -> list[f
     return samples
 
 
-def verifying_latency(paths: Sequence[Path], block_bytes: int, cold: bool) -> list[float]:
+def verifying_latency(
+    paths: Sequence[Path], block_bytes: int, cold: bool, slots: bool = False
+) -> list[float]:
     """One read of each file that verifies what it read, the least a verifying reader can
     spend: cold, the floor (open with O_DIRECT where the file system takes it, one ``preadv``
     into an aligned buffer, close, xxh3 over the bytes where they landed); warm, a plain read
-    from the page cache and the same xxh3."""
-    buf = mmap.mmap(-1, -(-block_bytes // mmap.PAGESIZE) * mmap.PAGESIZE)
-    view = memoryview(buf)
+    from the page cache and the same xxh3. Into one buffer, warm in the CPU's caches from the
+    read before; with ``slots``, each file into a slot of its own of one pool-sized buffer
+    (touched first, as a serving pool's memory is), as any promotion lands a block in a slot
+    that the reads before it did not just write."""
+    size = -(-block_bytes // mmap.PAGESIZE) * mmap.PAGESIZE
+    buf = mmap.mmap(-1, size * (len(paths) if slots else 1))
+    whole = memoryview(buf)
+    whole[:] = bytes(len(buf))
     direct = getattr(os, "O_DIRECT", 0) if cold and odirect_supported(paths[0].parent) else 0
     samples = []
     try:
-        for p in paths:
+        for i, p in enumerate(paths):
+            view = whole[i * size : (i + 1) * size] if slots else whole[:size]
             if cold:
                 drop_cache([p])
             else:  # in the page cache, whatever read it last (an O_DIRECT read does not)
@@ -264,8 +272,9 @@ def verifying_latency(paths: Sequence[Path], block_bytes: int, cold: bool) -> li
                 os.close(fd)
             checksum(view[:got])
             samples.append(time.perf_counter() - started)
+            view.release()
     finally:
-        view.release()
+        whole.release()
         buf.close()
     return samples
 
@@ -532,6 +541,10 @@ async def latencies(
             add(f"plain read {tag}", plain)
             add(f"verifying read {tag}", floor)
             if not cold:  # the same promotions, each read in a worker thread
+                floor = await anyio.to_thread.run_sync(
+                    verifying_latency, plain_paths, block_bytes, cold, True
+                )
+                add("verifying read warm, into pool slots", floor)
                 add("loop cpu warm", cpu)
                 promo, cpu = await promotion_latency(root, keys, block_bytes, cold, 0)
                 add("promotion warm, in a thread", promo)
@@ -563,6 +576,10 @@ def report_latency(
             "baseline": f"plain read {tag}",
             "ratio": latency[f"promotion {tag}"] / latency[f"plain read {tag}"],
         }
+    out["latency_ratios"]["warm, of the floor into pool slots"] = {
+        "baseline": "verifying read warm, into pool slots",
+        "ratio": latency["promotion warm"] / latency["verifying read warm, into pool slots"],
+    }
     threaded = latency["promotion warm, in a thread"]
     out["latency_ratios"]["warm on the loop"] = {
         "baseline": "promotion warm, in a thread",
@@ -577,7 +594,11 @@ def report_latency(
             f"  {tag}: promotion FS -> HostPool {p_ms:7.2f} ms, {floor} {v_ms:7.2f} ms, "
             f"ratio {p_ms / v_ms:5.2f}x (aim <= {aim}); plain read {r_ms:7.2f} ms"
         )
-    warm = latency["promotion warm"]
+    warm, slotted = latency["promotion warm"], latency["verifying read warm, into pool slots"]
+    print(
+        f"  warm, the same verifying read into a slot of its own per block (as a promotion "
+        f"lands) {slotted:7.2f} ms: promotion {warm / slotted:5.2f}x of it"
+    )
     limit = FSConfig(root=".").loop_read_bytes if loop_read_bytes is None else loop_read_bytes
     print(
         f"  warm, every read in a worker thread (loop_read_bytes=0) {threaded:7.2f} ms: "

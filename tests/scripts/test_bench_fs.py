@@ -1,5 +1,6 @@
 """benchmarks/bench_fs.py --latency-only: promotions against a reader that verifies what it read
-(the floor cold, a plain read and xxh3 warm) and against plain reads, and warm promotions
+(the floor cold, a plain read and xxh3 warm, into one buffer and into a slot per block) and
+against plain reads, and warm promotions
 against the same with every read in a worker thread, each with its baseline from the run."""
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ def test_latency_only_gives_each_ratio_with_its_baseline(run_json: RunJson) -> N
     assert ratios["cold, of a plain read"]["baseline"] == "plain read cold"
     assert ratios["warm, of a plain read"]["baseline"] == "plain read warm"
     assert ratios["warm on the loop"]["baseline"] == "promotion warm, in a thread"
+    slots = ratios["warm, of the floor into pool slots"]
+    assert slots["baseline"] == "verifying read warm, into pool slots"
     assert all(positive(r["ratio"]) for r in ratios.values())
     medians = out["latency_ms_median"]
     assert positive(medians["verifying read cold"]) and positive(medians["verifying read warm"])

@@ -89,9 +89,9 @@ class FSConfig(Section):
     # A ``load_many`` of at most this many bytes whose files the page cache holds is read on
     # the event loop instead of in a worker thread (0: never; see ``_cached``).
     loop_read_bytes: int = field(default=_LOOP_READ_BYTES, metadata=spec(parse_non_negative_size))
-    # An owner walks its folder again every walk_interval seconds (at least 50 times as long
-    # as its last walk took) to learn of files removed or added behind its back (by hand, by
-    # a cleanup job) without waiting for their next load; None: never.
+    # An owner walks its folder again every walk_interval seconds (and at least 50 times the
+    # CPU time its last walk took) to learn of files removed or added behind its back (by
+    # hand, by a cleanup job) without waiting for their next load; None: never.
     walk_interval: float | None = field(default=600.0, metadata=spec(optional(parse_seconds)))
     # With a cache identity: keep its blocks in root/id-<digest> (each identity its own
     # folder) instead of refusing a root that records another identity

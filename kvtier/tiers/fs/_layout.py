@@ -34,7 +34,7 @@ import secrets
 import socket
 import stat
 import time
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -422,21 +422,21 @@ Known = Callable[[Sequence[str]], list[bool]]
 @dataclass(slots=True)
 class Pruning:
     """What a walk with ``prune`` removed: empty shard folders, and the CPU time the removals
-    took (the stores that made the folders owed it; the walk's own cost is the rest)."""
+    took (the stores that made the folders owed it; the walk's own cost is the rest, a
+    folder that was not empty included)."""
 
     folders: int = 0
     cpu_seconds: float = 0.0
 
     def remove_if_empty(self, name: str, dir_fd: int) -> bool:
-        """Remove the folder ``name`` if it is empty; whether it was removed (a store may
-        have put a file in it since it was read)."""
+        """Remove the folder ``name`` if it is empty (``rmdir`` removes nothing else, and
+        never follows a link); whether it was removed."""
         started = time.thread_time()
         try:
             os.rmdir(name, dir_fd=dir_fd)
         except OSError:
             return False
-        finally:
-            self.cpu_seconds += time.thread_time() - started
+        self.cpu_seconds += time.thread_time() - started
         self.folders += 1
         return True
 
@@ -482,22 +482,24 @@ def _walk_first(
     first: str, first_fd: int, known: Known | None, prune: Pruning | None
 ) -> Generator[Item, None, bool]:
     """The items below one first-level shard folder; returns whether ``prune`` left it
-    holding nothing."""
+    holding nothing. With ``prune`` a shard folder is first removed if it is empty, which
+    costs one call where opening and listing it would cost several, and a call that fails
+    at once where it holds something."""
     left = 0
     for second, second_is_dir in _entries(first_fd):
         ok = second_is_dir and is_shard_name(second)
+        if ok and prune is not None and prune.remove_if_empty(second, first_fd):
+            continue
+        left += 1
         second_fd = open_folder(second, first_fd) if ok else None
         if second_fd is None:
-            left += 1
             yield Item(Kind.FOREIGN, (first, second), first_fd)
             continue
         try:
             yield Item(Kind.SHARD, (first, second), first_fd)
-            empty = yield from _walk_shard((first, second), second_fd, known)
+            yield from _walk_shard((first, second), second_fd, known)
         finally:
             os.close(second_fd)
-        if not (empty and prune is not None and prune.remove_if_empty(second, first_fd)):
-            left += 1
     return left == 0
 
 
@@ -512,14 +514,9 @@ def _entries(dir_fd: int) -> list[tuple[str, bool]]:
         return sorted((e.name, e.is_dir(follow_symlinks=False)) for e in it)
 
 
-def _walk_shard(
-    shard: tuple[str, str], fd: int, known: Known | None
-) -> Generator[Item, None, bool]:
-    """The shard's items; returns whether the folder held nothing at all."""
+def _walk_shard(shard: tuple[str, str], fd: int, known: Known | None) -> Iterator[Item]:
     with os.scandir(fd) as listing:
         entries = list(listing)
-    if not entries:
-        return True
     if known is not None:
         # The entry's type, or an lstat where the file system gives none (then a file
         # removed meanwhile is not a file either); a link is never followed.
@@ -543,4 +540,3 @@ def _walk_shard(
             yield Item(Kind.BLOCK, parts, fd, st.st_size, st.st_mtime)
         else:
             yield Item(Kind.FOREIGN, parts, fd)
-    return False
