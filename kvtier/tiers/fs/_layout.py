@@ -34,7 +34,7 @@ import secrets
 import socket
 import stat
 import time
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,6 +55,7 @@ __all__ = [
     "O_DIRECT",
     "O_NOFOLLOW",
     "READ_FLAGS",
+    "SHARD_FOLDERS",
     "STALE_TMP_SECONDS",
     "TMP_PREFIX",
     "Entry",
@@ -96,6 +97,8 @@ IDENTITY_NAME = (
     f"{OWN_PREFIX}-identity.json"  # the cache identity manifest (kvtier.common._identity)
 )
 _SHARD = re.compile(r"[0-9a-f]{2}")
+SHARD_FOLDERS = 256 * 256
+"""Second-level shard folders a root can hold (two levels of two hex digits)."""
 _NAME = re.compile(r"[0-9a-f]{2,200}|h[0-9a-f]{64}")
 _MAX_HEX_KEY = 100  # longer keys are named by a hash so a file name stays under NAME_MAX
 DIR_MODE = 0o700
@@ -423,8 +426,13 @@ Known = Callable[[Sequence[str]], list[bool]]
 class Pruning:
     """What a walk with ``prune`` removed: empty shard folders, and the CPU time the removals
     took (the stores that made the folders owed it; the walk's own cost is the rest, a
-    folder that was not empty included)."""
+    folder that was not empty included). ``first``: try to remove each shard folder before
+    opening it, one call where opening and listing an empty one cost several; worth it
+    where most are empty (a tier holding far fewer blocks than there are shard folders),
+    while in a full folder each try is a call that fails. Otherwise a folder is removed
+    when its listing was empty."""
 
+    first: bool = False
     folders: int = 0
     cpu_seconds: float = 0.0
 
@@ -482,24 +490,24 @@ def _walk_first(
     first: str, first_fd: int, known: Known | None, prune: Pruning | None
 ) -> Generator[Item, None, bool]:
     """The items below one first-level shard folder; returns whether ``prune`` left it
-    holding nothing. With ``prune`` a shard folder is first removed if it is empty, which
-    costs one call where opening and listing it would cost several, and a call that fails
-    at once where it holds something."""
+    holding nothing."""
     left = 0
     for second, second_is_dir in _entries(first_fd):
         ok = second_is_dir and is_shard_name(second)
-        if ok and prune is not None and prune.remove_if_empty(second, first_fd):
+        if ok and prune is not None and prune.first and prune.remove_if_empty(second, first_fd):
             continue
-        left += 1
         second_fd = open_folder(second, first_fd) if ok else None
         if second_fd is None:
+            left += 1
             yield Item(Kind.FOREIGN, (first, second), first_fd)
             continue
         try:
             yield Item(Kind.SHARD, (first, second), first_fd)
-            yield from _walk_shard((first, second), second_fd, known)
+            empty = yield from _walk_shard((first, second), second_fd, known)
         finally:
             os.close(second_fd)
+        if not (empty and prune is not None and prune.remove_if_empty(second, first_fd)):
+            left += 1
     return left == 0
 
 
@@ -514,9 +522,14 @@ def _entries(dir_fd: int) -> list[tuple[str, bool]]:
         return sorted((e.name, e.is_dir(follow_symlinks=False)) for e in it)
 
 
-def _walk_shard(shard: tuple[str, str], fd: int, known: Known | None) -> Iterator[Item]:
+def _walk_shard(
+    shard: tuple[str, str], fd: int, known: Known | None
+) -> Generator[Item, None, bool]:
+    """The shard's items; returns whether the folder held nothing at all."""
     with os.scandir(fd) as listing:
         entries = list(listing)
+    if not entries:
+        return True
     if known is not None:
         # The entry's type, or an lstat where the file system gives none (then a file
         # removed meanwhile is not a file either); a link is never followed.
@@ -540,3 +553,4 @@ def _walk_shard(shard: tuple[str, str], fd: int, known: Known | None) -> Iterato
             yield Item(Kind.BLOCK, parts, fd, st.st_size, st.st_mtime)
         else:
             yield Item(Kind.FOREIGN, parts, fd)
+    return False

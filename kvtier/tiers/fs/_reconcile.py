@@ -42,7 +42,7 @@ import anyio.lowlevel
 
 from kvtier.tiers.fs._catalog import Catalog
 from kvtier.tiers.fs._known import KnownNames
-from kvtier.tiers.fs._layout import Pruning
+from kvtier.tiers.fs._layout import SHARD_FOLDERS, Pruning
 from kvtier.tiers.fs._packed_build import Columns
 from kvtier.tiers.fs._root import list_blocks
 
@@ -74,7 +74,8 @@ class Applied:
 def compare(root: Path, loaded: Columns) -> Difference:
     """Walk ``root`` and compare it with the catalog as ``loaded``. Blocks; a worker
     thread's."""
-    known, pruning = KnownNames(loaded), Pruning()
+    # Far fewer blocks than shard folders: most folders found are empty ones churn left.
+    known, pruning = KnownNames(loaded), Pruning(first=len(loaded) < SHARD_FOLDERS // 4)
     found = list_blocks(root, known.mark, pruning)
     return Difference([(entry.name, entry.size) for entry in found], known.unseen(), pruning)
 

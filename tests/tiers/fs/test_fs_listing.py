@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from kvtier.tiers.fs._known import KnownNames
 from kvtier.tiers.fs._layout import (
@@ -97,13 +98,15 @@ def test_a_known_file_is_not_reported_and_the_walk_at_open_lists_all(tmp_path: P
     ]
 
 
+@pytest.mark.parametrize("first", [False, True], ids=["after-listing", "tried-first"])
 def test_the_listing_removes_shard_folders_left_empty_and_keeps_the_rest(
-    tmp_path: Path,
+    tmp_path: Path, first: bool
 ) -> None:
     """A small tier under churn leaves a folder behind for every shard a block passed
     through; the listing removes the empty ones (a first-level folder once nothing is left in
     it) and nothing else: a folder with a block, a file not kvtier's or a block being
-    written stays. A walk without ``prune`` (the folder commands) removes nothing."""
+    written stays, whether each folder is tried before it is listed or removed once its
+    listing was empty. A walk without ``prune`` (the folder commands) removes nothing."""
     root = tmp_path / "c"
     ready_root(root)
     kept = block(root, names(1), 10, 5).parent  # 01/01
@@ -120,7 +123,7 @@ def test_the_listing_removes_shard_folders_left_empty_and_keeps_the_rest(
     assert len(list(walk(root))) > 0
     assert sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_dir()) == before
 
-    pruning = Pruning()
+    pruning = Pruning(first=first)
     assert [e.name for e in list_blocks(root, None, pruning)] == [names(1)]
     assert pruning.folders == 3  # 01/aa, 02/02, 02
     assert kept.is_dir() and foreign.exists() and writing.exists()
