@@ -160,7 +160,8 @@ around a synchronous core, the way httpcore's pool is a state machine with I/O o
   bytes), ``_catalog_files`` (reading them back, writing them atomically),
   ``_catalog_journal`` (noting changes, writing them in the background), ``_reconcile``
   (the walk that brings a loaded catalog in line with the folder, at open and every
-  ``walk_interval`` while open; ``_known``, the names it asks, held as key columns) and
+  ``walk_interval`` while open, removing the shard folders churn left empty; ``_known``,
+  the names it asks, held as key columns) and
   ``_persistence`` (the three at open and close, and ``FSTierStatistics``);
   ``_catalog_replay`` (the log replayed onto the checkpoint as columns).
 - The catalog's index, packed (no Python object per block): ``_packed`` (``PackedOrder``,
