@@ -17,13 +17,14 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
 
 from kvtier import BlockNotFoundError, LookupResult
 from kvtier.testing import resolve_lookup
-from kvtier.tiers.fs import FSTier, _persistence, _reconcile
+from kvtier.tiers.fs import FSTier, _persistence, _reconcile, _write
 from kvtier.tiers.fs._catalog_files import CHECKPOINT_NAME, LOG_NAME, STEPS
 from kvtier.tiers.fs._layout import Entry, Known, Pruning, path_of
 from tests.tiers.fs import catalog_worker
@@ -211,6 +212,33 @@ async def test_walks_while_open_remove_the_shard_folders_churn_left_empty(
         assert shard_folders(root) == leaves | {leaf.parent for leaf in leaves}
         assert [await read(tier, i) for i in held] == [data(i) for i in held]
         assert tier.statistics().catalog_walk_failures == 0
+
+
+async def test_a_store_whose_shard_folder_a_walk_removed_makes_it_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A walk removes an empty shard folder between a store's open of it and the write of
+    the block's file there (as ``rmdir`` can: the folder is empty until the file is made):
+    the store makes the folder again and the block lands whole."""
+    root = tmp_path / "c"
+    removed: list[Path] = []
+    real = _write.open_shard
+
+    def opened_then_removed(*args: Any, **kwargs: Any) -> int:
+        fd = real(*args, **kwargs)
+        folder = file_of(root, 1).parent
+        if not removed and folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()  # as the walk's prune would, in its own thread
+            removed.append(folder)
+        return fd
+
+    async with FSTier(root, shared=False) as tier:
+        monkeypatch.setattr(_write, "open_shard", opened_then_removed)
+        await stored(tier, 1)
+        assert removed == [file_of(root, 1).parent]
+        assert tier.lookup(key(1)) is HIT
+        assert await read(tier, 1) == data(1)
+        assert tier.statistics().stores == 1
 
 
 def shard_folders(root: Path) -> set[Path]:
