@@ -95,6 +95,7 @@ the way httpcore's pool is a state machine with I/O outside it.
   deletes in flight, names; ``S3TierStatistics``.
 - ``_config``: ``S3Config``, every setting defined once (name, default, check).
 - ``_client``: the shared botocore session and the client's configuration.
+- ``_listing_xml``: listing pages parsed in a worker thread instead of by botocore on the loop.
 - ``_requests``: one request with retries, backoff and the breaker (``kvtier.common._resilience``);
   what a GET or a PUT sends.
 - ``_errors``: where botocore and network errors become kvtier errors, once.

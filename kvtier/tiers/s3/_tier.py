@@ -44,6 +44,7 @@ from kvtier.tiers.s3._config import S3Config, S3Overrides, check_bucket_name
 from kvtier.tiers.s3._core import S3Core, S3TierStatistics
 from kvtier.tiers.s3._errors import Fault
 from kvtier.tiers.s3._integrity import OpenPlace, check_marker, claim_identity
+from kvtier.tiers.s3._listing_xml import parse_listings_off_the_loop
 from kvtier.tiers.s3._pack_format import PackTableError
 from kvtier.tiers.s3._pack_table import read_table
 from kvtier.tiers.s3._requests import Requests, acquire
@@ -214,6 +215,7 @@ class S3Tier(SecondaryTier):
             except Exception as exc:
                 raise self._requests.translate(exc, "open", None) from exc
             send_bodies_as_given(self._client)
+            parse_listings_off_the_loop(self._client)
             stack.push_async_callback(self._forget_client)
             self._breaker.reset()
             await self._probe()
