@@ -15,9 +15,10 @@ rounds and, in each, one of every kind of divergence:
 - ``s3_removed_behind``: an object deleted in the bucket by something else (a lifecycle rule),
   then loaded by one node (a request touching it); ``s3_removed_unloaded``: the same, loaded
   by nobody (the S3 index's audit finds it, every ``--audit-every`` seconds, so it is waited
-  for up to that plus ``--bound``); ``fs_removed_by_hand``: a block file unlinked, then
-  loaded; ``fs_removed_unloaded``: the same, loaded by nobody (the owner's walk of its folder
-  finds it, every ``--walk-every`` seconds);
+  for up to that, twice the time the slowest node's last audit took, plus ``--bound``);
+  ``fs_removed_by_hand``: a block file unlinked, then loaded; ``fs_removed_unloaded``: the
+  same, loaded by nobody (the owner's walk of its folder finds it, every ``--walk-every``
+  seconds);
 - ``node_restart``: a node killed with SIGKILL and started again (it announces what it kept);
 - ``router_restart``: the router's view and sockets thrown away and made again (it asks each
   node for its full state);
@@ -203,15 +204,19 @@ class Node:
             raise RuntimeError(f"node {self.index} did not start")
 
     async def call(self, op: str, tier: str = "fs", keys: list[bytes] = ()) -> int:  # type: ignore[assignment]
+        answer = await self.ask({"op": op, "tier": tier, "keys": [k.hex() for k in keys]})
+        self.ops += len(keys)
+        return int(answer["ok"])
+
+    async def ask(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Send one command; its answer (waited for a minute)."""
         assert (
             self.proc is not None and self.proc.stdin is not None and self.proc.stdout is not None
         )
-        cmd = {"op": op, "tier": tier, "keys": [k.hex() for k in keys]}
         self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
         await self.proc.stdin.drain()
-        answer = json.loads(await asyncio.wait_for(self.proc.stdout.readline(), 60))
-        self.ops += len(keys)
-        return int(answer["ok"])
+        answer: dict[str, Any] = json.loads(await asyncio.wait_for(self.proc.stdout.readline(), 60))
+        return answer
 
     async def kill(self) -> None:
         assert self.proc is not None
@@ -329,6 +334,8 @@ class Run:
     carried: set[bytes] = field(default_factory=set)
     by_tier: dict[str, dict[str, list[float | None]]] = field(default_factory=dict)
     counter: int = 0
+    stated_bounds: list[float] = field(default_factory=list)  # s3_removed_unloaded's waits
+    s3_stored: dict[int, list[list[bytes]]] = field(default_factory=dict)  # by node, by round
     s3_credited_apart: int = 0  # the most seen at a sample (see Router.s3_credited_apart)
 
     def new_keys(self, n: int) -> list[bytes]:
@@ -414,12 +421,22 @@ class Run:
 
 
 async def background(run: Run, node: Node) -> None:
-    """A node's share of a round: FS stores past its capacity (evictions), S3 stores, loads;
-    stores sent ``_CALL_KEYS`` at a time (each command's answer is waited for a minute)."""
+    """A node's share of a round: FS stores past its capacity (evictions), S3 stores (and,
+    with ``--s3-keep-rounds``, deletes of its S3 stores of that many rounds before), loads;
+    sent ``_CALL_KEYS`` keys at a time (each command's answer is waited for a minute)."""
     a = run.args
+    stored = run.s3_stored.setdefault(node.index, [])
+    stored.append([])
     for tier, count in (("fs", a.fs_stores), ("s3", a.s3_stores)):
         for start in range(0, count, _CALL_KEYS):
-            await node.call("store", tier, run.new_keys(min(_CALL_KEYS, count - start)))
+            keys = run.new_keys(min(_CALL_KEYS, count - start))
+            await node.call("store", tier, keys)
+            if tier == "s3":
+                stored[-1].extend(keys)
+    if a.s3_keep_rounds and len(stored) > a.s3_keep_rounds:  # the shared prefix stays bounded
+        old = stored.pop(0)
+        for start in range(0, len(old), _CALL_KEYS):
+            await node.call("delete", "s3", old[start : start + _CALL_KEYS])
     held = sorted(await asyncio.to_thread(fs_truth, node.root))
     await node.call("load", "fs", run.rng.sample(held, min(len(held), a.loads)))
 
@@ -461,8 +478,13 @@ async def diverge(run: Run, kind: str) -> None:
             await run.bucket.remove(key)
             await other.call("load", "s3", [key])  # the next request touching it, on one node
         elif kind == "s3_removed_unloaded":
-            await run.bucket.remove(key)  # and nobody loads it: the next audit finds it
-            bound = run.args.audit_every + run.args.bound
+            await run.bucket.remove(key)  # and nobody loads it: an audit that lists it after
+            # the removal finds it: the one running may have passed it, and the next starts at
+            # the next interval, so the stated bound counts two audits' time (the longest a
+            # node last took) besides the interval
+            audit = max([(await n.ask({"op": "audit_seconds"}))["seconds"] for n in nodes])
+            bound = run.args.audit_every + 2 * audit + run.args.bound
+            run.stated_bounds.append(bound)
         else:
             await other.call("delete", "s3", [key])
         took = await run.until(lambda: not run.believed_s3(key), t0, bound)
@@ -563,6 +585,7 @@ def summary(run: Run, wall: float) -> dict[str, Any]:
         "precision": {tier: t.figures()["precision"] for tier, t in run.settled.items()},
         "recall": {tier: t.figures()["recall"] for tier, t in run.settled.items()},
         "convergence": {kind: times(v) for kind, v in run.converged.items()},
+        "s3_removed_unloaded_stated_bound_max_s": max(run.stated_bounds, default=None),
         "convergence_by_tier": {
             kind: {tier: times(v) for tier, v in tiers.items()}
             for kind, tiers in run.by_tier.items()
@@ -597,6 +620,8 @@ def report(out: dict[str, Any]) -> None:
             for tier, c in tiers.items()
         )
         print(f"{kind:>20}: by tier: {cells}", file=sys.stderr)
+    if (stated := out["s3_removed_unloaded_stated_bound_max_s"]) is not None:
+        print(f"s3_removed_unloaded waited up to {stated:.2f} s at most", file=sys.stderr)
     print(f"router: {out['router']}", file=sys.stderr)
     apart = out["s3_blocks_credited_to_one_node_or_nodes_not_credited"]
     print(
@@ -638,6 +663,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fs-stores", type=int, default=24, help="FS stores per node per round")
     p.add_argument("--s3-stores", type=int, default=8, help="S3 stores per node per round")
     p.add_argument("--loads", type=int, default=8, help="FS loads per node per round")
+    p.add_argument(
+        "--s3-keep-rounds",
+        type=int,
+        default=0,
+        help="each node deletes its S3 stores of this many rounds before (0: keeps them all, "
+        "and the shared prefix grows every round)",
+    )
     p.add_argument("--index-refresh", type=float, default=0.5, help="the S3 tiers' journal period")
     p.add_argument(
         "--audit-every",

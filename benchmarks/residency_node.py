@@ -2,8 +2,9 @@
 publishing their events; it does what the driver tells it on stdin, one JSON command a line,
 and answers each with one JSON line on stdout.
 
-Commands: ``store`` / ``delete`` / ``load`` (``tier``: ``fs`` or ``s3``, ``keys``: hex) and
-``refresh`` (publish and read the S3 journal now). A load is what a request touching the block
+Commands: ``store`` / ``delete`` / ``load`` (``tier``: ``fs`` or ``s3``, ``keys``: hex),
+``refresh`` (publish and read the S3 journal now) and ``audit_seconds`` (how long the node's
+last audit of the shared prefix took, in ``seconds``). A load is what a request touching the block
 does: it finds a block that was corrupted or removed behind kvtier's back, and the tier
 announces the removal. Answers: ``{"ok": n}`` with the blocks it did.
 """
@@ -78,6 +79,8 @@ async def command(tiers: dict[str, Any], cmd: dict[str, Any]) -> dict[str, Any]:
     if op == "refresh":
         await tiers["s3"].refresh_index()
         return {"ok": 0}
+    if op == "audit_seconds":  # how long this node's last audit took (0.0: none yet)
+        return {"ok": 0, "seconds": tiers["s3"].statistics().index_audit_seconds}
     tier = tiers[cmd["tier"]]
     done = 0
     for key in map(bytes.fromhex, cmd["keys"]):

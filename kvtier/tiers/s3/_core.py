@@ -100,6 +100,7 @@ class S3TierStatistics(TierStatistics):
     index_audit_failures: int = 0  # audits cut short: a request failed, or the listing's bound
     index_audit_removed: int = 0  # keys an audit's listing lacked, found gone: dropped, published
     index_audit_learnt: int = 0  # blocks an audit's listing had that the index lacked: indexed
+    index_audit_seconds: float = 0.0  # how long this node's last whole audit took (list, compare)
 
 
 class S3Core:

@@ -104,10 +104,12 @@ async def test_a_store_whose_segment_nobody_read_is_learnt_by_an_audit(
         assert all(a.lookup(k) is LookupResult.MISS for k in keys)
         a.events.drain()
 
+        assert a.statistics().index_audit_seconds == 0.0  # no audit yet
         await a.audit_index()
         assert all(a.lookup(k) is LookupResult.HIT for k in keys)
         assert keys_of(a.events.drain(), EventKind.STORED) == set(keys)
         assert a.statistics().index_audit_learnt == len(keys)
+        assert a.statistics().index_audit_seconds > 0.0  # how late its findings may be
         await a.refresh_index()  # published in a's journal
         await b.refresh_index()
         assert all(b.lookup(k) is LookupResult.HIT for k in keys)

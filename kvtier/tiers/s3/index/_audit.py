@@ -123,6 +123,7 @@ class BucketAudit:
         self.failures = 0  # audits cut short (a request failed, the listing's bound)
         self.doubted = 0  # indexed keys a listing lacked, doubted (then checked)
         self.learnt = 0  # blocks a listing had that the index lacked, indexed
+        self.last_seconds = 0.0  # the last whole audit's time: its findings are that late
         self._one_at_a_time = anyio.Lock()  # a turn and ``S3Tier.audit_index`` may meet
 
     async def run(self) -> None:
@@ -175,6 +176,7 @@ class BucketAudit:
 
     async def _audit(self) -> None:
         index, upkeep = self._index, self._upkeep
+        started = time.monotonic()
         before = index.entries_reader()  # the keys held now: a later store is not missing
         learn = not index.full
         hashes = array.array("Q")
@@ -216,6 +218,7 @@ class BucketAudit:
             self.doubted += index.audit_doubt(missing[start : start + _SLICE])
         self.learnt += len(learnt)
         self.audits += 1
+        self.last_seconds = time.monotonic() - started
         if learnt:
             self._notify(learnt)
         if missing or learnt:

@@ -208,6 +208,7 @@ class IndexSync:
             "index_audits": self.audit.audits,
             "index_audit_failures": self.audit.failures,
             "index_audit_learnt": self.audit.learnt,
+            "index_audit_seconds": self.audit.last_seconds,
         }
 
     # -- the listing at open -------------------------------------------------------------------
