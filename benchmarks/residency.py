@@ -8,7 +8,9 @@ event loop and sockets) builds its view only from those events, with one
 each node's FS tier per node, the shared S3 tier once. The driver runs a mixed workload in
 rounds and, in each, one of every kind of divergence:
 
-- ``evicted``: stores past the FS capacity (the tier evicts and announces);
+- ``evicted``: stores past the FS capacity, one at a time (the tier evicts and announces);
+  its convergence runs from the burst's first store to the last key leaving the view, and
+  ``eviction_latency`` has each evicted key's own, from the store that evicted it;
 - ``corrupt``: a block file damaged by hand, then loaded (found corrupt, deleted, announced);
 - ``fs_deleted`` / ``s3_deleted``: ``tier.delete`` on a node; ``s3_other_store``: a block one
   node stores in the shared prefix (every node can load it);
@@ -57,7 +59,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -334,6 +336,7 @@ class Run:
     carried: set[bytes] = field(default_factory=set)
     by_tier: dict[str, dict[str, list[float | None]]] = field(default_factory=dict)
     counter: int = 0
+    evictions: list[float] = field(default_factory=list)  # each evicted key's latency, at most
     stated_bounds: list[float] = field(default_factory=list)  # s3_removed_unloaded's waits
     s3_stored: dict[int, list[list[bytes]]] = field(default_factory=dict)  # by node, by round
     s3_credited_apart: int = 0  # the most seen at a sample (see Router.s3_credited_apart)
@@ -360,6 +363,32 @@ class Run:
                 return time.perf_counter() - started
             await asyncio.sleep(_POLL_S)
         return None
+
+    async def until_gone(
+        self, node: int, gone: set[bytes], started: list[float], t0: float
+    ) -> float | None:
+        """Seconds from ``t0`` until the view holds none of ``gone`` (None past ``--bound``),
+        noting each key's own latency in ``evictions``: the k-th key to leave the view was
+        the k-th evicted (events go out in order), by the k-th of the stores that evicted
+        (the last ``len(gone)``); so its latency is at most its arrival less that store's
+        start."""
+        arrived: dict[bytes, float] = {}
+        while time.perf_counter() - t0 < self.args.bound:
+            believed = self.router.snapshot(len(self.nodes))[0][node]
+            now = time.monotonic()
+            for key in gone - believed - arrived.keys():
+                arrived[key] = now
+            if len(arrived) == len(gone):
+                break
+            await asyncio.sleep(_POLL_S)
+        if len(arrived) == len(gone) <= len(started):  # blocks of one size: the stores
+            # filled the room left first, then each evicted one block
+            times = sorted(arrived.values())
+            evicting = sorted(started)[len(started) - len(gone) :]
+            self.evictions.extend(a - s for a, s in zip(times, evicting, strict=True))
+        else:  # each from the burst's start, an upper bound
+            self.evictions.extend(a - started[0] for a in arrived.values())
+        return time.perf_counter() - t0 if len(arrived) == len(gone) else None
 
     async def until_agree(self, started: float, kind: str) -> float | None:
         """Seconds until the whole view agrees (None past the bound); also when each tier
@@ -450,9 +479,12 @@ async def diverge(run: Run, kind: str) -> None:
     took: float | None
     if kind == "evicted":
         before = await asyncio.to_thread(fs_truth, node.root)
-        await node.call("store", "fs", run.new_keys(run.args.fs_blocks))  # pushes all out
+        keys = run.new_keys(run.args.fs_blocks)  # pushes all out, one store at a time
+        cmd = {"op": "store", "tier": "fs", "keys": [k.hex() for k in keys], "timed": True}
+        started: list[float] = (await node.ask(cmd))["started"]
+        node.ops += len(keys)
         gone = before - await asyncio.to_thread(fs_truth, node.root)
-        took = await run.until(lambda: not any(run.believed_fs(node.index, k) for k in gone), t0)
+        took = await run.until_gone(node.index, gone, started, t0)
     elif kind in ("corrupt", "fs_removed_by_hand", "fs_removed_unloaded", "fs_deleted"):
         key = rng.choice(sorted(await asyncio.to_thread(fs_truth, node.root)))
         run.touched[key] = kind
@@ -564,7 +596,7 @@ async def run_all(args: argparse.Namespace, endpoint: str, bucket: str) -> dict[
 
 
 def summary(run: Run, wall: float) -> dict[str, Any]:
-    def times(values: list[float | None]) -> dict[str, Any]:
+    def times(values: Sequence[float | None]) -> dict[str, Any]:
         done = sorted(v for v in values if v is not None)
         return {
             "count": len(values),
@@ -585,6 +617,7 @@ def summary(run: Run, wall: float) -> dict[str, Any]:
         "precision": {tier: t.figures()["precision"] for tier, t in run.settled.items()},
         "recall": {tier: t.figures()["recall"] for tier, t in run.settled.items()},
         "convergence": {kind: times(v) for kind, v in run.converged.items()},
+        "eviction_latency": times(run.evictions),
         "s3_removed_unloaded_stated_bound_max_s": max(run.stated_bounds, default=None),
         "convergence_by_tier": {
             kind: {tier: times(v) for tier, v in tiers.items()}
@@ -622,6 +655,12 @@ def report(out: dict[str, Any]) -> None:
         print(f"{kind:>20}: by tier: {cells}", file=sys.stderr)
     if (stated := out["s3_removed_unloaded_stated_bound_max_s"]) is not None:
         print(f"s3_removed_unloaded waited up to {stated:.2f} s at most", file=sys.stderr)
+    if (each := out["eviction_latency"])["count"]:
+        print(
+            f"each eviction to the view: p50 {each['p50_s'] * 1000:.0f} ms, "
+            f"max {each['max_s'] * 1000:.0f} ms ({each['count']} keys)",
+            file=sys.stderr,
+        )
     print(f"router: {out['router']}", file=sys.stderr)
     apart = out["s3_blocks_credited_to_one_node_or_nodes_not_credited"]
     print(

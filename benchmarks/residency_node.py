@@ -6,7 +6,8 @@ Commands: ``store`` / ``delete`` / ``load`` (``tier``: ``fs`` or ``s3``, ``keys`
 ``refresh`` (publish and read the S3 journal now) and ``audit_seconds`` (how long the node's
 last audit of the shared prefix took, in ``seconds``). A load is what a request touching the block
 does: it finds a block that was corrupted or removed behind kvtier's back, and the tier
-announces the removal. Answers: ``{"ok": n}`` with the blocks it did.
+announces the removal. Answers: ``{"ok": n}`` with the blocks it did (and, for a command with
+``"timed": true``, ``started``: when each key's operation began, on the monotonic clock).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import argparse
 import asyncio
 import json
 import sys
+import time
 from typing import Any
 
 import anyio
@@ -83,7 +85,9 @@ async def command(tiers: dict[str, Any], cmd: dict[str, Any]) -> dict[str, Any]:
         return {"ok": 0, "seconds": tiers["s3"].statistics().index_audit_seconds}
     tier = tiers[cmd["tier"]]
     done = 0
-    for key in map(bytes.fromhex, cmd["keys"]):
+    started: list[float] = []  # when each key's command began (``timed``), this machine's
+    for key in map(bytes.fromhex, cmd["keys"]):  # monotonic clock, which every process shares
+        started.append(time.monotonic())
         try:
             if op == "store":
                 await tier.store(key, memoryview(key * (BLOCK // len(key))))
@@ -94,7 +98,7 @@ async def command(tiers: dict[str, Any], cmd: dict[str, Any]) -> dict[str, Any]:
             done += 1
         except kvtier.KVTierError:
             pass  # gone, corrupt: the tier announced it if it held the block
-    return {"ok": done}
+    return {"ok": done, "started": started} if cmd.get("timed") else {"ok": done}
 
 
 def main() -> None:

@@ -40,5 +40,9 @@ def test_residency_quick_reports_every_divergence_and_kvtiers_own_changes_conver
     assert fs["samples"] >= 1 and fs["precision"] == fs["recall"] == 1.0
     assert out["block_operations"] > 0 and out["router"]["bad_messages"] == 0
     assert out["s3_blocks_credited_to_one_node_or_nodes_not_credited"] == 0
+    # Each evicted key's own latency, from the store that evicted it: within the burst's.
+    each = out["eviction_latency"]
+    assert 1 <= each["count"] <= out["settings"]["fs_blocks"]
+    assert 0 < each["max_s"] <= out["convergence"]["evicted"]["max_s"]
     # The wait for the audit counts the audits' own time, as docs/events.md states the bound.
     assert out["s3_removed_unloaded_stated_bound_max_s"] > out["settings"]["audit_every"]
