@@ -68,6 +68,18 @@ def _port_free(port: int) -> bool:
     return True
 
 
+def _bound(port: int) -> socket.socket:
+    """A socket bound to ``port`` on 127.0.0.1 and not listening: the port is taken, and a
+    connection to it is refused."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((HOST, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def free_port_pair(taken: set[int] | None = None) -> int:
     """A port below 45000 that is free on 127.0.0.1, with its +10000 (gRPC) free too."""
     taken = taken if taken is not None else set()
@@ -100,17 +112,34 @@ class WeedServer(ServerProcess):
     stop_grace = 3.0  # weed may take 10 s to drain; the data is on disk
     reap_timeout = 10.0
 
-    def __init__(self, data_dir: str | None = None, *, ready_timeout: float = 60.0) -> None:
+    def __init__(
+        self, data_dir: str | None = None, *, ready_timeout: float = 60.0, hold_ports: bool = False
+    ) -> None:
+        """``hold_ports``: keep the chosen ports bound (not listening: a connection is
+        refused) until the first start, so that a test whose endpoint must refuse for a while
+        does not lend its ports to a server another process picks meanwhile."""
         super().__init__(ready_timeout=ready_timeout)
         self._own_dir = data_dir is None
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="kvtier-weed-")
         taken: set[int] = set()
         ports = []
+        self._held: list[socket.socket] = []
         for _ in range(4):
             port = free_port_pair(taken)
             taken.update({port, port + _GRPC_OFFSET})
             ports.append(port)
+            if hold_ports:
+                self._held.extend((_bound(port), _bound(port + _GRPC_OFFSET)))
         self.master_port, self.volume_port, self.filer_port, self.s3_port = ports
+
+    def _release_ports(self) -> None:
+        held, self._held = self._held, []
+        for sock in held:
+            sock.close()
+
+    def start(self) -> None:
+        self._release_ports()
+        super().start()
 
     @property
     def endpoint_url(self) -> str:
@@ -165,6 +194,7 @@ class WeedServer(ServerProcess):
 
     def close(self) -> None:
         """Stop and remove the data folder if this object created it."""
+        self._release_ports()
         self.stop()
         if self._own_dir:
             shutil.rmtree(self.data_dir, ignore_errors=True)

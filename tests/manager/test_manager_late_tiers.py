@@ -132,7 +132,7 @@ async def test_s3_refusing_then_started_joins_without_a_restart(tmp_path: Path) 
     """FS + S3 with S3's endpoint refusing connections: the manager opens at once and serves
     from FS, S3 is ``unavailable``; a real SeaweedFS then starts on that endpoint and the
     same S3 tier joins: stores reach it and a block another node stored there is a HIT."""
-    server = WeedServer()  # its ports are chosen and free: nothing listens there yet
+    server = WeedServer(hold_ports=True)  # its ports are chosen and held: connections refused
     prefix = f"t/{uuid.uuid4().hex}"
     keys = fresh_keys(4)
     on_disk, only_in_s3, stored_down, stored_up = keys
@@ -390,7 +390,7 @@ def _s3_settings(endpoint_url: str) -> dict[str, Any]:
 async def test_require_all_tiers_fails_the_open_and_leaves_nothing_open(tmp_path: Path) -> None:
     """``require_all_tiers``: a refused endpoint fails the open as before, naming the tier,
     and the FS tier opened meanwhile is closed again (its folder is free for another)."""
-    server = WeedServer()  # nothing listens on its ports: refused
+    server = WeedServer(hold_ports=True)  # its ports are held, not listening: refused
     s3 = s3_tier(server, f"t/{uuid.uuid4().hex}", name="s3", **FAILS_FAST)
     fs = FSTier(tmp_path / "fs", fsync="never", name="fs")
     manager = TieringManager(HostPool(8, BLOCK), [fs, s3], require_all_tiers=True)
