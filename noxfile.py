@@ -144,6 +144,7 @@ QUICK_BENCHMARKS = (
     ("bench_fs_walk", "--quick"),
     ("bench_s3", "--quick"),
     ("bench_s3_packs", "--quick"),
+    ("bench_s3_listing", "--quick"),
     ("bench_load", "--quick"),
     ("bench_demo_tiers", "--quick", "--rounds", "1"),
     ("replay_trace", "--quick"),
@@ -151,7 +152,10 @@ QUICK_BENCHMARKS = (
     ("open_unreachable", "--opens", "1"),
     ("residency", "--quick"),  # starts its own SeaweedFS
 )
-S3_BENCHMARKS = ("bench_s3", "bench_s3_cpu", "bench_s3_packs", "bench_demo_tiers", "cluster_replay")
+S3_BENCHMARKS = (
+    *("bench_s3", "bench_s3_cpu", "bench_s3_packs", "bench_s3_listing"),
+    *("bench_demo_tiers", "cluster_replay"),
+)
 
 
 @nox.session

@@ -84,7 +84,7 @@ async def _measure(
 
 
 @contextlib.asynccontextmanager
-async def _tuned_client(args: argparse.Namespace) -> AsyncIterator[Any]:
+async def tuned_client(args: argparse.Namespace) -> AsyncIterator[Any]:
     """A client built as ``S3Tier.open`` builds its own: same session, same ``AioConfig``."""
     config = S3Config(
         bucket=args.s3_bucket,
@@ -149,7 +149,7 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     async with (
         raw_client(args, max_pool_connections=32, read_timeout=30.0) as raw,
-        _tuned_client(args) as tuned,
+        tuned_client(args) as tuned,
     ):
         with contextlib.suppress(Exception):  # it may exist already
             await raw.create_bucket(Bucket=args.s3_bucket)
