@@ -41,14 +41,21 @@ async def test_a_quiet_loop_has_no_stalls() -> None:
 
 
 async def test_a_collection_that_fills_the_stall_is_named() -> None:
-    garbage: list[list[object]] = [[i] for i in range(300_000)]
-    for item in garbage:
-        item.append(item)  # cycles: only the collector frees them
-    del garbage
-    async with StallProbe(threshold=0.005) as probe:
-        await asyncio.sleep(0.01)
-        gc.collect()
-        await asyncio.sleep(0.01)
+    # No automatic collection until the one asked for: otherwise one the allocations below
+    # set off (when depends on what earlier tests left on the heap) may free the cycles
+    # before the probe watches, and the collection it sees finds nothing to do.
+    gc.disable()
+    try:
+        garbage: list[list[object]] = [[i] for i in range(300_000)]
+        for item in garbage:
+            item.append(item)  # cycles: only the collector frees them
+        del garbage
+        async with StallProbe(threshold=0.005) as probe:
+            await asyncio.sleep(0.01)
+            gc.collect()
+            await asyncio.sleep(0.01)
+    finally:
+        gc.enable()
     collections = [s for s in probe.stalls if s.gc_seconds > 0]
     assert collections, "the full collection of 300,000 cycles made no stall"
     assert max(collections, key=lambda s: s.gc_seconds).culprit() == "gc collection"
