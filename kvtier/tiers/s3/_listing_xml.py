@@ -86,9 +86,9 @@ def parse_page(body: bytes) -> dict[str, Any] | None:
             if name == "Contents":
                 item: dict[str, object] = {}
                 for field in child:
-                    convert = _OBJECT_FIELDS.get(_local(field.tag))
-                    if convert is not None:
-                        item[_local(field.tag)] = convert(field.text or "")
+                    tag = _local(field.tag)
+                    if (convert := _OBJECT_FIELDS.get(tag)) is not None:
+                        item[tag] = convert(field.text or "")
                 contents.append(item)
             elif name == "CommonPrefixes":
                 prefixes.extend(
