@@ -207,10 +207,11 @@ class BringBacks:
     def lead(self, blocks: int) -> float:
         """Seconds before the expected return a bring-back of ``blocks`` blocks should start:
         from the slowest tier the cost model has measured, or ``default_lead``; at least
-        what bring-backs have taken per block (``seconds_per_block``). The cost model's
-        per-block estimate comes from promotions that overlap, so it can say a block adds
-        next to nothing, while a bring-back of tens of blocks behind the engine's own work
-        takes tens of milliseconds: only what bring-backs took says how early to start."""
+        what bring-backs have taken per block (``seconds_per_block``); plus ``lead_slack``
+        for the loop's own lateness. The cost model's per-block estimate comes from
+        promotions that overlap, so it can say a block adds next to nothing, while a
+        bring-back of tens of blocks behind the engine's own work takes tens of
+        milliseconds: only what bring-backs took says how early to start."""
         margin = self.settings.lead_margin
         taken = self.seconds_per_block
         learnt = 0.0 if taken is None else margin * taken * blocks
@@ -226,7 +227,7 @@ class BringBacks:
             for tier in self.manager.cost.statistics().tiers
         ]
         model = max((lead for lead in leads if lead is not None), default=None)
-        return max(model or self.settings.default_lead, learnt)
+        return max(model or self.settings.default_lead, learnt) + self.settings.lead_slack
 
     def _measure(self, now: float) -> None:
         """Learn from the bring-backs that have their answer now."""

@@ -132,7 +132,9 @@ class PrefetchHandle:
         self._started: set[bytes] = set()  # the keys whose promotions it started
         self._reasons: dict[bytes, str] = {}  # why a key was a miss for this prefetch
         self._claiming = False  # a lookup claimed it: its pins go back with that answer
-        self._capped = False  # its latest scan stopped at the share (or, a guess, the spare)
+        # its latest scan stopped at the share (or, a guess, the spare), or counted hits
+        # past the share that it could not pin
+        self._capped = False
         self._spare = 0  # a guess: spare slots it may still fill in this scan
         self._pinned: set[bytes] = set()  # a guess: its promoted blocks it pins, kept across scans
         self._held_now: int | None = None  # the share's use in this scan step (None: not taken)
@@ -143,9 +145,14 @@ class PrefetchHandle:
     @property
     def held(self) -> int:
         """Slots this prefetch holds: its pins and its promotions in flight."""
+        return len(self._lease) + self.in_flight()
+
+    def in_flight(self) -> int:
+        """Its promotions still in flight (each started by this prefetch alone: a key
+        another prefetch is promoting is not fresh to it)."""
         state_of = self._owner.manager.pool.state_of
         writing = SlotState.WRITING
-        return len(self._lease) + sum(1 for k in self._started if state_of(k) is writing)
+        return sum(1 for k in self._started if state_of(k) is writing)
 
     def fetched(self) -> int:
         """Blocks it promoted that are in the pool now."""
@@ -198,18 +205,36 @@ class PrefetchHandle:
 
     def _pin(self, keys: Sequence[bytes]) -> list[int]:
         """Pin the hits the scan counts, head first, as far as the share has room: past it
-        they are only touched (the fast prefix made them the youngest), not held."""
+        they are only touched (the fast prefix made them the youngest), not held, and the
+        prefetch scans again once the share has room (they may have left the pool by then,
+        and its turn would wait for them on its request path)."""
         owner = self._owner
         self._held_now = None  # pins change it: taken afresh at the next ask
-        room = owner.limit - owner.held()
-        if room <= 0 or self._ended.is_set():  # ended as its scan woke: nothing to hold for
+        if self._ended.is_set():  # ended as its scan woke: nothing to hold for
             return []
+        held, in_flight = owner.holding()
+        room = owner.limit - len(held) - in_flight
+        ready = owner.manager.pool.table.ready
         if self.guess:
+            if room <= 0:
+                return []
             started, pinned = self._started, self._pinned
-            ready = owner.manager.pool.table.ready
             keys = [k for k in keys if k in started and k not in pinned and k in ready][:room]
             pinned.update(keys)
-        return owner.manager.pin_ready(keys[:room])
+            return owner.manager.pin_ready(keys)
+        # A block another prefetch holds already (a system prompt several sessions start
+        # with) takes no more of the share.
+        taken = 0
+        for key in keys:
+            slot = ready.get(key)
+            if slot is not None and slot not in held:
+                if room <= 0:
+                    break
+                room -= 1
+            taken += 1
+        if taken < len(keys):
+            self._capped = True
+        return owner.manager.pin_ready(keys[:taken])
 
     def _unpin(self) -> None:
         self._pinned.clear()
@@ -306,7 +331,7 @@ class PrefetchHandle:
         if self.guess:  # a guess neither counts nor touches the blocks it finds as a use
             self._spare = manager.pool.table.spare()
             hit_prefix = _resident_prefix(manager.pool.table.ready)
-        scan = PrefixProgress(self.keys, ask, self._pin, hit_prefix)
+        scan = PrefixProgress(self.keys, ask, self._pin, hit_prefix, holds=True)
         scan.lease = self._lease  # pins go straight to the handle: released by _end
         changes = KeyWatch()
         try:
@@ -379,7 +404,19 @@ class Prefetches:
         return handle
 
     def held(self) -> int:
-        return sum(h.held for h in self._active)
+        """Slots all prefetches hold: see ``holding``."""
+        pinned, in_flight = self.holding()
+        return len(pinned) + in_flight
+
+    def holding(self) -> tuple[set[int], int]:
+        """The slots prefetches have pinned, each once however many of them pinned it, and
+        their promotions in flight: what counts against the share."""
+        pinned: set[int] = set()
+        in_flight = 0
+        for handle in self._active:
+            pinned.update(handle._lease)
+            in_flight += handle.in_flight()
+        return pinned, in_flight
 
     def freed(self) -> None:
         """A prefetch gave back what it held: wake the ones waiting for the share."""

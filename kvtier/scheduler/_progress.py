@@ -118,6 +118,10 @@ class PrefixProgress(_Progress):
 
     ``stop`` is the first MISS (or the end) and ``_deferring`` counts the keys before it that
     defer; the answer is ``stop`` once that count is zero.
+
+    ``holds``: the caller keeps the answer's pins after the scan (a prefetch holds what it
+    found until its request comes), so a prefix found whole in the pool is pinned too; a
+    lookup pins its answer itself once it returns.
     """
 
     def __init__(
@@ -126,9 +130,12 @@ class PrefixProgress(_Progress):
         lookup: Lookup,
         pin: Pin | None,
         fast_prefix: Callable[[Sequence[bytes]], int] | None,
+        *,
+        holds: bool = False,
     ) -> None:
         super().__init__(keys, lookup, pin)
         self._fast_prefix = fast_prefix
+        self._holds = holds
         self._stop = 0
         self._deferring = 0
 
@@ -136,7 +143,7 @@ class PrefixProgress(_Progress):
         n = len(self.keys)
         if self._fast_prefix is not None:
             start = self._fast_prefix(self.keys)
-            if start == n:
+            if start == n and not self._holds:
                 return n  # nothing runs before the caller returns: no pins needed
             if start and self._pin is not None:
                 self.lease += self._pin(self.keys[:start])

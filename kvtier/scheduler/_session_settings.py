@@ -75,6 +75,11 @@ class SessionSettings:
     """The promotion's expected duration is multiplied by this to set its lead."""
     default_lead: float = 1.0
     """Seconds of lead before the cost model has measured a tier."""
+    lead_slack: float = 0.05
+    """Seconds added to every lead: what no per-block estimate covers, such as the start
+    timer firing late on a busy loop and the scan's own steps behind the engine's work. A
+    bring-back that has not finished when its turn arrives makes the turn wait for the rest
+    on its request path; one that finished this much early only holds its pins longer."""
     max_sessions: int = 10_000
     """Sessions tracked at once; past it the least recently active one is forgotten."""
     forget_after: float = 3_600.0
@@ -103,5 +108,13 @@ class SessionSettings:
         if isinstance(self.lead_margin, bool) or not self.lead_margin >= 1:
             raise InvalidArgumentError(f"lead_margin must be at least 1, got {self.lead_margin!r}")
         _positive(self.default_lead, "default_lead")
+        if (
+            isinstance(self.lead_slack, bool)
+            or not isinstance(self.lead_slack, int | float)
+            or not 0 <= self.lead_slack < math.inf
+        ):
+            raise InvalidArgumentError(
+                f"lead_slack must be a non-negative number of seconds, got {self.lead_slack!r}"
+            )
         _positive(self.max_sessions, "max_sessions", integer=True)
         _positive(self.forget_after, "forget_after")

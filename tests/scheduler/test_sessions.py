@@ -156,6 +156,8 @@ def test_the_lead_follows_the_cost_model() -> None:
         ("prior_gap", -1.0),
         ("alpha", 0.0),
         ("lead_margin", 0.5),
+        ("lead_slack", -0.01),
+        ("lead_slack", math.inf),
         ("max_sessions", 0),
         ("forget_after", math.inf),
         ("quiet_quantile", 1.0),
