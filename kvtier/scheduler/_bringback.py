@@ -151,6 +151,7 @@ class BringBacks:
             share=settings.share,
             ttl=settings.forget_after,
             demote_unused=True,
+            hold_found=True,
             on_freed=self._kick,
         )
         self._handles: dict[Plan, PrefetchHandle] = {}

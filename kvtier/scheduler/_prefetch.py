@@ -205,15 +205,15 @@ class PrefetchHandle:
 
     def _pin(self, keys: Sequence[bytes]) -> list[int]:
         """Pin the hits the scan counts, head first, as far as the share has room: past it
-        they are only touched (the fast prefix made them the youngest), not held, and the
-        prefetch scans again once the share has room (they may have left the pool by then,
-        and its turn would wait for them on its request path)."""
+        they are only touched (the fast prefix made them the youngest), not held. A
+        bring-back (``hold_found``) then scans again once the share has room: by its turn
+        they may have left the pool, and the turn would wait for them on its request path."""
         owner = self._owner
         self._held_now = None  # pins change it: taken afresh at the next ask
         if self._ended.is_set():  # ended as its scan woke: nothing to hold for
             return []
         held, in_flight = owner.holding()
-        room = owner.limit - len(held) - in_flight
+        room = owner.limit - owner.counted(held) - in_flight
         ready = owner.manager.pool.table.ready
         if self.guess:
             if room <= 0:
@@ -222,7 +222,9 @@ class PrefetchHandle:
             keys = [k for k in keys if k in started and k not in pinned and k in ready][:room]
             pinned.update(keys)
             return owner.manager.pin_ready(keys)
-        # A block another prefetch holds already (a system prompt several sessions start
+        if not owner.hold_found:
+            return owner.manager.pin_ready(keys[:room]) if room > 0 else []
+        # A block another bring-back holds already (a system prompt several sessions start
         # with) takes no more of the share.
         taken = 0
         for key in keys:
@@ -317,7 +319,8 @@ class PrefetchHandle:
         self._scanned.set()
 
     async def _scan(self) -> int:
-        manager = self._owner.manager
+        owner = self._owner
+        manager = owner.manager
         cost = manager.cost
         budget = ScanBudget(
             manager.lookup, self.keys, cost.clock(), cost.recompute_seconds_per_block
@@ -331,7 +334,7 @@ class PrefetchHandle:
         if self.guess:  # a guess neither counts nor touches the blocks it finds as a use
             self._spare = manager.pool.table.spare()
             hit_prefix = _resident_prefix(manager.pool.table.ready)
-        scan = PrefixProgress(self.keys, ask, self._pin, hit_prefix, holds=True)
+        scan = PrefixProgress(self.keys, ask, self._pin, hit_prefix, holds=owner.hold_found)
         scan.lease = self._lease  # pins go straight to the handle: released by _end
         changes = KeyWatch()
         try:
@@ -366,6 +369,7 @@ class Prefetches:
         share: float,
         ttl: float,
         demote_unused: bool = False,
+        hold_found: bool = False,
         on_freed: Callable[[], None] | None = None,
     ) -> None:
         self.manager = manager
@@ -374,6 +378,11 @@ class Prefetches:
         # Guesses (session bring-backs) demote what nobody claimed; queued requests' blocks
         # stay as ordinary cache entries.
         self.demote_unused = demote_unused
+        # Bring-backs hold what they find across a lead while other sessions' turns run:
+        # a prefix found whole in the pool, and hits past the share once it has room (each
+        # slot counted once). A queued request's prefetch holds the head it found before
+        # what it waits for; one found whole is only touched (its request is next in line).
+        self.hold_found = hold_found
         self._on_freed = on_freed
         self.blocks_demoted = 0
         self.limit = max(int(manager.pool.num_blocks * share), 0)
@@ -404,19 +413,26 @@ class Prefetches:
         return handle
 
     def held(self) -> int:
-        """Slots all prefetches hold: see ``holding``."""
+        """Slots all prefetches hold against the share: their pins (see ``counted``) and
+        their promotions in flight."""
         pinned, in_flight = self.holding()
-        return len(pinned) + in_flight
+        return self.counted(pinned) + in_flight
 
     def holding(self) -> tuple[set[int], int]:
-        """The slots prefetches have pinned, each once however many of them pinned it, and
-        their promotions in flight: what counts against the share."""
+        """The slots prefetches have pinned, each once, and their promotions in flight."""
         pinned: set[int] = set()
         in_flight = 0
         for handle in self._active:
             pinned.update(handle._lease)
             in_flight += handle.in_flight()
         return pinned, in_flight
+
+    def counted(self, pinned: set[int]) -> int:
+        """The pins that count against the share: with ``hold_found`` each slot once (sub-
+        agents' bring-backs all hold their system prompt), otherwise each prefetch's own."""
+        if self.hold_found:
+            return len(pinned)
+        return sum(len(handle._lease) for handle in self._active)
 
     def freed(self) -> None:
         """A prefetch gave back what it held: wake the ones waiting for the share."""

@@ -70,6 +70,25 @@ async def test_a_prefetched_prefix_is_a_hit_for_its_lookup(keys: list[bytes]) ->
         assert_idle(manager)
 
 
+async def test_a_queued_prefix_found_whole_in_the_pool_is_only_touched(
+    keys: list[bytes],
+) -> None:
+    """A queued request's prefix all in the pool is not held (its request is next in
+    line); a session's bring-back, which holds across a lead, pins it (test_bring_back)."""
+    async with prefetching(MemoryTier("mem"), 16) as (manager, scheduler):
+        await manager.store(keys[:6], random_blocks(6))
+        await manager.wait_idle()
+        handle = scheduler.prefetch(keys[:6])
+        with anyio.fail_after(10):
+            assert await handle.wait() == 6
+        assert handle.held == 0 and manager.statistics().pool.pinned == 0
+        with anyio.fail_after(10):
+            assert await scheduler.lookup(keys[:6]) == 6
+        assert handle.state is PrefetchState.CLAIMED
+        await manager.wait_idle()
+        assert_idle(manager)
+
+
 async def test_prefetch_holds_at_most_its_share_and_never_evicts_a_pinned_block(
     keys: list[bytes],
 ) -> None:
