@@ -133,7 +133,7 @@ class PrefetchHandle:
         self._reasons: dict[bytes, str] = {}  # why a key was a miss for this prefetch
         self._claiming = False  # a lookup claimed it: its pins go back with that answer
         # its latest scan stopped at the share (or, a guess, the spare), or counted hits
-        # past the share that it could not pin
+        # past the share that it could not pin (a bring-back)
         self._capped = False
         self._spare = 0  # a guess: spare slots it may still fill in this scan
         self._pinned: set[bytes] = set()  # a guess: its promoted blocks it pins, kept across scans
@@ -212,20 +212,26 @@ class PrefetchHandle:
         self._held_now = None  # pins change it: taken afresh at the next ask
         if self._ended.is_set():  # ended as its scan woke: nothing to hold for
             return []
-        held, in_flight = owner.holding()
-        room = owner.limit - owner.counted(held) - in_flight
-        ready = owner.manager.pool.table.ready
+        if owner.hold_found and not self.guess:
+            return self._pin_found(keys)
+        room = owner.limit - owner.held()
+        if room <= 0:
+            return []
         if self.guess:
-            if room <= 0:
-                return []
             started, pinned = self._started, self._pinned
+            ready = owner.manager.pool.table.ready
             keys = [k for k in keys if k in started and k not in pinned and k in ready][:room]
             pinned.update(keys)
-            return owner.manager.pin_ready(keys)
-        if not owner.hold_found:
-            return owner.manager.pin_ready(keys[:room]) if room > 0 else []
-        # A block another bring-back holds already (a system prompt several sessions start
-        # with) takes no more of the share.
+        return owner.manager.pin_ready(keys[:room])
+
+    def _pin_found(self, keys: Sequence[bytes]) -> list[int]:
+        """A bring-back's pins: as far as the share has room, a block another bring-back
+        holds already (a system prompt several sessions start with) taking none of it;
+        capped (to scan again) when some are left unpinned."""
+        owner = self._owner
+        held, in_flight = owner.holding()
+        room = owner.limit - len(held) - in_flight
+        ready = owner.manager.pool.table.ready
         taken = 0
         for key in keys:
             slot = ready.get(key)
@@ -413,10 +419,12 @@ class Prefetches:
         return handle
 
     def held(self) -> int:
-        """Slots all prefetches hold against the share: their pins (see ``counted``) and
-        their promotions in flight."""
+        """Slots all prefetches hold against the share: their pins and their promotions in
+        flight; with ``hold_found``, a slot several of them pinned counts once."""
+        if not self.hold_found:
+            return sum(h.held for h in self._active)
         pinned, in_flight = self.holding()
-        return self.counted(pinned) + in_flight
+        return len(pinned) + in_flight
 
     def holding(self) -> tuple[set[int], int]:
         """The slots prefetches have pinned, each once, and their promotions in flight."""
@@ -426,13 +434,6 @@ class Prefetches:
             pinned.update(handle._lease)
             in_flight += handle.in_flight()
         return pinned, in_flight
-
-    def counted(self, pinned: set[int]) -> int:
-        """The pins that count against the share: with ``hold_found`` each slot once (sub-
-        agents' bring-backs all hold their system prompt), otherwise each prefetch's own."""
-        if self.hold_found:
-            return len(pinned)
-        return sum(len(handle._lease) for handle in self._active)
 
     def freed(self) -> None:
         """A prefetch gave back what it held: wake the ones waiting for the share."""
