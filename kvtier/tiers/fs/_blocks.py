@@ -78,9 +78,11 @@ class BlockFiles:
     def close(self) -> None:
         """Let go of the root's descriptors: closed now, or by the last abandoned thread
         still running when it returns (until then it may use one, and a closed number may be
-        reused for another file); the next operation opens the root again."""
-        fds = self.held.detach()
-        self.calls.when_unstuck(lambda: close_all(fds))
+        reused for another file), with any such a thread opened again meanwhile; the next
+        open's operations open the root again."""
+        fds = self.held.shut()
+        held = self.held
+        self.calls.when_unstuck(lambda: close_all([*fds, *held.detach_if_shut()]))
 
     def shard_made(self) -> None:
         """A store made a first-level shard folder (in its worker thread): the folder may

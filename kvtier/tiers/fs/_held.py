@@ -17,8 +17,9 @@ the path names another folder than the one held (another device or inode):
 A replaced descriptor is never closed while the tier runs: a worker thread may be using it
 (reads of the attribute take no lock), and a closed number may be reused for another file.
 The replaced ones (one per swap) are let go with the held one at the tier's close
-(``detach``): the tier closes them once no thread abandoned at its deadline may still use
-them. Thread-safe.
+(``shut``): the tier closes them once no thread abandoned at its deadline may still use
+them, with any descriptor such a thread opened again after the close (``detach_if_shut``;
+nothing else can: the tier is closed until ``reopened``). Thread-safe.
 """
 
 from __future__ import annotations
@@ -50,7 +51,17 @@ def close_all(fds: list[int]) -> None:
 class HeldRoot:
     """The descriptor of ``path`` that the tier's operations start from (see the module)."""
 
-    __slots__ = ("_checked", "_clock", "_fd", "_id", "_lock", "_recheck", "_retired", "path")
+    __slots__ = (
+        "_checked",
+        "_clock",
+        "_fd",
+        "_id",
+        "_lock",
+        "_recheck",
+        "_retired",
+        "_shut",
+        "path",
+    )
 
     def __init__(
         self,
@@ -67,6 +78,7 @@ class HeldRoot:
         self._id: tuple[int, int] = (0, 0)  # device and inode of the folder held
         self._checked = -math.inf
         self._retired: list[int] = []
+        self._shut = False  # the tier closed: what opens now is for its closer to close
 
     def fd(self) -> int:
         """The descriptor (opened on first use), checked against the path when the last
@@ -103,13 +115,35 @@ class HeldRoot:
         for the caller to close once no thread can use them; the next ``fd`` opens the root
         again."""
         with self._lock:
-            fds = [*self._retired, self._fd] if self._fd >= 0 else self._retired
-            self._fd, self._retired, self._checked = -1, [], -math.inf
-        return fds
+            return self._let_go()
+
+    def shut(self) -> list[int]:
+        """``detach`` at the tier's close: a descriptor a thread still running opens after
+        this is left for ``detach_if_shut``."""
+        with self._lock:
+            self._shut = True
+            return self._let_go()
+
+    def detach_if_shut(self) -> list[int]:
+        """Once no thread can use one: the descriptors opened since ``shut``, if the tier
+        was not ``reopened`` meanwhile (then they are its own)."""
+        with self._lock:
+            return self._let_go() if self._shut else []
+
+    def reopened(self) -> None:
+        """The tier opens again: the descriptors held from now on are its own."""
+        with self._lock:
+            self._shut = False
 
     def close(self) -> None:
         """Close every descriptor now (no thread may be using one)."""
         close_all(self.detach())
+
+    def _let_go(self) -> list[int]:
+        """Under the lock: every descriptor, held and replaced, taken out."""
+        fds = [*self._retired, self._fd] if self._fd >= 0 else self._retired
+        self._fd, self._retired, self._checked = -1, [], -math.inf
+        return fds
 
     def _refresh(self) -> None:
         """Under the lock: stat the path; open it again when it names another folder."""

@@ -153,6 +153,7 @@ class FSTier(SecondaryTier):
         if self._task_group is not None:
             return
         self._keeping = False
+        self._files.held.reopened()
         await self._prepare(raise_unavailable=False)
         await self._index.__aenter__()
         await self._checks.__aenter__()

@@ -166,3 +166,26 @@ async def test_the_tier_writes_again_into_a_root_made_again(tmp_path: Path) -> N
         await tier.load(key(2), dst)
         assert dst == data(2)
     assert any(p.name == key(2).hex() for p in root.rglob("*"))
+
+
+def test_a_descriptor_opened_after_the_close_goes_to_its_closer(
+    folders: tuple[Path, Path], clock: Clock
+) -> None:
+    """A thread abandoned at its deadline and still running at the tier's close may open the
+    root again: that descriptor is closed with the rest once the thread is out, unless the
+    tier opened again meanwhile (then it is the tier's)."""
+    root, _ = folders
+    held = HeldRoot(root, clock=clock)
+    first = held.fd()
+    assert held.shut() == [first]
+    os.close(first)
+    late = held.fd()  # the abandoned thread, after the close
+    assert held.detach_if_shut() == [late]
+    os.close(late)
+    assert held.detach_if_shut() == []
+    held.reopened()
+    own = held.fd()
+    assert held.detach_if_shut() == []  # the reopened tier's: left open
+    assert not closed(own)
+    held.close()
+    assert closed(own)
